@@ -1,0 +1,42 @@
+"""Repacked planes hold exactly the original blocks, aligned for 16-byte loads."""
+
+import numpy as np
+import pytest
+
+from gguf_runtime.quant_kernels.formats import BY_NAME, FORMATS
+from gguf_runtime.quant_kernels.repack import ALIGN, LAYOUTS, packed_size, repack, unrepack
+from gguf_runtime.quant_kernels.reference import random_blocks
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+@pytest.mark.parametrize("rows,blocks", [(1, 1), (3, 5), (17, 2)])
+def test_repack_roundtrip(name, rows, blocks):
+    rng = np.random.default_rng()
+    t = BY_NAME[name]
+    fmt = FORMATS[t]
+    cols = blocks * fmt.block_elems * (16 if fmt.block_elems == 1 else 1)
+    raw = random_blocks(t, rows * cols, rng, scale=0.5)
+    p = repack(raw, t, rows, cols)
+    assert p.buffer.size == packed_size(t, rows, cols)
+    assert all(off % ALIGN == 0 for off in p.offsets.values())
+    assert np.array_equal(unrepack(p), raw)
+    # the quant plane of row r is the concatenation of that row's blocks' quant bytes
+    qs = LAYOUTS[name][0]
+    (a, b), = qs.parts
+    r = rows - 1
+    want = raw.reshape(rows, -1, fmt.block_bytes)[r, :, a:b].reshape(-1)
+    assert np.array_equal(p.plane("qs")[r].reshape(-1), want)
+    # row strides of every plane are multiples of the plane's own load width
+    for pl in LAYOUTS[name]:
+        per_row = p.plane(pl.name).shape[1] * pl.nbytes
+        assert per_row % min(16, pl.nbytes) == 0 or pl.name == "d"
+
+
+def test_repack_rejects_bad_input():
+    t = BY_NAME["Q4_K"]
+    with pytest.raises(ValueError):
+        repack(np.zeros(10, np.uint8), t, 1, 256)
+    with pytest.raises(ValueError):
+        repack(np.zeros(144, np.uint8), t, 1, 250)
+    with pytest.raises(ValueError):
+        repack(np.zeros(144, np.uint8), BY_NAME["IQ2_XXS"], 1, 256)
