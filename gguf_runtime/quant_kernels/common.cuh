@@ -1,0 +1,120 @@
+// Shared device helpers. Compiles under NVRTC (CuPy RawModule) and nvcc, with no CUDA headers.
+#pragma once
+#ifndef __CUDACC_RTC__
+#include <cstring>
+#endif
+
+typedef unsigned char u8;
+typedef signed char i8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define HD __host__ __device__ __forceinline__
+#define DEV __device__ __forceinline__
+
+// ---- 16-byte vector of raw bytes, and loads -------------------------------------------------
+struct V16 { u32 w[4]; };
+
+HD u32 byte_of(const V16& v, int i) { return (v.w[i >> 2] >> (8 * (i & 3))) & 0xFFu; }
+
+HD V16 ld16(const u8* p) {
+#ifdef __CUDA_ARCH__
+    const uint4 t = __ldg(reinterpret_cast<const uint4*>(p));
+    V16 v; v.w[0] = t.x; v.w[1] = t.y; v.w[2] = t.z; v.w[3] = t.w;
+    return v;
+#else
+    V16 v; const u32* q = reinterpret_cast<const u32*>(p);
+    v.w[0] = q[0]; v.w[1] = q[1]; v.w[2] = q[2]; v.w[3] = q[3];
+    return v;
+#endif
+}
+
+HD u32 ld32(const u8* p) {
+#ifdef __CUDA_ARCH__
+    return __ldg(reinterpret_cast<const unsigned int*>(p));
+#else
+    return *reinterpret_cast<const u32*>(p);
+#endif
+}
+
+HD u32 ld8(const u8* p) {
+#ifdef __CUDA_ARCH__
+    return __ldg(p);
+#else
+    return *p;
+#endif
+}
+
+HD u16 ld16bits(const u8* p) {
+#ifdef __CUDA_ARCH__
+    return __ldg(reinterpret_cast<const unsigned short*>(p));
+#else
+    return *reinterpret_cast<const u16*>(p);
+#endif
+}
+
+// ---- float conversions -----------------------------------------------------------------------
+HD float u2f(u32 bits) {
+#ifdef __CUDA_ARCH__
+    return __uint_as_float(bits);
+#else
+    float f; memcpy(&f, &bits, 4); return f;
+#endif
+}
+
+HD float h2f(u16 h) {
+#ifdef __CUDA_ARCH__
+    float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f;
+#else
+    const u32 sign = (u32)(h & 0x8000u) << 16;
+    u32 exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu, bits;
+    if (exp == 0) {
+        if (man == 0) { bits = sign; }
+        else {  // subnormal: normalize
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400u)) { man <<= 1; --exp; }
+            man &= 0x3FFu;
+            bits = sign | (exp << 23) | (man << 13);
+        }
+    } else if (exp == 31) { bits = sign | 0x7F800000u | (man << 13); }
+    else { bits = sign | ((exp + 127 - 15) << 23) | (man << 13); }
+    float f; memcpy(&f, &bits, 4); return f;
+#endif
+}
+
+HD float bf2f(u16 h) { return u2f((u32)h << 16); }
+
+DEV u16 f2h(float f) {
+    u16 h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h;
+}
+
+// ---- warp and block reductions ---------------------------------------------------------------
+DEV float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+DEV float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over the block; every thread gets the result. `scratch` holds >= 32 floats.
+DEV float block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < nw ? scratch[lane] : 0.f;
+    return warp_sum(v);
+}
+
+DEV float silu_f(float x) { return x / (1.f + __expf(-x)); }
+
+DEV float gelu_tanh_f(float x) {
+    return 0.5f * x * (1.f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+}

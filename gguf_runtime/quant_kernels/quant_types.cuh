@@ -1,0 +1,302 @@
+// Per-type decoding of repacked quant planes (see repack.py for the plane layouts).
+//
+// A row of K weights is cut into *units*; one thread loads a unit with aligned 16-byte loads,
+// then decodes it as NP *pieces* of 16 weights that sit at 16 consecutive columns (xoff). Every
+// type provides:
+//   UE, NP                          elements and pieces per unit
+//   Raw                             the unit's bytes and scales, in registers
+//   load(m, row, u, raw)            global loads only
+//   xoff(u, p)                      first column of piece p of unit u
+//   piece(raw, p, w[16])            the 16 dequantized weights of piece p
+// The same code compiles for the host, so tests/test_quant_decode.py checks it on the CPU
+// against the numpy reference before it ever runs on a GPU.
+#pragma once
+#include "common.cuh"
+
+struct Mat {  // one repacked matrix; plane pointers are nullptr when the type has no such plane
+    const u8* qs; const u8* qh; const u8* sc; const u8* d;
+    int nb;  // blocks per row
+};
+
+// ---- 32-element block types -------------------------------------------------------------------
+struct TQ4_0 {
+    static constexpr int UE = 32, NP = 2, BLOCK = 32;
+    struct Raw { V16 q; float d; };
+    static HD void load(const Mat& m, int row, int u, Raw& r) {
+        const long b = (long)row * m.nb + u;
+        r.q = ld16(m.qs + b * 16);
+        r.d = h2f(ld16bits(m.d + b * 2));
+    }
+    static HD int xoff(int u, int p) { return u * 32 + p * 16; }
+    static HD void piece(const Raw& r, int p, float* w) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) w[i] = r.d * ((float)((byte_of(r.q, i) >> (4 * p)) & 0xF) - 8.f);
+    }
+};
+
+struct TQ4_1 {
+    static constexpr int UE = 32, NP = 2, BLOCK = 32;
+    struct Raw { V16 q; float d, m; };
+    static HD void load(const Mat& m, int row, int u, Raw& r) {
+        const long b = (long)row * m.nb + u;
+        r.q = ld16(m.qs + b * 16);
+        const u32 dm = ld32(m.d + b * 4);
+        r.d = h2f((u16)(dm & 0xFFFFu));
+        r.m = h2f((u16)(dm >> 16));
+    }
+    static HD int xoff(int u, int p) { return u * 32 + p * 16; }
+    static HD void piece(const Raw& r, int p, float* w) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) w[i] = r.d * (float)((byte_of(r.q, i) >> (4 * p)) & 0xF) + r.m;
+    }
+};
+
+struct TQ5_0 {
+    static constexpr int UE = 32, NP = 2, BLOCK = 32;
+    struct Raw { V16 q; u32 h; float d; };
+    static HD void load(const Mat& m, int row, int u, Raw& r) {
+        const long b = (long)row * m.nb + u;
+        r.q = ld16(m.qs + b * 16);
+        r.h = ld32(m.qh + b * 4);
+        r.d = h2f(ld16bits(m.d + b * 2));
+    }
+    static HD int xoff(int u, int p) { return u * 32 + p * 16; }
+    static HD void piece(const Raw& r, int p, float* w) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            const u32 q = ((byte_of(r.q, i) >> (4 * p)) & 0xF) | (((r.h >> (i + 16 * p)) & 1u) << 4);
+            w[i] = r.d * ((float)q - 16.f);
+        }
+    }
+};
+
+struct TQ5_1 {
+    static constexpr int UE = 32, NP = 2, BLOCK = 32;
+    struct Raw { V16 q; u32 h; float d, m; };
+    static HD void load(const Mat& m, int row, int u, Raw& r) {
+        const long b = (long)row * m.nb + u;
+        r.q = ld16(m.qs + b * 16);
+        r.h = ld32(m.qh + b * 4);
+        const u32 dm = ld32(m.d + b * 4);
+        r.d = h2f((u16)(dm & 0xFFFFu));
+        r.m = h2f((u16)(dm >> 16));
+    }
+    static HD int xoff(int u, int p) { return u * 32 + p * 16; }
+    static HD void piece(const Raw& r, int p, float* w) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            const u32 q = ((byte_of(r.q, i) >> (4 * p)) & 0xF) | (((r.h >> (i + 16 * p)) & 1u) << 4);
+            w[i] = r.d * (float)q + r.m;
+        }
+    }
+};
+
+struct TQ8_0 {
+    static constexpr int UE = 32, NP = 2, BLOCK = 32;
+    struct Raw { V16 q[2]; float d; };
+    static HD void load(const Mat& m, int row, int u, Raw& r) {
+        const long b = (long)row * m.nb + u;
+        r.q[0] = ld16(m.qs + b * 32);
+        r.q[1] = ld16(m.qs + b * 32 + 16);
+        r.d = h2f(ld16bits(m.d + b * 2));
+    }
+    static HD int xoff(int u, int p) { return u * 32 + p * 16; }
+    static HD void piece(const Raw& r, int p, float* w) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) w[i] = r.d * (float)(i8)byte_of(r.q[p], i);
+    }
+};
+
+// ---- 256-element K-quants ---------------------------------------------------------------------
+// Q2_K / Q3_K / Q6_K units: (superblock sb, half h, sixteen-byte slice s), 4 units per superblock.
+struct TQ2_K {
+    static constexpr int UE = 64, NP = 4, BLOCK = 256;
+    struct Raw { V16 q; u32 sc; float d, dmin; };  // sc: the 4 scale bytes 8h+s+2j, j = 0..3
+    static HD void load(const Mat& m, int row, int u, Raw& r) {
+        const long sb = (long)row * m.nb + (u >> 2);
+        const int h = (u >> 1) & 1, s = u & 1;
+        r.q = ld16(m.qs + sb * 64 + 32 * h + 16 * s);
+        const u32 lo = ld32(m.sc + sb * 16 + 8 * h), hi = ld32(m.sc + sb * 16 + 8 * h + 4);
+        // bytes 8h+s, 8h+s+2, 8h+s+4, 8h+s+6
+        const u32 a = (lo >> (8 * s)) & 0xFFu, b = (lo >> (8 * (s + 2))) & 0xFFu;
+        const u32 c = (hi >> (8 * s)) & 0xFFu, e = (hi >> (8 * (s + 2))) & 0xFFu;
+        r.sc = a | (b << 8) | (c << 16) | (e << 24);
+        const u32 dm = ld32(m.d + sb * 4);
+        r.d = h2f((u16)(dm & 0xFFFFu));
+        r.dmin = h2f((u16)(dm >> 16));
+    }
+    static HD int xoff(int u, int p) { return (u >> 2) * 256 + ((u >> 1) & 1) * 128 + 32 * p + 16 * (u & 1); }
+    static HD void piece(const Raw& r, int p, float* w) {
+        const u32 sc = (r.sc >> (8 * p)) & 0xFFu;
+        const float dl = r.d * (float)(sc & 0xF), ml = r.dmin * (float)(sc >> 4);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) w[i] = dl * (float)((byte_of(r.q, i) >> (2 * p)) & 3u) - ml;
+    }
+};
+
+HD int q3k_scale(const u8* s12, int i) {  // the i-th of 16 six-bit scales, minus 32
+    const int lo = i < 8 ? (int)(ld8(s12 + i) & 0xF) : (int)(ld8(s12 + i - 8) >> 4);
+    const int hi = (int)(ld8(s12 + 8 + (i & 3)) >> (2 * (i >> 2))) & 3;
+    return (lo | (hi << 4)) - 32;
+}
+
+struct TQ3_K {
+    static constexpr int UE = 64, NP = 4, BLOCK = 256;
+    struct Raw { V16 q, hm; float dl[4]; int h; };
+    static HD void load(const Mat& m, int row, int u, Raw& r) {
+        const long sb = (long)row * m.nb + (u >> 2);
+        const int h = (u >> 1) & 1, s = u & 1;
+        r.q = ld16(m.qs + sb * 64 + 32 * h + 16 * s);
+        r.hm = ld16(m.qh + sb * 32 + 16 * s);
+        const u8* s12 = m.sc + sb * 16;  // scales12, d
+        const float d = h2f(ld16bits(s12 + 12));
+#pragma unroll
+        for (int j = 0; j < 4; ++j) r.dl[j] = d * (float)q3k_scale(s12, 8 * h + 2 * j + s);
+        r.h = h;
+    }
+    static HD int xoff(int u, int p) { return (u >> 2) * 256 + ((u >> 1) & 1) * 128 + 32 * p + 16 * (u & 1); }
+    static HD void piece(const Raw& r, int p, float* w) {
+        const int bit = 4 * r.h + p;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            const int q = (int)((byte_of(r.q, i) >> (2 * p)) & 3u) - (((byte_of(r.hm, i) >> bit) & 1u) ? 0 : 4);
+            w[i] = r.dl[p] * (float)q;
+        }
+    }
+};
+
+HD void k4_scale_min(const u8* s12, int j, int& sc, int& mn) {  // ggml's get_scale_min_k4
+    if (j < 4) { sc = ld8(s12 + j) & 63; mn = ld8(s12 + j + 4) & 63; }
+    else {
+        sc = (ld8(s12 + j + 4) & 0xF) | ((ld8(s12 + j - 4) >> 6) << 4);
+        mn = (ld8(s12 + j + 4) >> 4) | ((ld8(s12 + j) >> 6) << 4);
+    }
+}
+
+// Q4_K / Q5_K units: (superblock sb, 64-group g, slice s), 8 units per superblock; piece 0 is the
+// low nibbles (sub-block 2g), piece 1 the high nibbles (sub-block 2g+1).
+struct TQ4_K {
+    static constexpr int UE = 32, NP = 2, BLOCK = 256;
+    struct Raw { V16 q; float d[2], m[2]; };
+    static HD void load(const Mat& m, int row, int u, Raw& r) {
+        const long sb = (long)row * m.nb + (u >> 3);
+        const int g = (u >> 1) & 3, s = u & 1;
+        r.q = ld16(m.qs + sb * 128 + 32 * g + 16 * s);
+        const u8* hdr = m.sc + sb * 16;  // d, dmin, scales12
+        const u32 dm = ld32(hdr);
+        const u8* s12 = hdr + 4;
+        const float d = h2f((u16)(dm & 0xFFFFu)), dmin = h2f((u16)(dm >> 16));
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            int sc, mn; k4_scale_min(s12, 2 * g + k, sc, mn);
+            r.d[k] = d * (float)sc; r.m[k] = dmin * (float)mn;
+        }
+    }
+    static HD int xoff(int u, int p) { return (u >> 3) * 256 + ((u >> 1) & 3) * 64 + 32 * p + 16 * (u & 1); }
+    static HD void piece(const Raw& r, int p, float* w) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) w[i] = r.d[p] * (float)((byte_of(r.q, i) >> (4 * p)) & 0xF) - r.m[p];
+    }
+};
+
+struct TQ5_K {
+    static constexpr int UE = 32, NP = 2, BLOCK = 256;
+    struct Raw { V16 q, qh; float d[2], m[2]; int g; };
+    static HD void load(const Mat& m, int row, int u, Raw& r) {
+        const long sb = (long)row * m.nb + (u >> 3);
+        const int g = (u >> 1) & 3, s = u & 1;
+        r.q = ld16(m.qs + sb * 128 + 32 * g + 16 * s);
+        r.qh = ld16(m.qh + sb * 32 + 16 * s);
+        const u8* hdr = m.sc + sb * 16;  // d, dmin, scales12
+        const u32 dm = ld32(hdr);
+        const u8* s12 = hdr + 4;
+        const float d = h2f((u16)(dm & 0xFFFFu)), dmin = h2f((u16)(dm >> 16));
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            int sc, mn; k4_scale_min(s12, 2 * g + k, sc, mn);
+            r.d[k] = d * (float)sc; r.m[k] = dmin * (float)mn;
+        }
+        r.g = g;
+    }
+    static HD int xoff(int u, int p) { return (u >> 3) * 256 + ((u >> 1) & 3) * 64 + 32 * p + 16 * (u & 1); }
+    static HD void piece(const Raw& r, int p, float* w) {
+        const int bit = 2 * r.g + p;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            const u32 q = ((byte_of(r.q, i) >> (4 * p)) & 0xF) | (((byte_of(r.qh, i) >> bit) & 1u) << 4);
+            w[i] = r.d[p] * (float)q - r.m[p];
+        }
+    }
+};
+
+struct TQ6_K {
+    static constexpr int UE = 64, NP = 4, BLOCK = 256;
+    struct Raw { V16 la, lb, qh; float dl[4]; };
+    static HD void load(const Mat& m, int row, int u, Raw& r) {
+        const long sb = (long)row * m.nb + (u >> 2);
+        const int h = (u >> 1) & 1, s = u & 1;
+        const u8* ql = m.qs + sb * 128 + 64 * h + 16 * s;
+        r.la = ld16(ql);
+        r.lb = ld16(ql + 32);
+        r.qh = ld16(m.qh + sb * 64 + 32 * h + 16 * s);
+        const u8* sc = m.sc + sb * 16 + 8 * h + s;
+        const float d = h2f(ld16bits(m.d + sb * 2));
+#pragma unroll
+        for (int j = 0; j < 4; ++j) r.dl[j] = d * (float)(i8)ld8(sc + 2 * j);
+    }
+    static HD int xoff(int u, int p) { return (u >> 2) * 256 + ((u >> 1) & 1) * 128 + 16 * (u & 1) + 32 * p; }
+    static HD void piece(const Raw& r, int p, float* w) {
+        const V16& l = (p & 1) ? r.lb : r.la;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            const int q = (int)(((byte_of(l, i) >> (4 * (p >> 1))) & 0xF) | (((byte_of(r.qh, i) >> (2 * p)) & 3u) << 4)) - 32;
+            w[i] = r.dl[p] * (float)q;
+        }
+    }
+};
+
+// ---- float types: a unit is 16 consecutive weights --------------------------------------------
+struct TF32 {
+    static constexpr int UE = 16, NP = 1, BLOCK = 1;
+    struct Raw { V16 v[4]; };
+    static HD void load(const Mat& m, int row, int u, Raw& r) {
+        const u8* p = m.qs + ((long)row * m.nb + (long)u * 16) * 4;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) r.v[i] = ld16(p + 16 * i);
+    }
+    static HD int xoff(int u, int) { return u * 16; }
+    static HD void piece(const Raw& r, int, float* w) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            w[i] = u2f(r.v[i >> 2].w[i & 3]);
+        }
+    }
+};
+
+struct TF16 {
+    static constexpr int UE = 16, NP = 1, BLOCK = 1;
+    struct Raw { V16 v[2]; };
+    static HD void load(const Mat& m, int row, int u, Raw& r) {
+        const u8* p = m.qs + ((long)row * m.nb + (long)u * 16) * 2;
+        r.v[0] = ld16(p); r.v[1] = ld16(p + 16);
+    }
+    static HD int xoff(int u, int) { return u * 16; }
+    static HD void piece(const Raw& r, int, float* w) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) w[i] = h2f((u16)(r.v[i >> 3].w[(i >> 1) & 3] >> (16 * (i & 1))));
+    }
+};
+
+struct TBF16 {
+    static constexpr int UE = 16, NP = 1, BLOCK = 1;
+    struct Raw { V16 v[2]; };
+    static HD void load(const Mat& m, int row, int u, Raw& r) {
+        const u8* p = m.qs + ((long)row * m.nb + (long)u * 16) * 2;
+        r.v[0] = ld16(p); r.v[1] = ld16(p + 16);
+    }
+    static HD int xoff(int u, int) { return u * 16; }
+    static HD void piece(const Raw& r, int, float* w) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) w[i] = bf2f((u16)(r.v[i >> 3].w[(i >> 1) & 3] >> (16 * (i & 1))));
+    }
+};

@@ -1,0 +1,30 @@
+// Host build of the kernels' per-type decoders (quant_types.cuh), for CPU tests against numpy.
+#include "quant_types.cuh"
+
+template <class T>
+static void decode(const Mat& m, int rows, int K, float* out) {
+    const int units = K / T::UE;
+    for (int row = 0; row < rows; ++row)
+        for (int u = 0; u < units; ++u) {
+            typename T::Raw r;
+            T::load(m, row, u, r);
+            for (int p = 0; p < T::NP; ++p) {
+                float w[16];
+                T::piece(r, p, w);
+                for (int i = 0; i < 16; ++i) out[(long)row * K + T::xoff(u, p) + i] = w[i];
+            }
+        }
+}
+
+extern "C" int decode_rows(int type, const u8* qs, const u8* qh, const u8* sc, const u8* d,
+                           int rows, int K, float* out) {
+    Mat m{qs, qh, sc, d, 0};
+    switch (type) {
+#define CASE(id, T) case id: m.nb = K / T::BLOCK; decode<T>(m, rows, K, out); return 0;
+        CASE(0, TF32) CASE(1, TF16) CASE(30, TBF16)
+        CASE(2, TQ4_0) CASE(3, TQ4_1) CASE(6, TQ5_0) CASE(7, TQ5_1) CASE(8, TQ8_0)
+        CASE(10, TQ2_K) CASE(11, TQ3_K) CASE(12, TQ4_K) CASE(13, TQ5_K) CASE(14, TQ6_K)
+#undef CASE
+    }
+    return -1;
+}
