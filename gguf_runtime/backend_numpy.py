@@ -10,9 +10,10 @@ from typing import Sequence
 
 import numpy as np
 
+from .backends import host_sample_loop
 from .errors import ContextOverflowError
 from .gguf_file import GGUFFile
-from .model import forward, lm_head_name
+from .model import ComposedBlocks, forward, lm_head_name
 from .model_config import ROPE_NEOX, ModelConfig
 from .quant_kernels.reference import dequantize, dequantize_rows
 
@@ -55,7 +56,7 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 
 class NumpyBackend:
-    """Implements ``model.Ops`` with numpy; one sequence, prefill and decode."""
+    """``model.Primitives`` in numpy, run through ``ComposedBlocks``; one sequence."""
 
     name = "numpy"
 
@@ -71,6 +72,7 @@ class NumpyBackend:
         self.k_cache = np.zeros((cfg.n_layer, n_ctx, cfg.n_head_kv, cfg.head_dim), np.float32)
         self.v_cache = np.zeros((cfg.n_layer, n_ctx, cfg.n_head_kv, cfg.head_dim_v), np.float32)
         self.n_past = 0
+        self.blocks = ComposedBlocks(self, cfg)
 
     # ---- weights ----------------------------------------------------------------------------
     def weight(self, name: str) -> np.ndarray:
@@ -115,11 +117,12 @@ class NumpyBackend:
     def rope(self, x: np.ndarray, positions: np.ndarray, layer: int) -> np.ndarray:
         return apply_rope(x, positions, self._inv_freq[self.cfg.rope_base(layer)], self.cfg.rope.style)
 
-    def attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray,
-               positions: np.ndarray) -> np.ndarray:
-        cfg = self.cfg
+    def store_kv(self, layer: int, k: np.ndarray, v: np.ndarray, positions: np.ndarray) -> None:
         self.k_cache[layer, positions] = k
         self.v_cache[layer, positions] = v
+
+    def attention(self, layer: int, q: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        cfg = self.cfg
         n_kv = int(positions.max()) + 1
         keys = self.k_cache[layer, :n_kv]  # [S, Hkv, D]
         vals = self.v_cache[layer, :n_kv]
@@ -138,22 +141,16 @@ class NumpyBackend:
         p = np.exp(s)
         p /= p.sum(axis=-1, keepdims=True)
         out = np.einsum("hgts,shd->thgd", p, vals)
-        return out.reshape(t, cfg.n_head, cfg.head_dim_v).astype(np.float32, copy=False)
+        return out.astype(np.float32, copy=False).reshape(t, cfg.n_head, cfg.head_dim_v)
 
     def glu(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         act = gelu_tanh(gate) if self.cfg.activation == "gelu_tanh" else silu(gate)
         return act * up
 
-    def add(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
-        return x + y
-
     def softcap(self, x: np.ndarray, cap: float) -> np.ndarray:
         return np.float32(cap) * np.tanh(x / np.float32(cap))
 
     # ---- sequence ----------------------------------------------------------------------------
-    def reset(self) -> None:
-        self.n_past = 0
-
     def truncate(self, n: int) -> None:
         """Forget cached positions >= n (a chat rolling back, or dropping a reply)."""
         self.n_past = min(self.n_past, n)
@@ -169,8 +166,15 @@ class NumpyBackend:
             part = list(tokens[s:s + chunk])
             pos = np.arange(self.n_past, self.n_past + len(part))
             last = s + chunk >= len(tokens)
-            logits = forward(self, self.cfg, part, pos, all_logits=all_logits)
+            logits = forward(self.blocks, self.cfg, part, pos, all_logits=all_logits)
             if all_logits or last:
                 outs.append(logits)
             self.n_past += len(part)
+        self.last_logits = outs[-1][-1]
         return np.concatenate(outs, axis=0).astype(np.float32, copy=False)
+
+    def prefill(self, tokens: Sequence[int]) -> None:
+        self.eval(tokens)
+
+    def sample_loop(self, n: int, params, history: list[int], stop: frozenset[int]):
+        return host_sample_loop(self, n, params, history, stop)

@@ -1,8 +1,11 @@
-"""The one model definition: a decoder-only transformer over a backend's ops.
+"""The one model definition: a decoder-only transformer over a backend's blocks.
 
-Every supported architecture is this function with a different ``ModelConfig``; every backend
-implements the ``Ops`` protocol below on its own arrays (numpy on the CPU, CuPy kernels on the
-GPU). Arrays are [tokens, features]; heads are a reshape away.
+Every supported architecture is ``forward`` with a different ``ModelConfig``. A backend provides
+the ``Blocks`` protocol: six operations at the granularity where a GPU backend fuses kernels
+(norm + QKV + RoPE + KV write; attention; output projection + residual; the whole FFN +
+residual). ``ComposedBlocks`` defines what each block computes, from unfused primitives; the
+numpy backend runs it, and the CUDA backend's fused kernels are tested against it.
+Arrays are [tokens, features]; heads are a reshape away.
 """
 
 from __future__ import annotations
@@ -12,63 +15,93 @@ from typing import Any, Protocol, Sequence
 from .model_config import ModelConfig
 
 
-class Ops(Protocol):
-    """What a backend provides. ``positions`` are absolute positions of the rows of x."""
-
+class Blocks(Protocol):
     def embed(self, tokens: Sequence[int]) -> Any: ...
-    def rms_norm(self, x: Any, weight: str) -> Any: ...  # normalizes the last axis
-    def linear(self, x: Any, weight: str, bias: str | None = None) -> Any: ...  # x @ W.T (+ b)
-    def rope(self, x: Any, positions: Any, layer: int) -> Any: ...  # x: [T, heads, head_dim]
-    def attend(self, layer: int, q: Any, k: Any, v: Any, positions: Any) -> Any: ...  # stores k, v
-    def glu(self, gate: Any, up: Any) -> Any: ...  # act(gate) * up
-    def add(self, x: Any, y: Any) -> Any: ...
-    def softcap(self, x: Any, cap: float) -> Any: ...
+    def attn_in(self, x: Any, layer: int, positions: Any) -> Any: ...  # -> q [T, H, D]; K, V cached
+    def attend(self, layer: int, q: Any, positions: Any) -> Any: ...  # -> [T, H * Dv]
+    def attn_out(self, x: Any, a: Any, layer: int) -> Any: ...  # -> x + O(a)
+    def ffn(self, x: Any, layer: int) -> Any: ...  # -> x + FFN(x)
+    def logits(self, x: Any) -> Any: ...  # final norm, lm_head, soft-cap
+
+
+def forward(blocks: Blocks, cfg: ModelConfig, tokens: Sequence[int], positions: Any,
+            all_logits: bool = False) -> Any:
+    """Run ``tokens`` at ``positions``, filling the KV cache; logits [T or 1, n_vocab]."""
+    x = blocks.embed(tokens)
+    for i in range(cfg.n_layer):
+        q = blocks.attn_in(x, i, positions)
+        a = blocks.attend(i, q, positions)
+        x = blocks.attn_out(x, a, i)
+        x = blocks.ffn(x, i)
+    if not all_logits:
+        x = x[len(tokens) - 1:]
+    return blocks.logits(x)
 
 
 def lm_head_name(cfg: ModelConfig) -> str:
     return "token_embd.weight" if cfg.tied_embeddings else "output.weight"
 
 
-def forward(ops: Ops, cfg: ModelConfig, tokens: Sequence[int], positions: Any,
-            all_logits: bool = False) -> Any:
-    """Run ``tokens`` at ``positions`` through the model, filling the KV cache.
+class Primitives(Protocol):
+    """Unfused operations; weights are named by their GGUF tensor names."""
 
-    Returns logits [T, n_vocab] if ``all_logits`` else [1, n_vocab] for the last token.
-    """
-    n = len(tokens)
-    x = ops.embed(tokens)
-    for i in range(cfg.n_layer):
-        p = f"blk.{i}."
-        h = ops.rms_norm(x, p + "attn_norm.weight")
-        bias = cfg.attn_bias
-        q = ops.linear(h, p + "attn_q.weight", p + "attn_q.bias" if bias else None)
-        k = ops.linear(h, p + "attn_k.weight", p + "attn_k.bias" if bias else None)
-        v = ops.linear(h, p + "attn_v.weight", p + "attn_v.bias" if bias else None)
-        q = q.reshape(n, cfg.n_head, cfg.head_dim)
-        k = k.reshape(n, cfg.n_head_kv, cfg.head_dim)
-        v = v.reshape(n, cfg.n_head_kv, cfg.head_dim_v)
+    def embed(self, tokens: Sequence[int]) -> Any: ...  # includes the embedding scale
+    def rms_norm(self, x: Any, weight: str) -> Any: ...  # over the last axis
+    def linear(self, x: Any, weight: str, bias: str | None = None) -> Any: ...  # x @ W.T (+ b)
+    def rope(self, x: Any, positions: Any, layer: int) -> Any: ...  # x [T, heads, head_dim]
+    def store_kv(self, layer: int, k: Any, v: Any, positions: Any) -> None: ...
+    def attention(self, layer: int, q: Any, positions: Any) -> Any: ...  # over the cache -> [T, H, Dv]
+    def glu(self, gate: Any, up: Any) -> Any: ...  # act(gate) * up
+    def softcap(self, x: Any, cap: float) -> Any: ...
+
+
+class ComposedBlocks:
+    """The blocks' definition, composed from primitives."""
+
+    def __init__(self, prim: Primitives, cfg: ModelConfig) -> None:
+        self.p, self.cfg = prim, cfg
+
+    def embed(self, tokens: Sequence[int]) -> Any:
+        return self.p.embed(tokens)
+
+    def attn_in(self, x: Any, layer: int, positions: Any) -> Any:
+        p, cfg, n = self.p, self.cfg, x.shape[0]
+        w = f"blk.{layer}."
+        h = p.rms_norm(x, w + "attn_norm.weight")
+        b = cfg.attn_bias
+        q = p.linear(h, w + "attn_q.weight", w + "attn_q.bias" if b else None).reshape(n, cfg.n_head, cfg.head_dim)
+        k = p.linear(h, w + "attn_k.weight", w + "attn_k.bias" if b else None).reshape(n, cfg.n_head_kv, cfg.head_dim)
+        v = p.linear(h, w + "attn_v.weight", w + "attn_v.bias" if b else None).reshape(n, cfg.n_head_kv, cfg.head_dim_v)
         if cfg.qk_norm:
-            q = ops.rms_norm(q, p + "attn_q_norm.weight")
-            k = ops.rms_norm(k, p + "attn_k_norm.weight")
-        q = ops.rope(q, positions, i)
-        k = ops.rope(k, positions, i)
-        a = ops.attend(i, q, k, v, positions)
-        o = ops.linear(a.reshape(n, cfg.n_head * cfg.head_dim_v), p + "attn_output.weight")
-        if cfg.post_norms:
-            o = ops.rms_norm(o, p + "post_attention_norm.weight")
-        x = ops.add(x, o)
+            q = p.rms_norm(q, w + "attn_q_norm.weight")
+            k = p.rms_norm(k, w + "attn_k_norm.weight")
+        q = p.rope(q, positions, layer)
+        k = p.rope(k, positions, layer)
+        p.store_kv(layer, k, v, positions)
+        return q
 
-        h = ops.rms_norm(x, p + "ffn_norm.weight")
-        m = ops.glu(ops.linear(h, p + "ffn_gate.weight"), ops.linear(h, p + "ffn_up.weight"))
-        d = ops.linear(m, p + "ffn_down.weight")
-        if cfg.post_norms:
-            d = ops.rms_norm(d, p + "post_ffw_norm.weight")
-        x = ops.add(x, d)
+    def attend(self, layer: int, q: Any, positions: Any) -> Any:
+        a = self.p.attention(layer, q, positions)
+        return a.reshape(a.shape[0], self.cfg.n_head * self.cfg.head_dim_v)
 
-    if not all_logits:
-        x = x[n - 1:]
-    x = ops.rms_norm(x, "output_norm.weight")
-    logits = ops.linear(x, lm_head_name(cfg))
-    if cfg.final_softcap:
-        logits = ops.softcap(logits, cfg.final_softcap)
-    return logits
+    def attn_out(self, x: Any, a: Any, layer: int) -> Any:
+        w = f"blk.{layer}."
+        o = self.p.linear(a, w + "attn_output.weight")
+        if self.cfg.post_norms:
+            o = self.p.rms_norm(o, w + "post_attention_norm.weight")
+        return x + o
+
+    def ffn(self, x: Any, layer: int) -> Any:
+        p, w = self.p, f"blk.{layer}."
+        h = p.rms_norm(x, w + "ffn_norm.weight")
+        d = p.linear(p.glu(p.linear(h, w + "ffn_gate.weight"), p.linear(h, w + "ffn_up.weight")),
+                     w + "ffn_down.weight")
+        if self.cfg.post_norms:
+            d = p.rms_norm(d, w + "post_ffw_norm.weight")
+        return x + d
+
+    def logits(self, x: Any) -> Any:
+        out = self.p.linear(self.p.rms_norm(x, "output_norm.weight"), lm_head_name(self.cfg))
+        if self.cfg.final_softcap:
+            out = self.p.softcap(out, self.cfg.final_softcap)
+        return out

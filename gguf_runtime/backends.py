@@ -1,0 +1,66 @@
+"""Choosing a backend, and the host-side sampling loop shared by backends that return logits."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+from .errors import BackendError
+from .gguf_file import GGUFFile
+from .model_config import ModelConfig
+from .sampling import Sampler, SamplingParams
+
+BACKENDS = ("auto", "cuda", "numpy")
+
+
+def cuda_available() -> tuple[bool, str]:
+    """(usable, reason if not)."""
+    try:
+        import cupy  # noqa: F401
+    except Exception:  # ImportError, or a CuPy that finds no CUDA libraries
+        return False, "CuPy is not installed (pip install 'gguf-run[cuda]')"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # no driver, no device
+        return False, f"no usable NVIDIA GPU ({str(e).splitlines()[0][:120]})"
+    if n < 1:
+        return False, "no NVIDIA GPU found"
+    return True, ""
+
+
+def select_backend(name: str, f: GGUFFile, cfg: ModelConfig, n_ctx: int,
+                   progress: Callable[[str, int, int], None] | None = None,
+                   note: Callable[[str], None] | None = None):
+    if name not in BACKENDS:
+        raise BackendError(f"unknown backend '{name}'; choose one of {', '.join(BACKENDS)}")
+    if name in ("auto", "cuda"):
+        ok, why = cuda_available()
+        if ok:
+            from .backend_cuda import CudaBackend  # deferred: imports cupy
+            return CudaBackend(f, cfg, n_ctx, progress=progress)
+        if name == "cuda":
+            raise BackendError(f"the cuda backend cannot run here: {why}; use --backend numpy")
+        if note:
+            note(f"note: running on the CPU with the numpy backend ({why})")
+    from .backend_numpy import NumpyBackend
+
+    be = NumpyBackend(f, cfg, n_ctx)
+    be.preload(progress=(lambda i, n: progress("loading weights", i, n)) if progress else None)
+    return be
+
+
+def host_sample_loop(backend, n: int, params: SamplingParams, history: list[int],
+                     stop: frozenset[int]) -> Iterator[int]:
+    """Sample from the logits the backend returned, yield, evaluate the token, repeat.
+
+    The last token yielded is not evaluated (the caller decides whether it is kept).
+    """
+    sampler = Sampler(params)
+    hist = list(history)
+    logits = backend.last_logits
+    for i in range(n):
+        tok = sampler.sample(logits, hist)
+        yield tok
+        if tok in stop or i == n - 1:
+            return
+        hist.append(tok)
+        logits = backend.eval([tok])[-1]

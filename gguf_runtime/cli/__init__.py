@@ -1,0 +1,1 @@
+"""The command line: parses and prints; everything else lives in the core package."""

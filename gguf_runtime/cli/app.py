@@ -1,0 +1,83 @@
+"""The `gguf-run` typer app and its entry point.
+
+`gguf-run [MODEL] --prompt ...` is short for `gguf-run run [MODEL] --prompt ...`: ``main`` routes
+argv to `run` unless its first word names another command. Every user error ends in one line on
+stderr and exit code 2; Ctrl-C ends with 130.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+import typer
+
+from ..errors import GGUFRunError
+
+app = typer.Typer(
+    name="gguf-run",
+    help="Run GGUF quantized LLMs: stream completions, chat, inspect, benchmark.\n\n"
+         "gguf-run [MODEL.gguf] --prompt TEXT is short for gguf-run run ... "
+         "(no MODEL: the embedded SmolLM2-135M-Instruct).",
+    epilog="Examples:\n\n"
+           "  gguf-run --prompt 'Why is the sky blue?'\n\n"
+           "  gguf-run model.gguf -p 'Once upon a time' --raw -n 64 --temp 0\n\n"
+           "  gguf-run info model.gguf\n\n"
+           "  gguf-run tokenize model.gguf 'Hello world' --pieces",
+    add_completion=False,
+    no_args_is_help=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+# registers the commands on `app`
+from . import info_cmd, run_cmd, synth_cmd  # noqa: E402,F401
+
+
+def _commands() -> set[str]:
+    group = typer.main.get_command(app)
+    return set(getattr(group, "commands", {}))
+
+
+def route(argv: list[str]) -> list[str]:
+    """Insert `run` unless argv starts with a command name or asks for the top-level help."""
+    if argv and (argv[0] in _commands() or argv[0] in ("-h", "--help", "--version")):
+        return argv
+    return ["run", *argv]
+
+
+# typer >= 0.24 vendors its own click: catch both its exception classes and click's
+_USAGE_ERRORS = tuple({click.ClickException, *(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")})
+_EXITS = tuple({click.exceptions.Exit, typer.Exit})
+_ABORTS = tuple({click.exceptions.Abort, typer.Abort})
+
+
+def err(msg: str) -> None:
+    print(f"error: {msg}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = route(list(sys.argv[1:] if argv is None else argv))
+    if args == ["--version"]:
+        from .. import __version__
+        print(f"gguf-run {__version__}")
+        return 0
+    try:
+        app(args=args, prog_name="gguf-run", standalone_mode=False)
+    except _EXITS as e:
+        return e.exit_code
+    except _ABORTS:
+        return 130
+    except _USAGE_ERRORS as e:  # bad option, missing argument, bad value
+        err(e.format_message().replace("\n", " "))
+        return 2
+    except GGUFRunError as e:
+        err(str(e))
+        return e.exit_code
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `gguf-run ... | head`
+        return 0
+    return 0

@@ -1,0 +1,76 @@
+"""`gguf-run info` and `gguf-run tokenize`: look inside a model file."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import typer
+
+from ..gguf_file import open_gguf
+from ..model_info import human_bytes, human_count, model_info
+from ..tokenizer import Tokenizer
+from .app import app
+from .options import ModelArg, resolve_model
+
+ARCH_FIELDS = ("arch", "name", "n_layer", "n_embd", "n_ff", "n_head", "n_head_kv", "head_dim", "n_vocab",
+               "n_ctx_train", "rope", "activation", "tied_embeddings", "embed_scale", "qk_norm", "attn_bias",
+               "post_norms", "attn_softcap", "final_softcap", "layer_window")
+
+
+@app.command("info", epilog="Examples:\n\n  gguf-run info\n\n  gguf-run info model.gguf --metadata")
+def info(
+    model: Optional[str] = ModelArg,
+    metadata: bool = typer.Option(True, "--metadata/--no-metadata", help="print every metadata key"),
+) -> None:
+    """Print a model's metadata, architecture summary, quant type histogram and sizes."""
+    with open_gguf(resolve_model(model)) as f:
+        i = model_info(f)
+    print(f"file        {i['path']}")
+    print(f"size        {human_bytes(i['file_bytes'])} (GGUF v{i['gguf_version']}, {i['n_tensors']} tensors)")
+    print(f"parameters  {human_count(i['params'])} ({i['params']:,}), {human_bytes(i['weight_bytes'])} of "
+          f"weights, {i['bits_per_weight']:.2f} bits/weight")
+    print("\narchitecture")
+    arch = i["architecture"]
+    if isinstance(arch, str):
+        print(f"  cannot run: {arch}")
+    else:
+        for k in ARCH_FIELDS:
+            v = arch[k]
+            if k == "layer_window":
+                v = "none" if not any(v) else f"{sum(1 for w in v if w)} of {len(v)} layers local, window {max(v)}"
+            elif k == "rope":
+                v = ", ".join(f"{a}={b}" for a, b in v.items() if b is not None)
+            print(f"  {k:<16}{v}")
+    print("\nquant types")
+    print(f"  {'type':<8}{'tensors':>8}{'params':>12}{'size':>12}{'share':>8}")
+    for r in i["quant"]:
+        share = 100 * r.bytes / i["weight_bytes"] if i["weight_bytes"] else 0
+        print(f"  {r.type_name:<8}{r.tensors:>8}{human_count(r.params):>12}{human_bytes(r.bytes):>12}{share:>7.1f}%")
+    if metadata:
+        print("\nmetadata")
+        for k, v in i["metadata"].items():
+            print(f"  {k} = {v}")
+
+
+@app.command("tokenize", epilog="Examples:\n\n  gguf-run tokenize model.gguf 'Hello world'\n\n"
+             "  gguf-run tokenize model.gguf '<|im_start|>user' --pieces --parse-special")
+def tokenize(
+    model: str = typer.Argument(..., help="GGUF model (or vocabulary) file"),
+    text: str = typer.Argument(..., help="text to tokenize"),
+    pieces: bool = typer.Option(False, "--pieces", help="print each id with its text piece"),
+    bos: bool = typer.Option(True, "--bos/--no-bos", help="add BOS/EOS as the file asks"),
+    parse_special: bool = typer.Option(False, "--parse-special", help="turn special-token text into its id"),
+    as_json: bool = typer.Option(False, "--json", help="print the ids as a JSON list"),
+) -> None:
+    """Print the token ids of TEXT under MODEL's tokenizer."""
+    with open_gguf(model, check_data=False) as f:
+        tok = Tokenizer.from_metadata(f.metadata)
+    ids = tok.encode(text, add_special=bos, parse_special=parse_special)
+    if as_json:
+        print(json.dumps(ids))
+    elif pieces:
+        for t in ids:
+            print(f"{t:>8} -> {tok.token_to_piece(t)!r}")
+    else:
+        print(" ".join(map(str, ids)))

@@ -1,0 +1,45 @@
+"""Options shared by several commands (model, sampling, context, backend)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import typer
+
+from ..default_model import default_model_path
+from ..sampling import SamplingParams
+
+ModelArg = typer.Argument(None, metavar="[MODEL]", show_default=False,
+                          help="GGUF model file (default: the embedded SmolLM2-135M-Instruct Q4_1)")
+NPredict = typer.Option(256, "-n", "--n-predict", help="tokens to generate at most (-1: until the context is full)")
+Temp = typer.Option(0.8, "--temp", min=0.0, help="temperature; 0 = greedy")
+TopK = typer.Option(40, "--top-k", min=0, help="keep the k most likely tokens; 0 = off")
+TopP = typer.Option(0.95, "--top-p", min=0.0, max=1.0, help="nucleus sampling threshold; 1 = off")
+MinP = typer.Option(0.05, "--min-p", min=0.0, max=1.0, help="drop tokens below min-p x the top probability; 0 = off")
+RepeatPenalty = typer.Option(1.0, "--repeat-penalty", min=0.0, help="penalize the last 64 tokens; 1 = off")
+Seed = typer.Option(None, "--seed", min=0, help="random seed (same seed, same text)")
+CtxSize = typer.Option(None, "-c", "--ctx-size", min=8, help="context size in tokens (default: min(4096, the model's))")
+Backend = typer.Option("auto", "--backend", help="auto | cuda | numpy (auto: cuda when a GPU and CuPy are there)")
+Quiet = typer.Option(False, "--quiet", "-q", help="no progress bars or notes")
+
+
+def resolve_model(model: Optional[str]) -> str:
+    return model if model else default_model_path()
+
+
+def sampling_params(temp: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float,
+                    seed: Optional[int]) -> SamplingParams:
+    p = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
+                       repeat_penalty=repeat_penalty, seed=seed)
+    try:
+        p.validate()
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    return p
+
+
+def note_printer(quiet: bool):
+    if quiet:
+        return None
+    return lambda msg: print(msg, file=sys.stderr, flush=True)

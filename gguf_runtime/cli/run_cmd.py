@@ -1,0 +1,92 @@
+"""`gguf-run run`: stream one completion."""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import typer
+
+from ..engine import Engine, GenerationStats
+from .app import app
+from .options import (Backend, CtxSize, MinP, ModelArg, NPredict, Quiet, RepeatPenalty, Seed, Temp, TopK,
+                      TopP, note_printer, resolve_model, sampling_params)
+from .progress import progress_bars
+
+
+def fmt_duration(s: float) -> str:
+    """Like Go's time.Duration as `ollama run --verbose` prints it."""
+    if s >= 1:
+        return f"{s:.6f}".rstrip("0").rstrip(".") + "s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.6f}".rstrip("0").rstrip(".") + "ms"
+    return f"{s * 1e6:.3f}".rstrip("0").rstrip(".") + "µs"
+
+
+def print_stats(st: GenerationStats, out=sys.stderr) -> None:
+    rows = [
+        ("total duration", fmt_duration(st.total_s)),
+        ("load duration", fmt_duration(st.load_s)),
+        ("prompt eval count", f"{st.prompt_tokens} token(s)"),
+        ("prompt eval duration", fmt_duration(st.prompt_s)),
+        ("prompt eval rate", f"{st.prompt_rate:.2f} tokens/s"),
+        ("eval count", f"{st.eval_tokens} token(s)"),
+        ("eval duration", fmt_duration(st.eval_s)),
+        ("eval rate", f"{st.eval_rate:.2f} tokens/s"),
+    ]
+    for k, v in rows:
+        print(f"{k + ':':<22}{v}", file=out)
+
+
+@app.command("run", epilog="Examples:\n\n  gguf-run --prompt 'Write a haiku about GPUs'\n\n"
+             "  gguf-run model.gguf -p 'def fibonacci(n):' --raw --temp 0 -n 64 --verbose\n\n"
+             "  echo 'Summarize: ...' | gguf-run model.gguf")
+def run(
+    model: Optional[str] = ModelArg,
+    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="the prompt (default: read stdin)"),
+    n_predict: int = NPredict,
+    temp: float = Temp,
+    top_k: int = TopK,
+    top_p: float = TopP,
+    min_p: float = MinP,
+    repeat_penalty: float = RepeatPenalty,
+    seed: Optional[int] = Seed,
+    ctx_size: Optional[int] = CtxSize,
+    chat: Optional[bool] = typer.Option(None, "--chat/--raw",
+                                        help="apply the model's chat template, or not (default: chat when "
+                                             "the file has a template)"),
+    system: Optional[str] = typer.Option(None, "--system", help="system message (chat mode)"),
+    backend: str = Backend,
+    verbose: bool = typer.Option(False, "--verbose", help="print timings like `ollama run --verbose`"),
+    quiet: bool = Quiet,
+) -> None:
+    """Stream a completion of PROMPT (default model when MODEL is omitted)."""
+    if n_predict < -1:
+        raise typer.BadParameter("must be -1 (no limit) or more", param_hint="'-n' / '--n-predict'")
+    params = sampling_params(temp, top_k, top_p, min_p, repeat_penalty, seed)
+    if prompt is None:
+        if sys.stdin.isatty():
+            raise typer.BadParameter("give --prompt TEXT (or pipe text in); for a conversation use `gguf-run chat`",
+                                     param_hint="'--prompt'")
+        prompt = sys.stdin.read()
+    path = resolve_model(model)
+    note = note_printer(quiet)
+    with progress_bars(quiet) as progress:
+        eng = Engine(path, backend=backend, n_ctx=ctx_size, progress=progress, note=note)
+    use_chat = eng.has_template if chat is None else chat
+    if use_chat and not eng.has_template and note:
+        note("note: the model has no chat template; using a plain ChatML layout")
+    if use_chat:
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        ids = eng.encode_chat(messages)
+    else:
+        ids = eng.encode_raw(prompt)
+    gen = eng.generate(ids, n_predict=n_predict, params=params)
+    out = sys.stdout
+    for piece in gen:
+        out.write(piece)
+        out.flush()
+    out.write("\n")
+    out.flush()
+    if verbose:
+        print_stats(gen.stats)

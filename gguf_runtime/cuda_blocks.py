@@ -1,0 +1,215 @@
+"""``model.Blocks`` on the GPU: each block is a short, fixed sequence of kernel launches.
+
+Up to MAX_MMV_TOKENS rows run the dequantizing matvec kernels (f32 throughout: decode, and short
+prompts). Longer prompts dequantize each matrix to an f16 scratch and use cuBLAS (f16 inputs, f32
+accumulate and output), which is also where the residual add happens (beta = 1). Every array
+returned is a view of the preallocated ``Workspace``: nothing is allocated per call.
+"""
+
+from __future__ import annotations
+
+import cupy as cp
+import numpy as np
+
+from .cuda_weights import DeviceWeights
+from .kv_cache import PagedKVCache
+from .model import lm_head_name
+from .model_config import ROPE_NEOX, ModelConfig
+from .quant_kernels import launchers as L
+
+CUDA_R_16F, CUDA_R_32F = 2, 0
+ATTN_PARTS = 64  # splits x rows budget of the attention partials
+DECODE_SPLITS = 32
+
+
+def n_splits(rows: int) -> int:
+    return max(1, min(DECODE_SPLITS, ATTN_PARTS // rows))
+
+
+class Workspace:
+    """Every activation buffer, sized at load for ``max_rows`` tokens per forward call."""
+
+    def __init__(self, cfg: ModelConfig, max_rows: int, logits_rows: int) -> None:
+        f32 = cp.float32
+        self.max_rows = max_rows
+        self.qkv_width = (cfg.n_head + 2 * cfg.n_head_kv) * cfg.head_dim
+        self.x = cp.zeros((max_rows, cfg.n_embd), f32)
+        self.h = cp.zeros((max_rows, cfg.n_embd), f32)
+        self.o = cp.zeros((max_rows, cfg.n_embd), f32)
+        self.qkv = cp.zeros((max_rows, self.qkv_width), f32)
+        self.att = cp.zeros((max_rows, cfg.n_head * cfg.head_dim_v), f32)
+        self.g = cp.zeros((max_rows, cfg.n_ff), f32)
+        self.u = cp.zeros((max_rows, cfg.n_ff), f32)
+        self.logits = cp.zeros((logits_rows, cfg.n_vocab), f32)
+        parts = max(ATTN_PARTS, max_rows) * cfg.n_head
+        self.part_o = cp.zeros(parts * cfg.head_dim_v, f32)
+        self.part_ml = cp.zeros(parts * 2, f32)
+        self.tokens = cp.zeros(max_rows, cp.int32)
+        self.pos = cp.zeros(max_rows, cp.int32)
+        self.seq = cp.zeros(max_rows, cp.int32)
+        # f16 scratch for the cuBLAS path
+        widest = max(cfg.n_embd, cfg.n_ff, cfg.n_head * cfg.head_dim_v)
+        self.x16 = cp.zeros((max_rows, widest), cp.float16) if max_rows > L.MAX_MMV_TOKENS else None
+        self.w16: cp.ndarray | None = None
+
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in vars(self).values() if isinstance(a, cp.ndarray))
+
+
+class CudaBlocks:
+    def __init__(self, cfg: ModelConfig, w: DeviceWeights, kv: PagedKVCache, ws: Workspace,
+                 kernels: L.Kernels, inv_freq: dict[float, cp.ndarray]) -> None:
+        self.cfg, self.w, self.kv, self.ws, self.k = cfg, w, kv, ws, kernels
+        self.inv_freq = inv_freq
+        if ws.max_rows > L.MAX_MMV_TOKENS:
+            biggest = max(m.rows * m.cols for n, m in w.mats.items() if n not in ("token_embd.weight", "output.weight"))
+            ws.w16 = cp.zeros(biggest, cp.float16)
+        from cupy_backends.cuda.libs import cublas  # loads libcublas: only with a GPU
+
+        self.cublas = cublas
+        self.handle = cp.cuda.device.get_cublas_handle()
+        self._one = np.ones(1, np.float32)
+        self._zero = np.zeros(1, np.float32)
+
+    # ---- helpers -------------------------------------------------------------------------------
+    def _small(self, rows: int) -> bool:
+        return rows <= L.MAX_MMV_TOKENS
+
+    def _gemm(self, x: cp.ndarray, name: str, y: cp.ndarray, accumulate: bool) -> None:
+        """y[:T, :N] (+)= x[:T, :K] @ W.T with W dequantized to f16 (x given in f32)."""
+        m = self.w.mat(name)
+        t = x.shape[0]
+        x16 = self.ws.x16
+        L.to_f16(self.k, x.data.ptr, x.strides[0] // 4, m.cols, t, x16.data.ptr, x16.strides[0] // 2)
+        self._gemm16(x16, t, m, y, accumulate)
+
+    def _gemm16(self, x16: cp.ndarray, t: int, m: L.Mat, y: cp.ndarray, accumulate: bool) -> None:
+        w16, cublas = self.ws.w16, self.cublas
+        L.dequant_f16(self.k, m, w16.data.ptr)
+        cublas.setStream(self.handle, cp.cuda.get_current_stream().ptr)
+        cublas.setPointerMode(self.handle, cublas.CUBLAS_POINTER_MODE_HOST)
+        beta = self._one if accumulate else self._zero
+        cublas.gemmEx(self.handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, m.rows, t, m.cols,
+                      self._one.ctypes.data, w16.data.ptr, CUDA_R_16F, m.cols,
+                      x16.data.ptr, CUDA_R_16F, x16.strides[0] // 2,
+                      beta.ctypes.data, y.data.ptr, CUDA_R_32F, y.strides[0] // 4,
+                      cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
+
+    def _norm(self, x: cp.ndarray, name: str, y: cp.ndarray, res: cp.ndarray | None = None) -> None:
+        L.rmsnorm(self.k, x.data.ptr, x.strides[0] // 4, self.w.vec(name).data.ptr, y.data.ptr, y.strides[0] // 4,
+                  x.shape[0], x.shape[1], self.cfg.rms_eps,
+                  res.data.ptr if res is not None else None, res.strides[0] // 4 if res is not None else 0)
+
+    # ---- blocks --------------------------------------------------------------------------------
+    def embed(self, tokens: cp.ndarray) -> cp.ndarray:
+        t = tokens.shape[0]
+        x = self.ws.x[:t]
+        L.embed(self.k, self.w.mat("token_embd.weight"), tokens.data.ptr, t, x.data.ptr, x.strides[0] // 4,
+                self.cfg.embed_scale)
+        return x
+
+    def attn_in(self, x: cp.ndarray, layer: int, positions: cp.ndarray) -> cp.ndarray:
+        cfg, ws, p = self.cfg, self.ws, f"blk.{layer}."
+        t = x.shape[0]
+        h, qkv = ws.h[:t], ws.qkv[:t]
+        self._norm(x, p + "attn_norm.weight", h)
+        hq, hk, d = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim, cfg.head_dim
+        names = [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]
+        cols = [0, hq, hq + hk]
+        biases = [p + "attn_q.bias", p + "attn_k.bias", p + "attn_v.bias"] if cfg.attn_bias else [None] * 3
+        ld = qkv.strides[0] // 4
+        if self._small(t):
+            L.mmv(self.k, [self.w.mat(n) for n in names], [(qkv.data.ptr + 4 * c, ld) for c in cols],
+                  [self.w.vec(b).data.ptr if b else None for b in biases], h.data.ptr, h.strides[0] // 4, t, 0)
+        else:
+            for n, c, b in zip(names, cols, biases):
+                out = qkv[:, c:]
+                self._gemm(h, n, out, accumulate=False)
+                if b:
+                    L.add_bias(self.k, out.data.ptr, ld, self.w.vec(b).data.ptr, self.w.mat(n).rows, t)
+        kc, vc = self.kv.layer(layer)
+        qn = self.w.vec(p + "attn_q_norm.weight").data.ptr if cfg.qk_norm else None
+        kn = self.w.vec(p + "attn_k_norm.weight").data.ptr if cfg.qk_norm else None
+        seq = ws.seq[:t]
+        L.rope_kv(self.k, qkv.data.ptr, ld, t, cfg.n_head, cfg.n_head_kv, d, cfg.head_dim_v, cfg.rope.n_dims,
+                  cfg.rope.style == ROPE_NEOX, qn, kn, cfg.rms_eps, self.inv_freq[cfg.rope_base(layer)].data.ptr,
+                  positions.data.ptr, seq.data.ptr, self.kv.table.data.ptr, self.kv.max_pages, self.kv.page_size,
+                  kc, vc)
+        return qkv
+
+    def attend(self, layer: int, q: cp.ndarray, positions: cp.ndarray) -> cp.ndarray:
+        cfg, ws = self.cfg, self.ws
+        t = q.shape[0]
+        out = ws.att[:t]
+        kc, vc = self.kv.layer(layer)
+        L.attention(self.k, q.data.ptr, q.strides[0] // 4, t, kc, vc, positions.data.ptr, ws.seq.data.ptr,
+                    self.kv.table.data.ptr, self.kv.max_pages, self.kv.page_size, cfg.n_head, cfg.n_head_kv,
+                    cfg.head_dim, cfg.attn_scale, cfg.attn_softcap or 0.0, cfg.layer_window[layer], n_splits(t),
+                    ws.part_o.data.ptr, ws.part_ml.data.ptr, out.data.ptr, out.strides[0] // 4)
+        return out
+
+    def _project_residual(self, a: cp.ndarray, name: str, x: cp.ndarray, post_norm: str | None) -> cp.ndarray:
+        """x += post_norm(W a) (no norm: straight into x)."""
+        t = a.shape[0]
+        target = self.ws.o[:t] if post_norm else x
+        if self._small(t):
+            L.mmv(self.k, [self.w.mat(name)], [(target.data.ptr, target.strides[0] // 4)], [None], a.data.ptr,
+                  a.strides[0] // 4, t, 0 if post_norm else 1)
+        else:
+            self._gemm(a, name, target, accumulate=not post_norm)
+        if post_norm:
+            self._norm(target, post_norm, x, res=x)
+        return x
+
+    def attn_out(self, x: cp.ndarray, a: cp.ndarray, layer: int) -> cp.ndarray:
+        p = f"blk.{layer}."
+        return self._project_residual(a, p + "attn_output.weight", x,
+                                      p + "post_attention_norm.weight" if self.cfg.post_norms else None)
+
+    def ffn(self, x: cp.ndarray, layer: int) -> cp.ndarray:
+        cfg, ws, p = self.cfg, self.ws, f"blk.{layer}."
+        t = x.shape[0]
+        h, g = ws.h[:t], ws.g[:t]
+        self._norm(x, p + "ffn_norm.weight", h)
+        gate, up = self.w.mat(p + "ffn_gate.weight"), self.w.mat(p + "ffn_up.weight")
+        post = p + "post_ffw_norm.weight" if cfg.post_norms else None
+        if self._small(t) and gate.type_id == up.type_id:
+            L.mmv_glu(self.k, gate, up, h.data.ptr, h.strides[0] // 4, t, cfg.activation, g.data.ptr,
+                      g.strides[0] // 4)
+            return self._project_residual(g, p + "ffn_down.weight", x, post)
+        if self._small(t):
+            u = ws.u[:t]
+            L.mmv(self.k, [gate], [(g.data.ptr, g.strides[0] // 4)], [None], h.data.ptr, h.strides[0] // 4, t, 0)
+            L.mmv(self.k, [up], [(u.data.ptr, u.strides[0] // 4)], [None], h.data.ptr, h.strides[0] // 4, t, 0)
+            L.glu(self.k, g.data.ptr, u.data.ptr, g.strides[0] // 4, cfg.n_ff, t, cfg.activation, g.data.ptr,
+                  g.strides[0] // 4)
+            return self._project_residual(g, p + "ffn_down.weight", x, post)
+        u = ws.u[:t]
+        self._gemm(h, p + "ffn_gate.weight", g, accumulate=False)
+        self._gemm(h, p + "ffn_up.weight", u, accumulate=False)
+        x16 = ws.x16
+        L.glu(self.k, g.data.ptr, u.data.ptr, g.strides[0] // 4, cfg.n_ff, t, cfg.activation, None, 0,
+              x16.data.ptr, x16.strides[0] // 2)
+        down = self.w.mat(p + "ffn_down.weight")
+        target = ws.o[:t] if post else x
+        self._gemm16(x16, t, down, target, accumulate=not post)
+        if post:
+            self._norm(target, post, x, res=x)
+        return x
+
+    def logits(self, x: cp.ndarray) -> cp.ndarray:
+        cfg, ws = self.cfg, self.ws
+        t = x.shape[0]
+        if t > ws.logits.shape[0]:
+            raise ValueError(f"logits for {t} rows requested; the workspace holds {ws.logits.shape[0]}")
+        h = ws.h[:t]
+        self._norm(x, "output_norm.weight", h)
+        head = self.w.mat(lm_head_name(cfg))
+        out = ws.logits[:t]
+        ld = out.strides[0] // 4
+        for s in range(0, t, L.MAX_MMV_TOKENS):
+            n = min(L.MAX_MMV_TOKENS, t - s)
+            L.mmv(self.k, [head], [(out[s:].data.ptr, ld)], [None], h[s:].data.ptr, h.strides[0] // 4, n, 0)
+        if cfg.final_softcap:
+            L.softcap(self.k, out.data.ptr, ld, cfg.n_vocab, t, cfg.final_softcap)
+        return out

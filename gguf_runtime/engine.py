@@ -1,0 +1,174 @@
+"""The engine: a loaded model (weights on a backend, tokenizer, chat template) that generates.
+
+It owns the token history that sits in the backend's KV cache, so a chat turn evaluates only
+the tokens after the longest common prefix with what is already cached.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+from .backends import select_backend
+from .chat import ChatTemplate
+from .errors import ContextOverflowError, GGUFRunError
+from .gguf_file import GGUFFile, open_gguf
+from .model_config import ModelConfig, config_from_gguf
+from .sampling import SamplingParams
+from .tokenizer import Tokenizer
+
+DEFAULT_CTX = 4096
+
+
+@dataclass
+class GenerationStats:
+    """The figures ``ollama run --verbose`` prints, in seconds and tokens."""
+
+    load_s: float = 0.0
+    prompt_tokens: int = 0
+    prompt_s: float = 0.0
+    eval_tokens: int = 0
+    eval_s: float = 0.0
+    total_s: float = 0.0
+    stop_reason: str = ""  # "stop" (end-of-generation token), "length" (n_predict), "context", "interrupted"
+
+    @property
+    def prompt_rate(self) -> float:
+        return self.prompt_tokens / self.prompt_s if self.prompt_s > 0 else 0.0
+
+    @property
+    def eval_rate(self) -> float:
+        return self.eval_tokens / self.eval_s if self.eval_s > 0 else 0.0
+
+
+@dataclass
+class Generation:
+    """Iterate to stream text pieces; ``ids`` and ``stats`` fill in as it runs."""
+
+    _pieces: Iterator[str]
+    ids: list[int] = field(default_factory=list)
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+    def __iter__(self) -> Iterator[str]:
+        return self._pieces
+
+    def text(self) -> str:
+        return "".join(self)
+
+
+class Engine:
+    def __init__(self, path: str | os.PathLike, backend: str = "auto", n_ctx: int | None = None,
+                 progress: Callable[[str, int, int], None] | None = None,
+                 note: Callable[[str], None] | None = None) -> None:
+        t0 = time.perf_counter()
+        self.path = os.fspath(path)
+        self.gguf: GGUFFile = open_gguf(self.path)
+        self.cfg: ModelConfig = config_from_gguf(self.gguf)
+        self.tokenizer = Tokenizer.from_metadata(self.gguf.metadata)
+        self.template = ChatTemplate.from_metadata(self.gguf.metadata)
+        if n_ctx is None:
+            n_ctx = min(DEFAULT_CTX, self.cfg.n_ctx_train)
+        if n_ctx < 8:
+            raise GGUFRunError(f"context size {n_ctx} is too small; use --ctx-size 8 or more")
+        self.n_ctx = n_ctx
+        self.backend = select_backend(backend, self.gguf, self.cfg, n_ctx, progress=progress, note=note)
+        self.cached: list[int] = []  # tokens whose K/V sit in the backend's cache, in order
+        self.load_s = time.perf_counter() - t0
+
+    # ---- prompts -----------------------------------------------------------------------------
+    @property
+    def has_template(self) -> bool:
+        return not self.template.is_fallback
+
+    def encode_raw(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special=True, parse_special=False)
+
+    def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
+        text = self.template.render(list(messages), add_generation_prompt=add_generation_prompt)
+        ids = self.tokenizer.encode(text, add_special=True, parse_special=True)
+        bos = self.tokenizer.bos_id
+        if len(ids) >= 2 and ids[0] == bos and ids[1] == bos:  # template wrote BOS itself
+            ids = ids[1:]
+        return ids
+
+    # ---- generation --------------------------------------------------------------------------
+    def check_fits(self, n_prompt: int) -> None:
+        if n_prompt >= self.n_ctx:
+            raise ContextOverflowError(
+                f"the prompt is {n_prompt} tokens but the context holds {self.n_ctx}; "
+                "raise --ctx-size or shorten the prompt")
+
+    def generate(self, prompt_ids: Sequence[int], n_predict: int = 128,
+                 params: SamplingParams | None = None, stop_ids: frozenset[int] | None = None) -> Generation:
+        """Stream the continuation of ``prompt_ids`` (evaluating only what isn't cached)."""
+        params = params or SamplingParams()
+        params.validate()
+        prompt_ids = list(prompt_ids)
+        if not prompt_ids:
+            raise GGUFRunError("the prompt is empty after tokenization; give some text")
+        self.check_fits(len(prompt_ids))
+        stop = self.tokenizer.eog_ids if stop_ids is None else stop_ids
+        gen = Generation(iter(()))
+        gen._pieces = self._run(prompt_ids, n_predict, params, stop, gen)
+        return gen
+
+    def _run(self, prompt_ids: list[int], n_predict: int, params: SamplingParams,
+             stop: frozenset[int], gen: Generation) -> Iterator[str]:
+        st = gen.stats
+        st.load_s = self.load_s
+        t0 = time.perf_counter()
+        keep = _common_prefix(self.cached, prompt_ids)
+        if keep == len(prompt_ids):  # the whole prompt is cached: re-evaluate its last token
+            keep -= 1
+        self.backend.truncate(keep)
+        del self.cached[keep:]
+        new = prompt_ids[keep:]
+        st.prompt_tokens = len(new)
+        self.backend.prefill(new)
+        self.cached.extend(new)
+        t1 = time.perf_counter()
+        st.prompt_s = t1 - t0
+        decoder = self.tokenizer.stream_decoder()
+        budget = min(n_predict if n_predict >= 0 else self.n_ctx, self.n_ctx - len(self.cached))
+        st.stop_reason = "length" if budget == n_predict else "context"
+        history = list(prompt_ids)
+        try:
+            for tok in self.backend.sample_loop(budget, params, history, stop):
+                if tok in stop:
+                    st.stop_reason = "stop"
+                    break
+                gen.ids.append(tok)
+                history.append(tok)
+                self.cached.append(tok)
+                st.eval_tokens += 1
+                piece = decoder.add(tok)
+                if piece:
+                    yield piece
+        except KeyboardInterrupt:
+            st.stop_reason = "interrupted"
+            raise
+        finally:
+            # keep exactly the tokens whose K/V the backend holds (it may have run ahead, or not
+            # yet evaluated the last accepted token)
+            n = min(self.backend.n_past, len(self.cached))
+            del self.cached[n:]
+            self.backend.truncate(n)
+            st.eval_s = time.perf_counter() - t1
+            st.total_s = time.perf_counter() - t0 + self.load_s
+        tail = decoder.flush()
+        if tail:
+            yield tail
+
+    def reset(self) -> None:
+        self.backend.truncate(0)
+        self.cached.clear()
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

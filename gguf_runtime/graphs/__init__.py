@@ -1,0 +1,5 @@
+"""CUDA graph capture and replay (knows no model)."""
+
+from .manager import GraphManager
+
+__all__ = ["GraphManager"]

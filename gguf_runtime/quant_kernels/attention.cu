@@ -1,0 +1,104 @@
+// Attention over the paged KV cache with a fixed grid: (kv head, split, query token).
+//
+// Each query token t attends to positions [lo, pos[t]] (lo > 0 only for sliding-window layers),
+// cut into n_split equal chunks computed in-kernel, so the launch does not depend on the context
+// length. A block (4 warps) runs an online softmax over its chunk for the G = n_head / n_head_kv
+// query heads that share the KV head, and writes (max, sum, weighted V) per head; attn_reduce
+// merges the splits. The same kernels serve decode (one token per sequence) and prefill.
+#include "common.cuh"
+
+template <int D, int G>
+__global__ void __launch_bounds__(128) attn_split(
+        const float* __restrict__ q, int ldq, const float* __restrict__ kcache, const float* __restrict__ vcache,
+        const int* __restrict__ pos, const int* __restrict__ seq, const int* __restrict__ table, int max_pages,
+        int page_size, int n_head_kv, float scale, float cap, int window, int n_split,
+        float* __restrict__ part_o, float* __restrict__ part_ml) {
+    constexpr int E = D / 32;
+    const int hk = blockIdx.x, s = blockIdx.y, t = blockIdx.z;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int n_head = n_head_kv * G;
+    const int p = pos[t];
+    const int lo = window > 0 ? max(0, p - window + 1) : 0;
+    const int n = p + 1 - lo, chunk = (n + n_split - 1) / n_split;
+    const int start = lo + s * chunk, end = min(p + 1, start + chunk);
+    const int* tab = table + (long)seq[t] * max_pages;
+
+    float qv[G][E], acc[G][E], m[G], l[G];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        const float* qh = q + (long)t * ldq + (hk * G + g) * D;
+#pragma unroll
+        for (int e = 0; e < E; ++e) { qv[g][e] = qh[lane + 32 * e] * scale; acc[g][e] = 0.f; }
+        m[g] = -INFINITY; l[g] = 0.f;
+    }
+    for (int key = start + warp; key < end; key += 4) {
+        const long base = (((long)tab[key / page_size] * n_head_kv + hk) * page_size + key % page_size) * D;
+        float kv[E], vv[E];
+#pragma unroll
+        for (int e = 0; e < E; ++e) { kv[e] = kcache[base + lane + 32 * e]; vv[e] = vcache[base + lane + 32 * e]; }
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            float sc = 0.f;
+#pragma unroll
+            for (int e = 0; e < E; ++e) sc = fmaf(qv[g][e], kv[e], sc);
+            sc = warp_sum(sc);
+            if (cap > 0.f) sc = cap * tanhf(sc / cap);
+            const float mn = fmaxf(m[g], sc), corr = __expf(m[g] - mn), pe = __expf(sc - mn);
+            l[g] = l[g] * corr + pe;
+#pragma unroll
+            for (int e = 0; e < E; ++e) acc[g][e] = fmaf(acc[g][e], corr, pe * vv[e]);
+            m[g] = mn;
+        }
+    }
+    // merge the 4 warps
+    __shared__ float sm[4][G], sl[4][G], so[4][G][D];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        if (lane == 0) { sm[warp][g] = m[g]; sl[warp][g] = l[g]; }
+#pragma unroll
+        for (int e = 0; e < E; ++e) so[warp][g][lane + 32 * e] = acc[g][e];
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
+        const int g = idx / D, e = idx % D;
+        float M = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < 4; ++w) M = fmaxf(M, sm[w][g]);
+        float L = 0.f, O = 0.f;
+        if (M > -INFINITY) {
+#pragma unroll
+            for (int w = 0; w < 4; ++w) {
+                const float f = __expf(sm[w][g] - M);
+                L += sl[w][g] * f;
+                O += so[w][g][e] * f;
+            }
+        }
+        const long slot = ((long)t * n_head + hk * G + g) * n_split + s;
+        part_o[slot * D + e] = O;
+        if (e == 0) { part_ml[2 * slot] = M; part_ml[2 * slot + 1] = L; }
+    }
+}
+
+// out[t, h*Dv : (h+1)*Dv] = merged splits; one block per (t, h), blockDim = Dv
+extern "C" __global__ void attn_reduce(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                                       int n_split, int n_head, int dv, float* out, int ldo) {
+    const int t = blockIdx.x, h = blockIdx.y, e = threadIdx.x;
+    const long slot0 = ((long)t * n_head + h) * n_split;
+    float M = -INFINITY;
+    for (int s = 0; s < n_split; ++s) M = fmaxf(M, part_ml[2 * (slot0 + s)]);
+    float L = 0.f, O = 0.f;
+    for (int s = 0; s < n_split; ++s) {
+        const float ms = part_ml[2 * (slot0 + s)];
+        if (ms == -INFINITY) continue;
+        const float f = __expf(ms - M);
+        L += part_ml[2 * (slot0 + s) + 1] * f;
+        O += part_o[(slot0 + s) * dv + e] * f;
+    }
+    if (e < dv) out[(long)t * ldo + h * dv + e] = O / L;
+}
+
+#ifdef GGUF_INSTANTIATE_ALL
+#define INST(D, G) template __global__ void attn_split<D, G>(const float*, int, const float*, const float*, \
+    const int*, const int*, const int*, int, int, int, float, float, int, int, float*, float*);
+INST(64, 1) INST(64, 3) INST(128, 4) INST(256, 4) INST(128, 8) INST(256, 8)
+#endif

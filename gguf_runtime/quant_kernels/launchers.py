@@ -1,0 +1,277 @@
+"""Thin typed launchers for the kernels in this folder (NVRTC through ``cupy.RawModule``).
+
+Every launcher takes device pointers as ints and sizes as ints, converts them to the exact C
+types, and launches on CuPy's current stream, so launches can be recorded by stream capture.
+Modules compile once per set of kernel names (CuPy caches the binaries on disk).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import cupy as cp
+import numpy as np
+
+from .formats import FORMATS
+
+SRC_DIR = os.path.dirname(os.path.abspath(__file__))
+OPTIONS = ("-std=c++17", f"-I{SRC_DIR}")
+TYPE_STRUCT = {"F32": "TF32", "F16": "TF16", "BF16": "TBF16", "Q4_0": "TQ4_0", "Q4_1": "TQ4_1",
+               "Q5_0": "TQ5_0", "Q5_1": "TQ5_1", "Q8_0": "TQ8_0", "Q2_K": "TQ2_K", "Q3_K": "TQ3_K",
+               "Q4_K": "TQ4_K", "Q5_K": "TQ5_K", "Q6_K": "TQ6_K"}
+UNIT_ELEMS = {"TF32": 16, "TF16": 16, "TBF16": 16, "TQ4_0": 32, "TQ4_1": 32, "TQ5_0": 32, "TQ5_1": 32,
+              "TQ8_0": 32, "TQ2_K": 64, "TQ3_K": 64, "TQ4_K": 32, "TQ5_K": 32, "TQ6_K": 64}
+MAX_MMV_TOKENS = 8
+ACT = {"silu": 0, "gelu_tanh": 1}
+
+
+def i32(v: int) -> np.int32:
+    return np.int32(v)
+
+
+def f32(v: float) -> np.float32:
+    return np.float32(v)
+
+
+def ptr(v) -> np.uint64:
+    """A device pointer argument from an int, a cupy array or None (null)."""
+    if v is None:
+        return np.uint64(0)
+    if isinstance(v, cp.ndarray):
+        return np.uint64(v.data.ptr)
+    return np.uint64(int(v))
+
+
+@dataclass(frozen=True)
+class Mat:
+    """A repacked matrix on the device: plane pointers (0 when absent), shape, type."""
+
+    type_id: int
+    rows: int
+    cols: int
+    qs: int
+    qh: int = 0
+    sc: int = 0
+    d: int = 0
+
+    @property
+    def struct(self) -> str:
+        return TYPE_STRUCT[FORMATS[self.type_id].name]
+
+    @property
+    def planes(self) -> tuple[np.uint64, ...]:
+        return (ptr(self.qs), ptr(self.qh), ptr(self.sc), ptr(self.d))
+
+
+@functools.lru_cache(maxsize=None)
+def _source(filename: str) -> str:
+    with open(os.path.join(SRC_DIR, filename)) as fh:
+        return fh.read()
+
+
+class Kernels:
+    """Compiled kernels; names are C++ name expressions, e.g. ``embed_rows<TQ8_0>``."""
+
+    def __init__(self) -> None:
+        self._modules: dict[tuple[str, tuple[str, ...]], cp.RawModule] = {}
+        self._fns: dict[tuple[str, str], "_Counted"] = {}
+        self.launches = 0  # kernel launches issued from the host so far
+
+    def prepare(self, filename: str, names: Sequence[str]) -> None:
+        """Compile ``names`` of ``filename`` in one NVRTC pass (templates need their names)."""
+        todo = tuple(sorted({n for n in names if (filename, n) not in self._fns}))
+        if not todo:
+            return
+        templates = tuple(n for n in todo if "<" in n)
+        mod = cp.RawModule(code=_source(filename), options=OPTIONS, name_expressions=templates or None)
+        mod.compile()
+        self._modules[(filename, todo)] = mod
+        for n in todo:
+            self._fns[(filename, n)] = _Counted(mod.get_function(n), self)
+
+    def fn(self, filename: str, name: str) -> "_Counted":
+        f = self._fns.get((filename, name))
+        if f is None:
+            self.prepare(filename, [name])
+            f = self._fns[(filename, name)]
+        return f
+
+
+class _Counted:
+    """A kernel that counts its launches on its Kernels (to prove graph replay launches none)."""
+
+    __slots__ = ("kernel", "owner")
+
+    def __init__(self, kernel: cp.RawKernel, owner: Kernels) -> None:
+        self.kernel, self.owner = kernel, owner
+
+    def __call__(self, grid, block, args) -> None:
+        self.owner.launches += 1
+        self.kernel(grid, block, args)
+
+
+# ---- name expressions ----------------------------------------------------------------------------
+def mmv_name(structs: Sequence[str], b: int, r: int, mode: int) -> str:
+    s = list(structs) + [structs[0]] * (3 - len(structs))
+    return f"mmv_group<{s[0]}, {s[1]}, {s[2]}, {b}, {r}, {mode}>"
+
+
+def glu_name(struct: str, b: int, act: int) -> str:
+    return f"mmv_glu<{struct}, {b}, {act}>"
+
+
+def rows_per_warp(rows: Sequence[int], b: int) -> int:
+    return 2 if b <= 2 and all(n % 2 == 0 for n in rows) else 1
+
+
+# ---- launchers ----------------------------------------------------------------------------------
+MMV_TOKENS = (8, 4, 2, 1)  # compiled token counts; other counts run as a sum of these
+
+
+def token_chunks(b: int) -> list[tuple[int, int]]:
+    """(first row, rows) pieces of b rows, each a compiled token count."""
+    out, row = [], 0
+    for n in MMV_TOKENS:
+        while b - row >= n:
+            out.append((row, n))
+            row += n
+    return out
+
+
+def mmv(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases: Sequence[int | None],
+        x: int, ldx: int, b: int, mode: int) -> None:
+    """y_i[t, :] (=|+=) W_i x[t, :] (+ bias_i) for up to 3 matrices sharing x; t < b <= 8."""
+    assert 1 <= len(mats) <= 3 and 1 <= b <= MAX_MMV_TOKENS
+    cols = mats[0].cols
+    total = sum(m.rows for m in mats)
+    for row, n in token_chunks(b):
+        r = rows_per_warp([m.rows for m in mats], n)
+        fn = k.fn("matvec.cu", mmv_name([m.struct for m in mats], n, r, mode))
+        args: list = []
+        for i in range(3):
+            if i < len(mats):
+                m, (y, ldy), bias = mats[i], outs[i], biases[i]
+                args += [*m.planes, i32(m.rows), ptr(y + 4 * row * ldy), i32(ldy), ptr(bias)]
+            else:
+                args += [ptr(0)] * 4 + [i32(0), ptr(0), i32(0), ptr(0)]
+        warps = (total + r - 1) // r
+        fn(((warps + 3) // 4,), (128,), (*args, ptr(x + 4 * row * ldx), i32(ldx), i32(cols)))
+
+
+def mmv_glu(k: Kernels, gate: Mat, up: Mat, x: int, ldx: int, b: int, act: str, y: int, ldy: int) -> None:
+    """y[t, :] = act(G x[t]) * (U x[t]) for t < b <= 8."""
+    for row, n in token_chunks(b):
+        fn = k.fn("matvec.cu", glu_name(gate.struct, n, ACT[act]))
+        fn(((gate.rows + 3) // 4,), (128,),
+           (*gate.planes, *up.planes, i32(gate.rows), ptr(x + 4 * row * ldx), i32(ldx), i32(gate.cols),
+            ptr(y + 4 * row * ldy), i32(ldy)))
+
+
+def embed(k: Kernels, table: Mat, tokens: int, n: int, x: int, ldx: int, scale: float) -> None:
+    fn = k.fn("matvec.cu", f"embed_rows<{table.struct}>")
+    fn((n,), (128,), (*table.planes, i32(table.cols), ptr(tokens), i32(table.rows), ptr(x), i32(ldx), f32(scale)))
+
+
+def dequant_f16(k: Kernels, m: Mat, out: int) -> None:
+    fn = k.fn("matvec.cu", f"dequant_f16<{m.struct}>")
+    units = m.rows * (m.cols // UNIT_ELEMS[m.struct])
+    fn(((units + 255) // 256,), (256,), (*m.planes, i32(m.rows), i32(m.cols), ptr(out)))
+
+
+def rmsnorm(k: Kernels, x: int, ldx: int, w: int, y: int, ldy: int, rows: int, n: int, eps: float,
+            res: int | None = None, ldr: int = 0) -> None:
+    threads = 1024 if n >= 4096 else 256
+    k.fn("layers.cu", "rmsnorm")((rows,), (threads,),
+                                 (ptr(x), i32(ldx), ptr(w), ptr(y), i32(ldy), ptr(res), i32(ldr), i32(n), f32(eps)))
+
+
+def rope_kv(k: Kernels, qkv: int, ld: int, rows: int, n_head: int, n_head_kv: int, head_dim: int, head_dim_v: int,
+            n_rot: int, neox: bool, qnw: int | None, knw: int | None, eps: float, inv_freq: int, pos: int, seq: int,
+            table: int, max_pages: int, page_size: int, kcache: int, vcache: int) -> None:
+    threads = max(head_dim, head_dim_v)
+    k.fn("layers.cu", "rope_kv")(
+        (rows, n_head + 2 * n_head_kv), (threads,),
+        (ptr(qkv), i32(ld), i32(n_head), i32(n_head_kv), i32(head_dim), i32(head_dim_v), i32(n_rot), i32(neox),
+         ptr(qnw), ptr(knw), f32(eps), ptr(inv_freq), ptr(pos), ptr(seq), ptr(table), i32(max_pages),
+         i32(page_size), ptr(kcache), ptr(vcache)))
+
+
+def attention(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache: int, pos: int, seq: int, table: int,
+              max_pages: int, page_size: int, n_head: int, n_head_kv: int, head_dim: int, scale: float, cap: float,
+              window: int, n_split: int, part_o: int, part_ml: int, out: int, ldo: int) -> None:
+    g = n_head // n_head_kv
+    split = k.fn("attention.cu", f"attn_split<{head_dim}, {g}>")
+    split((n_head_kv, n_split, rows), (128,),
+          (ptr(q), i32(ldq), ptr(kcache), ptr(vcache), ptr(pos), ptr(seq), ptr(table), i32(max_pages),
+           i32(page_size), i32(n_head_kv), f32(scale), f32(cap), i32(window), i32(n_split), ptr(part_o),
+           ptr(part_ml)))
+    k.fn("attention.cu", "attn_reduce")((rows, n_head), (head_dim,),
+                                        (ptr(part_o), ptr(part_ml), i32(n_split), i32(n_head), i32(head_dim),
+                                         ptr(out), i32(ldo)))
+
+
+def _grid(n: int, threads: int = 256) -> tuple[tuple[int], tuple[int]]:
+    return ((n + threads - 1) // threads,), (threads,)
+
+
+def glu(k: Kernels, g: int, u: int, ld: int, n: int, rows: int, act: str, y: int | None, ldy: int,
+        out16: int | None = None, ld16: int = 0) -> None:
+    k.fn("layers.cu", "glu")(*_grid(rows * n), (ptr(g), ptr(u), i32(ld), i32(n), i32(rows), i32(ACT[act]), ptr(y),
+                                                i32(ldy), ptr(out16), i32(ld16)))
+
+
+def to_f16(k: Kernels, x: int, ldx: int, n: int, rows: int, out: int, ldo: int) -> None:
+    k.fn("layers.cu", "to_f16")(*_grid(rows * n), (ptr(x), i32(ldx), i32(n), i32(rows), ptr(out), i32(ldo)))
+
+
+def add_bias(k: Kernels, y: int, ldy: int, b: int, n: int, rows: int) -> None:
+    k.fn("layers.cu", "add_bias")(*_grid(rows * n), (ptr(y), i32(ldy), ptr(b), i32(n), i32(rows)))
+
+
+def softcap(k: Kernels, x: int, ld: int, n: int, rows: int, cap: float) -> None:
+    k.fn("layers.cu", "softcap")(*_grid(rows * n), (ptr(x), i32(ld), i32(n), i32(rows), f32(cap)))
+
+
+@dataclass(frozen=True)
+class SamplerState:
+    """Device pointers of the per-sequence sampling state (see sampling.cu)."""
+
+    tokens: int
+    pos: int
+    hist: int
+    hist_n: int
+    step: int
+    ring: int  # mapped host memory, [ring_len, n_seq] int32
+    ring_len: int
+    n_seq: int
+    pval: int  # argmax partials [n_seq, ARGMAX_BLOCKS]
+    pidx: int
+    counter: int
+
+
+ARGMAX_BLOCKS = 32
+
+
+def repeat_penalty(k: Kernels, logits: int, ld: int, n_vocab: int, st: SamplerState, rows: int, last_n: int,
+                   penalty: float) -> None:
+    k.fn("sampling.cu", "repeat_penalty")((rows,), (64,), (ptr(logits), i32(ld), ptr(st.hist), ptr(st.hist_n),
+                                                           i32(last_n), f32(penalty), i32(n_vocab)))
+
+
+def argmax_sample(k: Kernels, logits: int, ld: int, n_vocab: int, st: SamplerState, rows: int) -> None:
+    k.fn("sampling.cu", "argmax_sample")(
+        (ARGMAX_BLOCKS, rows), (1024,),
+        (ptr(logits), i32(ld), i32(n_vocab), ptr(st.pval), ptr(st.pidx), ptr(st.counter), ptr(st.tokens),
+         ptr(st.pos), ptr(st.hist), ptr(st.hist_n), ptr(st.step), ptr(st.ring), i32(st.ring_len), i32(st.n_seq)))
+
+
+def topk_sample(k: Kernels, logits: int, ld: int, n_vocab: int, st: SamplerState, rows: int, top_k: int,
+                top_p: float, min_p: float, temp: float, seed: int) -> None:
+    k.fn("sampling.cu", "topk_sample")(
+        (rows,), (1024,),
+        (ptr(logits), i32(ld), i32(n_vocab), i32(top_k), f32(top_p), f32(min_p), f32(temp), np.uint64(seed),
+         ptr(st.tokens), ptr(st.pos), ptr(st.hist), ptr(st.hist_n), ptr(st.step), ptr(st.ring),
+         i32(st.ring_len), i32(st.n_seq)))

@@ -1,0 +1,105 @@
+// Normalization, RoPE + KV-cache write, and elementwise kernels (f32 activations).
+//
+// Positions come from device memory (pos[t]), and KV pages from a block table, so one launch
+// configuration serves every position: these kernels can sit inside a replayed CUDA graph.
+// KV cache layout, per layer: [pages][n_head_kv][page_size][head_dim].
+#include "common.cuh"
+
+// y[t] = (res ? res[t] : 0) + x[t] * rsqrt(mean(x[t]^2) + eps) * w   (one block per row t)
+extern "C" __global__ void rmsnorm(const float* __restrict__ x, int ldx, const float* __restrict__ w,
+                                   float* y, int ldy, const float* res, int ldr, int n, float eps) {
+    __shared__ float scratch[32];
+    const float* xr = x + (long)blockIdx.x * ldx;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += xr[i] * xr[i];
+    ss = block_sum(ss, scratch);
+    const float k = rsqrtf(ss / (float)n + eps);
+    float* yr = y + (long)blockIdx.x * ldy;
+    const float* rr = res ? res + (long)blockIdx.x * ldr : nullptr;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const float v = xr[i] * k * w[i];
+        yr[i] = rr ? rr[i] + v : v;
+    }
+}
+
+// One block per (token t, head h) over the fused QKV rows [q heads | k heads | v heads], blockDim
+// = head_dim. Q and K heads: optional per-head RMSNorm (qnw/knw non-null), then RoPE (the first
+// n_rot dims; neox: pairs (i, i + n_rot/2), else (2i, 2i+1)); Q is written back in place, K into
+// the cache slot of pos[t]; V heads are copied into the cache.
+extern "C" __global__ void rope_kv(float* qkv, int ldqkv, int n_head, int n_head_kv, int head_dim,
+                                   int head_dim_v, int n_rot, int neox, const float* __restrict__ qnw,
+                                   const float* __restrict__ knw, float eps,
+                                   const double* __restrict__ inv_freq, const int* __restrict__ pos,
+                                   const int* __restrict__ seq, const int* __restrict__ table, int max_pages,
+                                   int page_size, float* kcache, float* vcache) {
+    __shared__ float xs[512];
+    __shared__ float scratch[32];
+    const int t = blockIdx.x, h = blockIdx.y, i = threadIdx.x;
+    const int p = pos[t];
+    const int page = table[(long)seq[t] * max_pages + p / page_size], slot = p % page_size;
+    float* row = qkv + (long)t * ldqkv;
+    if (h >= n_head + n_head_kv) {  // V head: copy into the cache
+        const int hv = h - n_head - n_head_kv;
+        if (i < head_dim_v)
+            vcache[(((long)page * n_head_kv + hv) * page_size + slot) * head_dim_v + i] =
+                row[(n_head + n_head_kv) * head_dim + hv * head_dim_v + i];
+        return;
+    }
+    const bool is_q = h < n_head;
+    float* src = row + (is_q ? h * head_dim : n_head * head_dim + (h - n_head) * head_dim);
+    float v = i < head_dim ? src[i] : 0.f;
+    const float* nw = is_q ? qnw : knw;
+    if (nw) {
+        const float ss = block_sum(v * v, scratch);
+        if (i < head_dim) v = v * rsqrtf(ss / (float)head_dim + eps) * nw[i];
+    }
+    xs[i] = v;
+    __syncthreads();
+    if (i < n_rot) {
+        int j, partner; bool first;
+        if (neox) { const int half = n_rot / 2; first = i < half; j = first ? i : i - half; partner = first ? i + half : i - half; }
+        else { j = i >> 1; first = (i & 1) == 0; partner = i ^ 1; }
+        double s, c;
+        sincos((double)p * inv_freq[j], &s, &c);
+        const float cf = (float)c, sf = (float)s, o = xs[partner];
+        v = first ? v * cf - o * sf : o * sf + v * cf;
+    }
+    if (i >= head_dim) return;
+    if (is_q) src[i] = v;
+    else kcache[(((long)page * n_head_kv + (h - n_head)) * page_size + slot) * head_dim + i] = v;
+}
+
+// y[t, i] = act(g[t, i]) * u[t, i]; ACT 0 = SiLU, 1 = GELU (tanh); writes f16 when out16 != null
+extern "C" __global__ void glu(const float* __restrict__ g, const float* __restrict__ u, int ld, int n, int rows,
+                               int act, float* y, int ldy, u16* out16, int ld16) {
+    const long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long)rows * n) return;
+    const int t = (int)(idx / n), i = (int)(idx % n);
+    const float gv = g[(long)t * ld + i];
+    const float v = (act == 0 ? silu_f(gv) : gelu_tanh_f(gv)) * u[(long)t * ld + i];
+    if (out16) out16[(long)t * ld16 + i] = f2h(v);
+    else y[(long)t * ldy + i] = v;
+}
+
+// out16[t, i] = f16(x[t, i])
+extern "C" __global__ void to_f16(const float* __restrict__ x, int ldx, int n, int rows, u16* out, int ldo) {
+    const long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long)rows * n) return;
+    const int t = (int)(idx / n), i = (int)(idx % n);
+    out[(long)t * ldo + i] = f2h(x[(long)t * ldx + i]);
+}
+
+// y[t, i] += b[i]
+extern "C" __global__ void add_bias(float* y, int ldy, const float* __restrict__ b, int n, int rows) {
+    const long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long)rows * n) return;
+    y[(idx / n) * ldy + idx % n] += b[idx % n];
+}
+
+// x = cap * tanh(x / cap)
+extern "C" __global__ void softcap(float* x, int ld, int n, int rows, float cap) {
+    const long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long)rows * n) return;
+    float* p = x + (idx / n) * ld + idx % n;
+    *p = cap * tanhf(*p / cap);
+}

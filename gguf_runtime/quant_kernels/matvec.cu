@@ -1,0 +1,172 @@
+// Dequantizing matrix-vector products for 1..8 tokens, embedding lookup, and dequantization
+// to f16 (the prefill GEMM path). Weights are repacked planes (repack.py); x and y are f32.
+//
+// A warp owns R rows; each lane walks the row's units (quant_types.cuh) 32 apart, decoding 16
+// weights at a time and reusing each 16-float slice of x for all R rows and B tokens.
+#include "quant_types.cuh"
+
+#define PLANES(i) const u8* qs##i, const u8* qh##i, const u8* sc##i, const u8* d##i
+#define MAT(i, T) Mat{qs##i, qh##i, sc##i, d##i, K / T::BLOCK}
+
+template <class T, int B, int R>
+DEV void mmv_accum(const Mat (&m)[R], const int (&row)[R], int K, const float* __restrict__ x, int ldx,
+                   float (&acc)[R][B]) {
+    const int lane = threadIdx.x & 31, units = K / T::UE;
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int b = 0; b < B; ++b) acc[r][b] = 0.f;
+    for (int u = lane; u < units; u += 32) {
+        typename T::Raw raw[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) T::load(m[r], row[r], u, raw[r]);
+#pragma unroll
+        for (int p = 0; p < T::NP; ++p) {
+            const int off = T::xoff(u, p);
+            float xv[B][16];
+#pragma unroll
+            for (int b = 0; b < B; ++b) {
+                const float4* xp = reinterpret_cast<const float4*>(x + (long)b * ldx + off);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const float4 t = xp[i];
+                    xv[b][4 * i] = t.x; xv[b][4 * i + 1] = t.y; xv[b][4 * i + 2] = t.z; xv[b][4 * i + 3] = t.w;
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                float w[16];
+                T::piece(raw[r], p, w);
+#pragma unroll
+                for (int b = 0; b < B; ++b) {
+                    float s = 0.f;
+#pragma unroll
+                    for (int i = 0; i < 16; ++i) s = fmaf(w[i], xv[b][i], s);
+                    acc[r][b] += s;
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int b = 0; b < B; ++b) acc[r][b] = warp_sum(acc[r][b]);
+}
+
+// MODE 0: y = W x (+ bias)   MODE 1: y += W x (the residual add)
+template <class T, int B, int R, int MODE>
+DEV void mmv_segment(const Mat& mat, int n, int row0, const float* x, int ldx, int K, float* y, int ldy,
+                     const float* bias) {
+    Mat m[R]; int row[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) { m[r] = mat; row[r] = min(row0 + r, n - 1); }
+    float acc[R][B];
+    mmv_accum<T, B, R>(m, row, K, x, ldx, acc);
+    if ((threadIdx.x & 31) != 0) return;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        if (row0 + r >= n) break;
+        const float bv = bias ? bias[row0 + r] : 0.f;
+#pragma unroll
+        for (int b = 0; b < B; ++b) {
+            float* out = y + (long)b * ldy + row0 + r;
+            if (MODE == 1) *out += acc[r][b];
+            else *out = acc[r][b] + bv;
+        }
+    }
+}
+
+// Up to three matrices that multiply the same x (Q, K and V), each of its own type; warps are
+// assigned rows of segment 0, then 1, then 2. Each segment's row count is a multiple of R.
+template <class T0, class T1, class T2, int B, int R, int MODE>
+__global__ void __launch_bounds__(128) mmv_group(
+        PLANES(0), int n0, float* y0, int ldy0, const float* bias0,
+        PLANES(1), int n1, float* y1, int ldy1, const float* bias1,
+        PLANES(2), int n2, float* y2, int ldy2, const float* bias2,
+        const float* __restrict__ x, int ldx, int K) {
+    int row0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * R;
+    if (row0 < n0) { mmv_segment<T0, B, R, MODE>(MAT(0, T0), n0, row0, x, ldx, K, y0, ldy0, bias0); return; }
+    row0 -= n0;
+    if (row0 < n1) { mmv_segment<T1, B, R, MODE>(MAT(1, T1), n1, row0, x, ldx, K, y1, ldy1, bias1); return; }
+    row0 -= n1;
+    if (row0 < n2) { mmv_segment<T2, B, R, MODE>(MAT(2, T2), n2, row0, x, ldx, K, y2, ldy2, bias2); }
+}
+
+// Gate and up projections in one pass, y = act(gate x) * (up x); ACT 0 = SiLU, 1 = GELU (tanh).
+template <class T, int B, int ACT>
+__global__ void __launch_bounds__(128) mmv_glu(PLANES(0), PLANES(1), int n, const float* __restrict__ x,
+                                               int ldx, int K, float* y, int ldy) {
+    const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (r >= n) return;
+    const Mat m[2] = {MAT(0, T), MAT(1, T)};
+    const int row[2] = {r, r};
+    float acc[2][B];
+    mmv_accum<T, B, 2>(m, row, K, x, ldx, acc);
+    if ((threadIdx.x & 31) != 0) return;
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+        const float g = acc[0][b];
+        y[(long)b * ldy + r] = (ACT == 0 ? silu_f(g) : gelu_tanh_f(g)) * acc[1][b];
+    }
+}
+
+// x[t] = scale * row tokens[t] of the embedding matrix (one block per token).
+template <class T>
+__global__ void embed_rows(PLANES(0), int K, const int* __restrict__ tokens, int n_vocab, float* x, int ldx,
+                           float scale) {
+    const Mat m = MAT(0, T);
+    int tok = tokens[blockIdx.x];
+    tok = tok < 0 ? 0 : (tok >= n_vocab ? n_vocab - 1 : tok);
+    float* out = x + (long)blockIdx.x * ldx;
+    for (int u = threadIdx.x; u < K / T::UE; u += blockDim.x) {
+        typename T::Raw raw;
+        T::load(m, tok, u, raw);
+#pragma unroll
+        for (int p = 0; p < T::NP; ++p) {
+            float w[16];
+            T::piece(raw, p, w);
+            float4* o = reinterpret_cast<float4*>(out + T::xoff(u, p));
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                o[i] = make_float4(w[4 * i] * scale, w[4 * i + 1] * scale, w[4 * i + 2] * scale, w[4 * i + 3] * scale);
+        }
+    }
+}
+
+// out[rows, K] (f16) = the dequantized matrix, for cuBLAS during prefill.
+template <class T>
+__global__ void dequant_f16(PLANES(0), int rows, int K, u16* __restrict__ out) {
+    const Mat m = MAT(0, T);
+    const int units = K / T::UE;
+    const long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long)rows * units) return;
+    const int row = (int)(idx / units), u = (int)(idx % units);
+    typename T::Raw raw;
+    T::load(m, row, u, raw);
+#pragma unroll
+    for (int p = 0; p < T::NP; ++p) {
+        float w[16];
+        T::piece(raw, p, w);
+        u32 packed[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) packed[i] = (u32)f2h(w[2 * i]) | ((u32)f2h(w[2 * i + 1]) << 16);
+        uint4* o = reinterpret_cast<uint4*>(out + (long)row * K + T::xoff(u, p));
+        o[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+        o[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+    }
+}
+
+#ifdef GGUF_INSTANTIATE_ALL  // nvcc syntax check in CI: one instantiation of each kernel per type
+#define INST(T)                                                                              \
+    template __global__ void mmv_group<T, T, T, 1, 2, 0>(PLANES(0), int, float*, int, const float*, \
+        PLANES(1), int, float*, int, const float*, PLANES(2), int, float*, int, const float*,       \
+        const float*, int, int);                                                             \
+    template __global__ void mmv_group<T, T, T, 8, 1, 1>(PLANES(0), int, float*, int, const float*, \
+        PLANES(1), int, float*, int, const float*, PLANES(2), int, float*, int, const float*,       \
+        const float*, int, int);                                                             \
+    template __global__ void mmv_glu<T, 4, 1>(PLANES(0), PLANES(1), int, const float*, int, int, float*, int); \
+    template __global__ void embed_rows<T>(PLANES(0), int, const int*, int, float*, int, float); \
+    template __global__ void dequant_f16<T>(PLANES(0), int, int, u16*);
+INST(TF32) INST(TF16) INST(TBF16) INST(TQ4_0) INST(TQ4_1) INST(TQ5_0) INST(TQ5_1) INST(TQ8_0)
+INST(TQ2_K) INST(TQ3_K) INST(TQ4_K) INST(TQ5_K) INST(TQ6_K)
+#endif

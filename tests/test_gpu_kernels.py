@@ -1,0 +1,290 @@
+"""Every CUDA kernel against the numpy reference, on fresh random inputs, outputs poisoned first.
+
+Run on the GPU machine: pytest -m gpu. Error measure: ||out - ref|| / ||ref|| with the reference
+in float64 (f32 kernels land far under 1e-4; f16 outputs under 1e-3).
+"""
+
+import math
+
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+from gguf_runtime.backend_numpy import apply_rope, gelu_tanh, silu  # noqa: E402
+from gguf_runtime.quant_kernels import launchers as L  # noqa: E402
+from gguf_runtime.quant_kernels.formats import BY_NAME, FORMATS, SUPPORTED  # noqa: E402
+from gguf_runtime.quant_kernels.reference import dequantize, random_blocks  # noqa: E402
+from gguf_runtime.quant_kernels.repack import repack  # noqa: E402
+from gguf_runtime.sampling import Sampler, SamplingParams, apply_repeat_penalty  # noqa: E402
+
+POISON = np.float32(np.nan)
+
+
+@pytest.fixture(scope="module")
+def k():
+    return L.Kernels()
+
+
+def rel(out, ref):
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    assert np.isfinite(out).all(), "non-finite output (unwritten or NaN)"
+    return np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)
+
+
+def upload(name, rows, cols, rng, keep):
+    t = BY_NAME[name]
+    raw = random_blocks(t, rows * cols, rng, scale=0.05)
+    w = dequantize(raw, t, (rows, cols)).astype(np.float64)
+    p = repack(raw, t, rows, cols)
+    dev = cp.asarray(p.buffer)
+    keep.append(dev)
+    b = dev.data.ptr
+    o = p.offsets
+    return L.Mat(t, rows, cols, b + o["qs"], b + o.get("qh", -b), b + o.get("sc", -b), b + o.get("d", -b)), w
+
+
+def cols_for(name, mult=3):
+    be = FORMATS[BY_NAME[name]].block_elems
+    return 256 * mult if be == 256 else (32 * (2 * mult + 1) if be == 32 else 16 * (4 * mult + 1))
+
+
+@pytest.mark.parametrize("name", SUPPORTED)
+@pytest.mark.parametrize("b", [1, 3, 8])
+def test_mmv_every_type(k, name, b):
+    rng = np.random.default_rng()
+    keep = []
+    rows, cols = 70, cols_for(name)
+    m, w = upload(name, rows, cols, rng, keep)
+    x = rng.standard_normal((b, cols)).astype(np.float32)
+    bias = rng.standard_normal(rows).astype(np.float32)
+    xd, bd = cp.asarray(x), cp.asarray(bias)
+    y = cp.full((b, rows + 5), POISON, cp.float32)
+    L.mmv(k, [m], [(y.data.ptr, y.shape[1])], [bd.data.ptr], xd.data.ptr, cols, b, 0)
+    ref = x.astype(np.float64) @ w.T + bias
+    assert rel(y.get()[:, :rows], ref) < 1e-5
+    assert np.isnan(y.get()[:, rows:]).all(), "wrote past the rows"
+    # residual mode accumulates into y
+    y0 = rng.standard_normal((b, rows)).astype(np.float32)
+    yd = cp.asarray(y0)
+    L.mmv(k, [m], [(yd.data.ptr, rows)], [None], xd.data.ptr, cols, b, 1)
+    assert rel(yd.get(), y0 + x.astype(np.float64) @ w.T) < 1e-5
+
+
+def test_mmv_group_mixed_types_odd_rows(k):
+    rng = np.random.default_rng()
+    keep = []
+    cols = 512
+    specs = [("Q5_0", 96), ("Q4_K", 33), ("Q8_0", 17)]  # odd rows: one row per warp
+    mats = [upload(n, r, cols, rng, keep) for n, r in specs]
+    x = rng.standard_normal((2, cols)).astype(np.float32)
+    xd = cp.asarray(x)
+    ys = [cp.full((2, r), POISON, cp.float32) for _, r in specs]
+    L.mmv(k, [m for m, _ in mats], [(y.data.ptr, y.shape[1]) for y in ys], [None] * 3, xd.data.ptr, cols, 2, 0)
+    for (m, w), y in zip(mats, ys):
+        assert rel(y.get(), x.astype(np.float64) @ w.T) < 1e-5
+
+
+@pytest.mark.parametrize("name,act", [("Q4_1", "silu"), ("Q5_0", "gelu_tanh"), ("Q4_K", "silu"), ("Q6_K", "gelu_tanh")])
+@pytest.mark.parametrize("b", [1, 4])
+def test_mmv_glu(k, name, act, b):
+    rng = np.random.default_rng()
+    keep = []
+    rows, cols = 90, cols_for(name, 2)
+    (g, wg), (u, wu) = upload(name, rows, cols, rng, keep), upload(name, rows, cols, rng, keep)
+    x = rng.standard_normal((b, cols)).astype(np.float32) * 4
+    y = cp.full((b, rows), POISON, cp.float32)
+    L.mmv_glu(k, g, u, cp.asarray(x).data.ptr, cols, b, act, y.data.ptr, rows)
+    gv, uv = x.astype(np.float64) @ wg.T, x.astype(np.float64) @ wu.T
+    ref = (gelu_tanh(gv) if act == "gelu_tanh" else silu(gv)) * uv
+    assert rel(y.get(), ref) < 1e-5
+
+
+@pytest.mark.parametrize("name", SUPPORTED)
+def test_embed_and_dequant_f16(k, name):
+    rng = np.random.default_rng()
+    keep = []
+    rows, cols = 50, cols_for(name, 2)
+    m, w = upload(name, rows, cols, rng, keep)
+    toks = rng.integers(0, rows, 7).astype(np.int32)
+    x = cp.full((7, cols), POISON, cp.float32)
+    L.embed(k, m, cp.asarray(toks).data.ptr, 7, x.data.ptr, cols, 1.5)
+    assert rel(x.get(), 1.5 * w[toks]) < 1e-6
+    out = cp.full(rows * cols, POISON, cp.float16)
+    L.dequant_f16(k, m, out.data.ptr)
+    assert rel(out.get().reshape(rows, cols), w) < 1e-3
+
+
+def test_rmsnorm_with_residual(k):
+    rng = np.random.default_rng()
+    x = rng.standard_normal((5, 576)).astype(np.float32) * 3
+    w = rng.standard_normal(576).astype(np.float32)
+    res = rng.standard_normal((5, 576)).astype(np.float32)
+    xd, wd, rd = cp.asarray(x), cp.asarray(w), cp.asarray(res)
+    y = cp.full((5, 576), POISON, cp.float32)
+    L.rmsnorm(k, xd.data.ptr, 576, wd.data.ptr, y.data.ptr, 576, 5, 576, 1e-6)
+    x64 = x.astype(np.float64)
+    ref = x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-6) * w
+    assert rel(y.get(), ref) < 1e-5
+    L.rmsnorm(k, xd.data.ptr, 576, wd.data.ptr, rd.data.ptr, 576, 5, 576, 1e-6, rd.data.ptr, 576)
+    assert rel(rd.get(), res + ref) < 1e-5
+
+
+def rms(v, w, eps):
+    return v / np.sqrt((v.astype(np.float64) ** 2).mean(-1, keepdims=True) + eps) * w
+
+
+@pytest.mark.parametrize("neox,qk_norm,d,n_rot,hq,hkv", [(False, False, 64, 64, 9, 3), (True, True, 256, 256, 4, 1),
+                                                         (True, False, 128, 64, 8, 2)])
+def test_rope_kv(k, neox, qk_norm, d, n_rot, hq, hkv):
+    rng = np.random.default_rng()
+    t, page, max_pages = 6, 16, 4
+    width = (hq + 2 * hkv) * d
+    qkv = rng.standard_normal((t, width)).astype(np.float32)
+    pos = np.array([0, 1, 15, 16, 17, 40], np.int32)  # crosses page boundaries
+    inv = 10000.0 ** (-np.arange(0, n_rot, 2) / n_rot)
+    qn = rng.standard_normal(d).astype(np.float32) if qk_norm else None
+    kn = rng.standard_normal(d).astype(np.float32) if qk_norm else None
+    table = np.array([[3, 0, 2, 1]], np.int32)  # pages out of order
+    kc = cp.full((4, hkv, page, d), POISON, cp.float32)
+    vc = cp.full((4, hkv, page, d), POISON, cp.float32)
+    dq = cp.asarray(qkv)
+    keep = [cp.asarray(a) if a is not None else None for a in (qn, kn)]
+    L.rope_kv(k, dq.data.ptr, width, t, hq, hkv, d, d, n_rot, neox, keep[0].data.ptr if qk_norm else None,
+              keep[1].data.ptr if qk_norm else None, 1e-6, cp.asarray(inv).data.ptr, cp.asarray(pos).data.ptr,
+              cp.zeros(t, cp.int32).data.ptr, cp.asarray(table).data.ptr, max_pages, page, kc.data.ptr, vc.data.ptr)
+    q = qkv[:, :hq * d].reshape(t, hq, d)
+    kk = qkv[:, hq * d:(hq + hkv) * d].reshape(t, hkv, d)
+    vv = qkv[:, (hq + hkv) * d:].reshape(t, hkv, d)
+    if qk_norm:
+        q, kk = rms(q, qn, 1e-6).astype(np.float32), rms(kk, kn, 1e-6).astype(np.float32)
+    style = "neox" if neox else "norm"
+    qr, kr = apply_rope(q, pos, inv, style), apply_rope(kk, pos, inv, style)
+    assert rel(dq.get()[:, :hq * d].reshape(t, hq, d), qr) < 1e-5
+    kcache, vcache = kc.get(), vc.get()
+    for i, p in enumerate(pos):
+        pg, sl = table[0, p // page], p % page
+        assert rel(kcache[pg, :, sl], kr[i]) < 1e-5
+        assert np.array_equal(vcache[pg, :, sl], vv[i])
+
+
+def attention_ref(q, K, V, pos, scale, cap, window):
+    out = np.zeros((q.shape[0], q.shape[1], V.shape[-1]))
+    g = q.shape[1] // K.shape[1]
+    for t, p in enumerate(pos):
+        lo = max(0, p - window + 1) if window else 0
+        for h in range(q.shape[1]):
+            s = K[lo:p + 1, h // g] @ q[t, h].astype(np.float64) * scale
+            if cap:
+                s = cap * np.tanh(s / cap)
+            e = np.exp(s - s.max())
+            out[t, h] = e @ V[lo:p + 1, h // g] / e.sum()
+    return out
+
+
+@pytest.mark.parametrize("d,hq,hkv,cap,window", [(64, 9, 3, 0.0, 0), (256, 4, 1, 0.0, 7), (128, 8, 2, 30.0, 0),
+                                                 (128, 32, 4, 0.0, 0)])
+@pytest.mark.parametrize("n_split", [1, 4, 32])
+def test_attention(k, d, hq, hkv, cap, window, n_split):
+    rng = np.random.default_rng()
+    page, n_ctx = 16, 80
+    max_pages = n_ctx // page
+    K = rng.standard_normal((n_ctx, hkv, d)).astype(np.float32)
+    V = rng.standard_normal((n_ctx, hkv, d)).astype(np.float32)
+    table = rng.permutation(max_pages).astype(np.int32)[None]
+    kc = np.zeros((max_pages, hkv, page, d), np.float32)
+    vc = np.zeros_like(kc)
+    for p in range(n_ctx):
+        kc[table[0, p // page], :, p % page] = K[p]
+        vc[table[0, p // page], :, p % page] = V[p]
+    pos = np.array([0, 5, 16, 33, 79], np.int32)
+    t = pos.shape[0]
+    q = rng.standard_normal((t, hq, d)).astype(np.float32)
+    scale = 1 / math.sqrt(d)
+    out = cp.full((t, hq * d), POISON, cp.float32)
+    part_o = cp.full(t * hq * n_split * d, POISON, cp.float32)
+    part_ml = cp.full(t * hq * n_split * 2, POISON, cp.float32)
+    L.attention(k, cp.asarray(q.reshape(t, -1)).data.ptr, hq * d, t, cp.asarray(kc).data.ptr, cp.asarray(vc).data.ptr,
+                cp.asarray(pos).data.ptr, cp.zeros(t, cp.int32).data.ptr, cp.asarray(table).data.ptr, max_pages, page,
+                hq, hkv, d, scale, cap, window, n_split, part_o.data.ptr, part_ml.data.ptr, out.data.ptr, hq * d)
+    ref = attention_ref(q, K, V, pos, scale, cap, window)
+    assert rel(out.get().reshape(t, hq, d), ref) < 1e-5
+
+
+def sampler_state(n_vocab, rows=1):
+    z = lambda n: cp.zeros(n, cp.int32)  # noqa: E731
+    keep = dict(tokens=z(rows), pos=z(rows), hist=z(64 * rows), hist_n=z(rows), step=z(rows),
+                pval=cp.zeros(L.ARGMAX_BLOCKS * rows, cp.float32), pidx=z(L.ARGMAX_BLOCKS * rows),
+                counter=cp.zeros(rows, cp.uint32))
+    ring_mem = cp.cuda.alloc_pinned_memory(16 * rows * 4)
+    ring = np.frombuffer(ring_mem, np.int32, 16 * rows)
+    st = L.SamplerState(tokens=keep["tokens"].data.ptr, pos=keep["pos"].data.ptr, hist=keep["hist"].data.ptr,
+                        hist_n=keep["hist_n"].data.ptr, step=keep["step"].data.ptr, ring=ring_mem.ptr, ring_len=16,
+                        n_seq=rows, pval=keep["pval"].data.ptr, pidx=keep["pidx"].data.ptr,
+                        counter=keep["counter"].data.ptr)
+    return st, keep, ring, ring_mem
+
+
+def test_argmax_sample_commits_state(k):
+    rng = np.random.default_rng()
+    n = 262144
+    st, keep, ring, _mem = sampler_state(n, rows=2)
+    for step in range(3):
+        logits = rng.standard_normal((2, n)).astype(np.float32)
+        L.argmax_sample(k, cp.asarray(logits).data.ptr, n, n, st, 2)
+        cp.cuda.runtime.deviceSynchronize()
+        want = logits.argmax(-1)
+        assert keep["tokens"].get().tolist() == want.tolist()
+        assert ring[step * 2:step * 2 + 2].tolist() == want.tolist()
+        assert keep["pos"].get().tolist() == [step + 1] * 2
+        assert keep["counter"].get().tolist() == [0, 0]
+
+
+def test_repeat_penalty_matches_numpy(k):
+    rng = np.random.default_rng()
+    n = 5000
+    st, keep, _ring, _mem = sampler_state(n)
+    hist = rng.integers(0, 100, 40).astype(np.int32)  # with repeats
+    h = np.zeros(64, np.int32)
+    h[:40] = hist
+    keep["hist"].set(h)
+    keep["hist_n"].set(np.array([40], np.int32))
+    logits = rng.standard_normal(n).astype(np.float32)
+    d = cp.asarray(logits)
+    L.repeat_penalty(k, d.data.ptr, n, n, st, 1, 32, 1.3)
+    ref = apply_repeat_penalty(logits, hist.tolist(), 1.3, 32)
+    np.testing.assert_array_equal(d.get(), ref)
+
+
+@pytest.mark.parametrize("top_k,top_p,min_p,temp", [(40, 0.95, 0.05, 0.8), (5, 1.0, 0.0, 1.5), (1000, 0.9, 0.0, 1.0)])
+def test_topk_sample_distribution(k, top_k, top_p, min_p, temp):
+    """Every draw lies in the numpy sampler's candidate set, with matching frequencies."""
+    rng = np.random.default_rng()
+    n = 32000
+    logits = (rng.standard_normal(n) * 3).astype(np.float32)
+    params = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=1)
+    ids, probs = Sampler(params).distribution(logits)
+    st, keep, ring, _mem = sampler_state(n)
+    d = cp.asarray(logits)
+    draws = []
+    for i in range(1500):
+        L.topk_sample(k, d.data.ptr, n, n, st, 1, top_k, top_p, min_p, temp, 12345)
+        if i % 16 == 15:
+            cp.cuda.runtime.deviceSynchronize()
+            draws += ring.tolist()
+    cp.cuda.runtime.deviceSynchronize()
+    draws = draws[:1488]
+    assert set(draws) <= set(ids.tolist())
+    counts = np.array([draws.count(int(i)) for i in ids[:10]])
+    expect = probs[:10] * len(draws)
+    assert np.all(np.abs(counts - expect) <= 5 * np.sqrt(expect) + 5)
+    # same seed, same state: same token
+    keep["step"].fill(0)
+    L.topk_sample(k, d.data.ptr, n, n, st, 1, top_k, top_p, min_p, temp, 777)
+    cp.cuda.runtime.deviceSynchronize()
+    a = int(ring[0])
+    keep["step"].fill(0)
+    L.topk_sample(k, d.data.ptr, n, n, st, 1, top_k, top_p, min_p, temp, 777)
+    cp.cuda.runtime.deviceSynchronize()
+    assert int(ring[0]) == a
