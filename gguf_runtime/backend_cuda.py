@@ -103,20 +103,39 @@ class CudaBackend:
                                               "attn_reduce"])
         self.kernels.prepare("sampling.cu", ["repeat_penalty", "argmax_sample", "topk_sample"])
 
-    def _init_sampler_state(self) -> None:
-        z = lambda n: cp.zeros(n, cp.int32)  # noqa: E731
-        self.hist, self.hist_n, self.step = z(HIST), z(1), z(1)
-        self.pval = cp.zeros(L.ARGMAX_BLOCKS, cp.float32)
-        self.pidx = z(L.ARGMAX_BLOCKS)
-        self.counter = cp.zeros(1, cp.uint32)
-        self._ring_mem = cp.cuda.alloc_pinned_memory(RING * 4)
-        self.ring = np.frombuffer(self._ring_mem, np.int32, RING)
-        self._state = [self.ws.tokens[:1], self.ws.pos[:1], self.hist, self.hist_n, self.step, self.counter]
+    def _init_sampler_state(self, n_seq: int = 1) -> None:
+        z = lambda n, t=cp.int32: cp.zeros(n, t)  # noqa: E731
+        self.hist, self.hist_n, self.step = z(HIST * n_seq), z(n_seq), z(n_seq)
+        self.pval = z(L.ARGMAX_BLOCKS * n_seq, cp.float32)
+        self.pidx = z(L.ARGMAX_BLOCKS * n_seq)
+        self.counter = z(n_seq, cp.uint32)
+        self.p_top_k, self.p_last_n = z(n_seq), z(n_seq)
+        self.p_top_p, self.p_min_p, self.p_temp, self.p_penalty = (z(n_seq, cp.float32) for _ in range(4))
+        self.p_seed = z(n_seq, cp.uint64)
+        self._ring_mem = cp.cuda.alloc_pinned_memory(RING * n_seq * 4)
+        self.ring = np.frombuffer(self._ring_mem, np.int32, RING * n_seq)
+        self._state = [self.ws.tokens[:n_seq], self.ws.pos[:n_seq], self.hist, self.hist_n, self.step, self.counter]
         self._saved = [cp.empty_like(a) for a in self._state]
         self.sampler_state = L.SamplerState(
             tokens=self.ws.tokens.data.ptr, pos=self.ws.pos.data.ptr, hist=self.hist.data.ptr,
-            hist_n=self.hist_n.data.ptr, step=self.step.data.ptr, ring=self._ring_mem.ptr, ring_len=RING, n_seq=1,
-            pval=self.pval.data.ptr, pidx=self.pidx.data.ptr, counter=self.counter.data.ptr)
+            hist_n=self.hist_n.data.ptr, step=self.step.data.ptr, ring=self._ring_mem.ptr, ring_len=RING,
+            n_seq=n_seq, pval=self.pval.data.ptr, pidx=self.pidx.data.ptr, counter=self.counter.data.ptr,
+            top_k=self.p_top_k.data.ptr, top_p=self.p_top_p.data.ptr, min_p=self.p_min_p.data.ptr,
+            temp=self.p_temp.data.ptr, seed=self.p_seed.data.ptr, penalty=self.p_penalty.data.ptr,
+            last_n=self.p_last_n.data.ptr)
+
+    def _set_params(self, b: int, params: SamplingParams, seed: int) -> None:
+        """Write sequence b's sampling parameters (host writes at prefill, never between tokens)."""
+        s = self.stream
+        last_n = HIST if params.repeat_last_n < 0 else min(HIST, params.repeat_last_n)
+        top_k = params.top_k if 0 < params.top_k <= MAX_GPU_TOP_K else MAX_GPU_TOP_K
+        self.p_top_k[b:b + 1].set(np.array([top_k], np.int32), stream=s)
+        self.p_last_n[b:b + 1].set(np.array([last_n], np.int32), stream=s)
+        self.p_top_p[b:b + 1].set(np.array([params.top_p], np.float32), stream=s)
+        self.p_min_p[b:b + 1].set(np.array([params.min_p], np.float32), stream=s)
+        self.p_temp[b:b + 1].set(np.array([params.temperature if not params.greedy else 0.0], np.float32), stream=s)
+        self.p_penalty[b:b + 1].set(np.array([params.repeat_penalty], np.float32), stream=s)
+        self.p_seed[b:b + 1].set(np.array([seed], np.uint64), stream=s)
 
     # ---- evaluation ----------------------------------------------------------------------------
     def truncate(self, n: int) -> None:
@@ -157,26 +176,29 @@ class CudaBackend:
         """One token: ws.tokens[0] at ws.pos[0] -> logits -> (the caller samples)."""
         forward(self.blocks, self.cfg, self.ws.tokens[:1], self.ws.pos[:1])
 
-    def _sample(self, params: SamplingParams, seed: int) -> None:
+    def _sample(self, greedy: bool, penalty: bool, rows: int = 1) -> None:
+        """Sample every row's next token from ws.logits (parameters are in device memory)."""
         st, k, cfg = self.sampler_state, self.kernels, self.cfg
         logits = self.ws.logits
         ld = logits.strides[0] // 4
-        if params.repeat_penalty != 1.0 and params.repeat_last_n != 0:
-            last_n = HIST if params.repeat_last_n < 0 else min(HIST, params.repeat_last_n)
-            L.repeat_penalty(k, logits.data.ptr, ld, cfg.n_vocab, st, 1, last_n, params.repeat_penalty)
-        if params.greedy:
-            L.argmax_sample(k, logits.data.ptr, ld, cfg.n_vocab, st, 1)
+        if penalty:
+            L.repeat_penalty(k, logits.data.ptr, ld, cfg.n_vocab, st, rows)
+        if greedy:
+            L.argmax_sample(k, logits.data.ptr, ld, cfg.n_vocab, st, rows)
         else:
-            top_k = params.top_k if 0 < params.top_k < cfg.n_vocab else cfg.n_vocab
-            L.topk_sample(k, logits.data.ptr, ld, cfg.n_vocab, st, 1, top_k, params.top_p, params.min_p,
-                          params.temperature, seed)
+            L.topk_sample(k, logits.data.ptr, ld, cfg.n_vocab, st, rows)
+
+    @staticmethod
+    def _mode(params: SamplingParams) -> tuple[bool, bool]:
+        return params.greedy, params.repeat_penalty != 1.0 and params.repeat_last_n != 0
 
     def gpu_sampling(self, params: SamplingParams) -> bool:
         """Whether the GPU sampler covers these parameters (else the host samples)."""
         return params.greedy or 0 < params.top_k <= MAX_GPU_TOP_K
 
-    def _prime(self, history: list[int]) -> None:
+    def _prime(self, history: list[int], params: SamplingParams, seed: int) -> None:
         """Host writes before the first sample (allowed: this is prefill, not between tokens)."""
+        self._set_params(0, params, seed)
         tail = np.asarray(history[-HIST:], np.int32)
         hist = np.zeros(HIST, np.int32)
         hist[:tail.shape[0]] = tail
@@ -188,13 +210,9 @@ class CudaBackend:
             self.ws.pos[:1].set(np.array([self.n_past - 1], np.int32), stream=self.stream)
 
     # ---- the decode step and its graph ----------------------------------------------------------
-    def _step(self, params: SamplingParams, seed: int) -> None:
+    def _step(self, mode: tuple[bool, bool]) -> None:
         self._decode_step()
-        self._sample(params, seed)
-
-    def _graph_key(self, params: SamplingParams, seed: int) -> tuple:
-        return ("decode", 1, params.greedy, params.top_k, params.top_p, params.min_p, params.temperature,
-                params.repeat_penalty, params.repeat_last_n, seed)
+        self._sample(*mode)
 
     def _save_state(self) -> None:
         for src, dst in zip(self._state, self._saved):
@@ -204,14 +222,15 @@ class CudaBackend:
         for src, dst in zip(self._saved, self._state):
             cp.copyto(dst, src)
 
-    def _graph_for(self, params: SamplingParams, seed: int):
-        """The captured decode step for these sampling settings, or None (eager)."""
+    def _graph_for(self, mode: tuple[bool, bool]):
+        """The captured decode step for this sampling mode, or None (eager). Parameters and seeds
+        live in device memory, so one graph serves every setting of the mode."""
         if not self.use_graph:
             return None
-        key = self._graph_key(params, seed)
+        key = ("decode", 1, *mode)
         if not self.graphs.has(key):
             try:
-                self.graphs.capture(key, lambda: self._step(params, seed),
+                self.graphs.capture(key, lambda: self._step(mode),
                                     before_warmup=self._save_state, after_warmup=self._restore_state)
             except CaptureError as e:
                 self.use_graph = False
@@ -220,12 +239,12 @@ class CudaBackend:
                 return None
         return key
 
-    def _launch(self, key, params: SamplingParams, seed: int) -> None:
+    def _launch(self, key, mode: tuple[bool, bool]) -> None:
         if key is not None:
             self.graphs.replay(key)
         else:
             with self.stream:
-                self._step(params, seed)
+                self._step(mode)
 
     def sample_loop(self, n: int, params: SamplingParams, history: list[int],
                     stop: frozenset[int]) -> Iterator[int]:
@@ -235,17 +254,18 @@ class CudaBackend:
             yield from self._host_sample_loop(n, params, history, stop)
             return
         seed = int(params.seed) if params.seed is not None else secrets.randbits(63)
-        self._prime(history)
+        mode = self._mode(params)
+        self._prime(history, params, seed)
         with self.stream:
-            self._sample(params, seed)  # token 0, from the prompt's logits
+            self._sample(*mode)  # token 0, from the prompt's logits
             self._events[0].record(self.stream)
-        key = self._graph_for(params, seed)
+        key = self._graph_for(mode)
         issued = 0  # decode steps launched; step j evaluates token j-1 and samples token j
         base = self.n_past
         try:
             for i in range(n):
                 while issued < min(i + LOOKAHEAD, n - 1):
-                    self._launch(key, params, seed)
+                    self._launch(key, mode)
                     issued += 1
                     self._events[issued % RING].record(self.stream)
                 self._events[i % RING].synchronize()
@@ -257,20 +277,21 @@ class CudaBackend:
             self.stream.synchronize()
             self.n_past = base + issued
 
-    def run_steps(self, n: int, params: SamplingParams, seed: int = 0, graph: bool = False) -> None:
+    def run_steps(self, n: int, params: SamplingParams, graph: bool = False) -> None:
         """Launch n decode steps back to back (no host sync): each samples the next input token."""
-        key = self._graph_for(params, seed) if graph else None
+        mode = self._mode(params)
+        key = self._graph_for(mode) if graph else None
         for _ in range(n):
-            self._launch(key, params, seed)
+            self._launch(key, mode)
         self.n_past += n
 
     def start_decode(self, prompt: Sequence[int], params: SamplingParams, seed: int = 0) -> None:
         """Prefill the prompt and sample the first token on the device (benchmarks)."""
         self.truncate(0)
         self.prefill(prompt)
-        self._prime(list(prompt))
+        self._prime(list(prompt), params, seed)
         with self.stream:
-            self._sample(params, seed)
+            self._sample(*self._mode(params))
 
     def _host_sample_loop(self, n: int, params: SamplingParams, history: list[int],
                           stop: frozenset[int]) -> Iterator[int]:

@@ -130,7 +130,7 @@ class Engine:
         self.cached.extend(new)
         t1 = time.perf_counter()
         st.prompt_s = t1 - t0
-        decoder = self.tokenizer.stream_decoder()
+        decoder = self.tokenizer.stream(skip_special=True)
         budget = min(n_predict if n_predict >= 0 else self.n_ctx, self.n_ctx - len(self.cached))
         st.stop_reason = "length" if budget == n_predict else "context"
         history = list(prompt_ids)
@@ -143,7 +143,7 @@ class Engine:
                 history.append(tok)
                 self.cached.append(tok)
                 st.eval_tokens += 1
-                piece = decoder.add(tok)
+                piece = decoder.push(tok)
                 if piece:
                     yield piece
         except KeyboardInterrupt:

@@ -10,6 +10,10 @@ typedef unsigned short u16;
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
+#ifndef INFINITY  // NVRTC has no <cmath>
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
 #define HD __host__ __device__ __forceinline__
 #define DEV __device__ __forceinline__
 

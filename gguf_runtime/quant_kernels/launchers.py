@@ -237,7 +237,7 @@ def softcap(k: Kernels, x: int, ld: int, n: int, rows: int, cap: float) -> None:
 
 @dataclass(frozen=True)
 class SamplerState:
-    """Device pointers of the per-sequence sampling state (see sampling.cu)."""
+    """Device pointers of the per-sequence sampling state and parameters (see sampling.cu)."""
 
     tokens: int
     pos: int
@@ -250,15 +250,21 @@ class SamplerState:
     pval: int  # argmax partials [n_seq, ARGMAX_BLOCKS]
     pidx: int
     counter: int
+    top_k: int  # per-sequence parameters: int32, f32, f32, f32, u64, f32, int32
+    top_p: int
+    min_p: int
+    temp: int
+    seed: int
+    penalty: int
+    last_n: int
 
 
 ARGMAX_BLOCKS = 32
 
 
-def repeat_penalty(k: Kernels, logits: int, ld: int, n_vocab: int, st: SamplerState, rows: int, last_n: int,
-                   penalty: float) -> None:
+def repeat_penalty(k: Kernels, logits: int, ld: int, n_vocab: int, st: SamplerState, rows: int) -> None:
     k.fn("sampling.cu", "repeat_penalty")((rows,), (64,), (ptr(logits), i32(ld), ptr(st.hist), ptr(st.hist_n),
-                                                           i32(last_n), f32(penalty), i32(n_vocab)))
+                                                           ptr(st.last_n), ptr(st.penalty), i32(n_vocab)))
 
 
 def argmax_sample(k: Kernels, logits: int, ld: int, n_vocab: int, st: SamplerState, rows: int) -> None:
@@ -268,10 +274,10 @@ def argmax_sample(k: Kernels, logits: int, ld: int, n_vocab: int, st: SamplerSta
          ptr(st.pos), ptr(st.hist), ptr(st.hist_n), ptr(st.step), ptr(st.ring), i32(st.ring_len), i32(st.n_seq)))
 
 
-def topk_sample(k: Kernels, logits: int, ld: int, n_vocab: int, st: SamplerState, rows: int, top_k: int,
-                top_p: float, min_p: float, temp: float, seed: int) -> None:
+def topk_sample(k: Kernels, logits: int, ld: int, n_vocab: int, st: SamplerState, rows: int) -> None:
+    """Per row: greedy when temp <= 0, else top-k/top-p/min-p/temperature with the row's seed."""
     k.fn("sampling.cu", "topk_sample")(
         (rows,), (1024,),
-        (ptr(logits), i32(ld), i32(n_vocab), i32(top_k), f32(top_p), f32(min_p), f32(temp), np.uint64(seed),
-         ptr(st.tokens), ptr(st.pos), ptr(st.hist), ptr(st.hist_n), ptr(st.step), ptr(st.ring),
+        (ptr(logits), i32(ld), i32(n_vocab), ptr(st.top_k), ptr(st.top_p), ptr(st.min_p), ptr(st.temp),
+         ptr(st.seed), ptr(st.tokens), ptr(st.pos), ptr(st.hist), ptr(st.hist_n), ptr(st.step), ptr(st.ring),
          i32(st.ring_len), i32(st.n_seq)))

@@ -18,13 +18,15 @@ DEV void commit(int b, int tok, int* tokens, int* pos, int* hist, int* hist_n, i
     step[b] += 1;
 }
 
-// llama.cpp's repetition penalty on the distinct tokens among the last `last_n` of the history.
-// One block (>= HIST threads) per sequence.
+// llama.cpp's repetition penalty on the distinct tokens among the last last_n[b] of the history
+// (penalty[b] == 1: nothing). One block (>= HIST threads) per sequence.
 extern "C" __global__ void repeat_penalty(float* logits, int ld, const int* __restrict__ hist,
-                                          const int* __restrict__ hist_n, int last_n, float penalty, int n_vocab) {
+                                          const int* __restrict__ hist_n, const int* __restrict__ last_n,
+                                          const float* __restrict__ penalty, int n_vocab) {
     const int b = blockIdx.x, i = threadIdx.x;
-    const int n = min(min(hist_n[b], HIST), last_n);
-    if (i >= n) return;
+    const float pen = penalty[b];
+    const int n = min(min(hist_n[b], HIST), last_n[b]);
+    if (pen == 1.f || i >= n) return;
     const int* h = hist + b * HIST;
     const int newest = hist_n[b] - 1;
     const int tok = h[(newest - i + HIST) % HIST];
@@ -32,7 +34,7 @@ extern "C" __global__ void repeat_penalty(float* logits, int ld, const int* __re
         if (h[(newest - j + HIST) % HIST] == tok) return;  // counted once, by its newest entry
     if (tok < 0 || tok >= n_vocab) return;
     float* p = logits + (long)b * ld + tok;
-    *p = *p > 0.f ? *p / penalty : *p * penalty;
+    *p = *p > 0.f ? *p / pen : *p * pen;
 }
 
 // Greedy: argmax over the vocabulary (ties: lowest id). Grid (n_blocks, n_seq); the last block of
@@ -96,13 +98,15 @@ DEV u32 order_key(float f) {  // monotone: larger float -> larger key
 
 #define CAP 2048
 
-// top-k (k <= 1024) -> top-p -> min-p -> temperature -> draw, as sampling.py's Sampler. One block of
-// 1024 threads per sequence. Radix-selects the k-th largest logit, gathers the survivors, sorts them
-// (value desc, id asc), then thread 0 walks the short list.
+// Per sequence b: temp[b] <= 0 is greedy (argmax, ties: lowest id); otherwise top-k (k <= 1024) ->
+// top-p -> min-p -> temperature -> draw, as sampling.py's Sampler, with the draw's uniform number
+// from (seed[b], step[b]). One block of 1024 threads per sequence: radix-selects the k-th largest
+// logit, gathers the survivors, sorts them (value desc, id asc), then thread 0 walks the list.
 extern "C" __global__ void __launch_bounds__(1024) topk_sample(
-        const float* __restrict__ logits, int ld, int n_vocab, int top_k, float top_p, float min_p, float temp,
-        unsigned long long seed, int* tokens, int* pos, int* hist, int* hist_n, int* step, int* ring, int ring_len,
-        int n_seq) {
+        const float* __restrict__ logits, int ld, int n_vocab, const int* __restrict__ top_k_,
+        const float* __restrict__ top_p_, const float* __restrict__ min_p_, const float* __restrict__ temp_,
+        const unsigned long long* __restrict__ seed_, int* tokens, int* pos, int* hist, int* hist_n, int* step,
+        int* ring, int ring_len, int n_seq) {
     __shared__ u32 hist_c[256];
     __shared__ u32 prefix, prefix_mask;
     __shared__ int remaining, n_cand;
@@ -110,6 +114,28 @@ extern "C" __global__ void __launch_bounds__(1024) topk_sample(
     __shared__ int ci[CAP];
     const int b = blockIdx.x, tid = threadIdx.x;
     const float* x = logits + (long)b * ld;
+    const float temp = temp_[b], top_p = top_p_[b], min_p = min_p_[b];
+    const int top_k = min(max(top_k_[b], 1), min(n_vocab, 1024));
+    if (temp <= 0.f) {  // greedy
+        float best = -INFINITY; int bi = 0x7fffffff;
+        for (int i = tid; i < n_vocab; i += blockDim.x) {
+            const float v = x[i];
+            if (v > best) { best = v; bi = i; }
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, best, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ov > best || (ov == best && oi < bi)) { best = ov; bi = oi; }
+        }
+        if ((tid & 31) == 0) { cv[tid >> 5] = best; ci[tid >> 5] = bi; }
+        __syncthreads();
+        if (tid == 0) {
+            for (int w = 1; w < (int)(blockDim.x >> 5); ++w)
+                if (cv[w] > best || (cv[w] == best && ci[w] < bi)) { best = cv[w]; bi = ci[w]; }
+            commit(b, bi == 0x7fffffff ? 0 : bi, tokens, pos, hist, hist_n, step, ring, ring_len, n_seq);
+        }
+        return;
+    }
     if (tid == 0) { prefix = 0; prefix_mask = 0; remaining = top_k; n_cand = 0; }
     __syncthreads();
     // radix select, 8 bits at a time from the top: the key of the k-th largest logit
@@ -193,7 +219,7 @@ extern "C" __global__ void __launch_bounds__(1024) topk_sample(
     }
     double z = 0.0;
     for (int i = 0; i < n; ++i) z += exp(((double)cv[i] - m) / temp);
-    const u64 r = splitmix64(seed ^ splitmix64((u64)step[b] * 0x100000001B3ull + (u64)b));
+    const u64 r = splitmix64(seed_[b] ^ splitmix64((u64)step[b] * 0x100000001B3ull));
     const double u = (double)(r >> 11) * (1.0 / 9007199254740992.0);
     const double target = u * z;
     double cum = 0.0; int pick = n - 1;
