@@ -19,3 +19,15 @@ def smollm2_path() -> str:
     if not os.path.isfile(path):
         pytest.skip(f"{path} is missing")
     return path
+
+
+def _has_cupy() -> bool:
+    return importlib.util.find_spec("cupy") is not None
+
+
+def pytest_ignore_collect(collection_path, config):
+    """GPU test modules (test_gpu_*.py) need CuPy; without it they are not collected at all
+    (they run on the GPU machine with `pytest -m gpu`)."""
+    if collection_path.name.startswith("test_gpu_") and not _has_cupy():
+        return True
+    return None
