@@ -62,8 +62,8 @@ class CudaBackend:
             if cfg.rope.freq_factors:
                 t = f.tensors[cfg.rope.freq_factors]
                 ff = dequantize(f.raw(t.name), t.type_id, t.shape)
-            self.inv_freq = {b: cp.asarray(rope_inv_freq(cfg, b, ff))
-                             for b in {cfg.rope_base(i) for i in range(cfg.n_layer)}}
+            self.inv_freq = {key: cp.asarray(rope_inv_freq(cfg, *key, ff))
+                             for key in {cfg.rope_key(i) for i in range(cfg.n_layer)}}
             self.blocks = CudaBlocks(cfg, self.weights, self.kv, self.ws, self.kernels, self.inv_freq)
             self._precompile()
             self._init_sampler_state()

@@ -20,10 +20,11 @@ from .quant_kernels.reference import dequantize, dequantize_rows
 DEFAULT_WEIGHT_BUDGET = 8 << 30  # bytes of float32 weights kept dequantized
 
 
-def rope_inv_freq(cfg: ModelConfig, base: float, freq_factors: np.ndarray | None = None) -> np.ndarray:
+def rope_inv_freq(cfg: ModelConfig, base: float, scale: float,
+                  freq_factors: np.ndarray | None = None) -> np.ndarray:
     """theta_j = scale * pos * base^(-2j/n_dims) / factor_j, for j < n_dims/2 (float64)."""
     n = cfg.rope.n_dims
-    inv = base ** (-np.arange(0, n, 2, dtype=np.float64) / n) * cfg.rope.scale
+    inv = base ** (-np.arange(0, n, 2, dtype=np.float64) / n) * scale
     if freq_factors is not None:
         inv = inv / freq_factors.astype(np.float64)
     return inv
@@ -67,8 +68,8 @@ class NumpyBackend:
         self._budget = weight_budget
         ff = self.weight(cfg.rope.freq_factors) if cfg.rope.freq_factors else None
         self._inv_freq = {}
-        for base in {cfg.rope_base(i) for i in range(cfg.n_layer)}:
-            self._inv_freq[base] = rope_inv_freq(cfg, base, ff)
+        for key in {cfg.rope_key(i) for i in range(cfg.n_layer)}:
+            self._inv_freq[key] = rope_inv_freq(cfg, *key, ff)
         self.k_cache = np.zeros((cfg.n_layer, n_ctx, cfg.n_head_kv, cfg.head_dim), np.float32)
         self.v_cache = np.zeros((cfg.n_layer, n_ctx, cfg.n_head_kv, cfg.head_dim_v), np.float32)
         self.n_past = 0
@@ -115,7 +116,7 @@ class NumpyBackend:
         return y + self.weight(bias) if bias else y
 
     def rope(self, x: np.ndarray, positions: np.ndarray, layer: int) -> np.ndarray:
-        return apply_rope(x, positions, self._inv_freq[self.cfg.rope_base(layer)], self.cfg.rope.style)
+        return apply_rope(x, positions, self._inv_freq[self.cfg.rope_key(layer)], self.cfg.rope.style)
 
     def store_kv(self, layer: int, k: np.ndarray, v: np.ndarray, positions: np.ndarray) -> None:
         self.k_cache[layer, positions] = k

@@ -58,7 +58,7 @@ class Workspace:
 
 class CudaBlocks:
     def __init__(self, cfg: ModelConfig, w: DeviceWeights, kv: PagedKVCache, ws: Workspace,
-                 kernels: L.Kernels, inv_freq: dict[float, cp.ndarray]) -> None:
+                 kernels: L.Kernels, inv_freq: dict[tuple[float, float], cp.ndarray]) -> None:
         self.cfg, self.w, self.kv, self.ws, self.k = cfg, w, kv, ws, kernels
         self.inv_freq = inv_freq
         if ws.max_rows > L.MAX_MMV_TOKENS:
@@ -132,7 +132,7 @@ class CudaBlocks:
         kn = self.w.vec(p + "attn_k_norm.weight").data.ptr if cfg.qk_norm else None
         seq = ws.seq[:t]
         L.rope_kv(self.k, qkv.data.ptr, ld, t, cfg.n_head, cfg.n_head_kv, d, cfg.head_dim_v, cfg.rope.n_dims,
-                  cfg.rope.style == ROPE_NEOX, qn, kn, cfg.rms_eps, self.inv_freq[cfg.rope_base(layer)].data.ptr,
+                  cfg.rope.style == ROPE_NEOX, qn, kn, cfg.rms_eps, self.inv_freq[cfg.rope_key(layer)].data.ptr,
                   positions.data.ptr, seq.data.ptr, self.kv.table.data.ptr, self.kv.max_pages, self.kv.page_size,
                   kc, vc)
         return qkv

@@ -28,6 +28,7 @@ class RopeConfig:
     base: float
     scale: float = 1.0  # linear position scaling: positions are multiplied by this
     base_local: float | None = None  # sliding-window layers' base (Gemma-3), None = same as base
+    scale_local: float = 1.0  # sliding-window layers' position scaling (Gemma-3 scales global layers only)
     freq_factors: str | None = None  # tensor dividing each frequency (Llama-3.1 long-context scaling)
 
 
@@ -68,6 +69,15 @@ class ModelConfig:
         if self.is_local(layer) and self.rope.base_local is not None:
             return self.rope.base_local
         return self.rope.base
+
+    def rope_scale(self, layer: int) -> float:
+        if self.is_local(layer) and self.rope.base_local is not None:
+            return self.rope.scale_local
+        return self.rope.scale
+
+    def rope_key(self, layer: int) -> tuple[float, float]:
+        """(base, position scale) of layer's RoPE: layers with equal keys share a table."""
+        return self.rope_base(layer), self.rope_scale(layer)
 
 
 def _int(meta: dict[str, Any], key: str, default: int | None = None) -> int:
@@ -169,7 +179,8 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
         qk_norm="blk.0.attn_q_norm.weight" in f.tensors,
         attn_bias="blk.0.attn_q.bias" in f.tensors,
         post_norms="blk.0.post_attention_norm.weight" in f.tensors,
-        attn_scale=1.0 / math.sqrt(head_dim),
+        # llama.cpp: Gemma-3 27B (62 layers) scales by the model width per head, not the head size
+        attn_scale=1.0 / math.sqrt(n_embd // n_head if gemma and n_layer == 62 else head_dim),
         attn_softcap=attn_softcap or None,
         final_softcap=final_softcap or None,
         layer_window=tuple(windows),

@@ -1,0 +1,223 @@
+"""The numpy backend against transformers on micro models of every supported architecture variant.
+
+Each case writes a tiny GGUF (``micro_models.write_micro``: random weights, a real tokenizer) and
+compares our numpy backend's logits with transformers' own GGUF loader on the same file: a 12-token
+prompt in one ``eval`` (every position), then 3 more tokens in a second ``eval`` through the KV
+cache, against one causal pass of all 15 tokens in transformers. Every row must have cosine
+similarity >= 0.9999 and the same argmax.
+
+Where transformers' GGUF loader does not read a key, the test hands the value to transformers as a
+config override, and says so; the GGUF file is still the only thing our backend reads. Where a
+feature only changes metadata (RoPE scaling, frequency factors, windows, soft-capping), the test also
+checks that the feature is visible at this size: our backend on the same weights *without* it
+misses the reference.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+from gguf_runtime.gguf_file import open_gguf
+from gguf_runtime.model_config import config_from_gguf
+from micro_models import Micro, hf_logits, hf_model, llama3_freq_factors, numpy_logits, prompt_ids, write_micro
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+N_PROMPT, N_MORE = 12, 3
+MIN_COS = 0.9999
+
+
+def _cos(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
+
+
+def assert_match(ours: np.ndarray, ref: np.ndarray, what: str) -> None:
+    assert ours.shape == ref.shape, f"{what}: shape {ours.shape} vs {ref.shape}"
+    cos = _cos(ours.astype(np.float64), ref.astype(np.float64))
+    bad = np.flatnonzero(cos < MIN_COS)
+    assert bad.size == 0, f"{what}: cosine {cos.min():.6f} at positions {bad.tolist()} (max |diff| " \
+                          f"{np.abs(ours - ref).max():.3g})"
+    diff = np.flatnonzero(ours.argmax(-1) != ref.argmax(-1))
+    assert diff.size == 0, f"{what}: argmax differs at positions {diff.tolist()}"
+
+
+def run_case(tmp_path, m: Micro, **hf_overrides) -> tuple[Path, list[int], np.ndarray]:
+    """Write ``m``, compare numpy (prompt, then KV-cached tokens) with transformers; returns (file, ids, reference)."""
+    path = write_micro(m, tmp_path / f"micro-{m.arch}.gguf")
+    ids = prompt_ids(config_from_gguf(open_gguf(path)).n_vocab, N_PROMPT + N_MORE)
+    first, second = numpy_logits(path, ids[:N_PROMPT], ids[N_PROMPT:])
+    ref = hf_logits(hf_model(path, **hf_overrides), ids)
+    assert_match(first, ref[:N_PROMPT], f"{m.arch} prompt")
+    assert_match(second, ref[N_PROMPT:], f"{m.arch} after the KV cache")
+    return path, ids, ref
+
+
+def assert_visible(tmp_path, without: Micro, ids: list[int], ref: np.ndarray) -> None:
+    """The same weights without the feature miss the reference: the case above really tested it."""
+    path = write_micro(without, tmp_path / "without.gguf")
+    first, second = numpy_logits(path, ids[:N_PROMPT], ids[N_PROMPT:])
+    assert _cos(np.concatenate([first, second]), ref).min() < MIN_COS, "the feature makes no difference here"
+
+
+# ---- qwen2, qwen3 ------------------------------------------------------------------------------
+
+QWEN2 = dict(arch="qwen2", vocab="qwen2", bias=True, rope_base=1e6, n_layer=3)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_qwen2(tmp_path, tied):
+    """q/k/v biases, NEOX RoPE (base 1e6), GQA 4:2, tied and untied lm_head."""
+    run_case(tmp_path, Micro(**QWEN2, tied=tied))
+
+
+@pytest.mark.slow
+def test_qwen2_full_vocab(tmp_path):
+    """The whole Qwen2 vocabulary (151,936 tokens, 151,387 merges): ~25 s, nearly all of it in gguf.GGUFReader
+    parsing the strings, twice, inside transformers' loader."""
+    run_case(tmp_path, Micro(**QWEN2, n_vocab=None))
+
+
+def test_qwen3(tmp_path):
+    """QK-norm and head_dim 32 from ``qwen3.attention.key_length`` (n_embd / n_head = 16).
+
+    transformers' GGUF config mapping has no ``attention.key_length`` for qwen3 (only qwen3_moe), so
+    its Qwen3Config would keep its default head_dim of 128: head_dim is passed as an override.
+    """
+    run_case(tmp_path, Micro(arch="qwen3", vocab="qwen2", qk_norm=True, head_dim=32, rope_base=1e6, tied=False),
+             head_dim=32)
+
+
+# ---- llama -------------------------------------------------------------------------------------
+
+def test_llama3(tmp_path):
+    """Llama-3 vocabulary, GQA 4:2, Q/K in the file's permuted layout (transformers un-permutes them), base 5e5."""
+    run_case(tmp_path, Micro(rope_base=500000.0, eps=1e-5, n_layer=3))
+
+
+def test_llama_head_dim(tmp_path):
+    """Mistral-Nemo style: head size 32 stated by key_length and rope.dimension_count, while n_embd / n_head = 16."""
+    run_case(tmp_path, Micro(head_dim=32, tied=False))
+
+
+def test_llama_rope_linear(tmp_path):
+    """``llama.rope.scaling.type = linear``, factor 4: positions divided by 4.
+
+    transformers' GGUF loader ignores ``rope.scaling.*`` for llama, so the linear rope is passed as
+    ``rope_parameters``.
+    """
+    m = Micro(rope_linear=4.0)
+    linear = {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}
+    _, ids, ref = run_case(tmp_path, m, rope_parameters=linear)
+    assert_visible(tmp_path, Micro(), ids, ref)
+
+
+def test_llama31_rope_freqs(tmp_path):
+    """Llama-3.1 frequency factors in a ``rope_freqs.weight`` tensor, as llama.cpp's converter writes them.
+
+    transformers' GGUF loader does not honour ``rope_freqs.weight`` (no parameter maps to it: the
+    rotary ``inv_freq`` is a non-persistent buffer), nor any ``rope.scaling`` key. The reference is
+    therefore transformers' own Llama-3 rope (``rope_type="llama3"``) configured with the scaling
+    parameters the factors were computed from; original_max_position_embeddings=32 so that all three
+    regimes (unscaled, smoothed, divided by the factor) occur in 8 frequencies.
+    """
+    params = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32)
+    factors = llama3_freq_factors(16, 10000.0, params["factor"], params["low_freq_factor"],
+                                  params["high_freq_factor"], params["original_max_position_embeddings"])
+    assert factors[0] == 1.0 and 1.0 < factors[1] < 8.0 and set(factors[2:]) == {8.0}
+    _, ids, ref = run_case(tmp_path, Micro(rope_freqs=factors),
+                           rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, **params})
+    assert_visible(tmp_path, Micro(), ids, ref)
+
+
+def test_llama2_spm_mha(tmp_path):
+    """Llama-2: the whole SPM vocabulary (32,000 tokens, scores, types), MHA (n_head_kv == n_head), eps 1e-5."""
+    run_case(tmp_path, Micro(vocab="llama-spm", n_vocab=None, n_head=4, n_head_kv=4, eps=1e-5, n_layer=3))
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied-q8_0", "untied-kquants"])
+def test_llama_quantized(tmp_path, tied):
+    """Quantized matrices, dequantized by transformers through gguf-py: Q8_0 (quantized from the random
+    weights) and Q4_K/Q5_K/Q6_K (random well-formed blocks), incl. the token embedding (row lookup)."""
+    if tied:
+        quant = {"token_embd.weight": QT.Q8_0, ".weight": QT.Q8_0}
+    else:
+        quant = {"token_embd.weight": QT.Q4_K, "output.weight": QT.Q6_K, "attn_q.weight": QT.Q5_K,
+                 "attn_k.weight": QT.Q5_K, "attn_v.weight": QT.Q6_K, "attn_output.weight": QT.Q4_K,
+                 "ffn_gate.weight": QT.Q4_K, "ffn_up.weight": QT.Q4_K, "ffn_down.weight": QT.Q6_K}
+    path, _, _ = run_case(tmp_path, Micro(n_embd=256, n_ff=256, n_head=4, n_head_kv=2, tied=tied, quant=quant))
+    types = {t.type_name for t in open_gguf(path).tensors.values()}
+    assert types == ({"F32", "Q8_0"} if tied else {"F32", "Q4_K", "Q5_K", "Q6_K"})
+
+
+# ---- gemma3 ------------------------------------------------------------------------------------
+
+# 6 layers, window 4: layers 0-4 slide (base 10000), layer 5 is global (base 1e6); head size 32 from
+# key_length (n_embd / n_head = 16); norms stored as 1 + w (transformers subtracts 1 on loading).
+GEMMA = dict(arch="gemma3", vocab="llama-spm", n_layer=6, n_head=4, n_head_kv=1, head_dim=32, qk_norm=True,
+             post_norms=True, sliding_window=4, rope_base=1e6)
+# Nothing in a Gemma-3 GGUF states query_pre_attn_scalar (transformers' default is 256); llama.cpp,
+# like our runtime, scales by 1/sqrt(head_dim) below 27B.
+GEMMA_HF = dict(query_pre_attn_scalar=32)
+
+
+def test_gemma3(tmp_path):
+    """Post norms, QK-norm, sliding window on 5 of 6 layers with a local RoPE base, sqrt(n_embd) embedding scale."""
+    path, ids, ref = run_case(tmp_path, Micro(**GEMMA), **GEMMA_HF)
+    assert config_from_gguf(open_gguf(path)).layer_window == (4, 4, 4, 4, 4, 0)
+    assert_visible(tmp_path, Micro(**{**GEMMA, "sliding_window": 0}), ids, ref)
+
+
+def test_gemma3_final_softcap(tmp_path):
+    """``gemma3.final_logit_softcapping``: transformers' GGUF loader does not read the key, but its Gemma-3
+    model applies ``config.final_logit_softcapping``, passed as an override. Also checked against the
+    formula: capped logits == cap * tanh(uncapped / cap) on the same weights."""
+    path, ids, ref = run_case(tmp_path, Micro(**GEMMA, final_softcap=5.0), final_logit_softcapping=5.0, **GEMMA_HF)
+    plain = write_micro(Micro(**GEMMA), tmp_path / "plain.gguf")
+    uncapped = np.concatenate(numpy_logits(plain, ids[:N_PROMPT], ids[N_PROMPT:]))
+    ours = np.concatenate(numpy_logits(path, ids[:N_PROMPT], ids[N_PROMPT:]))
+    np.testing.assert_allclose(ours, 5.0 * np.tanh(uncapped / 5.0), rtol=1e-5, atol=1e-5)
+    assert _cos(uncapped, ref).min() < MIN_COS
+
+
+def test_gemma3_attn_softcap(tmp_path, monkeypatch):
+    """``gemma3.attn_logit_softcapping`` (a Gemma-2 feature; no real Gemma-3 file has it).
+
+    transformers' GGUF loader does not read the key, and its Gemma-3 attention stores
+    ``config.attn_logit_softcapping`` but never passes it on. The reference is transformers' Gemma-3
+    eager attention function with its own ``softcap`` argument supplied (the Gemma-2 formula: scores
+    scaled, then cap * tanh(s / cap), then masked). Note: llama.cpp applies it for Gemma-2 only.
+    """
+    from transformers.models.gemma3 import modeling_gemma3
+
+    eager = modeling_gemma3.eager_attention_forward
+
+    def capped(module, *args, **kwargs):
+        return eager(module, *args, **{**kwargs, "softcap": module.config.attn_logit_softcapping})
+
+    monkeypatch.setattr(modeling_gemma3, "eager_attention_forward", capped)
+    _, ids, ref = run_case(tmp_path, Micro(**GEMMA, attn_softcap=1.0), attn_logit_softcapping=1.0, **GEMMA_HF)
+    assert_visible(tmp_path, Micro(**GEMMA), ids, ref)
+
+
+def test_gemma3_rope_linear_global_only(tmp_path):
+    """Gemma-3 4B+ scale positions by 1/8 on the global layers only (llama.cpp: rope_freq_scale_train_swa = 1;
+    transformers: per layer-type rope parameters), not on the sliding-window layers."""
+    full = {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}
+    run_case(tmp_path, Micro(**GEMMA, rope_linear=8.0),
+             rope_parameters={"full_attention": full, "sliding_attention": {"rope_type": "default",
+                                                                             "rope_theta": 10000.0}}, **GEMMA_HF)
+
+
+def test_gemma3_27b_attention_scale(tmp_path):
+    """llama.cpp recognises Gemma-3 27B by its 62 layers and scales attention by 1/sqrt(n_embd / n_head)
+    (its query_pre_attn_scalar, 168 = 5376 / 32, not the head size 128); no GGUF key states it."""
+    path = write_micro(Micro(**{**GEMMA, "n_layer": 62}), tmp_path / "g27.gguf")
+    cfg = config_from_gguf(open_gguf(path))
+    assert (cfg.head_dim, cfg.n_embd // cfg.n_head) == (32, 16)
+    assert cfg.attn_scale == pytest.approx(1 / math.sqrt(16))
