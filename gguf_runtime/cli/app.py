@@ -32,7 +32,7 @@ app = typer.Typer(
 )
 
 # registers the commands on `app`
-from . import info_cmd, run_cmd, synth_cmd  # noqa: E402,F401
+from . import chat_cmd, info_cmd, run_cmd, synth_cmd  # noqa: E402,F401
 
 
 def _commands() -> set[str]:
