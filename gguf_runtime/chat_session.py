@@ -23,7 +23,6 @@ interrupted reply (Ctrl-C inside the generation, or the caller stopping the iter
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from .errors import ContextOverflowError, GGUFRunError
@@ -101,7 +100,6 @@ class Reply:
 
     def _stream(self) -> Iterator[str]:
         pieces = iter(self.generation)
-        t0 = time.perf_counter()
         try:
             for piece in pieces:
                 self.message["content"] += piece
@@ -109,14 +107,8 @@ class Reply:
             self.finished = True
         finally:
             if not self.finished:
-                close = getattr(pieces, "close", None)
-                if close is not None:
-                    close()  # runs the engine's clean-up: the cache keeps what was evaluated
-                st = self.generation.stats
-                st.stop_reason = "interrupted"
-                if not st.total_s:  # stopped during the prefill, before the engine's timing
-                    st.prompt_s = st.total_s = time.perf_counter() - t0
-                    st.total_s += st.load_s
+                self.generation.close()  # the engine's clean-up: the cache keeps what was evaluated
+                self.generation.stats.stop_reason = "interrupted"
             self.closed = True
             self.session._reply_done(self)
 
@@ -231,10 +223,6 @@ class ChatSession:
     def _reply_done(self, reply: Reply) -> None:
         if self._active is reply:
             self._active = None
-        st = reply.generation.stats
-        if self.n_replies > 1 and st.load_s:  # the model loaded once, before the first reply
-            st.total_s = max(0.0, st.total_s - st.load_s)
-            st.load_s = 0.0
 
     def clear(self) -> None:
         """Forget the conversation (the system message stays) and empty the KV cache."""

@@ -57,6 +57,12 @@ class Generation:
     def text(self) -> str:
         return "".join(self)
 
+    def close(self) -> None:
+        """Stop early (the KV cache keeps what was evaluated; stop_reason becomes "interrupted")."""
+        close = getattr(self._pieces, "close", None)
+        if close:
+            close()
+
 
 class Engine:
     def __init__(self, path: str | os.PathLike, backend: str = "auto", n_ctx: int | None = None,
@@ -76,6 +82,7 @@ class Engine:
         self.backend = select_backend(backend, self.gguf, self.cfg, n_ctx, progress=progress, note=note)
         self.cached: list[int] = []  # tokens whose K/V sit in the backend's cache, in order
         self.load_s = time.perf_counter() - t0
+        self._load_reported = False  # the load time counts in the first generation's stats only
 
     # ---- prompts -----------------------------------------------------------------------------
     @property
@@ -117,8 +124,9 @@ class Engine:
     def _run(self, prompt_ids: list[int], n_predict: int, params: SamplingParams,
              stop: frozenset[int], gen: Generation) -> Iterator[str]:
         st = gen.stats
-        st.load_s = self.load_s
-        t0 = time.perf_counter()
+        if not self._load_reported:
+            st.load_s, self._load_reported = self.load_s, True
+        t0 = t1 = time.perf_counter()
         keep = _common_prefix(self.cached, prompt_ids)
         if keep == len(prompt_ids):  # the whole prompt is cached: re-evaluate its last token
             keep -= 1
@@ -126,15 +134,15 @@ class Engine:
         del self.cached[keep:]
         new = prompt_ids[keep:]
         st.prompt_tokens = len(new)
-        self.backend.prefill(new)
-        self.cached.extend(new)
-        t1 = time.perf_counter()
-        st.prompt_s = t1 - t0
+        self.cached.extend(new)  # trimmed back in `finally` to what the backend really evaluated
         decoder = self.tokenizer.stream(skip_special=True)
-        budget = min(n_predict if n_predict >= 0 else self.n_ctx, self.n_ctx - len(self.cached))
-        st.stop_reason = "length" if budget == n_predict else "context"
         history = list(prompt_ids)
         try:
+            self.backend.prefill(new)
+            t1 = time.perf_counter()
+            st.prompt_s = t1 - t0
+            budget = min(n_predict if n_predict >= 0 else self.n_ctx, self.n_ctx - len(self.cached))
+            st.stop_reason = "length" if budget == n_predict else "context"
             for tok in self.backend.sample_loop(budget, params, history, stop):
                 if tok in stop:
                     st.stop_reason = "stop"
@@ -146,17 +154,20 @@ class Engine:
                 piece = decoder.push(tok)
                 if piece:
                     yield piece
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, GeneratorExit):
             st.stop_reason = "interrupted"
             raise
         finally:
-            # keep exactly the tokens whose K/V the backend holds (it may have run ahead, or not
-            # yet evaluated the last accepted token)
+            # keep exactly the tokens whose K/V the backend holds (a prefill cut short, a backend
+            # that ran ahead, or the last accepted token not yet evaluated)
             n = min(self.backend.n_past, len(self.cached))
             del self.cached[n:]
             self.backend.truncate(n)
-            st.eval_s = time.perf_counter() - t1
-            st.total_s = time.perf_counter() - t0 + self.load_s
+            now = time.perf_counter()
+            if not st.prompt_s:
+                st.prompt_s = now - t0
+            st.eval_s = now - t1 if st.prompt_s and t1 > t0 else 0.0
+            st.total_s = now - t0 + st.load_s
         tail = decoder.flush()
         if tail:
             yield tail
