@@ -54,11 +54,11 @@ def make_twins(skip_8b: bool, only: str | None) -> list[str]:
     return made
 
 
-def bench(names: list[str], reps: int) -> list[dict]:
+def bench(names: list[str], reps: int, batches: list[int]) -> list[dict]:
     import cupy as cp
 
     from gguf_runtime.backend_cuda import CudaBackend
-    from gguf_runtime.bench import decode_rate, prefill_rate
+    from gguf_runtime.bench import batch_rate, decode_rate, prefill_rate
     from gguf_runtime.gguf_file import open_gguf
     from gguf_runtime.model_config import config_from_gguf
 
@@ -97,9 +97,18 @@ def bench(names: list[str], reps: int) -> list[dict]:
                   decode_rate(be, 128, reps, graph=True)):
             rows.append({"model": name, "test": r.test, "mode": r.mode, "median": r.median, "stdev": r.stdev,
                          "runs": r.runs})
+        del be
+        cp.get_default_memory_pool().free_all_blocks()
+        if batches:
+            be = CudaBackend(f, cfg, 512, max_batch=max(batches))
+            be.capture_buckets()
+            for b in batches:
+                r = batch_rate(be, b, reps=max(2, reps // 2))
+                rows.append({"model": name, "test": r.test, "mode": r.mode, "median": r.median, "stdev": r.stdev,
+                             "runs": r.runs})
+            del be
         print(f"{name}: " + ", ".join(f"{x['test']} {x['mode']} {x['median']:.1f}" for x in rows
                                       if x["model"] == name), flush=True)
-        del be
         f.close()
         cp.get_default_memory_pool().free_all_blocks()
     return rows
@@ -112,7 +121,9 @@ def main() -> None:
     ap.add_argument("--skip-bench", action="store_true")
     ap.add_argument("--only")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--tests", default="tests/test_gpu_kernels.py tests/test_gpu_backend.py tests/test_gpu_graphs.py")
+    ap.add_argument("--batches", default="1,8,32,64", help="batch sizes for batched generation ('' = none)")
+    ap.add_argument("--tests", default="tests/test_gpu_kernels.py tests/test_gpu_backend.py tests/test_gpu_graphs.py "
+                                       "tests/test_gpu_batch.py")
     args = ap.parse_args()
     os.makedirs(OUT, exist_ok=True)
     sh(["nvidia-smi"], "env.log")
@@ -130,7 +141,7 @@ def main() -> None:
             summary["memcheck_rc"] = rc
             tail("sanitizer.log", 6)
     if not args.skip_bench:
-        rows = bench(names, args.reps)
+        rows = bench(names, args.reps, [int(b) for b in args.batches.split(",") if b])
         with open(os.path.join(OUT, "bench.json"), "w") as fh:
             json.dump({"rows": rows, "summary": summary}, fh, indent=1)
         print(f"\n{'model':<12}{'test':<30}{'mode':<7}{'median':>12}{'stdev':>10}")

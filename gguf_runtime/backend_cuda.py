@@ -1,9 +1,13 @@
-"""The CUDA backend: GPU-resident weights, preallocated buffers, sampling on the GPU.
+"""The CUDA backend: GPU-resident weights, preallocated buffers, sampling on the GPU, graphs.
 
-Everything is allocated at load (weights, paged KV cache, activations for the largest call,
-sampler state); a decode step launches a fixed sequence of kernels that read the token and its
-position from device memory and leave the next token there, so the step can be replayed as a
-CUDA graph. The host reads sampled tokens from a ring in pinned memory.
+Everything is allocated at load: weights, the paged KV cache, activations for the largest call,
+and per-slot decode state (next token, position, sequence id, sampling parameters and history).
+A decode step reads each slot's token and position from device memory and leaves the next token
+there, so it is captured once per batch bucket (1, 2, 4, ... max_batch) and replayed; the host
+reads tokens from a ring in pinned memory after an event, and never writes between tokens.
+
+The single-sequence API (``prefill``/``sample_loop``/``eval``/``truncate``, used by the engine)
+runs on slot 0; ``seq_add``/``batch_step``/``seq_tokens``/``seq_release`` run many slots at once.
 """
 
 from __future__ import annotations
@@ -29,11 +33,11 @@ from .quant_kernels.reference import dequantize
 from .sampling import Sampler, SamplingParams
 
 PREFILL_CHUNK = 512
-RING = 64
+RING = 64  # tokens per slot the pinned ring holds
 LOOKAHEAD = 4  # decode steps enqueued ahead of the token the host is reading
 HIST = 64
 MAX_GPU_TOP_K = 1024
-LOGITS_ROWS = 64
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 def check_supported(cfg: ModelConfig) -> None:
@@ -44,20 +48,30 @@ def check_supported(cfg: ModelConfig) -> None:
             f"(this model: {cfg.head_dim}, {g}); use --backend numpy")
 
 
+def bucket_for(n: int, max_batch: int) -> int:
+    return next(b for b in BUCKETS if b >= n or b >= max_batch)
+
+
 class CudaBackend:
     name = "cuda"
 
     def __init__(self, f: GGUFFile, cfg: ModelConfig, n_ctx: int,
                  progress: Callable[[str, int, int], None] | None = None, max_rows: int = PREFILL_CHUNK,
-                 use_graph: bool = True, note: Callable[[str], None] | None = None) -> None:
+                 use_graph: bool = True, note: Callable[[str], None] | None = None, max_batch: int = 1,
+                 kv_tokens: int | None = None) -> None:
         check_supported(cfg)
-        self.f, self.cfg, self.n_ctx = f, cfg, n_ctx
+        if max_batch not in BUCKETS:
+            raise BackendError(f"--max-batch {max_batch} is not one of {', '.join(map(str, BUCKETS))}")
+        self.f, self.cfg, self.n_ctx, self.max_batch = f, cfg, n_ctx, max_batch
+        self.use_graph, self.note = use_graph, note
         try:
             self.stream = cp.cuda.Stream(non_blocking=True)
             self.kernels = L.Kernels()
             self.weights = DeviceWeights(f, cfg, progress)
-            self.kv = PagedKVCache(cfg, n_ctx, n_seqs=1)
-            self.ws = Workspace(cfg, max_rows, LOGITS_ROWS)
+            page = PagedKVCache.page_bytes(cfg)
+            n_pages = None if kv_tokens is None else -(-kv_tokens // 16)
+            self.kv = PagedKVCache(cfg, n_ctx, n_seqs=max_batch, n_pages=n_pages)
+            self.ws = Workspace(cfg, max(max_rows, max_batch), max(max_batch, 64))
             ff = None
             if cfg.rope.freq_factors:
                 t = f.tensors[cfg.rope.freq_factors]
@@ -65,154 +79,172 @@ class CudaBackend:
             self.inv_freq = {key: cp.asarray(rope_inv_freq(cfg, *key, ff))
                              for key in {cfg.rope_key(i) for i in range(cfg.n_layer)}}
             self.blocks = CudaBlocks(cfg, self.weights, self.kv, self.ws, self.kernels, self.inv_freq)
+            self._init_slots()
             self._precompile()
-            self._init_sampler_state()
         except cp.cuda.memory.OutOfMemoryError as e:
             raise BackendError(f"the GPU ran out of memory loading the model ({e}); "
-                               "lower --ctx-size or use a smaller model") from None
-        self.n_past = 0
-        self.last_logits: cp.ndarray | None = None
-        self.use_graph = use_graph
-        self.note = note
+                               "lower --ctx-size or --max-batch, or use a smaller model") from None
+        self.kv_page_bytes = page
         self.graphs = GraphManager(self.stream)
         self._events = [cp.cuda.Event(disable_timing=True) for _ in range(RING)]
+        self.last_logits: cp.ndarray | None = None
+        if max_batch == 1:
+            self.kv.reserve(0, n_ctx)
 
+    # ---- setup ----------------------------------------------------------------------------------
     def _precompile(self) -> None:
         """Compile every kernel this model can launch, one NVRTC pass per source file."""
         cfg, w = self.cfg, self.weights
-        names = []
+        mm, mma = [], []
+        head = w.mat("output.weight" if "output.weight" in w.mats else "token_embd.weight")
+        groups = []
         for i in range(cfg.n_layer):
             p = f"blk.{i}."
-            qkv = [w.mat(p + n) for n in ("attn_q.weight", "attn_k.weight", "attn_v.weight")]
-            gate, up = w.mat(p + "ffn_gate.weight"), w.mat(p + "ffn_up.weight")
-            for b in L.MMV_TOKENS:
-                names.append(L.mmv_name([m.struct for m in qkv], b, L.rows_per_warp([m.rows for m in qkv], b), 0))
-                for n, mode in (("attn_output.weight", 1), ("ffn_down.weight", 1), ("attn_output.weight", 0),
-                                ("ffn_down.weight", 0), ("ffn_gate.weight", 0), ("ffn_up.weight", 0)):
-                    m = w.mat(p + n)
-                    names.append(L.mmv_name([m.struct], b, L.rows_per_warp([m.rows], b), mode))
-                names.append(L.glu_name(gate.struct, b, L.ACT[cfg.activation]))
-        head = w.mat("output.weight" if "output.weight" in w.mats else "token_embd.weight")
-        for b in L.MMV_TOKENS:
-            names.append(L.mmv_name([head.struct], b, L.rows_per_warp([head.rows], b), 0))
-        names.append(f"embed_rows<{w.mat('token_embd.weight').struct}>")
-        names += [f"dequant_f16<{s}>" for s in {m.struct for m in w.mats.values()}]
-        self.kernels.prepare("matvec.cu", names)
+            groups.append([w.mat(p + n) for n in ("attn_q.weight", "attn_k.weight", "attn_v.weight")])
+            groups += [[w.mat(p + n)] for n in ("attn_output.weight", "ffn_down.weight", "ffn_gate.weight",
+                                                "ffn_up.weight")]
+        groups.append([head])
+        glu = {w.mat(f"blk.{i}.ffn_gate.weight").struct for i in range(cfg.n_layer)}
+        for mats in groups:
+            structs, rows = [m.struct for m in mats], [m.rows for m in mats]
+            for mode in (0, 1):
+                mm += [L.mmv_name(structs, b, L.rows_per_warp(rows, b), mode) for b in L.MMV_TOKENS]
+                if self.max_batch > L.MAX_MMV_TOKENS:
+                    mma += [L.mma_name(structs, L.mma_nt(b), mode) for b in BUCKETS if b > L.MAX_MMV_TOKENS
+                            and b <= self.max_batch]
+        act = L.ACT[cfg.activation]
+        mm += [L.glu_name(s, b, act) for s in glu for b in L.MMV_TOKENS]
+        mma += [L.mma_glu_name(s, L.mma_nt(b), act) for s in glu for b in BUCKETS
+                if L.MAX_MMV_TOKENS < b <= self.max_batch]
+        mm.append(f"embed_rows<{w.mat('token_embd.weight').struct}>")
+        mm += [f"dequant_f16<{s}>" for s in {m.struct for m in w.mats.values()}]
+        self.kernels.prepare("matvec.cu", mm)
+        if mma:
+            self.kernels.prepare("matmul_mma.cu", mma)
         self.kernels.prepare("layers.cu", ["rmsnorm", "rope_kv", "glu", "to_f16", "add_bias", "softcap"])
         self.kernels.prepare("attention.cu", [f"attn_split<{cfg.head_dim}, {cfg.n_head // cfg.n_head_kv}>",
                                               "attn_reduce"])
         self.kernels.prepare("sampling.cu", ["repeat_penalty", "argmax_sample", "topk_sample"])
 
-    def _init_sampler_state(self, n_seq: int = 1) -> None:
-        z = lambda n, t=cp.int32: cp.zeros(n, t)  # noqa: E731
-        self.hist, self.hist_n, self.step = z(HIST * n_seq), z(n_seq), z(n_seq)
-        self.pval = z(L.ARGMAX_BLOCKS * n_seq, cp.float32)
-        self.pidx = z(L.ARGMAX_BLOCKS * n_seq)
-        self.counter = z(n_seq, cp.uint32)
-        self.p_top_k, self.p_last_n = z(n_seq), z(n_seq)
-        self.p_top_p, self.p_min_p, self.p_temp, self.p_penalty = (z(n_seq, cp.float32) for _ in range(4))
-        self.p_seed = z(n_seq, cp.uint64)
-        self._ring_mem = cp.cuda.alloc_pinned_memory(RING * n_seq * 4)
-        self.ring = np.frombuffer(self._ring_mem, np.int32, RING * n_seq)
-        self._state = [self.ws.tokens[:n_seq], self.ws.pos[:n_seq], self.hist, self.hist_n, self.step, self.counter]
+    def _init_slots(self) -> None:
+        n = self.max_batch
+        z = lambda k, t=cp.int32: cp.zeros(k, t)  # noqa: E731
+        self.tokens, self.pos = z(n), z(n)  # each slot's next input token and its position
+        self.seq = cp.full(n, -1, cp.int32)  # slot id when active, -1 when free
+        self.hist, self.hist_n, self.step = z(HIST * n), z(n), z(n)
+        self.pval, self.pidx = z(L.ARGMAX_BLOCKS * n, cp.float32), z(L.ARGMAX_BLOCKS * n)
+        self.counter = z(n, cp.uint32)
+        self.p_top_k, self.p_last_n = z(n), z(n)
+        self.p_top_p, self.p_min_p, self.p_temp, self.p_penalty = (z(n, cp.float32) for _ in range(4))
+        self.p_seed = z(n, cp.uint64)
+        self._ring_mem = cp.cuda.alloc_pinned_memory(RING * n * 4)
+        self.ring = np.frombuffer(self._ring_mem, np.int32, RING * n).reshape(RING, n)
+        self._state = [self.tokens, self.pos, self.hist, self.hist_n, self.step, self.counter]
         self._saved = [cp.empty_like(a) for a in self._state]
         self.sampler_state = L.SamplerState(
-            tokens=self.ws.tokens.data.ptr, pos=self.ws.pos.data.ptr, hist=self.hist.data.ptr,
+            tokens=self.tokens.data.ptr, pos=self.pos.data.ptr, hist=self.hist.data.ptr,
             hist_n=self.hist_n.data.ptr, step=self.step.data.ptr, ring=self._ring_mem.ptr, ring_len=RING,
-            n_seq=n_seq, pval=self.pval.data.ptr, pidx=self.pidx.data.ptr, counter=self.counter.data.ptr,
+            n_seq=n, pval=self.pval.data.ptr, pidx=self.pidx.data.ptr, counter=self.counter.data.ptr,
             top_k=self.p_top_k.data.ptr, top_p=self.p_top_p.data.ptr, min_p=self.p_min_p.data.ptr,
             temp=self.p_temp.data.ptr, seed=self.p_seed.data.ptr, penalty=self.p_penalty.data.ptr,
-            last_n=self.p_last_n.data.ptr)
+            last_n=self.p_last_n.data.ptr, seq=self.seq.data.ptr)
+        self.slot_len = [0] * n  # tokens whose K/V sit in the slot's pages
+        self.slot_sampled = [0] * n  # tokens sampled since the slot's prime (its ring counter)
 
-    def _set_params(self, b: int, params: SamplingParams, seed: int) -> None:
-        """Write sequence b's sampling parameters (host writes at prefill, never between tokens)."""
-        s = self.stream
-        last_n = HIST if params.repeat_last_n < 0 else min(HIST, params.repeat_last_n)
-        top_k = params.top_k if 0 < params.top_k <= MAX_GPU_TOP_K else MAX_GPU_TOP_K
-        self.p_top_k[b:b + 1].set(np.array([top_k], np.int32), stream=s)
-        self.p_last_n[b:b + 1].set(np.array([last_n], np.int32), stream=s)
-        self.p_top_p[b:b + 1].set(np.array([params.top_p], np.float32), stream=s)
-        self.p_min_p[b:b + 1].set(np.array([params.min_p], np.float32), stream=s)
-        self.p_temp[b:b + 1].set(np.array([params.temperature if not params.greedy else 0.0], np.float32), stream=s)
-        self.p_penalty[b:b + 1].set(np.array([params.repeat_penalty], np.float32), stream=s)
-        self.p_seed[b:b + 1].set(np.array([seed], np.uint64), stream=s)
+    # ---- evaluation (prefill) ---------------------------------------------------------------------
+    @property
+    def n_past(self) -> int:
+        return self.slot_len[0]
 
-    # ---- evaluation ----------------------------------------------------------------------------
+    @n_past.setter
+    def n_past(self, n: int) -> None:
+        self.slot_len[0] = n
+
     def truncate(self, n: int) -> None:
-        self.n_past = min(self.n_past, n)
+        self.slot_len[0] = min(self.slot_len[0], n)
 
     def eval(self, tokens: Sequence[int], all_logits: bool = False) -> np.ndarray:
-        """Append tokens; host copy of the last (or every) token's logits (tests and fallback)."""
-        out = self._eval(tokens, all_logits)
+        """Append tokens to slot 0; host copy of the last (or every) token's logits."""
+        out = self._eval(0, tokens, all_logits)
         return cp.asnumpy(out, stream=self.stream)
 
-    def _eval(self, tokens: Sequence[int], all_logits: bool) -> cp.ndarray:
-        n = len(tokens)
-        if self.n_past + n > self.n_ctx:
-            raise ContextOverflowError(f"{self.n_past + n} tokens do not fit the context of {self.n_ctx}; "
+    def _eval(self, slot: int, tokens: Sequence[int], all_logits: bool) -> cp.ndarray:
+        n, past = len(tokens), self.slot_len[slot]
+        if past + n > self.kv.capacity(slot):
+            raise ContextOverflowError(f"{past + n} tokens do not fit the context of {self.kv.capacity(slot)}; "
                                        "raise --ctx-size or shorten the input")
-        if all_logits and n > LOGITS_ROWS:
-            raise ValueError(f"all_logits is limited to {LOGITS_ROWS} tokens per call on the GPU")
+        if all_logits and n > self.ws.logits.shape[0]:
+            raise ValueError(f"all_logits is limited to {self.ws.logits.shape[0]} tokens per call on the GPU")
         ids = np.asarray(tokens, np.int32)
+        b = self.blocks
+        b.seq, b.mma = self.ws.seq, False
         with self.stream:
             for s in range(0, n, self.ws.max_rows):
                 part = ids[s:s + self.ws.max_rows]
                 t = part.shape[0]
                 self.ws.tokens[:t].set(part, stream=self.stream)
-                self.ws.pos[:t].set(np.arange(self.n_past, self.n_past + t, dtype=np.int32), stream=self.stream)
+                self.ws.pos[:t].set(np.arange(past, past + t, dtype=np.int32), stream=self.stream)
+                self.ws.seq[:t].fill(slot)
                 last = s + t >= n
-                logits = forward(self.blocks, self.cfg, self.ws.tokens[:t], self.ws.pos[:t],
-                                 all_logits=all_logits and last)
-                self.n_past += t
+                logits = forward(b, self.cfg, self.ws.tokens[:t], self.ws.pos[:t], all_logits=all_logits and last)
+                past += t
+                self.slot_len[slot] = past
         self.last_logits = logits
         return logits
 
     def prefill(self, tokens: Sequence[int]) -> None:
-        self._eval(tokens, all_logits=False)
-        self._prompt_tail = list(tokens)
+        self._eval(0, tokens, all_logits=False)
 
-    # ---- sampling ------------------------------------------------------------------------------
-    def _decode_step(self) -> None:
-        """One token: ws.tokens[0] at ws.pos[0] -> logits -> (the caller samples)."""
-        forward(self.blocks, self.cfg, self.ws.tokens[:1], self.ws.pos[:1])
-
-    def _sample(self, greedy: bool, penalty: bool, rows: int = 1) -> None:
-        """Sample every row's next token from ws.logits (parameters are in device memory)."""
-        st, k, cfg = self.sampler_state, self.kernels, self.cfg
-        logits = self.ws.logits
-        ld = logits.strides[0] // 4
-        if penalty:
-            L.repeat_penalty(k, logits.data.ptr, ld, cfg.n_vocab, st, rows)
-        if greedy:
-            L.argmax_sample(k, logits.data.ptr, ld, cfg.n_vocab, st, rows)
-        else:
-            L.topk_sample(k, logits.data.ptr, ld, cfg.n_vocab, st, rows)
-
+    # ---- sampling -------------------------------------------------------------------------------
     @staticmethod
     def _mode(params: SamplingParams) -> tuple[bool, bool]:
+        """(greedy, penalty): which sampling kernels a step launches."""
         return params.greedy, params.repeat_penalty != 1.0 and params.repeat_last_n != 0
+
+    def _sample(self, greedy: bool, penalty: bool, rows: int, slot0: int = 0) -> None:
+        """Sample the next token of slots slot0.. from the first ``rows`` rows of ws.logits."""
+        st, k, cfg, logits = self.sampler_state, self.kernels, self.cfg, self.ws.logits
+        ld = logits.strides[0] // 4
+        if penalty:
+            L.repeat_penalty(k, logits.data.ptr, ld, cfg.n_vocab, st, rows, slot0)
+        if greedy:
+            L.argmax_sample(k, logits.data.ptr, ld, cfg.n_vocab, st, rows, slot0)
+        else:
+            L.topk_sample(k, logits.data.ptr, ld, cfg.n_vocab, st, rows, slot0)
 
     def gpu_sampling(self, params: SamplingParams) -> bool:
         """Whether the GPU sampler covers these parameters (else the host samples)."""
         return params.greedy or 0 < params.top_k <= MAX_GPU_TOP_K
 
-    def _prime(self, history: list[int], params: SamplingParams, seed: int) -> None:
-        """Host writes before the first sample (allowed: this is prefill, not between tokens)."""
-        self._set_params(0, params, seed)
-        tail = np.asarray(history[-HIST:], np.int32)
+    def _prime(self, slot: int, history: Sequence[int], params: SamplingParams, seed: int) -> None:
+        """Host writes that start a slot's decoding (at admission, never between tokens)."""
+        s = self.stream
+        one = lambda a, v, t: a[slot:slot + 1].set(np.array([v], t), stream=s)  # noqa: E731
+        tail = np.asarray(list(history)[-HIST:], np.int32)
         hist = np.zeros(HIST, np.int32)
         hist[:tail.shape[0]] = tail
-        with self.stream:
-            self.hist.set(hist, stream=self.stream)
-            self.hist_n.set(np.array([tail.shape[0]], np.int32), stream=self.stream)
-            self.step.fill(0)
-            self.counter.fill(0)
-            self.ws.pos[:1].set(np.array([self.n_past - 1], np.int32), stream=self.stream)
+        self.hist[slot * HIST:(slot + 1) * HIST].set(hist, stream=s)
+        one(self.hist_n, tail.shape[0], np.int32)
+        one(self.step, 0, np.int32)
+        one(self.counter, 0, np.uint32)
+        one(self.pos, self.slot_len[slot] - 1, np.int32)
+        one(self.seq, slot, np.int32)
+        one(self.p_top_k, params.top_k if 0 < params.top_k <= MAX_GPU_TOP_K else MAX_GPU_TOP_K, np.int32)
+        one(self.p_last_n, HIST if params.repeat_last_n < 0 else min(HIST, params.repeat_last_n), np.int32)
+        one(self.p_top_p, params.top_p, np.float32)
+        one(self.p_min_p, params.min_p, np.float32)
+        one(self.p_temp, 0.0 if params.greedy else params.temperature, np.float32)
+        one(self.p_penalty, params.repeat_penalty, np.float32)
+        one(self.p_seed, seed, np.uint64)
+        self.slot_sampled[slot] = 0
 
-    # ---- the decode step and its graph ----------------------------------------------------------
-    def _step(self, mode: tuple[bool, bool]) -> None:
-        self._decode_step()
-        self._sample(*mode)
+    # ---- the decode step and its graphs ---------------------------------------------------------
+    def _step(self, rows: int, mode: tuple[bool, bool]) -> None:
+        """Every active slot < rows: embed its token, run the model at its position, sample."""
+        b = self.blocks
+        b.seq, b.mma = self.seq, rows > L.MAX_MMV_TOKENS
+        forward(b, self.cfg, self.tokens[:rows], self.pos[:rows], all_logits=True)
+        self._sample(*mode, rows=rows)
 
     def _save_state(self) -> None:
         for src, dst in zip(self._state, self._saved):
@@ -222,15 +254,15 @@ class CudaBackend:
         for src, dst in zip(self._saved, self._state):
             cp.copyto(dst, src)
 
-    def _graph_for(self, mode: tuple[bool, bool]):
-        """The captured decode step for this sampling mode, or None (eager). Parameters and seeds
-        live in device memory, so one graph serves every setting of the mode."""
+    def _graph_for(self, rows: int, mode: tuple[bool, bool]):
+        """The captured step for this bucket and sampling mode, or None (eager). Parameters and
+        seeds live in device memory, so one graph serves every setting of the mode."""
         if not self.use_graph:
             return None
-        key = ("decode", 1, *mode)
+        key = ("decode", rows, *mode)
         if not self.graphs.has(key):
             try:
-                self.graphs.capture(key, lambda: self._step(mode),
+                self.graphs.capture(key, lambda: self._step(rows, mode),
                                     before_warmup=self._save_state, after_warmup=self._restore_state)
             except CaptureError as e:
                 self.use_graph = False
@@ -239,13 +271,19 @@ class CudaBackend:
                 return None
         return key
 
-    def _launch(self, key, mode: tuple[bool, bool]) -> None:
+    def capture_buckets(self, mode: tuple[bool, bool] = (False, True)) -> None:
+        """Capture the batch graphs of every bucket up to max_batch, largest first."""
+        for rows in sorted((b for b in BUCKETS if b <= self.max_batch), reverse=True):
+            self._graph_for(rows, mode)
+
+    def _launch(self, key, rows: int, mode: tuple[bool, bool]) -> None:
         if key is not None:
             self.graphs.replay(key)
         else:
             with self.stream:
-                self._step(mode)
+                self._step(rows, mode)
 
+    # ---- one sequence (slot 0) ------------------------------------------------------------------
     def sample_loop(self, n: int, params: SamplingParams, history: list[int],
                     stop: frozenset[int]) -> Iterator[int]:
         """Yield up to n tokens; decode steps run LOOKAHEAD ahead of the host, which reads each
@@ -255,43 +293,45 @@ class CudaBackend:
             return
         seed = int(params.seed) if params.seed is not None else secrets.randbits(63)
         mode = self._mode(params)
-        self._prime(history, params, seed)
+        self._prime(0, history, params, seed)
         with self.stream:
-            self._sample(*mode)  # token 0, from the prompt's logits
+            self._sample(*mode, rows=1)  # token 0, from the prompt's logits
             self._events[0].record(self.stream)
-        key = self._graph_for(mode)
+        key = self._graph_for(1, mode)
         issued = 0  # decode steps launched; step j evaluates token j-1 and samples token j
-        base = self.n_past
+        base = self.slot_len[0]
         try:
             for i in range(n):
                 while issued < min(i + LOOKAHEAD, n - 1):
-                    self._launch(key, mode)
+                    self._launch(key, 1, mode)
                     issued += 1
                     self._events[issued % RING].record(self.stream)
                 self._events[i % RING].synchronize()
-                tok = int(self.ring[i % RING])
+                tok = int(self.ring[i % RING, 0])
                 yield tok
                 if tok in stop:
                     return
         finally:
             self.stream.synchronize()
-            self.n_past = base + issued
+            self.slot_len[0] = base + issued
+            with self.stream:
+                self.seq[0:1].fill(-1)
 
     def run_steps(self, n: int, params: SamplingParams, graph: bool = False) -> None:
-        """Launch n decode steps back to back (no host sync): each samples the next input token."""
+        """Launch n single-sequence decode steps back to back (no host sync)."""
         mode = self._mode(params)
-        key = self._graph_for(mode) if graph else None
+        key = self._graph_for(1, mode) if graph else None
         for _ in range(n):
-            self._launch(key, mode)
-        self.n_past += n
+            self._launch(key, 1, mode)
+        self.slot_len[0] += n
 
     def start_decode(self, prompt: Sequence[int], params: SamplingParams, seed: int = 0) -> None:
-        """Prefill the prompt and sample the first token on the device (benchmarks)."""
+        """Prefill the prompt into slot 0 and sample its first token on the device (benchmarks)."""
         self.truncate(0)
         self.prefill(prompt)
-        self._prime(list(prompt), params, seed)
+        self._prime(0, list(prompt), params, seed)
         with self.stream:
-            self._sample(*self._mode(params))
+            self._sample(*self._mode(params), rows=1)
 
     def _host_sample_loop(self, n: int, params: SamplingParams, history: list[int],
                           stop: frozenset[int]) -> Iterator[int]:
@@ -305,3 +345,36 @@ class CudaBackend:
                 return
             hist.append(tok)
             logits = self.eval([tok])[-1]
+
+    # ---- many sequences --------------------------------------------------------------------------
+    def seq_add(self, slot: int, prompt: Sequence[int], params: SamplingParams, max_new: int,
+                seed: int | None = None) -> None:
+        """Admit a sequence into a free slot: reserve pages, prefill, sample its first token."""
+        if not self.gpu_sampling(params):
+            raise BackendError("batched decoding samples on the GPU: use top-k between 1 and 1024")
+        self.kv.reserve(slot, min(self.n_ctx, len(prompt) + max_new), stream=self.stream)
+        self.slot_len[slot] = 0
+        self._eval(slot, prompt, all_logits=False)
+        seed = int(seed) if seed is not None else secrets.randbits(63)
+        self._prime(slot, prompt, params, seed)
+        with self.stream:
+            self._sample(*self._mode(params), rows=1, slot0=slot)
+
+    def batch_step(self, n_slots: int) -> None:
+        """One decode step for every active slot below n_slots (the bucket's graph)."""
+        rows = bucket_for(n_slots, self.max_batch)
+        mode = (False, True)  # the general sampler: greedy and sampled rows, with penalties
+        self._launch(self._graph_for(rows, mode), rows, mode)
+        for s in range(rows):
+            self.slot_sampled[s] += 1
+            self.slot_len[s] += 1
+
+    def seq_token(self, slot: int, i: int) -> int:
+        """The i-th token sampled for the slot (after the step that made it has completed)."""
+        return int(self.ring[i % RING, slot])
+
+    def seq_release(self, slot: int) -> None:
+        with self.stream:
+            self.seq[slot:slot + 1].fill(-1)
+        self.kv.release(slot, stream=self.stream)
+        self.slot_len[slot] = 0

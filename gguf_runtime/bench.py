@@ -65,3 +65,31 @@ def decode_rate(backend, n: int = 128, reps: int = 5, graph: bool = False) -> Ra
         if r:
             runs.append(n / (time.perf_counter() - t0))
     return Rate(f"tg{n}", "graph" if graph else "eager", n, runs)
+
+
+def batch_rate(backend, batch: int, prompt: int = 128, gen: int = 128, reps: int = 3, seed: int = 0) -> Rate:
+    """Generated tokens per second over all sequences, as llama-batched-bench's S_TG: ``batch``
+    sequences of ``prompt`` random tokens are admitted (prefill, not timed), then ``gen`` batch
+    decode steps are timed (graph replay when the backend uses graphs)."""
+    from .backend_cuda import RING
+
+    rng = np.random.default_rng(seed)
+    params = SamplingParams(temperature=0.0)
+    runs = []
+    for r in range(reps + 1):
+        prompts = [rng.integers(10, backend.cfg.n_vocab, prompt).tolist() for _ in range(batch)]
+        for s, p in enumerate(prompts):
+            backend.seq_add(s, p, params, gen + 1)
+        _sync(backend)
+        t0 = time.perf_counter()
+        for i in range(gen):
+            backend.batch_step(batch)
+            if i % (RING // 2) == RING // 2 - 1:  # keep the ring from lapping (as a server would read it)
+                _sync(backend)
+        _sync(backend)
+        dt = time.perf_counter() - t0
+        for s in range(batch):
+            backend.seq_release(s)
+        if r:
+            runs.append(batch * gen / dt)
+    return Rate(f"B={batch} tg{gen}", "graph" if backend.use_graph else "eager", batch * gen, runs)

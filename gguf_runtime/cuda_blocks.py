@@ -1,9 +1,12 @@
 """``model.Blocks`` on the GPU: each block is a short, fixed sequence of kernel launches.
 
-Up to MAX_MMV_TOKENS rows run the dequantizing matvec kernels (f32 throughout: decode, and short
-prompts). Longer prompts dequantize each matrix to an f16 scratch and use cuBLAS (f16 inputs, f32
-accumulate and output), which is also where the residual add happens (beta = 1). Every array
-returned is a view of the preallocated ``Workspace``: nothing is allocated per call.
+Matrix products by row count: up to MAX_MMV_TOKENS rows run the dequantizing matvec kernels (f32
+throughout: single-sequence decode, small batches, short prompts). More rows run either the
+tensor-core kernels (``mma = True``: batch decode steps, which are captured in CUDA graphs) or,
+for eager prefill, cuBLAS on an f16 copy of each matrix (f16 inputs, f32 accumulate and output;
+the residual add is its beta = 1). ``seq`` maps the rows of the current call to KV-cache sequence
+slots (< 0: a padding row that writes nothing). Every array returned is a view of the
+preallocated ``Workspace``: nothing is allocated per call.
 """
 
 from __future__ import annotations
@@ -18,8 +21,8 @@ from .model_config import ROPE_NEOX, ModelConfig
 from .quant_kernels import launchers as L
 
 CUDA_R_16F, CUDA_R_32F = 2, 0
-ATTN_PARTS = 64  # splits x rows budget of the attention partials
-DECODE_SPLITS = 32
+ATTN_PARTS = 2048  # splits x rows budget of the attention partials
+DECODE_SPLITS = 32  # every decode row gets the same split, so a row's arithmetic never depends on B
 
 
 def n_splits(rows: int) -> int:
@@ -61,6 +64,8 @@ class CudaBlocks:
                  kernels: L.Kernels, inv_freq: dict[tuple[float, float], cp.ndarray]) -> None:
         self.cfg, self.w, self.kv, self.ws, self.k = cfg, w, kv, ws, kernels
         self.inv_freq = inv_freq
+        self.seq = ws.seq  # row -> sequence slot, for the rows of the current call
+        self.mma = False  # tensor-core kernels for > MAX_MMV_TOKENS rows (capturable) instead of cuBLAS
         if ws.max_rows > L.MAX_MMV_TOKENS:
             biggest = max(m.rows * m.cols for n, m in w.mats.items() if n not in ("token_embd.weight", "output.weight"))
             ws.w16 = cp.zeros(biggest, cp.float16)
@@ -118,9 +123,10 @@ class CudaBlocks:
         cols = [0, hq, hq + hk]
         biases = [p + "attn_q.bias", p + "attn_k.bias", p + "attn_v.bias"] if cfg.attn_bias else [None] * 3
         ld = qkv.strides[0] // 4
-        if self._small(t):
-            L.mmv(self.k, [self.w.mat(n) for n in names], [(qkv.data.ptr + 4 * c, ld) for c in cols],
-                  [self.w.vec(b).data.ptr if b else None for b in biases], h.data.ptr, h.strides[0] // 4, t, 0)
+        if self._small(t) or self.mma:
+            run = L.mmv if self._small(t) else L.mma
+            run(self.k, [self.w.mat(n) for n in names], [(qkv.data.ptr + 4 * c, ld) for c in cols],
+                [self.w.vec(b).data.ptr if b else None for b in biases], h.data.ptr, h.strides[0] // 4, t, 0)
         else:
             for n, c, b in zip(names, cols, biases):
                 out = qkv[:, c:]
@@ -130,7 +136,7 @@ class CudaBlocks:
         kc, vc = self.kv.layer(layer)
         qn = self.w.vec(p + "attn_q_norm.weight").data.ptr if cfg.qk_norm else None
         kn = self.w.vec(p + "attn_k_norm.weight").data.ptr if cfg.qk_norm else None
-        seq = ws.seq[:t]
+        seq = self.seq[:t]
         L.rope_kv(self.k, qkv.data.ptr, ld, t, cfg.n_head, cfg.n_head_kv, d, cfg.head_dim_v, cfg.rope.n_dims,
                   cfg.rope.style == ROPE_NEOX, qn, kn, cfg.rms_eps, self.inv_freq[cfg.rope_key(layer)].data.ptr,
                   positions.data.ptr, seq.data.ptr, self.kv.table.data.ptr, self.kv.max_pages, self.kv.page_size,
@@ -142,7 +148,7 @@ class CudaBlocks:
         t = q.shape[0]
         out = ws.att[:t]
         kc, vc = self.kv.layer(layer)
-        L.attention(self.k, q.data.ptr, q.strides[0] // 4, t, kc, vc, positions.data.ptr, ws.seq.data.ptr,
+        L.attention(self.k, q.data.ptr, q.strides[0] // 4, t, kc, vc, positions.data.ptr, self.seq.data.ptr,
                     self.kv.table.data.ptr, self.kv.max_pages, self.kv.page_size, cfg.n_head, cfg.n_head_kv,
                     cfg.head_dim, cfg.attn_scale, cfg.attn_softcap or 0.0, cfg.layer_window[layer], n_splits(t),
                     ws.part_o.data.ptr, ws.part_ml.data.ptr, out.data.ptr, out.strides[0] // 4)
@@ -152,9 +158,10 @@ class CudaBlocks:
         """x += post_norm(W a) (no norm: straight into x)."""
         t = a.shape[0]
         target = self.ws.o[:t] if post_norm else x
-        if self._small(t):
-            L.mmv(self.k, [self.w.mat(name)], [(target.data.ptr, target.strides[0] // 4)], [None], a.data.ptr,
-                  a.strides[0] // 4, t, 0 if post_norm else 1)
+        if self._small(t) or self.mma:
+            run = L.mmv if self._small(t) else L.mma
+            run(self.k, [self.w.mat(name)], [(target.data.ptr, target.strides[0] // 4)], [None], a.data.ptr,
+                a.strides[0] // 4, t, 0 if post_norm else 1)
         else:
             self._gemm(a, name, target, accumulate=not post_norm)
         if post_norm:
@@ -173,14 +180,15 @@ class CudaBlocks:
         self._norm(x, p + "ffn_norm.weight", h)
         gate, up = self.w.mat(p + "ffn_gate.weight"), self.w.mat(p + "ffn_up.weight")
         post = p + "post_ffw_norm.weight" if cfg.post_norms else None
-        if self._small(t) and gate.type_id == up.type_id:
-            L.mmv_glu(self.k, gate, up, h.data.ptr, h.strides[0] // 4, t, cfg.activation, g.data.ptr,
-                      g.strides[0] // 4)
+        if (self._small(t) or self.mma) and gate.type_id == up.type_id:
+            run = L.mmv_glu if self._small(t) else L.mma_glu
+            run(self.k, gate, up, h.data.ptr, h.strides[0] // 4, t, cfg.activation, g.data.ptr, g.strides[0] // 4)
             return self._project_residual(g, p + "ffn_down.weight", x, post)
-        if self._small(t):
+        if self._small(t) or self.mma:
             u = ws.u[:t]
-            L.mmv(self.k, [gate], [(g.data.ptr, g.strides[0] // 4)], [None], h.data.ptr, h.strides[0] // 4, t, 0)
-            L.mmv(self.k, [up], [(u.data.ptr, u.strides[0] // 4)], [None], h.data.ptr, h.strides[0] // 4, t, 0)
+            run = L.mmv if self._small(t) else L.mma
+            run(self.k, [gate], [(g.data.ptr, g.strides[0] // 4)], [None], h.data.ptr, h.strides[0] // 4, t, 0)
+            run(self.k, [up], [(u.data.ptr, u.strides[0] // 4)], [None], h.data.ptr, h.strides[0] // 4, t, 0)
             L.glu(self.k, g.data.ptr, u.data.ptr, g.strides[0] // 4, cfg.n_ff, t, cfg.activation, g.data.ptr,
                   g.strides[0] // 4)
             return self._project_residual(g, p + "ffn_down.weight", x, post)
@@ -207,9 +215,12 @@ class CudaBlocks:
         head = self.w.mat(lm_head_name(cfg))
         out = ws.logits[:t]
         ld = out.strides[0] // 4
-        for s in range(0, t, L.MAX_MMV_TOKENS):
-            n = min(L.MAX_MMV_TOKENS, t - s)
-            L.mmv(self.k, [head], [(out[s:].data.ptr, ld)], [None], h[s:].data.ptr, h.strides[0] // 4, n, 0)
+        if self.mma and not self._small(t):
+            L.mma(self.k, [head], [(out.data.ptr, ld)], [None], h.data.ptr, h.strides[0] // 4, t, 0)
+        else:
+            for s in range(0, t, L.MAX_MMV_TOKENS):
+                n = min(L.MAX_MMV_TOKENS, t - s)
+                L.mmv(self.k, [head], [(out[s:].data.ptr, ld)], [None], h[s:].data.ptr, h.strides[0] // 4, n, 0)
         if cfg.final_softcap:
             L.softcap(self.k, out.data.ptr, ld, cfg.n_vocab, t, cfg.final_softcap)
         return out

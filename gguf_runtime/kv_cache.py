@@ -1,8 +1,10 @@
 """The paged KV cache on the GPU: a pool of fixed-size pages and a block table per sequence.
 
-Per layer the cache is [pages, n_head_kv, page_size, head_dim]; sequence s's position p lives in
-page table[s, p // page_size], slot p % page_size. Kernels read the table and each token's
-position from device memory, so one launch configuration serves any context length.
+Per layer the cache is [pages, n_head_kv, page_size, head_dim]; sequence slot s's position p
+lives in page table[s, p // page_size], slot p % page_size. Kernels read the table and each
+token's position from device memory, so one launch configuration serves any context length.
+Pages are handed out by a host-side free list when a sequence is admitted (for its prompt plus
+the tokens it may generate) and return to it the moment the sequence ends.
 """
 
 from __future__ import annotations
@@ -10,27 +12,66 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
+from .errors import BackendError
 from .model_config import ModelConfig
 
 PAGE_SIZE = 16
 
 
+class KVCacheFullError(BackendError):
+    """No free pages for a sequence right now (a server queues it; a CLI raises the context)."""
+
+
 class PagedKVCache:
-    def __init__(self, cfg: ModelConfig, n_ctx: int, n_seqs: int = 1, page_size: int = PAGE_SIZE) -> None:
+    def __init__(self, cfg: ModelConfig, n_ctx: int, n_seqs: int = 1, n_pages: int | None = None,
+                 page_size: int = PAGE_SIZE) -> None:
         self.page_size = page_size
-        self.max_pages = (n_ctx + page_size - 1) // page_size  # pages one sequence can hold
+        self.max_pages = (n_ctx + page_size - 1) // page_size  # table width: pages one sequence can hold
         self.n_seqs = n_seqs
-        self.n_pages = self.max_pages * n_seqs
+        self.n_pages = n_pages if n_pages is not None else self.max_pages * n_seqs
         shape = (cfg.n_layer, self.n_pages, cfg.n_head_kv, page_size, cfg.head_dim)
         self.k = cp.zeros(shape, cp.float32)
         self.v = cp.zeros(shape[:-1] + (cfg.head_dim_v,), cp.float32)
-        # each sequence owns a fixed run of pages; the table is what the kernels follow
-        table = np.arange(self.n_pages, dtype=np.int32).reshape(n_seqs, self.max_pages)
-        self.table = cp.asarray(table)
+        self.table = cp.full((n_seqs, self.max_pages), -1, cp.int32)  # -1: no page (kernels skip it)
+        self._free = list(range(self.n_pages - 1, -1, -1))
+        self._owned: list[list[int]] = [[] for _ in range(n_seqs)]
+
+    @staticmethod
+    def page_bytes(cfg: ModelConfig, page_size: int = PAGE_SIZE) -> int:
+        return cfg.n_layer * cfg.n_head_kv * page_size * (cfg.head_dim + cfg.head_dim_v) * 4
 
     def layer(self, i: int) -> tuple[int, int]:
         """Device pointers of layer i's K and V pages."""
         return self.k[i].data.ptr, self.v[i].data.ptr
+
+    def capacity(self, seq: int) -> int:
+        """Tokens sequence ``seq`` can hold with the pages it owns."""
+        return len(self._owned[seq]) * self.page_size
+
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    def reserve(self, seq: int, n_tokens: int, stream: cp.cuda.Stream | None = None) -> None:
+        """Give sequence ``seq`` pages for positions [0, n_tokens) (keeping those it has)."""
+        need = -(-min(n_tokens, self.max_pages * self.page_size) // self.page_size)
+        owned = self._owned[seq]
+        if need - len(owned) > len(self._free):
+            raise KVCacheFullError(f"the KV cache has {len(self._free)} free pages of {self.page_size} tokens, "
+                                   f"{need - len(owned)} are needed; wait for a sequence to finish or raise the "
+                                   "KV budget")
+        if need <= len(owned):
+            return
+        while len(owned) < need:
+            owned.append(self._free.pop())
+        row = np.full(self.max_pages, -1, np.int32)
+        row[:len(owned)] = owned
+        self.table[seq].set(row, stream=stream)
+
+    def release(self, seq: int, stream: cp.cuda.Stream | None = None) -> None:
+        """Return the sequence's pages to the pool; its table row points nowhere again."""
+        self._free.extend(reversed(self._owned[seq]))
+        self._owned[seq] = []
+        self.table[seq].set(np.full(self.max_pages, -1, np.int32), stream=stream)
 
     @property
     def nbytes(self) -> int:

@@ -224,7 +224,7 @@ def sampler_state(n_vocab, rows=1, top_k=40, top_p=1.0, min_p=0.0, temp=0.0, see
                 pval=z(L.ARGMAX_BLOCKS * rows, cp.float32), pidx=z(L.ARGMAX_BLOCKS * rows),
                 counter=z(rows, cp.uint32), top_k=full(top_k, cp.int32), top_p=full(top_p, cp.float32),
                 min_p=full(min_p, cp.float32), temp=full(temp, cp.float32), seed=full(seed, cp.uint64),
-                penalty=full(penalty, cp.float32), last_n=full(last_n, cp.int32))
+                penalty=full(penalty, cp.float32), last_n=full(last_n, cp.int32), seq=cp.arange(rows, dtype=cp.int32))
     ring_mem = cp.cuda.alloc_pinned_memory(16 * rows * 4)
     ring = np.frombuffer(ring_mem, np.int32, 16 * rows)
     st = L.SamplerState(ring=ring_mem.ptr, ring_len=16, n_seq=rows,

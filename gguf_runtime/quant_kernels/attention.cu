@@ -17,6 +17,14 @@ __global__ void __launch_bounds__(128) attn_split(
     const int hk = blockIdx.x, s = blockIdx.y, t = blockIdx.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int n_head = n_head_kv * G;
+    if (seq[t] < 0) {  // a padding row of a batch bucket: no keys
+        for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
+            const long slot = ((long)t * n_head + hk * G + idx / D) * n_split + s;
+            part_o[slot * D + idx % D] = 0.f;
+            if (idx % D == 0) { part_ml[2 * slot] = -INFINITY; part_ml[2 * slot + 1] = 0.f; }
+        }
+        return;
+    }
     const int p = pos[t];
     const int lo = window > 0 ? max(0, p - window + 1) : 0;
     const int n = p + 1 - lo, chunk = (n + n_split - 1) / n_split;
@@ -32,7 +40,9 @@ __global__ void __launch_bounds__(128) attn_split(
         m[g] = -INFINITY; l[g] = 0.f;
     }
     for (int key = start + warp; key < end; key += 4) {
-        const long base = (((long)tab[key / page_size] * n_head_kv + hk) * page_size + key % page_size) * D;
+        const int page = key / page_size < max_pages ? tab[key / page_size] : -1;
+        if (page < 0) continue;  // a position past the sequence's pages (never written)
+        const long base = (((long)page * n_head_kv + hk) * page_size + key % page_size) * D;
         float kv[E], vv[E];
 #pragma unroll
         for (int e = 0; e < E; ++e) { kv[e] = kcache[base + lane + 32 * e]; vv[e] = vcache[base + lane + 32 * e]; }
@@ -94,7 +104,7 @@ extern "C" __global__ void attn_reduce(const float* __restrict__ part_o, const f
         L += part_ml[2 * (slot0 + s) + 1] * f;
         O += part_o[(slot0 + s) * dv + e] * f;
     }
-    if (e < dv) out[(long)t * ldo + h * dv + e] = O / L;
+    if (e < dv) out[(long)t * ldo + h * dv + e] = L > 0.f ? O / L : 0.f;
 }
 
 #ifdef GGUF_INSTANTIATE_ALL

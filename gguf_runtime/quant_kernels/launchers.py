@@ -170,6 +170,47 @@ def mmv_glu(k: Kernels, gate: Mat, up: Mat, x: int, ldx: int, b: int, act: str, 
             ptr(y + 4 * row * ldy), i32(ldy)))
 
 
+MMA_TILE_ROWS = 32
+
+
+def mma_nt(n_tok: int) -> int:
+    """n-tiles of 8 per warp: token tile 16, 32 or 64."""
+    return 1 if n_tok <= 16 else (2 if n_tok <= 32 else 4)
+
+
+def mma_name(structs: Sequence[str], nt: int, mode: int) -> str:
+    s = list(structs) + [structs[0]] * (3 - len(structs))
+    return f"mma_group<{s[0]}, {s[1]}, {s[2]}, {nt}, {mode}>"
+
+
+def mma_glu_name(struct: str, nt: int, act: int) -> str:
+    return f"mma_glu<{struct}, {nt}, {act}>"
+
+
+def mma(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases: Sequence[int | None],
+        x: int, ldx: int, n_tok: int, mode: int) -> None:
+    """Tensor-core version of ``mmv`` for any number of tokens (f16 operands, f32 accumulate)."""
+    assert 1 <= len(mats) <= 3
+    nt = mma_nt(n_tok)
+    fn = k.fn("matmul_mma.cu", mma_name([m.struct for m in mats], nt, mode))
+    args: list = []
+    for i in range(3):
+        if i < len(mats):
+            m, (y, ldy), bias = mats[i], outs[i], biases[i]
+            args += [*m.planes, i32(m.rows), ptr(y), i32(ldy), ptr(bias)]
+        else:
+            args += [ptr(0)] * 4 + [i32(0), ptr(0), i32(0), ptr(0)]
+    tiles = sum((m.rows + MMA_TILE_ROWS - 1) // MMA_TILE_ROWS for m in mats)
+    fn((tiles, (n_tok + 16 * nt - 1) // (16 * nt)), (128,), (*args, ptr(x), i32(ldx), i32(n_tok), i32(mats[0].cols)))
+
+
+def mma_glu(k: Kernels, gate: Mat, up: Mat, x: int, ldx: int, n_tok: int, act: str, y: int, ldy: int) -> None:
+    nt = mma_nt(n_tok)
+    fn = k.fn("matmul_mma.cu", mma_glu_name(gate.struct, nt, ACT[act]))
+    fn(((gate.rows + MMA_TILE_ROWS - 1) // MMA_TILE_ROWS, (n_tok + 16 * nt - 1) // (16 * nt)), (128,),
+       (*gate.planes, *up.planes, i32(gate.rows), ptr(x), i32(ldx), i32(n_tok), i32(gate.cols), ptr(y), i32(ldy)))
+
+
 def embed(k: Kernels, table: Mat, tokens: int, n: int, x: int, ldx: int, scale: float) -> None:
     fn = k.fn("matvec.cu", f"embed_rows<{table.struct}>")
     fn((n,), (128,), (*table.planes, i32(table.cols), ptr(tokens), i32(table.rows), ptr(x), i32(ldx), f32(scale)))
@@ -257,27 +298,35 @@ class SamplerState:
     seed: int
     penalty: int
     last_n: int
+    seq: int  # per slot: >= 0 active, < 0 padding (samples nothing)
 
 
 ARGMAX_BLOCKS = 32
 
 
-def repeat_penalty(k: Kernels, logits: int, ld: int, n_vocab: int, st: SamplerState, rows: int) -> None:
+# Logits row r belongs to sequence slot slot0 + r (a decode step: slot0 = 0, one row per slot;
+# after a prefill: the prompt's last row, for its slot).
+def repeat_penalty(k: Kernels, logits: int, ld: int, n_vocab: int, st: SamplerState, rows: int,
+                   slot0: int = 0) -> None:
     k.fn("sampling.cu", "repeat_penalty")((rows,), (64,), (ptr(logits), i32(ld), ptr(st.hist), ptr(st.hist_n),
-                                                           ptr(st.last_n), ptr(st.penalty), i32(n_vocab)))
+                                                           ptr(st.last_n), ptr(st.penalty), i32(n_vocab),
+                                                           ptr(st.seq), i32(slot0)))
 
 
-def argmax_sample(k: Kernels, logits: int, ld: int, n_vocab: int, st: SamplerState, rows: int) -> None:
+def argmax_sample(k: Kernels, logits: int, ld: int, n_vocab: int, st: SamplerState, rows: int,
+                  slot0: int = 0) -> None:
     k.fn("sampling.cu", "argmax_sample")(
         (ARGMAX_BLOCKS, rows), (1024,),
         (ptr(logits), i32(ld), i32(n_vocab), ptr(st.pval), ptr(st.pidx), ptr(st.counter), ptr(st.tokens),
-         ptr(st.pos), ptr(st.hist), ptr(st.hist_n), ptr(st.step), ptr(st.ring), i32(st.ring_len), i32(st.n_seq)))
+         ptr(st.pos), ptr(st.hist), ptr(st.hist_n), ptr(st.step), ptr(st.ring), i32(st.ring_len), i32(st.n_seq),
+         ptr(st.seq), i32(slot0)))
 
 
-def topk_sample(k: Kernels, logits: int, ld: int, n_vocab: int, st: SamplerState, rows: int) -> None:
+def topk_sample(k: Kernels, logits: int, ld: int, n_vocab: int, st: SamplerState, rows: int,
+                slot0: int = 0) -> None:
     """Per row: greedy when temp <= 0, else top-k/top-p/min-p/temperature with the row's seed."""
     k.fn("sampling.cu", "topk_sample")(
         (rows,), (1024,),
         (ptr(logits), i32(ld), i32(n_vocab), ptr(st.top_k), ptr(st.top_p), ptr(st.min_p), ptr(st.temp),
          ptr(st.seed), ptr(st.tokens), ptr(st.pos), ptr(st.hist), ptr(st.hist_n), ptr(st.step), ptr(st.ring),
-         i32(st.ring_len), i32(st.n_seq)))
+         i32(st.ring_len), i32(st.n_seq), ptr(st.seq), i32(slot0)))

@@ -25,7 +25,8 @@ extern "C" __global__ void rmsnorm(const float* __restrict__ x, int ldx, const f
 // One block per (token t, head h) over the fused QKV rows [q heads | k heads | v heads], blockDim
 // = head_dim. Q and K heads: optional per-head RMSNorm (qnw/knw non-null), then RoPE (the first
 // n_rot dims; neox: pairs (i, i + n_rot/2), else (2i, 2i+1)); Q is written back in place, K into
-// the cache slot of pos[t]; V heads are copied into the cache.
+// the cache slot of pos[t]; V heads are copied into the cache. Rows with seq[t] < 0 (padding in a
+// batch bucket) are skipped: they write nothing.
 extern "C" __global__ void rope_kv(float* qkv, int ldqkv, int n_head, int n_head_kv, int head_dim,
                                    int head_dim_v, int n_rot, int neox, const float* __restrict__ qnw,
                                    const float* __restrict__ knw, float eps,
@@ -35,8 +36,11 @@ extern "C" __global__ void rope_kv(float* qkv, int ldqkv, int n_head, int n_head
     __shared__ float xs[512];
     __shared__ float scratch[32];
     const int t = blockIdx.x, h = blockIdx.y, i = threadIdx.x;
+    if (seq[t] < 0) return;
     const int p = pos[t];
-    const int page = table[(long)seq[t] * max_pages + p / page_size], slot = p % page_size;
+    const int page = p / page_size < max_pages ? table[(long)seq[t] * max_pages + p / page_size] : -1;
+    const int slot = p % page_size;
+    if (page < 0) return;  // past the pages this sequence owns: write nothing
     float* row = qkv + (long)t * ldqkv;
     if (h >= n_head + n_head_kv) {  // V head: copy into the cache
         const int hv = h - n_head - n_head_kv;

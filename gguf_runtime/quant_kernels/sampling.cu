@@ -2,8 +2,9 @@
 // input buffer, the position advances, the token joins the penalty history, and a copy lands in
 // a ring of mapped (pinned) host memory that the host reads after an event.
 //
-// Per sequence b the state is: tokens[b] (next input), pos[b], hist[b][HIST] + hist_n[b],
-// step[b] (tokens sampled so far; ring slot and RNG counter).
+// Per sequence slot b the state is: tokens[b] (next input), pos[b], hist[b][HIST] + hist_n[b],
+// step[b] (tokens sampled so far; ring slot and RNG counter). Row r of the logits belongs to slot
+// slot0 + r; slots with seq[b] < 0 (padding) are skipped.
 #include "common.cuh"
 
 #define HIST 64
@@ -22,8 +23,10 @@ DEV void commit(int b, int tok, int* tokens, int* pos, int* hist, int* hist_n, i
 // (penalty[b] == 1: nothing). One block (>= HIST threads) per sequence.
 extern "C" __global__ void repeat_penalty(float* logits, int ld, const int* __restrict__ hist,
                                           const int* __restrict__ hist_n, const int* __restrict__ last_n,
-                                          const float* __restrict__ penalty, int n_vocab) {
-    const int b = blockIdx.x, i = threadIdx.x;
+                                          const float* __restrict__ penalty, int n_vocab,
+                                          const int* __restrict__ seq, int slot0) {
+    const int r = blockIdx.x, b = slot0 + r, i = threadIdx.x;
+    if (seq[b] < 0) return;
     const float pen = penalty[b];
     const int n = min(min(hist_n[b], HIST), last_n[b]);
     if (pen == 1.f || i >= n) return;
@@ -33,7 +36,7 @@ extern "C" __global__ void repeat_penalty(float* logits, int ld, const int* __re
     for (int j = 0; j < i; ++j)
         if (h[(newest - j + HIST) % HIST] == tok) return;  // counted once, by its newest entry
     if (tok < 0 || tok >= n_vocab) return;
-    float* p = logits + (long)b * ld + tok;
+    float* p = logits + (long)r * ld + tok;
     *p = *p > 0.f ? *p / pen : *p * pen;
 }
 
@@ -41,12 +44,14 @@ extern "C" __global__ void repeat_penalty(float* logits, int ld, const int* __re
 // each sequence to finish merges the partials and commits the token.
 extern "C" __global__ void __launch_bounds__(1024) argmax_sample(
         const float* __restrict__ logits, int ld, int n_vocab, float* pval, int* pidx, unsigned* counter,
-        int* tokens, int* pos, int* hist, int* hist_n, int* step, int* ring, int ring_len, int n_seq) {
+        int* tokens, int* pos, int* hist, int* hist_n, int* step, int* ring, int ring_len, int n_seq,
+        const int* __restrict__ seq, int slot0) {
     __shared__ float sv[32];
     __shared__ int si[32];
     __shared__ bool last;
-    const int b = blockIdx.y, nb = gridDim.x;
-    const float* x = logits + (long)b * ld;
+    const int b = slot0 + blockIdx.y, nb = gridDim.x;
+    if (seq[b] < 0) return;
+    const float* x = logits + (long)blockIdx.y * ld;
     const int per = (n_vocab + nb - 1) / nb, lo = blockIdx.x * per, hi = min(n_vocab, lo + per);
     float best = -INFINITY; int bi = 0x7fffffff;
     for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
@@ -106,14 +111,15 @@ extern "C" __global__ void __launch_bounds__(1024) topk_sample(
         const float* __restrict__ logits, int ld, int n_vocab, const int* __restrict__ top_k_,
         const float* __restrict__ top_p_, const float* __restrict__ min_p_, const float* __restrict__ temp_,
         const unsigned long long* __restrict__ seed_, int* tokens, int* pos, int* hist, int* hist_n, int* step,
-        int* ring, int ring_len, int n_seq) {
+        int* ring, int ring_len, int n_seq, const int* __restrict__ seq, int slot0) {
     __shared__ u32 hist_c[256];
     __shared__ u32 prefix, prefix_mask;
     __shared__ int remaining, n_cand;
     __shared__ float cv[CAP];
     __shared__ int ci[CAP];
-    const int b = blockIdx.x, tid = threadIdx.x;
-    const float* x = logits + (long)b * ld;
+    const int b = slot0 + blockIdx.x, tid = threadIdx.x;
+    if (seq[b] < 0) return;
+    const float* x = logits + (long)blockIdx.x * ld;
     const float temp = temp_[b], top_p = top_p_[b], min_p = min_p_[b];
     const int top_k = min(max(top_k_[b], 1), min(n_vocab, 1024));
     if (temp <= 0.f) {  // greedy
