@@ -25,7 +25,7 @@ from ..engine import Engine
 from ..errors import GGUFRunError
 from ..model_info import human_count, quant_histogram
 from .app import app
-from .options import (Backend, CtxSize, MinP, ModelArg, Quiet, RepeatPenalty, Seed, Temp, TopK, TopP,
+from .options import (Backend, CtxSize, MinP, ModelArg, NoGraph, Quiet, RepeatPenalty, Seed, Temp, TopK, TopP,
                       note_printer, resolve_model, sampling_params)
 from .progress import progress_bars
 from .run_cmd import print_stats
@@ -403,6 +403,7 @@ def chat(
     ctx_size: Optional[int] = CtxSize,
     system: Optional[str] = typer.Option(None, "--system", help="system message"),
     backend: str = Backend,
+    no_graph: bool = NoGraph,
     verbose: bool = typer.Option(False, "--verbose", help="print timings after each reply, like `ollama run --verbose`"),
     quiet: bool = Quiet,
 ) -> None:
@@ -413,7 +414,7 @@ def chat(
     path = resolve_model(model)
     note = note_printer(quiet)
     with progress_bars(quiet) as progress:
-        eng = Engine(path, backend=backend, n_ctx=ctx_size, progress=progress, note=note)
+        eng = Engine(path, backend=backend, n_ctx=ctx_size, progress=progress, note=note, use_graph=not no_graph)
     if not eng.has_template and note:
         note("note: the model has no chat template; using a plain ChatML layout")
     session = ChatSession(eng, params=params, system=system, n_predict=n_predict)

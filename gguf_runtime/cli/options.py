@@ -22,6 +22,7 @@ Seed = typer.Option(None, "--seed", min=0, help="random seed (same seed, same te
 CtxSize = typer.Option(None, "-c", "--ctx-size", min=8, help="context size in tokens (default: min(4096, the model's))")
 Backend = typer.Option("auto", "--backend", help="auto | cuda | numpy (auto: cuda when a GPU and CuPy are there)")
 Quiet = typer.Option(False, "--quiet", "-q", help="no progress bars or notes")
+NoGraph = typer.Option(False, "--no-graph", help="cuda: launch kernels one by one instead of replaying CUDA graphs")
 
 
 def resolve_model(model: Optional[str]) -> str:

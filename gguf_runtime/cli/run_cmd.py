@@ -9,8 +9,8 @@ import typer
 
 from ..engine import Engine, GenerationStats
 from .app import app
-from .options import (Backend, CtxSize, MinP, ModelArg, NPredict, Quiet, RepeatPenalty, Seed, Temp, TopK,
-                      TopP, note_printer, resolve_model, sampling_params)
+from .options import (Backend, CtxSize, MinP, ModelArg, NoGraph, NPredict, Quiet, RepeatPenalty, Seed, Temp,
+                      TopK, TopP, note_printer, resolve_model, sampling_params)
 from .progress import progress_bars
 
 
@@ -57,6 +57,7 @@ def run(
                                              "the file has a template)"),
     system: Optional[str] = typer.Option(None, "--system", help="system message (chat mode)"),
     backend: str = Backend,
+    no_graph: bool = NoGraph,
     verbose: bool = typer.Option(False, "--verbose", help="print timings like `ollama run --verbose`"),
     quiet: bool = Quiet,
 ) -> None:
@@ -72,7 +73,7 @@ def run(
     path = resolve_model(model)
     note = note_printer(quiet)
     with progress_bars(quiet) as progress:
-        eng = Engine(path, backend=backend, n_ctx=ctx_size, progress=progress, note=note)
+        eng = Engine(path, backend=backend, n_ctx=ctx_size, progress=progress, note=note, use_graph=not no_graph)
     use_chat = eng.has_template if chat is None else chat
     if use_chat and not eng.has_template and note:
         note("note: the model has no chat template; using a plain ChatML layout")
