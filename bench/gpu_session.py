@@ -1,5 +1,8 @@
 """One GPU-machine session: build twins, run the GPU tests, compute-sanitizer, benchmarks.
 
+The benchmarks are `gguf-run bench TWIN --batch ... --json` (one process per twin); each twin's
+JSON (and plot, where matplotlib is installed) lands in $OUT beside bench.json, which holds them all.
+
 Usage (on the device machine, from the repo root, after `source .device/env.sh`):
     python bench/gpu_session.py [--skip-tests] [--skip-8b] [--only NAME] [--reps 5]
 Logs go to $OUT; the table is printed last. Twin headers come from twins/*.hdr.gguf (made here
@@ -55,63 +58,48 @@ def make_twins(skip_8b: bool, only: str | None) -> list[str]:
 
 
 def bench(names: list[str], reps: int, batches: list[int]) -> list[dict]:
-    import cupy as cp
+    """`gguf-run bench TWIN --json` per twin: a short first run (NVRTC compile, graph capture: its
+    load time is the fresh-machine figure), then the recorded one; tables printed from the JSON."""
+    from gguf_runtime.bench_report import render_table
 
-    from gguf_runtime.backend_cuda import CudaBackend
-    from gguf_runtime.bench import batch_rate, decode_rate, prefill_rate
-    from gguf_runtime.gguf_file import open_gguf
-    from gguf_runtime.model_config import config_from_gguf
-
-    rows = []
-    # device copy bandwidth (bytes read + written), the ceiling for decode
-    a = cp.empty(1 << 30, cp.uint8)
-    b = cp.empty_like(a)
-    cp.copyto(b, a)
-    cp.cuda.runtime.deviceSynchronize()
-    ev0, ev1 = cp.cuda.Event(), cp.cuda.Event()
-    ev0.record()
-    for _ in range(10):
-        cp.copyto(b, a)
-    ev1.record()
-    ev1.synchronize()
-    bw = 2 * 10 * a.nbytes / (cp.cuda.get_elapsed_time(ev0, ev1) / 1e3) / 1e9
-    del a, b
-    cp.get_default_memory_pool().free_all_blocks()
-    rows.append({"model": "copy", "test": "d2d GB/s", "mode": "", "median": bw, "stdev": 0.0})
+    batch = ["--batch", ",".join(map(str, batches))] if batches else []
+    try:
+        import matplotlib  # noqa: F401
+        has_plot = True
+    except ImportError:
+        has_plot = False
+    results = []
     for name in names:
         path = f"{TWINS}/{name}.gguf"
-        f = open_gguf(path)
-        cfg = config_from_gguf(f)
-        t0 = time.perf_counter()
-        be = CudaBackend(f, cfg, 1024)
-        first = time.perf_counter() - t0
-        del be
-        cp.get_default_memory_pool().free_all_blocks()
-        t0 = time.perf_counter()
-        be = CudaBackend(f, cfg, 1024)
-        cp.cuda.runtime.deviceSynchronize()
-        load = time.perf_counter() - t0
-        rows.append({"model": name, "test": "load s (first, with compile)", "mode": "", "median": first, "stdev": 0})
-        rows.append({"model": name, "test": "load s (cached kernels)", "mode": "", "median": load, "stdev": 0})
-        for r in (prefill_rate(be, 512, reps), decode_rate(be, 128, reps, graph=False),
-                  decode_rate(be, 128, reps, graph=True)):
-            rows.append({"model": name, "test": r.test, "mode": r.mode, "median": r.median, "stdev": r.stdev,
-                         "runs": r.runs})
-        del be
-        cp.get_default_memory_pool().free_all_blocks()
-        if batches:
-            be = CudaBackend(f, cfg, 512, max_batch=max(batches))
-            be.capture_buckets()
-            for b in batches:
-                r = batch_rate(be, b, reps=max(2, reps // 2))
-                rows.append({"model": name, "test": r.test, "mode": r.mode, "median": r.median, "stdev": r.stdev,
-                             "runs": r.runs})
-            del be
-        print(f"{name}: " + ", ".join(f"{x['test']} {x['mode']} {x['median']:.1f}" for x in rows
-                                      if x["model"] == name), flush=True)
-        f.close()
-        cp.get_default_memory_pool().free_all_blocks()
-    return rows
+        base = [sys.executable, "-m", "gguf_runtime", "bench", path, "--json", "-q"]
+        first = _bench_json(base + ["-p", "16", "-n", "4", "-r", "1", *batch], f"{TWINS}/bench-{name}-first.json")
+        plot = ["--plot", os.path.join(OUT, f"bench-{name}.png")] if has_plot else []
+        res = _bench_json(base + ["-r", str(reps), *batch, *plot], os.path.join(OUT, f"bench-{name}.json"))
+        if res is None:
+            continue
+        res["twin"] = name
+        res["first_load_s"] = first["load_s"] if first else None
+        results.append(res)
+        print(f"\n{name} (load {res['load_s']:.2f} s; first load on this machine "
+              f"{res['first_load_s'] or float('nan'):.2f} s)\n{render_table(res)}", flush=True)
+    return results
+
+
+def _bench_json(cmd: list[str], out: str) -> dict | None:
+    with open(out, "w") as fh, open(os.path.join(OUT, "bench.log"), "a") as log:
+        log.write(f"$ {' '.join(cmd)}\n")
+        log.flush()
+        t0 = time.time()
+        try:
+            rc = subprocess.run(cmd, stdout=fh, stderr=log, timeout=900).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    print(f"[{time.time() - t0:6.1f}s] rc={rc} {' '.join(cmd)[:110]}", flush=True)
+    if rc != 0:
+        tail("bench.log", 10)
+        return None
+    with open(out) as fh:
+        return json.load(fh)
 
 
 def main() -> None:
@@ -141,12 +129,15 @@ def main() -> None:
             summary["memcheck_rc"] = rc
             tail("sanitizer.log", 6)
     if not args.skip_bench:
-        rows = bench(names, args.reps, [int(b) for b in args.batches.split(",") if b])
+        results = bench(names, args.reps, [int(b) for b in args.batches.split(",") if b])
         with open(os.path.join(OUT, "bench.json"), "w") as fh:
-            json.dump({"rows": rows, "summary": summary}, fh, indent=1)
-        print(f"\n{'model':<12}{'test':<30}{'mode':<7}{'median':>12}{'stdev':>10}")
-        for r in rows:
-            print(f"{r['model']:<12}{r['test']:<30}{r['mode']:<7}{r['median']:>12.2f}{r['stdev']:>10.2f}")
+            json.dump({"results": results, "summary": summary}, fh, indent=1)
+        print(f"\n{'model':<12}{'test':<14}{'mode':<7}{'mean':>12}{'stdev':>10}{'median':>12}{'GB/s':>9}{'share':>7}")
+        for res in results:
+            for r in res["rows"]:
+                gbs = f"{r['gbs']:9.1f}{100 * r['share']:6.1f}%" if r["gbs"] and r["share"] else ""
+                print(f"{res['twin']:<12}{r['test']:<14}{r['mode']:<7}{r['mean']:>12.2f}{r['stdev']:>10.2f}"
+                      f"{r['median']:>12.2f}{gbs}")
     print("summary:", summary)
 
 

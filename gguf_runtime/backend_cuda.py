@@ -122,8 +122,7 @@ class CudaBackend:
         if mma:
             self.kernels.prepare("matmul_mma.cu", mma)
         self.kernels.prepare("layers.cu", ["rmsnorm", "rope_kv", "glu", "to_f16", "add_bias", "softcap"])
-        self.kernels.prepare("attention.cu", [f"attn_split<{cfg.head_dim}, {cfg.n_head // cfg.n_head_kv}>",
-                                              "attn_reduce"])
+        self.kernels.prepare("attention.cu", [f"attn_split<{cfg.head_dim}, {cfg.n_head // cfg.n_head_kv}>"])
         self.kernels.prepare("sampling.cu", ["repeat_penalty", "argmax_sample", "topk_sample"])
 
     def _init_slots(self) -> None:
@@ -271,10 +270,15 @@ class CudaBackend:
                 return None
         return key
 
-    def capture_buckets(self, mode: tuple[bool, bool] = (False, True)) -> None:
-        """Capture the batch graphs of every bucket up to max_batch, largest first."""
-        for rows in sorted((b for b in BUCKETS if b <= self.max_batch), reverse=True):
+    def capture_buckets(self, mode: tuple[bool, bool] = (False, True),
+                        progress: Callable[[str, int, int], None] | None = None) -> None:
+        """Capture the batch graphs of every bucket up to max_batch, largest first; ``progress``
+        is called once per bucket as ("capturing graphs", done, total)."""
+        buckets = sorted((b for b in BUCKETS if b <= self.max_batch), reverse=True)
+        for i, rows in enumerate(buckets):
             self._graph_for(rows, mode)
+            if progress:
+                progress("capturing graphs", i + 1, len(buckets))
 
     def _launch(self, key, rows: int, mode: tuple[bool, bool]) -> None:
         if key is not None:

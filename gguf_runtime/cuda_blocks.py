@@ -47,6 +47,7 @@ class Workspace:
         parts = max(ATTN_PARTS, max_rows) * cfg.n_head
         self.part_o = cp.zeros(parts * cfg.head_dim_v, f32)
         self.part_ml = cp.zeros(parts * 2, f32)
+        self.attn_counter = cp.zeros(max_rows * cfg.n_head_kv, cp.uint32)
         self.tokens = cp.zeros(max_rows, cp.int32)
         self.pos = cp.zeros(max_rows, cp.int32)
         self.seq = cp.zeros(max_rows, cp.int32)
@@ -117,16 +118,23 @@ class CudaBlocks:
         cfg, ws, p = self.cfg, self.ws, f"blk.{layer}."
         t = x.shape[0]
         h, qkv = ws.h[:t], ws.qkv[:t]
-        self._norm(x, p + "attn_norm.weight", h)
+        fused = self._small(t) and L.can_fuse_norm(cfg.n_embd, t)
+        if fused:
+            h = x  # normalized inside the matvec kernel
+        else:
+            self._norm(x, p + "attn_norm.weight", h)
         hq, hk, d = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim, cfg.head_dim
         names = [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]
         cols = [0, hq, hq + hk]
         biases = [p + "attn_q.bias", p + "attn_k.bias", p + "attn_v.bias"] if cfg.attn_bias else [None] * 3
         ld = qkv.strides[0] // 4
-        if self._small(t) or self.mma:
-            run = L.mmv if self._small(t) else L.mma
-            run(self.k, [self.w.mat(n) for n in names], [(qkv.data.ptr + 4 * c, ld) for c in cols],
-                [self.w.vec(b).data.ptr if b else None for b in biases], h.data.ptr, h.strides[0] // 4, t, 0)
+        if self._small(t):
+            L.mmv(self.k, [self.w.mat(n) for n in names], [(qkv.data.ptr + 4 * c, ld) for c in cols],
+                  [self.w.vec(b).data.ptr if b else None for b in biases], h.data.ptr, h.strides[0] // 4, t, 0,
+                  norm=self.w.vec(p + "attn_norm.weight").data.ptr if fused else None, eps=cfg.rms_eps)
+        elif self.mma:
+            L.mma(self.k, [self.w.mat(n) for n in names], [(qkv.data.ptr + 4 * c, ld) for c in cols],
+                  [self.w.vec(b).data.ptr if b else None for b in biases], h.data.ptr, h.strides[0] // 4, t, 0)
         else:
             for n, c, b in zip(names, cols, biases):
                 out = qkv[:, c:]
@@ -151,7 +159,8 @@ class CudaBlocks:
         L.attention(self.k, q.data.ptr, q.strides[0] // 4, t, kc, vc, positions.data.ptr, self.seq.data.ptr,
                     self.kv.table.data.ptr, self.kv.max_pages, self.kv.page_size, cfg.n_head, cfg.n_head_kv,
                     cfg.head_dim, cfg.attn_scale, cfg.attn_softcap or 0.0, cfg.layer_window[layer], n_splits(t),
-                    ws.part_o.data.ptr, ws.part_ml.data.ptr, out.data.ptr, out.strides[0] // 4)
+                    ws.part_o.data.ptr, ws.part_ml.data.ptr, ws.attn_counter.data.ptr, out.data.ptr,
+                    out.strides[0] // 4)
         return out
 
     def _project_residual(self, a: cp.ndarray, name: str, x: cp.ndarray, post_norm: str | None) -> cp.ndarray:
@@ -177,9 +186,13 @@ class CudaBlocks:
         cfg, ws, p = self.cfg, self.ws, f"blk.{layer}."
         t = x.shape[0]
         h, g = ws.h[:t], ws.g[:t]
-        self._norm(x, p + "ffn_norm.weight", h)
         gate, up = self.w.mat(p + "ffn_gate.weight"), self.w.mat(p + "ffn_up.weight")
         post = p + "post_ffw_norm.weight" if cfg.post_norms else None
+        if self._small(t) and gate.type_id == up.type_id and L.can_fuse_norm(cfg.n_embd, t):
+            L.mmv_glu(self.k, gate, up, x.data.ptr, x.strides[0] // 4, t, cfg.activation, g.data.ptr,
+                      g.strides[0] // 4, norm=self.w.vec(p + "ffn_norm.weight").data.ptr, eps=cfg.rms_eps)
+            return self._project_residual(g, p + "ffn_down.weight", x, post)
+        self._norm(x, p + "ffn_norm.weight", h)
         if (self._small(t) or self.mma) and gate.type_id == up.type_id:
             run = L.mmv_glu if self._small(t) else L.mma_glu
             run(self.k, gate, up, h.data.ptr, h.strides[0] // 4, t, cfg.activation, g.data.ptr, g.strides[0] // 4)
@@ -211,13 +224,18 @@ class CudaBlocks:
         if t > ws.logits.shape[0]:
             raise ValueError(f"logits for {t} rows requested; the workspace holds {ws.logits.shape[0]}")
         h = ws.h[:t]
-        self._norm(x, "output_norm.weight", h)
         head = self.w.mat(lm_head_name(cfg))
         out = ws.logits[:t]
         ld = out.strides[0] // 4
-        if self.mma and not self._small(t):
+        norm = self.w.vec("output_norm.weight").data.ptr
+        if self._small(t) and L.can_fuse_norm(cfg.n_embd, t):
+            L.mmv(self.k, [head], [(out.data.ptr, ld)], [None], x.data.ptr, x.strides[0] // 4, t, 0,
+                  norm=norm, eps=cfg.rms_eps)
+        elif self.mma and not self._small(t):
+            self._norm(x, "output_norm.weight", h)
             L.mma(self.k, [head], [(out.data.ptr, ld)], [None], h.data.ptr, h.strides[0] // 4, t, 0)
         else:
+            self._norm(x, "output_norm.weight", h)
             for s in range(0, t, L.MAX_MMV_TOKENS):
                 n = min(L.MAX_MMV_TOKENS, t - s)
                 L.mmv(self.k, [head], [(out[s:].data.ptr, ld)], [None], h[s:].data.ptr, h.strides[0] // 4, n, 0)

@@ -12,24 +12,18 @@ __global__ void __launch_bounds__(128) attn_split(
         const float* __restrict__ q, int ldq, const float* __restrict__ kcache, const float* __restrict__ vcache,
         const int* __restrict__ pos, const int* __restrict__ seq, const int* __restrict__ table, int max_pages,
         int page_size, int n_head_kv, float scale, float cap, int window, int n_split,
-        float* __restrict__ part_o, float* __restrict__ part_ml) {
+        float* __restrict__ part_o, float* __restrict__ part_ml, unsigned* __restrict__ counter,
+        float* __restrict__ out, int ldo) {
     constexpr int E = D / 32;
     const int hk = blockIdx.x, s = blockIdx.y, t = blockIdx.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int n_head = n_head_kv * G;
-    if (seq[t] < 0) {  // a padding row of a batch bucket: no keys
-        for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
-            const long slot = ((long)t * n_head + hk * G + idx / D) * n_split + s;
-            part_o[slot * D + idx % D] = 0.f;
-            if (idx % D == 0) { part_ml[2 * slot] = -INFINITY; part_ml[2 * slot + 1] = 0.f; }
-        }
-        return;
-    }
-    const int p = pos[t];
+    const bool pad = seq[t] < 0;  // a padding row of a batch bucket: no keys
+    const int p = pad ? 0 : pos[t];
     const int lo = window > 0 ? max(0, p - window + 1) : 0;
     const int n = p + 1 - lo, chunk = (n + n_split - 1) / n_split;
-    const int start = lo + s * chunk, end = min(p + 1, start + chunk);
-    const int* tab = table + (long)seq[t] * max_pages;
+    const int start = lo + s * chunk, end = pad ? start : min(p + 1, start + chunk);
+    const int* tab = table + (long)(pad ? 0 : seq[t]) * max_pages;
 
     float qv[G][E], acc[G][E], m[G], l[G];
 #pragma unroll
@@ -87,28 +81,48 @@ __global__ void __launch_bounds__(128) attn_split(
         part_o[slot * D + e] = O;
         if (e == 0) { part_ml[2 * slot] = M; part_ml[2 * slot + 1] = L; }
     }
-}
-
-// out[t, h*Dv : (h+1)*Dv] = merged splits; one block per (t, h), blockDim = Dv
-extern "C" __global__ void attn_reduce(const float* __restrict__ part_o, const float* __restrict__ part_ml,
-                                       int n_split, int n_head, int dv, float* out, int ldo) {
-    const int t = blockIdx.x, h = blockIdx.y, e = threadIdx.x;
-    const long slot0 = ((long)t * n_head + h) * n_split;
-    float M = -INFINITY;
-    for (int s = 0; s < n_split; ++s) M = fmaxf(M, part_ml[2 * (slot0 + s)]);
-    float L = 0.f, O = 0.f;
-    for (int s = 0; s < n_split; ++s) {
-        const float ms = part_ml[2 * (slot0 + s)];
-        if (ms == -INFINITY) continue;
-        const float f = __expf(ms - M);
-        L += part_ml[2 * (slot0 + s) + 1] * f;
-        O += part_o[(slot0 + s) * dv + e] * f;
+    // the last split block of this (t, hk) merges every split
+    __shared__ bool last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(&counter[t * n_head_kv + hk], 1u) == (unsigned)(n_split - 1);
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    // merge: per head the softmax weights of the splits (n_split <= 32), then the weighted sums
+    __shared__ float wt[G][32];
+    for (int idx = threadIdx.x; idx < G * n_split; idx += blockDim.x) {
+        const int g = idx / n_split, k = idx % n_split;
+        wt[g][k] = __ldcg(part_ml + 2 * (((long)t * n_head + hk * G + g) * n_split + k));
     }
-    if (e < dv) out[(long)t * ldo + h * dv + e] = L > 0.f ? O / L : 0.f;
+    __syncthreads();
+    if (threadIdx.x < G) {
+        const int g = threadIdx.x;
+        const long slot0 = ((long)t * n_head + hk * G + g) * n_split;
+        float M = -INFINITY, L = 0.f;
+        for (int k = 0; k < n_split; ++k) M = fmaxf(M, wt[g][k]);
+        for (int k = 0; k < n_split; ++k) {
+            const float f = M > -INFINITY ? __expf(wt[g][k] - M) : 0.f;
+            wt[g][k] = f;
+            L += __ldcg(part_ml + 2 * (slot0 + k) + 1) * f;
+        }
+        const float inv = L > 0.f ? 1.f / L : 0.f;
+        for (int k = 0; k < n_split; ++k) wt[g][k] *= inv;
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
+        const int g = idx / D, e = idx % D;
+        const float* po = part_o + ((long)t * n_head + hk * G + g) * n_split * D + e;
+        float O = 0.f;
+#pragma unroll 8
+        for (int k = 0; k < n_split; ++k) O = fmaf(__ldcg(po + (long)k * D), wt[g][k], O);
+        out[(long)t * ldo + (hk * G + g) * D + e] = O;
+    }
+    if (threadIdx.x == 0) counter[t * n_head_kv + hk] = 0u;
 }
 
 #ifdef GGUF_INSTANTIATE_ALL
 #define INST(D, G) template __global__ void attn_split<D, G>(const float*, int, const float*, const float*, \
-    const int*, const int*, const int*, int, int, int, float, float, int, int, float*, float*);
+    const int*, const int*, const int*, int, int, int, float, float, int, int, float*, float*, unsigned*, float*, int);
 INST(64, 1) INST(64, 3) INST(128, 4) INST(256, 4) INST(128, 8) INST(256, 8)
 #endif

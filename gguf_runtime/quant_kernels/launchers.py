@@ -79,6 +79,7 @@ class Kernels:
         self._modules: dict[tuple[str, tuple[str, ...]], cp.RawModule] = {}
         self._fns: dict[tuple[str, str], "_Counted"] = {}
         self.launches = 0  # kernel launches issued from the host so far
+        self.timeline: list | None = None  # when a list: (name, start event, end event) per launch
 
     def prepare(self, filename: str, names: Sequence[str]) -> None:
         """Compile ``names`` of ``filename`` in one NVRTC pass (templates need their names)."""
@@ -90,7 +91,7 @@ class Kernels:
         mod.compile()
         self._modules[(filename, todo)] = mod
         for n in todo:
-            self._fns[(filename, n)] = _Counted(mod.get_function(n), self)
+            self._fns[(filename, n)] = _Counted(mod.get_function(n), self, n)
 
     def fn(self, filename: str, name: str) -> "_Counted":
         f = self._fns.get((filename, name))
@@ -103,14 +104,22 @@ class Kernels:
 class _Counted:
     """A kernel that counts its launches on its Kernels (to prove graph replay launches none)."""
 
-    __slots__ = ("kernel", "owner")
+    __slots__ = ("kernel", "owner", "name")
 
-    def __init__(self, kernel: cp.RawKernel, owner: Kernels) -> None:
-        self.kernel, self.owner = kernel, owner
+    def __init__(self, kernel: cp.RawKernel, owner: Kernels, name: str) -> None:
+        self.kernel, self.owner, self.name = kernel, owner, name
 
-    def __call__(self, grid, block, args) -> None:
+    def __call__(self, grid, block, args, shared_mem: int = 0) -> None:
         self.owner.launches += 1
-        self.kernel(grid, block, args)
+        tl = self.owner.timeline
+        if tl is None:
+            self.kernel(grid, block, args, shared_mem=shared_mem)
+            return
+        start, end = cp.cuda.Event(), cp.cuda.Event()  # profiling only (bench/profile_step.py)
+        start.record()
+        self.kernel(grid, block, args, shared_mem=shared_mem)
+        end.record()
+        tl.append((self.name, start, end))
 
 
 # ---- name expressions ----------------------------------------------------------------------------
@@ -124,7 +133,19 @@ def glu_name(struct: str, b: int, act: int) -> str:
 
 
 def rows_per_warp(rows: Sequence[int], b: int) -> int:
-    return 2 if b <= 2 and all(n % 2 == 0 for n in rows) else 1
+    """Weight rows per warp: more rows reuse each slice of x more (4 from 3 tokens up)."""
+    for r in ((4, 2) if b >= 3 else (2,)):
+        if all(n % r == 0 for n in rows):
+            return r
+    return 1
+
+
+NORM_SMEM_LIMIT = 32 << 10  # fused RMSNorm stages tokens x K floats in shared memory up to this
+FUSE_NORM = False  # measured 2026-11-21 (H100): staging in every block cost more than the launch it saves
+
+
+def can_fuse_norm(k_dim: int, b: int) -> bool:
+    return FUSE_NORM and 4 * k_dim * b <= NORM_SMEM_LIMIT
 
 
 # ---- launchers ----------------------------------------------------------------------------------
@@ -142,8 +163,10 @@ def token_chunks(b: int) -> list[tuple[int, int]]:
 
 
 def mmv(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases: Sequence[int | None],
-        x: int, ldx: int, b: int, mode: int) -> None:
-    """y_i[t, :] (=|+=) W_i x[t, :] (+ bias_i) for up to 3 matrices sharing x; t < b <= 8."""
+        x: int, ldx: int, b: int, mode: int, norm: int | None = None, eps: float = 0.0) -> None:
+    """y_i[t, :] (=|+=) W_i x[t, :] (+ bias_i) for up to 3 matrices sharing x; t < b <= 8.
+
+    ``norm``: a norm weight: x is RMS-normalized (eps) inside the kernel (see can_fuse_norm)."""
     assert 1 <= len(mats) <= 3 and 1 <= b <= MAX_MMV_TOKENS
     cols = mats[0].cols
     total = sum(m.rows for m in mats)
@@ -158,16 +181,18 @@ def mmv(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases
             else:
                 args += [ptr(0)] * 4 + [i32(0), ptr(0), i32(0), ptr(0)]
         warps = (total + r - 1) // r
-        fn(((warps + 3) // 4,), (128,), (*args, ptr(x + 4 * row * ldx), i32(ldx), i32(cols)))
+        fn(((warps + 3) // 4,), (128,), (*args, ptr(x + 4 * row * ldx), i32(ldx), i32(cols), ptr(norm), f32(eps)),
+           shared_mem=4 * cols * n if norm else 0)
 
 
-def mmv_glu(k: Kernels, gate: Mat, up: Mat, x: int, ldx: int, b: int, act: str, y: int, ldy: int) -> None:
-    """y[t, :] = act(G x[t]) * (U x[t]) for t < b <= 8."""
+def mmv_glu(k: Kernels, gate: Mat, up: Mat, x: int, ldx: int, b: int, act: str, y: int, ldy: int,
+            norm: int | None = None, eps: float = 0.0) -> None:
+    """y[t, :] = act(G x[t]) * (U x[t]) for t < b <= 8 (x RMS-normalized first with ``norm``)."""
     for row, n in token_chunks(b):
         fn = k.fn("matvec.cu", glu_name(gate.struct, n, ACT[act]))
         fn(((gate.rows + 3) // 4,), (128,),
            (*gate.planes, *up.planes, i32(gate.rows), ptr(x + 4 * row * ldx), i32(ldx), i32(gate.cols),
-            ptr(y + 4 * row * ldy), i32(ldy)))
+            ptr(y + 4 * row * ldy), i32(ldy), ptr(norm), f32(eps)), shared_mem=4 * gate.cols * n if norm else 0)
 
 
 MMA_TILE_ROWS = 32
@@ -242,16 +267,15 @@ def rope_kv(k: Kernels, qkv: int, ld: int, rows: int, n_head: int, n_head_kv: in
 
 def attention(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache: int, pos: int, seq: int, table: int,
               max_pages: int, page_size: int, n_head: int, n_head_kv: int, head_dim: int, scale: float, cap: float,
-              window: int, n_split: int, part_o: int, part_ml: int, out: int, ldo: int) -> None:
+              window: int, n_split: int, part_o: int, part_ml: int, counter: int, out: int, ldo: int) -> None:
+    """Split-K attention over the paged cache, merged in the same launch (counter: rows x n_head_kv
+    zeros, left zero)."""
     g = n_head // n_head_kv
-    split = k.fn("attention.cu", f"attn_split<{head_dim}, {g}>")
-    split((n_head_kv, n_split, rows), (128,),
-          (ptr(q), i32(ldq), ptr(kcache), ptr(vcache), ptr(pos), ptr(seq), ptr(table), i32(max_pages),
-           i32(page_size), i32(n_head_kv), f32(scale), f32(cap), i32(window), i32(n_split), ptr(part_o),
-           ptr(part_ml)))
-    k.fn("attention.cu", "attn_reduce")((rows, n_head), (head_dim,),
-                                        (ptr(part_o), ptr(part_ml), i32(n_split), i32(n_head), i32(head_dim),
-                                         ptr(out), i32(ldo)))
+    k.fn("attention.cu", f"attn_split<{head_dim}, {g}>")(
+        (n_head_kv, n_split, rows), (128,),
+        (ptr(q), i32(ldq), ptr(kcache), ptr(vcache), ptr(pos), ptr(seq), ptr(table), i32(max_pages),
+         i32(page_size), i32(n_head_kv), f32(scale), f32(cap), i32(window), i32(n_split), ptr(part_o),
+         ptr(part_ml), ptr(counter), ptr(out), i32(ldo)))
 
 
 def _grid(n: int, threads: int = 256) -> tuple[tuple[int], tuple[int]]:

@@ -39,7 +39,7 @@ DEV void load_w_tile(const Mat& m, int n_rows, int row0, int k0, int K, u16* Ws)
 #pragma unroll
         for (int p = 0; p < T::NP; ++p) {
             float w[16];
-            T::piece(raw, p, w);
+            piece<T>(raw, p, w);
             uint4* dst = reinterpret_cast<uint4*>(Ws + r * LDS + T::xoff(u, p) - k0);
             dst[0] = make_uint4(pack_h2(w[0], w[1]), pack_h2(w[2], w[3]), pack_h2(w[4], w[5]), pack_h2(w[6], w[7]));
             dst[1] = make_uint4(pack_h2(w[8], w[9]), pack_h2(w[10], w[11]), pack_h2(w[12], w[13]), pack_h2(w[14], w[15]));

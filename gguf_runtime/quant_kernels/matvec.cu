@@ -9,7 +9,7 @@
 #define MAT(i, T) Mat{qs##i, qh##i, sc##i, d##i, K / T::BLOCK}
 
 template <class T, int B, int R>
-DEV void mmv_accum(const Mat (&m)[R], const int (&row)[R], int K, const float* __restrict__ x, int ldx,
+DEV void mmv_accum(const Mat (&m)[R], const int (&row)[R], int K, const float* x, int ldx,
                    float (&acc)[R][B]) {
     const int lane = threadIdx.x & 31, units = K / T::UE;
 #pragma unroll
@@ -23,26 +23,27 @@ DEV void mmv_accum(const Mat (&m)[R], const int (&row)[R], int K, const float* _
 #pragma unroll
         for (int p = 0; p < T::NP; ++p) {
             const int off = T::xoff(u, p);
-            float xv[B][16];
+            float q[R][16], d[R], mo[R];
+#pragma unroll
+            for (int r = 0; r < R; ++r) T::qpiece(raw[r], p, q[r], d[r], mo[r]);
 #pragma unroll
             for (int b = 0; b < B; ++b) {
+                float xv[16];
                 const float4* xp = reinterpret_cast<const float4*>(x + (long)b * ldx + off);
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     const float4 t = xp[i];
-                    xv[b][4 * i] = t.x; xv[b][4 * i + 1] = t.y; xv[b][4 * i + 2] = t.z; xv[b][4 * i + 3] = t.w;
+                    xv[4 * i] = t.x; xv[4 * i + 1] = t.y; xv[4 * i + 2] = t.z; xv[4 * i + 3] = t.w;
                 }
-            }
+                float sx = 0.f;  // sum(w x) = d sum(q x) + m sum(x)
 #pragma unroll
-            for (int r = 0; r < R; ++r) {
-                float w[16];
-                T::piece(raw[r], p, w);
+                for (int i = 0; i < 16; ++i) sx += xv[i];
 #pragma unroll
-                for (int b = 0; b < B; ++b) {
+                for (int r = 0; r < R; ++r) {
                     float s = 0.f;
 #pragma unroll
-                    for (int i = 0; i < 16; ++i) s = fmaf(w[i], xv[b][i], s);
-                    acc[r][b] += s;
+                    for (int i = 0; i < 16; ++i) s = fmaf(q[r][i], xv[i], s);
+                    acc[r][b] = fmaf(d[r], s, fmaf(mo[r], sx, acc[r][b]));
                 }
             }
         }
@@ -51,6 +52,26 @@ DEV void mmv_accum(const Mat (&m)[R], const int (&row)[R], int K, const float* _
     for (int r = 0; r < R; ++r)
 #pragma unroll
         for (int b = 0; b < B; ++b) acc[r][b] = warp_sum(acc[r][b]);
+}
+
+// With a norm weight nw: stage x[b] * rsqrt(mean(x[b]^2) + eps) * nw in shared memory (B * K
+// floats of dynamic shared memory) and return it; without: x itself. Every thread must call it.
+template <int B>
+DEV const float* norm_input(const float* x, int& ldx, int K, const float* nw, float eps) {
+    if (!nw) return x;
+    extern __shared__ float staged[];
+    __shared__ float scratch[32];
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+        const float* xr = x + (long)b * ldx;
+        float ss = 0.f;
+        for (int i = threadIdx.x; i < K; i += blockDim.x) ss += xr[i] * xr[i];
+        const float k = rsqrtf(block_sum(ss, scratch) / (float)K + eps);
+        for (int i = threadIdx.x; i < K; i += blockDim.x) staged[b * K + i] = xr[i] * k * nw[i];
+    }
+    __syncthreads();
+    ldx = K;
+    return staged;
 }
 
 // MODE 0: y = W x (+ bias)   MODE 1: y += W x (the residual add)
@@ -78,12 +99,14 @@ DEV void mmv_segment(const Mat& mat, int n, int row0, const float* x, int ldx, i
 
 // Up to three matrices that multiply the same x (Q, K and V), each of its own type; warps are
 // assigned rows of segment 0, then 1, then 2. Each segment's row count is a multiple of R.
+// nw != null: x is RMS-normalized (weight nw) first, inside the kernel.
 template <class T0, class T1, class T2, int B, int R, int MODE>
 __global__ void __launch_bounds__(128) mmv_group(
         PLANES(0), int n0, float* y0, int ldy0, const float* bias0,
         PLANES(1), int n1, float* y1, int ldy1, const float* bias1,
         PLANES(2), int n2, float* y2, int ldy2, const float* bias2,
-        const float* __restrict__ x, int ldx, int K) {
+        const float* __restrict__ x_in, int ldx, int K, const float* __restrict__ nw, float eps) {
+    const float* x = norm_input<B>(x_in, ldx, K, nw, eps);
     int row0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * R;
     if (row0 < n0) { mmv_segment<T0, B, R, MODE>(MAT(0, T0), n0, row0, x, ldx, K, y0, ldy0, bias0); return; }
     row0 -= n0;
@@ -94,8 +117,10 @@ __global__ void __launch_bounds__(128) mmv_group(
 
 // Gate and up projections in one pass, y = act(gate x) * (up x); ACT 0 = SiLU, 1 = GELU (tanh).
 template <class T, int B, int ACT>
-__global__ void __launch_bounds__(128) mmv_glu(PLANES(0), PLANES(1), int n, const float* __restrict__ x,
-                                               int ldx, int K, float* y, int ldy) {
+__global__ void __launch_bounds__(128) mmv_glu(PLANES(0), PLANES(1), int n, const float* __restrict__ x_in,
+                                               int ldx, int K, float* y, int ldy, const float* __restrict__ nw,
+                                               float eps) {
+    const float* x = norm_input<B>(x_in, ldx, K, nw, eps);
     const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (r >= n) return;
     const Mat m[2] = {MAT(0, T), MAT(1, T)};
@@ -124,7 +149,7 @@ __global__ void embed_rows(PLANES(0), int K, const int* __restrict__ tokens, int
 #pragma unroll
         for (int p = 0; p < T::NP; ++p) {
             float w[16];
-            T::piece(raw, p, w);
+            piece<T>(raw, p, w);
             float4* o = reinterpret_cast<float4*>(out + T::xoff(u, p));
 #pragma unroll
             for (int i = 0; i < 4; ++i)
@@ -146,7 +171,7 @@ __global__ void dequant_f16(PLANES(0), int rows, int K, u16* __restrict__ out) {
 #pragma unroll
     for (int p = 0; p < T::NP; ++p) {
         float w[16];
-        T::piece(raw, p, w);
+        piece<T>(raw, p, w);
         u32 packed[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) packed[i] = (u32)f2h(w[2 * i]) | ((u32)f2h(w[2 * i + 1]) << 16);
@@ -160,11 +185,12 @@ __global__ void dequant_f16(PLANES(0), int rows, int K, u16* __restrict__ out) {
 #define INST(T)                                                                              \
     template __global__ void mmv_group<T, T, T, 1, 2, 0>(PLANES(0), int, float*, int, const float*, \
         PLANES(1), int, float*, int, const float*, PLANES(2), int, float*, int, const float*,       \
-        const float*, int, int);                                                             \
-    template __global__ void mmv_group<T, T, T, 8, 1, 1>(PLANES(0), int, float*, int, const float*, \
+        const float*, int, int, const float*, float);                                        \
+    template __global__ void mmv_group<T, T, T, 8, 4, 1>(PLANES(0), int, float*, int, const float*, \
         PLANES(1), int, float*, int, const float*, PLANES(2), int, float*, int, const float*,       \
-        const float*, int, int);                                                             \
-    template __global__ void mmv_glu<T, 4, 1>(PLANES(0), PLANES(1), int, const float*, int, int, float*, int); \
+        const float*, int, int, const float*, float);                                        \
+    template __global__ void mmv_glu<T, 4, 1>(PLANES(0), PLANES(1), int, const float*, int, int, float*, int, \
+        const float*, float);                                                                \
     template __global__ void embed_rows<T>(PLANES(0), int, const int*, int, float*, int, float); \
     template __global__ void dequant_f16<T>(PLANES(0), int, int, u16*);
 INST(TF32) INST(TF16) INST(TBF16) INST(TQ4_0) INST(TQ4_1) INST(TQ5_0) INST(TQ5_1) INST(TQ8_0)

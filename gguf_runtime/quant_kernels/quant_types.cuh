@@ -7,11 +7,18 @@
 //   Raw                             the unit's bytes and scales, in registers
 //   load(m, row, u, raw)            global loads only
 //   xoff(u, p)                      first column of piece p of unit u
-//   piece(raw, p, w[16])            the 16 dequantized weights of piece p
+//   qpiece(raw, p, q[16], d, m)     piece p as integer-valued floats q and a scale d and offset m
+//                                   such that weight i = d * q[i] + m
+// and piece<T>(raw, p, w[16]) gives the 16 dequantized weights. q is built without int-to-float
+// conversions (a quarter-rate instruction on Hopper): OR the small integer into the mantissa of
+// 2^23 and subtract 2^23 (exact for integers below 2^23). Products of the f16 scales and these
+// integers are exact in f32, so the weights equal ggml's dequantization bit for bit.
 // The same code compiles for the host, so tests/test_quant_decode.py checks it on the CPU
 // against the numpy reference before it ever runs on a GPU.
 #pragma once
 #include "common.cuh"
+
+HD float qf(u32 q) { return u2f(0x4B000000u | q) - 8388608.f; }  // (float)q for q < 2^23
 
 struct Mat {  // one repacked matrix; plane pointers are nullptr when the type has no such plane
     const u8* qs; const u8* qh; const u8* sc; const u8* d;
@@ -28,9 +35,10 @@ struct TQ4_0 {
         r.d = h2f(ld16bits(m.d + b * 2));
     }
     static HD int xoff(int u, int p) { return u * 32 + p * 16; }
-    static HD void piece(const Raw& r, int p, float* w) {
+    static HD void qpiece(const Raw& r, int p, float* q, float& d, float& m) {
 #pragma unroll
-        for (int i = 0; i < 16; ++i) w[i] = r.d * ((float)((byte_of(r.q, i) >> (4 * p)) & 0xF) - 8.f);
+        for (int i = 0; i < 16; ++i) q[i] = qf((byte_of(r.q, i) >> (4 * p)) & 0xF);
+        d = r.d; m = -8.f * r.d;
     }
 };
 
@@ -45,9 +53,10 @@ struct TQ4_1 {
         r.m = h2f((u16)(dm >> 16));
     }
     static HD int xoff(int u, int p) { return u * 32 + p * 16; }
-    static HD void piece(const Raw& r, int p, float* w) {
+    static HD void qpiece(const Raw& r, int p, float* q, float& d, float& m) {
 #pragma unroll
-        for (int i = 0; i < 16; ++i) w[i] = r.d * (float)((byte_of(r.q, i) >> (4 * p)) & 0xF) + r.m;
+        for (int i = 0; i < 16; ++i) q[i] = qf((byte_of(r.q, i) >> (4 * p)) & 0xF);
+        d = r.d; m = r.m;
     }
 };
 
@@ -61,12 +70,11 @@ struct TQ5_0 {
         r.d = h2f(ld16bits(m.d + b * 2));
     }
     static HD int xoff(int u, int p) { return u * 32 + p * 16; }
-    static HD void piece(const Raw& r, int p, float* w) {
+    static HD void qpiece(const Raw& r, int p, float* q, float& d, float& m) {
 #pragma unroll
-        for (int i = 0; i < 16; ++i) {
-            const u32 q = ((byte_of(r.q, i) >> (4 * p)) & 0xF) | (((r.h >> (i + 16 * p)) & 1u) << 4);
-            w[i] = r.d * ((float)q - 16.f);
-        }
+        for (int i = 0; i < 16; ++i)
+            q[i] = qf(((byte_of(r.q, i) >> (4 * p)) & 0xF) | (((r.h >> (i + 16 * p)) & 1u) << 4));
+        d = r.d; m = -16.f * r.d;
     }
 };
 
@@ -82,12 +90,11 @@ struct TQ5_1 {
         r.m = h2f((u16)(dm >> 16));
     }
     static HD int xoff(int u, int p) { return u * 32 + p * 16; }
-    static HD void piece(const Raw& r, int p, float* w) {
+    static HD void qpiece(const Raw& r, int p, float* q, float& d, float& m) {
 #pragma unroll
-        for (int i = 0; i < 16; ++i) {
-            const u32 q = ((byte_of(r.q, i) >> (4 * p)) & 0xF) | (((r.h >> (i + 16 * p)) & 1u) << 4);
-            w[i] = r.d * (float)q + r.m;
-        }
+        for (int i = 0; i < 16; ++i)
+            q[i] = qf(((byte_of(r.q, i) >> (4 * p)) & 0xF) | (((r.h >> (i + 16 * p)) & 1u) << 4));
+        d = r.d; m = r.m;
     }
 };
 
@@ -101,9 +108,10 @@ struct TQ8_0 {
         r.d = h2f(ld16bits(m.d + b * 2));
     }
     static HD int xoff(int u, int p) { return u * 32 + p * 16; }
-    static HD void piece(const Raw& r, int p, float* w) {
+    static HD void qpiece(const Raw& r, int p, float* q, float& d, float& m) {
 #pragma unroll
-        for (int i = 0; i < 16; ++i) w[i] = r.d * (float)(i8)byte_of(r.q[p], i);
+        for (int i = 0; i < 16; ++i) q[i] = qf(byte_of(r.q[p], i) ^ 0x80u);  // int8 + 128
+        d = r.d; m = -128.f * r.d;
     }
 };
 
@@ -126,11 +134,11 @@ struct TQ2_K {
         r.dmin = h2f((u16)(dm >> 16));
     }
     static HD int xoff(int u, int p) { return (u >> 2) * 256 + ((u >> 1) & 1) * 128 + 32 * p + 16 * (u & 1); }
-    static HD void piece(const Raw& r, int p, float* w) {
+    static HD void qpiece(const Raw& r, int p, float* q, float& d, float& m) {
         const u32 sc = (r.sc >> (8 * p)) & 0xFFu;
-        const float dl = r.d * (float)(sc & 0xF), ml = r.dmin * (float)(sc >> 4);
 #pragma unroll
-        for (int i = 0; i < 16; ++i) w[i] = dl * (float)((byte_of(r.q, i) >> (2 * p)) & 3u) - ml;
+        for (int i = 0; i < 16; ++i) q[i] = qf((byte_of(r.q, i) >> (2 * p)) & 3u);
+        d = r.d * qf(sc & 0xF); m = -(r.dmin * qf(sc >> 4));
     }
 };
 
@@ -155,13 +163,12 @@ struct TQ3_K {
         r.h = h;
     }
     static HD int xoff(int u, int p) { return (u >> 2) * 256 + ((u >> 1) & 1) * 128 + 32 * p + 16 * (u & 1); }
-    static HD void piece(const Raw& r, int p, float* w) {
-        const int bit = 4 * r.h + p;
+    static HD void qpiece(const Raw& r, int p, float* q, float& d, float& m) {
+        const int bit = 4 * r.h + p;  // value = dl * (low2 - (high bit ? 0 : 4)) = dl * (low2 + 4 high) - 4 dl
 #pragma unroll
-        for (int i = 0; i < 16; ++i) {
-            const int q = (int)((byte_of(r.q, i) >> (2 * p)) & 3u) - (((byte_of(r.hm, i) >> bit) & 1u) ? 0 : 4);
-            w[i] = r.dl[p] * (float)q;
-        }
+        for (int i = 0; i < 16; ++i)
+            q[i] = qf(((byte_of(r.q, i) >> (2 * p)) & 3u) | (((byte_of(r.hm, i) >> bit) & 1u) << 2));
+        d = r.dl[p]; m = -4.f * r.dl[p];
     }
 };
 
@@ -193,9 +200,10 @@ struct TQ4_K {
         }
     }
     static HD int xoff(int u, int p) { return (u >> 3) * 256 + ((u >> 1) & 3) * 64 + 32 * p + 16 * (u & 1); }
-    static HD void piece(const Raw& r, int p, float* w) {
+    static HD void qpiece(const Raw& r, int p, float* q, float& d, float& m) {
 #pragma unroll
-        for (int i = 0; i < 16; ++i) w[i] = r.d[p] * (float)((byte_of(r.q, i) >> (4 * p)) & 0xF) - r.m[p];
+        for (int i = 0; i < 16; ++i) q[i] = qf((byte_of(r.q, i) >> (4 * p)) & 0xF);
+        d = r.d[p]; m = -r.m[p];
     }
 };
 
@@ -219,13 +227,12 @@ struct TQ5_K {
         r.g = g;
     }
     static HD int xoff(int u, int p) { return (u >> 3) * 256 + ((u >> 1) & 3) * 64 + 32 * p + 16 * (u & 1); }
-    static HD void piece(const Raw& r, int p, float* w) {
+    static HD void qpiece(const Raw& r, int p, float* q, float& d, float& m) {
         const int bit = 2 * r.g + p;
 #pragma unroll
-        for (int i = 0; i < 16; ++i) {
-            const u32 q = ((byte_of(r.q, i) >> (4 * p)) & 0xF) | (((byte_of(r.qh, i) >> bit) & 1u) << 4);
-            w[i] = r.d[p] * (float)q - r.m[p];
-        }
+        for (int i = 0; i < 16; ++i)
+            q[i] = qf(((byte_of(r.q, i) >> (4 * p)) & 0xF) | (((byte_of(r.qh, i) >> bit) & 1u) << 4));
+        d = r.d[p]; m = -r.m[p];
     }
 };
 
@@ -245,13 +252,12 @@ struct TQ6_K {
         for (int j = 0; j < 4; ++j) r.dl[j] = d * (float)(i8)ld8(sc + 2 * j);
     }
     static HD int xoff(int u, int p) { return (u >> 2) * 256 + ((u >> 1) & 1) * 128 + 16 * (u & 1) + 32 * p; }
-    static HD void piece(const Raw& r, int p, float* w) {
+    static HD void qpiece(const Raw& r, int p, float* q, float& d, float& m) {
         const V16& l = (p & 1) ? r.lb : r.la;
 #pragma unroll
-        for (int i = 0; i < 16; ++i) {
-            const int q = (int)(((byte_of(l, i) >> (4 * (p >> 1))) & 0xF) | (((byte_of(r.qh, i) >> (2 * p)) & 3u) << 4)) - 32;
-            w[i] = r.dl[p] * (float)q;
-        }
+        for (int i = 0; i < 16; ++i)
+            q[i] = qf(((byte_of(l, i) >> (4 * (p >> 1))) & 0xF) | (((byte_of(r.qh, i) >> (2 * p)) & 3u) << 4));
+        d = r.dl[p]; m = -32.f * r.dl[p];
     }
 };
 
@@ -265,11 +271,10 @@ struct TF32 {
         for (int i = 0; i < 4; ++i) r.v[i] = ld16(p + 16 * i);
     }
     static HD int xoff(int u, int) { return u * 16; }
-    static HD void piece(const Raw& r, int, float* w) {
+    static HD void qpiece(const Raw& r, int, float* q, float& d, float& m) {
 #pragma unroll
-        for (int i = 0; i < 16; ++i) {
-            w[i] = u2f(r.v[i >> 2].w[i & 3]);
-        }
+        for (int i = 0; i < 16; ++i) q[i] = u2f(r.v[i >> 2].w[i & 3]);
+        d = 1.f; m = 0.f;
     }
 };
 
@@ -281,9 +286,10 @@ struct TF16 {
         r.v[0] = ld16(p); r.v[1] = ld16(p + 16);
     }
     static HD int xoff(int u, int) { return u * 16; }
-    static HD void piece(const Raw& r, int, float* w) {
+    static HD void qpiece(const Raw& r, int, float* q, float& d, float& m) {
 #pragma unroll
-        for (int i = 0; i < 16; ++i) w[i] = h2f((u16)(r.v[i >> 3].w[(i >> 1) & 3] >> (16 * (i & 1))));
+        for (int i = 0; i < 16; ++i) q[i] = h2f((u16)(r.v[i >> 3].w[(i >> 1) & 3] >> (16 * (i & 1))));
+        d = 1.f; m = 0.f;
     }
 };
 
@@ -295,8 +301,18 @@ struct TBF16 {
         r.v[0] = ld16(p); r.v[1] = ld16(p + 16);
     }
     static HD int xoff(int u, int) { return u * 16; }
-    static HD void piece(const Raw& r, int, float* w) {
+    static HD void qpiece(const Raw& r, int, float* q, float& d, float& m) {
 #pragma unroll
-        for (int i = 0; i < 16; ++i) w[i] = bf2f((u16)(r.v[i >> 3].w[(i >> 1) & 3] >> (16 * (i & 1))));
+        for (int i = 0; i < 16; ++i) q[i] = bf2f((u16)(r.v[i >> 3].w[(i >> 1) & 3] >> (16 * (i & 1))));
+        d = 1.f; m = 0.f;
     }
 };
+
+// The 16 dequantized weights of piece p: w = d * q + m.
+template <class T>
+HD void piece(const typename T::Raw& r, int p, float* w) {
+    float q[16], d, m;
+    T::qpiece(r, p, q, d, m);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) w[i] = fmaf(d, q[i], m);
+}
