@@ -1,8 +1,9 @@
 """Where the time goes: per-kernel GPU time of one decode step, with CUDA events.
 
-Each kernel of one eager step is bracketed by events (so launch gaps are excluded), grouped by
-kernel, and printed beside the time per step of the replayed graph. For matvec and matmul
-kernels the weight bytes they read give an achieved bandwidth.
+One step is captured as a graph with an event recorded before and after every kernel, then
+replayed: the event pairs time each kernel as it runs inside a graph (no host launch gaps; the
+event nodes add a little). Kernels are grouped by name and printed beside the time per step of
+the normal replayed graph.
 Usage (GPU machine): python bench/profile_step.py TWIN.gguf [--batch 1 --batch 64] [--json OUT]
 """
 
@@ -34,11 +35,17 @@ def profile(be: CudaBackend, rows: int, prompt: int = 64) -> dict:
     with be.stream:
         be._step(rows, mode)  # warm
     be.stream.synchronize()
+    be._save_state()
     be.kernels.timeline = []
     with be.stream:
+        be.stream.begin_capture()
         be._step(rows, mode)
-    be.stream.synchronize()
+        timed = be.stream.end_capture()
     tl, be.kernels.timeline = be.kernels.timeline, None
+    timed.launch(be.stream)
+    be.stream.synchronize()
+    with be.stream:
+        be._restore_state()
     per = defaultdict(lambda: [0, 0.0])
     total = 0.0
     for name, a, b in tl:

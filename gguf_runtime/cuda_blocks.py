@@ -118,11 +118,7 @@ class CudaBlocks:
         cfg, ws, p = self.cfg, self.ws, f"blk.{layer}."
         t = x.shape[0]
         h, qkv = ws.h[:t], ws.qkv[:t]
-        fused = self._small(t) and L.can_fuse_norm(cfg.n_embd, t)
-        if fused:
-            h = x  # normalized inside the matvec kernel
-        else:
-            self._norm(x, p + "attn_norm.weight", h)
+        self._norm(x, p + "attn_norm.weight", h)
         hq, hk, d = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim, cfg.head_dim
         names = [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]
         cols = [0, hq, hq + hk]
@@ -130,8 +126,7 @@ class CudaBlocks:
         ld = qkv.strides[0] // 4
         if self._small(t):
             L.mmv(self.k, [self.w.mat(n) for n in names], [(qkv.data.ptr + 4 * c, ld) for c in cols],
-                  [self.w.vec(b).data.ptr if b else None for b in biases], h.data.ptr, h.strides[0] // 4, t, 0,
-                  norm=self.w.vec(p + "attn_norm.weight").data.ptr if fused else None, eps=cfg.rms_eps)
+                  [self.w.vec(b).data.ptr if b else None for b in biases], h.data.ptr, h.strides[0] // 4, t, 0)
         elif self.mma:
             L.mma(self.k, [self.w.mat(n) for n in names], [(qkv.data.ptr + 4 * c, ld) for c in cols],
                   [self.w.vec(b).data.ptr if b else None for b in biases], h.data.ptr, h.strides[0] // 4, t, 0)
@@ -188,10 +183,6 @@ class CudaBlocks:
         h, g = ws.h[:t], ws.g[:t]
         gate, up = self.w.mat(p + "ffn_gate.weight"), self.w.mat(p + "ffn_up.weight")
         post = p + "post_ffw_norm.weight" if cfg.post_norms else None
-        if self._small(t) and gate.type_id == up.type_id and L.can_fuse_norm(cfg.n_embd, t):
-            L.mmv_glu(self.k, gate, up, x.data.ptr, x.strides[0] // 4, t, cfg.activation, g.data.ptr,
-                      g.strides[0] // 4, norm=self.w.vec(p + "ffn_norm.weight").data.ptr, eps=cfg.rms_eps)
-            return self._project_residual(g, p + "ffn_down.weight", x, post)
         self._norm(x, p + "ffn_norm.weight", h)
         if (self._small(t) or self.mma) and gate.type_id == up.type_id:
             run = L.mmv_glu if self._small(t) else L.mma_glu
@@ -227,15 +218,10 @@ class CudaBlocks:
         head = self.w.mat(lm_head_name(cfg))
         out = ws.logits[:t]
         ld = out.strides[0] // 4
-        norm = self.w.vec("output_norm.weight").data.ptr
-        if self._small(t) and L.can_fuse_norm(cfg.n_embd, t):
-            L.mmv(self.k, [head], [(out.data.ptr, ld)], [None], x.data.ptr, x.strides[0] // 4, t, 0,
-                  norm=norm, eps=cfg.rms_eps)
-        elif self.mma and not self._small(t):
-            self._norm(x, "output_norm.weight", h)
+        self._norm(x, "output_norm.weight", h)
+        if self.mma and not self._small(t):
             L.mma(self.k, [head], [(out.data.ptr, ld)], [None], h.data.ptr, h.strides[0] // 4, t, 0)
         else:
-            self._norm(x, "output_norm.weight", h)
             for s in range(0, t, L.MAX_MMV_TOKENS):
                 n = min(L.MAX_MMV_TOKENS, t - s)
                 L.mmv(self.k, [head], [(out[s:].data.ptr, ld)], [None], h[s:].data.ptr, h.strides[0] // 4, n, 0)

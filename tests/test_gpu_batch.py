@@ -18,15 +18,16 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 @pytest.fixture(scope="module", params=TWINS)
-def backend(request):
+def pair(request):
+    """A 64-slot backend and a one-sequence backend on the same twin."""
     f = open_gguf(twin_path(request.param))
-    return CudaBackend(f, config_from_gguf(f), 512, max_batch=64)
+    cfg = config_from_gguf(f)
+    return CudaBackend(f, cfg, 512, max_batch=64), CudaBackend(f, cfg, 512)
 
 
-@pytest.fixture(scope="module", params=TWINS)
-def single(request):
-    f = open_gguf(twin_path(request.param))
-    return CudaBackend(f, config_from_gguf(f), 512)
+@pytest.fixture(scope="module")
+def backend(pair):
+    return pair[0]
 
 
 def prompts(n, seed=0):
@@ -35,10 +36,9 @@ def prompts(n, seed=0):
     return [rng.integers(10, 40000, k).tolist() for k in lengths]
 
 
-def test_small_batch_equals_each_sequence_alone(backend, single):
+def test_small_batch_equals_each_sequence_alone(pair):
     """Up to 8 rows the batch runs the same f32 kernels as one sequence: identical greedy tokens."""
-    if backend.cfg.name != single.cfg.name:
-        pytest.skip("pairs of the same twin only")
+    backend, single = pair
     ps = prompts(5)
     batched = generate_batch(backend, ps, 40, GREEDY)
     for p, got in zip(ps, batched):

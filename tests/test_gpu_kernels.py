@@ -76,7 +76,7 @@ def test_mmv_group_mixed_types_odd_rows(k):
     rng = np.random.default_rng()
     keep = []
     cols = 512
-    specs = [("Q5_0", 96), ("Q4_K", 33), ("Q8_0", 17)]  # odd rows: one row per warp
+    specs = [("Q5_0", 96), ("Q4_K", 33), ("Q8_0", 17)]  # odd rows: one row per block
     mats = [upload(n, r, cols, rng, keep) for n, r in specs]
     x = rng.standard_normal((2, cols)).astype(np.float32)
     xd = cp.asarray(x)
@@ -208,13 +208,17 @@ def test_attention(k, d, hq, hkv, cap, window, n_split):
     out = cp.full((t, hq * d), POISON, cp.float32)
     part_o = cp.full(t * hq * n_split * d, POISON, cp.float32)
     part_ml = cp.full(t * hq * n_split * 2, POISON, cp.float32)
+    counter = cp.zeros(t * hkv, cp.uint32)
     dev = [cp.asarray(a) for a in (q.reshape(t, -1), kc, vc, pos, np.zeros(t, np.int32), table)]
     qd, kd, vd, posd, seqd, tabd = dev
-    L.attention(k, qd.data.ptr, hq * d, t, kd.data.ptr, vd.data.ptr, posd.data.ptr, seqd.data.ptr, tabd.data.ptr,
-                max_pages, page, hq, hkv, d, scale, cap, window, n_split, part_o.data.ptr, part_ml.data.ptr,
-                out.data.ptr, hq * d)
-    ref = attention_ref(q, K, V, pos, scale, cap, window)
-    assert rel(out.get().reshape(t, hq, d), ref) < 1e-5
+    for _ in range(2):  # the counters must be back at zero for the next launch
+        out.fill(POISON)
+        L.attention(k, qd.data.ptr, hq * d, t, kd.data.ptr, vd.data.ptr, posd.data.ptr, seqd.data.ptr, tabd.data.ptr,
+                    max_pages, page, hq, hkv, d, scale, cap, window, n_split, part_o.data.ptr, part_ml.data.ptr,
+                    counter.data.ptr, out.data.ptr, hq * d)
+        ref = attention_ref(q, K, V, pos, scale, cap, window)
+        assert rel(out.get().reshape(t, hq, d), ref) < 1e-5
+        assert not counter.get().any()
 
 
 def sampler_state(n_vocab, rows=1, top_k=40, top_p=1.0, min_p=0.0, temp=0.0, seed=0, penalty=1.0, last_n=64):
@@ -298,3 +302,47 @@ def test_topk_sample_distribution(k, top_k, top_p, min_p, temp):
     L.topk_sample(k, d.data.ptr, n, n, st, 1)
     cp.cuda.runtime.deviceSynchronize()
     assert int(keep["tokens"].get()[0]) == int(np.argmax(logits))
+
+
+@pytest.mark.parametrize("name", SUPPORTED)
+@pytest.mark.parametrize("n_tok", [9, 20, 50, 70])
+def test_mma_every_type(k, name, n_tok):
+    """Tensor-core product (f16 operands, f32 accumulate): rows not a multiple of 32, K not a
+    multiple of 128 where the type allows, tokens across 1..2 token tiles of 16/32/64."""
+    rng = np.random.default_rng()
+    keep = []
+    rows, cols = 45, cols_for(name)
+    m, w = upload(name, rows, cols, rng, keep)
+    x = rng.standard_normal((n_tok, cols)).astype(np.float32)
+    bias = rng.standard_normal(rows).astype(np.float32)
+    xd, bd = cp.asarray(x), cp.asarray(bias)
+    y = cp.full((n_tok, rows + 3), POISON, cp.float32)
+    L.mma(k, [m], [(y.data.ptr, rows + 3)], [bd.data.ptr], xd.data.ptr, cols, n_tok, 0)
+    ref = x.astype(np.float64) @ w.T + bias
+    assert rel(y.get()[:, :rows], ref) < 2e-3
+    assert np.isnan(y.get()[:, rows:]).all(), "wrote past the rows"
+    y0 = rng.standard_normal((n_tok, rows)).astype(np.float32)
+    yd = cp.asarray(y0)
+    L.mma(k, [m], [(yd.data.ptr, rows)], [None], xd.data.ptr, cols, n_tok, 1)
+    assert rel(yd.get(), y0 + x.astype(np.float64) @ w.T) < 2e-3
+
+
+def test_mma_group_and_glu(k):
+    rng = np.random.default_rng()
+    keep = []
+    cols = 640
+    specs = [("Q5_0", 96), ("Q5_0", 33), ("Q8_0", 50)]
+    mats = [upload(n, r, cols, rng, keep) for n, r in specs]
+    x = rng.standard_normal((24, cols)).astype(np.float32)
+    xd = cp.asarray(x)
+    ys = [cp.full((24, r), POISON, cp.float32) for _, r in specs]
+    L.mma(k, [m for m, _ in mats], [(y.data.ptr, y.shape[1]) for y in ys], [None] * 3, xd.data.ptr, cols, 24, 0)
+    for (m, w), y in zip(mats, ys):
+        assert rel(y.get(), x.astype(np.float64) @ w.T) < 2e-3
+    (g, wg), (u, wu) = upload("Q4_K", 70, 512, rng, keep), upload("Q4_K", 70, 512, rng, keep)
+    x2 = rng.standard_normal((40, 512)).astype(np.float32)
+    x2d = cp.asarray(x2)
+    out = cp.full((40, 70), POISON, cp.float32)
+    L.mma_glu(k, g, u, x2d.data.ptr, 512, 40, "silu", out.data.ptr, 70)
+    gv, uv = x2.astype(np.float64) @ wg.T, x2.astype(np.float64) @ wu.T
+    assert rel(out.get(), silu(gv) * uv) < 2e-3

@@ -128,24 +128,23 @@ def mmv_name(structs: Sequence[str], b: int, r: int, mode: int) -> str:
     return f"mmv_group<{s[0]}, {s[1]}, {s[2]}, {b}, {r}, {mode}>"
 
 
-def glu_name(struct: str, b: int, act: int) -> str:
-    return f"mmv_glu<{struct}, {b}, {act}>"
+def glu_name(struct: str, b: int, r: int, act: int) -> str:
+    return f"mmv_glu<{struct}, {b}, {r}, {act}>"
 
 
-def rows_per_warp(rows: Sequence[int], b: int) -> int:
-    """Weight rows per warp: more rows reuse each slice of x more (4 from 3 tokens up)."""
-    for r in ((4, 2) if b >= 3 else (2,)):
-        if all(n % r == 0 for n in rows):
-            return r
-    return 1
+MIN_BLOCKS = 256  # about 2 blocks per SM: below this, fewer rows per block (more blocks) win
 
 
-NORM_SMEM_LIMIT = 32 << 10  # fused RMSNorm stages tokens x K floats in shared memory up to this
-FUSE_NORM = False  # measured 2026-11-21 (H100): staging in every block cost more than the launch it saves
+def rows_per_block(rows: Sequence[int], b: int) -> int:
+    """Weight rows a matvec block owns: up to 8 / b (each slice of x is reused by every row), as
+    long as every segment divides evenly and there are enough blocks to fill the GPU."""
+    fits = [r for r in (8, 4, 2, 1) if r * b <= 8 and all(n % r == 0 for n in rows)] or [1]
+    return next((r for r in fits if sum(rows) // r >= MIN_BLOCKS), fits[-1])
 
 
-def can_fuse_norm(k_dim: int, b: int) -> bool:
-    return FUSE_NORM and 4 * k_dim * b <= NORM_SMEM_LIMIT
+def glu_rows(n: int, b: int) -> int:
+    """Gate rows (and as many up rows) per GLU block."""
+    return rows_per_block([n], 2 * b) if b <= 4 else 1
 
 
 # ---- launchers ----------------------------------------------------------------------------------
@@ -163,15 +162,13 @@ def token_chunks(b: int) -> list[tuple[int, int]]:
 
 
 def mmv(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases: Sequence[int | None],
-        x: int, ldx: int, b: int, mode: int, norm: int | None = None, eps: float = 0.0) -> None:
-    """y_i[t, :] (=|+=) W_i x[t, :] (+ bias_i) for up to 3 matrices sharing x; t < b <= 8.
-
-    ``norm``: a norm weight: x is RMS-normalized (eps) inside the kernel (see can_fuse_norm)."""
+        x: int, ldx: int, b: int, mode: int) -> None:
+    """y_i[t, :] (=|+=) W_i x[t, :] (+ bias_i) for up to 3 matrices sharing x; t < b <= 8."""
     assert 1 <= len(mats) <= 3 and 1 <= b <= MAX_MMV_TOKENS
     cols = mats[0].cols
     total = sum(m.rows for m in mats)
     for row, n in token_chunks(b):
-        r = rows_per_warp([m.rows for m in mats], n)
+        r = rows_per_block([m.rows for m in mats], n)
         fn = k.fn("matvec.cu", mmv_name([m.struct for m in mats], n, r, mode))
         args: list = []
         for i in range(3):
@@ -180,19 +177,17 @@ def mmv(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases
                 args += [*m.planes, i32(m.rows), ptr(y + 4 * row * ldy), i32(ldy), ptr(bias)]
             else:
                 args += [ptr(0)] * 4 + [i32(0), ptr(0), i32(0), ptr(0)]
-        warps = (total + r - 1) // r
-        fn(((warps + 3) // 4,), (128,), (*args, ptr(x + 4 * row * ldx), i32(ldx), i32(cols), ptr(norm), f32(eps)),
-           shared_mem=4 * cols * n if norm else 0)
+        fn(((total + r - 1) // r,), (128,), (*args, ptr(x + 4 * row * ldx), i32(ldx), i32(cols)))
 
 
-def mmv_glu(k: Kernels, gate: Mat, up: Mat, x: int, ldx: int, b: int, act: str, y: int, ldy: int,
-            norm: int | None = None, eps: float = 0.0) -> None:
-    """y[t, :] = act(G x[t]) * (U x[t]) for t < b <= 8 (x RMS-normalized first with ``norm``)."""
+def mmv_glu(k: Kernels, gate: Mat, up: Mat, x: int, ldx: int, b: int, act: str, y: int, ldy: int) -> None:
+    """y[t, :] = act(G x[t]) * (U x[t]) for t < b <= 8."""
     for row, n in token_chunks(b):
-        fn = k.fn("matvec.cu", glu_name(gate.struct, n, ACT[act]))
-        fn(((gate.rows + 3) // 4,), (128,),
+        h = glu_rows(gate.rows, n)
+        fn = k.fn("matvec.cu", glu_name(gate.struct, n, 2 * h, ACT[act]))
+        fn(((gate.rows + h - 1) // h,), (128,),
            (*gate.planes, *up.planes, i32(gate.rows), ptr(x + 4 * row * ldx), i32(ldx), i32(gate.cols),
-            ptr(y + 4 * row * ldy), i32(ldy), ptr(norm), f32(eps)), shared_mem=4 * gate.cols * n if norm else 0)
+            ptr(y + 4 * row * ldy), i32(ldy)))
 
 
 MMA_TILE_ROWS = 32

@@ -1,77 +1,73 @@
 // Dequantizing matrix-vector products for 1..8 tokens, embedding lookup, and dequantization
 // to f16 (the prefill GEMM path). Weights are repacked planes (repack.py); x and y are f32.
 //
-// A warp owns R rows; each lane walks the row's units (quant_types.cuh) 32 apart, decoding 16
-// weights at a time and reusing each 16-float slice of x for all R rows and B tokens.
+// A block (4 warps) owns R consecutive weight rows of one matrix. Its 128 lanes split the row's
+// units (quant_types.cuh) among them; a lane loads its slices of x once and applies them to all R
+// rows, so x costs 4 / R bytes of L1 traffic per weight (it was the limit at 2 rows per warp).
+// Per-row sums are reduced over the warp by shuffles, then over the 4 warps in shared memory.
 #include "quant_types.cuh"
 
 #define PLANES(i) const u8* qs##i, const u8* qh##i, const u8* sc##i, const u8* d##i
 #define MAT(i, T) Mat{qs##i, qh##i, sc##i, d##i, K / T::BLOCK}
 
+// acc[r][b] (block-reduced, valid in thread 0) = sum_k W[row r][k] x[b][k] for the R rows of m[r].
 template <class T, int B, int R>
-DEV void mmv_accum(const Mat (&m)[R], const int (&row)[R], int K, const float* x, int ldx,
+DEV void mmv_block(const Mat (&m)[R], const int (&row)[R], int K, const float* __restrict__ x, int ldx,
                    float (&acc)[R][B]) {
-    const int lane = threadIdx.x & 31, units = K / T::UE;
+    const int tid = threadIdx.x, units = K / T::UE;
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
         for (int b = 0; b < B; ++b) acc[r][b] = 0.f;
-    for (int u = lane; u < units; u += 32) {
+    for (int u = tid; u < units; u += 128) {
         typename T::Raw raw[R];
 #pragma unroll
-        for (int r = 0; r < R; ++r) T::load(m[r], row[r], u, raw[r]);
+        for (int r = 0; r < R; ++r) T::load(m[r], row[r], u, raw[r]);  // R independent loads in flight
 #pragma unroll
         for (int p = 0; p < T::NP; ++p) {
             const int off = T::xoff(u, p);
-            float q[R][16], d[R], mo[R];
-#pragma unroll
-            for (int r = 0; r < R; ++r) T::qpiece(raw[r], p, q[r], d[r], mo[r]);
+            float xv[B][16], sx[B];
 #pragma unroll
             for (int b = 0; b < B; ++b) {
-                float xv[16];
                 const float4* xp = reinterpret_cast<const float4*>(x + (long)b * ldx + off);
+                sx[b] = 0.f;
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     const float4 t = xp[i];
-                    xv[4 * i] = t.x; xv[4 * i + 1] = t.y; xv[4 * i + 2] = t.z; xv[4 * i + 3] = t.w;
+                    xv[b][4 * i] = t.x; xv[b][4 * i + 1] = t.y; xv[b][4 * i + 2] = t.z; xv[b][4 * i + 3] = t.w;
+                    sx[b] += (t.x + t.y) + (t.z + t.w);
                 }
-                float sx = 0.f;  // sum(w x) = d sum(q x) + m sum(x)
+            }
 #pragma unroll
-                for (int i = 0; i < 16; ++i) sx += xv[i];
+            for (int r = 0; r < R; ++r) {  // sum(w x) = d sum(q x) + m sum(x)
+                float q[16], d, mo;
+                T::qpiece(raw[r], p, q, d, mo);
 #pragma unroll
-                for (int r = 0; r < R; ++r) {
+                for (int b = 0; b < B; ++b) {
                     float s = 0.f;
 #pragma unroll
-                    for (int i = 0; i < 16; ++i) s = fmaf(q[r][i], xv[i], s);
-                    acc[r][b] = fmaf(d[r], s, fmaf(mo[r], sx, acc[r][b]));
+                    for (int i = 0; i < 16; ++i) s = fmaf(q[i], xv[b][i], s);
+                    acc[r][b] = fmaf(d, s, fmaf(mo, sx[b], acc[r][b]));
                 }
             }
         }
     }
+    __shared__ float red[4][R * B];
+    const int lane = tid & 31, warp = tid >> 5;
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
-        for (int b = 0; b < B; ++b) acc[r][b] = warp_sum(acc[r][b]);
-}
-
-// With a norm weight nw: stage x[b] * rsqrt(mean(x[b]^2) + eps) * nw in shared memory (B * K
-// floats of dynamic shared memory) and return it; without: x itself. Every thread must call it.
-template <int B>
-DEV const float* norm_input(const float* x, int& ldx, int K, const float* nw, float eps) {
-    if (!nw) return x;
-    extern __shared__ float staged[];
-    __shared__ float scratch[32];
-#pragma unroll
-    for (int b = 0; b < B; ++b) {
-        const float* xr = x + (long)b * ldx;
-        float ss = 0.f;
-        for (int i = threadIdx.x; i < K; i += blockDim.x) ss += xr[i] * xr[i];
-        const float k = rsqrtf(block_sum(ss, scratch) / (float)K + eps);
-        for (int i = threadIdx.x; i < K; i += blockDim.x) staged[b * K + i] = xr[i] * k * nw[i];
-    }
+        for (int b = 0; b < B; ++b) {
+            const float v = warp_sum(acc[r][b]);
+            if (lane == 0) red[warp][r * B + b] = v;
+        }
     __syncthreads();
-    ldx = K;
-    return staged;
+    if (tid == 0)
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int b = 0; b < B; ++b)
+                acc[r][b] = (red[0][r * B + b] + red[1][r * B + b]) + (red[2][r * B + b] + red[3][r * B + b]);
 }
 
 // MODE 0: y = W x (+ bias)   MODE 1: y += W x (the residual add)
@@ -82,8 +78,8 @@ DEV void mmv_segment(const Mat& mat, int n, int row0, const float* x, int ldx, i
 #pragma unroll
     for (int r = 0; r < R; ++r) { m[r] = mat; row[r] = min(row0 + r, n - 1); }
     float acc[R][B];
-    mmv_accum<T, B, R>(m, row, K, x, ldx, acc);
-    if ((threadIdx.x & 31) != 0) return;
+    mmv_block<T, B, R>(m, row, K, x, ldx, acc);
+    if (threadIdx.x != 0) return;
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         if (row0 + r >= n) break;
@@ -97,17 +93,15 @@ DEV void mmv_segment(const Mat& mat, int n, int row0, const float* x, int ldx, i
     }
 }
 
-// Up to three matrices that multiply the same x (Q, K and V), each of its own type; warps are
-// assigned rows of segment 0, then 1, then 2. Each segment's row count is a multiple of R.
-// nw != null: x is RMS-normalized (weight nw) first, inside the kernel.
+// Up to three matrices that multiply the same x (Q, K and V), each of its own type; blocks take
+// R rows of segment 0, then 1, then 2 (each segment's row count is a multiple of R).
 template <class T0, class T1, class T2, int B, int R, int MODE>
 __global__ void __launch_bounds__(128) mmv_group(
         PLANES(0), int n0, float* y0, int ldy0, const float* bias0,
         PLANES(1), int n1, float* y1, int ldy1, const float* bias1,
         PLANES(2), int n2, float* y2, int ldy2, const float* bias2,
-        const float* __restrict__ x_in, int ldx, int K, const float* __restrict__ nw, float eps) {
-    const float* x = norm_input<B>(x_in, ldx, K, nw, eps);
-    int row0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * R;
+        const float* __restrict__ x, int ldx, int K) {
+    int row0 = blockIdx.x * R;
     if (row0 < n0) { mmv_segment<T0, B, R, MODE>(MAT(0, T0), n0, row0, x, ldx, K, y0, ldy0, bias0); return; }
     row0 -= n0;
     if (row0 < n1) { mmv_segment<T1, B, R, MODE>(MAT(1, T1), n1, row0, x, ldx, K, y1, ldy1, bias1); return; }
@@ -116,22 +110,29 @@ __global__ void __launch_bounds__(128) mmv_group(
 }
 
 // Gate and up projections in one pass, y = act(gate x) * (up x); ACT 0 = SiLU, 1 = GELU (tanh).
-template <class T, int B, int ACT>
-__global__ void __launch_bounds__(128) mmv_glu(PLANES(0), PLANES(1), int n, const float* __restrict__ x_in,
-                                               int ldx, int K, float* y, int ldy, const float* __restrict__ nw,
-                                               float eps) {
-    const float* x = norm_input<B>(x_in, ldx, K, nw, eps);
-    const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (r >= n) return;
-    const Mat m[2] = {MAT(0, T), MAT(1, T)};
-    const int row[2] = {r, r};
-    float acc[2][B];
-    mmv_accum<T, B, 2>(m, row, K, x, ldx, acc);
-    if ((threadIdx.x & 31) != 0) return;
+// A block takes R/2 rows of each.
+template <class T, int B, int R, int ACT>
+__global__ void __launch_bounds__(128) mmv_glu(PLANES(0), PLANES(1), int n, const float* __restrict__ x,
+                                               int ldx, int K, float* y, int ldy) {
+    constexpr int H = R / 2;
+    const int row0 = blockIdx.x * H;
+    Mat m[R]; int row[R];
 #pragma unroll
-    for (int b = 0; b < B; ++b) {
-        const float g = acc[0][b];
-        y[(long)b * ldy + r] = (ACT == 0 ? silu_f(g) : gelu_tanh_f(g)) * acc[1][b];
+    for (int r = 0; r < H; ++r) {
+        m[r] = MAT(0, T); m[H + r] = MAT(1, T);
+        row[r] = row[H + r] = min(row0 + r, n - 1);
+    }
+    float acc[R][B];
+    mmv_block<T, B, R>(m, row, K, x, ldx, acc);
+    if (threadIdx.x != 0) return;
+#pragma unroll
+    for (int r = 0; r < H; ++r) {
+        if (row0 + r >= n) break;
+#pragma unroll
+        for (int b = 0; b < B; ++b) {
+            const float g = acc[r][b];
+            y[(long)b * ldy + row0 + r] = (ACT == 0 ? silu_f(g) : gelu_tanh_f(g)) * acc[H + r][b];
+        }
     }
 }
 
@@ -183,14 +184,13 @@ __global__ void dequant_f16(PLANES(0), int rows, int K, u16* __restrict__ out) {
 
 #ifdef GGUF_INSTANTIATE_ALL  // nvcc syntax check in CI: one instantiation of each kernel per type
 #define INST(T)                                                                              \
-    template __global__ void mmv_group<T, T, T, 1, 2, 0>(PLANES(0), int, float*, int, const float*, \
+    template __global__ void mmv_group<T, T, T, 1, 8, 0>(PLANES(0), int, float*, int, const float*, \
         PLANES(1), int, float*, int, const float*, PLANES(2), int, float*, int, const float*,       \
-        const float*, int, int, const float*, float);                                        \
-    template __global__ void mmv_group<T, T, T, 8, 4, 1>(PLANES(0), int, float*, int, const float*, \
+        const float*, int, int);                                                             \
+    template __global__ void mmv_group<T, T, T, 8, 1, 1>(PLANES(0), int, float*, int, const float*, \
         PLANES(1), int, float*, int, const float*, PLANES(2), int, float*, int, const float*,       \
-        const float*, int, int, const float*, float);                                        \
-    template __global__ void mmv_glu<T, 4, 1>(PLANES(0), PLANES(1), int, const float*, int, int, float*, int, \
-        const float*, float);                                                                \
+        const float*, int, int);                                                             \
+    template __global__ void mmv_glu<T, 4, 2, 1>(PLANES(0), PLANES(1), int, const float*, int, int, float*, int); \
     template __global__ void embed_rows<T>(PLANES(0), int, const int*, int, float*, int, float); \
     template __global__ void dequant_f16<T>(PLANES(0), int, int, u16*);
 INST(TF32) INST(TF16) INST(TBF16) INST(TQ4_0) INST(TQ4_1) INST(TQ5_0) INST(TQ5_1) INST(TQ8_0)

@@ -142,9 +142,14 @@ struct TQ2_K {
     }
 };
 
-HD int q3k_scale(const u8* s12, int i) {  // the i-th of 16 six-bit scales, minus 32
-    const int lo = i < 8 ? (int)(ld8(s12 + i) & 0xF) : (int)(ld8(s12 + i - 8) >> 4);
-    const int hi = (int)(ld8(s12 + 8 + (i & 3)) >> (2 * (i >> 2))) & 3;
+HD u32 byte_rt(const V16& v, int i) {  // byte i (run-time, 0..15) by selects, not array indexing
+    const u32 w = i < 4 ? v.w[0] : i < 8 ? v.w[1] : i < 12 ? v.w[2] : v.w[3];
+    return (w >> (8 * (i & 3))) & 0xFFu;
+}
+
+HD int q3k_scale(const V16& s12, int i) {  // the i-th of 16 six-bit scales, minus 32
+    const int lo = (int)(i < 8 ? (byte_rt(s12, i) & 0xF) : (byte_rt(s12, i - 8) >> 4));
+    const int hi = (int)(byte_rt(s12, 8 + (i & 3)) >> (2 * (i >> 2))) & 3;
     return (lo | (hi << 4)) - 32;
 }
 
@@ -156,8 +161,8 @@ struct TQ3_K {
         const int h = (u >> 1) & 1, s = u & 1;
         r.q = ld16(m.qs + sb * 64 + 32 * h + 16 * s);
         r.hm = ld16(m.qh + sb * 32 + 16 * s);
-        const u8* s12 = m.sc + sb * 16;  // scales12, d
-        const float d = h2f(ld16bits(s12 + 12));
+        const V16 s12 = ld16(m.sc + sb * 16);  // scales12, d
+        const float d = h2f((u16)(s12.w[3] & 0xFFFFu));
 #pragma unroll
         for (int j = 0; j < 4; ++j) r.dl[j] = d * (float)q3k_scale(s12, 8 * h + 2 * j + s);
         r.h = h;
@@ -172,12 +177,15 @@ struct TQ3_K {
     }
 };
 
-HD void k4_scale_min(const u8* s12, int j, int& sc, int& mn) {  // ggml's get_scale_min_k4
-    if (j < 4) { sc = ld8(s12 + j) & 63; mn = ld8(s12 + j + 4) & 63; }
-    else {
-        sc = (ld8(s12 + j + 4) & 0xF) | ((ld8(s12 + j - 4) >> 6) << 4);
-        mn = (ld8(s12 + j + 4) >> 4) | ((ld8(s12 + j) >> 6) << 4);
-    }
+// ggml's get_scale_min_k4 from the three words of scales[12] (w1 = bytes 0-3, w2 = 4-7, w3 = 8-11),
+// for a run-time j in 0..7: shifts and selects on registers only.
+HD void k4_scale_min(u32 w1, u32 w2, u32 w3, int j, int& sc, int& mn) {
+    const int lo = 8 * (j & 3);
+    const int sc_lo = (int)((w1 >> lo) & 63), mn_lo = (int)((w2 >> lo) & 63);
+    const int sc_hi = (int)(((w3 >> lo) & 0xF) | (((w1 >> (lo + 6)) & 3) << 4));
+    const int mn_hi = (int)(((w3 >> (lo + 4)) & 0xF) | (((w2 >> (lo + 6)) & 3) << 4));
+    sc = j < 4 ? sc_lo : sc_hi;
+    mn = j < 4 ? mn_lo : mn_hi;
 }
 
 // Q4_K / Q5_K units: (superblock sb, 64-group g, slice s), 8 units per superblock; piece 0 is the
@@ -189,14 +197,12 @@ struct TQ4_K {
         const long sb = (long)row * m.nb + (u >> 3);
         const int g = (u >> 1) & 3, s = u & 1;
         r.q = ld16(m.qs + sb * 128 + 32 * g + 16 * s);
-        const u8* hdr = m.sc + sb * 16;  // d, dmin, scales12
-        const u32 dm = ld32(hdr);
-        const u8* s12 = hdr + 4;
-        const float d = h2f((u16)(dm & 0xFFFFu)), dmin = h2f((u16)(dm >> 16));
+        const V16 hv = ld16(m.sc + sb * 16);  // d, dmin, scales12: one 16-byte load
+        const float d = h2f((u16)(hv.w[0] & 0xFFFFu)), dmin = h2f((u16)(hv.w[0] >> 16));
 #pragma unroll
         for (int k = 0; k < 2; ++k) {
-            int sc, mn; k4_scale_min(s12, 2 * g + k, sc, mn);
-            r.d[k] = d * (float)sc; r.m[k] = dmin * (float)mn;
+            int sc, mn; k4_scale_min(hv.w[1], hv.w[2], hv.w[3], 2 * g + k, sc, mn);
+            r.d[k] = d * qf((u32)sc); r.m[k] = dmin * qf((u32)mn);
         }
     }
     static HD int xoff(int u, int p) { return (u >> 3) * 256 + ((u >> 1) & 3) * 64 + 32 * p + 16 * (u & 1); }
@@ -215,14 +221,12 @@ struct TQ5_K {
         const int g = (u >> 1) & 3, s = u & 1;
         r.q = ld16(m.qs + sb * 128 + 32 * g + 16 * s);
         r.qh = ld16(m.qh + sb * 32 + 16 * s);
-        const u8* hdr = m.sc + sb * 16;  // d, dmin, scales12
-        const u32 dm = ld32(hdr);
-        const u8* s12 = hdr + 4;
-        const float d = h2f((u16)(dm & 0xFFFFu)), dmin = h2f((u16)(dm >> 16));
+        const V16 hv = ld16(m.sc + sb * 16);  // d, dmin, scales12: one 16-byte load
+        const float d = h2f((u16)(hv.w[0] & 0xFFFFu)), dmin = h2f((u16)(hv.w[0] >> 16));
 #pragma unroll
         for (int k = 0; k < 2; ++k) {
-            int sc, mn; k4_scale_min(s12, 2 * g + k, sc, mn);
-            r.d[k] = d * (float)sc; r.m[k] = dmin * (float)mn;
+            int sc, mn; k4_scale_min(hv.w[1], hv.w[2], hv.w[3], 2 * g + k, sc, mn);
+            r.d[k] = d * qf((u32)sc); r.m[k] = dmin * qf((u32)mn);
         }
         r.g = g;
     }
@@ -246,10 +250,10 @@ struct TQ6_K {
         r.la = ld16(ql);
         r.lb = ld16(ql + 32);
         r.qh = ld16(m.qh + sb * 64 + 32 * h + 16 * s);
-        const u8* sc = m.sc + sb * 16 + 8 * h + s;
+        const V16 scv = ld16(m.sc + sb * 16);
         const float d = h2f(ld16bits(m.d + sb * 2));
 #pragma unroll
-        for (int j = 0; j < 4; ++j) r.dl[j] = d * (float)(i8)ld8(sc + 2 * j);
+        for (int j = 0; j < 4; ++j) r.dl[j] = d * (float)(i8)byte_rt(scv, 8 * h + s + 2 * j);
     }
     static HD int xoff(int u, int p) { return (u >> 2) * 256 + ((u >> 1) & 1) * 128 + 16 * (u & 1) + 32 * p; }
     static HD void qpiece(const Raw& r, int p, float* q, float& d, float& m) {

@@ -10,7 +10,7 @@ static void decode(const Mat& m, int rows, int K, float* out) {
             T::load(m, row, u, r);
             for (int p = 0; p < T::NP; ++p) {
                 float w[16];
-                T::piece(r, p, w);
+                piece<T>(r, p, w);
                 for (int i = 0; i < 16; ++i) out[(long)row * K + T::xoff(u, p) + i] = w[i];
             }
         }
