@@ -111,11 +111,11 @@ class CudaBackend:
             for mode in (0, 1):
                 mm += [L.mmv_name(structs, b, L.rows_per_block(rows, b), mode) for b in L.MMV_TOKENS]
                 if self.max_batch > L.MAX_MMV_TOKENS:
-                    mma += [L.mma_name(structs, L.mma_nt(b), mode) for b in BUCKETS if b > L.MAX_MMV_TOKENS
-                            and b <= self.max_batch]
+                    mma += [L.mma_name(structs, *L.mma_config(rows, b), mode) for b in BUCKETS
+                            if L.MAX_MMV_TOKENS < b <= self.max_batch]
         act = L.ACT[cfg.activation]
         mm += [L.glu_name(s, b, 2 * L.glu_rows(n, b), act) for s, n in glu for b in L.MMV_TOKENS]
-        mma += [L.mma_glu_name(s, L.mma_nt(b), act) for s, _ in glu for b in BUCKETS
+        mma += [L.mma_glu_name(s, *L.mma_config([n], b), act) for s, n in glu for b in BUCKETS
                 if L.MAX_MMV_TOKENS < b <= self.max_batch]
         mm.append(f"embed_rows<{w.mat('token_embd.weight').struct}>")
         mm += [f"dequant_f16<{s}>" for s in {m.struct for m in w.mats.values()}]

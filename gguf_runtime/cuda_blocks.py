@@ -53,7 +53,9 @@ class Workspace:
         self.seq = cp.zeros(max_rows, cp.int32)
         # f16 scratch for the cuBLAS path
         widest = max(cfg.n_embd, cfg.n_ff, cfg.n_head * cfg.head_dim_v)
-        self.x16 = cp.zeros((max_rows, widest), cp.float16) if max_rows > L.MAX_MMV_TOKENS else None
+        big = max_rows > L.MAX_MMV_TOKENS
+        self.x16 = cp.zeros((max_rows, widest), cp.float16) if big else None  # f16 inputs of big matmuls
+        self.g16 = cp.zeros((max_rows, cfg.n_ff), cp.float16) if big else None  # GLU output, f16
         self.w16: cp.ndarray | None = None
 
     def nbytes(self) -> int:
@@ -101,10 +103,17 @@ class CudaBlocks:
                       beta.ctypes.data, y.data.ptr, CUDA_R_32F, y.strides[0] // 4,
                       cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
 
-    def _norm(self, x: cp.ndarray, name: str, y: cp.ndarray, res: cp.ndarray | None = None) -> None:
+    def _norm(self, x: cp.ndarray, name: str, y: cp.ndarray, res: cp.ndarray | None = None,
+              f16: bool = False) -> None:
+        """y = rmsnorm(x) (+ res); f16: also into ws.x16 (the next tensor-core matmul's input)."""
+        x16 = self.ws.x16 if f16 else None
         L.rmsnorm(self.k, x.data.ptr, x.strides[0] // 4, self.w.vec(name).data.ptr, y.data.ptr, y.strides[0] // 4,
                   x.shape[0], x.shape[1], self.cfg.rms_eps,
-                  res.data.ptr if res is not None else None, res.strides[0] // 4 if res is not None else 0)
+                  res.data.ptr if res is not None else None, res.strides[0] // 4 if res is not None else 0,
+                  x16.data.ptr if x16 is not None else None, x16.strides[0] // 2 if x16 is not None else 0)
+
+    def _big_mma(self, t: int) -> bool:
+        return self.mma and not self._small(t)
 
     # ---- blocks --------------------------------------------------------------------------------
     def embed(self, tokens: cp.ndarray) -> cp.ndarray:
@@ -118,7 +127,7 @@ class CudaBlocks:
         cfg, ws, p = self.cfg, self.ws, f"blk.{layer}."
         t = x.shape[0]
         h, qkv = ws.h[:t], ws.qkv[:t]
-        self._norm(x, p + "attn_norm.weight", h)
+        self._norm(x, p + "attn_norm.weight", h, f16=self._big_mma(t))
         hq, hk, d = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim, cfg.head_dim
         names = [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]
         cols = [0, hq, hq + hk]
@@ -129,7 +138,8 @@ class CudaBlocks:
                   [self.w.vec(b).data.ptr if b else None for b in biases], h.data.ptr, h.strides[0] // 4, t, 0)
         elif self.mma:
             L.mma(self.k, [self.w.mat(n) for n in names], [(qkv.data.ptr + 4 * c, ld) for c in cols],
-                  [self.w.vec(b).data.ptr if b else None for b in biases], h.data.ptr, h.strides[0] // 4, t, 0)
+                  [self.w.vec(b).data.ptr if b else None for b in biases], ws.x16.data.ptr, ws.x16.strides[0] // 2,
+                  t, 0)
         else:
             for n, c, b in zip(names, cols, biases):
                 out = qkv[:, c:]
@@ -155,17 +165,21 @@ class CudaBlocks:
                     self.kv.table.data.ptr, self.kv.max_pages, self.kv.page_size, cfg.n_head, cfg.n_head_kv,
                     cfg.head_dim, cfg.attn_scale, cfg.attn_softcap or 0.0, cfg.layer_window[layer], n_splits(t),
                     ws.part_o.data.ptr, ws.part_ml.data.ptr, ws.attn_counter.data.ptr, out.data.ptr,
-                    out.strides[0] // 4)
+                    out.strides[0] // 4, ws.x16.data.ptr if self._big_mma(t) else None,
+                    ws.x16.strides[0] // 2 if self._big_mma(t) else 0)
         return out
 
-    def _project_residual(self, a: cp.ndarray, name: str, x: cp.ndarray, post_norm: str | None) -> cp.ndarray:
-        """x += post_norm(W a) (no norm: straight into x)."""
+    def _project_residual(self, a: cp.ndarray, name: str, x: cp.ndarray, post_norm: str | None,
+                          a16: cp.ndarray | None = None) -> cp.ndarray:
+        """x += post_norm(W a) (no norm: straight into x). a16: a's f16 copy (tensor-core path)."""
         t = a.shape[0]
         target = self.ws.o[:t] if post_norm else x
-        if self._small(t) or self.mma:
-            run = L.mmv if self._small(t) else L.mma
-            run(self.k, [self.w.mat(name)], [(target.data.ptr, target.strides[0] // 4)], [None], a.data.ptr,
-                a.strides[0] // 4, t, 0 if post_norm else 1)
+        if self._small(t):
+            L.mmv(self.k, [self.w.mat(name)], [(target.data.ptr, target.strides[0] // 4)], [None], a.data.ptr,
+                  a.strides[0] // 4, t, 0 if post_norm else 1)
+        elif self.mma:
+            L.mma(self.k, [self.w.mat(name)], [(target.data.ptr, target.strides[0] // 4)], [None], a16.data.ptr,
+                  a16.strides[0] // 2, t, 0 if post_norm else 1)
         else:
             self._gemm(a, name, target, accumulate=not post_norm)
         if post_norm:
@@ -175,7 +189,8 @@ class CudaBlocks:
     def attn_out(self, x: cp.ndarray, a: cp.ndarray, layer: int) -> cp.ndarray:
         p = f"blk.{layer}."
         return self._project_residual(a, p + "attn_output.weight", x,
-                                      p + "post_attention_norm.weight" if self.cfg.post_norms else None)
+                                      p + "post_attention_norm.weight" if self.cfg.post_norms else None,
+                                      a16=self.ws.x16 if self._big_mma(a.shape[0]) else None)
 
     def ffn(self, x: cp.ndarray, layer: int) -> cp.ndarray:
         cfg, ws, p = self.cfg, self.ws, f"blk.{layer}."
@@ -183,19 +198,30 @@ class CudaBlocks:
         h, g = ws.h[:t], ws.g[:t]
         gate, up = self.w.mat(p + "ffn_gate.weight"), self.w.mat(p + "ffn_up.weight")
         post = p + "post_ffw_norm.weight" if cfg.post_norms else None
-        self._norm(x, p + "ffn_norm.weight", h)
-        if (self._small(t) or self.mma) and gate.type_id == up.type_id:
-            run = L.mmv_glu if self._small(t) else L.mma_glu
-            run(self.k, gate, up, h.data.ptr, h.strides[0] // 4, t, cfg.activation, g.data.ptr, g.strides[0] // 4)
-            return self._project_residual(g, p + "ffn_down.weight", x, post)
-        if self._small(t) or self.mma:
+        big = self._big_mma(t)
+        self._norm(x, p + "ffn_norm.weight", h, f16=big)
+        down = p + "ffn_down.weight"
+        if self._small(t) and gate.type_id == up.type_id:
+            L.mmv_glu(self.k, gate, up, h.data.ptr, h.strides[0] // 4, t, cfg.activation, g.data.ptr, g.strides[0] // 4)
+            return self._project_residual(g, down, x, post)
+        if big and gate.type_id == up.type_id:
+            g16 = ws.g16
+            L.mma_glu(self.k, gate, up, ws.x16.data.ptr, ws.x16.strides[0] // 2, t, cfg.activation, g16.data.ptr,
+                      g16.strides[0] // 2)
+            return self._project_residual(g, down, x, post, a16=g16)
+        if self._small(t) or big:
             u = ws.u[:t]
-            run = L.mmv if self._small(t) else L.mma
-            run(self.k, [gate], [(g.data.ptr, g.strides[0] // 4)], [None], h.data.ptr, h.strides[0] // 4, t, 0)
-            run(self.k, [up], [(u.data.ptr, u.strides[0] // 4)], [None], h.data.ptr, h.strides[0] // 4, t, 0)
+            if big:
+                x16, ld16 = ws.x16.data.ptr, ws.x16.strides[0] // 2
+                L.mma(self.k, [gate], [(g.data.ptr, g.strides[0] // 4)], [None], x16, ld16, t, 0)
+                L.mma(self.k, [up], [(u.data.ptr, u.strides[0] // 4)], [None], x16, ld16, t, 0)
+            else:
+                L.mmv(self.k, [gate], [(g.data.ptr, g.strides[0] // 4)], [None], h.data.ptr, h.strides[0] // 4, t, 0)
+                L.mmv(self.k, [up], [(u.data.ptr, u.strides[0] // 4)], [None], h.data.ptr, h.strides[0] // 4, t, 0)
+            g16 = ws.g16 if big else None
             L.glu(self.k, g.data.ptr, u.data.ptr, g.strides[0] // 4, cfg.n_ff, t, cfg.activation, g.data.ptr,
-                  g.strides[0] // 4)
-            return self._project_residual(g, p + "ffn_down.weight", x, post)
+                  g.strides[0] // 4, g16.data.ptr if big else None, g16.strides[0] // 2 if big else 0)
+            return self._project_residual(g, down, x, post, a16=g16)
         u = ws.u[:t]
         self._gemm(h, p + "ffn_gate.weight", g, accumulate=False)
         self._gemm(h, p + "ffn_up.weight", u, accumulate=False)
@@ -218,9 +244,10 @@ class CudaBlocks:
         head = self.w.mat(lm_head_name(cfg))
         out = ws.logits[:t]
         ld = out.strides[0] // 4
-        self._norm(x, "output_norm.weight", h)
-        if self.mma and not self._small(t):
-            L.mma(self.k, [head], [(out.data.ptr, ld)], [None], h.data.ptr, h.strides[0] // 4, t, 0)
+        self._norm(x, "output_norm.weight", h, f16=self._big_mma(t))
+        if self._big_mma(t):
+            L.mma(self.k, [head], [(out.data.ptr, ld)], [None], self.ws.x16.data.ptr, self.ws.x16.strides[0] // 2,
+                  t, 0)
         else:
             for s in range(0, t, L.MAX_MMV_TOKENS):
                 n = min(L.MAX_MMV_TOKENS, t - s)

@@ -72,6 +72,17 @@ def test_mmv_every_type(k, name, b):
     assert rel(yd.get(), y0 + x.astype(np.float64) @ w.T) < 1e-5
 
 
+def test_rmsnorm_f16_copy_and_attention_f16_copy(k):
+    rng = np.random.default_rng()
+    x = rng.standard_normal((3, 640)).astype(np.float32)
+    w = rng.standard_normal(640).astype(np.float32)
+    xd, wd = cp.asarray(x), cp.asarray(w)
+    y = cp.full((3, 640), POISON, cp.float32)
+    y16 = cp.full((3, 648), np.nan, cp.float16)
+    L.rmsnorm(k, xd.data.ptr, 640, wd.data.ptr, y.data.ptr, 640, 3, 640, 1e-6, y16=y16.data.ptr, ld16=648)
+    assert rel(y16.get()[:, :640].astype(np.float32), y.get()) < 1e-3
+
+
 def test_mmv_group_mixed_types_odd_rows(k):
     rng = np.random.default_rng()
     keep = []
@@ -313,9 +324,9 @@ def test_mma_every_type(k, name, n_tok):
     keep = []
     rows, cols = 45, cols_for(name)
     m, w = upload(name, rows, cols, rng, keep)
-    x = rng.standard_normal((n_tok, cols)).astype(np.float32)
+    x = rng.standard_normal((n_tok, cols)).astype(np.float16).astype(np.float32)  # the kernel takes f16 x
     bias = rng.standard_normal(rows).astype(np.float32)
-    xd, bd = cp.asarray(x), cp.asarray(bias)
+    xd, bd = cp.asarray(x.astype(np.float16)), cp.asarray(bias)
     y = cp.full((n_tok, rows + 3), POISON, cp.float32)
     L.mma(k, [m], [(y.data.ptr, rows + 3)], [bd.data.ptr], xd.data.ptr, cols, n_tok, 0)
     ref = x.astype(np.float64) @ w.T + bias
@@ -333,16 +344,16 @@ def test_mma_group_and_glu(k):
     cols = 640
     specs = [("Q5_0", 96), ("Q5_0", 33), ("Q8_0", 50)]
     mats = [upload(n, r, cols, rng, keep) for n, r in specs]
-    x = rng.standard_normal((24, cols)).astype(np.float32)
-    xd = cp.asarray(x)
+    x = rng.standard_normal((24, cols)).astype(np.float16).astype(np.float32)
+    xd = cp.asarray(x.astype(np.float16))
     ys = [cp.full((24, r), POISON, cp.float32) for _, r in specs]
     L.mma(k, [m for m, _ in mats], [(y.data.ptr, y.shape[1]) for y in ys], [None] * 3, xd.data.ptr, cols, 24, 0)
     for (m, w), y in zip(mats, ys):
         assert rel(y.get(), x.astype(np.float64) @ w.T) < 2e-3
     (g, wg), (u, wu) = upload("Q4_K", 70, 512, rng, keep), upload("Q4_K", 70, 512, rng, keep)
-    x2 = rng.standard_normal((40, 512)).astype(np.float32)
-    x2d = cp.asarray(x2)
-    out = cp.full((40, 70), POISON, cp.float32)
+    x2 = rng.standard_normal((40, 512)).astype(np.float16).astype(np.float32)
+    x2d = cp.asarray(x2.astype(np.float16))
+    out = cp.full((40, 70), np.nan, cp.float16)
     L.mma_glu(k, g, u, x2d.data.ptr, 512, 40, "silu", out.data.ptr, 70)
     gv, uv = x2.astype(np.float64) @ wg.T, x2.astype(np.float64) @ wu.T
-    assert rel(out.get(), silu(gv) * uv) < 2e-3
+    assert rel(out.get().astype(np.float32), silu(gv) * uv) < 2e-3

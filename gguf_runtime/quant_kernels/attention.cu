@@ -13,7 +13,7 @@ __global__ void __launch_bounds__(128) attn_split(
         const int* __restrict__ pos, const int* __restrict__ seq, const int* __restrict__ table, int max_pages,
         int page_size, int n_head_kv, float scale, float cap, int window, int n_split,
         float* __restrict__ part_o, float* __restrict__ part_ml, unsigned* __restrict__ counter,
-        float* __restrict__ out, int ldo) {
+        float* __restrict__ out, int ldo, u16* __restrict__ out16, int ld16) {
     constexpr int E = D / 32;
     const int hk = blockIdx.x, s = blockIdx.y, t = blockIdx.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -117,12 +117,13 @@ __global__ void __launch_bounds__(128) attn_split(
 #pragma unroll 8
         for (int k = 0; k < n_split; ++k) O = fmaf(__ldcg(po + (long)k * D), wt[g][k], O);
         out[(long)t * ldo + (hk * G + g) * D + e] = O;
+        if (out16) out16[(long)t * ld16 + (hk * G + g) * D + e] = f2h(O);
     }
     if (threadIdx.x == 0) counter[t * n_head_kv + hk] = 0u;
 }
 
 #ifdef GGUF_INSTANTIATE_ALL
 #define INST(D, G) template __global__ void attn_split<D, G>(const float*, int, const float*, const float*, \
-    const int*, const int*, const int*, int, int, int, float, float, int, int, float*, float*, unsigned*, float*, int);
+    const int*, const int*, const int*, int, int, int, float, float, int, int, float*, float*, unsigned*, float*, int, u16*, int);
 INST(64, 1) INST(64, 3) INST(128, 4) INST(256, 4) INST(128, 8) INST(256, 8)
 #endif

@@ -190,29 +190,36 @@ def mmv_glu(k: Kernels, gate: Mat, up: Mat, x: int, ldx: int, b: int, act: str, 
             ptr(y + 4 * row * ldy), i32(ldy)))
 
 
-MMA_TILE_ROWS = 32
+MMA_MIN_BLOCKS = 132  # one wave on an H100: below this, smaller tiles (more blocks) win
 
 
-def mma_nt(n_tok: int) -> int:
-    """n-tiles of 8 per warp: token tile 16, 32 or 64."""
-    return 1 if n_tok <= 16 else (2 if n_tok <= 32 else 4)
+def mma_config(rows: Sequence[int], n_tok: int) -> tuple[int, int]:
+    """(WR, NT): a block of 4 warps covers 16 WR weight rows x 8 NT (4 / WR) tokens."""
+    for wr in (4, 2, 1):
+        wc = 4 // wr
+        nt = min(8, max(1, -(-min(n_tok, 64) // (8 * wc))))
+        tb = 8 * nt * wc
+        blocks = sum(-(-n // (16 * wr)) for n in rows) * -(-n_tok // tb)
+        if blocks >= MMA_MIN_BLOCKS or wr == 1:
+            return wr, nt
+    raise AssertionError
 
 
-def mma_name(structs: Sequence[str], nt: int, mode: int) -> str:
+def mma_name(structs: Sequence[str], wr: int, nt: int, mode: int) -> str:
     s = list(structs) + [structs[0]] * (3 - len(structs))
-    return f"mma_group<{s[0]}, {s[1]}, {s[2]}, {nt}, {mode}>"
+    return f"mma_group<{s[0]}, {s[1]}, {s[2]}, {wr}, {nt}, {mode}>"
 
 
-def mma_glu_name(struct: str, nt: int, act: int) -> str:
-    return f"mma_glu<{struct}, {nt}, {act}>"
+def mma_glu_name(struct: str, wr: int, nt: int, act: int) -> str:
+    return f"mma_glu<{struct}, {wr}, {nt}, {act}>"
 
 
 def mma(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases: Sequence[int | None],
-        x: int, ldx: int, n_tok: int, mode: int) -> None:
-    """Tensor-core version of ``mmv`` for any number of tokens (f16 operands, f32 accumulate)."""
+        x16: int, ldx16: int, n_tok: int, mode: int) -> None:
+    """Tensor-core version of ``mmv`` for any number of tokens: x in f16, y f32 (f32 accumulate)."""
     assert 1 <= len(mats) <= 3
-    nt = mma_nt(n_tok)
-    fn = k.fn("matmul_mma.cu", mma_name([m.struct for m in mats], nt, mode))
+    wr, nt = mma_config([m.rows for m in mats], n_tok)
+    fn = k.fn("matmul_mma.cu", mma_name([m.struct for m in mats], wr, nt, mode))
     args: list = []
     for i in range(3):
         if i < len(mats):
@@ -220,15 +227,19 @@ def mma(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases
             args += [*m.planes, i32(m.rows), ptr(y), i32(ldy), ptr(bias)]
         else:
             args += [ptr(0)] * 4 + [i32(0), ptr(0), i32(0), ptr(0)]
-    tiles = sum((m.rows + MMA_TILE_ROWS - 1) // MMA_TILE_ROWS for m in mats)
-    fn((tiles, (n_tok + 16 * nt - 1) // (16 * nt)), (128,), (*args, ptr(x), i32(ldx), i32(n_tok), i32(mats[0].cols)))
+    tiles = sum(-(-m.rows // (16 * wr)) for m in mats)
+    tb = 8 * nt * (4 // wr)
+    fn((tiles, -(-n_tok // tb)), (128,), (*args, ptr(x16), i32(ldx16), i32(n_tok), i32(mats[0].cols)))
 
 
-def mma_glu(k: Kernels, gate: Mat, up: Mat, x: int, ldx: int, n_tok: int, act: str, y: int, ldy: int) -> None:
-    nt = mma_nt(n_tok)
-    fn = k.fn("matmul_mma.cu", mma_glu_name(gate.struct, nt, ACT[act]))
-    fn(((gate.rows + MMA_TILE_ROWS - 1) // MMA_TILE_ROWS, (n_tok + 16 * nt - 1) // (16 * nt)), (128,),
-       (*gate.planes, *up.planes, i32(gate.rows), ptr(x), i32(ldx), i32(n_tok), i32(gate.cols), ptr(y), i32(ldy)))
+def mma_glu(k: Kernels, gate: Mat, up: Mat, x16: int, ldx16: int, n_tok: int, act: str, y16: int, ldy16: int) -> None:
+    """y16[t, :] = f16(act(G x[t]) * (U x[t])), x in f16."""
+    wr, nt = mma_config([gate.rows], n_tok)
+    fn = k.fn("matmul_mma.cu", mma_glu_name(gate.struct, wr, nt, ACT[act]))
+    tb = 8 * nt * (4 // wr)
+    fn((-(-gate.rows // (16 * wr)), -(-n_tok // tb)), (128,),
+       (*gate.planes, *up.planes, i32(gate.rows), ptr(x16), i32(ldx16), i32(n_tok), i32(gate.cols), ptr(y16),
+        i32(ldy16)))
 
 
 def embed(k: Kernels, table: Mat, tokens: int, n: int, x: int, ldx: int, scale: float) -> None:
@@ -243,10 +254,11 @@ def dequant_f16(k: Kernels, m: Mat, out: int) -> None:
 
 
 def rmsnorm(k: Kernels, x: int, ldx: int, w: int, y: int, ldy: int, rows: int, n: int, eps: float,
-            res: int | None = None, ldr: int = 0) -> None:
+            res: int | None = None, ldr: int = 0, y16: int | None = None, ld16: int = 0) -> None:
     threads = 1024 if n >= 4096 else 256
     k.fn("layers.cu", "rmsnorm")((rows,), (threads,),
-                                 (ptr(x), i32(ldx), ptr(w), ptr(y), i32(ldy), ptr(res), i32(ldr), i32(n), f32(eps)))
+                                 (ptr(x), i32(ldx), ptr(w), ptr(y), i32(ldy), ptr(res), i32(ldr), i32(n), f32(eps),
+                                  ptr(y16), i32(ld16)))
 
 
 def rope_kv(k: Kernels, qkv: int, ld: int, rows: int, n_head: int, n_head_kv: int, head_dim: int, head_dim_v: int,
@@ -262,7 +274,8 @@ def rope_kv(k: Kernels, qkv: int, ld: int, rows: int, n_head: int, n_head_kv: in
 
 def attention(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache: int, pos: int, seq: int, table: int,
               max_pages: int, page_size: int, n_head: int, n_head_kv: int, head_dim: int, scale: float, cap: float,
-              window: int, n_split: int, part_o: int, part_ml: int, counter: int, out: int, ldo: int) -> None:
+              window: int, n_split: int, part_o: int, part_ml: int, counter: int, out: int, ldo: int,
+              out16: int | None = None, ld16: int = 0) -> None:
     """Split-K attention over the paged cache, merged in the same launch (counter: rows x n_head_kv
     zeros, left zero)."""
     g = n_head // n_head_kv
@@ -270,7 +283,7 @@ def attention(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache: int,
         (n_head_kv, n_split, rows), (128,),
         (ptr(q), i32(ldq), ptr(kcache), ptr(vcache), ptr(pos), ptr(seq), ptr(table), i32(max_pages),
          i32(page_size), i32(n_head_kv), f32(scale), f32(cap), i32(window), i32(n_split), ptr(part_o),
-         ptr(part_ml), ptr(counter), ptr(out), i32(ldo)))
+         ptr(part_ml), ptr(counter), ptr(out), i32(ldo), ptr(out16), i32(ld16)))
 
 
 def _grid(n: int, threads: int = 256) -> tuple[tuple[int], tuple[int]]:

@@ -5,9 +5,11 @@
 // KV cache layout, per layer: [pages][n_head_kv][page_size][head_dim].
 #include "common.cuh"
 
-// y[t] = (res ? res[t] : 0) + x[t] * rsqrt(mean(x[t]^2) + eps) * w   (one block per row t)
+// y[t] = (res ? res[t] : 0) + x[t] * rsqrt(mean(x[t]^2) + eps) * w   (one block per row t);
+// y16 != null: also an f16 copy (the input of the tensor-core matmuls)
 extern "C" __global__ void rmsnorm(const float* __restrict__ x, int ldx, const float* __restrict__ w,
-                                   float* y, int ldy, const float* res, int ldr, int n, float eps) {
+                                   float* y, int ldy, const float* res, int ldr, int n, float eps,
+                                   u16* y16, int ld16) {
     __shared__ float scratch[32];
     const float* xr = x + (long)blockIdx.x * ldx;
     float ss = 0.f;
@@ -16,9 +18,12 @@ extern "C" __global__ void rmsnorm(const float* __restrict__ x, int ldx, const f
     const float k = rsqrtf(ss / (float)n + eps);
     float* yr = y + (long)blockIdx.x * ldy;
     const float* rr = res ? res + (long)blockIdx.x * ldr : nullptr;
+    u16* yh = y16 ? y16 + (long)blockIdx.x * ld16 : nullptr;
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
         const float v = xr[i] * k * w[i];
-        yr[i] = rr ? rr[i] + v : v;
+        const float o = rr ? rr[i] + v : v;
+        yr[i] = o;
+        if (yh) yh[i] = f2h(o);
     }
 }
 
