@@ -4,7 +4,7 @@ The benchmarks are `gguf-run bench TWIN --batch ... --json` (one process per twi
 JSON (and plot, where matplotlib is installed) lands in $OUT beside bench.json, which holds them all.
 
 Usage (on the device machine, from the repo root, after `source .device/env.sh`):
-    python bench/gpu_session.py [--skip-tests] [--skip-8b] [--only NAME] [--reps 5]
+    [GGUF_RUN_COMMIT=abc1234] python bench/gpu_session.py [--skip-tests] [--skip-8b] [--only NAME] [--reps 5]
 Logs go to $OUT; the table is printed last. Twin headers come from twins/*.hdr.gguf (made here
 with `gguf-run synth --like REAL --header-only`); the 8B twin is built from its preset.
 """

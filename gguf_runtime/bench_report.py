@@ -34,7 +34,10 @@ def model_label(f, cfg: ModelConfig, params: int) -> str:
 
 
 def git_commit() -> str | None:
-    """Short hash of the checkout this package runs from ("-dirty" with local changes), if any."""
+    """Short hash of the checkout this package runs from ("-dirty" with local changes), if any;
+    $GGUF_RUN_COMMIT names it where the tree is a copy without .git (the GPU machine)."""
+    if os.environ.get("GGUF_RUN_COMMIT"):
+        return os.environ["GGUF_RUN_COMMIT"]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if not os.path.exists(os.path.join(root, ".git")):
         return None

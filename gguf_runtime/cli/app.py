@@ -23,7 +23,8 @@ app = typer.Typer(
            "  gguf-run --prompt 'Why is the sky blue?'\n\n"
            "  gguf-run model.gguf -p 'Once upon a time' --raw -n 64 --temp 0\n\n"
            "  gguf-run info model.gguf\n\n"
-           "  gguf-run tokenize model.gguf 'Hello world' --pieces",
+           "  gguf-run tokenize model.gguf 'Hello world' --pieces\n\n"
+           "  gguf-run bench model.gguf --batch 1,8,32,64",
     add_completion=False,
     no_args_is_help=False,
     pretty_exceptions_enable=False,
