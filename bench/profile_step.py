@@ -1,9 +1,9 @@
 """Where the time goes: per-kernel GPU time of one decode step, with CUDA events.
 
-One step is captured as a graph with an event recorded before and after every kernel, then
-replayed: the event pairs time each kernel as it runs inside a graph (no host launch gaps; the
-event nodes add a little). Kernels are grouped by name and printed beside the time per step of
-the normal replayed graph.
+A spin kernel holds the GPU while the host enqueues one eager step with an event before and after
+every kernel, so the kernels then run back to back and each event pair times one kernel without
+host launch gaps (events recorded inside a captured graph cannot be timed). Kernels are grouped
+by name and printed beside the time per step of the replayed graph.
 Usage (GPU machine): python bench/profile_step.py TWIN.gguf [--batch 1 --batch 64] [--json OUT]
 """
 
@@ -20,6 +20,12 @@ from gguf_runtime.backend_cuda import CudaBackend
 from gguf_runtime.gguf_file import open_gguf
 from gguf_runtime.model_config import config_from_gguf
 from gguf_runtime.sampling import SamplingParams
+
+SPIN = cp.RawKernel(r"""
+extern "C" __global__ void spin(long long cycles) {
+    const long long t0 = clock64();
+    while (clock64() - t0 < cycles) { }
+}""", "spin")
 
 
 def kernel_group(name: str) -> str:
@@ -38,14 +44,11 @@ def profile(be: CudaBackend, rows: int, prompt: int = 64) -> dict:
     be._save_state()
     be.kernels.timeline = []
     with be.stream:
-        be.stream.begin_capture()
+        SPIN((1,), (1,), (cp.int64(200_000_000),))  # ~0.1 s: the whole step is queued behind it
         be._step(rows, mode)
-        timed = be.stream.end_capture()
-    tl, be.kernels.timeline = be.kernels.timeline, None
-    timed.launch(be.stream)
-    be.stream.synchronize()
-    with be.stream:
         be._restore_state()
+    be.stream.synchronize()
+    tl, be.kernels.timeline = be.kernels.timeline, None
     per = defaultdict(lambda: [0, 0.0])
     total = 0.0
     for name, a, b in tl:
