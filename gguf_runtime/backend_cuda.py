@@ -104,18 +104,19 @@ class CudaBackend:
             groups += [[w.mat(p + n)] for n in ("attn_output.weight", "ffn_down.weight", "ffn_gate.weight",
                                                 "ffn_up.weight")]
         groups.append([head])
-        glu = {(w.mat(f"blk.{i}.ffn_gate.weight").struct, w.mat(f"blk.{i}.ffn_gate.weight").rows)
-               for i in range(cfg.n_layer)}
+        glu = {(w.mat(f"blk.{i}.ffn_gate.weight").struct, w.mat(f"blk.{i}.ffn_gate.weight").rows,
+                w.mat(f"blk.{i}.ffn_gate.weight").cols) for i in range(cfg.n_layer)}
         for mats in groups:
             structs, rows = [m.struct for m in mats], [m.rows for m in mats]
             for mode in (0, 1):
-                mm += [L.mmv_name(structs, b, L.rows_per_block(rows, b), mode) for b in L.MMV_TOKENS]
+                mm += [L.mmv_name(structs, b, *L.mmv_config(structs, rows, mats[0].cols, b), mode)
+                       for b in L.MMV_TOKENS]
                 if self.max_batch > L.MAX_MMV_TOKENS:
                     mma += [L.mma_name(structs, *L.mma_config(rows, b), mode) for b in BUCKETS
                             if L.MAX_MMV_TOKENS < b <= self.max_batch]
         act = L.ACT[cfg.activation]
-        mm += [L.glu_name(s, b, 2 * L.glu_rows(n, b), act) for s, n in glu for b in L.MMV_TOKENS]
-        mma += [L.mma_glu_name(s, *L.mma_config([n], b), act) for s, n in glu for b in BUCKETS
+        mm += [L.glu_name(s, b, *L.glu_config(s, n, c, b), act) for s, n, c in glu for b in L.MMV_TOKENS]
+        mma += [L.mma_glu_name(s, *L.mma_config([n], b), act) for s, n, _ in glu for b in BUCKETS
                 if L.MAX_MMV_TOKENS < b <= self.max_batch]
         mm.append(f"embed_rows<{w.mat('token_embd.weight').struct}>")
         mm += [f"dequant_f16<{s}>" for s in {m.struct for m in w.mats.values()}]

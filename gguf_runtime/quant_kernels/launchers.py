@@ -123,28 +123,40 @@ class _Counted:
 
 
 # ---- name expressions ----------------------------------------------------------------------------
-def mmv_name(structs: Sequence[str], b: int, r: int, mode: int) -> str:
+def mmv_name(structs: Sequence[str], b: int, r: int, wg: int, mode: int) -> str:
     s = list(structs) + [structs[0]] * (3 - len(structs))
-    return f"mmv_group<{s[0]}, {s[1]}, {s[2]}, {b}, {r}, {mode}>"
+    return f"mmv_group<{s[0]}, {s[1]}, {s[2]}, {b}, {r}, {wg}, {mode}>"
 
 
-def glu_name(struct: str, b: int, r: int, act: int) -> str:
-    return f"mmv_glu<{struct}, {b}, {r}, {act}>"
+def glu_name(struct: str, b: int, r: int, wg: int, act: int) -> str:
+    return f"mmv_glu<{struct}, {b}, {r}, {wg}, {act}>"
 
 
-MIN_BLOCKS = 256  # about 2 blocks per SM: below this, fewer rows per block (more blocks) win
+MIN_BLOCKS = 256  # about 2 blocks per SM: below this, fewer rows per row group (more blocks) win
 
 
-def rows_per_block(rows: Sequence[int], b: int) -> int:
-    """Weight rows a matvec block owns: up to 8 / b (each slice of x is reused by every row), as
-    long as every segment divides evenly and there are enough blocks to fill the GPU."""
-    fits = [r for r in (8, 4, 2, 1) if r * b <= 8 and all(n % r == 0 for n in rows)] or [1]
-    return next((r for r in fits if sum(rows) // r >= MIN_BLOCKS), fits[-1])
+def warps_per_group(struct: str, cols: int) -> int:
+    """Warps sharing a row group: one warp for rows of up to 32 units, up to 4 for long rows."""
+    units = cols // UNIT_ELEMS[struct]
+    return 1 if units <= 32 else (2 if units <= 64 else 4)
 
 
-def glu_rows(n: int, b: int) -> int:
-    """Gate rows (and as many up rows) per GLU block."""
-    return rows_per_block([n], 2 * b) if b <= 4 else 1
+def mmv_config(structs: Sequence[str], rows: Sequence[int], cols: int, b: int) -> tuple[int, int]:
+    """(R, WG): rows per row group (up to 8 / b: each x slice serves every row) and warps per group;
+    every segment holds whole blocks (R * 4 / WG rows), and there are enough blocks to fill the GPU."""
+    wg = max(warps_per_group(s, cols) for s in structs)
+    fits = [r for r in (8, 4, 2, 1) if r * b <= 8 and all(n % (r * 4 // wg) == 0 for n in rows)]
+    if not fits:
+        return 1, 4  # one row per block: any row count works
+    return next((r for r in fits if sum(rows) // (r * 4 // wg) >= MIN_BLOCKS), fits[-1]), wg
+
+
+def glu_config(struct: str, n: int, cols: int, b: int) -> tuple[int, int]:
+    """(R, WG) of a GLU row group: R = 2 H rows (H gate rows and the H matching up rows)."""
+    h, wg = mmv_config([struct], [n], cols, 2 * b) if b <= 4 else (1, warps_per_group(struct, cols))
+    if n % (h * 4 // wg):
+        h, wg = 1, 4
+    return 2 * h, wg
 
 
 # ---- launchers ----------------------------------------------------------------------------------
@@ -162,14 +174,15 @@ def token_chunks(b: int) -> list[tuple[int, int]]:
 
 
 def mmv(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases: Sequence[int | None],
-        x: int, ldx: int, b: int, mode: int) -> None:
-    """y_i[t, :] (=|+=) W_i x[t, :] (+ bias_i) for up to 3 matrices sharing x; t < b <= 8."""
+        x: int, ldx: int, b: int, mode: int, config: tuple[int, int] | None = None) -> None:
+    """y_i[t, :] (=|+=) W_i x[t, :] (+ bias_i) for up to 3 matrices sharing x; t < b <= 8.
+    ``config`` = (R, WG) overrides the automatic choice (bench/matvec_variants.py)."""
     assert 1 <= len(mats) <= 3 and 1 <= b <= MAX_MMV_TOKENS
     cols = mats[0].cols
     total = sum(m.rows for m in mats)
     for row, n in token_chunks(b):
-        r = rows_per_block([m.rows for m in mats], n)
-        fn = k.fn("matvec.cu", mmv_name([m.struct for m in mats], n, r, mode))
+        r, wg = config or mmv_config([m.struct for m in mats], [m.rows for m in mats], cols, n)
+        fn = k.fn("matvec.cu", mmv_name([m.struct for m in mats], n, r, wg, mode))
         args: list = []
         for i in range(3):
             if i < len(mats):
@@ -177,15 +190,17 @@ def mmv(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases
                 args += [*m.planes, i32(m.rows), ptr(y + 4 * row * ldy), i32(ldy), ptr(bias)]
             else:
                 args += [ptr(0)] * 4 + [i32(0), ptr(0), i32(0), ptr(0)]
-        fn(((total + r - 1) // r,), (128,), (*args, ptr(x + 4 * row * ldx), i32(ldx), i32(cols)))
+        per_block = r * 4 // wg
+        fn(((total + per_block - 1) // per_block,), (128,), (*args, ptr(x + 4 * row * ldx), i32(ldx), i32(cols)))
 
 
 def mmv_glu(k: Kernels, gate: Mat, up: Mat, x: int, ldx: int, b: int, act: str, y: int, ldy: int) -> None:
     """y[t, :] = act(G x[t]) * (U x[t]) for t < b <= 8."""
     for row, n in token_chunks(b):
-        h = glu_rows(gate.rows, n)
-        fn = k.fn("matvec.cu", glu_name(gate.struct, n, 2 * h, ACT[act]))
-        fn(((gate.rows + h - 1) // h,), (128,),
+        r, wg = glu_config(gate.struct, gate.rows, gate.cols, n)
+        per_block = (r // 2) * 4 // wg
+        fn = k.fn("matvec.cu", glu_name(gate.struct, n, r, wg, ACT[act]))
+        fn(((gate.rows + per_block - 1) // per_block,), (128,),
            (*gate.planes, *up.planes, i32(gate.rows), ptr(x + 4 * row * ldx), i32(ldx), i32(gate.cols),
             ptr(y + 4 * row * ldy), i32(ldy)))
 
@@ -255,7 +270,7 @@ def dequant_f16(k: Kernels, m: Mat, out: int) -> None:
 
 def rmsnorm(k: Kernels, x: int, ldx: int, w: int, y: int, ldy: int, rows: int, n: int, eps: float,
             res: int | None = None, ldr: int = 0, y16: int | None = None, ld16: int = 0) -> None:
-    threads = 1024 if n >= 4096 else 256
+    threads = 32 if n <= 1024 else (256 if n < 4096 else 1024)  # short rows: one warp, no block sync
     k.fn("layers.cu", "rmsnorm")((rows,), (threads,),
                                  (ptr(x), i32(ldx), ptr(w), ptr(y), i32(ldy), ptr(res), i32(ldr), i32(n), f32(eps),
                                   ptr(y16), i32(ld16)))

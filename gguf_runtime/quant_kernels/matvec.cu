@@ -1,25 +1,27 @@
 // Dequantizing matrix-vector products for 1..8 tokens, embedding lookup, and dequantization
 // to f16 (the prefill GEMM path). Weights are repacked planes (repack.py); x and y are f32.
 //
-// A block (4 warps) owns R consecutive weight rows of one matrix. Its 128 lanes split the row's
-// units (quant_types.cuh) among them; a lane loads its slices of x once and applies them to all R
-// rows, so x costs 4 / R bytes of L1 traffic per weight (it was the limit at 2 rows per warp).
-// Per-row sums are reduced over the warp by shuffles, then over the 4 warps in shared memory.
+// A block (4 warps) is 4 / WG row groups of WG warps; a row group owns R consecutive weight rows
+// of one matrix. Its 32 WG lanes split the rows' units (quant_types.cuh) among them; a lane loads
+// its slices of x once and applies them to all R rows, so x costs 4 / R bytes of L1 traffic per
+// weight. WG follows the row length: one warp for short rows (no lane idles, no block sync), up to
+// four for long ones. Per-row sums are reduced over the warp by shuffles, then (WG > 1) over the
+// group's warps in shared memory.
 #include "quant_types.cuh"
 
 #define PLANES(i) const u8* qs##i, const u8* qh##i, const u8* sc##i, const u8* d##i
 #define MAT(i, T) Mat{qs##i, qh##i, sc##i, d##i, K / T::BLOCK}
 
 // acc[r][b] (block-reduced, valid in thread 0) = sum_k W[row r][k] x[b][k] for the R rows of m[r].
-template <class T, int B, int R>
+template <class T, int B, int R, int WG>
 DEV void mmv_block(const Mat (&m)[R], const int (&row)[R], int K, const float* __restrict__ x, int ldx,
                    float (&acc)[R][B]) {
-    const int tid = threadIdx.x, units = K / T::UE;
+    const int tid = threadIdx.x % (32 * WG), units = K / T::UE;
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
         for (int b = 0; b < B; ++b) acc[r][b] = 0.f;
-    for (int u = tid; u < units; u += 128) {
+    for (int u = tid; u < units; u += 32 * WG) {
         typename T::Raw raw[R];
 #pragma unroll
         for (int r = 0; r < R; ++r) T::load(m[r], row[r], u, raw[r]);  // R independent loads in flight
@@ -52,34 +54,46 @@ DEV void mmv_block(const Mat (&m)[R], const int (&row)[R], int K, const float* _
             }
         }
     }
-    __shared__ float red[4][R * B];
-    const int lane = tid & 31, warp = tid >> 5;
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
-        for (int b = 0; b < B; ++b) {
-            const float v = warp_sum(acc[r][b]);
-            if (lane == 0) red[warp][r * B + b] = v;
-        }
+        for (int b = 0; b < B; ++b) acc[r][b] = warp_sum(acc[r][b]);
+    if (WG == 1) return;  // lane 0 of the warp holds the sums
+    __shared__ float red[4][R * B];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0)
+#pragma unroll
+        for (int i = 0; i < R * B; ++i) red[warp][i] = acc[i / B][i % B];
     __syncthreads();
     if (tid == 0)
 #pragma unroll
         for (int r = 0; r < R; ++r)
 #pragma unroll
-            for (int b = 0; b < B; ++b)
-                acc[r][b] = (red[0][r * B + b] + red[1][r * B + b]) + (red[2][r * B + b] + red[3][r * B + b]);
+            for (int b = 0; b < B; ++b) {
+                float v = red[warp][r * B + b];
+#pragma unroll
+                for (int w = 1; w < WG; ++w) v += red[warp + w][r * B + b];
+                acc[r][b] = v;
+            }
 }
 
+// The first row of this thread's row group, and whether the thread writes its results.
+template <int R, int WG>
+DEV int group_row0() { return (blockIdx.x * (4 / WG) + threadIdx.x / (32 * WG)) * R; }
+
+template <int WG>
+DEV bool group_leader() { return threadIdx.x % (32 * WG) == 0; }
+
 // MODE 0: y = W x (+ bias)   MODE 1: y += W x (the residual add)
-template <class T, int B, int R, int MODE>
+template <class T, int B, int R, int WG, int MODE>
 DEV void mmv_segment(const Mat& mat, int n, int row0, const float* x, int ldx, int K, float* y, int ldy,
                      const float* bias) {
     Mat m[R]; int row[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) { m[r] = mat; row[r] = min(row0 + r, n - 1); }
     float acc[R][B];
-    mmv_block<T, B, R>(m, row, K, x, ldx, acc);
-    if (threadIdx.x != 0) return;
+    mmv_block<T, B, R, WG>(m, row, K, x, ldx, acc);
+    if (!group_leader<WG>()) return;
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         if (row0 + r >= n) break;
@@ -93,29 +107,30 @@ DEV void mmv_segment(const Mat& mat, int n, int row0, const float* x, int ldx, i
     }
 }
 
-// Up to three matrices that multiply the same x (Q, K and V), each of its own type; blocks take
-// R rows of segment 0, then 1, then 2 (each segment's row count is a multiple of R).
-template <class T0, class T1, class T2, int B, int R, int MODE>
+// Up to three matrices that multiply the same x (Q, K and V), each of its own type; row groups take
+// R rows of segment 0, then 1, then 2 (each segment's row count is a multiple of R * 4 / WG, so a
+// block never straddles two segments).
+template <class T0, class T1, class T2, int B, int R, int WG, int MODE>
 __global__ void __launch_bounds__(128) mmv_group(
         PLANES(0), int n0, float* y0, int ldy0, const float* bias0,
         PLANES(1), int n1, float* y1, int ldy1, const float* bias1,
         PLANES(2), int n2, float* y2, int ldy2, const float* bias2,
         const float* __restrict__ x, int ldx, int K) {
-    int row0 = blockIdx.x * R;
-    if (row0 < n0) { mmv_segment<T0, B, R, MODE>(MAT(0, T0), n0, row0, x, ldx, K, y0, ldy0, bias0); return; }
+    int row0 = group_row0<R, WG>();
+    if (row0 < n0) { mmv_segment<T0, B, R, WG, MODE>(MAT(0, T0), n0, row0, x, ldx, K, y0, ldy0, bias0); return; }
     row0 -= n0;
-    if (row0 < n1) { mmv_segment<T1, B, R, MODE>(MAT(1, T1), n1, row0, x, ldx, K, y1, ldy1, bias1); return; }
+    if (row0 < n1) { mmv_segment<T1, B, R, WG, MODE>(MAT(1, T1), n1, row0, x, ldx, K, y1, ldy1, bias1); return; }
     row0 -= n1;
-    if (row0 < n2) { mmv_segment<T2, B, R, MODE>(MAT(2, T2), n2, row0, x, ldx, K, y2, ldy2, bias2); }
+    if (row0 < n2) mmv_segment<T2, B, R, WG, MODE>(MAT(2, T2), n2, row0, x, ldx, K, y2, ldy2, bias2);
 }
 
 // Gate and up projections in one pass, y = act(gate x) * (up x); ACT 0 = SiLU, 1 = GELU (tanh).
-// A block takes R/2 rows of each.
-template <class T, int B, int R, int ACT>
+// A row group takes R/2 rows of each.
+template <class T, int B, int R, int WG, int ACT>
 __global__ void __launch_bounds__(128) mmv_glu(PLANES(0), PLANES(1), int n, const float* __restrict__ x,
                                                int ldx, int K, float* y, int ldy) {
     constexpr int H = R / 2;
-    const int row0 = blockIdx.x * H;
+    const int row0 = group_row0<H, WG>();
     Mat m[R]; int row[R];
 #pragma unroll
     for (int r = 0; r < H; ++r) {
@@ -123,8 +138,8 @@ __global__ void __launch_bounds__(128) mmv_glu(PLANES(0), PLANES(1), int n, cons
         row[r] = row[H + r] = min(row0 + r, n - 1);
     }
     float acc[R][B];
-    mmv_block<T, B, R>(m, row, K, x, ldx, acc);
-    if (threadIdx.x != 0) return;
+    mmv_block<T, B, R, WG>(m, row, K, x, ldx, acc);
+    if (!group_leader<WG>()) return;
 #pragma unroll
     for (int r = 0; r < H; ++r) {
         if (row0 + r >= n) break;
@@ -184,13 +199,13 @@ __global__ void dequant_f16(PLANES(0), int rows, int K, u16* __restrict__ out) {
 
 #ifdef GGUF_INSTANTIATE_ALL  // nvcc syntax check in CI: one instantiation of each kernel per type
 #define INST(T)                                                                              \
-    template __global__ void mmv_group<T, T, T, 1, 8, 0>(PLANES(0), int, float*, int, const float*, \
+    template __global__ void mmv_group<T, T, T, 1, 8, 4, 0>(PLANES(0), int, float*, int, const float*, \
         PLANES(1), int, float*, int, const float*, PLANES(2), int, float*, int, const float*,       \
         const float*, int, int);                                                             \
-    template __global__ void mmv_group<T, T, T, 8, 1, 1>(PLANES(0), int, float*, int, const float*, \
+    template __global__ void mmv_group<T, T, T, 8, 1, 1, 1>(PLANES(0), int, float*, int, const float*, \
         PLANES(1), int, float*, int, const float*, PLANES(2), int, float*, int, const float*,       \
         const float*, int, int);                                                             \
-    template __global__ void mmv_glu<T, 4, 2, 1>(PLANES(0), PLANES(1), int, const float*, int, int, float*, int); \
+    template __global__ void mmv_glu<T, 4, 2, 2, 1>(PLANES(0), PLANES(1), int, const float*, int, int, float*, int); \
     template __global__ void embed_rows<T>(PLANES(0), int, const int*, int, float*, int, float); \
     template __global__ void dequant_f16<T>(PLANES(0), int, int, u16*);
 INST(TF32) INST(TF16) INST(TBF16) INST(TQ4_0) INST(TQ4_1) INST(TQ5_0) INST(TQ5_1) INST(TQ8_0)

@@ -1,0 +1,113 @@
+"""`gguf-run serve`: the Ollama/OpenAI-compatible HTTP server (gguf_runtime.server)."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import sys
+from typing import Optional
+
+import typer
+
+from ..errors import GGUFRunError
+from .app import app
+from .options import Backend, CtxSize, ModelArg, NoGraph, Quiet, note_printer, resolve_model
+from .progress import progress_bars
+
+BATCHES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as e:
+        raise GGUFRunError(f"cannot listen on {host}:{port} ({e.strerror or e}); "
+                           "is another server running there? pick another --port") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+@app.command("serve", epilog="Examples:\n\n  gguf-run serve\n\n"
+             "  gguf-run serve model.gguf --port 8080 --max-batch 32\n\n"
+             "  curl http://127.0.0.1:11434/api/generate -d '{\"model\": \"MODEL\", \"prompt\": \"Hi\"}'\n\n"
+             "  OLLAMA_HOST=127.0.0.1:11434 ollama run MODEL  (the ollama CLI as a client)")
+def serve(
+    model: Optional[str] = ModelArg,
+    host: str = typer.Option("127.0.0.1", "--host", help="address to listen on (0.0.0.0: every interface)"),
+    port: int = typer.Option(11434, "--port", min=0, max=65535, help="TCP port (Ollama's default; 0: any free)"),
+    max_batch: int = typer.Option(64, "--max-batch", help="cuda: sequences decoded together, one of "
+                                  "1, 2, 4, 8, 16, 32, 64 (numpy runs one at a time)"),
+    name: Optional[str] = typer.Option(None, "--name", help="model name clients use (default: the file "
+                                       "name without .gguf; ':latest' is implied)"),
+    ctx_size: Optional[int] = CtxSize,
+    backend: str = Backend,
+    no_graph: bool = NoGraph,
+    max_body: int = typer.Option(1 << 20, "--max-body", min=1024, help="largest request body in bytes (413 above)"),
+    max_queue: int = typer.Option(1024, "--max-queue", min=1, help="requests in progress at most (503 above)"),
+    log_level: str = typer.Option("warning", "--log-level", help="uvicorn's: critical|error|warning|info|debug "
+                                  "(info logs every request)"),
+    quiet: bool = Quiet,
+) -> None:
+    """Serve MODEL over HTTP: Ollama's /api/generate, /api/chat, /api/tags, /api/show,
+    /api/version and OpenAI's /v1/chat/completions, /v1/completions, /v1/models.
+
+    With the cuda backend, requests are batched continuously: new ones join between decode steps
+    and every running sequence advances each step (up to --max-batch at once; more wait in line).
+    The numpy backend (no GPU) runs one request at a time, first come first served; the others
+    wait. Ctrl-C stops taking requests, cancels running ones and exits.
+    """
+    try:
+        import uvicorn
+        from ..server.adapters import make_adapter
+        from ..server.app import Service, build_app
+    except ImportError as e:
+        raise GGUFRunError(f"the server needs {e.name}: pip install 'gguf-run[serve]'") from None
+    if max_batch not in BATCHES:
+        raise typer.BadParameter(f"must be one of {', '.join(map(str, BATCHES))}", param_hint="'--max-batch'")
+    if log_level not in ("critical", "error", "warning", "info", "debug"):
+        raise typer.BadParameter("must be critical, error, warning, info or debug", param_hint="'--log-level'")
+    path = resolve_model(model)
+    note = note_printer(quiet)
+    sock = _bind(host, port)
+
+    def factory():
+        from ..engine import Engine
+
+        with progress_bars(quiet) as progress:
+            eng = Engine(path, backend=backend, n_ctx=ctx_size, progress=progress, note=note,
+                         use_graph=not no_graph, max_batch=max_batch)
+            return make_adapter(eng, progress=progress)
+
+    try:
+        svc = Service(factory, name=name, max_body=max_body, max_queue=max_queue).start()
+    except BaseException:
+        sock.close()
+        raise
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:  # no re-raise of the signal afterwards: exit 0
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True
+            else:
+                self.should_exit = True
+            svc.scheduler.shutdown(wait=False)  # running streams end now, so connections close
+
+    config = uvicorn.Config(build_app(svc), log_level=log_level, timeout_graceful_shutdown=10,
+                            access_log=log_level in ("info", "debug"))
+    a = svc.scheduler.adapter
+    bound = sock.getsockname()
+    mode = f"{a.max_slots} sequences per step" if a.name == "cuda" else "one request at a time"
+    if not quiet:
+        print(f"serving {svc.card.name} ({a.name}, {mode}, context {a.n_ctx}) on "
+              f"http://{host if ':' not in host else f'[{host}]'}:{bound[1]}", file=sys.stderr, flush=True)
+        if host not in ("127.0.0.1", "localhost", "::1"):
+            print(f"note: listening on {host}: reachable from other machines, with no authentication",
+                  file=sys.stderr, flush=True)
+    try:
+        Server(config).run(sockets=[sock])
+    finally:
+        svc.shutdown()
+        sock.close()

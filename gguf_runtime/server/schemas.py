@@ -1,0 +1,251 @@
+"""Request validation and response shapes for the Ollama and OpenAI APIs (no I/O here).
+
+Every check raises :class:`ApiError` with an HTTP status and a one-line message; the routes turn
+it into ``{"error": message}`` (Ollama) or ``{"error": {"message": ..., "type": ...}}`` (OpenAI).
+Sampling defaults are the CLI's (llama.cpp's): temperature 0.8, top-k 40, top-p 0.95, min-p 0.05,
+repeat penalty 1.0 (off); a request's fields override them.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+from ..model_info import quant_histogram
+from ..sampling import SamplingParams
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+def bad(message: str) -> ApiError:
+    return ApiError(400, message)
+
+
+def now_rfc3339() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def ns(seconds: float) -> int:
+    return max(0, int(round(seconds * 1e9)))
+
+
+# ---- fields ---------------------------------------------------------------------------------------
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def get_str(d: dict, key: str, default: str | None = None) -> str | None:
+    v = d.get(key, default)
+    if v is not None and not isinstance(v, str):
+        raise bad(f"{key} must be a string, got {type(v).__name__}")
+    return v
+
+
+def get_bool(d: dict, key: str, default: bool) -> bool:
+    v = d.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad(f"{key} must be true or false, got {v!r}"[:200])
+    return v
+
+
+def get_number(d: dict, key: str) -> float | None:
+    v = d.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise bad(f"{key} must be a finite number, got {v!r}"[:200])
+    return float(v)
+
+
+def get_int(d: dict, key: str) -> int | None:
+    v = d.get(key)
+    if v is None:
+        return None
+    if isinstance(v, float) and v.is_integer() and abs(v) < 2**63:  # 8.0 from a JSON number
+        v = int(v)
+    if not _is_int(v):
+        raise bad(f"{key} must be an integer, got {v!r}"[:200])
+    return v
+
+
+def get_budget(d: dict, key: str, ollama: bool) -> int | None:
+    """Tokens to generate: None = up to the context. Ollama's -1 (no limit) and -2 (fill the
+    context) mean None; other negatives are a 400; values past the context are clipped later."""
+    v = get_int(d, key)
+    if v is None:
+        return None
+    if v < 0:
+        if ollama and v in (-1, -2):
+            return None
+        raise bad(f"{key} must be >= 0{' (or -1: no limit, -2: fill the context)' if ollama else ''}, got {v}")
+    return v
+
+
+def get_stop(v: Any, key: str = "stop") -> tuple[str, ...]:
+    if v is None:
+        return ()
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v) or len(v) > 16:
+        raise bad(f"{key} must be a string or a list of up to 16 strings")
+    return tuple(s for s in v if s)
+
+
+def sampling(d: dict, seed_key: str = "seed") -> SamplingParams:
+    p = SamplingParams()
+    for key in ("temperature", "top_p", "min_p", "repeat_penalty"):
+        v = get_number(d, key)
+        if v is not None:
+            setattr(p, key, v)
+    for key in ("top_k", "repeat_last_n"):
+        v = get_int(d, key)
+        if v is not None:
+            setattr(p, key, v)
+    seed = get_int(d, seed_key)
+    p.seed = seed if seed is not None and seed >= 0 else None  # Ollama: -1 = random
+    if p.seed is not None:
+        p.seed %= 2**63
+    try:
+        p.validate()
+    except ValueError as e:
+        raise bad(str(e)) from None
+    return p
+
+
+def ollama_options(body: dict) -> tuple[SamplingParams, int | None, tuple[str, ...]]:
+    opts = body.get("options")
+    if opts is None:
+        opts = {}
+    if not isinstance(opts, dict):
+        raise bad("options must be an object")
+    return sampling(opts), get_budget(opts, "num_predict", ollama=True), get_stop(opts.get("stop"), "options.stop")
+
+
+def openai_options(body: dict) -> tuple[SamplingParams, int | None, tuple[str, ...]]:
+    n = get_int(body, "n")
+    if n is not None and n != 1:
+        raise bad("only n=1 is supported")
+    temp = get_number(body, "temperature")
+    if temp is not None and not 0 <= temp <= 2:
+        raise bad(f"temperature must be between 0 and 2, got {temp}")
+    budget = get_budget(body, "max_completion_tokens", ollama=False)
+    if budget is None:
+        budget = get_budget(body, "max_tokens", ollama=False)
+    return sampling(body), budget, get_stop(body.get("stop"))
+
+
+def messages(v: Any) -> list[dict]:
+    """Chat messages: a list of {role, content} (content a string, null, or OpenAI text parts)."""
+    if not isinstance(v, list):
+        raise bad("messages must be a list of {\"role\", \"content\"} objects")
+    out = []
+    for i, m in enumerate(v):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad(f"messages[{i}] must be an object with a string role")
+        c = m.get("content")
+        if isinstance(c, list):
+            if not all(isinstance(p, dict) and isinstance(p.get("text", ""), str) for p in c):
+                raise bad(f"messages[{i}].content parts must be objects with a text field")
+            c = "".join(p.get("text", "") for p in c if p.get("type", "text") == "text")
+        elif c is not None and not isinstance(c, str):
+            raise bad(f"messages[{i}].content must be a string")
+        out.append({"role": m["role"], "content": c or ""})
+    return out
+
+
+# ---- the model card ------------------------------------------------------------------------------
+def _plain(v: Any) -> Any:
+    if isinstance(v, np.generic):
+        return v.item()
+    if isinstance(v, (str, int, float, bool)) or v is None:
+        return v
+    return None  # arrays (tokens, merges ...) are left out, as Ollama does without verbose
+
+
+def _size_label(n: int) -> str:
+    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.1f}{unit}" if unit == "B" else f"{n / div:.2f}{unit}".replace(".00", "")
+    return str(n)
+
+
+class ModelCard:
+    """The loaded model as /api/tags, /api/show and /v1/models describe it."""
+
+    def __init__(self, engine, name: str | None = None) -> None:
+        f = engine.gguf
+        stem = os.path.splitext(os.path.basename(engine.path))[0]
+        base = (name or stem).strip()
+        self.name = base if ":" in base else base + ":latest"
+        self.aliases = {self.name.lower(), self.name.lower().removesuffix(":latest")}
+        st = os.stat(engine.path)
+        self.size = st.st_size
+        self.modified_at = _dt.datetime.fromtimestamp(st.st_mtime, _dt.timezone.utc).isoformat()
+        h = hashlib.sha256(f"{st.st_size}:{st.st_mtime_ns}:".encode())
+        with open(engine.path, "rb") as fh:
+            h.update(fh.read(1 << 20))  # the header, not the whole file: quick at startup
+        self.digest = h.hexdigest()
+        meta = f.metadata
+        arch = str(meta.get("general.architecture", "unknown"))
+        hist = quant_histogram(f)
+        self.n_params = sum(r.params for r in hist)
+        try:
+            import gguf
+
+            quant = gguf.LlamaFileType(int(meta["general.file_type"])).name.removeprefix("MOSTLY_")
+        except Exception:  # noqa: BLE001 - no or unknown file type: the largest tensor type
+            quant = hist[0].type_name if hist else "unknown"
+        self.details = {"parent_model": "", "format": "gguf", "family": arch, "families": [arch],
+                        "parameter_size": _size_label(self.n_params), "quantization_level": quant}
+        self.model_info = {k: _plain(v) for k, v in meta.items()}
+        self.model_info["general.parameter_count"] = self.n_params
+        self.template = engine.template.source or ""
+        self.n_ctx = engine.n_ctx
+        self.path = engine.path
+
+    def matches(self, model: Any) -> bool:
+        return isinstance(model, str) and model.strip().lower() in self.aliases
+
+    def tag(self) -> dict:
+        return {"name": self.name, "model": self.name, "modified_at": self.modified_at, "size": self.size,
+                "digest": self.digest, "details": self.details}
+
+    def show(self) -> dict:
+        params = f"num_ctx                        {self.n_ctx}"
+        return {"license": str(self.model_info.get("general.license") or ""),
+                "modelfile": f"# Modelfile served by gguf-run\nFROM {self.path}\n"
+                             + (f'TEMPLATE """{self.template}"""\n' if self.template else "")
+                             + f"PARAMETER {params}\n",
+                "parameters": params, "template": self.template, "details": self.details,
+                "model_info": self.model_info, "capabilities": ["completion"],
+                "modified_at": self.modified_at}
+
+    def openai(self) -> dict:
+        created = int(_dt.datetime.fromisoformat(self.modified_at).timestamp())
+        return {"id": self.name, "object": "model", "created": created, "owned_by": "library"}
+
+
+# ---- responses -----------------------------------------------------------------------------------
+def ollama_final(job, load_s: float) -> dict:
+    """The figures of a finished job, in Ollama's final-chunk fields (nanoseconds)."""
+    t_first = job.t_first or job.t_end
+    return {"done": True, "done_reason": job.reason,
+            "total_duration": ns(job.t_end - job.t_submit + load_s), "load_duration": ns(load_s),
+            "prompt_eval_count": job.prompt_eval, "prompt_eval_duration": ns(t_first - job.t_admit),
+            "eval_count": len(job.ids), "eval_duration": ns(job.t_end - t_first)}
+
+
+def openai_usage(job) -> dict:
+    n_in, n_out = len(job.prompt), len(job.ids)
+    return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
