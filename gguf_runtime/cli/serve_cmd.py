@@ -47,6 +47,8 @@ def serve(
     no_graph: bool = NoGraph,
     max_body: int = typer.Option(1 << 20, "--max-body", min=1024, help="largest request body in bytes (413 above)"),
     max_queue: int = typer.Option(1024, "--max-queue", min=1, help="requests in progress at most (503 above)"),
+    lookahead: int = typer.Option(2, "--lookahead", min=1, max=8, help="cuda: decode steps in flight ahead of "
+                                  "the tokens being read (hides host time; each costs a token of context)"),
     log_level: str = typer.Option("warning", "--log-level", help="uvicorn's: critical|error|warning|info|debug "
                                   "(info logs every request)"),
     quiet: bool = Quiet,
@@ -79,7 +81,7 @@ def serve(
         with progress_bars(quiet) as progress:
             eng = Engine(path, backend=backend, n_ctx=ctx_size, progress=progress, note=note,
                          use_graph=not no_graph, max_batch=max_batch)
-            return make_adapter(eng, progress=progress)
+            return make_adapter(eng, depth=lookahead, progress=progress)
 
     try:
         svc = Service(factory, name=name, max_body=max_body, max_queue=max_queue).start()
@@ -100,9 +102,9 @@ def serve(
     a = svc.scheduler.adapter
     bound = sock.getsockname()
     mode = f"{a.max_slots} sequences per step" if a.name == "cuda" else "one request at a time"
+    print(f"serving {svc.card.name} ({a.name}, {mode}, context {a.n_ctx}) on "
+          f"http://{host if ':' not in host else f'[{host}]'}:{bound[1]}", file=sys.stderr, flush=True)
     if not quiet:
-        print(f"serving {svc.card.name} ({a.name}, {mode}, context {a.n_ctx}) on "
-              f"http://{host if ':' not in host else f'[{host}]'}:{bound[1]}", file=sys.stderr, flush=True)
         if host not in ("127.0.0.1", "localhost", "::1"):
             print(f"note: listening on {host}: reachable from other machines, with no authentication",
                   file=sys.stderr, flush=True)

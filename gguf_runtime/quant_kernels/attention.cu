@@ -21,10 +21,8 @@ __global__ void __launch_bounds__(128) attn_split(
     const bool pad = seq[t] < 0;  // a padding row of a batch bucket: no keys
     const int p = pad ? 0 : pos[t];
     const int lo = window > 0 ? max(0, p - window + 1) : 0;
-    const int n = p + 1 - lo;
-    const int active = min(n_split, (n + 31) / 32);  // splits in use: at least 32 keys each
-    const int chunk = (n + active - 1) / active;
-    const int start = lo + s * chunk, end = (pad || s >= active) ? start : min(p + 1, start + chunk);
+    const int n = p + 1 - lo, chunk = (n + n_split - 1) / n_split;
+    const int start = lo + s * chunk, end = pad ? start : min(p + 1, start + chunk);
     const int* tab = table + (long)(pad ? 0 : seq[t]) * max_pages;
 
     float qv[G][E], acc[G][E], m[G], l[G];
@@ -93,9 +91,8 @@ __global__ void __launch_bounds__(128) attn_split(
     __threadfence();
     // merge: per head the softmax weights of the splits (n_split <= 32), then the weighted sums
     __shared__ float wt[G][32];
-    const int used = active;  // the other splits hold no keys
-    for (int idx = threadIdx.x; idx < G * used; idx += blockDim.x) {
-        const int g = idx / used, k = idx % used;
+    for (int idx = threadIdx.x; idx < G * n_split; idx += blockDim.x) {
+        const int g = idx / n_split, k = idx % n_split;
         wt[g][k] = __ldcg(part_ml + 2 * (((long)t * n_head + hk * G + g) * n_split + k));
     }
     __syncthreads();
@@ -103,22 +100,22 @@ __global__ void __launch_bounds__(128) attn_split(
         const int g = threadIdx.x;
         const long slot0 = ((long)t * n_head + hk * G + g) * n_split;
         float M = -INFINITY, L = 0.f;
-        for (int k = 0; k < used; ++k) M = fmaxf(M, wt[g][k]);
-        for (int k = 0; k < used; ++k) {
+        for (int k = 0; k < n_split; ++k) M = fmaxf(M, wt[g][k]);
+        for (int k = 0; k < n_split; ++k) {
             const float f = M > -INFINITY ? __expf(wt[g][k] - M) : 0.f;
             wt[g][k] = f;
             L += __ldcg(part_ml + 2 * (slot0 + k) + 1) * f;
         }
         const float inv = L > 0.f ? 1.f / L : 0.f;
-        for (int k = 0; k < used; ++k) wt[g][k] *= inv;
+        for (int k = 0; k < n_split; ++k) wt[g][k] *= inv;
     }
     __syncthreads();
     for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
         const int g = idx / D, e = idx % D;
         const float* po = part_o + ((long)t * n_head + hk * G + g) * n_split * D + e;
         float O = 0.f;
-#pragma unroll 4
-        for (int k = 0; k < used; ++k) O = fmaf(__ldcg(po + (long)k * D), wt[g][k], O);
+#pragma unroll 8
+        for (int k = 0; k < n_split; ++k) O = fmaf(__ldcg(po + (long)k * D), wt[g][k], O);
         out[(long)t * ldo + (hk * G + g) * D + e] = O;
         if (out16) out16[(long)t * ld16 + (hk * G + g) * D + e] = f2h(O);
     }

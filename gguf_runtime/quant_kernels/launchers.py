@@ -132,34 +132,20 @@ def glu_name(struct: str, b: int, r: int, wg: int, act: int) -> str:
     return f"mmv_glu<{struct}, {b}, {r}, {wg}, {act}>"
 
 
-MIN_BLOCKS = 256  # about 2 blocks per SM: below this, fewer rows per row group (more blocks) win
-
-
-def warps_per_group(struct: str, cols: int) -> int:
-    """Warps sharing a row group: one warp for rows of up to 32 units, up to 4 for long rows."""
-    units = cols // UNIT_ELEMS[struct]
-    return 1 if units <= 32 else (2 if units <= 64 else 4)
-
-
 def mmv_config(structs: Sequence[str], rows: Sequence[int], cols: int, b: int) -> tuple[int, int]:
-    """(R, WG): rows per row group (up to 8 / b: each x slice serves every row) and warps per group;
-    every segment holds whole blocks (R * 4 / WG rows), and there are enough blocks to fill the GPU."""
-    wg = max(warps_per_group(s, cols) for s in structs)
-    fits = [r for r in (8, 4, 2, 1) if r * b <= 8 and all(n % (r * 4 // wg) == 0 for n in rows)]
-    if not fits:
-        return 1, 4  # one row per block: any row count works
-    return next((r for r in fits if sum(rows) // (r * 4 // wg) >= MIN_BLOCKS), fits[-1]), wg
+    """(R, WG): weight rows per row group and warps per group. One warp per group measured best or
+    tied on every shape swept (bench/matvec_variants.py, H100, 2026-11-21); 4 rows per group won on
+    the large output heads (32K+ rows), 2 elsewhere. Every segment must hold whole blocks."""
+    want = 4 if sum(rows) >= 32768 else 2
+    fits = [r for r in (4, 2, 1) if r <= want and r * b <= 8 and all(n % (4 * r) == 0 for n in rows)]
+    return (fits[0], 1) if fits else (1, 4)
 
 
 def glu_config(struct: str, n: int, cols: int, b: int) -> tuple[int, int]:
-    """(R, WG) of a GLU row group: R = 2 H rows (H gate rows and the H matching up rows)."""
-    h, wg = mmv_config([struct], [n], cols, 2 * b) if b <= 4 else (1, warps_per_group(struct, cols))
-    if n % (h * 4 // wg):
-        h, wg = 1, 4
-    return 2 * h, wg
+    """(R, WG) of a GLU row group: one gate row and its up row per warp."""
+    return (2, 1) if n % 4 == 0 else (2, 4)
 
 
-# ---- launchers ----------------------------------------------------------------------------------
 MMV_TOKENS = (8, 4, 2, 1)  # compiled token counts; other counts run as a sum of these
 
 
@@ -270,7 +256,7 @@ def dequant_f16(k: Kernels, m: Mat, out: int) -> None:
 
 def rmsnorm(k: Kernels, x: int, ldx: int, w: int, y: int, ldy: int, rows: int, n: int, eps: float,
             res: int | None = None, ldr: int = 0, y16: int | None = None, ld16: int = 0) -> None:
-    threads = 32 if n <= 1024 else (256 if n < 4096 else 1024)  # short rows: one warp, no block sync
+    threads = 1024 if n >= 4096 else 256
     k.fn("layers.cu", "rmsnorm")((rows,), (threads,),
                                  (ptr(x), i32(ldx), ptr(w), ptr(y), i32(ldy), ptr(res), i32(ldr), i32(n), f32(eps),
                                   ptr(y16), i32(ld16)))

@@ -1,102 +1,30 @@
 """The HTTP side: Ollama's /api/* and OpenAI's /v1/* routes on Starlette (parsing, formatting).
 
-Handlers run on the event loop. A request is validated, its prompt rendered and tokenized on one
-helper thread (off the loop and off the model's thread), then submitted to the scheduler as a
-job whose events come back through ``loop.call_soon_threadsafe`` into an ``asyncio.Queue``. The
-response starts when the first event arrives, so an error at admission still gets its 4xx/5xx
-status; a client that disconnects (while waiting or while streaming) cancels its job, which frees
-its slot and KV pages at once.
+Each route validates its body (``schemas``), names how to tokenize the prompt and which response
+format to use (``formats``), and hands the rest to ``service.run_job``. Every error a request can
+cause becomes a JSON 4xx (a bug, a JSON 500); the server keeps serving.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-import secrets
-import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
-import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from .. import __version__
 from ..errors import GGUFRunError
 from . import schemas as S
 from .formats import FORMATS
-from .scheduler import Job, Scheduler, ServerBusy, ShuttingDown
+from .service import MAX_BODY, Service, error_response, read_json, run_job, status_of
 
+__all__ = ["MAX_BODY", "Service", "build_app"]
 log = logging.getLogger("gguf_runtime.server")
-MAX_BODY = 1 << 20
-
-
-class Service:
-    """The scheduler, the model's card and the request limits, shared by every route."""
-
-    def __init__(self, factory: Callable[[], Any], name: str | None = None, max_body: int = MAX_BODY,
-                 max_queue: int = 1024, admit_tokens: int = 4096) -> None:
-        self.scheduler = Scheduler(factory, admit_tokens=admit_tokens, max_queue=max_queue)
-        self.name, self.max_body = name, max_body
-        self.prep = ThreadPoolExecutor(1, thread_name_prefix="gguf-prep")
-
-    def start(self) -> "Service":
-        adapter = self.scheduler.start()
-        self.engine = adapter.engine
-        self.card = S.ModelCard(self.engine, self.name)
-        self._load_s = self.engine.load_s
-        return self
-
-    def take_load_s(self) -> float:
-        """The model's load time, reported once (in the first response), as Ollama does."""
-        v, self._load_s = self._load_s, 0.0
-        return v
-
-    def shutdown(self) -> None:
-        self.scheduler.shutdown()
-        self.prep.shutdown(wait=False, cancel_futures=True)
-
-
-# ---- errors and bodies ----------------------------------------------------------------------------
-def _status(e: BaseException) -> int:
-    if isinstance(e, S.ApiError):
-        return e.status
-    if isinstance(e, (ServerBusy, ShuttingDown)):
-        return 503
-    return 400 if isinstance(e, GGUFRunError) else 500
-
-
-def error_response(e: BaseException, openai: bool) -> JSONResponse:
-    status = _status(e)
-    msg = str(e) if status < 500 or isinstance(e, GGUFRunError) else f"internal error: {type(e).__name__}: {e}"
-    if not openai:
-        return JSONResponse({"error": msg}, status_code=status)
-    kind = {404: "not_found_error", 413: "invalid_request_error"}.get(status, "invalid_request_error"
-                                                                      if status < 500 else "server_error")
-    return JSONResponse({"error": {"message": msg, "type": kind, "param": None,
-                                   "code": "model_not_found" if status == 404 else None}}, status_code=status)
-
-
-async def read_json(request: Request, limit: int) -> dict:
-    size = request.headers.get("content-length", "")
-    if size.isdigit() and int(size) > limit:
-        raise S.ApiError(413, f"the request body is {size} bytes; the limit is {limit} (--max-body)")
-    buf = bytearray()
-    async for chunk in request.stream():
-        buf += chunk
-        if len(buf) > limit:
-            raise S.ApiError(413, f"the request body is over the limit of {limit} bytes (--max-body)")
-    try:
-        body = json.loads(bytes(buf) or b"null")
-    except (ValueError, RecursionError) as e:
-        raise S.bad(f"invalid JSON in the request body: {str(e)[:200]}") from None
-    if not isinstance(body, dict):
-        raise S.bad("the request body must be a JSON object")
-    return body
 
 
 def _model(svc: Service, body: dict, key: str = "model") -> str:
@@ -115,99 +43,6 @@ def _ids(v: Any, n_vocab: int, key: str) -> list[int]:
     return v
 
 
-# ---- running a job --------------------------------------------------------------------------------
-async def _wait_disconnect(receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-class _Stream(StreamingResponse):
-    """A streaming response that always watches for the client leaving (any ASGI spec version),
-    and always closes its body iterator and calls ``on_close`` (which cancels the job if it runs)."""
-
-    def __init__(self, content, on_close: Callable[[], None], **kw) -> None:
-        super().__init__(content, **kw)
-        self.on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            async with anyio.create_task_group() as tg:
-                async def run() -> None:
-                    try:
-                        await self.stream_response(send)
-                    except OSError:
-                        pass
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(run)
-                await self.listen_for_disconnect(receive)
-                tg.cancel_scope.cancel()
-        finally:
-            await self.body_iterator.aclose()
-            self.on_close()
-
-
-async def run_job(svc: Service, request: Request, fmt, encode: Callable[[], list[int]],
-                  params, requested: int | None, stop: tuple[str, ...], stream: bool) -> Response:
-    t0 = time.perf_counter()
-    loop = asyncio.get_running_loop()
-    ids = await loop.run_in_executor(svc.prep, encode)
-    sched = svc.scheduler
-    max_new = sched.budget(len(ids), requested)
-    q: asyncio.Queue = asyncio.Queue()
-    job = Job(ids, params, max_new, lambda kind, data: loop.call_soon_threadsafe(q.put_nowait, (kind, data)),
-              stop, t_submit=t0)
-    sched.submit(job)
-    finished = False
-    watch = asyncio.ensure_future(_wait_disconnect(request.receive))
-    try:
-        parts: list[str] = []
-        while True:
-            get = asyncio.ensure_future(q.get())
-            await asyncio.wait({get, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if not get.done():
-                get.cancel()
-                return Response(status_code=499)  # the client is gone (nobody reads this)
-            kind, data = first = get.result()
-            if kind == "error":
-                finished = True
-                raise data
-            finished = kind == "done"
-            if stream:
-                finished = True  # the stream's body owns the job from here
-                break
-            if finished:
-                return JSONResponse(fmt.whole("".join(parts), data, svc.take_load_s()))
-            parts.append(data)
-    finally:
-        watch.cancel()
-        if not finished:
-            sched.cancel(job)
-
-    async def body():
-        done = False
-        kind, data = first
-        try:
-            while True:
-                if kind == "text":
-                    yield fmt.chunk(data)
-                else:
-                    done = True
-                    yield (fmt.final(data, svc.take_load_s()) if kind == "done"
-                           else fmt.error(str(data), _status(data)))
-                    return
-                kind, data = await q.get()
-        finally:
-            if not done:
-                sched.cancel(job)
-
-    def close() -> None:
-        if job.state in ("new", "waiting", "active"):  # read across threads: a stale value only
-            sched.cancel(job)  # costs a no-op cancel
-
-    return _Stream(body(), close, media_type=fmt.media_type, headers={"Cache-Control": "no-cache"})
-
-
 def route(openai: bool):
     """Wrap a handler: any ApiError, user error or bug becomes a JSON error response."""
 
@@ -217,7 +52,7 @@ def route(openai: bool):
             try:
                 return await fn(svc, request)
             except Exception as e:  # noqa: BLE001 - never let a request take the server down
-                if _status(e) >= 500 and not isinstance(e, GGUFRunError):
+                if status_of(e) >= 500 and not isinstance(e, GGUFRunError):
                     log.exception("request failed")
                 return error_response(e, openai)
 

@@ -157,9 +157,7 @@ class Scheduler:
     # ---- the scheduler's thread -------------------------------------------------------------
     def _main(self) -> None:
         try:
-            self.adapter = self._factory()
-            self._free = list(range(self.adapter.max_slots))
-            self.eog = frozenset(self.adapter.tokenizer.eog_ids)
+            self._setup()
         except BaseException as e:  # noqa: BLE001 - handed to start()
             self._error = e
             with self._lock:
@@ -172,6 +170,11 @@ class Scheduler:
                 pass
         finally:
             self._close_all()
+
+    def _setup(self) -> None:
+        self.adapter = self._factory()
+        self._free = list(range(self.adapter.max_slots))
+        self.eog = frozenset(self.adapter.tokenizer.eog_ids)
 
     def _pump(self) -> bool:
         idle = not (self.active or self.waiting)
@@ -209,7 +212,6 @@ class Scheduler:
     def _enqueue(self, job: Job) -> None:
         if job.max_new <= 0:
             job.t_admit = job.t_first = time.perf_counter()
-            self._state[job] = None
             self._end(job, "done", reason="length")
             return
         job.state = "waiting"
@@ -227,15 +229,11 @@ class Scheduler:
                 heapq.heappush(self._free, slot)
                 if self.active:
                     return  # wait for a running sequence to free pages (first come, first served)
-                self.waiting.popleft()
-                self._state[job] = None
                 self._end(job, "failed", ContextOverflowError(
                     "the KV cache cannot hold this request even when idle; shorten it or lower num_predict"))
                 continue
             except Exception as e:  # noqa: BLE001 - bad parameters for this backend, or a bug
                 heapq.heappush(self._free, slot)
-                self.waiting.popleft()
-                self._state[job] = None
                 if not isinstance(e, GGUFRunError):
                     log.exception("admitting a request failed")
                 self._end(job, "failed", e)

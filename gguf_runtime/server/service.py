@@ -1,0 +1,222 @@
+"""The service behind the routes: the scheduler, the model's card, the limits, and running one
+job for one HTTP request (disconnect watching, streaming, errors as JSON).
+
+A request's prompt is rendered and tokenized on one helper thread (off the event loop and off the
+model's thread), then submitted to the scheduler; its events come back through a mailbox (one
+``call_soon_threadsafe`` per batch of events) into the request's ``asyncio.Queue``. The response
+starts when the first event arrives, so an error at admission still gets its 4xx/5xx status; a
+client that disconnects, while waiting or while streaming, cancels its job (its slot and KV pages
+are free at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from ..errors import GGUFRunError
+from . import schemas as S
+from .scheduler import Job, Scheduler, ServerBusy, ShuttingDown
+
+MAX_BODY = 1 << 20
+
+
+class _Mailbox:
+    """Events from the scheduler's thread into the loop's queues, with one wake-up per batch
+    (``call_soon_threadsafe`` writes to a pipe; 64 streams would cost 64 writes a step)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop, self.items, self.lock, self.armed = loop, [], threading.Lock(), False
+
+    def put(self, q: asyncio.Queue, item: tuple) -> None:
+        with self.lock:
+            self.items.append((q, item))
+            if self.armed:
+                return
+            self.armed = True
+        self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self.lock:
+            items, self.items, self.armed = self.items, [], False
+        for q, item in items:
+            q.put_nowait(item)
+
+
+class Service:
+    """The scheduler, the model's card and the request limits, shared by every route."""
+
+    def __init__(self, factory: Callable[[], Any], name: str | None = None, max_body: int = MAX_BODY,
+                 max_queue: int = 1024, admit_tokens: int = 4096) -> None:
+        self.scheduler = Scheduler(factory, admit_tokens=admit_tokens, max_queue=max_queue)
+        self.name, self.max_body = name, max_body
+        self.prep = ThreadPoolExecutor(1, thread_name_prefix="gguf-prep")
+        self._mail: dict[asyncio.AbstractEventLoop, _Mailbox] = {}
+
+    def mailbox(self) -> _Mailbox:
+        loop = asyncio.get_running_loop()
+        if loop not in self._mail:
+            self._mail[loop] = _Mailbox(loop)
+        return self._mail[loop]
+
+    def start(self) -> "Service":
+        adapter = self.scheduler.start()
+        self.engine = adapter.engine
+        self.card = S.ModelCard(self.engine, self.name)
+        self._load_s = self.engine.load_s
+        return self
+
+    def take_load_s(self) -> float:
+        """The model's load time, reported once (in the first response), as Ollama does."""
+        v, self._load_s = self._load_s, 0.0
+        return v
+
+    def shutdown(self) -> None:
+        self.scheduler.shutdown()
+        self.prep.shutdown(wait=False, cancel_futures=True)
+
+
+# ---- errors and bodies ----------------------------------------------------------------------------
+def status_of(e: BaseException) -> int:
+    if isinstance(e, S.ApiError):
+        return e.status
+    if isinstance(e, (ServerBusy, ShuttingDown)):
+        return 503
+    return 400 if isinstance(e, GGUFRunError) else 500
+
+
+def error_response(e: BaseException, openai: bool) -> JSONResponse:
+    status = status_of(e)
+    msg = str(e) if status < 500 or isinstance(e, GGUFRunError) else f"internal error: {type(e).__name__}: {e}"
+    if not openai:
+        return JSONResponse({"error": msg}, status_code=status)
+    kind = {404: "not_found_error", 413: "invalid_request_error"}.get(status, "invalid_request_error"
+                                                                      if status < 500 else "server_error")
+    return JSONResponse({"error": {"message": msg, "type": kind, "param": None,
+                                   "code": "model_not_found" if status == 404 else None}}, status_code=status)
+
+
+async def read_json(request: Request, limit: int) -> dict:
+    size = request.headers.get("content-length", "")
+    if size.isdigit() and int(size) > limit:
+        raise S.ApiError(413, f"the request body is {size} bytes; the limit is {limit} (--max-body)")
+    buf = bytearray()
+    async for chunk in request.stream():
+        buf += chunk
+        if len(buf) > limit:
+            raise S.ApiError(413, f"the request body is over the limit of {limit} bytes (--max-body)")
+    try:
+        body = json.loads(bytes(buf) or b"null")
+    except (ValueError, RecursionError) as e:
+        raise S.bad(f"invalid JSON in the request body: {str(e)[:200]}") from None
+    if not isinstance(body, dict):
+        raise S.bad("the request body must be a JSON object")
+    return body
+
+
+# ---- running a job ------------------------------------------------------------------------------
+async def _wait_disconnect(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class _Stream(StreamingResponse):
+    """A streaming response that always watches for the client leaving (any ASGI spec version),
+    and always closes its body iterator and calls ``on_close`` (which cancels the job if it runs)."""
+
+    def __init__(self, content, on_close: Callable[[], None], **kw) -> None:
+        super().__init__(content, **kw)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                async def run() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:
+                        pass
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(run)
+                await self.listen_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            await self.body_iterator.aclose()
+            self.on_close()
+
+
+async def run_job(svc: Service, request: Request, fmt, encode: Callable[[], list[int]],
+                  params, requested: int | None, stop: tuple[str, ...], stream: bool) -> Response:
+    t0 = time.perf_counter()
+    ids = await asyncio.get_running_loop().run_in_executor(svc.prep, encode)
+    sched, mail = svc.scheduler, svc.mailbox()
+    max_new = sched.budget(len(ids), requested)
+    q: asyncio.Queue = asyncio.Queue()
+    job = Job(ids, params, max_new, lambda kind, data: mail.put(q, (kind, data)), stop, t_submit=t0)
+    sched.submit(job)
+    finished = False
+    watch = asyncio.ensure_future(_wait_disconnect(request.receive))
+    try:
+        parts: list[str] = []
+        while True:
+            get = asyncio.ensure_future(q.get())
+            await asyncio.wait({get, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if not get.done():
+                get.cancel()
+                return Response(status_code=499)  # the client is gone (nobody reads this)
+            kind, data = first = get.result()
+            if kind == "error":
+                finished = True
+                raise data
+            finished = kind == "done"
+            if stream:
+                finished = True  # the stream's body owns the job from here
+                break
+            if finished:
+                return JSONResponse(fmt.whole("".join(parts), data, svc.take_load_s()))
+            parts.append(data)
+    finally:
+        watch.cancel()
+        if not finished:
+            sched.cancel(job)
+
+    async def body():
+        done = False
+        item = first
+        try:
+            while True:
+                out = []  # everything queued goes out in one write
+                while True:
+                    kind, data = item
+                    if kind == "text":
+                        out.append(fmt.chunk(data))
+                    else:
+                        done = True
+                        out.append(fmt.final(data, svc.take_load_s()) if kind == "done"
+                                   else fmt.error(str(data), status_of(data)))
+                        break
+                    if q.empty():
+                        break
+                    item = q.get_nowait()
+                yield "".join(out)
+                if done:
+                    return
+                item = await q.get()
+        finally:
+            if not done:
+                sched.cancel(job)
+
+    def close() -> None:
+        if job.state in ("new", "waiting", "active"):  # read across threads: a stale value only
+            sched.cancel(job)  # costs a no-op cancel
+
+    return _Stream(body(), close, media_type=fmt.media_type, headers={"Cache-Control": "no-cache"})
