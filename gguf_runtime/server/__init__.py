@@ -1,9 +1,11 @@
 """`gguf-run serve`: an Ollama- and OpenAI-compatible HTTP server with continuous batching.
 
-``app`` (routes, request/response shapes) runs on the event loop; ``scheduler`` runs the model
-on one thread, admitting requests between decode steps; ``adapters`` put the CUDA backend's batch
-API (many sequences per step) and the numpy backend (one sequence at a time) behind one interface.
-Needs the ``serve`` extra (starlette, uvicorn); this package imports them only when used.
+Layout: ``scheduler`` runs the model on one thread, admitting requests between decode steps;
+``adapters`` put the CUDA backend's batch API (many sequences per step) and the numpy backend (one
+sequence at a time) behind one small interface; ``service`` connects HTTP requests to scheduler
+jobs (tokenizing off the event loop, streaming, disconnects); ``app`` holds the routes,
+``schemas`` the request validation and model card, ``formats`` the response bodies.
+``app`` and ``service`` need the ``serve`` extra (starlette, uvicorn); the rest needs neither.
 """
 
 from __future__ import annotations

@@ -1,0 +1,349 @@
+"""Load test and benchmark for `gguf-run serve` (run on the GPU machine; stdlib only).
+
+    python bench/serve_load.py load  --spawn MODEL.gguf [--serve-arg=--max-batch=64] [--tokens 64]
+    python bench/serve_load.py bench --spawn MODEL.gguf [--clients 1,8,32,64] [--tokens 128]
+    python bench/serve_load.py bench --url http://127.0.0.1:11434      (a server already running)
+
+load: a warm-up burst, 64 concurrent streamed requests (Ollama and OpenAI endpoints, streamed),
+200 sequential ones (streamed and not), 32 clients that disconnect mid-stream, bad input (each
+must get a 4xx JSON error), 64 concurrent again; then the scheduler must be idle with every KV
+page free and the GPU memory (nvidia-smi) no larger than after the warm-up (--mem-tolerance-mib).
+Exits 1 on any error. bench: C clients each sending --requests streamed /api/generate requests in
+turn, for each C: aggregate generated tok/s, TTFT and time per output token (p50/p99).
+--spawn starts the server (port 0) and stops it with SIGINT at the end (it must exit 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hex every jolly "
+         "sphinx of black quartz and the river runs past old mills toward the grey sea").split()
+ENDPOINTS = ("generate", "chat", "v1-chat", "v1-completions")
+
+
+@dataclass
+class Res:
+    ok: bool = True
+    error: str = ""
+    tokens: int = 0
+    t0: float = 0.0
+    t_first: float = 0.0
+    t_end: float = 0.0
+    chunks: list[float] = field(default_factory=list)
+
+    @property
+    def ttft(self) -> float:
+        return (self.t_first or self.t_end) - self.t0
+
+    @property
+    def tpot(self) -> float | None:
+        last = self.chunks[-1] if self.chunks else self.t_end
+        return (last - self.t_first) / (self.tokens - 1) if self.tokens > 1 and self.t_first else None
+
+
+def prompt(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def body_for(kind: str, model: str, text: str, n: int, stream: bool, seed: int) -> tuple[str, dict]:
+    if kind == "generate":
+        return "/api/generate", {"model": model, "prompt": text, "raw": True, "stream": stream,
+                                 "options": {"num_predict": n, "seed": seed}}
+    if kind == "chat":
+        return "/api/chat", {"model": model, "messages": [{"role": "user", "content": text}], "stream": stream,
+                             "options": {"num_predict": n, "seed": seed}}
+    common = {"model": model, "max_tokens": n, "seed": seed, "stream": stream}
+    if stream:
+        common["stream_options"] = {"include_usage": True}
+    if kind == "v1-chat":
+        return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": text}]}
+    return "/v1/completions", {**common, "prompt": text}
+
+
+def request(base: str, path: str, body: dict | bytes, timeout: float = 600, method: str = "POST",
+            drop_after_first: bool = False) -> tuple[int, Res, object]:
+    """One request; streamed bodies are read chunk by chunk. (status, timings, JSON body or None)."""
+    u = urlsplit(base)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+    res = Res(t0=time.perf_counter())
+    try:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        conn.request(method, path, data if method == "POST" else None, {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        ctype = r.getheader("content-type", "")
+        if "ndjson" not in ctype and "event-stream" not in ctype:
+            raw = r.read()
+            res.t_end = time.perf_counter()
+            try:
+                obj = json.loads(raw)
+            except ValueError:
+                obj = None
+            if r.status == 200 and isinstance(obj, dict):
+                res.tokens = obj.get("eval_count") or (obj.get("usage") or {}).get("completion_tokens", 0)
+            return r.status, res, obj
+        for line in r:
+            line = line.strip()
+            if line.startswith(b"data: "):
+                line = line[6:]
+                if line == b"[DONE]":
+                    break
+            if not line:
+                continue
+            obj = json.loads(line)
+            now = time.perf_counter()
+            if "error" in obj:
+                res.ok, res.error = False, str(obj["error"])[:200]
+                break
+            if obj.get("usage"):
+                res.tokens = obj["usage"]["completion_tokens"]
+            if obj.get("done"):
+                res.tokens = obj.get("eval_count", 0)
+                continue
+            ch = (obj.get("choices") or [{}])[0]
+            text = obj.get("response") or (obj.get("message") or {}).get("content") or ch.get("text") \
+                or (ch.get("delta") or {}).get("content")
+            if text:
+                res.t_first = res.t_first or now
+                res.chunks.append(now)
+                if drop_after_first:
+                    break
+        res.t_end = time.perf_counter()
+        return r.status, res, None
+    except (OSError, http.client.HTTPException, ValueError) as e:
+        res.ok, res.error, res.t_end = False, f"{type(e).__name__}: {e}"[:200], time.perf_counter()
+        return 0, res, None
+    finally:
+        conn.close()
+
+
+def pct(xs: list[float], p: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+
+
+def summarize(name: str, results: list[Res], wall: float) -> dict:
+    ok = [r for r in results if r.ok]
+    toks = sum(r.tokens for r in ok)
+    tp = [r.tpot for r in ok if r.tpot is not None]
+    return {"phase": name, "requests": len(results), "errors": len(results) - len(ok), "tokens": toks,
+            "wall_s": wall, "tok_s": toks / wall if wall > 0 else 0.0,
+            "ttft_p50_ms": 1e3 * pct([r.ttft for r in ok], 50), "ttft_p99_ms": 1e3 * pct([r.ttft for r in ok], 99),
+            "tpot_p50_ms": 1e3 * pct(tp, 50), "tpot_p99_ms": 1e3 * pct(tp, 99)}
+
+
+def table(rows: list[dict], first: str) -> None:
+    cols = [first, "requests", "errors", "tokens", "wall_s", "tok_s", "ttft_p50_ms", "ttft_p99_ms",
+            "tpot_p50_ms", "tpot_p99_ms"]
+    cell = lambda v: f"{v:,.1f}" if isinstance(v, float) else str(v)  # noqa: E731
+    out = [[c for c in cols]] + [[cell(r[c]) for c in cols] for r in rows]
+    w = [max(len(row[i]) for row in out) for i in range(len(cols))]
+    for j, row in enumerate(out):
+        print("  ".join(v.rjust(w[i]) for i, v in enumerate(row)))
+        if j == 0:
+            print("  ".join("-" * x for x in w))
+
+
+def concurrent(fn, n: int) -> tuple[list, float]:
+    out: list = [None] * n
+    t0 = time.perf_counter()
+    ths = [threading.Thread(target=lambda i=i: out.__setitem__(i, fn(i))) for i in range(n)]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join()
+    return out, time.perf_counter() - t0
+
+
+# ---- the server ------------------------------------------------------------------------------------
+class Spawned:
+    def __init__(self, model: str, args: list[str]) -> None:
+        cmd = [sys.executable, "-m", "gguf_runtime", "serve", model, "--port", "0", "-q", *args]
+        print("$", " ".join(cmd), flush=True)
+        self.p = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+        line = self.p.stderr.readline()
+        m = re.search(r" on (http://\S+)", line)
+        if not m:
+            raise SystemExit(f"the server did not start: {line}{self.p.stderr.read()[-2000:]}")
+        print(line.strip(), flush=True)
+        self.url = m.group(1)
+        threading.Thread(target=lambda: shutil.copyfileobj(self.p.stderr, sys.stderr), daemon=True).start()
+
+    def stop(self) -> int:
+        self.p.send_signal(signal.SIGINT)
+        try:
+            return self.p.wait(60)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            return -9
+
+
+def wait_ready(url: str, timeout: float = 900) -> str:
+    t = time.time() + timeout
+    while time.time() < t:
+        st, _, obj = request(url, "/api/tags", b"", timeout=5, method="GET")
+        if st == 200:
+            return obj["models"][0]["name"]
+        time.sleep(0.5)
+    raise SystemExit(f"no answer from {url} in {timeout:.0f} s")
+
+
+def gpu_mem_mib(pid: int | None) -> float | None:
+    """GPU memory of the server process (when spawned and listed), else used on GPU 0 (nvidia-smi)."""
+    if not shutil.which("nvidia-smi"):
+        return None
+
+    def smi(q: str) -> list[list[str]]:
+        out = subprocess.run(["nvidia-smi", q, "--format=csv,noheader,nounits"], capture_output=True,
+                             text=True).stdout
+        return [[x.strip() for x in line.split(",")] for line in out.splitlines() if line.strip()]
+
+    for row in smi("--query-compute-apps=pid,used_memory") if pid else []:
+        if row[0] == str(pid):
+            return float(row[1])
+    rows = smi("--query-gpu=memory.used")  # containers often list no processes
+    return float(rows[0][0]) if rows else None
+
+
+# ---- modes -----------------------------------------------------------------------------------------
+def load(url: str, model: str, a, pid: int | None) -> list[str]:
+    rng, errors, rows = random.Random(0), [], []
+
+    def one(i: int, stream: bool = True, n: int | None = None, words: int | None = None) -> Res:
+        r = random.Random(i)
+        path, body = body_for(ENDPOINTS[i % 4], model, prompt(r, words or r.randint(5, a.max_words)),
+                              n or a.tokens, stream, r.randrange(1 << 31))
+        st, res, _ = request(url, path, body)
+        if st != 200 and res.ok:
+            res.ok, res.error = False, f"HTTP {st} on {path}"
+        return res
+
+    def phase(name: str, results: list[Res], wall: float) -> None:
+        rows.append(summarize(name, results, wall))
+        errors.extend(f"{name}: {r.error}" for r in results if not r.ok)
+
+    phase("warm-up", *concurrent(lambda i: one(i, n=4, words=a.max_words), a.concurrency))
+    mem0 = gpu_mem_mib(pid)
+    phase(f"{a.concurrency} concurrent", *concurrent(lambda i: one(1000 + i), a.concurrency))
+    t0 = time.perf_counter()
+    seq = [one(2000 + i, stream=i % 3 != 0, n=rng.randint(1, a.tokens)) for i in range(a.sequential)]
+    phase(f"{a.sequential} sequential", seq, time.perf_counter() - t0)
+
+    def drop(i: int) -> Res:
+        path, body = body_for(ENDPOINTS[i % 4], model, prompt(random.Random(i), 20), 10**6, True, i)
+        st, res, _ = request(url, path, body, drop_after_first=True)
+        res.ok = st == 200 and bool(res.chunks)
+        res.error = "" if res.ok else f"disconnect phase: HTTP {st} {res.error}"
+        return res
+
+    phase("32 disconnects", *concurrent(drop, 32))
+    bad = [("/api/generate", b"{oops"), ("/api/generate", {"model": "nope", "prompt": "x"}),
+           ("/api/generate", {"model": model, "prompt": "x", "options": {"num_predict": -7}}),
+           ("/v1/chat/completions", {"model": model, "messages": "x"}),
+           ("/api/generate", {"model": model, "prompt": "word " * 100000, "raw": True}),
+           ("/api/generate", b'{"model": "m", "prompt": "' + b"x" * (2 << 20) + b'"}')]
+    t0, res_bad = time.perf_counter(), []
+    for path, body in bad:
+        st, res, obj = request(url, path, body)
+        good = 400 <= st < 500 and isinstance(obj, dict) and "error" in obj
+        res.ok, res.error, res.tokens = good, "" if good else f"bad input to {path}: HTTP {st}", 0
+        res_bad += [res, one(3000 + len(res_bad), stream=False, n=4)]
+    phase("bad input", res_bad, time.perf_counter() - t0)
+    phase(f"{a.concurrency} concurrent again", *concurrent(lambda i: one(4000 + i), a.concurrency))
+    time.sleep(1.0)
+    st, _, sched = request(url, "/api/scheduler", b"", method="GET")
+    mem1 = gpu_mem_mib(pid)
+    table(rows, "phase")
+    print(f"\nscheduler after: {sched}")
+    if not (st == 200 and sched["active"] == sched["waiting"] == sched["pending"] == 0
+            and sched.get("free_kv_pages") == sched.get("kv_pages")):
+        errors.append(f"the scheduler is not idle with every KV page free: {sched}")
+    if mem0 is None or mem1 is None:
+        print("GPU memory: not measured (no nvidia-smi or no process entry)")
+    else:
+        print(f"GPU memory: {mem0:,.0f} MiB after the warm-up, {mem1:,.0f} MiB at the end ({mem1 - mem0:+,.0f})")
+        if mem1 - mem0 > a.mem_tolerance_mib:
+            errors.append(f"GPU memory grew by {mem1 - mem0:.0f} MiB")
+    return errors
+
+
+def bench(url: str, model: str, a) -> list[str]:
+    rows, errors = [], []
+    request(url, *body_for("generate", model, "warm up", 8, True, 1))
+    for c in a.clients:
+        def client(i: int) -> list[Res]:
+            r = random.Random(c * 1000 + i)
+            out = []
+            for _ in range(a.requests):
+                path, body = body_for("generate", model, prompt(r, a.prompt_words), a.tokens, True,
+                                      r.randrange(1 << 31))
+                st, res, _ = request(url, path, body)
+                res.ok = res.ok and st == 200
+                out.append(res)
+            return out
+
+        per, wall = concurrent(client, c)
+        results = [r for rs in per for r in rs]
+        rows.append({**summarize(str(c), results, wall), "clients": c})
+        errors += [r.error or "HTTP error" for r in results if not r.ok]
+    table(rows, "clients")
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump({"url": url, "model": model, "tokens": a.tokens, "prompt_words": a.prompt_words,
+                       "rows": rows}, fh, indent=1)
+    return errors
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("mode", choices=("load", "bench"))
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--url", help="a running server")
+    src.add_argument("--spawn", metavar="MODEL", help="start `gguf-run serve MODEL --port 0` (use '' for the default)")
+    ap.add_argument("--serve-arg", action="append", default=[], help="extra argument for serve (repeat)")
+    ap.add_argument("--tokens", type=int, default=None, help="tokens per request (load: 64, bench: 128)")
+    ap.add_argument("--concurrency", type=int, default=64, help="load: concurrent requests per burst")
+    ap.add_argument("--sequential", type=int, default=200, help="load: sequential requests")
+    ap.add_argument("--max-words", type=int, default=200, help="load: prompt length, words at most")
+    ap.add_argument("--mem-tolerance-mib", type=float, default=64.0)
+    ap.add_argument("--clients", default="1,8,32,64", help="bench: concurrency levels")
+    ap.add_argument("--requests", type=int, default=4, help="bench: requests per client per level")
+    ap.add_argument("--prompt-words", type=int, default=32, help="bench: prompt length in words")
+    ap.add_argument("--json", help="bench: write the rows here")
+    a = ap.parse_args()
+    a.tokens = a.tokens or (64 if a.mode == "load" else 128)
+    a.clients = [int(x) for x in a.clients.split(",")]
+    server = Spawned(a.spawn, a.serve_arg) if a.spawn is not None else None
+    errors: list[str] = []
+    try:
+        url = server.url if server else a.url.rstrip("/")
+        model = wait_ready(url)
+        errors = load(url, model, a, server.p.pid if server else None) if a.mode == "load" else bench(url, model, a)
+    finally:
+        if server:
+            rc = server.stop()
+            print(f"server stopped with SIGINT: exit code {rc}")
+            if rc != 0:
+                errors.append(f"the server exited with {rc} after SIGINT")
+    for e in errors[:20]:
+        print("ERROR:", e)
+    print(f"\n{'FAIL' if errors else 'OK'}: {len(errors)} error(s)")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,466 @@
+"""The continuous-batching scheduler's control flow, on CPU, with scripted stand-in backends.
+
+``FakeAdapter`` scripts tokens per slot (admission between steps, slot reuse, cancellation,
+budgets, stops, fairness); ``FakeCudaBackend`` mimics the CUDA backend's batch API with a
+deferred stream (ops run only when an event is waited on), so :class:`CudaAdapter`'s pipelining,
+ring reads and KV-page reservations are checked against the real adapter code.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from gguf_runtime.errors import BackendError, ContextOverflowError
+from gguf_runtime.sampling import SamplingParams
+from gguf_runtime.server.adapters import CudaAdapter, NoRoom
+from gguf_runtime.server.scheduler import Job, Scheduler, ShuttingDown, StopMatcher
+
+EOG = 0
+
+
+class FakeDecoder:
+    def push(self, tok: int) -> str:
+        return chr(ord("a") + (tok - 1) % 26)
+
+    def flush(self) -> str:
+        return ""
+
+
+FAKE_TOK = SimpleNamespace(eog_ids=frozenset({EOG}), stream=lambda skip_special=True: FakeDecoder())
+
+
+def script(uid: int, i: int) -> int:
+    """Token i of sequence uid: never EOG unless uid says where (uid // 1000 = EOG position)."""
+    stop_at = uid // 1000
+    return EOG if stop_at and i == stop_at else 1 + (uid * 7 + i) % 26
+
+
+class FakeAdapter:
+    """One token per active slot per step, from ``script``; logs every call."""
+
+    name, margin = "fake", 0
+
+    def __init__(self, slots: int = 2, n_ctx: int = 64) -> None:
+        self.max_slots, self.n_ctx, self.tokenizer = slots, n_ctx, FAKE_TOK
+        self.seqs: dict[int, list] = {}
+        self.log: list[tuple] = []
+        self.no_room = False
+        self.fail_step = False
+
+    def add(self, slot, prompt, params, max_new):
+        if self.no_room:
+            raise NoRoom
+        assert slot not in self.seqs
+        self.seqs[slot] = [params.seed, 0]
+        self.log.append(("add", slot, params.seed))
+        return len(prompt)
+
+    def step(self):
+        if self.fail_step:
+            raise RuntimeError("device lost")
+        self.log.append(("step", tuple(sorted(self.seqs))))
+        out = {}
+        for s, q in self.seqs.items():
+            out[s] = [script(q[0], q[1])]
+            q[1] += 1
+        return out
+
+    def release(self, slot):
+        self.log.append(("release", slot))
+        del self.seqs[slot]
+
+
+class Events:
+    def __init__(self) -> None:
+        self.text, self.done, self.error = [], None, None
+
+    def __call__(self, kind, data) -> None:
+        if kind == "text":
+            self.text.append(data)
+        elif kind == "done":
+            self.done = data
+        else:
+            self.error = data
+
+
+def job(uid: int, max_new: int = 5, stop=(), prompt_len: int = 3) -> Job:
+    return Job(list(range(1, prompt_len + 1)), SamplingParams(seed=uid), max_new, Events(), tuple(stop))
+
+
+def make(adapter) -> Scheduler:
+    s = Scheduler(lambda: adapter)
+    s._setup()
+    return s
+
+
+def run(s: Scheduler, *jobs: Job, steps: int = 1000) -> None:
+    for j in jobs:
+        s.submit(j)
+    for _ in range(steps):
+        s._pump()
+        if not (s.active or s.waiting) and s._inbox.empty():
+            return
+    raise AssertionError("the scheduler did not go idle")
+
+
+def expected(uid: int, n: int) -> str:
+    out = []
+    for i in range(n):
+        t = script(uid, i)
+        if t == EOG:
+            break
+        out.append(chr(ord("a") + (t - 1) % 26))
+    return "".join(out)
+
+
+def test_budget_and_text():
+    a = FakeAdapter()
+    s = make(a)
+    j = job(7, max_new=5)
+    run(s, j)
+    assert j.emit.done is j and j.reason == "length" and len(j.ids) == 5
+    assert "".join(j.emit.text) == expected(7, 5)
+    assert a.seqs == {} and sorted(s._free) == [0, 1] and s._pending == 0
+
+
+def test_end_of_generation_token_stops():
+    s = make(FakeAdapter())
+    j = job(3007, max_new=50)  # EOG at token 3
+    run(s, j)
+    assert j.reason == "stop" and len(j.ids) == 3 and "".join(j.emit.text) == expected(3007, 50)
+
+
+def test_stop_string_is_cut_across_tokens():
+    s = make(FakeAdapter())
+    full = expected(11, 20)
+    j = job(11, max_new=20, stop=[full[5:8]])
+    run(s, j)
+    assert j.reason == "stop" and "".join(j.emit.text) == full[:5]
+
+
+def test_stop_matcher_holds_back_prefixes():
+    m = StopMatcher(("</end>", "STOP"))
+    assert m.push("hello </e") == ("hello ", False)
+    assert m.push("nx") == ("</enx", False)
+    assert m.push(" ST") == (" ", False)
+    assert m.push("OP tail") == ("", True)
+    assert StopMatcher(()).push("x") == ("x", False)
+    m = StopMatcher(("ab",))
+    assert m.push("xa") == ("x", False) and m.flush() == "a"
+
+
+def test_admission_between_steps_and_slot_reuse():
+    a = FakeAdapter(slots=2)
+    s = make(a)
+    j1, j2, j3 = job(1, 6), job(2, 3), job(3, 2)
+    s.submit(j1)
+    s._pump()
+    s._pump()  # j1 has 2 tokens
+    assert len(j1.ids) == 2
+    run(s, j2, j3)
+    adds = [e for e in a.log if e[0] == "add"]
+    assert adds == [("add", 0, 1), ("add", 1, 2), ("add", 1, 3)]  # j3 reuses j2's slot, FIFO
+    # j2 joined while j1 was running, and j3 right after j2 was released
+    i2, r2, i3 = a.log.index(("add", 1, 2)), a.log.index(("release", 1)), a.log.index(("add", 1, 3))
+    assert r2 < i3 and ("step", (0, 1)) in a.log[i2:r2]
+    assert [len(j.ids) for j in (j1, j2, j3)] == [6, 3, 2]
+    assert "".join(j3.emit.text) == expected(3, 2)
+
+
+def test_fairness_every_active_sequence_advances_each_step():
+    a = FakeAdapter(slots=4)
+    s = make(a)
+    jobs = [job(u, 8) for u in range(1, 5)]
+    run(s, *jobs)
+    steps = [e[1] for e in a.log if e[0] == "step"]
+    assert steps[:8] == [(0, 1, 2, 3)] * 8 and len(steps) == 8
+
+
+def test_cancel_frees_the_slot_before_the_next_step():
+    a = FakeAdapter(slots=1)
+    s = make(a)
+    long, waiting = job(5, 1000), job(6, 3)
+    s.submit(long)
+    s.submit(waiting)
+    for _ in range(3):
+        s._pump()
+    assert s.active[0] is long and list(s.waiting) == [waiting]
+    s.cancel(long)
+    s._pump()
+    log = a.log[a.log.index(("release", 0)):]
+    assert log[:3] == [("release", 0), ("add", 0, 6), ("step", (0,))]
+    assert long.state == "cancelled" and long.emit.done is None and long.emit.error is None
+    run(s)
+    assert waiting.reason == "length" and s._pending == 0
+
+
+def test_cancel_while_waiting():
+    a = FakeAdapter(slots=1)
+    s = make(a)
+    j1, j2 = job(1, 4), job(2, 4)
+    s.submit(j1)
+    s.submit(j2)
+    s.cancel(j2)
+    run(s)
+    assert ("add", 0, 2) not in a.log and j2.state == "cancelled" and j1.reason == "length"
+
+
+def test_no_room_waits_then_fails_when_idle():
+    a = FakeAdapter(slots=2)
+    s = make(a)
+    j1, j2 = job(1, 3), job(2, 3)
+    s.submit(j1)
+    s._pump()
+    a.no_room = True
+    s.submit(j2)
+    s._pump()
+    assert list(s.waiting) == [j2] and s.active == {0: j1}
+    run(s)
+    assert j1.reason == "length" and isinstance(j2.emit.error, ContextOverflowError)
+
+
+def test_admission_limits_prompt_tokens_per_round():
+    a = FakeAdapter(slots=8)
+    s = make(a)
+    s.admit_tokens = 10
+    first = job(1, 50, prompt_len=4)
+    s.submit(first)
+    s._pump()
+    for u in range(2, 6):
+        s.submit(job(u, 2, prompt_len=4))
+    s._pump()
+    assert len(s.active) <= 4  # 3 admitted (12 tokens >= 10), then the round stops
+    run(s)
+
+
+def test_budget_clipping():
+    a = FakeAdapter(n_ctx=64)
+    a.margin = 2
+    s = make(a)
+    assert s.budget(10, None) == 52 and s.budget(10, 5) == 5 and s.budget(10, 10**9) == 52
+    with pytest.raises(ContextOverflowError):
+        s.budget(62, None)
+    zero = job(1, 0)
+    run(s, zero)
+    assert zero.reason == "length" and not zero.ids and not a.log
+
+
+def test_failures_keep_serving():
+    a = FakeAdapter()
+    s = make(a)
+    bad_emit = job(1, 100)
+    bad_emit.emit = lambda kind, data: (_ for _ in ()).throw(RuntimeError("loop closed"))
+    run(s, bad_emit)
+    assert bad_emit.state == "cancelled" and a.seqs == {}
+    j = job(2, 100)
+    s.submit(j)
+    s._pump()
+    a.fail_step = True
+    s._pump()
+    assert isinstance(j.emit.error, RuntimeError) and s.active == {} and a.seqs == {}
+    a.fail_step = False
+    ok = job(3, 4)
+    run(s, ok)
+    assert ok.reason == "length"
+
+
+def test_threaded_shutdown_fails_running_jobs():
+    s = Scheduler(lambda: FakeAdapter(slots=1))
+    s.start()
+    j1, j2 = job(1, 10**6), job(2, 5)
+    s.submit(j1)
+    s.submit(j2)
+    threading.Event().wait(0.05)
+    s.shutdown()
+    assert isinstance(j1.emit.error, ShuttingDown) and isinstance(j2.emit.error, ShuttingDown)
+    with pytest.raises(ShuttingDown):
+        s.submit(job(3))
+
+
+def test_factory_error_reaches_start():
+    s = Scheduler(lambda: (_ for _ in ()).throw(BackendError("no GPU")))
+    with pytest.raises(BackendError, match="no GPU"):
+        s.start()
+
+
+# ---- CudaAdapter against a stand-in of the CUDA backend's batch API ----------------------------
+class KVCacheFullError(BackendError):
+    pass
+
+
+class FakeStream:
+    def __init__(self) -> None:
+        self.ops: list = []
+
+    def run_one(self) -> None:
+        self.ops.pop(0)()
+
+
+class FakeEvent:
+    def __init__(self, stream: FakeStream, rng: random.Random) -> None:
+        self.stream, self.rng, self.fired = stream, rng, True
+
+    def record(self, stream) -> None:
+        self.fired = False
+        stream.ops.append(self._fire)
+
+    def _fire(self) -> None:
+        self.fired = True
+
+    def synchronize(self) -> None:
+        while not self.fired:
+            self.stream.run_one()
+
+    @property
+    def done(self) -> bool:
+        if self.stream.ops and self.rng.random() < 0.5:  # the device got ahead meanwhile
+            self.stream.run_one()
+        return self.fired
+
+
+class FakeKV:
+    page_size = 16
+
+    def __init__(self, n_pages: int, slots: int) -> None:
+        self.n_pages, self._free, self.owned = n_pages, list(range(n_pages)), [[] for _ in range(slots)]
+
+    def capacity(self, s):
+        return len(self.owned[s]) * self.page_size
+
+    def free_pages(self):
+        return len(self._free)
+
+    def reserve(self, s, n):
+        need = -(-n // self.page_size) - len(self.owned[s])
+        if need > len(self._free):
+            raise KVCacheFullError("full")
+        self.owned[s] += [self._free.pop() for _ in range(max(0, need))]
+
+    def release(self, s):
+        self._free += self.owned[s]
+        self.owned[s] = []
+
+
+class FakeCudaBackend:
+    name = "cuda"
+    use_graph = False
+
+    def __init__(self, n_ctx=256, max_batch=8, n_pages=None) -> None:
+        self.n_ctx, self.max_batch, self.stream = n_ctx, max_batch, FakeStream()
+        self.kv = FakeKV(n_pages or n_ctx // 16 * max_batch, max_batch)
+        self.ring = [[None] * max_batch for _ in range(64)]
+        self.dev: list = [None] * max_batch  # device-side slot state, as ops leave it
+        self.steps = 0
+
+    def seq_add(self, slot, prompt, params, max_new, seed):
+        self.kv.reserve(slot, min(self.n_ctx, len(prompt) + max_new))
+        cap = self.kv.capacity(slot)
+
+        def op():
+            assert len(prompt) <= cap
+            self.dev[slot] = {"pos": len(prompt), "n": 1, "uid": seed, "cap": cap}
+            self.ring[0][slot] = script(seed, 0)
+
+        self.stream.ops.append(op)
+
+    def batch_step(self, n_slots):
+        rows = next(b for b in (1, 2, 4, 8, 16, 32, 64) if b >= n_slots)
+        assert rows <= self.max_batch
+        self.steps += 1
+
+        def op():
+            for d_slot in range(rows):
+                d = self.dev[d_slot]
+                if d is None:
+                    continue
+                assert d["pos"] < d["cap"], "a decode step wrote past the slot's KV pages"
+                d["pos"] += 1
+                self.ring[d["n"] % 64][d_slot] = script(d["uid"], d["n"])
+                d["n"] += 1
+
+        self.stream.ops.append(op)
+
+    def seq_token(self, slot, i):
+        return self.ring[i % 64][slot]
+
+    def seq_release(self, slot):
+        self.kv.release(slot)
+
+        def op():
+            self.dev[slot] = None
+
+        self.stream.ops.append(op)
+
+
+def cuda_adapter(depth: int, seed: int = 0, **kw):
+    be = FakeCudaBackend(**kw)
+    rng = random.Random(seed)
+    eng = SimpleNamespace(backend=be, tokenizer=FAKE_TOK)
+    return CudaAdapter(eng, depth=depth, new_event=lambda: FakeEvent(be.stream, rng)), be
+
+
+@pytest.mark.parametrize("depth", [1, 2, 4])
+def test_cuda_adapter_many_jobs(depth):
+    rng = random.Random(depth)
+    a, be = cuda_adapter(depth, seed=depth)
+    s = make(a)
+    jobs = []
+    for u in range(1, 41):
+        stop_at = rng.choice([0, 0, 1, 2, 5, 9])
+        uid = stop_at * 1000 + u
+        n_prompt = rng.randint(1, 60)
+        jobs.append(job(uid, s.budget(n_prompt, rng.choice([None, 1, 3, 17, 10**6])), prompt_len=n_prompt))
+    for i in range(0, len(jobs), 7):  # arrivals in bursts, between steps
+        for j in jobs[i:i + 7]:
+            s.submit(j)
+        for _ in range(rng.randint(0, 5)):
+            s._pump()
+    run(s, steps=100000)
+    for j in jobs:
+        uid = j.params.seed
+        assert j.state == "done", (uid, j.emit.error)
+        assert "".join(j.emit.text) == expected(uid, j.max_new)
+        assert j.reason == ("stop" if uid // 1000 and uid // 1000 < j.max_new else "length")
+    assert be.kv.free_pages() == be.kv.n_pages and a._seqs == {}
+
+
+def test_cuda_adapter_cancel_and_reuse_with_steps_in_flight():
+    a, be = cuda_adapter(depth=3, max_batch=2)
+    s = make(a)
+    j1, j2, j3 = job(1, 200), job(2, 200), job(3, 6)
+    s.submit(j1)
+    s.submit(j2)
+    s.submit(j3)
+    for _ in range(4):
+        s._pump()
+    assert be.stream.ops  # steps are in flight
+    s.cancel(j1)
+    s._pump()  # slot 0 released and j3 admitted into it with old steps still queued
+    assert s.active[0] is j3 and be.kv.capacity(0) > 0
+    s.cancel(j2)
+    run(s)
+    assert j3.reason == "length" and "".join(j3.emit.text) == expected(3, 6)
+    assert be.kv.free_pages() == be.kv.n_pages
+
+
+def test_cuda_adapter_kv_full_waits():
+    # pages for one sequence at a time: the second waits for the first, then runs
+    a, be = cuda_adapter(depth=2, n_ctx=64, max_batch=2, n_pages=4)
+    s = make(a)
+    j1, j2 = job(1, s.budget(20, None), prompt_len=20), job(2, 10, prompt_len=20)
+    s.submit(j1)
+    s.submit(j2)
+    s._pump()
+    assert list(s.waiting) == [j2]
+    run(s)
+    assert j1.reason == j2.reason == "length" and "".join(j2.emit.text) == expected(2, 10)
+
+
+def test_cuda_adapter_clamps_top_k():
+    a, be = cuda_adapter(depth=2)
+    p = a._params(SamplingParams(top_k=0))
+    assert p.top_k == 1024 and a._params(SamplingParams(temperature=0, top_k=0)).top_k == 0

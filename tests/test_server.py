@@ -1,0 +1,326 @@
+"""`gguf-run serve` with real clients: the official `ollama` and `openai` packages against the
+server on 127.0.0.1 (numpy backend, the default model), bad input, disconnects, shutdown."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("starlette")
+ollama = pytest.importorskip("ollama")
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+from gguf_runtime.default_model import default_model_path  # noqa: E402
+from gguf_runtime.engine import Engine  # noqa: E402
+from gguf_runtime.errors import GGUFRunError  # noqa: E402
+from gguf_runtime.sampling import SamplingParams  # noqa: E402
+from gguf_runtime.server.adapters import make_adapter  # noqa: E402
+from gguf_runtime.server.app import Service, build_app  # noqa: E402
+
+NAME = "smollm2"
+CTX = 256
+MAX_BODY = 64 * 1024
+GREEDY = {"num_predict": 8, "temperature": 0}
+HI = [{"role": "user", "content": "Say hi"}]
+# greedy, this counts on for hundreds of tokens (no end-of-generation token to end it early)
+COUNTING = {"prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "raw": True, "options": {"num_predict": 400, "temperature": 0}}
+
+
+@pytest.fixture(scope="module")
+def model_path() -> str:
+    try:
+        return default_model_path()
+    except GGUFRunError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def server(model_path):
+    svc = Service(lambda: make_adapter(Engine(model_path, backend="numpy", n_ctx=CTX)), name=NAME,
+                  max_body=MAX_BODY).start()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    config = uvicorn.Config(build_app(svc), log_level="warning")
+    config.install_signal_handlers = False
+    srv = uvicorn.Server(config)
+    th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    th.start()
+    for _ in range(200):
+        if srv.started:
+            break
+        time.sleep(0.02)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    yield url, svc
+    srv.should_exit = True
+    th.join(10)
+    svc.shutdown()
+    sock.close()
+
+
+@pytest.fixture(scope="module")
+def url(server) -> str:
+    return server[0]
+
+
+@pytest.fixture(scope="module")
+def reference(model_path) -> str:
+    """What the engine itself answers (greedy, 8 tokens) to the chat used below."""
+    eng = Engine(model_path, backend="numpy", n_ctx=CTX)
+    return eng.generate(eng.encode_chat(HI), n_predict=8, params=SamplingParams(temperature=0)).text()
+
+
+def idle(url: str, timeout: float = 15.0) -> dict:
+    """Wait until the scheduler has nothing running or waiting; its counters."""
+    t = time.time() + timeout
+    while True:
+        st = httpx.get(url + "/api/scheduler").json()
+        if st["active"] == st["waiting"] == st["pending"] == 0 or time.time() > t:
+            return st
+        time.sleep(0.05)
+
+
+def wait_for(url: str, pred, timeout: float = 10.0) -> bool:
+    t = time.time() + timeout
+    while time.time() < t:
+        if pred(httpx.get(url + "/api/scheduler").json()):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def good(url: str) -> None:
+    r = httpx.post(url + "/api/generate", json={"model": NAME, "prompt": "Hi", "stream": False,
+                                                "options": {"num_predict": 1, "temperature": 0}})
+    assert r.status_code == 200 and r.json()["done"] is True
+
+
+# ---- the ollama client -----------------------------------------------------------------------------
+def test_ollama_generate(url, reference):
+    c = ollama.Client(host=url)
+    r = c.generate(model=NAME, prompt="Say hi", options=GREEDY)
+    assert r.response == reference and r.done and r.done_reason in ("stop", "length")
+    assert 0 < r.eval_count <= 8 and r.prompt_eval_count > 0 and r.model == NAME + ":latest"
+    for k in ("total_duration", "prompt_eval_duration", "eval_duration"):
+        assert isinstance(r[k], int) and r[k] > 0
+    assert isinstance(r.load_duration, int) and r.context and r.created_at.endswith("Z")
+    parts = list(c.generate(model=NAME + ":latest", prompt="Say hi", options=GREEDY, stream=True))
+    assert "".join(p.response for p in parts) == reference
+    assert all(not p.done for p in parts[:-1]) and parts[-1].done and parts[-1].eval_count == r.eval_count
+
+
+def test_ollama_chat(url, reference):
+    c = ollama.Client(host=url)
+    r = c.chat(model=NAME, messages=HI, options=GREEDY)
+    assert r.message.role == "assistant" and r.message.content == reference and r.done
+    parts = list(c.chat(model=NAME, messages=HI, options=GREEDY, stream=True))
+    assert "".join(p.message.content for p in parts) == reference and parts[-1].done_reason in ("stop", "length")
+
+
+def test_ollama_list_show_version(url):
+    c = ollama.Client(host=url)
+    (m,) = c.list().models
+    assert m.model == NAME + ":latest" and m.size > 0 and m.digest and m.details.format == "gguf"
+    assert m.details.family == "llama" and m.details.quantization_level == "Q4_1"
+    s = c.show(NAME)
+    assert s.modelinfo["general.architecture"] == "llama" and "im_start" in s.template and s.details.format == "gguf"
+    assert httpx.get(url + "/api/version").json()["version"]
+    assert httpx.get(url + "/").text == "Ollama is running"
+    with pytest.raises(ollama.ResponseError) as e:
+        c.generate(model="nope", prompt="x")
+    assert e.value.status_code == 404 and 'model "nope" not found' in e.value.error
+
+
+def test_ollama_special_cases(url):
+    c = ollama.Client(host=url)
+    assert c.generate(model=NAME, prompt="").done_reason == "load"
+    r = c.generate(model=NAME, prompt="Hi", options={"num_predict": 0})
+    assert r.done and r.eval_count == 0 and r.response == ""
+    # a huge num_predict is clipped to the context: a prompt near the end of it finishes at once
+    r = c.generate(model=NAME, prompt="one two three " * 82, raw=True, options={"num_predict": 10**12})
+    assert r.prompt_eval_count + r.eval_count <= CTX and r.done_reason in ("stop", "length")
+
+
+# ---- the openai client -----------------------------------------------------------------------------
+def test_openai_chat(url, reference):
+    c = openai.OpenAI(base_url=url + "/v1", api_key="x")
+    r = c.chat.completions.create(model=NAME, messages=HI, max_tokens=8, temperature=0)
+    ch = r.choices[0]
+    assert ch.message.content == reference and ch.message.role == "assistant" and ch.finish_reason in ("stop", "length")
+    assert r.object == "chat.completion" and r.usage.completion_tokens <= 8 and r.usage.prompt_tokens > 0
+    chunks = list(c.chat.completions.create(model=NAME, messages=HI, max_tokens=8, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    text = "".join(k.choices[0].delta.content or "" for k in chunks if k.choices)
+    assert text == reference and chunks[0].choices[0].delta.role == "assistant"
+    assert [k.choices[0].finish_reason for k in chunks if k.choices][-1] in ("stop", "length")
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    # stop strings cut the text (and hold back what could start one)
+    word = reference.split()[1]
+    r = c.chat.completions.create(model=NAME, messages=HI, max_tokens=8, temperature=0, stop=[word])
+    assert r.choices[0].message.content == reference[:reference.index(word)] and r.choices[0].finish_reason == "stop"
+    with pytest.raises(openai.NotFoundError):
+        c.chat.completions.create(model="nope", messages=HI)
+
+
+def test_openai_completions_and_models(url):
+    c = openai.OpenAI(base_url=url + "/v1", api_key="x")
+    r = c.completions.create(model=NAME, prompt="The capital of France is", max_tokens=6, temperature=0)
+    assert r.object == "text_completion" and r.choices[0].text and r.usage.completion_tokens <= 6
+    parts = list(c.completions.create(model=NAME, prompt="The capital of France is", max_tokens=6, temperature=0,
+                                      stream=True))
+    assert "".join(p.choices[0].text for p in parts) == r.choices[0].text
+    assert [m.id for m in c.models.list()] == [NAME + ":latest"]
+    with pytest.raises(openai.BadRequestError):
+        c.completions.create(model=NAME, prompt="x", max_tokens=-3)
+
+
+def test_two_concurrent_requests(url, reference):
+    out: dict = {}
+
+    def one(i: int) -> None:
+        c = ollama.Client(host=url)
+        out[i] = "".join(p.message.content for p in c.chat(model=NAME, messages=HI, options=GREEDY, stream=True))
+
+    ths = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join(60)
+    assert out == {0: reference, 1: reference}
+    st = idle(url)
+    assert st["active"] == st["pending"] == 0 and st["free_slots"] == 1
+
+
+# ---- bad input ---------------------------------------------------------------------------------------
+def gen(**kw) -> dict:
+    return {"model": NAME, "prompt": "Hi", "stream": False, **kw}
+
+
+BAD = [
+    ("/api/generate", b"{not json", 400),
+    ("/api/generate", b"[1, 2]", 400),
+    ("/api/generate", b"", 400),
+    ("/api/generate", b"[" * 100000 + b"]" * 100000, 413),
+    ("/api/chat", b'{"model": "smollm2", "messages": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400),
+    ("/api/generate", gen(model="nope"), 404),
+    ("/api/generate", gen(model=None), 400),
+    ("/api/generate", gen(model=7), 404),
+    ("/api/generate", gen(options={"num_predict": -5}), 400),
+    ("/api/generate", gen(options={"num_predict": "many"}), 400),
+    ("/api/generate", gen(options={"num_predict": 1.5}), 400),
+    ("/api/generate", gen(options={"temperature": -1}), 400),
+    ("/api/generate", gen(options={"top_p": 5}), 400),
+    ("/api/generate", gen(options=[1]), 400),
+    ("/api/generate", gen(stream="yes"), 400),
+    ("/api/generate", gen(prompt=["x"]), 400),
+    ("/api/generate", gen(context=[-1]), 400),
+    ("/api/generate", gen(prompt="word " * 600, raw=True), 400),
+    ("/api/generate", gen(prompt="x" * (MAX_BODY + 10)), 413),
+    ("/api/chat", {"model": NAME, "messages": "hi"}, 400),
+    ("/api/chat", {"model": NAME, "messages": [{"role": 1, "content": "x"}]}, 400),
+    ("/api/chat", {"model": NAME, "messages": [{"role": "user", "content": {"a": 1}}]}, 400),
+    ("/api/show", {"model": "nope"}, 404),
+    ("/v1/chat/completions", {"model": NAME, "messages": HI, "max_tokens": -1}, 400),
+    ("/v1/chat/completions", {"model": NAME, "messages": HI, "n": 2}, 400),
+    ("/v1/chat/completions", {"model": NAME, "messages": HI, "temperature": 3}, 400),
+    ("/v1/chat/completions", {"model": NAME, "messages": []}, 400),
+    ("/v1/chat/completions", {"model": "nope", "messages": HI}, 404),
+    ("/v1/completions", {"model": NAME, "prompt": 5}, 400),
+    ("/v1/completions", {"model": NAME, "prompt": [10**9]}, 400),
+    ("/v1/completions", {"model": NAME, "prompt": "x", "stop": [1]}, 400),
+    ("/api/nothing", {}, 404),
+]
+
+
+@pytest.mark.parametrize("path,body,status", BAD, ids=[f"{i}-{p}" for i, (p, _, _) in enumerate(BAD)])
+def test_bad_input_gets_4xx_json(url, path, body, status):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(url + path, content=content, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    msg = err["message"] if path.startswith("/v1/") else err
+    assert isinstance(msg, str) and msg
+    if "word " in content.decode(errors="replace")[:200]:
+        assert "context" in msg
+    good(url)
+
+
+def test_wrong_method_is_json(url):
+    r = httpx.get(url + "/api/generate")
+    assert r.status_code == 405 and "error" in r.json()
+    good(url)
+
+
+# ---- disconnects -------------------------------------------------------------------------------------
+def open_stream(url: str, body: dict) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    s = socket.create_connection((host, int(port)))
+    data = json.dumps(body).encode()
+    s.sendall(b"POST /api/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+    return s
+
+
+def read_until(s: socket.socket, marker: bytes, timeout: float = 20.0) -> bytes:
+    s.settimeout(timeout)
+    data = b""
+    while marker not in data:
+        chunk = s.recv(4096)
+        assert chunk, data
+        data += chunk
+    return data
+
+
+def test_disconnect_cancels_running_and_waiting(url):
+    long = {"model": NAME, **COUNTING}
+    a = open_stream(url, long)
+    read_until(a, b'"done":false')  # streaming has begun
+    b = open_stream(url, long)  # waits behind a (numpy: one at a time)
+    assert wait_for(url, lambda st: st["active"] == 1 and st["waiting"] == 1)
+    b.close()
+    assert wait_for(url, lambda st: st["waiting"] == 0 and st["active"] == 1)
+    a.close()
+    st = idle(url, 15)
+    assert st["active"] == st["waiting"] == st["pending"] == 0
+    good(url)
+
+
+# ---- the command line --------------------------------------------------------------------------------
+def test_cli_serve_and_ctrl_c(model_path, reference):
+    p = subprocess.Popen([sys.executable, "-m", "gguf_runtime", "serve", "--backend", "numpy", "--port", "0",
+                          "--name", "tiny", "-c", "256"], stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        line = ""
+        for _ in range(20):
+            line = p.stderr.readline()
+            if line.startswith("serving") or not line:
+                break
+        m = re.search(r"serving tiny:latest \(numpy, one request at a time, context 256\) on (http://\S+)", line)
+        assert m, line
+        host = m.group(1)
+        r = ollama.Client(host=host).chat(model="tiny", messages=HI, options=GREEDY)
+        assert r.message.content == reference
+        s = open_stream(host, {"model": "tiny", **COUNTING})
+        read_until(s, b'"done":false')
+        p.send_signal(signal.SIGINT)
+        assert p.wait(20) == 0
+        s.settimeout(5)
+        rest = b""
+        while chunk := s.recv(65536):
+            rest += chunk
+        assert b"shutting down" in rest
+        s.close()
+    finally:
+        if p.poll() is None:
+            p.kill()
