@@ -25,7 +25,7 @@ from .errors import BackendError, ContextOverflowError, UnsupportedModelError
 from .gguf_file import GGUFFile
 from .graphs import GraphManager
 from .graphs.manager import CaptureError
-from .kv_cache import PagedKVCache
+from .kv_cache import PAGE_SIZE, PagedKVCache
 from .model import forward
 from .model_config import ModelConfig
 from .quant_kernels import launchers as L
@@ -69,8 +69,7 @@ class CudaBackend:
             self.kernels = L.Kernels()
             self.weights = DeviceWeights(f, cfg, progress)
             page = PagedKVCache.page_bytes(cfg)
-            n_pages = None if kv_tokens is None else -(-kv_tokens // 16)
-            self.kv = PagedKVCache(cfg, n_ctx, n_seqs=max_batch, n_pages=n_pages)
+            self.kv = PagedKVCache(cfg, n_ctx, n_seqs=max_batch, n_pages=self._kv_pages(n_ctx, kv_tokens, page))
             self.ws = Workspace(cfg, max(max_rows, max_batch), max(max_batch, 64))
             ff = None
             if cfg.rope.freq_factors:
@@ -92,6 +91,23 @@ class CudaBackend:
             self.kv.reserve(0, n_ctx)
 
     # ---- setup ----------------------------------------------------------------------------------
+    def _kv_pages(self, n_ctx: int, kv_tokens: int | None, page_bytes: int) -> int:
+        """Pages in the KV pool: kv_tokens if given; else a full context per slot, capped for
+        several slots at half the free GPU memory (at least one full context)."""
+        per_seq = -(-n_ctx // PAGE_SIZE)
+        if kv_tokens is not None:
+            return max(1, -(-kv_tokens // PAGE_SIZE))
+        want = per_seq * self.max_batch
+        if self.max_batch > 1:
+            free, _ = cp.cuda.runtime.memGetInfo()
+            cap = max(per_seq, int(0.5 * free) // page_bytes)
+            if want > cap:
+                want = cap
+                if self.note:
+                    self.note(f"note: the KV cache holds {want * PAGE_SIZE} tokens for {self.max_batch} "
+                              "sequences (half the free GPU memory); sequences wait for pages when it is full")
+        return want
+
     def _precompile(self) -> None:
         """Compile every kernel this model can launch, one NVRTC pass per source file."""
         cfg, w = self.cfg, self.weights

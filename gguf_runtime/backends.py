@@ -29,7 +29,8 @@ def cuda_available() -> tuple[bool, str]:
 
 def select_backend(name: str, f: GGUFFile, cfg: ModelConfig, n_ctx: int,
                    progress: Callable[[str, int, int], None] | None = None,
-                   note: Callable[[str], None] | None = None, use_graph: bool = True, max_batch: int = 1):
+                   note: Callable[[str], None] | None = None, use_graph: bool = True, max_batch: int = 1,
+                   kv_tokens: int | None = None):
     if name not in BACKENDS:
         raise BackendError(f"unknown backend '{name}'; choose one of {', '.join(BACKENDS)}")
     if name in ("auto", "cuda"):
@@ -37,7 +38,7 @@ def select_backend(name: str, f: GGUFFile, cfg: ModelConfig, n_ctx: int,
         if ok:
             from .backend_cuda import CudaBackend  # deferred: imports cupy
             return CudaBackend(f, cfg, n_ctx, progress=progress, note=note, use_graph=use_graph,
-                               max_batch=max_batch)
+                               max_batch=max_batch, kv_tokens=kv_tokens)
         if name == "cuda":
             raise BackendError(f"the cuda backend cannot run here: {why}; use --backend numpy")
         if note:

@@ -32,3 +32,7 @@ class TemplateError(GGUFRunError):
 
 class BackendError(GGUFRunError):
     """The requested backend cannot run here (no GPU, no CuPy, out of GPU memory)."""
+
+
+class KVCacheFullError(BackendError):
+    """No free KV-cache pages for a sequence right now (a server queues it; a CLI raises the context)."""

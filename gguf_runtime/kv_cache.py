@@ -12,14 +12,10 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
-from .errors import BackendError
+from .errors import KVCacheFullError
 from .model_config import ModelConfig
 
 PAGE_SIZE = 16
-
-
-class KVCacheFullError(BackendError):
-    """No free pages for a sequence right now (a server queues it; a CLI raises the context)."""
 
 
 class PagedKVCache:

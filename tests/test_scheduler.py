@@ -288,8 +288,7 @@ def test_factory_error_reaches_start():
 
 
 # ---- CudaAdapter against a stand-in of the CUDA backend's batch API ----------------------------
-class KVCacheFullError(BackendError):
-    pass
+from gguf_runtime.errors import KVCacheFullError  # noqa: E402
 
 
 class FakeStream:

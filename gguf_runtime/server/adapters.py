@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from ..errors import BackendError
+from ..errors import BackendError, KVCacheFullError
 from ..sampling import SamplingParams
 
 MAX_GPU_TOP_K = 1024  # the CUDA sampler's top-k limit (backend_cuda.MAX_GPU_TOP_K)
@@ -166,9 +166,9 @@ class CudaAdapter:
             raise NoRoom
         try:
             be.seq_add(slot, list(prompt), self._params(params), max_new + self.margin, params.seed)
-        except BackendError as e:
-            if type(e).__name__ == "KVCacheFullError":
-                raise NoRoom from None
+        except KVCacheFullError:
+            raise NoRoom from None
+        except BackendError:
             be.seq_release(slot)
             raise
         except BaseException:
