@@ -186,3 +186,13 @@ def test_tiny_model_runs(tmp_path, smollm2_path):
     path = tiny_llama(tmp_path / "tiny.gguf", smollm2_path)
     rc, out, err = run(path, "-p", "hi", "--raw", "--backend", "numpy", "-n", "3", "--temp", "0", "-q")
     assert rc == 0, err
+
+
+def test_cli_needs_no_click_package():
+    """typer vendors click; a plain install has no `click` (the test extras pull it in via uvicorn)."""
+    code = ("import sys; sys.modules['click'] = None\n"
+            "from gguf_runtime.cli.app import main\n"
+            "sys.exit(main(['--help']) or main(['--temp', 'abc', '-p', 'x']) - 2)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr

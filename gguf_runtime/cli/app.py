@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import sys
 
-import click
 import typer
 
 from ..errors import GGUFRunError
@@ -48,10 +47,23 @@ def route(argv: list[str]) -> list[str]:
     return ["run", *argv]
 
 
-# typer >= 0.24 vendors its own click: catch both its exception classes and click's
-_USAGE_ERRORS = tuple({click.ClickException, *(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")})
-_EXITS = tuple({click.exceptions.Exit, typer.Exit})
-_ABORTS = tuple({click.exceptions.Abort, typer.Abort})
+def _exception_classes() -> tuple[tuple, tuple, tuple]:
+    """(usage errors, exits, aborts): typer's own, and click's when click is installed (typer up
+    to 0.2x raised click's; later typer vendors click and raises its copies)."""
+    usage = {c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException"}
+    exits, aborts = {typer.Exit}, {typer.Abort}
+    try:
+        import click
+    except ImportError:
+        pass
+    else:
+        usage.add(click.ClickException)
+        exits.add(click.exceptions.Exit)
+        aborts.add(click.exceptions.Abort)
+    return tuple(usage), tuple(exits), tuple(aborts)
+
+
+_USAGE_ERRORS, _EXITS, _ABORTS = _exception_classes()
 
 
 def err(msg: str) -> None:
