@@ -30,7 +30,8 @@ from .model import forward
 from .model_config import ModelConfig
 from .quant_kernels import launchers as L
 from .quant_kernels.reference import dequantize
-from .sampling import Sampler, SamplingParams
+from .backends import host_sample_loop
+from .sampling import SamplingParams
 
 PREFILL_CHUNK = 512
 RING = 64  # tokens per slot the pinned ring holds
@@ -357,16 +358,8 @@ class CudaBackend:
 
     def _host_sample_loop(self, n: int, params: SamplingParams, history: list[int],
                           stop: frozenset[int]) -> Iterator[int]:
-        sampler = Sampler(params)
-        hist = list(history)
-        logits = cp.asnumpy(self.last_logits[-1], stream=self.stream)
-        for i in range(n):
-            tok = sampler.sample(logits, hist)
-            yield tok
-            if tok in stop or i == n - 1:
-                return
-            hist.append(tok)
-            logits = self.eval([tok])[-1]
+        first = cp.asnumpy(self.last_logits[-1], stream=self.stream)
+        return host_sample_loop(self, n, params, history, stop, logits=first)
 
     # ---- many sequences --------------------------------------------------------------------------
     def seq_add(self, slot: int, prompt: Sequence[int], params: SamplingParams, max_new: int,

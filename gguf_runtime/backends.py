@@ -51,14 +51,15 @@ def select_backend(name: str, f: GGUFFile, cfg: ModelConfig, n_ctx: int,
 
 
 def host_sample_loop(backend, n: int, params: SamplingParams, history: list[int],
-                     stop: frozenset[int]) -> Iterator[int]:
-    """Sample from the logits the backend returned, yield, evaluate the token, repeat.
+                     stop: frozenset[int], logits=None) -> Iterator[int]:
+    """Sample from the logits the backend returned (``logits``, or its host ``last_logits``),
+    yield, evaluate the token (``backend.eval`` returns host logits), repeat.
 
     The last token yielded is not evaluated (the caller decides whether it is kept).
     """
     sampler = Sampler(params)
     hist = list(history)
-    logits = backend.last_logits
+    logits = backend.last_logits if logits is None else logits
     for i in range(n):
         tok = sampler.sample(logits, hist)
         yield tok

@@ -93,6 +93,15 @@ DEV u16 f2h(float f) {
     u16 h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h;
 }
 
+DEV u32 pack_h2(float a, float b) { return (u32)f2h(a) | ((u32)f2h(b) << 16); }
+
+// 16 floats to 16 f16 at a 16-byte aligned address (two 16-byte stores).
+DEV void store16_f16(u16* dst, const float* w) {
+    uint4* d = reinterpret_cast<uint4*>(dst);
+    d[0] = make_uint4(pack_h2(w[0], w[1]), pack_h2(w[2], w[3]), pack_h2(w[4], w[5]), pack_h2(w[6], w[7]));
+    d[1] = make_uint4(pack_h2(w[8], w[9]), pack_h2(w[10], w[11]), pack_h2(w[12], w[13]), pack_h2(w[14], w[15]));
+}
+
 // ---- warp and block reductions ---------------------------------------------------------------
 DEV float warp_sum(float v) {
 #pragma unroll

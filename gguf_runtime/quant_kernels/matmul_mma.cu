@@ -19,8 +19,6 @@ DEV void mma16816(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1)
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-DEV u32 pack_h2(float a, float b) { return (u32)f2h(a) | ((u32)f2h(b) << 16); }
-
 // Dequantize rows [row0, row0 + TM) x columns [k0, k0 + TK) of m into Ws (f16, [TM][LDS]); columns
 // past K (a partial last tile: K is whole units, not always whole tiles) are zero.
 template <class T, int TM>
@@ -40,9 +38,7 @@ DEV void load_w_tile(const Mat& m, int n_rows, int row0, int k0, int K, u16* Ws)
         for (int p = 0; p < T::NP; ++p) {
             float w[16];
             piece<T>(raw, p, w);
-            uint4* dst = reinterpret_cast<uint4*>(Ws + r * LDS + T::xoff(u, p) - k0);
-            dst[0] = make_uint4(pack_h2(w[0], w[1]), pack_h2(w[2], w[3]), pack_h2(w[4], w[5]), pack_h2(w[6], w[7]));
-            dst[1] = make_uint4(pack_h2(w[8], w[9]), pack_h2(w[10], w[11]), pack_h2(w[12], w[13]), pack_h2(w[14], w[15]));
+            store16_f16(Ws + r * LDS + T::xoff(u, p) - k0, w);
         }
     }
 }

@@ -188,12 +188,7 @@ __global__ void dequant_f16(PLANES(0), int rows, int K, u16* __restrict__ out) {
     for (int p = 0; p < T::NP; ++p) {
         float w[16];
         piece<T>(raw, p, w);
-        u32 packed[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) packed[i] = (u32)f2h(w[2 * i]) | ((u32)f2h(w[2 * i + 1]) << 16);
-        uint4* o = reinterpret_cast<uint4*>(out + (long)row * K + T::xoff(u, p));
-        o[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-        o[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+        store16_f16(out + (long)row * K + T::xoff(u, p), w);
     }
 }
 
