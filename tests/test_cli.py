@@ -111,7 +111,7 @@ def test_info_and_tokenize():
 
 
 def test_help_shows_examples_for_every_command():
-    for cmd in ([], ["run"], ["info"], ["tokenize"], ["synth"]):
+    for cmd in ([], ["run"], ["info"], ["tokenize"], ["synth"], ["chat"], ["bench"], ["serve"]):
         rc, out, err = run(*cmd, "--help")
         assert rc == 0 and "Examples" in out, (cmd, out)
 
