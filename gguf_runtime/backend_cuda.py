@@ -167,7 +167,6 @@ class CudaBackend:
             temp=self.p_temp.data.ptr, seed=self.p_seed.data.ptr, penalty=self.p_penalty.data.ptr,
             last_n=self.p_last_n.data.ptr, seq=self.seq.data.ptr)
         self.slot_len = [0] * n  # tokens whose K/V sit in the slot's pages
-        self.slot_sampled = [0] * n  # tokens sampled since the slot's prime (its ring counter)
 
     # ---- evaluation (prefill) ---------------------------------------------------------------------
     @property
@@ -254,7 +253,6 @@ class CudaBackend:
         one(self.p_temp, 0.0 if params.greedy else params.temperature, np.float32)
         one(self.p_penalty, params.repeat_penalty, np.float32)
         one(self.p_seed, seed, np.uint64)
-        self.slot_sampled[slot] = 0
 
     # ---- the decode step and its graphs ---------------------------------------------------------
     def _step(self, rows: int, mode: tuple[bool, bool]) -> None:
@@ -381,7 +379,6 @@ class CudaBackend:
         mode = (False, True)  # the general sampler: greedy and sampled rows, with penalties
         self._launch(self._graph_for(rows, mode), rows, mode)
         for s in range(rows):
-            self.slot_sampled[s] += 1
             self.slot_len[s] += 1
 
     def seq_token(self, slot: int, i: int) -> int:

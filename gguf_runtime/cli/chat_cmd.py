@@ -25,8 +25,8 @@ from ..engine import Engine
 from ..errors import GGUFRunError
 from ..model_info import human_count, quant_histogram
 from .app import app
-from .options import (Backend, CtxSize, MinP, ModelArg, NoGraph, Quiet, RepeatPenalty, Seed, Temp, TopK, TopP,
-                      note_printer, resolve_model, sampling_params)
+from .options import (Backend, CtxSize, MinP, ModelArg, NoGraph, Quiet, RepeatPenalty, Seed, Temp, TopK,
+                      TopP, check_n_predict, note_printer, resolve_model, sampling_params)
 from .progress import progress_bars
 from .run_cmd import print_stats
 
@@ -408,8 +408,7 @@ def chat(
     quiet: bool = Quiet,
 ) -> None:
     """Chat with a model in the terminal, as `ollama run` does (default model when MODEL is omitted)."""
-    if n_predict < -1:
-        raise typer.BadParameter("must be -1 (no limit) or more", param_hint="'-n' / '--n-predict'")
+    check_n_predict(n_predict)
     params = sampling_params(temp, top_k, top_p, min_p, repeat_penalty, seed)
     path = resolve_model(model)
     note = note_printer(quiet)

@@ -29,6 +29,11 @@ def resolve_model(model: Optional[str]) -> str:
     return model if model else default_model_path()
 
 
+def check_n_predict(n_predict: int) -> None:
+    if n_predict < -1:
+        raise typer.BadParameter("must be -1 (no limit) or more", param_hint="'-n' / '--n-predict'")
+
+
 def sampling_params(temp: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float,
                     seed: Optional[int]) -> SamplingParams:
     p = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,

@@ -9,8 +9,8 @@ import typer
 
 from ..engine import Engine, GenerationStats
 from .app import app
-from .options import (Backend, CtxSize, MinP, ModelArg, NoGraph, NPredict, Quiet, RepeatPenalty, Seed, Temp,
-                      TopK, TopP, note_printer, resolve_model, sampling_params)
+from .options import (Backend, CtxSize, MinP, ModelArg, NPredict, NoGraph, Quiet, RepeatPenalty, Seed, Temp,
+                      TopK, TopP, check_n_predict, note_printer, resolve_model, sampling_params)
 from .progress import progress_bars
 
 
@@ -62,8 +62,7 @@ def run(
     quiet: bool = Quiet,
 ) -> None:
     """Stream a completion of PROMPT (default model when MODEL is omitted)."""
-    if n_predict < -1:
-        raise typer.BadParameter("must be -1 (no limit) or more", param_hint="'-n' / '--n-predict'")
+    check_n_predict(n_predict)
     params = sampling_params(temp, top_k, top_p, min_p, repeat_penalty, seed)
     if prompt is None:
         if sys.stdin.isatty():

@@ -42,14 +42,6 @@ HD u32 ld32(const u8* p) {
 #endif
 }
 
-HD u32 ld8(const u8* p) {
-#ifdef __CUDA_ARCH__
-    return __ldg(p);
-#else
-    return *p;
-#endif
-}
-
 HD u16 ld16bits(const u8* p) {
 #ifdef __CUDA_ARCH__
     return __ldg(reinterpret_cast<const unsigned short*>(p));
@@ -106,12 +98,6 @@ DEV void store16_f16(u16* dst, const float* w) {
 DEV float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-DEV float warp_max(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
 
