@@ -2,7 +2,7 @@
 # Issue 7 on the GPU machine: load test and benchmark of `gguf-run serve` on the SmolLM2 and 8B twins.
 # Run from the repo root after `source .device/env.sh` (carry .device with starlette/uvicorn wheels).
 # Twins are made under /tmp/twins unless already there. Logs and JSON go to $OUT.
-set -u
+set -u -o pipefail
 OUT=${OUT:-/tmp/out}; T=/tmp/twins; mkdir -p "$OUT" "$T"
 py=python3
 [ -f $T/smollm2.gguf ] || $py -m gguf_runtime synth --fill twins/smollm2.hdr.gguf -o $T/smollm2.gguf -q
