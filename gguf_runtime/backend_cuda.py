@@ -152,6 +152,9 @@ class CudaBackend:
         self.hist, self.hist_n, self.step = z(HIST * n), z(n), z(n)
         self.pval, self.pidx = z(L.ARGMAX_BLOCKS * n, cp.float32), z(L.ARGMAX_BLOCKS * n)
         self.counter = z(n, cp.uint32)
+        nb = L.topk_blocks(self.cfg.n_vocab)
+        self.cand_v, self.cand_i = z(n * nb * L.TOPK_MAX, cp.float32), z(n * nb * L.TOPK_MAX)
+        self.cand_n = z(n * nb)
         self.p_top_k, self.p_last_n = z(n), z(n)
         self.p_top_p, self.p_min_p, self.p_temp, self.p_penalty = (z(n, cp.float32) for _ in range(4))
         self.p_seed = z(n, cp.uint64)
@@ -163,7 +166,7 @@ class CudaBackend:
             tokens=self.tokens.data.ptr, pos=self.pos.data.ptr, hist=self.hist.data.ptr,
             hist_n=self.hist_n.data.ptr, step=self.step.data.ptr, ring=self._ring_mem.ptr, ring_len=RING,
             n_seq=n, pval=self.pval.data.ptr, pidx=self.pidx.data.ptr, counter=self.counter.data.ptr,
-            top_k=self.p_top_k.data.ptr, top_p=self.p_top_p.data.ptr, min_p=self.p_min_p.data.ptr,
+            cand_v=self.cand_v.data.ptr, cand_i=self.cand_i.data.ptr, cand_n=self.cand_n.data.ptr, top_k=self.p_top_k.data.ptr, top_p=self.p_top_p.data.ptr, min_p=self.p_min_p.data.ptr,
             temp=self.p_temp.data.ptr, seed=self.p_seed.data.ptr, penalty=self.p_penalty.data.ptr,
             last_n=self.p_last_n.data.ptr, seq=self.seq.data.ptr)
         self.slot_len = [0] * n  # tokens whose K/V sit in the slot's pages

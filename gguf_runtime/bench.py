@@ -105,36 +105,37 @@ def prefill_rate(backend, n: int = 512, reps: int = 5, seed: int = 0) -> Rate:
     return Rate(f"pp{n}", "eager", n, runs)
 
 
-def _decode(backend, n: int, history: list[int], graph: bool) -> None:
-    """n decode steps after a prefill (each evaluates one token and samples the next), greedy."""
+def _decode(backend, n: int, history: list[int], graph: bool, params: SamplingParams = GREEDY) -> None:
+    """n decode steps after a prefill (each evaluates one token and samples the next)."""
     if _on_device(backend):
-        backend.run_steps(n, GREEDY, graph=graph)
+        backend.run_steps(n, params, graph=graph)
     else:
-        for _ in backend.sample_loop(n + 1, GREEDY, history, frozenset()):  # n + 1 tokens, n evals
+        for _ in backend.sample_loop(n + 1, params, history, frozenset()):  # n + 1 tokens, n evals
             pass
 
 
-def _start(backend, prompt: list[int]) -> None:
+def _start(backend, prompt: list[int], params: SamplingParams = GREEDY) -> None:
     """Prefill the prompt from an empty cache (CUDA: and sample the first token on the device)."""
     if _on_device(backend):
-        backend.start_decode(prompt, GREEDY)
+        backend.start_decode(prompt, params, seed=params.seed or 0)
     else:
         backend.truncate(0)
         backend.prefill(prompt)
 
 
-def decode_rate(backend, n: int = 128, reps: int = 5, graph: bool = False) -> Rate:
-    """Greedy generation of n tokens after a one-token prompt (CUDA: sampling on the device)."""
+def decode_rate(backend, n: int = 128, reps: int = 5, graph: bool = False, params: SamplingParams = GREEDY) -> Rate:
+    """Generation of n tokens after a one-token prompt (CUDA: sampling on the device); greedy
+    unless ``params`` says otherwise (the mode then reads "graph, sampled")."""
     runs = []
     for r in range(reps + 1):
-        _start(backend, [1])
+        _start(backend, [1], params)
         _sync(backend)
         t0 = time.perf_counter()
-        _decode(backend, n, [1], graph)
+        _decode(backend, n, [1], graph, params)
         _sync(backend)
         if r:
             runs.append(n / (time.perf_counter() - t0))
-    return Rate(f"tg{n}", _graphed(backend, graph), n, runs)
+    return Rate(f"tg{n}", _graphed(backend, graph) + ("" if params.greedy else ", sampled"), n, runs)
 
 
 def prompt_gen_rates(backend, prompts: Sequence[list[int]], n_gen: int, graph: bool = True,
@@ -269,9 +270,11 @@ class Suite:
     modes: tuple[str, ...] = ("graph", "eager")  # of the tg and batched rows; pp is always eager
     batches: tuple[int, ...] = ()
     seed: int = 0
+    sampled: bool = True  # with graphs on a GPU: one more tg row with the CLI's default sampling
 
     def n_rows(self) -> int:
-        return (self.n_prompt > 0) + (len(self.modes) * (1 + len(self.batches)) if self.n_gen > 0 else 0)
+        return (self.n_prompt > 0) + (len(self.modes) * (1 + len(self.batches)) if self.n_gen > 0 else 0) + \
+            (self.sampled and self.n_gen > 0 and "graph" in self.modes)
 
 
 def run_suite(backend, f, cfg: ModelConfig, suite: Suite, progress: ProgressFn | None = None) -> list[Rate]:
@@ -295,6 +298,11 @@ def run_suite(backend, f, cfg: ModelConfig, suite: Suite, progress: ProgressFn |
         step = weights + kv_bytes_read(cfg, 1 + (suite.n_gen + 1) / 2)
         for mode in suite.modes:
             r = decode_rate(backend, suite.n_gen, suite.reps, graph=mode == "graph")
+            r.step_bytes = step
+            done(r)
+        if suite.sampled and "graph" in suite.modes and _on_device(backend):
+            # temperature 0.8, top-k 40, top-p 0.95, min-p 0.05 on the device: the sampler's cost
+            r = decode_rate(backend, suite.n_gen, suite.reps, graph=True, params=SamplingParams(seed=suite.seed))
             r.step_bytes = step
             done(r)
     if suite.batches and suite.n_gen > 0:

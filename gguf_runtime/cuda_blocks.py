@@ -69,6 +69,7 @@ class CudaBlocks:
         self.inv_freq = inv_freq
         self.seq = ws.seq  # row -> sequence slot, for the rows of the current call
         self.mma = False  # tensor-core kernels for > MAX_MMV_TOKENS rows (capturable) instead of cuBLAS
+        self.fuse_norm = True  # matvec path: RMSNorm inside the matvec that reads it (False: a norm kernel)
         if ws.max_rows > L.MAX_MMV_TOKENS:
             biggest = max(m.rows * m.cols for n, m in w.mats.items() if n not in ("token_embd.weight", "output.weight"))
             ws.w16 = cp.zeros(biggest, cp.float16)
@@ -115,6 +116,17 @@ class CudaBlocks:
     def _big_mma(self, t: int) -> bool:
         return self.mma and not self._small(t)
 
+    def _normed(self, x: cp.ndarray, name: str) -> tuple[cp.ndarray, tuple[int, float] | None]:
+        """The input of the matrix products after RMSNorm ``name``: on the matvec path (x, the norm
+        for the matvec to fuse); otherwise (ws.h, None) with ws.h (and ws.x16 on the tensor-core
+        path) normalized by a norm kernel."""
+        t = x.shape[0]
+        if self._small(t) and self.fuse_norm:
+            return x, (self.w.vec(name).data.ptr, self.cfg.rms_eps)
+        h = self.ws.h[:t]
+        self._norm(x, name, h, f16=self._big_mma(t))
+        return h, None
+
     # ---- blocks --------------------------------------------------------------------------------
     def embed(self, tokens: cp.ndarray) -> cp.ndarray:
         t = tokens.shape[0]
@@ -126,8 +138,8 @@ class CudaBlocks:
     def attn_in(self, x: cp.ndarray, layer: int, positions: cp.ndarray) -> cp.ndarray:
         cfg, ws, p = self.cfg, self.ws, f"blk.{layer}."
         t = x.shape[0]
-        h, qkv = ws.h[:t], ws.qkv[:t]
-        self._norm(x, p + "attn_norm.weight", h, f16=self._big_mma(t))
+        qkv = ws.qkv[:t]
+        h, norm = self._normed(x, p + "attn_norm.weight")
         hq, hk, d = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim, cfg.head_dim
         names = [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]
         cols = [0, hq, hq + hk]
@@ -135,7 +147,8 @@ class CudaBlocks:
         ld = qkv.strides[0] // 4
         if self._small(t):
             L.mmv(self.k, [self.w.mat(n) for n in names], [(qkv.data.ptr + 4 * c, ld) for c in cols],
-                  [self.w.vec(b).data.ptr if b else None for b in biases], h.data.ptr, h.strides[0] // 4, t, 0)
+                  [self.w.vec(b).data.ptr if b else None for b in biases], h.data.ptr, h.strides[0] // 4, t, 0,
+                  norm=norm)
         elif self.mma:
             L.mma(self.k, [self.w.mat(n) for n in names], [(qkv.data.ptr + 4 * c, ld) for c in cols],
                   [self.w.vec(b).data.ptr if b else None for b in biases], ws.x16.data.ptr, ws.x16.strides[0] // 2,
@@ -195,14 +208,15 @@ class CudaBlocks:
     def ffn(self, x: cp.ndarray, layer: int) -> cp.ndarray:
         cfg, ws, p = self.cfg, self.ws, f"blk.{layer}."
         t = x.shape[0]
-        h, g = ws.h[:t], ws.g[:t]
+        g = ws.g[:t]
         gate, up = self.w.mat(p + "ffn_gate.weight"), self.w.mat(p + "ffn_up.weight")
         post = p + "post_ffw_norm.weight" if cfg.post_norms else None
         big = self._big_mma(t)
-        self._norm(x, p + "ffn_norm.weight", h, f16=big)
+        h, norm = self._normed(x, p + "ffn_norm.weight")
         down = p + "ffn_down.weight"
         if self._small(t) and gate.type_id == up.type_id:
-            L.mmv_glu(self.k, gate, up, h.data.ptr, h.strides[0] // 4, t, cfg.activation, g.data.ptr, g.strides[0] // 4)
+            L.mmv_glu(self.k, gate, up, h.data.ptr, h.strides[0] // 4, t, cfg.activation, g.data.ptr, g.strides[0] // 4,
+                      norm=norm)
             return self._project_residual(g, down, x, post)
         if big and gate.type_id == up.type_id:
             g16 = ws.g16
@@ -216,8 +230,10 @@ class CudaBlocks:
                 L.mma(self.k, [gate], [(g.data.ptr, g.strides[0] // 4)], [None], x16, ld16, t, 0)
                 L.mma(self.k, [up], [(u.data.ptr, u.strides[0] // 4)], [None], x16, ld16, t, 0)
             else:
-                L.mmv(self.k, [gate], [(g.data.ptr, g.strides[0] // 4)], [None], h.data.ptr, h.strides[0] // 4, t, 0)
-                L.mmv(self.k, [up], [(u.data.ptr, u.strides[0] // 4)], [None], h.data.ptr, h.strides[0] // 4, t, 0)
+                L.mmv(self.k, [gate], [(g.data.ptr, g.strides[0] // 4)], [None], h.data.ptr, h.strides[0] // 4, t, 0,
+                      norm=norm)
+                L.mmv(self.k, [up], [(u.data.ptr, u.strides[0] // 4)], [None], h.data.ptr, h.strides[0] // 4, t, 0,
+                      norm=norm)
             g16 = ws.g16 if big else None
             L.glu(self.k, g.data.ptr, u.data.ptr, g.strides[0] // 4, cfg.n_ff, t, cfg.activation, g.data.ptr,
                   g.strides[0] // 4, g16.data.ptr if big else None, g16.strides[0] // 2 if big else 0)
@@ -240,18 +256,18 @@ class CudaBlocks:
         t = x.shape[0]
         if t > ws.logits.shape[0]:
             raise ValueError(f"logits for {t} rows requested; the workspace holds {ws.logits.shape[0]}")
-        h = ws.h[:t]
         head = self.w.mat(lm_head_name(cfg))
         out = ws.logits[:t]
         ld = out.strides[0] // 4
-        self._norm(x, "output_norm.weight", h, f16=self._big_mma(t))
+        h, norm = self._normed(x, "output_norm.weight")
         if self._big_mma(t):
             L.mma(self.k, [head], [(out.data.ptr, ld)], [None], self.ws.x16.data.ptr, self.ws.x16.strides[0] // 2,
                   t, 0)
         else:
             for s in range(0, t, L.MAX_MMV_TOKENS):
                 n = min(L.MAX_MMV_TOKENS, t - s)
-                L.mmv(self.k, [head], [(out[s:].data.ptr, ld)], [None], h[s:].data.ptr, h.strides[0] // 4, n, 0)
+                L.mmv(self.k, [head], [(out[s:].data.ptr, ld)], [None], h[s:].data.ptr, h.strides[0] // 4, n, 0,
+                      norm=norm)
         if cfg.final_softcap:
             L.softcap(self.k, out.data.ptr, ld, cfg.n_vocab, t, cfg.final_softcap)
         return out

@@ -175,11 +175,12 @@ class FakeCuda:
         self._work()
 
     def start_decode(self, prompt, params, seed=0):
-        assert params.greedy
+        self.params = params
         self._work()
 
     def run_steps(self, n, params, graph=False):
-        self.steps.append(("single", graph and self.use_graph))
+        assert params == self.params
+        self.steps.append(("single" if params.greedy else "sampled", graph and self.use_graph))
         self._work()
 
     def seq_add(self, slot, prompt, params, max_new, seed=None):
@@ -215,15 +216,16 @@ def test_suite_graph_and_eager_rows_with_batches(model, tmp_path):
     seen = []
     rows = run_suite(be, f, cfg, Suite(16, 4, 2, ("graph", "eager"), (1, 4)), lambda *a: seen.append(a))
     assert [(r.test, r.mode) for r in rows] == [
-        ("pp16", "eager"), ("tg4", "graph"), ("tg4", "eager"), ("B=1 tg4", "graph"), ("B=4 tg4", "graph"),
-        ("B=1 tg4", "eager"), ("B=4 tg4", "eager")]
-    assert seen[-1] == ("benchmarking", 7, 7)
+        ("pp16", "eager"), ("tg4", "graph"), ("tg4", "eager"), ("tg4", "graph, sampled"), ("B=1 tg4", "graph"),
+        ("B=4 tg4", "graph"), ("B=1 tg4", "eager"), ("B=4 tg4", "eager")]
+    assert seen[-1] == ("benchmarking", 8, 8)
+    assert ("sampled", True) in be.steps and be.params.top_k == 40  # the CLI's default sampling
     assert be.use_graph  # eager batched rows turn graphs off only while they run
     assert {g for k, g in be.steps if k == "B=4"} == {True, False}
     assert be.kv.reserved[0] == (0, 16)  # slot 0 gets pages for the single-sequence rows
     w = weight_bytes_read(f, cfg, "cuda")
     assert w == sum(t.nbytes for t in f.tensors.values())  # tied embeddings: the head reads them all
-    b4 = rows[4]
+    b4 = rows[5]
     assert b4.batch == 4 and b4.step_bytes == pytest.approx(w + 4 * kv_bytes_read(cfg, 128 + 2.5))
     assert b4.gbs == pytest.approx(b4.step_bytes * b4.mean / 4 / 1e9)
     res = result(f=f, cfg=cfg, path=f.path, backend="cuda", device="Fake GPU", bandwidth=3000.0,

@@ -113,6 +113,36 @@ def test_mmv_glu(k, name, act, b):
     assert rel(y.get(), ref) < 1e-5
 
 
+def rmsnorm_ref(x, w, eps):
+    x = x.astype(np.float64)
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+@pytest.mark.parametrize("name", ["Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q5_0", "F32"])
+@pytest.mark.parametrize("b", [1, 3, 8])
+@pytest.mark.parametrize("config", [None, (1, 4), (2, 2)])
+def test_mmv_fused_rmsnorm(k, name, b, config):
+    """W rmsnorm(x) with the norm inside the matvec, one warp or several per row group; the glu
+    kernel too (gate and up share the scale)."""
+    rng = np.random.default_rng()
+    keep = []
+    rows, cols = 64, cols_for(name)
+    m, w = upload(name, rows, cols, rng, keep)
+    x = (rng.standard_normal((b, cols)) * rng.uniform(0.1, 20, (b, 1))).astype(np.float32)  # rows of unequal scale
+    nw = (1 + rng.standard_normal(cols) * 0.3).astype(np.float32)
+    xd, nd = cp.asarray(x), cp.asarray(nw)
+    y = cp.full((b, rows), POISON, cp.float32)
+    L.mmv(k, [m], [(y.data.ptr, rows)], [None], xd.data.ptr, cols, b, 0, config=config, norm=(nd.data.ptr, 1e-5))
+    h = rmsnorm_ref(x, nw, 1e-5)
+    assert rel(y.get(), h @ w.T) < 1e-5
+    assert rel(xd.get(), x) == 0  # x itself is left alone
+    if config is None and name != "F32":
+        u, wu = upload(name, rows, cols, rng, keep)
+        y.fill(POISON)
+        L.mmv_glu(k, m, u, xd.data.ptr, cols, b, "silu", y.data.ptr, rows, norm=(nd.data.ptr, 1e-5))
+        assert rel(y.get(), silu(h @ w.T) * (h @ wu.T)) < 1e-5
+
+
 @pytest.mark.parametrize("name", SUPPORTED)
 def test_embed_and_dequant_f16(k, name):
     rng = np.random.default_rng()
@@ -237,7 +267,9 @@ def sampler_state(n_vocab, rows=1, top_k=40, top_p=1.0, min_p=0.0, temp=0.0, see
     full = lambda v, t: cp.full(rows, v, t)  # noqa: E731
     keep = dict(tokens=z(rows), pos=z(rows), hist=z(64 * rows), hist_n=z(rows), step=z(rows),
                 pval=z(L.ARGMAX_BLOCKS * rows, cp.float32), pidx=z(L.ARGMAX_BLOCKS * rows),
-                counter=z(rows, cp.uint32), top_k=full(top_k, cp.int32), top_p=full(top_p, cp.float32),
+                counter=z(rows, cp.uint32), cand_v=z(rows * L.topk_blocks(n_vocab) * L.TOPK_MAX, cp.float32),
+                cand_i=z(rows * L.topk_blocks(n_vocab) * L.TOPK_MAX), cand_n=z(rows * L.topk_blocks(n_vocab)),
+                top_k=full(top_k, cp.int32), top_p=full(top_p, cp.float32),
                 min_p=full(min_p, cp.float32), temp=full(temp, cp.float32), seed=full(seed, cp.uint64),
                 penalty=full(penalty, cp.float32), last_n=full(last_n, cp.int32), seq=cp.arange(rows, dtype=cp.int32))
     ring_mem = cp.cuda.alloc_pinned_memory(16 * rows * 4)
@@ -313,6 +345,36 @@ def test_topk_sample_distribution(k, top_k, top_p, min_p, temp):
     L.topk_sample(k, d.data.ptr, n, n, st, 1)
     cp.cuda.runtime.deviceSynchronize()
     assert int(keep["tokens"].get()[0]) == int(np.argmax(logits))
+
+
+def test_topk_sample_rows_vocab_and_ties(k):
+    """Several rows with their own settings over a 262,144-token vocabulary (32 blocks a row):
+    greedy rows and top_k=1 take the argmax, a sampled row draws from numpy's candidate set; with
+    every logit equal the top-k keeps the lowest ids (ties inside one block and across blocks)."""
+    rng = np.random.default_rng()
+    n, rows = 262144, 4
+    st, keep, ring, _mem = sampler_state(n, rows=rows, top_k=40, top_p=0.95, min_p=0.05, temp=0.8, seed=5)
+    keep["temp"].set(np.array([0.0, 0.8, 0.7, 1.0], np.float32))  # row 0 greedy
+    keep["top_k"].set(np.array([40, 1, 40, 7], np.int32))          # row 1: top-1
+    logits = (rng.standard_normal((rows, n)) * 3).astype(np.float32)
+    logits[3] = 1.0                                                 # row 3: all tied
+    d = cp.asarray(logits)
+    ids2, probs2 = Sampler(SamplingParams(temperature=0.7, top_k=40, top_p=0.95, min_p=0.05)).distribution(logits[2])
+    seen2, seen3 = set(), set()
+    for step in range(64):
+        L.topk_sample(k, d.data.ptr, n, n, st, rows)
+        cp.cuda.runtime.deviceSynchronize()
+        got = ring[(step % 16) * rows:(step % 16 + 1) * rows].tolist()
+        assert got[0] == int(np.argmax(logits[0]))
+        assert got[1] == int(np.argmax(logits[1]))
+        seen2.add(got[2])
+        seen3.add(got[3])
+        assert not keep["counter"].get().any()
+    assert seen2 <= set(ids2.tolist())
+    if probs2.shape[0] > 1 and probs2[1] > 0.1:  # a second candidate that 64 draws should reach
+        assert len(seen2) > 1
+    assert seen3 <= set(range(7)) and len(seen3) >= 5
+    assert keep["pos"].get().tolist() == [64] * rows
 
 
 @pytest.mark.parametrize("name", SUPPORTED)

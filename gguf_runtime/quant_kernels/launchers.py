@@ -160,8 +160,10 @@ def token_chunks(b: int) -> list[tuple[int, int]]:
 
 
 def mmv(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases: Sequence[int | None],
-        x: int, ldx: int, b: int, mode: int, config: tuple[int, int] | None = None) -> None:
+        x: int, ldx: int, b: int, mode: int, config: tuple[int, int] | None = None,
+        norm: tuple[int, float] | None = None) -> None:
     """y_i[t, :] (=|+=) W_i x[t, :] (+ bias_i) for up to 3 matrices sharing x; t < b <= 8.
+    ``norm`` = (weight, eps): x is RMS-normalized first (fused, see matvec.cu).
     ``config`` = (R, WG) overrides the automatic choice (bench/matvec_variants.py)."""
     assert 1 <= len(mats) <= 3 and 1 <= b <= MAX_MMV_TOKENS
     cols = mats[0].cols
@@ -177,18 +179,24 @@ def mmv(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases
             else:
                 args += [ptr(0)] * 4 + [i32(0), ptr(0), i32(0), ptr(0)]
         per_block = r * 4 // wg
-        fn(((total + per_block - 1) // per_block,), (128,), (*args, ptr(x + 4 * row * ldx), i32(ldx), i32(cols)))
+        fn(((total + per_block - 1) // per_block,), (128,),
+           (*args, ptr(x + 4 * row * ldx), i32(ldx), i32(cols), *_norm_args(norm)))
 
 
-def mmv_glu(k: Kernels, gate: Mat, up: Mat, x: int, ldx: int, b: int, act: str, y: int, ldy: int) -> None:
-    """y[t, :] = act(G x[t]) * (U x[t]) for t < b <= 8."""
+def _norm_args(norm: tuple[int, float] | None) -> tuple[np.uint64, np.float32]:
+    return (ptr(norm[0]), f32(norm[1])) if norm else (ptr(0), f32(0.0))
+
+
+def mmv_glu(k: Kernels, gate: Mat, up: Mat, x: int, ldx: int, b: int, act: str, y: int, ldy: int,
+            norm: tuple[int, float] | None = None) -> None:
+    """y[t, :] = act(G x'[t]) * (U x'[t]) for t < b <= 8; x' = x, or rmsnorm(x) with ``norm``."""
     for row, n in token_chunks(b):
         r, wg = glu_config(gate.struct, gate.rows, gate.cols, n)
         per_block = (r // 2) * 4 // wg
         fn = k.fn("matvec.cu", glu_name(gate.struct, n, r, wg, ACT[act]))
         fn(((gate.rows + per_block - 1) // per_block,), (128,),
            (*gate.planes, *up.planes, i32(gate.rows), ptr(x + 4 * row * ldx), i32(ldx), i32(gate.cols),
-            ptr(y + 4 * row * ldy), i32(ldy)))
+            ptr(y + 4 * row * ldy), i32(ldy), *_norm_args(norm)))
 
 
 MMA_MIN_BLOCKS = 132  # one wave on an H100: below this, smaller tiles (more blocks) win
@@ -324,6 +332,9 @@ class SamplerState:
     pval: int  # argmax partials [n_seq, ARGMAX_BLOCKS]
     pidx: int
     counter: int
+    cand_v: int  # top-k candidates: f32 and int32 [n_seq, topk_blocks(n_vocab), TOPK_MAX]
+    cand_i: int
+    cand_n: int  # int32 [n_seq, topk_blocks(n_vocab)]
     top_k: int  # per-sequence parameters: int32, f32, f32, f32, u64, f32, int32
     top_p: int
     min_p: int
@@ -335,6 +346,12 @@ class SamplerState:
 
 
 ARGMAX_BLOCKS = 32
+TOPK_MAX, TOPK_PER_THREAD = 1024, 8  # sampling.cu's TK_MAX and TK_E
+
+
+def topk_blocks(n_vocab: int) -> int:
+    """Blocks per row of topk_sample: 1024 threads x TOPK_PER_THREAD logits each."""
+    return -(-n_vocab // (1024 * TOPK_PER_THREAD))
 
 
 # Logits row r belongs to sequence slot slot0 + r (a decode step: slot0 = 0, one row per slot;
@@ -359,7 +376,7 @@ def topk_sample(k: Kernels, logits: int, ld: int, n_vocab: int, st: SamplerState
                 slot0: int = 0) -> None:
     """Per row: greedy when temp <= 0, else top-k/top-p/min-p/temperature with the row's seed."""
     k.fn("sampling.cu", "topk_sample")(
-        (rows,), (1024,),
+        (topk_blocks(n_vocab), rows), (1024,),
         (ptr(logits), i32(ld), i32(n_vocab), ptr(st.top_k), ptr(st.top_p), ptr(st.min_p), ptr(st.temp),
-         ptr(st.seed), ptr(st.tokens), ptr(st.pos), ptr(st.hist), ptr(st.hist_n), ptr(st.step), ptr(st.ring),
+         ptr(st.seed), ptr(st.cand_v), ptr(st.cand_i), ptr(st.cand_n), ptr(st.counter), ptr(st.tokens), ptr(st.pos), ptr(st.hist), ptr(st.hist_n), ptr(st.step), ptr(st.ring),
          i32(st.ring_len), i32(st.n_seq), ptr(st.seq), i32(slot0)))

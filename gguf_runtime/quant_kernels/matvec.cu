@@ -7,16 +7,24 @@
 // weight. WG follows the row length: one warp for short rows (no lane idles, no block sync), up to
 // four for long ones. Per-row sums are reduced over the warp by shuffles, then (WG > 1) over the
 // group's warps in shared memory.
+//
+// RMSNorm fused (nw != null): the product is W (x * nw) * rsqrt(mean(x^2) + eps). Each row group
+// reads all of x anyway, so it sums x^2 in the same pass: no norm kernel, no staging of the
+// normalized x, and the scale is applied to the finished dot products.
 #include "quant_types.cuh"
 
 #define PLANES(i) const u8* qs##i, const u8* qh##i, const u8* sc##i, const u8* d##i
 #define MAT(i, T) Mat{qs##i, qh##i, sc##i, d##i, K / T::BLOCK}
 
-// acc[r][b] (block-reduced, valid in thread 0) = sum_k W[row r][k] x[b][k] for the R rows of m[r].
+// acc[r][b] (group-reduced, valid in the group leader) = sum_k W[row r][k] x'[b][k] for the R rows
+// of m[r], x' = x * nw (nw null: x). nw non-null: the leader's acc is scaled by rsqrt(mean(x^2)+eps).
 template <class T, int B, int R, int WG>
 DEV void mmv_block(const Mat (&m)[R], const int (&row)[R], int K, const float* __restrict__ x, int ldx,
-                   float (&acc)[R][B]) {
+                   const float* __restrict__ nw, float eps, float (&acc)[R][B]) {
     const int tid = threadIdx.x % (32 * WG), units = K / T::UE;
+    float ssq[B];
+#pragma unroll
+    for (int b = 0; b < B; ++b) ssq[b] = 0.f;
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
@@ -28,17 +36,30 @@ DEV void mmv_block(const Mat (&m)[R], const int (&row)[R], int K, const float* _
 #pragma unroll
         for (int p = 0; p < T::NP; ++p) {
             const int off = T::xoff(u, p);
-            float xv[B][16], sx[B];
+            float xv[B][16], sx[B], gv[16];
+            if (nw) {
+                const float4* gp = reinterpret_cast<const float4*>(nw + off);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const float4 t = __ldg(gp + i);
+                    gv[4 * i] = t.x; gv[4 * i + 1] = t.y; gv[4 * i + 2] = t.z; gv[4 * i + 3] = t.w;
+                }
+            }
 #pragma unroll
             for (int b = 0; b < B; ++b) {
                 const float4* xp = reinterpret_cast<const float4*>(x + (long)b * ldx + off);
-                sx[b] = 0.f;
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     const float4 t = xp[i];
                     xv[b][4 * i] = t.x; xv[b][4 * i + 1] = t.y; xv[b][4 * i + 2] = t.z; xv[b][4 * i + 3] = t.w;
-                    sx[b] += (t.x + t.y) + (t.z + t.w);
                 }
+                if (nw) {
+#pragma unroll
+                    for (int i = 0; i < 16; ++i) { ssq[b] = fmaf(xv[b][i], xv[b][i], ssq[b]); xv[b][i] *= gv[i]; }
+                }
+                sx[b] = 0.f;
+#pragma unroll
+                for (int i = 0; i < 16; i += 4) sx[b] += (xv[b][i] + xv[b][i + 1]) + (xv[b][i + 2] + xv[b][i + 3]);
             }
 #pragma unroll
             for (int r = 0; r < R; ++r) {  // sum(w x) = d sum(q x) + m sum(x)
@@ -58,23 +79,37 @@ DEV void mmv_block(const Mat (&m)[R], const int (&row)[R], int K, const float* _
     for (int r = 0; r < R; ++r)
 #pragma unroll
         for (int b = 0; b < B; ++b) acc[r][b] = warp_sum(acc[r][b]);
-    if (WG == 1) return;  // lane 0 of the warp holds the sums
-    __shared__ float red[4][R * B];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (lane == 0)
+    if (nw)
 #pragma unroll
-        for (int i = 0; i < R * B; ++i) red[warp][i] = acc[i / B][i % B];
-    __syncthreads();
-    if (tid == 0)
+        for (int b = 0; b < B; ++b) ssq[b] = warp_sum(ssq[b]);
+    if (WG > 1) {
+        __shared__ float red[4][R * B + B];
+        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+        if (lane == 0) {
 #pragma unroll
-        for (int r = 0; r < R; ++r)
+            for (int i = 0; i < R * B; ++i) red[warp][i] = acc[i / B][i % B];
 #pragma unroll
-            for (int b = 0; b < B; ++b) {
-                float v = red[warp][r * B + b];
+            for (int b = 0; b < B; ++b) red[warp][R * B + b] = ssq[b];
+        }
+        __syncthreads();
+        if (tid == 0) {
 #pragma unroll
-                for (int w = 1; w < WG; ++w) v += red[warp + w][r * B + b];
-                acc[r][b] = v;
+            for (int i = 0; i < R * B + B; ++i) {
+                float v = red[warp][i];
+#pragma unroll
+                for (int w = 1; w < WG; ++w) v += red[warp + w][i];
+                if (i < R * B) acc[i / B][i % B] = v;
+                else ssq[i - R * B] = v;
             }
+        }
+    }
+    if (nw && tid == 0)
+#pragma unroll
+        for (int b = 0; b < B; ++b) {
+            const float sc = rsqrtf(ssq[b] / (float)K + eps);
+#pragma unroll
+            for (int r = 0; r < R; ++r) acc[r][b] *= sc;
+        }
 }
 
 // The first row of this thread's row group, and whether the thread writes its results.
@@ -87,12 +122,12 @@ DEV bool group_leader() { return threadIdx.x % (32 * WG) == 0; }
 // MODE 0: y = W x (+ bias)   MODE 1: y += W x (the residual add)
 template <class T, int B, int R, int WG, int MODE>
 DEV void mmv_segment(const Mat& mat, int n, int row0, const float* x, int ldx, int K, float* y, int ldy,
-                     const float* bias) {
+                     const float* bias, const float* nw, float eps) {
     Mat m[R]; int row[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) { m[r] = mat; row[r] = min(row0 + r, n - 1); }
     float acc[R][B];
-    mmv_block<T, B, R, WG>(m, row, K, x, ldx, acc);
+    mmv_block<T, B, R, WG>(m, row, K, x, ldx, nw, eps, acc);
     if (!group_leader<WG>()) return;
 #pragma unroll
     for (int r = 0; r < R; ++r) {
@@ -115,20 +150,21 @@ __global__ void __launch_bounds__(128) mmv_group(
         PLANES(0), int n0, float* y0, int ldy0, const float* bias0,
         PLANES(1), int n1, float* y1, int ldy1, const float* bias1,
         PLANES(2), int n2, float* y2, int ldy2, const float* bias2,
-        const float* __restrict__ x, int ldx, int K) {
+        const float* __restrict__ x, int ldx, int K, const float* __restrict__ nw, float eps) {
     int row0 = group_row0<R, WG>();
-    if (row0 < n0) { mmv_segment<T0, B, R, WG, MODE>(MAT(0, T0), n0, row0, x, ldx, K, y0, ldy0, bias0); return; }
+    if (row0 < n0) { mmv_segment<T0, B, R, WG, MODE>(MAT(0, T0), n0, row0, x, ldx, K, y0, ldy0, bias0, nw, eps); return; }
     row0 -= n0;
-    if (row0 < n1) { mmv_segment<T1, B, R, WG, MODE>(MAT(1, T1), n1, row0, x, ldx, K, y1, ldy1, bias1); return; }
+    if (row0 < n1) { mmv_segment<T1, B, R, WG, MODE>(MAT(1, T1), n1, row0, x, ldx, K, y1, ldy1, bias1, nw, eps); return; }
     row0 -= n1;
-    if (row0 < n2) mmv_segment<T2, B, R, WG, MODE>(MAT(2, T2), n2, row0, x, ldx, K, y2, ldy2, bias2);
+    if (row0 < n2) mmv_segment<T2, B, R, WG, MODE>(MAT(2, T2), n2, row0, x, ldx, K, y2, ldy2, bias2, nw, eps);
 }
 
 // Gate and up projections in one pass, y = act(gate x) * (up x); ACT 0 = SiLU, 1 = GELU (tanh).
 // A row group takes R/2 rows of each.
 template <class T, int B, int R, int WG, int ACT>
 __global__ void __launch_bounds__(128) mmv_glu(PLANES(0), PLANES(1), int n, const float* __restrict__ x,
-                                               int ldx, int K, float* y, int ldy) {
+                                               int ldx, int K, float* y, int ldy, const float* __restrict__ nw,
+                                               float eps) {
     constexpr int H = R / 2;
     const int row0 = group_row0<H, WG>();
     Mat m[R]; int row[R];
@@ -138,7 +174,7 @@ __global__ void __launch_bounds__(128) mmv_glu(PLANES(0), PLANES(1), int n, cons
         row[r] = row[H + r] = min(row0 + r, n - 1);
     }
     float acc[R][B];
-    mmv_block<T, B, R, WG>(m, row, K, x, ldx, acc);
+    mmv_block<T, B, R, WG>(m, row, K, x, ldx, nw, eps, acc);
     if (!group_leader<WG>()) return;
 #pragma unroll
     for (int r = 0; r < H; ++r) {
@@ -196,11 +232,12 @@ __global__ void dequant_f16(PLANES(0), int rows, int K, u16* __restrict__ out) {
 #define INST(T)                                                                              \
     template __global__ void mmv_group<T, T, T, 1, 8, 4, 0>(PLANES(0), int, float*, int, const float*, \
         PLANES(1), int, float*, int, const float*, PLANES(2), int, float*, int, const float*,       \
-        const float*, int, int);                                                             \
+        const float*, int, int, const float*, float);                                        \
     template __global__ void mmv_group<T, T, T, 8, 1, 1, 1>(PLANES(0), int, float*, int, const float*, \
         PLANES(1), int, float*, int, const float*, PLANES(2), int, float*, int, const float*,       \
-        const float*, int, int);                                                             \
-    template __global__ void mmv_glu<T, 4, 2, 2, 1>(PLANES(0), PLANES(1), int, const float*, int, int, float*, int); \
+        const float*, int, int, const float*, float);                                        \
+    template __global__ void mmv_glu<T, 4, 2, 2, 1>(PLANES(0), PLANES(1), int, const float*, int, int, float*, int, \
+        const float*, float);                                                                \
     template __global__ void embed_rows<T>(PLANES(0), int, const int*, int, float*, int, float); \
     template __global__ void dequant_f16<T>(PLANES(0), int, int, u16*);
 INST(TF32) INST(TF16) INST(TBF16) INST(TQ4_0) INST(TQ4_1) INST(TQ5_0) INST(TQ5_1) INST(TQ8_0)

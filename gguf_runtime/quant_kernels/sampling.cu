@@ -101,102 +101,228 @@ DEV u32 order_key(float f) {  // monotone: larger float -> larger key
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-#define CAP 2048
+#define CAP 2048   // candidates the final block sorts
+#define TK_E 8      // logits per thread in the first phase: grid.x = ceil(n_vocab / (1024 * TK_E))
+#define TK_MAX 1024 // largest top-k
+
+DEV u32 key_float(u32 k) { return (k & 0x80000000u) ? (k & 0x7FFFFFFFu) : ~k; }  // inverse of order_key
+
+// Warp 0: the 8-bit digit of the `remaining`-th largest key among those counted in h (256 bins),
+// then prefix/prefix_mask/remaining updated for the next digit down.
+DEV void radix_pick(const u32* h, int shift, u32& prefix, u32& prefix_mask, int& remaining) {
+    const int lane = threadIdx.x;
+    u32 c[8], s = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) { c[j] = h[255 - 8 * lane - j]; s += c[j]; }  // lane 0: the top bins
+    u32 incl = s;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const u32 t = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += t;
+    }
+    const u32 excl = incl - s, need = (u32)remaining;
+    const bool mine = excl < need && need <= incl;
+    const bool any = __ballot_sync(0xffffffffu, mine) != 0u;
+    __syncwarp();
+    if (mine) {
+        u32 n = need - excl; int d = 255 - 8 * lane;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            if (c[j] >= n) break;
+            n -= c[j]; --d;
+        }
+        remaining = (int)n;
+        prefix |= (u32)d << shift;
+        prefix_mask |= 0xFFu << shift;
+    } else if (!any && lane == 0) {  // fewer keys than asked for (cannot happen): take digit 0
+        prefix_mask |= 0xFFu << shift;
+    }
+}
+
+// Adds 1 to the bin of every calling thread of the warp: one atomic per distinct bin.
+DEV void hist_add(u32* h, u32 bin) {
+    const unsigned peers = __match_any_sync(__activemask(), bin);
+    if ((threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&h[bin], (u32)__popc(peers));
+}
+
+// Block-wide inclusive prefix sum of one float per thread (blockDim.x == 1024); ws: 32 floats.
+DEV float block_scan(float v, float* ws) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const float t = __shfl_up_sync(0xffffffffu, v, o);
+        if (lane >= o) v += t;
+    }
+    if (lane == 31) ws[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        float w = ws[lane];
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const float t = __shfl_up_sync(0xffffffffu, w, o);
+            if (lane >= o) w += t;
+        }
+        ws[lane] = w;
+    }
+    __syncthreads();
+    const float r = v + (warp ? ws[warp - 1] : 0.f);
+    __syncthreads();
+    return r;
+}
 
 // Per sequence b: temp[b] <= 0 is greedy (argmax, ties: lowest id); otherwise top-k (k <= 1024) ->
 // top-p -> min-p -> temperature -> draw, as sampling.py's Sampler, with the draw's uniform number
-// from (seed[b], step[b]). One block of 1024 threads per sequence: radix-selects the k-th largest
-// logit, gathers the survivors, sorts them (value desc, id asc), then thread 0 walks the list.
+// from (seed[b], step[b]). Grid (n_blocks, rows), 1024 threads. Phase 1: each block radix-selects
+// the k largest logits of its slice (TK_E per thread, in registers; one shared atomic per distinct
+// digit per warp) and writes them to cand_v/cand_i. Phase 2: the last block of the row to finish
+// gathers the n_blocks * k candidates (radix-selecting again when they overflow CAP), sorts them
+// (value desc, id asc) and draws with block-wide prefix sums; it commits the token.
 extern "C" __global__ void __launch_bounds__(1024) topk_sample(
         const float* __restrict__ logits, int ld, int n_vocab, const int* __restrict__ top_k_,
         const float* __restrict__ top_p_, const float* __restrict__ min_p_, const float* __restrict__ temp_,
-        const unsigned long long* __restrict__ seed_, int* tokens, int* pos, int* hist, int* hist_n, int* step,
+        const unsigned long long* __restrict__ seed_, float* cand_v, int* cand_i, int* cand_n,
+        unsigned* counter, int* tokens, int* pos, int* hist, int* hist_n, int* step,
         int* ring, int ring_len, int n_seq, const int* __restrict__ seq, int slot0) {
     __shared__ u32 hist_c[256];
     __shared__ u32 prefix, prefix_mask;
-    __shared__ int remaining, n_cand;
+    __shared__ int remaining, n_cand, n_ties, first;
+    __shared__ bool last;
     __shared__ float cv[CAP];
     __shared__ int ci[CAP];
-    const int b = slot0 + blockIdx.x, tid = threadIdx.x;
+    __shared__ float ws[32];
+    const int b = slot0 + blockIdx.y, tid = threadIdx.x, nb = gridDim.x, blk = blockIdx.x;
     if (seq[b] < 0) return;
-    const float* x = logits + (long)blockIdx.x * ld;
-    const float temp = temp_[b], top_p = top_p_[b], min_p = min_p_[b];
-    const int top_k = min(max(top_k_[b], 1), min(n_vocab, 1024));
-    if (temp <= 0.f) {  // greedy
-        float best = -INFINITY; int bi = 0x7fffffff;
-        for (int i = tid; i < n_vocab; i += blockDim.x) {
-            const float v = x[i];
-            if (v > best) { best = v; bi = i; }
-        }
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, best, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (ov > best || (ov == best && oi < bi)) { best = ov; bi = oi; }
-        }
-        if ((tid & 31) == 0) { cv[tid >> 5] = best; ci[tid >> 5] = bi; }
-        __syncthreads();
-        if (tid == 0) {
-            for (int w = 1; w < (int)(blockDim.x >> 5); ++w)
-                if (cv[w] > best || (cv[w] == best && ci[w] < bi)) { best = cv[w]; bi = ci[w]; }
-            commit(b, bi == 0x7fffffff ? 0 : bi, tokens, pos, hist, hist_n, step, ring, ring_len, n_seq);
-        }
-        return;
+    const float* x = logits + (long)blockIdx.y * ld;
+    const float temp = temp_[b];
+    const int top_k = temp <= 0.f ? 1 : min(max(top_k_[b], 1), min(n_vocab, TK_MAX));
+    const int per = (n_vocab + nb - 1) / nb, lo = blk * per, hi = min(n_vocab, lo + per);
+    float* my_v = cand_v + ((long)b * nb + blk) * TK_MAX;
+    int* my_i = cand_i + ((long)b * nb + blk) * TK_MAX;
+
+    // ---- phase 1: the top_k largest of this block's slice ----
+    u32 key[TK_E];
+#pragma unroll
+    for (int e = 0; e < TK_E; ++e) {
+        const int i = lo + e * 1024 + tid;
+        key[e] = i < hi ? order_key(x[i]) : 0u;
     }
-    if (tid == 0) { prefix = 0; prefix_mask = 0; remaining = top_k; n_cand = 0; }
+    const int kk = min(top_k, max(hi - lo, 0));
+    if (tid == 0) { prefix = 0; prefix_mask = 0; remaining = kk; n_cand = 0; n_ties = 0; }
     __syncthreads();
-    // radix select, 8 bits at a time from the top: the key of the k-th largest logit
-    for (int shift = 24; shift >= 0; shift -= 8) {
-        for (int i = tid; i < 256; i += blockDim.x) hist_c[i] = 0;
-        __syncthreads();
-        const u32 pf = prefix, pm = prefix_mask;
-        for (int i = tid; i < n_vocab; i += blockDim.x) {
-            const u32 k = order_key(x[i]);
-            if ((k & pm) == pf) atomicAdd(&hist_c[(k >> shift) & 0xFFu], 1u);
+    if (kk > 0) {
+        for (int shift = 24; shift >= 0; shift -= 8) {
+            if (tid < 256) hist_c[tid] = 0;
+            __syncthreads();
+            const u32 pf = prefix, pm = prefix_mask;
+#pragma unroll
+            for (int e = 0; e < TK_E; ++e)
+                if (lo + e * 1024 + tid < hi && (key[e] & pm) == pf) hist_add(hist_c, (key[e] >> shift) & 0xFFu);
+            __syncthreads();
+            if (tid < 32) radix_pick(hist_c, shift, prefix, prefix_mask, remaining);
+            __syncthreads();
         }
-        __syncthreads();
-        if (tid == 0) {
-            int need = remaining, d = 255;
-            for (; d > 0; --d) {
-                if ((int)hist_c[d] >= need) break;
-                need -= hist_c[d];
+        const u32 kth = prefix;
+        const int take = remaining;  // how many keys equal to kth, lowest ids first
+        int my_ties = 0;
+#pragma unroll
+        for (int e = 0; e < TK_E; ++e) {
+            const int i = lo + e * 1024 + tid;
+            if (i < hi && key[e] > kth) {
+                const int c = atomicAdd(&n_cand, 1);
+                my_v[c] = u2f(key_float(key[e])); my_i[c] = i;
             }
-            remaining = need;
-            prefix = pf | ((u32)d << shift);
-            prefix_mask = pm | (0xFFu << shift);
+            my_ties += i < hi && key[e] == kth;
         }
+        if (my_ties) atomicAdd(&n_ties, my_ties);
         __syncthreads();
+        const int base = kk - take;  // keys above kth, already written
+        if (n_ties == take) {  // the usual case: every tie is taken
+#pragma unroll
+            for (int e = 0; e < TK_E; ++e) {
+                const int i = lo + e * 1024 + tid;
+                if (i < hi && key[e] == kth) {
+                    const int c = atomicAdd(&n_cand, 1);
+                    my_v[c] = u2f(key_float(kth)); my_i[c] = i;
+                }
+            }
+        } else {  // more ties than places: take them in id order (id = lo + e*1024 + tid)
+            int taken = 0;
+            for (int e = 0; e < TK_E && taken < take; ++e) {
+                const int i = lo + e * 1024 + tid;
+                const bool t = i < hi && key[e] == kth;
+                const unsigned bal = __ballot_sync(0xffffffffu, t);
+                if ((tid & 31) == 0) ws[tid >> 5] = __int_as_float(__popc(bal));
+                __syncthreads();
+                int before = 0, total = 0;
+                for (int w = 0; w < 32; ++w) {
+                    const int cw = __float_as_int(ws[w]);
+                    before += w < (tid >> 5) ? cw : 0;
+                    total += cw;
+                }
+                const int rank = taken + before + __popc(bal & ((1u << (tid & 31)) - 1u));
+                if (t && rank < take) { my_v[base + rank] = u2f(key_float(kth)); my_i[base + rank] = i; }
+                taken += total;
+                __syncthreads();
+            }
+        }
     }
-    const u32 kth = prefix;
-    // gather keys > kth, then the lowest ids among keys == kth
-    for (int i = tid; i < n_vocab; i += blockDim.x) {
-        const float v = x[i];
-        if (order_key(v) > kth) {
+    __threadfence();  // every thread's candidates are visible before the count below
+    __syncthreads();
+    if (tid == 0) {
+        cand_n[b * nb + blk] = kk;
+        __threadfence();
+        last = atomicAdd(&counter[b], 1u) == (unsigned)(nb - 1);
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+
+    // ---- phase 2 (the row's last block): the top_k of all candidates, sorted ----
+    const volatile float* av = cand_v + (long)b * nb * TK_MAX;
+    const volatile int* ai = cand_i + (long)b * nb * TK_MAX;
+    const volatile int* an = cand_n + b * nb;
+    int total = 0;
+    for (int k = 0; k < nb; ++k) total += an[k];
+    if (tid == 0) { prefix = 0; prefix_mask = 0; remaining = min(top_k, total); n_cand = 0; }
+    __syncthreads();
+    const int slots = nb * TK_MAX;  // candidate j of block k sits at k * TK_MAX + j
+    if (total > CAP) {  // radix-select the top_k-th key among the candidates
+        for (int shift = 24; shift >= 0; shift -= 8) {
+            if (tid < 256) hist_c[tid] = 0;
+            __syncthreads();
+            const u32 pf = prefix, pm = prefix_mask;
+            for (int s = tid; s < slots; s += 1024) {
+                if ((s % TK_MAX) >= an[s / TK_MAX]) continue;
+                const u32 k = order_key(av[s]);
+                if ((k & pm) == pf) atomicAdd(&hist_c[(k >> shift) & 0xFFu], 1u);
+            }
+            __syncthreads();
+            if (tid < 32) radix_pick(hist_c, shift, prefix, prefix_mask, remaining);
+            __syncthreads();
+        }
+    }
+    const u32 kth = total > CAP ? prefix : 0u;
+    for (int s = tid; s < slots; s += 1024) {  // keys >= kth (ties past CAP are dropped: pathological)
+        if ((s % TK_MAX) >= an[s / TK_MAX]) continue;
+        const float v = av[s];
+        if (order_key(v) >= kth) {
             const int c = atomicAdd(&n_cand, 1);
-            if (c < CAP) { cv[c] = v; ci[c] = i; }
+            if (c < CAP) { cv[c] = v; ci[c] = ai[s]; }
         }
     }
     __syncthreads();
-    if (tid == 0) {  // ties at the boundary, in id order (rare: a serial scan is fine)
-        int need = remaining, c = min(n_cand, CAP);
-        for (int i = 0; i < n_vocab && need > 0 && c < CAP; ++i)
-            if (order_key(x[i]) == kth) { cv[c] = x[i]; ci[c] = i; ++c; --need; }
-        n_cand = c;
-    }
-    __syncthreads();
-    const int nc = n_cand;
+    const int nc = min(n_cand, CAP);
     int size = 1;
     while (size < nc) size <<= 1;
-    for (int i = nc + tid; i < size; i += blockDim.x) { cv[i] = -INFINITY; ci[i] = 0x7fffffff; }
+    for (int i = nc + tid; i < size; i += 1024) { cv[i] = -INFINITY; ci[i] = 0x7fffffff; }
     __syncthreads();
-    // bitonic sort, descending by value, ascending id on ties
-    for (int k = 2; k <= size; k <<= 1)
+    for (int k = 2; k <= size; k <<= 1)  // bitonic sort, descending by value, ascending id on ties
         for (int j = k >> 1; j > 0; j >>= 1) {
-            for (int i = tid; i < size; i += blockDim.x) {
+            for (int i = tid; i < size; i += 1024) {
                 const int o = i ^ j;
                 if (o > i) {
                     const bool a_first = cv[i] > cv[o] || (cv[i] == cv[o] && ci[i] < ci[o]);
-                    const bool desc = (i & k) == 0;
-                    if (desc != a_first) {
+                    if (((i & k) == 0) != a_first) {
                         const float tv = cv[i]; cv[i] = cv[o]; cv[o] = tv;
                         const int ti = ci[i]; ci[i] = ci[o]; ci[o] = ti;
                     }
@@ -204,34 +330,40 @@ extern "C" __global__ void __launch_bounds__(1024) topk_sample(
             }
             __syncthreads();
         }
-    if (tid != 0) return;
-    int n = min(nc, top_k);
-    const double m = cv[0];
-    if (top_p < 1.f) {  // smallest prefix whose probability reaches top_p
-        double z = 0.0;
-        for (int i = 0; i < n; ++i) z += exp((double)cv[i] - m);
-        double cum = 0.0; int keep = n;
-        for (int i = 0; i < n; ++i) {
-            cum += exp((double)cv[i] - m) / z;
-            if (cum >= top_p) { keep = i + 1; break; }
+
+    // ---- the draw: top-p, min-p, temperature over the sorted list (block-wide scans) ----
+    int n = min(nc, top_k), pick = 0;
+    if (temp > 0.f && n > 1) {
+        const float m = cv[0], top_p = top_p_[b], min_p = min_p_[b];
+        const bool in = tid < n;
+        if (top_p < 1.f) {  // smallest prefix whose probability reaches top_p
+            const float e = in ? __expf(cv[tid] - m) : 0.f;
+            const float cum = block_scan(e, ws);
+            if (tid == 1023) ws[0] = cum;
+            if (tid == 0) first = n;
+            __syncthreads();
+            const float z = ws[0];
+            if (in && cum >= top_p * z) atomicMin(&first, tid + 1);
+            __syncthreads();
+            n = first;
         }
-        n = keep;
+        if (min_p > 0.f) {
+            const float thr = m + logf(min_p);
+            n = max(__syncthreads_count(tid < n && cv[tid] >= thr), 1);
+        }
+        const float w = tid < n ? __expf((cv[tid] - m) / temp) : 0.f;
+        const float cum = block_scan(w, ws);
+        if (tid == 1023) ws[0] = cum;
+        if (tid == 0) first = n - 1;
+        __syncthreads();
+        const u64 r = splitmix64(seed_[b] ^ splitmix64((u64)step[b] * 0x100000001B3ull));
+        const float target = (float)((double)(r >> 11) * (1.0 / 9007199254740992.0)) * ws[0];
+        if (tid < n && target < cum) atomicMin(&first, tid);
+        __syncthreads();
+        pick = first;
     }
-    if (min_p > 0.f) {
-        const double thr = m + log((double)min_p);
-        int keep = 0;
-        while (keep < n && (double)cv[keep] >= thr) ++keep;
-        n = max(keep, 1);
-    }
-    double z = 0.0;
-    for (int i = 0; i < n; ++i) z += exp(((double)cv[i] - m) / temp);
-    const u64 r = splitmix64(seed_[b] ^ splitmix64((u64)step[b] * 0x100000001B3ull));
-    const double u = (double)(r >> 11) * (1.0 / 9007199254740992.0);
-    const double target = u * z;
-    double cum = 0.0; int pick = n - 1;
-    for (int i = 0; i < n; ++i) {
-        cum += exp(((double)cv[i] - m) / temp);
-        if (target < cum) { pick = i; break; }
-    }
-    commit(b, ci[pick], tokens, pos, hist, hist_n, step, ring, ring_len, n_seq);
+    if (tid != 0) return;
+    counter[b] = 0;
+    const int tok = ci[pick];
+    commit(b, (tok < 0 || tok >= n_vocab) ? 0 : tok, tokens, pos, hist, hist_n, step, ring, ring_len, n_seq);
 }
