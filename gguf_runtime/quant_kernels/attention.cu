@@ -89,25 +89,28 @@ __global__ void __launch_bounds__(128) attn_split(
     __syncthreads();
     if (!last) return;
     __threadfence();
-    // merge: per head the softmax weights of the splits (n_split <= 32), then the weighted sums
-    __shared__ float wt[G][32];
+    // merge: per head the softmax weights of the splits (n_split <= 32), then the weighted sums.
+    // Every (max, sum) pair is staged in shared memory by one parallel load: a serial walk over
+    // global memory here cost one L2 round trip per split (measured ~6 us of ~9.5 on SmolLM2).
+    __shared__ float wt[G][32], wl[G][32];
     for (int idx = threadIdx.x; idx < G * n_split; idx += blockDim.x) {
         const int g = idx / n_split, k = idx % n_split;
-        wt[g][k] = __ldcg(part_ml + 2 * (((long)t * n_head + hk * G + g) * n_split + k));
+        const float2 ml = __ldcg(reinterpret_cast<const float2*>(part_ml) + (((long)t * n_head + hk * G + g) * n_split + k));
+        wt[g][k] = ml.x;
+        wl[g][k] = ml.y;
     }
     __syncthreads();
-    if (threadIdx.x < G) {
-        const int g = threadIdx.x;
-        const long slot0 = ((long)t * n_head + hk * G + g) * n_split;
-        float M = -INFINITY, L = 0.f;
-        for (int k = 0; k < n_split; ++k) M = fmaxf(M, wt[g][k]);
-        for (int k = 0; k < n_split; ++k) {
-            const float f = M > -INFINITY ? __expf(wt[g][k] - M) : 0.f;
-            wt[g][k] = f;
-            L += __ldcg(part_ml + 2 * (slot0 + k) + 1) * f;
-        }
+    for (int g = warp; g < G; g += 4) {  // warp w merges heads w, w + 4: lane k holds split k
+        const float mk = lane < n_split ? wt[g][lane] : -INFINITY;
+        float M = mk;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+        const float f = (lane < n_split && M > -INFINITY) ? __expf(mk - M) : 0.f;
+        float L = (lane < n_split ? wl[g][lane] : 0.f) * f;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
         const float inv = L > 0.f ? 1.f / L : 0.f;
-        for (int k = 0; k < n_split; ++k) wt[g][k] *= inv;
+        if (lane < n_split) wt[g][lane] = f * inv;
     }
     __syncthreads();
     for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
