@@ -8,8 +8,10 @@ py=python3
 [ -f $T/smollm2.gguf ] || $py -m gguf_runtime synth --fill twins/smollm2.hdr.gguf -o $T/smollm2.gguf -q
 [ -f $T/llama3-8b.gguf ] || $py -m gguf_runtime synth --preset llama3-8b-q4_k_m -o $T/llama3-8b.gguf -q
 rc=0
-echo "== load test, SmolLM2 twin, --max-batch 64"
-$py bench/serve_load.py load --spawn $T/smollm2.gguf --serve-arg=--max-batch=64 2>&1 | tee $OUT/serve_load_smollm2.log | tail -25 || rc=1
+if [ -z "${SKIP_LOAD:-}" ]; then
+  echo "== load test, SmolLM2 twin, --max-batch 64"
+  $py bench/serve_load.py load --spawn $T/smollm2.gguf --serve-arg=--max-batch=64 2>&1 | tee $OUT/serve_load_smollm2.log | tail -25 || rc=1
+fi
 echo "== bench, SmolLM2 twin"
 $py bench/serve_load.py bench --spawn $T/smollm2.gguf --clients 1,8,32,64 --tokens 128 \
     --json $OUT/serve_bench_smollm2.json 2>&1 | tail -12 || rc=1

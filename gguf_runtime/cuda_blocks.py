@@ -74,6 +74,7 @@ class CudaBlocks:
         self.seq = ws.seq  # row -> sequence slot, for the rows of the current call
         self.mma = False  # tensor-core kernels for > MAX_MMV_TOKENS rows (capturable) instead of cuBLAS
         self.fuse_norm = True  # matvec path: RMSNorm inside the matvec that reads it (False: a norm kernel)
+        self.fuse_rope = True  # matvec path: RoPE + KV write in the QKV epilogue where possible (False: rope_kv)
         if ws.max_rows > L.MAX_MMV_TOKENS:
             biggest = max(m.rows * m.cols for n, m in w.mats.items() if n not in ("token_embd.weight", "output.weight"))
             ws.w16 = cp.zeros(biggest, cp.float16)
@@ -149,11 +150,21 @@ class CudaBlocks:
         cols = [0, hq, hq + hk]
         biases = [p + "attn_q.bias", p + "attn_k.bias", p + "attn_v.bias"] if cfg.attn_bias else [None] * 3
         ld = qkv.strides[0] // 4
-        if self._small(t):
+        kc, vc = self.kv.layer(layer)
+        qn = self.w.vec(p + "attn_q_norm.weight").data.ptr if cfg.qk_norm else None
+        kn = self.w.vec(p + "attn_k_norm.weight").data.ptr if cfg.qk_norm else None
+        rope = L.RopeKV(qkv.data.ptr, ld, cfg.n_head, cfg.n_head_kv, d, cfg.head_dim_v, cfg.rope.n_dims,
+                        cfg.rope.style == ROPE_NEOX, qn, kn, cfg.rms_eps, self.inv_freq[cfg.rope_key(layer)].data.ptr,
+                        positions.data.ptr, self.seq.data.ptr, self.kv.table.data.ptr, self.kv.max_pages,
+                        self.kv.page_size, kc, vc)
+        if self._small(t):  # RoPE + KV write in the matvec's epilogue where it can (else a rope_kv launch)
             L.mmv(self.k, [self.w.mat(n) for n in names], [(qkv.data.ptr + 4 * c, ld) for c in cols],
                   [self.w.vec(b).data.ptr if b else None for b in biases], h.data.ptr, h.strides[0] // 4, t, 0,
-                  norm=norm)
-        elif self.mma:
+                  norm=norm, rope=rope if self.fuse_rope else None)
+            if not self.fuse_rope:
+                rope.launch(self.k, 0, t)
+            return qkv
+        if self.mma:
             L.mma(self.k, [self.w.mat(n) for n in names], [(qkv.data.ptr + 4 * c, ld) for c in cols],
                   [self.w.vec(b).data.ptr if b else None for b in biases], ws.x16.data.ptr, ws.x16.strides[0] // 2,
                   t, 0)
@@ -163,14 +174,7 @@ class CudaBlocks:
                 self._gemm(h, n, out, accumulate=False)
                 if b:
                     L.add_bias(self.k, out.data.ptr, ld, self.w.vec(b).data.ptr, self.w.mat(n).rows, t)
-        kc, vc = self.kv.layer(layer)
-        qn = self.w.vec(p + "attn_q_norm.weight").data.ptr if cfg.qk_norm else None
-        kn = self.w.vec(p + "attn_k_norm.weight").data.ptr if cfg.qk_norm else None
-        seq = self.seq[:t]
-        L.rope_kv(self.k, qkv.data.ptr, ld, t, cfg.n_head, cfg.n_head_kv, d, cfg.head_dim_v, cfg.rope.n_dims,
-                  cfg.rope.style == ROPE_NEOX, qn, kn, cfg.rms_eps, self.inv_freq[cfg.rope_key(layer)].data.ptr,
-                  positions.data.ptr, seq.data.ptr, self.kv.table.data.ptr, self.kv.max_pages, self.kv.page_size,
-                  kc, vc)
+        rope.launch(self.k, 0, t)
         return qkv
 
     def attend(self, layer: int, q: cp.ndarray, positions: cp.ndarray) -> cp.ndarray:

@@ -174,6 +174,53 @@ def test_rmsnorm_with_residual(k):
     assert rel(rd.get(), res + ref) < 1e-5
 
 
+@pytest.mark.parametrize("t", [1, 3, 4, 8])
+@pytest.mark.parametrize("d,n_rot,hq,hkv,name", [(64, 64, 9, 3, "Q4_1"), (128, 64, 8, 2, "Q4_K")])
+def test_qkv_matvec_with_fused_rope_kv(k, t, d, n_rot, hq, hkv, name):
+    """mmv with rope= (RoPE and the KV write in the epilogue where row groups are rope pairs, a
+    rope_kv launch for the other token chunks) equals mmv followed by rope_kv: Q in place, K and V
+    in the paged cache; a padding row (seq < 0) writes nothing; with a bias and the fused norm."""
+    rng = np.random.default_rng()
+    keep = []
+    cols, page, max_pages = cols_for(name, 2), 16, 4
+    mats = [upload(name, n * d, cols, rng, keep) for n in (hq, hkv, hkv)]
+    x = rng.standard_normal((t, cols)).astype(np.float32)
+    nw = (1 + 0.2 * rng.standard_normal(cols)).astype(np.float32)
+    bias = [rng.standard_normal(n * d).astype(np.float32) for n in (hq, hkv, hkv)]
+    pos = np.array([0, 17, 40, 5, 33, 2, 63, 16][:t], np.int32)
+    seq = np.zeros(t, np.int32)
+    if t > 1:
+        seq[1] = -1  # padding
+    inv = 10000.0 ** (-np.arange(0, n_rot, 2) / n_rot)
+    table = np.array([[3, 0, 2, 1]], np.int32)
+    dev = {n: cp.asarray(a) for n, a in dict(x=x, nw=nw, pos=pos, seq=seq, inv=inv, table=table).items()}
+    bd = [cp.asarray(b) for b in bias]
+    width = (hq + 2 * hkv) * d
+    outs = []
+    for fused in (False, True):
+        qkv = cp.full((t, width), POISON, cp.float32)
+        kc = cp.full((4, hkv, page, d), POISON, cp.float32)
+        vc = cp.full((4, hkv, page, d), POISON, cp.float32)
+        rope = L.RopeKV(qkv.data.ptr, width, hq, hkv, d, d, n_rot, False, None, None, 1e-6, dev["inv"].data.ptr,
+                        dev["pos"].data.ptr, dev["seq"].data.ptr, dev["table"].data.ptr, max_pages, page,
+                        kc.data.ptr, vc.data.ptr)
+        assert rope.fusable
+        L.mmv(k, [m for m, _ in mats], [(qkv.data.ptr + 4 * c, width) for c in (0, hq * d, (hq + hkv) * d)],
+              [b.data.ptr for b in bd], dev["x"].data.ptr, cols, t, 0, norm=(dev["nw"].data.ptr, 1e-5),
+              rope=rope if fused else None)
+        if not fused:
+            rope.launch(k, 0, t)
+        cp.cuda.runtime.deviceSynchronize()
+        outs.append((qkv.get()[:, :hq * d], kc.get(), vc.get()))
+    (q0, k0, v0), (q1, k1, v1) = outs
+    live = seq >= 0
+    assert rel(q1[live], q0[live]) < 1e-6
+    np.testing.assert_array_equal(np.isnan(k1), np.isnan(k0))  # the same cache slots written
+    assert rel(np.nan_to_num(k1), np.nan_to_num(k0)) < 1e-6
+    assert rel(np.nan_to_num(v1), np.nan_to_num(v0)) < 1e-6
+    assert np.isfinite(k1).sum() == live.sum() * hkv * d  # the padding row wrote nothing
+
+
 def rms(v, w, eps):
     return v / np.sqrt((v.astype(np.float64) ** 2).mean(-1, keepdims=True) + eps) * w
 

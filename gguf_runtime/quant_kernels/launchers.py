@@ -159,17 +159,66 @@ def token_chunks(b: int) -> list[tuple[int, int]]:
     return out
 
 
+@dataclass(frozen=True)
+class RopeKV:
+    """The arguments of rope_kv (RoPE on the Q and K heads of fused QKV rows, K and V into the
+    paged cache at pos[t]); pointers are of row 0."""
+
+    qkv: int
+    ld: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    head_dim_v: int
+    n_rot: int
+    neox: bool
+    qnw: int | None
+    knw: int | None
+    eps: float
+    inv_freq: int
+    pos: int
+    seq: int
+    table: int
+    max_pages: int
+    page_size: int
+    kcache: int
+    vcache: int
+
+    @property
+    def fusable(self) -> bool:
+        """Whether the QKV matvec's epilogue can do it (rope pairs (2i, 2i+1), no per-head norm)."""
+        return (not self.neox and self.qnw is None and self.knw is None and self.head_dim == self.head_dim_v
+                and self.head_dim % 2 == 0 and self.n_rot % 2 == 0)
+
+    def launch(self, k: Kernels, row: int, rows: int) -> None:
+        rope_kv(k, self.qkv + 4 * row * self.ld, self.ld, rows, self.n_head, self.n_head_kv, self.head_dim,
+                self.head_dim_v, self.n_rot, self.neox, self.qnw, self.knw, self.eps, self.inv_freq,
+                self.pos + 4 * row, self.seq + 4 * row, self.table, self.max_pages, self.page_size, self.kcache,
+                self.vcache)
+
+    def fused_args(self, row: int) -> tuple:
+        return (ptr(self.pos + 4 * row), ptr(self.seq + 4 * row), ptr(self.table), i32(self.max_pages),
+                i32(self.page_size), ptr(self.inv_freq), i32(self.n_rot), i32(self.head_dim), i32(self.n_head_kv),
+                ptr(self.kcache), ptr(self.vcache))
+
+
+NO_ROPE = (ptr(0), ptr(0), ptr(0), i32(0), i32(0), ptr(0), i32(0), i32(0), i32(0), ptr(0), ptr(0))
+
+
 def mmv(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases: Sequence[int | None],
         x: int, ldx: int, b: int, mode: int, config: tuple[int, int] | None = None,
-        norm: tuple[int, float] | None = None) -> None:
+        norm: tuple[int, float] | None = None, rope: RopeKV | None = None) -> None:
     """y_i[t, :] (=|+=) W_i x[t, :] (+ bias_i) for up to 3 matrices sharing x; t < b <= 8.
     ``norm`` = (weight, eps): x is RMS-normalized first (fused, see matvec.cu).
+    ``rope``: the outputs are Q, K, V rows, and RoPE + the KV-cache write follow: fused into the
+    epilogue where the row groups are rope pairs (R = 2, one warp), else a rope_kv launch.
     ``config`` = (R, WG) overrides the automatic choice (bench/matvec_variants.py)."""
     assert 1 <= len(mats) <= 3 and 1 <= b <= MAX_MMV_TOKENS
     cols = mats[0].cols
     total = sum(m.rows for m in mats)
     for row, n in token_chunks(b):
         r, wg = config or mmv_config([m.struct for m in mats], [m.rows for m in mats], cols, n)
+        fused = rope is not None and mode == 0 and (r, wg) == (2, 1) and rope.fusable and len(mats) == 3
         fn = k.fn("matvec.cu", mmv_name([m.struct for m in mats], n, r, wg, mode))
         args: list = []
         for i in range(3):
@@ -180,7 +229,10 @@ def mmv(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases
                 args += [ptr(0)] * 4 + [i32(0), ptr(0), i32(0), ptr(0)]
         per_block = r * 4 // wg
         fn(((total + per_block - 1) // per_block,), (128,),
-           (*args, ptr(x + 4 * row * ldx), i32(ldx), i32(cols), *_norm_args(norm)))
+           (*args, ptr(x + 4 * row * ldx), i32(ldx), i32(cols), *_norm_args(norm),
+            *(rope.fused_args(row) if fused else NO_ROPE)))
+        if rope is not None and not fused:
+            rope.launch(k, row, n)
 
 
 def _norm_args(norm: tuple[int, float] | None) -> tuple[np.uint64, np.float32]:

@@ -112,6 +112,39 @@ DEV void mmv_block(const Mat (&m)[R], const int (&row)[R], int K, const float* _
         }
 }
 
+// RoPE and the KV-cache write fused into the QKV product (pos null: off). Needs R == 2 (a rope pair
+// (2i, 2i+1) in one thread: the non-NEOX layout), no per-head norm, head_dim_v == head_dim; Q rows
+// are rotated in place, K rows rotated into the cache at pos[b], V rows copied into the cache.
+// Same arithmetic as layers.cu's rope_kv (double sincos, f32 rotation).
+struct RopeArgs {
+    const int* pos; const int* seq; const int* table; int max_pages, page_size;
+    const double* freq; int n_rot, hd, n_kv; float* kc; float* vc;
+};
+
+template <int R, int B>
+DEV void rope_store(const RopeArgs& ra, int seg, int row0, float (&v)[R][B], float* y, int ldy) {
+    const int head = row0 / ra.hd, i = row0 % ra.hd;
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+        if (ra.seq[b] < 0) continue;
+        const int p = ra.pos[b];
+        float y0 = v[0][b], y1 = v[1][b];
+        if (seg < 2 && i < ra.n_rot) {
+            double sn, cs;
+            sincos((double)p * ra.freq[i >> 1], &sn, &cs);
+            const float cf = (float)cs, sf = (float)sn;
+            const float a = y0 * cf - y1 * sf, c = y0 * sf + y1 * cf;
+            y0 = a; y1 = c;
+        }
+        if (seg == 0) { y[(long)b * ldy + row0] = y0; y[(long)b * ldy + row0 + 1] = y1; continue; }
+        const int pi = p / ra.page_size;
+        const int page = pi < ra.max_pages ? ra.table[(long)ra.seq[b] * ra.max_pages + pi] : -1;
+        if (page < 0) continue;  // past the sequence's pages: write nothing (as rope_kv)
+        float* dst = (seg == 1 ? ra.kc : ra.vc) + (((long)page * ra.n_kv + head) * ra.page_size + p % ra.page_size) * ra.hd + i;
+        dst[0] = y0; dst[1] = y1;
+    }
+}
+
 // The first row of this thread's row group, and whether the thread writes its results.
 template <int R, int WG>
 DEV int group_row0() { return (blockIdx.x * (4 / WG) + threadIdx.x / (32 * WG)) * R; }
@@ -122,13 +155,25 @@ DEV bool group_leader() { return threadIdx.x % (32 * WG) == 0; }
 // MODE 0: y = W x (+ bias)   MODE 1: y += W x (the residual add)
 template <class T, int B, int R, int WG, int MODE>
 DEV void mmv_segment(const Mat& mat, int n, int row0, const float* x, int ldx, int K, float* y, int ldy,
-                     const float* bias, const float* nw, float eps) {
+                     const float* bias, const float* nw, float eps, const RopeArgs& ra, int seg) {
     Mat m[R]; int row[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) { m[r] = mat; row[r] = min(row0 + r, n - 1); }
     float acc[R][B];
     mmv_block<T, B, R, WG>(m, row, K, x, ldx, nw, eps, acc);
     if (!group_leader<WG>()) return;
+    if constexpr (R == 2 && MODE == 0) {
+        if (ra.pos) {  // the launcher guarantees whole row groups (n % 8 == 0)
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const float bv = bias ? bias[row0 + r] : 0.f;
+#pragma unroll
+                for (int b = 0; b < B; ++b) acc[r][b] += bv;
+            }
+            rope_store<R, B>(ra, seg, row0, acc, y, ldy);
+            return;
+        }
+    }
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         if (row0 + r >= n) break;
@@ -150,13 +195,16 @@ __global__ void __launch_bounds__(128) mmv_group(
         PLANES(0), int n0, float* y0, int ldy0, const float* bias0,
         PLANES(1), int n1, float* y1, int ldy1, const float* bias1,
         PLANES(2), int n2, float* y2, int ldy2, const float* bias2,
-        const float* __restrict__ x, int ldx, int K, const float* __restrict__ nw, float eps) {
+        const float* __restrict__ x, int ldx, int K, const float* __restrict__ nw, float eps,
+        const int* rpos, const int* rseq, const int* rtable, int rmax_pages, int rpage_size,
+        const double* rfreq, int rn_rot, int rhd, int rn_kv, float* rkc, float* rvc) {
+    const RopeArgs ra{rpos, rseq, rtable, rmax_pages, rpage_size, rfreq, rn_rot, rhd, rn_kv, rkc, rvc};
     int row0 = group_row0<R, WG>();
-    if (row0 < n0) { mmv_segment<T0, B, R, WG, MODE>(MAT(0, T0), n0, row0, x, ldx, K, y0, ldy0, bias0, nw, eps); return; }
+    if (row0 < n0) { mmv_segment<T0, B, R, WG, MODE>(MAT(0, T0), n0, row0, x, ldx, K, y0, ldy0, bias0, nw, eps, ra, 0); return; }
     row0 -= n0;
-    if (row0 < n1) { mmv_segment<T1, B, R, WG, MODE>(MAT(1, T1), n1, row0, x, ldx, K, y1, ldy1, bias1, nw, eps); return; }
+    if (row0 < n1) { mmv_segment<T1, B, R, WG, MODE>(MAT(1, T1), n1, row0, x, ldx, K, y1, ldy1, bias1, nw, eps, ra, 1); return; }
     row0 -= n1;
-    if (row0 < n2) mmv_segment<T2, B, R, WG, MODE>(MAT(2, T2), n2, row0, x, ldx, K, y2, ldy2, bias2, nw, eps);
+    if (row0 < n2) mmv_segment<T2, B, R, WG, MODE>(MAT(2, T2), n2, row0, x, ldx, K, y2, ldy2, bias2, nw, eps, ra, 2);
 }
 
 // Gate and up projections in one pass, y = act(gate x) * (up x); ACT 0 = SiLU, 1 = GELU (tanh).
@@ -229,13 +277,17 @@ __global__ void dequant_f16(PLANES(0), int rows, int K, u16* __restrict__ out) {
 }
 
 #ifdef GGUF_INSTANTIATE_ALL  // nvcc syntax check in CI: one instantiation of each kernel per type
+#define ROPE_ARGS const int*, const int*, const int*, int, int, const double*, int, int, int, float*, float*
 #define INST(T)                                                                              \
     template __global__ void mmv_group<T, T, T, 1, 8, 4, 0>(PLANES(0), int, float*, int, const float*, \
         PLANES(1), int, float*, int, const float*, PLANES(2), int, float*, int, const float*,       \
-        const float*, int, int, const float*, float);                                        \
+        const float*, int, int, const float*, float, ROPE_ARGS);                             \
     template __global__ void mmv_group<T, T, T, 8, 1, 1, 1>(PLANES(0), int, float*, int, const float*, \
         PLANES(1), int, float*, int, const float*, PLANES(2), int, float*, int, const float*,       \
-        const float*, int, int, const float*, float);                                        \
+        const float*, int, int, const float*, float, ROPE_ARGS);                             \
+    template __global__ void mmv_group<T, T, T, 2, 2, 1, 0>(PLANES(0), int, float*, int, const float*, \
+        PLANES(1), int, float*, int, const float*, PLANES(2), int, float*, int, const float*,       \
+        const float*, int, int, const float*, float, ROPE_ARGS);                             \
     template __global__ void mmv_glu<T, 4, 2, 2, 1>(PLANES(0), PLANES(1), int, const float*, int, int, float*, int, \
         const float*, float);                                                                \
     template __global__ void embed_rows<T>(PLANES(0), int, const int*, int, float*, int, float); \
