@@ -73,8 +73,6 @@ class CudaBlocks:
         self.inv_freq = inv_freq
         self.seq = ws.seq  # row -> sequence slot, for the rows of the current call
         self.mma = False  # tensor-core kernels for > MAX_MMV_TOKENS rows (capturable) instead of cuBLAS
-        self.fuse_norm = True  # matvec path: RMSNorm inside the matvec that reads it (False: a norm kernel)
-        self.fuse_rope = True  # matvec path: RoPE + KV write in the QKV epilogue where possible (False: rope_kv)
         if ws.max_rows > L.MAX_MMV_TOKENS:
             biggest = max(m.rows * m.cols for n, m in w.mats.items() if n not in ("token_embd.weight", "output.weight"))
             ws.w16 = cp.zeros(biggest, cp.float16)
@@ -126,7 +124,7 @@ class CudaBlocks:
         for the matvec to fuse); otherwise (ws.h, None) with ws.h (and ws.x16 on the tensor-core
         path) normalized by a norm kernel."""
         t = x.shape[0]
-        if self._small(t) and self.fuse_norm and x.shape[1] <= FUSE_NORM_MAX_COLS:
+        if self._small(t) and x.shape[1] <= FUSE_NORM_MAX_COLS:
             return x, (self.w.vec(name).data.ptr, self.cfg.rms_eps)
         h = self.ws.h[:t]
         self._norm(x, name, h, f16=self._big_mma(t))
@@ -160,9 +158,7 @@ class CudaBlocks:
         if self._small(t):  # RoPE + KV write in the matvec's epilogue where it can (else a rope_kv launch)
             L.mmv(self.k, [self.w.mat(n) for n in names], [(qkv.data.ptr + 4 * c, ld) for c in cols],
                   [self.w.vec(b).data.ptr if b else None for b in biases], h.data.ptr, h.strides[0] // 4, t, 0,
-                  norm=norm, rope=rope if self.fuse_rope else None)
-            if not self.fuse_rope:
-                rope.launch(self.k, 0, t)
+                  norm=norm, rope=rope)
             return qkv
         if self.mma:
             L.mma(self.k, [self.w.mat(n) for n in names], [(qkv.data.ptr + 4 * c, ld) for c in cols],
