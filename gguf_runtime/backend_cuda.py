@@ -81,6 +81,7 @@ class CudaBackend:
             self.blocks = CudaBlocks(cfg, self.weights, self.kv, self.ws, self.kernels, self.inv_freq)
             self._init_slots()
             self._precompile()
+            self.blocks.load_f16()
         except cp.cuda.memory.OutOfMemoryError as e:
             raise BackendError(f"the GPU ran out of memory loading the model ({e}); "
                                "lower --ctx-size or --max-batch, or use a smaller model") from None
@@ -129,18 +130,18 @@ class CudaBackend:
                 mm += [L.mmv_name(structs, b, *L.mmv_config(structs, rows, mats[0].cols, b), mode)
                        for b in L.MMV_TOKENS]
                 if self.max_batch > L.MAX_MMV_TOKENS:
-                    mma += [L.mma_name(structs, *L.mma_config(rows, b), mode) for b in BUCKETS
+                    mma += [L.mma_name(structs, *L.mma_config(rows, b, mats[0].cols * mode)[:2], mode) for b in BUCKETS
                             if L.MAX_MMV_TOKENS < b <= self.max_batch]
         act = L.ACT[cfg.activation]
         mm += [L.glu_name(s, b, *L.glu_config(s, n, c, b), act) for s, n, c in glu for b in L.MMV_TOKENS]
-        mma += [L.mma_glu_name(s, *L.mma_config([n], b), act) for s, n, _ in glu for b in BUCKETS
+        mma += [L.mma_glu_name(s, *L.mma_config([n], b)[:2], act) for s, n, _ in glu for b in BUCKETS
                 if L.MAX_MMV_TOKENS < b <= self.max_batch]
         mm.append(f"embed_rows<{w.mat('token_embd.weight').struct}>")
         mm += [f"dequant_f16<{s}>" for s in {m.struct for m in w.mats.values()}]
         self.kernels.prepare("matvec.cu", mm)
         if mma:
             self.kernels.prepare("matmul_mma.cu", mma)
-        self.kernels.prepare("layers.cu", ["rmsnorm", "rope_kv", "glu", "to_f16", "add_bias", "softcap"])
+        self.kernels.prepare("layers.cu", ["rmsnorm", "rope_kv", "glu", "add_bias", "softcap"])
         self.kernels.prepare("attention.cu", [f"attn_split<{cfg.head_dim}, {cfg.n_head // cfg.n_head_kv}>"])
         self.kernels.prepare("sampling.cu", ["repeat_penalty", "argmax_sample", "topk_sample"])
 

@@ -3,8 +3,9 @@
 Matrix products by row count: up to MAX_MMV_TOKENS rows run the dequantizing matvec kernels (f32
 throughout: single-sequence decode, small batches, short prompts). More rows run either the
 tensor-core kernels (``mma = True``: batch decode steps, which are captured in CUDA graphs) or,
-for eager prefill, cuBLAS on an f16 copy of each matrix (f16 inputs, f32 accumulate and output;
-the residual add is its beta = 1). ``seq`` maps the rows of the current call to KV-cache sequence
+for eager prefill, cuBLAS on f16 copies of the matrices (``cuda_f16``: Q/K/V and gate/up stacked,
+one product each; f16 inputs written by the kernel before, f32 accumulate and output; the
+residual add is its beta = 1). ``seq`` maps the rows of the current call to KV-cache sequence
 slots (< 0: a padding row that writes nothing). Every array returned is a view of the
 preallocated ``Workspace``: nothing is allocated per call.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
+from .cuda_f16 import F16Weights
 from .cuda_weights import DeviceWeights
 from .kv_cache import PagedKVCache
 from .model import lm_head_name
@@ -22,7 +24,11 @@ from .quant_kernels import launchers as L
 
 CUDA_R_16F, CUDA_R_32F = 2, 0
 ATTN_PARTS = 2048  # splits x rows budget of the attention partials
-DECODE_SPLITS = 32  # every decode row gets the same split, so a row's arithmetic never depends on B
+DECODE_SPLITS = 32  # rows <= MAX_MMV_TOKENS: every row the same split, so its arithmetic never depends on B
+# Tensor-core batch steps (9..64 rows): the rows already fill the GPU; a split of a few keys per
+# block (32 splits of a 200-token context) cost more in block overhead and merging than it saved
+# (H100, 8B, B=64: 72 us per layer).
+BATCH_SPLIT_BUDGET = 256
 # RMSNorm fused into the matvec for hidden sizes up to this: it adds ~2 instructions per element of x
 # to every row group. Latency-bound small models gain (H100, 851c281: SmolLM2 tg128 999 -> 1,166,
 # Gemma-3 987 -> 1,040); the 8B's matvecs are issue-bound and lost (236 -> 197).
@@ -30,7 +36,8 @@ FUSE_NORM_MAX_COLS = 2048
 
 
 def n_splits(rows: int) -> int:
-    return max(1, min(DECODE_SPLITS, ATTN_PARTS // rows))
+    budget = BATCH_SPLIT_BUDGET if L.MAX_MMV_TOKENS < rows <= 64 else ATTN_PARTS
+    return max(1, min(DECODE_SPLITS, budget // rows))
 
 
 class Workspace:
@@ -45,8 +52,8 @@ class Workspace:
         self.o = cp.zeros((max_rows, cfg.n_embd), f32)
         self.qkv = cp.zeros((max_rows, self.qkv_width), f32)
         self.att = cp.zeros((max_rows, cfg.n_head * cfg.head_dim_v), f32)
-        self.g = cp.zeros((max_rows, cfg.n_ff), f32)
-        self.u = cp.zeros((max_rows, cfg.n_ff), f32)
+        gu = cp.zeros((max_rows, 2 * cfg.n_ff), f32)  # gate | up side by side: one stacked product fills both
+        self.g, self.u = gu[:, :cfg.n_ff], gu[:, cfg.n_ff:]
         self.logits = cp.zeros((logits_rows, cfg.n_vocab), f32)
         parts = max(ATTN_PARTS, max_rows) * cfg.n_head
         self.part_o = cp.zeros(parts * cfg.head_dim_v, f32)
@@ -55,12 +62,17 @@ class Workspace:
         self.tokens = cp.zeros(max_rows, cp.int32)
         self.pos = cp.zeros(max_rows, cp.int32)
         self.seq = cp.zeros(max_rows, cp.int32)
-        # f16 scratch for the cuBLAS path
+        # f16 inputs of the cuBLAS and tensor-core paths
         widest = max(cfg.n_embd, cfg.n_ff, cfg.n_head * cfg.head_dim_v)
         big = max_rows > L.MAX_MMV_TOKENS
         self.x16 = cp.zeros((max_rows, widest), cp.float16) if big else None  # f16 inputs of big matmuls
         self.g16 = cp.zeros((max_rows, cfg.n_ff), cp.float16) if big else None  # GLU output, f16
-        self.w16: cp.ndarray | None = None
+        # K-split tensor-core products (the residual projections of batch steps, <= logits_rows rows)
+        up64 = lambda n: -(-n // 64) * 64  # noqa: E731
+        self.mma_part = cp.zeros(L.MMA_MAX_SPLIT * up64(cfg.n_embd) * up64(logits_rows) if big else 1, f32)
+        self.mma_counter = cp.zeros(-(-cfg.n_embd // 16) * -(-logits_rows // 16) if big else 1, cp.uint32)
+        self.split = L.SplitScratch(self.mma_part.data.ptr, self.mma_part.size, self.mma_counter.data.ptr,
+                                    self.mma_counter.size)
 
     def nbytes(self) -> int:
         return sum(a.nbytes for a in vars(self).values() if isinstance(a, cp.ndarray))
@@ -73,9 +85,7 @@ class CudaBlocks:
         self.inv_freq = inv_freq
         self.seq = ws.seq  # row -> sequence slot, for the rows of the current call
         self.mma = False  # tensor-core kernels for > MAX_MMV_TOKENS rows (capturable) instead of cuBLAS
-        if ws.max_rows > L.MAX_MMV_TOKENS:
-            biggest = max(m.rows * m.cols for n, m in w.mats.items() if n not in ("token_embd.weight", "output.weight"))
-            ws.w16 = cp.zeros(biggest, cp.float16)
+        self.f16: F16Weights | None = None  # made by load_f16, after the kernels are compiled
         from cupy_backends.cuda.libs import cublas  # loads libcublas: only with a GPU
 
         self.cublas = cublas
@@ -83,26 +93,24 @@ class CudaBlocks:
         self._one = np.ones(1, np.float32)
         self._zero = np.zeros(1, np.float32)
 
+    def load_f16(self) -> None:
+        """The f16 weights of the cuBLAS prefill path (resident copies or scratch)."""
+        if self.ws.max_rows > L.MAX_MMV_TOKENS and self.f16 is None:
+            self.f16 = F16Weights(self.cfg, self.w, self.k)
+
     # ---- helpers -------------------------------------------------------------------------------
     def _small(self, rows: int) -> bool:
         return rows <= L.MAX_MMV_TOKENS
 
-    def _gemm(self, x: cp.ndarray, name: str, y: cp.ndarray, accumulate: bool) -> None:
-        """y[:T, :N] (+)= x[:T, :K] @ W.T with W dequantized to f16 (x given in f32)."""
-        m = self.w.mat(name)
-        t = x.shape[0]
-        x16 = self.ws.x16
-        L.to_f16(self.k, x.data.ptr, x.strides[0] // 4, m.cols, t, x16.data.ptr, x16.strides[0] // 2)
-        self._gemm16(x16, t, m, y, accumulate)
-
-    def _gemm16(self, x16: cp.ndarray, t: int, m: L.Mat, y: cp.ndarray, accumulate: bool) -> None:
-        w16, cublas = self.ws.w16, self.cublas
-        L.dequant_f16(self.k, m, w16.data.ptr)
+    def _gemm16(self, x16: cp.ndarray, t: int, names: tuple[str, ...], y: cp.ndarray, accumulate: bool) -> None:
+        """y[:t, :N] (+)= x16[:t, :K] @ W.T, W = the matrices ``names`` stacked by rows (f16)."""
+        assert self.f16 is not None
+        w16, cublas = self.f16.get(names), self.cublas
         cublas.setStream(self.handle, cp.cuda.get_current_stream().ptr)
         cublas.setPointerMode(self.handle, cublas.CUBLAS_POINTER_MODE_HOST)
         beta = self._one if accumulate else self._zero
-        cublas.gemmEx(self.handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, m.rows, t, m.cols,
-                      self._one.ctypes.data, w16.data.ptr, CUDA_R_16F, m.cols,
+        cublas.gemmEx(self.handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, w16.rows, t, w16.cols,
+                      self._one.ctypes.data, w16.ptr, CUDA_R_16F, w16.cols,
                       x16.data.ptr, CUDA_R_16F, x16.strides[0] // 2,
                       beta.ctypes.data, y.data.ptr, CUDA_R_32F, y.strides[0] // 4,
                       cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
@@ -122,12 +130,12 @@ class CudaBlocks:
     def _normed(self, x: cp.ndarray, name: str) -> tuple[cp.ndarray, tuple[int, float] | None]:
         """The input of the matrix products after RMSNorm ``name``: on the matvec path (x, the norm
         for the matvec to fuse); otherwise (ws.h, None) with ws.h (and ws.x16 on the tensor-core
-        path) normalized by a norm kernel."""
+        and cuBLAS paths) normalized by a norm kernel."""
         t = x.shape[0]
         if self._small(t) and x.shape[1] <= FUSE_NORM_MAX_COLS:
             return x, (self.w.vec(name).data.ptr, self.cfg.rms_eps)
         h = self.ws.h[:t]
-        self._norm(x, name, h, f16=self._big_mma(t))
+        self._norm(x, name, h, f16=True)
         return h, None
 
     # ---- blocks --------------------------------------------------------------------------------
@@ -165,11 +173,10 @@ class CudaBlocks:
                   [self.w.vec(b).data.ptr if b else None for b in biases], ws.x16.data.ptr, ws.x16.strides[0] // 2,
                   t, 0)
         else:
+            self._gemm16(ws.x16, t, tuple(names), qkv, accumulate=False)
             for n, c, b in zip(names, cols, biases):
-                out = qkv[:, c:]
-                self._gemm(h, n, out, accumulate=False)
                 if b:
-                    L.add_bias(self.k, out.data.ptr, ld, self.w.vec(b).data.ptr, self.w.mat(n).rows, t)
+                    L.add_bias(self.k, qkv.data.ptr + 4 * c, ld, self.w.vec(b).data.ptr, self.w.mat(n).rows, t)
         rope.launch(self.k, 0, t)
         return qkv
 
@@ -182,13 +189,13 @@ class CudaBlocks:
                     self.kv.table.data.ptr, self.kv.max_pages, self.kv.page_size, cfg.n_head, cfg.n_head_kv,
                     cfg.head_dim, cfg.attn_scale, cfg.attn_softcap or 0.0, cfg.layer_window[layer], n_splits(t),
                     ws.part_o.data.ptr, ws.part_ml.data.ptr, ws.attn_counter.data.ptr, out.data.ptr,
-                    out.strides[0] // 4, ws.x16.data.ptr if self._big_mma(t) else None,
-                    ws.x16.strides[0] // 2 if self._big_mma(t) else 0)
+                    out.strides[0] // 4, None if self._small(t) else ws.x16.data.ptr,
+                    0 if self._small(t) else ws.x16.strides[0] // 2)
         return out
 
     def _project_residual(self, a: cp.ndarray, name: str, x: cp.ndarray, post_norm: str | None,
                           a16: cp.ndarray | None = None) -> cp.ndarray:
-        """x += post_norm(W a) (no norm: straight into x). a16: a's f16 copy (tensor-core path)."""
+        """x += post_norm(W a) (no norm: straight into x). a16: a's f16 copy (over MAX_MMV_TOKENS rows)."""
         t = a.shape[0]
         target = self.ws.o[:t] if post_norm else x
         if self._small(t):
@@ -196,9 +203,9 @@ class CudaBlocks:
                   a.strides[0] // 4, t, 0 if post_norm else 1)
         elif self.mma:
             L.mma(self.k, [self.w.mat(name)], [(target.data.ptr, target.strides[0] // 4)], [None], a16.data.ptr,
-                  a16.strides[0] // 2, t, 0 if post_norm else 1)
+                  a16.strides[0] // 2, t, 0 if post_norm else 1, self.ws.split)
         else:
-            self._gemm(a, name, target, accumulate=not post_norm)
+            self._gemm16(a16, t, (name,), target, accumulate=not post_norm)
         if post_norm:
             self._norm(target, post_norm, x, res=x)
         return x
@@ -207,13 +214,14 @@ class CudaBlocks:
         p = f"blk.{layer}."
         return self._project_residual(a, p + "attn_output.weight", x,
                                       p + "post_attention_norm.weight" if self.cfg.post_norms else None,
-                                      a16=self.ws.x16 if self._big_mma(a.shape[0]) else None)
+                                      a16=None if self._small(a.shape[0]) else self.ws.x16)
 
     def ffn(self, x: cp.ndarray, layer: int) -> cp.ndarray:
         cfg, ws, p = self.cfg, self.ws, f"blk.{layer}."
         t = x.shape[0]
         g = ws.g[:t]
-        gate, up = self.w.mat(p + "ffn_gate.weight"), self.w.mat(p + "ffn_up.weight")
+        gate_name, up_name = p + "ffn_gate.weight", p + "ffn_up.weight"
+        gate, up = self.w.mat(gate_name), self.w.mat(up_name)
         post = p + "post_ffw_norm.weight" if cfg.post_norms else None
         big = self._big_mma(t)
         h, norm = self._normed(x, p + "ffn_norm.weight")
@@ -243,14 +251,12 @@ class CudaBlocks:
                   g.strides[0] // 4, g16.data.ptr if big else None, g16.strides[0] // 2 if big else 0)
             return self._project_residual(g, down, x, post, a16=g16)
         u = ws.u[:t]
-        self._gemm(h, p + "ffn_gate.weight", g, accumulate=False)
-        self._gemm(h, p + "ffn_up.weight", u, accumulate=False)
+        self._gemm16(ws.x16, t, (gate_name, up_name), g, accumulate=False)  # g | u: adjacent halves
         x16 = ws.x16
         L.glu(self.k, g.data.ptr, u.data.ptr, g.strides[0] // 4, cfg.n_ff, t, cfg.activation, None, 0,
               x16.data.ptr, x16.strides[0] // 2)
-        down = self.w.mat(p + "ffn_down.weight")
         target = ws.o[:t] if post else x
-        self._gemm16(x16, t, down, target, accumulate=not post)
+        self._gemm16(x16, t, (down,), target, accumulate=not post)
         if post:
             self._norm(target, post, x, res=x)
         return x

@@ -61,6 +61,27 @@ def test_logits_match_numpy(pair, n):
     assert cosines(got1, ref1).min() >= 0.999
 
 
+def test_prefill_f16_weights_resident_or_scratch(pair, monkeypatch):
+    """The cuBLAS prefill (Q/K/V and gate/up stacked): the twins keep resident f16 copies; with
+    the budget at 0 every group is dequantized into the scratch buffer instead (the 8B's path).
+    Both give the numpy backend's logits."""
+    from gguf_runtime import cuda_f16
+
+    f, cfg, npb, cub = pair
+    assert cub.blocks.f16.resident
+    monkeypatch.setattr(cuda_f16, "RESIDENT_MAX_BYTES", 0)
+    scratch = CudaBackend(f, cfg, 256)
+    assert not scratch.blocks.f16.resident
+    ids = np.random.default_rng().integers(0, cfg.n_vocab, 60).tolist()
+    npb.truncate(0)
+    ref = npb.eval(ids, all_logits=True)
+    for be in (cub, scratch):
+        be.truncate(0)
+        got = be.eval(ids, all_logits=True)
+        assert cosines(got, ref).min() >= 0.999
+        assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
+
+
 def test_greedy_tokens_match_numpy(pair):
     f, cfg, npb, cub = pair
     prompt = [1, 17, 300, 4000, 9, 52]

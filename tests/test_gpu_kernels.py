@@ -424,6 +424,15 @@ def test_topk_sample_rows_vocab_and_ties(k):
     assert keep["pos"].get().tolist() == [64] * rows
 
 
+def split_scratch(rows, n_tok, keep):
+    """Workspace of K-split products (as cuda_blocks.Workspace sizes it), partials poisoned."""
+    up64 = lambda n: -(-n // 64) * 64  # noqa: E731
+    part = cp.full(L.MMA_MAX_SPLIT * up64(rows) * up64(n_tok), POISON, cp.float32)
+    counter = cp.zeros(-(-rows // 16) * -(-n_tok // 16), cp.uint32)
+    keep += [part, counter]
+    return L.SplitScratch(part.data.ptr, part.size, counter.data.ptr, counter.size), counter
+
+
 @pytest.mark.parametrize("name", SUPPORTED)
 @pytest.mark.parametrize("n_tok", [9, 20, 50, 70])
 def test_mma_every_type(k, name, n_tok):
@@ -443,8 +452,44 @@ def test_mma_every_type(k, name, n_tok):
     assert np.isnan(y.get()[:, rows:]).all(), "wrote past the rows"
     y0 = rng.standard_normal((n_tok, rows)).astype(np.float32)
     yd = cp.asarray(y0)
-    L.mma(k, [m], [(yd.data.ptr, rows)], [None], xd.data.ptr, cols, n_tok, 1)
+    sc, counter = split_scratch(rows, n_tok, keep)  # K split 2..4 ways (2..6 k steps)
+    assert L.mma_config([rows], n_tok, cols)[2] > 1
+    L.mma(k, [m], [(yd.data.ptr, rows)], [None], xd.data.ptr, cols, n_tok, 1, sc)
     assert rel(yd.get(), y0 + x.astype(np.float64) @ w.T) < 2e-3
+    assert not counter.any(), "split counters not reset"
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q4_1"])
+@pytest.mark.parametrize("n_tok", [64, 50])
+def test_mma_split_k_and_wide_tiles(k, name, n_tok):
+    """The 8B's shapes in small: 64-row tiles with K split over 4 blocks adding with atomics (18
+    k steps: uneven runs), and the 64-row GLU tiles whose shared memory needs the 48 KiB opt-in."""
+    rng = np.random.default_rng()
+    keep = []
+    rows, cols = 2200, 2304
+    wr, _, split = L.mma_config([rows], n_tok, cols)
+    assert (wr, split) == (4, 4)
+    m, w = upload(name, rows, cols, rng, keep)
+    x = rng.standard_normal((n_tok, cols)).astype(np.float16).astype(np.float32)
+    xd = cp.asarray(x.astype(np.float16))
+    y0 = rng.standard_normal((n_tok, rows)).astype(np.float32)
+    yd = cp.asarray(y0)
+    sc, counter = split_scratch(rows, n_tok, keep)
+    L.mma(k, [m], [(yd.data.ptr, rows)], [None], xd.data.ptr, cols, n_tok, 1, sc)
+    got = yd.get()
+    assert rel(got, y0 + x.astype(np.float64) @ w.T) < 2e-3
+    assert not counter.any(), "split counters not reset"
+    yd.set(y0)  # the same sum in the same order on every run
+    L.mma(k, [m], [(yd.data.ptr, rows)], [None], xd.data.ptr, cols, n_tok, 1, sc)
+    assert (yd.get() == got).all()
+    n, c = 8448, 512
+    assert L.mma_config([n], n_tok)[0] == 4
+    (g, wg), (u, wu) = upload(name, n, c, rng, keep), upload(name, n, c, rng, keep)
+    x2 = rng.standard_normal((n_tok, c)).astype(np.float16).astype(np.float32)
+    out = cp.full((n_tok, n), np.nan, cp.float16)
+    L.mma_glu(k, g, u, cp.asarray(x2.astype(np.float16)).data.ptr, c, n_tok, "silu", out.data.ptr, n)
+    gv, uv = x2.astype(np.float64) @ wg.T, x2.astype(np.float64) @ wu.T
+    assert rel(out.get().astype(np.float32), silu(gv) * uv) < 2e-3
 
 
 def test_mma_group_and_glu(k):

@@ -104,10 +104,11 @@ class Kernels:
 class _Counted:
     """A kernel that counts its launches on its Kernels (to prove graph replay launches none)."""
 
-    __slots__ = ("kernel", "owner", "name")
+    __slots__ = ("kernel", "owner", "name", "smem_max")
 
     def __init__(self, kernel: cp.RawKernel, owner: Kernels, name: str) -> None:
         self.kernel, self.owner, self.name = kernel, owner, name
+        self.smem_max = SMEM_DEFAULT_MAX  # dynamic shared memory the kernel is allowed (opt-in above 48 KiB)
 
     def __call__(self, grid, block, args, shared_mem: int = 0) -> None:
         self.owner.launches += 1
@@ -251,19 +252,35 @@ def mmv_glu(k: Kernels, gate: Mat, up: Mat, x: int, ldx: int, b: int, act: str, 
             ptr(y + 4 * row * ldy), i32(ldy), *_norm_args(norm)))
 
 
-MMA_MIN_BLOCKS = 132  # one wave on an H100: below this, smaller tiles (more blocks) win
+MMA_MIN_BLOCKS = 132  # one wave on an H100: below this, smaller tiles or K splits (more blocks) win
+MMA_TK = 128  # columns per k step (matmul_mma.cu TK)
+MMA_MAX_SPLIT = 4  # K splits of an accumulating product (each adds its part with atomics)
+SMEM_DEFAULT_MAX = 48 * 1024  # dynamic shared memory beyond this needs the kernel's opt-in
 
 
-def mma_config(rows: Sequence[int], n_tok: int) -> tuple[int, int]:
-    """(WR, NT): a block of 4 warps covers 16 WR weight rows x 8 NT (4 / WR) tokens."""
+def mma_config(rows: Sequence[int], n_tok: int, cols: int = 0) -> tuple[int, int, int]:
+    """(WR, NT, S): a block of 4 warps covers 16 WR weight rows x 8 NT (4 / WR) tokens, and 1 / S
+    of the k steps. The largest row tile that fills a wave with at most MMA_MAX_SPLIT splits (x is
+    read once per row tile: large tiles read it least); cols = 0: no split (set / GLU products)."""
+    steps = -(-cols // MMA_TK)
     for wr in (4, 2, 1):
         wc = 4 // wr
         nt = min(8, max(1, -(-min(n_tok, 64) // (8 * wc))))
         tb = 8 * nt * wc
-        blocks = sum(-(-n // (16 * wr)) for n in rows) * -(-n_tok // tb)
-        if blocks >= MMA_MIN_BLOCKS or wr == 1:
-            return wr, nt
+        tiles = sum(-(-n // (16 * wr)) for n in rows) * -(-n_tok // tb)
+        split = max(1, min(steps, MMA_MAX_SPLIT, -(-MMA_MIN_BLOCKS // tiles)))
+        if tiles * split >= MMA_MIN_BLOCKS or wr == 1:
+            return wr, nt, split
     raise AssertionError
+
+
+def _mma_smem(fn: "_Counted", wr: int, nt: int, n_mats: int) -> int:
+    """Dynamic shared memory of an mma kernel: the x tile and n_mats W tiles, f16, padded rows."""
+    size = (8 * nt * (4 // wr) + n_mats * 16 * wr) * (MMA_TK + 8) * 2
+    if size > fn.smem_max:
+        fn.kernel.max_dynamic_shared_size_bytes = size
+        fn.smem_max = size
+    return size
 
 
 def mma_name(structs: Sequence[str], wr: int, nt: int, mode: int) -> str:
@@ -275,11 +292,27 @@ def mma_glu_name(struct: str, wr: int, nt: int, act: int) -> str:
     return f"mma_glu<{struct}, {wr}, {nt}, {act}>"
 
 
+@dataclass(frozen=True)
+class SplitScratch:
+    """Workspace of K-split products: partial C fragments and one zeroed counter per tile."""
+    part: int
+    part_floats: int
+    counter: int
+    counters: int
+
+
 def mma(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases: Sequence[int | None],
-        x16: int, ldx16: int, n_tok: int, mode: int) -> None:
-    """Tensor-core version of ``mmv`` for any number of tokens: x in f16, y f32 (f32 accumulate)."""
+        x16: int, ldx16: int, n_tok: int, mode: int, scratch: SplitScratch | None = None) -> None:
+    """Tensor-core version of ``mmv`` for any number of tokens: x in f16, y f32 (f32 accumulate).
+    mode 1 (y +=) splits K over several blocks when ``scratch`` holds their partials."""
     assert 1 <= len(mats) <= 3
-    wr, nt = mma_config([m.rows for m in mats], n_tok)
+    rows = [m.rows for m in mats]
+    wr, nt, split = mma_config(rows, n_tok, mats[0].cols if mode == 1 and scratch else 0)
+    tb = 8 * nt * (4 // wr)
+    tiles = sum(-(-n // (16 * wr)) for n in rows) * -(-n_tok // tb)
+    if split > 1 and (tiles > scratch.counters or tiles * split * 128 * 4 * nt > scratch.part_floats):
+        wr, nt, split = mma_config(rows, n_tok)
+        tb = 8 * nt * (4 // wr)
     fn = k.fn("matmul_mma.cu", mma_name([m.struct for m in mats], wr, nt, mode))
     args: list = []
     for i in range(3):
@@ -288,19 +321,21 @@ def mma(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases
             args += [*m.planes, i32(m.rows), ptr(y), i32(ldy), ptr(bias)]
         else:
             args += [ptr(0)] * 4 + [i32(0), ptr(0), i32(0), ptr(0)]
-    tiles = sum(-(-m.rows // (16 * wr)) for m in mats)
-    tb = 8 * nt * (4 // wr)
-    fn((tiles, -(-n_tok // tb)), (128,), (*args, ptr(x16), i32(ldx16), i32(n_tok), i32(mats[0].cols)))
+    row_tiles = sum(-(-m.rows // (16 * wr)) for m in mats)
+    part, counter = (scratch.part, scratch.counter) if split > 1 else (0, 0)
+    fn((row_tiles, -(-n_tok // tb), split), (128,),
+       (*args, ptr(x16), i32(ldx16), i32(n_tok), i32(mats[0].cols), ptr(part), ptr(counter)),
+       shared_mem=_mma_smem(fn, wr, nt, 1))
 
 
 def mma_glu(k: Kernels, gate: Mat, up: Mat, x16: int, ldx16: int, n_tok: int, act: str, y16: int, ldy16: int) -> None:
     """y16[t, :] = f16(act(G x[t]) * (U x[t])), x in f16."""
-    wr, nt = mma_config([gate.rows], n_tok)
+    wr, nt, _ = mma_config([gate.rows], n_tok)
     fn = k.fn("matmul_mma.cu", mma_glu_name(gate.struct, wr, nt, ACT[act]))
     tb = 8 * nt * (4 // wr)
     fn((-(-gate.rows // (16 * wr)), -(-n_tok // tb)), (128,),
        (*gate.planes, *up.planes, i32(gate.rows), ptr(x16), i32(ldx16), i32(n_tok), i32(gate.cols), ptr(y16),
-        i32(ldy16)))
+        i32(ldy16)), shared_mem=_mma_smem(fn, wr, nt, 2))
 
 
 def embed(k: Kernels, table: Mat, tokens: int, n: int, x: int, ldx: int, scale: float) -> None:
@@ -355,10 +390,6 @@ def glu(k: Kernels, g: int, u: int, ld: int, n: int, rows: int, act: str, y: int
         out16: int | None = None, ld16: int = 0) -> None:
     k.fn("layers.cu", "glu")(*_grid(rows * n), (ptr(g), ptr(u), i32(ld), i32(n), i32(rows), i32(ACT[act]), ptr(y),
                                                 i32(ldy), ptr(out16), i32(ld16)))
-
-
-def to_f16(k: Kernels, x: int, ldx: int, n: int, rows: int, out: int, ldo: int) -> None:
-    k.fn("layers.cu", "to_f16")(*_grid(rows * n), (ptr(x), i32(ldx), i32(n), i32(rows), ptr(out), i32(ldo)))
 
 
 def add_bias(k: Kernels, y: int, ldy: int, b: int, n: int, rows: int) -> None:

@@ -90,14 +90,6 @@ extern "C" __global__ void glu(const float* __restrict__ g, const float* __restr
     else y[(long)t * ldy + i] = v;
 }
 
-// out16[t, i] = f16(x[t, i])
-extern "C" __global__ void to_f16(const float* __restrict__ x, int ldx, int n, int rows, u16* out, int ldo) {
-    const long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (long)rows * n) return;
-    const int t = (int)(idx / n), i = (int)(idx % n);
-    out[(long)t * ldo + i] = f2h(x[(long)t * ldx + i]);
-}
-
 // y[t, i] += b[i]
 extern "C" __global__ void add_bias(float* y, int ldy, const float* __restrict__ b, int n, int rows) {
     const long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;

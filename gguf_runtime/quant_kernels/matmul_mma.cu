@@ -2,13 +2,19 @@
 // y[t, n] (=|+=) sum_k W[n, k] x[t, k], W repacked quant planes, x f16 (written in f16 by the
 // kernel before: norm, attention, GLU), y f32.
 //
-// A block (4 warps, WR x WC) owns 16 WR weight rows and 8 NT WC tokens. Per 128-wide k step it
-// dequantizes its W tile into shared memory as f16 (the per-type decoders of quant_types.cuh),
-// copies the x tile with 16-byte loads, and runs mma.sync.m16n8k16 (f16 x f16 -> f32): warp
-// (wr, wc) computes rows 16 wr .. +15 against tokens 8 NT wc .. +8 NT - 1. Raw kernels rather
-// than cuBLAS, so the batch decode step can be captured in a CUDA graph.
+// A block (128 threads = 4 warps, WR x WC) owns TM = 16 WR weight rows and TB = 8 NT WC tokens.
+// Per 128-wide k step it dequantizes its W tile (the per-type decoders of quant_types.cuh) into
+// shared memory as f16 beside the x tile, then runs mma.sync.m16n8k16 (f16 x f16 -> f32): warp
+// (wr, wc) computes rows 16 wr .. +15 against tokens 8 NT wc .. +8 NT - 1. The next step's global
+// loads (all of a thread's units and 16-byte x pieces, issued together at clamped, always valid
+// addresses: straight-line code) go out before this step's MMAs, so their latency overlaps the
+// arithmetic. grid.z > 1 splits K (accumulate mode only): each block a contiguous run of k steps;
+// every thread stores its partial C fragment, and the last block of the tile to finish (a counter,
+// reset by that block) adds the S fragments in split order: the same result on every run. Raw kernels rather than cuBLAS, so the batch decode step can be
+// captured in a CUDA graph. Shared memory is dynamic: (TB + NM TM) (TK + 8) halves.
 #include "quant_types.cuh"
 
+#define NTHR 128
 #define TK 128
 #define LDS (TK + 8)  // padded row (halves): conflict-free fragment loads
 
@@ -19,40 +25,67 @@ DEV void mma16816(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1)
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Dequantize rows [row0, row0 + TM) x columns [k0, k0 + TK) of m into Ws (f16, [TM][LDS]); columns
-// past K (a partial last tile: K is whole units, not always whole tiles) are zero.
+// This thread's units of the W tile rows [row0, row0 + TM) x columns [k0, k0 + TK), in registers.
 template <class T, int TM>
-DEV void load_w_tile(const Mat& m, int n_rows, int row0, int k0, int K, u16* Ws) {
-    const int width = min(TK, K - k0), upr = width / T::UE;  // units per tile row
-    if (width < TK)
-        for (int idx = threadIdx.x; idx < TM * (TK - width) / 2; idx += blockDim.x) {
-            const int r = idx / ((TK - width) / 2), c = width + 2 * (idx % ((TK - width) / 2));
-            *reinterpret_cast<u32*>(Ws + r * LDS + c) = 0u;
-        }
-    for (int idx = threadIdx.x; idx < TM * upr; idx += blockDim.x) {
-        const int r = idx / upr, u = k0 / T::UE + idx % upr;
-        const int row = min(row0 + r, n_rows - 1);
-        typename T::Raw raw;
-        T::load(m, row, u, raw);
-#pragma unroll
-        for (int p = 0; p < T::NP; ++p) {
-            float w[16];
-            piece<T>(raw, p, w);
-            store16_f16(Ws + r * LDS + T::xoff(u, p) - k0, w);
-        }
-    }
-}
+struct WRegs {
+    static constexpr int UPR = TK / T::UE, N = (TM * UPR + NTHR - 1) / NTHR;
+    typename T::Raw raw[N];
 
-// Tokens [t0, t0 + TB) x columns [k0, k0 + TK) of the f16 x into Xs ([TB][LDS]); 0 past n_tok and K.
-template <int TB>
-DEV void load_x_tile(const u16* __restrict__ x, int ldx, int n_tok, int t0, int k0, int K, u16* Xs) {
-    for (int idx = threadIdx.x; idx < TB * (TK / 8); idx += blockDim.x) {
-        const int b = idx / (TK / 8), c = (idx % (TK / 8)) * 8;
-        uint4 v = make_uint4(0u, 0u, 0u, 0u);
-        if (t0 + b < n_tok && k0 + c < K) v = *reinterpret_cast<const uint4*>(x + (long)(t0 + b) * ldx + k0 + c);
-        *reinterpret_cast<uint4*>(Xs + b * LDS + c) = v;
+    // Loads only (unit and row clamped: every address valid, no branches); store() skips the extras.
+    DEV void load(const Mat& m, int n_rows, int row0, int k0, int K) {
+        const int upr = min(TK, K - k0) / T::UE;
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+            const int idx = threadIdx.x + i * NTHR;
+            T::load(m, min(row0 + idx / upr, n_rows - 1), k0 / T::UE + idx % upr, raw[i]);
+        }
     }
-}
+    // Dequantize into Ws (f16, [TM][LDS]); columns past K (a partial last tile) are zero.
+    DEV void store(int k0, int K, u16* Ws) const {
+        const int width = min(TK, K - k0), upr = width / T::UE;
+        if (width < TK)
+            for (int idx = threadIdx.x; idx < TM * (TK - width) / 2; idx += NTHR) {
+                const int r = idx / ((TK - width) / 2), c = width + 2 * (idx % ((TK - width) / 2));
+                *reinterpret_cast<u32*>(Ws + r * LDS + c) = 0u;
+            }
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+            const int idx = threadIdx.x + i * NTHR;
+            if (idx >= TM * upr) continue;
+            const int r = idx / upr, u = k0 / T::UE + idx % upr;
+#pragma unroll
+            for (int p = 0; p < T::NP; ++p) {
+                float w[16];
+                piece<T>(raw[i], p, w);
+                store16_f16(Ws + r * LDS + T::xoff(u, p) - k0, w);
+            }
+        }
+    }
+};
+
+// This thread's 16-byte pieces of the x tile, tokens [t0, t0 + TB) x columns [k0, k0 + TK); 0 past
+// n_tok and K (loaded from a clamped address, then replaced).
+template <int TB>
+struct XRegs {
+    static constexpr int CPR = TK / 8, N = (TB * CPR + NTHR - 1) / NTHR;
+    uint4 v[N];
+
+    DEV void load(const u16* __restrict__ x, int ldx, int n_tok, int t0, int k0, int K) {
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+            const int idx = threadIdx.x + i * NTHR, b = idx / CPR, c = k0 + (idx % CPR) * 8;
+            const uint4 l = *reinterpret_cast<const uint4*>(x + (long)min(t0 + b, n_tok - 1) * ldx + min(c, K - 8));
+            v[i] = (t0 + b < n_tok && c < K) ? l : make_uint4(0u, 0u, 0u, 0u);
+        }
+    }
+    DEV void store(u16* Xs) const {
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+            const int idx = threadIdx.x + i * NTHR;
+            if (idx < TB * CPR) *reinterpret_cast<uint4*>(Xs + (idx / CPR) * LDS + (idx % CPR) * 8) = v[i];
+        }
+    }
+};
 
 template <int WR, int NT>
 DEV void mma_step(const u16* Ws, const u16* Xs, float (&acc)[NT][4]) {
@@ -74,18 +107,35 @@ DEV void mma_step(const u16* Ws, const u16* Xs, float (&acc)[NT][4]) {
     }
 }
 
-// One (16 WR rows) x (8 NT (4 / WR) tokens) tile over all of K, left in acc (mma16816's C layout).
-template <class T, int WR, int NT>
-DEV void mma_tile(const Mat& m, int n_rows, int row0, const u16* x, int ldx, int n_tok, int t0, int K,
-                  u16* Ws, u16* Xs, float (&acc)[NT][4]) {
+// NM matrices of one type over the same rows and the same x (GLU: gate and up): tiles of
+// (16 WR rows) x (8 NT (4 / WR) tokens) over columns [kb, ke), left in acc (mma16816's C layout).
+// smem: the x tile, then NM W tiles.
+template <class T, int WR, int NT, int NM>
+DEV void mma_tiles(const Mat (&ms)[NM], int n_rows, int row0, const u16* x, int ldx, int n_tok, int t0, int kb,
+                   int ke, int K, u16* smem, float (&acc)[NM][NT][4]) {
+    constexpr int TM = 16 * WR, TB = 8 * NT * (4 / WR);
+    u16* Xs = smem;
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-    for (int k0 = 0; k0 < K; k0 += TK) {
+    for (int j = 0; j < NM; ++j)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) acc[j][nt][0] = acc[j][nt][1] = acc[j][nt][2] = acc[j][nt][3] = 0.f;
+    WRegs<T, TM> w[NM];
+    XRegs<TB> xr;
+#pragma unroll
+    for (int j = 0; j < NM; ++j) w[j].load(ms[j], n_rows, row0, kb, K);
+    xr.load(x, ldx, n_tok, t0, kb, K);
+    for (int k0 = kb; k0 < ke; k0 += TK) {
+        __syncthreads();  // the previous step's MMAs are done with the tiles
+#pragma unroll
+        for (int j = 0; j < NM; ++j) w[j].store(k0, K, smem + (TB + j * TM) * LDS);
+        xr.store(Xs);
         __syncthreads();
-        load_w_tile<T, 16 * WR>(m, n_rows, row0, k0, K, Ws);
-        load_x_tile<8 * NT * (4 / WR)>(x, ldx, n_tok, t0, k0, K, Xs);
-        __syncthreads();
-        mma_step<WR, NT>(Ws, Xs, acc);
+        const int kn = k0 + TK < ke ? k0 + TK : k0;  // the next step (the last one reloads its own tile)
+#pragma unroll
+        for (int j = 0; j < NM; ++j) w[j].load(ms[j], n_rows, row0, kn, K);
+        xr.load(x, ldx, n_tok, t0, kn, K);
+#pragma unroll
+        for (int j = 0; j < NM; ++j) mma_step<WR, NT>(smem + (TB + j * TM) * LDS, Xs, acc[j]);
     }
 }
 
@@ -102,16 +152,58 @@ DEV void for_each_c(const float (&acc)[NT][4], int row0, int t0, F f) {
     }
 }
 
+// This block's k range: split blockIdx.z of gridDim.z, whole k steps each.
+DEV void k_range(int K, int& kb, int& ke) {
+    const int steps = (K + TK - 1) / TK, z = blockIdx.z, S = gridDim.z;
+    kb = (z * steps / S) * TK;
+    ke = min(K, ((z + 1) * steps / S) * TK);
+}
+
 #define PLANES(i) const u8* qs##i, const u8* qh##i, const u8* sc##i, const u8* d##i
 #define MAT(i, T) Mat{qs##i, qh##i, sc##i, d##i, K / T::BLOCK}
 
+// Split K: store this block's fragment; false unless this block is the tile's last, which then
+// holds the sum of all splits' fragments (in split order) in acc.
+template <int NT>
+DEV bool merge_splits(float (&acc)[NT][4], float* part, unsigned* counter) {
+    __shared__ unsigned last;
+    const int S = gridDim.z, tile = blockIdx.y * gridDim.x + blockIdx.x;
+    float4* mine = reinterpret_cast<float4*>(part) + (((long)tile * S + blockIdx.z) * NTHR + threadIdx.x) * NT;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) mine[nt] = make_float4(acc[nt][0], acc[nt][1], acc[nt][2], acc[nt][3]);
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(counter + tile, 1u) == (unsigned)S - 1;
+        if (last) counter[tile] = 0u;  // ready for the next launch
+    }
+    __syncthreads();
+    if (!last) return false;
+    __threadfence();
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+    for (int z = 0; z < S; ++z) {
+        const float4* p = reinterpret_cast<const float4*>(part) + (((long)tile * S + z) * NTHR + threadIdx.x) * NT;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            const float4 v = __ldcg(p + nt);  // from L2: other blocks wrote it
+            acc[nt][0] += v.x; acc[nt][1] += v.y; acc[nt][2] += v.z; acc[nt][3] += v.w;
+        }
+    }
+    return true;
+}
+
 template <class T, int WR, int NT, int MODE>
 DEV void mma_segment(const Mat& m, int n, int row0, const u16* x, int ldx, int n_tok, int K, float* y, int ldy,
-                     const float* bias, u16* Ws, u16* Xs) {
+                     const float* bias, u16* smem, float* part, unsigned* counter) {
     const int t0 = blockIdx.y * 8 * NT * (4 / WR);
-    float acc[NT][4];
-    mma_tile<T, WR, NT>(m, n, row0, x, ldx, n_tok, t0, K, Ws, Xs, acc);
-    for_each_c<WR, NT>(acc, row0, t0, [&](int r, int t, float v) {
+    int kb, ke;
+    k_range(K, kb, ke);
+    float acc[1][NT][4];
+    const Mat ms[1] = {m};
+    mma_tiles<T, WR, NT, 1>(ms, n, row0, x, ldx, n_tok, t0, kb, ke, K, smem, acc);
+    if (gridDim.z > 1 && !merge_splits<NT>(acc[0], part, counter)) return;
+    for_each_c<WR, NT>(acc[0], row0, t0, [&](int r, int t, float v) {
         if (r >= n || t >= n_tok) return;
         float* out = y + (long)t * ldy + r;
         if (MODE == 1) *out += v;
@@ -120,59 +212,64 @@ DEV void mma_segment(const Mat& m, int n, int row0, const u16* x, int ldx, int n
 }
 
 // Up to three matrices sharing x (Q, K, V), each of its own type; row tiles of segment 0, 1, 2.
-// grid = (row tiles of all segments, token tiles). MODE 0: y = W x (+ bias); 1: y += W x.
+// grid = (row tiles of all segments, token tiles, K splits). MODE 0: y = W x (+ bias), one split;
+// 1: y += W x. Splits need part (S x 128 x 4 NT floats per tile) and counter (a zero per tile).
 template <class T0, class T1, class T2, int WR, int NT, int MODE>
-__global__ void __launch_bounds__(128) mma_group(
+__global__ void __launch_bounds__(NTHR) mma_group(
         PLANES(0), int n0, float* y0, int ldy0, const float* bias0,
         PLANES(1), int n1, float* y1, int ldy1, const float* bias1,
         PLANES(2), int n2, float* y2, int ldy2, const float* bias2,
-        const u16* __restrict__ x, int ldx, int n_tok, int K) {
+        const u16* __restrict__ x, int ldx, int n_tok, int K, float* part, unsigned* counter) {
     constexpr int TM = 16 * WR;
-    __shared__ __align__(16) u16 Ws[TM * LDS];  // here, not in mma_segment: one copy for all three types
-    __shared__ __align__(16) u16 Xs[8 * NT * (4 / WR) * LDS];
+    extern __shared__ __align__(16) u16 smem[];
     int tile = blockIdx.x;
     const int t0n = (n0 + TM - 1) / TM, t1n = (n1 + TM - 1) / TM;
     if (tile < t0n) {
-        mma_segment<T0, WR, NT, MODE>(MAT(0, T0), n0, tile * TM, x, ldx, n_tok, K, y0, ldy0, bias0, Ws, Xs);
+        mma_segment<T0, WR, NT, MODE>(MAT(0, T0), n0, tile * TM, x, ldx, n_tok, K, y0, ldy0, bias0, smem, part, counter);
         return;
     }
     tile -= t0n;
     if (tile < t1n) {
-        mma_segment<T1, WR, NT, MODE>(MAT(1, T1), n1, tile * TM, x, ldx, n_tok, K, y1, ldy1, bias1, Ws, Xs);
+        mma_segment<T1, WR, NT, MODE>(MAT(1, T1), n1, tile * TM, x, ldx, n_tok, K, y1, ldy1, bias1, smem, part, counter);
         return;
     }
     tile -= t1n;
-    mma_segment<T2, WR, NT, MODE>(MAT(2, T2), n2, tile * TM, x, ldx, n_tok, K, y2, ldy2, bias2, Ws, Xs);
+    mma_segment<T2, WR, NT, MODE>(MAT(2, T2), n2, tile * TM, x, ldx, n_tok, K, y2, ldy2, bias2, smem, part, counter);
 }
 
-// y16 = f16(act(G x) * (U x)); ACT 0 = SiLU, 1 = GELU (tanh). The output feeds the down projection.
+// y16 = f16(act(G x) * (U x)); ACT 0 = SiLU, 1 = GELU (tanh). Gate and up tiles share each x tile.
+// The output feeds the down projection.
 template <class T, int WR, int NT, int ACT>
-__global__ void __launch_bounds__(128) mma_glu(PLANES(0), PLANES(1), int n, const u16* __restrict__ x, int ldx,
-                                               int n_tok, int K, u16* y, int ldy) {
-    __shared__ __align__(16) u16 Ws[16 * WR * LDS];
-    __shared__ __align__(16) u16 Xs[8 * NT * (4 / WR) * LDS];
+__global__ void __launch_bounds__(NTHR) mma_glu(PLANES(0), PLANES(1), int n, const u16* __restrict__ x, int ldx,
+                                                int n_tok, int K, u16* y, int ldy) {
+    extern __shared__ __align__(16) u16 smem[];
     const int row0 = blockIdx.x * 16 * WR, t0 = blockIdx.y * 8 * NT * (4 / WR);
-    float g[NT][4], u[NT][4];
-    mma_tile<T, WR, NT>(MAT(0, T), n, row0, x, ldx, n_tok, t0, K, Ws, Xs, g);
-    mma_tile<T, WR, NT>(MAT(1, T), n, row0, x, ldx, n_tok, t0, K, Ws, Xs, u);
+    float acc[2][NT][4];
+    const Mat ms[2] = {MAT(0, T), MAT(1, T)};
+    mma_tiles<T, WR, NT, 2>(ms, n, row0, x, ldx, n_tok, t0, 0, K, K, smem, acc);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) g[nt][i] = (ACT == 0 ? silu_f(g[nt][i]) : gelu_tanh_f(g[nt][i])) * u[nt][i];
-    for_each_c<WR, NT>(g, row0, t0, [&](int r, int t, float v) {
+        for (int i = 0; i < 4; ++i) {
+            const float g = acc[0][nt][i];
+            acc[0][nt][i] = (ACT == 0 ? silu_f(g) : gelu_tanh_f(g)) * acc[1][nt][i];
+        }
+    for_each_c<WR, NT>(acc[0], row0, t0, [&](int r, int t, float v) {
         if (r < n && t < n_tok) y[(long)t * ldy + r] = f2h(v);
     });
 }
 
 #ifdef GGUF_INSTANTIATE_ALL
 #define GROUP_ARGS PLANES(0), int, float*, int, const float*, PLANES(1), int, float*, int, const float*, \
-    PLANES(2), int, float*, int, const float*, const u16*, int, int, int
+    PLANES(2), int, float*, int, const float*, const u16*, int, int, int, float*, unsigned*
 template __global__ void mma_group<TQ5_0, TQ5_0, TQ8_0, 4, 8, 0>(GROUP_ARGS);
 #define INST(T)                                                                                  \
     template __global__ void mma_group<T, T, T, 4, 8, 0>(GROUP_ARGS);                            \
     template __global__ void mma_group<T, T, T, 1, 2, 1>(GROUP_ARGS);                            \
     template __global__ void mma_group<T, T, T, 2, 1, 1>(GROUP_ARGS);                            \
-    template __global__ void mma_glu<T, 2, 4, 0>(PLANES(0), PLANES(1), int, const u16*, int, int, int, u16*, int);
+    template __global__ void mma_group<T, T, T, 4, 8, 1>(GROUP_ARGS);                            \
+    template __global__ void mma_glu<T, 2, 4, 0>(PLANES(0), PLANES(1), int, const u16*, int, int, int, u16*, int); \
+    template __global__ void mma_glu<T, 4, 8, 0>(PLANES(0), PLANES(1), int, const u16*, int, int, int, u16*, int);
 INST(TF32) INST(TF16) INST(TBF16) INST(TQ4_0) INST(TQ4_1) INST(TQ5_0) INST(TQ5_1) INST(TQ8_0)
 INST(TQ2_K) INST(TQ3_K) INST(TQ4_K) INST(TQ5_K) INST(TQ6_K)
 #endif
