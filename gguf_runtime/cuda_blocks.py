@@ -67,10 +67,10 @@ class Workspace:
         big = max_rows > L.MAX_MMV_TOKENS
         self.x16 = cp.zeros((max_rows, widest), cp.float16) if big else None  # f16 inputs of big matmuls
         self.g16 = cp.zeros((max_rows, cfg.n_ff), cp.float16) if big else None  # GLU output, f16
-        # K-split tensor-core products (the residual projections of batch steps, <= logits_rows rows)
-        up64 = lambda n: -(-n // 64) * 64  # noqa: E731
-        self.mma_part = cp.zeros(L.MMA_MAX_SPLIT * up64(cfg.n_embd) * up64(logits_rows) if big else 1, f32)
-        self.mma_counter = cp.zeros(-(-cfg.n_embd // 16) * -(-logits_rows // 16) if big else 1, cp.uint32)
+        # K-split tensor-core products of batch steps (<= logits_rows rows): QKV and the residual ones
+        out = max(cfg.n_embd, self.qkv_width)
+        self.mma_part = cp.zeros(L.split_part_floats(out, logits_rows) if big else 1, f32)
+        self.mma_counter = cp.zeros(-(-out // 16) * -(-logits_rows // 16) if big else 1, cp.uint32)
         self.split = L.SplitScratch(self.mma_part.data.ptr, self.mma_part.size, self.mma_counter.data.ptr,
                                     self.mma_counter.size)
 
@@ -171,7 +171,7 @@ class CudaBlocks:
         if self.mma:
             L.mma(self.k, [self.w.mat(n) for n in names], [(qkv.data.ptr + 4 * c, ld) for c in cols],
                   [self.w.vec(b).data.ptr if b else None for b in biases], ws.x16.data.ptr, ws.x16.strides[0] // 2,
-                  t, 0)
+                  t, 0, ws.split)
         else:
             self._gemm16(ws.x16, t, tuple(names), qkv, accumulate=False)
             for n, c, b in zip(names, cols, biases):
@@ -233,14 +233,14 @@ class CudaBlocks:
         if big and gate.type_id == up.type_id:
             g16 = ws.g16
             L.mma_glu(self.k, gate, up, ws.x16.data.ptr, ws.x16.strides[0] // 2, t, cfg.activation, g16.data.ptr,
-                      g16.strides[0] // 2)
+                      g16.strides[0] // 2, ws.split)
             return self._project_residual(g, down, x, post, a16=g16)
         if self._small(t) or big:
             u = ws.u[:t]
             if big:
                 x16, ld16 = ws.x16.data.ptr, ws.x16.strides[0] // 2
-                L.mma(self.k, [gate], [(g.data.ptr, g.strides[0] // 4)], [None], x16, ld16, t, 0)
-                L.mma(self.k, [up], [(u.data.ptr, u.strides[0] // 4)], [None], x16, ld16, t, 0)
+                L.mma(self.k, [gate], [(g.data.ptr, g.strides[0] // 4)], [None], x16, ld16, t, 0, ws.split)
+                L.mma(self.k, [up], [(u.data.ptr, u.strides[0] // 4)], [None], x16, ld16, t, 0, ws.split)
             else:
                 L.mmv(self.k, [gate], [(g.data.ptr, g.strides[0] // 4)], [None], h.data.ptr, h.strides[0] // 4, t, 0,
                       norm=norm)
@@ -272,7 +272,7 @@ class CudaBlocks:
         h, norm = self._normed(x, "output_norm.weight")
         if self._big_mma(t):
             L.mma(self.k, [head], [(out.data.ptr, ld)], [None], self.ws.x16.data.ptr, self.ws.x16.strides[0] // 2,
-                  t, 0)
+                  t, 0, self.ws.split)
         else:
             for s in range(0, t, L.MAX_MMV_TOKENS):
                 n = min(L.MAX_MMV_TOKENS, t - s)

@@ -426,8 +426,7 @@ def test_topk_sample_rows_vocab_and_ties(k):
 
 def split_scratch(rows, n_tok, keep):
     """Workspace of K-split products (as cuda_blocks.Workspace sizes it), partials poisoned."""
-    up64 = lambda n: -(-n // 64) * 64  # noqa: E731
-    part = cp.full(L.MMA_MAX_SPLIT * up64(rows) * up64(n_tok), POISON, cp.float32)
+    part = cp.full(L.split_part_floats(rows, n_tok), POISON, cp.float32)
     counter = cp.zeros(-(-rows // 16) * -(-n_tok // 16), cp.uint32)
     keep += [part, counter]
     return L.SplitScratch(part.data.ptr, part.size, counter.data.ptr, counter.size), counter
@@ -462,13 +461,14 @@ def test_mma_every_type(k, name, n_tok):
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q4_1"])
 @pytest.mark.parametrize("n_tok", [64, 50])
 def test_mma_split_k_and_wide_tiles(k, name, n_tok):
-    """The 8B's shapes in small: 64-row tiles with K split over 4 blocks adding with atomics (18
-    k steps: uneven runs), and the 64-row GLU tiles whose shared memory needs the 48 KiB opt-in."""
+    """The 8B's shapes in small: 64-row tiles with K split over 4 blocks (18 k steps: uneven runs),
+    merged in a fixed order (bit-identical reruns), in both modes; an output head in tall blocks
+    (two 64-row tiles); the 64-row GLU tiles. The last two need the 48 KiB shared-memory opt-in."""
     rng = np.random.default_rng()
     keep = []
     rows, cols = 2200, 2304
-    wr, _, split = L.mma_config([rows], n_tok, cols)
-    assert (wr, split) == (4, 4)
+    c = L.mma_config([rows], n_tok, cols)
+    assert (c.wr, c.h, c.split) == (4, 1, 4)
     m, w = upload(name, rows, cols, rng, keep)
     x = rng.standard_normal((n_tok, cols)).astype(np.float16).astype(np.float32)
     xd = cp.asarray(x.astype(np.float16))
@@ -482,8 +482,19 @@ def test_mma_split_k_and_wide_tiles(k, name, n_tok):
     yd.set(y0)  # the same sum in the same order on every run
     L.mma(k, [m], [(yd.data.ptr, rows)], [None], xd.data.ptr, cols, n_tok, 1, sc)
     assert (yd.get() == got).all()
+    bias = rng.standard_normal(rows).astype(np.float32)
+    y = cp.full((n_tok, rows), POISON, cp.float32)
+    L.mma(k, [m], [(y.data.ptr, rows)], [cp.asarray(bias).data.ptr], xd.data.ptr, cols, n_tok, 0, sc)
+    assert rel(y.get(), x.astype(np.float64) @ w.T + bias) < 2e-3
+    head, hc = 33800, 1024  # an output head: tall blocks, no split
+    assert L.mma_config([head], n_tok, hc)[2:] == (1, 2)
+    mh, wh = upload(name, head, hc, rng, keep)
+    xh = rng.standard_normal((n_tok, hc)).astype(np.float16).astype(np.float32)
+    yh = cp.full((n_tok, head), POISON, cp.float32)
+    L.mma(k, [mh], [(yh.data.ptr, head)], [None], cp.asarray(xh.astype(np.float16)).data.ptr, hc, n_tok, 0, sc)
+    assert rel(yh.get(), xh.astype(np.float64) @ wh.T) < 2e-3
     n, c = 8448, 512
-    assert L.mma_config([n], n_tok)[0] == 4
+    assert L.mma_config([n], n_tok, 0, tall=False).wr == 4
     (g, wg), (u, wu) = upload(name, n, c, rng, keep), upload(name, n, c, rng, keep)
     x2 = rng.standard_normal((n_tok, c)).astype(np.float16).astype(np.float32)
     out = cp.full((n_tok, n), np.nan, cp.float16)

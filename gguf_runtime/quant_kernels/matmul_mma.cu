@@ -2,15 +2,16 @@
 // y[t, n] (=|+=) sum_k W[n, k] x[t, k], W repacked quant planes, x f16 (written in f16 by the
 // kernel before: norm, attention, GLU), y f32.
 //
-// A block (128 threads = 4 warps, WR x WC) owns TM = 16 WR weight rows and TB = 8 NT WC tokens.
+// A block (128 threads = 4 warps, WR x WC) owns TM = 16 WR weight rows (H such tiles in tall
+// blocks) and TB = 8 NT WC tokens.
 // Per 128-wide k step it dequantizes its W tile (the per-type decoders of quant_types.cuh) into
 // shared memory as f16 beside the x tile, then runs mma.sync.m16n8k16 (f16 x f16 -> f32): warp
 // (wr, wc) computes rows 16 wr .. +15 against tokens 8 NT wc .. +8 NT - 1. The next step's global
 // loads (all of a thread's units and 16-byte x pieces, issued together at clamped, always valid
 // addresses: straight-line code) go out before this step's MMAs, so their latency overlaps the
-// arithmetic. grid.z > 1 splits K (accumulate mode only): each block a contiguous run of k steps;
-// every thread stores its partial C fragment, and the last block of the tile to finish (a counter,
-// reset by that block) adds the S fragments in split order: the same result on every run. Raw kernels rather than cuBLAS, so the batch decode step can be
+// arithmetic. grid.z > 1 splits K: each block a contiguous run of k steps; every thread stores its
+// partial C fragments, and the last block of the tile to finish (a counter, reset by that block)
+// adds the S fragments in split order (the same result on every run) and runs the epilogue. Raw kernels rather than cuBLAS, so the batch decode step can be
 // captured in a CUDA graph. Shared memory is dynamic: (TB + NM TM) (TK + 8) halves.
 #include "quant_types.cuh"
 
@@ -107,12 +108,13 @@ DEV void mma_step(const u16* Ws, const u16* Xs, float (&acc)[NT][4]) {
     }
 }
 
-// NM matrices of one type over the same rows and the same x (GLU: gate and up): tiles of
-// (16 WR rows) x (8 NT (4 / WR) tokens) over columns [kb, ke), left in acc (mma16816's C layout).
-// smem: the x tile, then NM W tiles.
+// NM W tiles of one type against the same x tile: tile j is rows [row0 + j jstride, + 16 WR) of
+// ms[j] (GLU: gate and up over the same rows, jstride 0; a tall tile: the same matrix, jstride
+// 16 WR) x (8 NT (4 / WR) tokens), over columns [kb, ke), left in acc (mma16816's C layout).
+// smem: the x tile, then the NM W tiles.
 template <class T, int WR, int NT, int NM>
-DEV void mma_tiles(const Mat (&ms)[NM], int n_rows, int row0, const u16* x, int ldx, int n_tok, int t0, int kb,
-                   int ke, int K, u16* smem, float (&acc)[NM][NT][4]) {
+DEV void mma_tiles(const Mat (&ms)[NM], int n_rows, int row0, int jstride, const u16* x, int ldx, int n_tok, int t0,
+                   int kb, int ke, int K, u16* smem, float (&acc)[NM][NT][4]) {
     constexpr int TM = 16 * WR, TB = 8 * NT * (4 / WR);
     u16* Xs = smem;
 #pragma unroll
@@ -122,7 +124,7 @@ DEV void mma_tiles(const Mat (&ms)[NM], int n_rows, int row0, const u16* x, int 
     WRegs<T, TM> w[NM];
     XRegs<TB> xr;
 #pragma unroll
-    for (int j = 0; j < NM; ++j) w[j].load(ms[j], n_rows, row0, kb, K);
+    for (int j = 0; j < NM; ++j) w[j].load(ms[j], n_rows, row0 + j * jstride, kb, K);
     xr.load(x, ldx, n_tok, t0, kb, K);
     for (int k0 = kb; k0 < ke; k0 += TK) {
         __syncthreads();  // the previous step's MMAs are done with the tiles
@@ -132,7 +134,7 @@ DEV void mma_tiles(const Mat (&ms)[NM], int n_rows, int row0, const u16* x, int 
         __syncthreads();
         const int kn = k0 + TK < ke ? k0 + TK : k0;  // the next step (the last one reloads its own tile)
 #pragma unroll
-        for (int j = 0; j < NM; ++j) w[j].load(ms[j], n_rows, row0, kn, K);
+        for (int j = 0; j < NM; ++j) w[j].load(ms[j], n_rows, row0 + j * jstride, kn, K);
         xr.load(x, ldx, n_tok, t0, kn, K);
 #pragma unroll
         for (int j = 0; j < NM; ++j) mma_step<WR, NT>(smem + (TB + j * TM) * LDS, Xs, acc[j]);
@@ -162,15 +164,18 @@ DEV void k_range(int K, int& kb, int& ke) {
 #define PLANES(i) const u8* qs##i, const u8* qh##i, const u8* sc##i, const u8* d##i
 #define MAT(i, T) Mat{qs##i, qh##i, sc##i, d##i, K / T::BLOCK}
 
-// Split K: store this block's fragment; false unless this block is the tile's last, which then
+// Split K: store this block's fragments; false unless this block is the tile's last, which then
 // holds the sum of all splits' fragments (in split order) in acc.
-template <int NT>
-DEV bool merge_splits(float (&acc)[NT][4], float* part, unsigned* counter) {
+template <int NM, int NT>
+DEV bool merge_splits(float (&acc)[NM][NT][4], float* part, unsigned* counter) {
     __shared__ unsigned last;
     const int S = gridDim.z, tile = blockIdx.y * gridDim.x + blockIdx.x;
-    float4* mine = reinterpret_cast<float4*>(part) + (((long)tile * S + blockIdx.z) * NTHR + threadIdx.x) * NT;
+    float4* mine = reinterpret_cast<float4*>(part) + (((long)tile * S + blockIdx.z) * NTHR + threadIdx.x) * NM * NT;
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) mine[nt] = make_float4(acc[nt][0], acc[nt][1], acc[nt][2], acc[nt][3]);
+    for (int j = 0; j < NM; ++j)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+            mine[j * NT + nt] = make_float4(acc[j][nt][0], acc[j][nt][1], acc[j][nt][2], acc[j][nt][3]);
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -181,72 +186,85 @@ DEV bool merge_splits(float (&acc)[NT][4], float* part, unsigned* counter) {
     if (!last) return false;
     __threadfence();
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-    for (int z = 0; z < S; ++z) {
-        const float4* p = reinterpret_cast<const float4*>(part) + (((long)tile * S + z) * NTHR + threadIdx.x) * NT;
+    for (int j = 0; j < NM; ++j)
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            const float4 v = __ldcg(p + nt);  // from L2: other blocks wrote it
-            acc[nt][0] += v.x; acc[nt][1] += v.y; acc[nt][2] += v.z; acc[nt][3] += v.w;
-        }
+        for (int nt = 0; nt < NT; ++nt) acc[j][nt][0] = acc[j][nt][1] = acc[j][nt][2] = acc[j][nt][3] = 0.f;
+    for (int z = 0; z < S; ++z) {
+        const float4* p = reinterpret_cast<const float4*>(part) + (((long)tile * S + z) * NTHR + threadIdx.x) * NM * NT;
+#pragma unroll
+        for (int j = 0; j < NM; ++j)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                const float4 v = __ldcg(p + j * NT + nt);  // from L2: other blocks wrote it
+                acc[j][nt][0] += v.x; acc[j][nt][1] += v.y; acc[j][nt][2] += v.z; acc[j][nt][3] += v.w;
+            }
     }
     return true;
 }
 
-template <class T, int WR, int NT, int MODE>
+// H stacked row tiles of 16 WR rows (H = 2: 32 WR rows per block, x read half as often).
+template <class T, int WR, int NT, int MODE, int H>
 DEV void mma_segment(const Mat& m, int n, int row0, const u16* x, int ldx, int n_tok, int K, float* y, int ldy,
                      const float* bias, u16* smem, float* part, unsigned* counter) {
     const int t0 = blockIdx.y * 8 * NT * (4 / WR);
     int kb, ke;
     k_range(K, kb, ke);
-    float acc[1][NT][4];
-    const Mat ms[1] = {m};
-    mma_tiles<T, WR, NT, 1>(ms, n, row0, x, ldx, n_tok, t0, kb, ke, K, smem, acc);
-    if (gridDim.z > 1 && !merge_splits<NT>(acc[0], part, counter)) return;
-    for_each_c<WR, NT>(acc[0], row0, t0, [&](int r, int t, float v) {
-        if (r >= n || t >= n_tok) return;
-        float* out = y + (long)t * ldy + r;
-        if (MODE == 1) *out += v;
-        else *out = v + (bias ? bias[r] : 0.f);
-    });
+    float acc[H][NT][4];
+    Mat ms[H];
+#pragma unroll
+    for (int j = 0; j < H; ++j) ms[j] = m;
+    mma_tiles<T, WR, NT, H>(ms, n, row0, 16 * WR, x, ldx, n_tok, t0, kb, ke, K, smem, acc);
+    if (gridDim.z > 1 && !merge_splits<H, NT>(acc, part, counter)) return;
+#pragma unroll
+    for (int j = 0; j < H; ++j)
+        for_each_c<WR, NT>(acc[j], row0 + j * 16 * WR, t0, [&](int r, int t, float v) {
+            if (r >= n || t >= n_tok) return;
+            float* out = y + (long)t * ldy + r;
+            if (MODE == 1) *out += v;
+            else *out = v + (bias ? bias[r] : 0.f);
+        });
 }
 
-// Up to three matrices sharing x (Q, K, V), each of its own type; row tiles of segment 0, 1, 2.
-// grid = (row tiles of all segments, token tiles, K splits). MODE 0: y = W x (+ bias), one split;
-// 1: y += W x. Splits need part (S x 128 x 4 NT floats per tile) and counter (a zero per tile).
-template <class T0, class T1, class T2, int WR, int NT, int MODE>
+// Up to three matrices sharing x (Q, K, V), each of its own type; row tiles (16 WR H rows) of
+// segment 0, 1, 2.
+// grid = (row tiles of all segments, token tiles, K splits). MODE 0: y = W x (+ bias); 1: y += W x.
+// Splits need part (S x 128 x 4 NT floats per tile) and counter (a zero per tile).
+template <class T0, class T1, class T2, int WR, int NT, int MODE, int H>
 __global__ void __launch_bounds__(NTHR) mma_group(
         PLANES(0), int n0, float* y0, int ldy0, const float* bias0,
         PLANES(1), int n1, float* y1, int ldy1, const float* bias1,
         PLANES(2), int n2, float* y2, int ldy2, const float* bias2,
         const u16* __restrict__ x, int ldx, int n_tok, int K, float* part, unsigned* counter) {
-    constexpr int TM = 16 * WR;
+    constexpr int TM = 16 * WR * H;
     extern __shared__ __align__(16) u16 smem[];
     int tile = blockIdx.x;
     const int t0n = (n0 + TM - 1) / TM, t1n = (n1 + TM - 1) / TM;
     if (tile < t0n) {
-        mma_segment<T0, WR, NT, MODE>(MAT(0, T0), n0, tile * TM, x, ldx, n_tok, K, y0, ldy0, bias0, smem, part, counter);
+        mma_segment<T0, WR, NT, MODE, H>(MAT(0, T0), n0, tile * TM, x, ldx, n_tok, K, y0, ldy0, bias0, smem, part, counter);
         return;
     }
     tile -= t0n;
     if (tile < t1n) {
-        mma_segment<T1, WR, NT, MODE>(MAT(1, T1), n1, tile * TM, x, ldx, n_tok, K, y1, ldy1, bias1, smem, part, counter);
+        mma_segment<T1, WR, NT, MODE, H>(MAT(1, T1), n1, tile * TM, x, ldx, n_tok, K, y1, ldy1, bias1, smem, part, counter);
         return;
     }
     tile -= t1n;
-    mma_segment<T2, WR, NT, MODE>(MAT(2, T2), n2, tile * TM, x, ldx, n_tok, K, y2, ldy2, bias2, smem, part, counter);
+    mma_segment<T2, WR, NT, MODE, H>(MAT(2, T2), n2, tile * TM, x, ldx, n_tok, K, y2, ldy2, bias2, smem, part, counter);
 }
 
 // y16 = f16(act(G x) * (U x)); ACT 0 = SiLU, 1 = GELU (tanh). Gate and up tiles share each x tile.
-// The output feeds the down projection.
+// The output feeds the down projection. Splits: part holds S x 128 x 8 NT floats per tile.
 template <class T, int WR, int NT, int ACT>
 __global__ void __launch_bounds__(NTHR) mma_glu(PLANES(0), PLANES(1), int n, const u16* __restrict__ x, int ldx,
-                                                int n_tok, int K, u16* y, int ldy) {
+                                                int n_tok, int K, u16* y, int ldy, float* part, unsigned* counter) {
     extern __shared__ __align__(16) u16 smem[];
     const int row0 = blockIdx.x * 16 * WR, t0 = blockIdx.y * 8 * NT * (4 / WR);
+    int kb, ke;
+    k_range(K, kb, ke);
     float acc[2][NT][4];
     const Mat ms[2] = {MAT(0, T), MAT(1, T)};
-    mma_tiles<T, WR, NT, 2>(ms, n, row0, x, ldx, n_tok, t0, 0, K, K, smem, acc);
+    mma_tiles<T, WR, NT, 2>(ms, n, row0, 0, x, ldx, n_tok, t0, kb, ke, K, smem, acc);
+    if (gridDim.z > 1 && !merge_splits<2, NT>(acc, part, counter)) return;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -262,14 +280,14 @@ __global__ void __launch_bounds__(NTHR) mma_glu(PLANES(0), PLANES(1), int n, con
 #ifdef GGUF_INSTANTIATE_ALL
 #define GROUP_ARGS PLANES(0), int, float*, int, const float*, PLANES(1), int, float*, int, const float*, \
     PLANES(2), int, float*, int, const float*, const u16*, int, int, int, float*, unsigned*
-template __global__ void mma_group<TQ5_0, TQ5_0, TQ8_0, 4, 8, 0>(GROUP_ARGS);
+template __global__ void mma_group<TQ5_0, TQ5_0, TQ8_0, 4, 8, 0, 1>(GROUP_ARGS);
 #define INST(T)                                                                                  \
-    template __global__ void mma_group<T, T, T, 4, 8, 0>(GROUP_ARGS);                            \
-    template __global__ void mma_group<T, T, T, 1, 2, 1>(GROUP_ARGS);                            \
-    template __global__ void mma_group<T, T, T, 2, 1, 1>(GROUP_ARGS);                            \
-    template __global__ void mma_group<T, T, T, 4, 8, 1>(GROUP_ARGS);                            \
-    template __global__ void mma_glu<T, 2, 4, 0>(PLANES(0), PLANES(1), int, const u16*, int, int, int, u16*, int); \
-    template __global__ void mma_glu<T, 4, 8, 0>(PLANES(0), PLANES(1), int, const u16*, int, int, int, u16*, int);
+    template __global__ void mma_group<T, T, T, 4, 8, 0, 1>(GROUP_ARGS);                         \
+    template __global__ void mma_group<T, T, T, 1, 2, 1, 1>(GROUP_ARGS);                         \
+    template __global__ void mma_group<T, T, T, 2, 1, 1, 1>(GROUP_ARGS);                         \
+    template __global__ void mma_group<T, T, T, 4, 8, 1, 2>(GROUP_ARGS);                         \
+    template __global__ void mma_glu<T, 2, 4, 0>(PLANES(0), PLANES(1), int, const u16*, int, int, int, u16*, int, float*, unsigned*); \
+    template __global__ void mma_glu<T, 4, 8, 0>(PLANES(0), PLANES(1), int, const u16*, int, int, int, u16*, int, float*, unsigned*);
 INST(TF32) INST(TF16) INST(TBF16) INST(TQ4_0) INST(TQ4_1) INST(TQ5_0) INST(TQ5_1) INST(TQ8_0)
 INST(TQ2_K) INST(TQ3_K) INST(TQ4_K) INST(TQ5_K) INST(TQ6_K)
 #endif
