@@ -28,6 +28,7 @@ from .graphs.manager import CaptureError
 from .kv_cache import PAGE_SIZE, PagedKVCache
 from .model import forward
 from .model_config import ModelConfig
+from .quant_kernels import launch_mma as LM
 from .quant_kernels import launchers as L
 from .quant_kernels.reference import dequantize
 from .backends import host_sample_loop
@@ -130,12 +131,12 @@ class CudaBackend:
                 mm += [L.mmv_name(structs, b, *L.mmv_config(structs, rows, mats[0].cols, b), mode)
                        for b in L.MMV_TOKENS]
                 if self.max_batch > L.MAX_MMV_TOKENS:
-                    configs = [L.mma_config(rows, b, mats[0].cols) for b in BUCKETS
+                    configs = [LM.mma_config(rows, b, mats[0].cols) for b in BUCKETS
                                if L.MAX_MMV_TOKENS < b <= self.max_batch]
-                    mma += [L.mma_name(structs, c.wr, c.nt, mode, c.h) for c in configs]
+                    mma += [LM.mma_name(structs, c.wr, c.nt, mode, c.h) for c in configs]
         act = L.ACT[cfg.activation]
         mm += [L.glu_name(s, b, *L.glu_config(s, n, c, b), act) for s, n, c in glu for b in L.MMV_TOKENS]
-        mma += [L.mma_glu_name(s, *L.mma_config([n], b, 0, tall=False)[:2], act) for s, n, _ in glu for b in BUCKETS
+        mma += [LM.mma_glu_name(s, *LM.mma_config([n], b, 0, tall=False)[:2], act) for s, n, _ in glu for b in BUCKETS
                 if L.MAX_MMV_TOKENS < b <= self.max_batch]
         mm.append(f"embed_rows<{w.mat('token_embd.weight').struct}>")
         mm += [f"dequant_f16<{s}>" for s in {m.struct for m in w.mats.values()}]

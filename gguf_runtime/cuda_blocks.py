@@ -20,6 +20,7 @@ from .cuda_weights import DeviceWeights
 from .kv_cache import PagedKVCache
 from .model import lm_head_name
 from .model_config import ROPE_NEOX, ModelConfig
+from .quant_kernels import launch_mma as LM
 from .quant_kernels import launchers as L
 
 CUDA_R_16F, CUDA_R_32F = 2, 0
@@ -69,9 +70,9 @@ class Workspace:
         self.g16 = cp.zeros((max_rows, cfg.n_ff), cp.float16) if big else None  # GLU output, f16
         # K-split tensor-core products of batch steps (<= logits_rows rows): QKV and the residual ones
         out = max(cfg.n_embd, self.qkv_width)
-        self.mma_part = cp.zeros(L.split_part_floats(out, logits_rows) if big else 1, f32)
+        self.mma_part = cp.zeros(LM.split_part_floats(out, logits_rows) if big else 1, f32)
         self.mma_counter = cp.zeros(-(-out // 16) * -(-logits_rows // 16) if big else 1, cp.uint32)
-        self.split = L.SplitScratch(self.mma_part.data.ptr, self.mma_part.size, self.mma_counter.data.ptr,
+        self.split = LM.SplitScratch(self.mma_part.data.ptr, self.mma_part.size, self.mma_counter.data.ptr,
                                     self.mma_counter.size)
 
     def nbytes(self) -> int:
@@ -169,7 +170,7 @@ class CudaBlocks:
                   norm=norm, rope=rope)
             return qkv
         if self.mma:
-            L.mma(self.k, [self.w.mat(n) for n in names], [(qkv.data.ptr + 4 * c, ld) for c in cols],
+            LM.mma(self.k, [self.w.mat(n) for n in names], [(qkv.data.ptr + 4 * c, ld) for c in cols],
                   [self.w.vec(b).data.ptr if b else None for b in biases], ws.x16.data.ptr, ws.x16.strides[0] // 2,
                   t, 0, ws.split)
         else:
@@ -202,7 +203,7 @@ class CudaBlocks:
             L.mmv(self.k, [self.w.mat(name)], [(target.data.ptr, target.strides[0] // 4)], [None], a.data.ptr,
                   a.strides[0] // 4, t, 0 if post_norm else 1)
         elif self.mma:
-            L.mma(self.k, [self.w.mat(name)], [(target.data.ptr, target.strides[0] // 4)], [None], a16.data.ptr,
+            LM.mma(self.k, [self.w.mat(name)], [(target.data.ptr, target.strides[0] // 4)], [None], a16.data.ptr,
                   a16.strides[0] // 2, t, 0 if post_norm else 1, self.ws.split)
         else:
             self._gemm16(a16, t, (name,), target, accumulate=not post_norm)
@@ -232,15 +233,15 @@ class CudaBlocks:
             return self._project_residual(g, down, x, post)
         if big and gate.type_id == up.type_id:
             g16 = ws.g16
-            L.mma_glu(self.k, gate, up, ws.x16.data.ptr, ws.x16.strides[0] // 2, t, cfg.activation, g16.data.ptr,
+            LM.mma_glu(self.k, gate, up, ws.x16.data.ptr, ws.x16.strides[0] // 2, t, cfg.activation, g16.data.ptr,
                       g16.strides[0] // 2, ws.split)
             return self._project_residual(g, down, x, post, a16=g16)
         if self._small(t) or big:
             u = ws.u[:t]
             if big:
                 x16, ld16 = ws.x16.data.ptr, ws.x16.strides[0] // 2
-                L.mma(self.k, [gate], [(g.data.ptr, g.strides[0] // 4)], [None], x16, ld16, t, 0, ws.split)
-                L.mma(self.k, [up], [(u.data.ptr, u.strides[0] // 4)], [None], x16, ld16, t, 0, ws.split)
+                LM.mma(self.k, [gate], [(g.data.ptr, g.strides[0] // 4)], [None], x16, ld16, t, 0, ws.split)
+                LM.mma(self.k, [up], [(u.data.ptr, u.strides[0] // 4)], [None], x16, ld16, t, 0, ws.split)
             else:
                 L.mmv(self.k, [gate], [(g.data.ptr, g.strides[0] // 4)], [None], h.data.ptr, h.strides[0] // 4, t, 0,
                       norm=norm)
@@ -271,7 +272,7 @@ class CudaBlocks:
         ld = out.strides[0] // 4
         h, norm = self._normed(x, "output_norm.weight")
         if self._big_mma(t):
-            L.mma(self.k, [head], [(out.data.ptr, ld)], [None], self.ws.x16.data.ptr, self.ws.x16.strides[0] // 2,
+            LM.mma(self.k, [head], [(out.data.ptr, ld)], [None], self.ws.x16.data.ptr, self.ws.x16.strides[0] // 2,
                   t, 0, self.ws.split)
         else:
             for s in range(0, t, L.MAX_MMV_TOKENS):

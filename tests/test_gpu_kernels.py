@@ -13,6 +13,7 @@ cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
 from gguf_runtime.backend_numpy import apply_rope, gelu_tanh, silu  # noqa: E402
+from gguf_runtime.quant_kernels import launch_mma as LM  # noqa: E402
 from gguf_runtime.quant_kernels import launchers as L  # noqa: E402
 from gguf_runtime.quant_kernels.formats import BY_NAME, FORMATS, SUPPORTED  # noqa: E402
 from gguf_runtime.quant_kernels.reference import dequantize, random_blocks  # noqa: E402
@@ -426,10 +427,10 @@ def test_topk_sample_rows_vocab_and_ties(k):
 
 def split_scratch(rows, n_tok, keep):
     """Workspace of K-split products (as cuda_blocks.Workspace sizes it), partials poisoned."""
-    part = cp.full(L.split_part_floats(rows, n_tok), POISON, cp.float32)
+    part = cp.full(LM.split_part_floats(rows, n_tok), POISON, cp.float32)
     counter = cp.zeros(-(-rows // 16) * -(-n_tok // 16), cp.uint32)
     keep += [part, counter]
-    return L.SplitScratch(part.data.ptr, part.size, counter.data.ptr, counter.size), counter
+    return LM.SplitScratch(part.data.ptr, part.size, counter.data.ptr, counter.size), counter
 
 
 @pytest.mark.parametrize("name", SUPPORTED)
@@ -445,15 +446,15 @@ def test_mma_every_type(k, name, n_tok):
     bias = rng.standard_normal(rows).astype(np.float32)
     xd, bd = cp.asarray(x.astype(np.float16)), cp.asarray(bias)
     y = cp.full((n_tok, rows + 3), POISON, cp.float32)
-    L.mma(k, [m], [(y.data.ptr, rows + 3)], [bd.data.ptr], xd.data.ptr, cols, n_tok, 0)
+    LM.mma(k, [m], [(y.data.ptr, rows + 3)], [bd.data.ptr], xd.data.ptr, cols, n_tok, 0)
     ref = x.astype(np.float64) @ w.T + bias
     assert rel(y.get()[:, :rows], ref) < 2e-3
     assert np.isnan(y.get()[:, rows:]).all(), "wrote past the rows"
     y0 = rng.standard_normal((n_tok, rows)).astype(np.float32)
     yd = cp.asarray(y0)
     sc, counter = split_scratch(rows, n_tok, keep)  # K split 2..4 ways (2..6 k steps)
-    assert L.mma_config([rows], n_tok, cols)[2] > 1
-    L.mma(k, [m], [(yd.data.ptr, rows)], [None], xd.data.ptr, cols, n_tok, 1, sc)
+    assert LM.mma_config([rows], n_tok, cols)[2] > 1
+    LM.mma(k, [m], [(yd.data.ptr, rows)], [None], xd.data.ptr, cols, n_tok, 1, sc)
     assert rel(yd.get(), y0 + x.astype(np.float64) @ w.T) < 2e-3
     assert not counter.any(), "split counters not reset"
 
@@ -467,7 +468,7 @@ def test_mma_split_k_and_wide_tiles(k, name, n_tok):
     rng = np.random.default_rng()
     keep = []
     rows, cols = 2200, 2304
-    c = L.mma_config([rows], n_tok, cols)
+    c = LM.mma_config([rows], n_tok, cols)
     assert (c.wr, c.h, c.split) == (4, 1, 4)
     m, w = upload(name, rows, cols, rng, keep)
     x = rng.standard_normal((n_tok, cols)).astype(np.float16).astype(np.float32)
@@ -475,30 +476,30 @@ def test_mma_split_k_and_wide_tiles(k, name, n_tok):
     y0 = rng.standard_normal((n_tok, rows)).astype(np.float32)
     yd = cp.asarray(y0)
     sc, counter = split_scratch(rows, n_tok, keep)
-    L.mma(k, [m], [(yd.data.ptr, rows)], [None], xd.data.ptr, cols, n_tok, 1, sc)
+    LM.mma(k, [m], [(yd.data.ptr, rows)], [None], xd.data.ptr, cols, n_tok, 1, sc)
     got = yd.get()
     assert rel(got, y0 + x.astype(np.float64) @ w.T) < 2e-3
     assert not counter.any(), "split counters not reset"
     yd.set(y0)  # the same sum in the same order on every run
-    L.mma(k, [m], [(yd.data.ptr, rows)], [None], xd.data.ptr, cols, n_tok, 1, sc)
+    LM.mma(k, [m], [(yd.data.ptr, rows)], [None], xd.data.ptr, cols, n_tok, 1, sc)
     assert (yd.get() == got).all()
     bias = rng.standard_normal(rows).astype(np.float32)
     y = cp.full((n_tok, rows), POISON, cp.float32)
-    L.mma(k, [m], [(y.data.ptr, rows)], [cp.asarray(bias).data.ptr], xd.data.ptr, cols, n_tok, 0, sc)
+    LM.mma(k, [m], [(y.data.ptr, rows)], [cp.asarray(bias).data.ptr], xd.data.ptr, cols, n_tok, 0, sc)
     assert rel(y.get(), x.astype(np.float64) @ w.T + bias) < 2e-3
     head, hc = 33800, 1024  # an output head: tall blocks, no split
-    assert L.mma_config([head], n_tok, hc)[2:] == (1, 2)
+    assert LM.mma_config([head], n_tok, hc)[2:] == (1, 2)
     mh, wh = upload(name, head, hc, rng, keep)
     xh = rng.standard_normal((n_tok, hc)).astype(np.float16).astype(np.float32)
     yh = cp.full((n_tok, head), POISON, cp.float32)
-    L.mma(k, [mh], [(yh.data.ptr, head)], [None], cp.asarray(xh.astype(np.float16)).data.ptr, hc, n_tok, 0, sc)
+    LM.mma(k, [mh], [(yh.data.ptr, head)], [None], cp.asarray(xh.astype(np.float16)).data.ptr, hc, n_tok, 0, sc)
     assert rel(yh.get(), xh.astype(np.float64) @ wh.T) < 2e-3
     n, c = 8448, 512
-    assert L.mma_config([n], n_tok, 0, tall=False).wr == 4
+    assert LM.mma_config([n], n_tok, 0, tall=False).wr == 4
     (g, wg), (u, wu) = upload(name, n, c, rng, keep), upload(name, n, c, rng, keep)
     x2 = rng.standard_normal((n_tok, c)).astype(np.float16).astype(np.float32)
     out = cp.full((n_tok, n), np.nan, cp.float16)
-    L.mma_glu(k, g, u, cp.asarray(x2.astype(np.float16)).data.ptr, c, n_tok, "silu", out.data.ptr, n)
+    LM.mma_glu(k, g, u, cp.asarray(x2.astype(np.float16)).data.ptr, c, n_tok, "silu", out.data.ptr, n)
     gv, uv = x2.astype(np.float64) @ wg.T, x2.astype(np.float64) @ wu.T
     assert rel(out.get().astype(np.float32), silu(gv) * uv) < 2e-3
 
@@ -512,13 +513,13 @@ def test_mma_group_and_glu(k):
     x = rng.standard_normal((24, cols)).astype(np.float16).astype(np.float32)
     xd = cp.asarray(x.astype(np.float16))
     ys = [cp.full((24, r), POISON, cp.float32) for _, r in specs]
-    L.mma(k, [m for m, _ in mats], [(y.data.ptr, y.shape[1]) for y in ys], [None] * 3, xd.data.ptr, cols, 24, 0)
+    LM.mma(k, [m for m, _ in mats], [(y.data.ptr, y.shape[1]) for y in ys], [None] * 3, xd.data.ptr, cols, 24, 0)
     for (m, w), y in zip(mats, ys):
         assert rel(y.get(), x.astype(np.float64) @ w.T) < 2e-3
     (g, wg), (u, wu) = upload("Q4_K", 70, 512, rng, keep), upload("Q4_K", 70, 512, rng, keep)
     x2 = rng.standard_normal((40, 512)).astype(np.float16).astype(np.float32)
     x2d = cp.asarray(x2.astype(np.float16))
     out = cp.full((40, 70), np.nan, cp.float16)
-    L.mma_glu(k, g, u, x2d.data.ptr, 512, 40, "silu", out.data.ptr, 70)
+    LM.mma_glu(k, g, u, x2d.data.ptr, 512, 40, "silu", out.data.ptr, 70)
     gv, uv = x2.astype(np.float64) @ wg.T, x2.astype(np.float64) @ wu.T
     assert rel(out.get().astype(np.float32), silu(gv) * uv) < 2e-3

@@ -1,0 +1,126 @@
+"""Launchers of the tensor-core kernels (matmul_mma.cu): tile shapes, K splits, shared memory.
+
+Products of more than MAX_MMV_TOKENS rows in the batch decode steps; see matmul_mma.cu.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+from .launchers import ACT, Kernels, Mat, _Counted, i32, ptr
+
+MMA_MIN_BLOCKS = 132  # one wave on an H100: below this, smaller tiles or K splits (more blocks) win
+MMA_SPLIT_BLOCKS = 264  # K splits aim at two blocks per SM (the 64-row tiles' registers allow 2-3)
+MMA_TK = 128  # columns per k step (matmul_mma.cu TK)
+MMA_TALL_MIN_COLS = 1024
+MMA_MAX_SPLIT = 4  # K splits of a product (partials merged in split order by the tile's last block)
+SMEM_DEFAULT_MAX = 48 * 1024  # dynamic shared memory beyond this needs the kernel's opt-in
+
+
+class MmaConfig(NamedTuple):
+    wr: int  # warps along the rows: a row tile is 16 wr rows
+    nt: int  # 8-token MMA columns per warp: a token tile is 8 nt (4 / wr) tokens
+    split: int  # blocks sharing the k steps of a tile
+    h: int = 1  # row tiles stacked in a block (2: x read half as often)
+
+
+def mma_config(rows: Sequence[int], n_tok: int, cols: int = 0, tall: bool = True) -> MmaConfig:
+    """The largest block (x is read once per row tile: large tiles read it least) that fills a wave
+    with at most MMA_MAX_SPLIT K splits; cols = 0: no split. tall: blocks of two stacked 64-row
+    tiles where they fill the GPU unsplit and K is long (output heads: the 8B's 698 -> 531 us at
+    B=64, but SmolLM2's, K = 576, 49 -> 66 us); split tall blocks measured slower than split
+    64-row ones (H100: the 8B's o-proj 80 -> 89 us)."""
+    steps = -(-cols // MMA_TK)
+    for wr, h in ((4, 2), (4, 1), (2, 1), (1, 1)):
+        if h == 2 and not tall:
+            continue
+        wc = 4 // wr
+        nt = min(8, max(1, -(-min(n_tok, 64) // (8 * wc))))
+        tb = 8 * nt * wc
+        tiles = sum(-(-n // (16 * wr * h)) for n in rows) * -(-n_tok // tb)
+        split = max(1, min(steps, MMA_MAX_SPLIT, -(-MMA_SPLIT_BLOCKS // tiles)))
+        if h == 2 and (tiles < MMA_SPLIT_BLOCKS or cols < MMA_TALL_MIN_COLS):
+            continue
+        if tiles * split >= MMA_MIN_BLOCKS or wr == 1:
+            return MmaConfig(wr, nt, split, h)
+    raise AssertionError
+
+
+def _mma_smem(fn: "_Counted", wr: int, nt: int, n_mats: int) -> int:
+    """Dynamic shared memory of an mma kernel: the x tile and n_mats W tiles, f16, padded rows."""
+    size = (8 * nt * (4 // wr) + n_mats * 16 * wr) * (MMA_TK + 8) * 2
+    if size > fn.smem_max:
+        fn.kernel.max_dynamic_shared_size_bytes = size
+        fn.smem_max = size
+    return size
+
+
+def mma_name(structs: Sequence[str], wr: int, nt: int, mode: int, h: int = 1) -> str:
+    s = list(structs) + [structs[0]] * (3 - len(structs))
+    return f"mma_group<{s[0]}, {s[1]}, {s[2]}, {wr}, {nt}, {mode}, {h}>"
+
+
+def mma_glu_name(struct: str, wr: int, nt: int, act: int) -> str:
+    return f"mma_glu<{struct}, {wr}, {nt}, {act}>"
+
+
+def _mma_plan(rows: Sequence[int], n_tok: int, cols: int, n_mats: int, scratch: "SplitScratch | None",
+              tall: bool = True) -> MmaConfig:
+    """mma_config, without a split where the scratch cannot hold its partials (n_mats: W tiles
+    per block besides the tall stacking)."""
+    c = mma_config(rows, n_tok, cols if scratch else 0, tall)
+    if c.split > 1:
+        tiles = sum(-(-n // (16 * c.wr * c.h)) for n in rows) * -(-n_tok // (8 * c.nt * (4 // c.wr)))
+        if tiles > scratch.counters or tiles * c.split * n_mats * c.h * 512 * c.nt > scratch.part_floats:
+            return mma_config(rows, n_tok, 0, tall)
+    return c
+
+
+def split_part_floats(rows: int, n_tok: int) -> int:
+    """Floats of partials any split product with <= rows output rows and n_tok tokens needs."""
+    return MMA_MAX_SPLIT * -(-rows // 64) * 64 * -(-n_tok // 64) * 64
+
+
+@dataclass(frozen=True)
+class SplitScratch:
+    """Workspace of K-split products: partial C fragments and one zeroed counter per tile."""
+    part: int
+    part_floats: int
+    counter: int
+    counters: int
+
+
+def mma(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases: Sequence[int | None],
+        x16: int, ldx16: int, n_tok: int, mode: int, scratch: SplitScratch | None = None) -> None:
+    """Tensor-core version of ``mmv`` for any number of tokens: x in f16, y f32 (f32 accumulate).
+    K is split over several blocks when ``scratch`` holds their partials."""
+    assert 1 <= len(mats) <= 3
+    wr, nt, split, h = _mma_plan([m.rows for m in mats], n_tok, mats[0].cols, 1, scratch)
+    tb = 8 * nt * (4 // wr)
+    fn = k.fn("matmul_mma.cu", mma_name([m.struct for m in mats], wr, nt, mode, h))
+    args: list = []
+    for i in range(3):
+        if i < len(mats):
+            m, (y, ldy), bias = mats[i], outs[i], biases[i]
+            args += [*m.planes, i32(m.rows), ptr(y), i32(ldy), ptr(bias)]
+        else:
+            args += [ptr(0)] * 4 + [i32(0), ptr(0), i32(0), ptr(0)]
+    row_tiles = sum(-(-m.rows // (16 * wr * h)) for m in mats)
+    part, counter = (scratch.part, scratch.counter) if split > 1 else (0, 0)
+    fn((row_tiles, -(-n_tok // tb), split), (128,),
+       (*args, ptr(x16), i32(ldx16), i32(n_tok), i32(mats[0].cols), ptr(part), ptr(counter)),
+       shared_mem=_mma_smem(fn, wr, nt, h))
+
+
+def mma_glu(k: Kernels, gate: Mat, up: Mat, x16: int, ldx16: int, n_tok: int, act: str, y16: int, ldy16: int,
+            scratch: SplitScratch | None = None) -> None:
+    """y16[t, :] = f16(act(G x[t]) * (U x[t])), x in f16. Not split: with two W tiles per block
+    the 8B's GLU fills the GPU, and SmolLM2's lost 39% split (H100, 2c8440d + splits)."""
+    wr, nt, split, _ = _mma_plan([gate.rows], n_tok, 0, 2, scratch, tall=False)
+    fn = k.fn("matmul_mma.cu", mma_glu_name(gate.struct, wr, nt, ACT[act]))
+    tb = 8 * nt * (4 // wr)
+    part, counter = (scratch.part, scratch.counter) if split > 1 else (0, 0)
+    fn((-(-gate.rows // (16 * wr)), -(-n_tok // tb), split), (128,),
+       (*gate.planes, *up.planes, i32(gate.rows), ptr(x16), i32(ldx16), i32(n_tok), i32(gate.cols), ptr(y16),
+        i32(ldy16), ptr(part), ptr(counter)), shared_mem=_mma_smem(fn, wr, nt, 2))
