@@ -253,14 +253,9 @@ class CudaBlocks:
             return self._project_residual(g, down, x, post, a16=g16)
         u = ws.u[:t]
         self._gemm16(ws.x16, t, (gate_name, up_name), g, accumulate=False)  # g | u: adjacent halves
-        x16 = ws.x16
         L.glu(self.k, g.data.ptr, u.data.ptr, g.strides[0] // 4, cfg.n_ff, t, cfg.activation, None, 0,
-              x16.data.ptr, x16.strides[0] // 2)
-        target = ws.o[:t] if post else x
-        self._gemm16(x16, t, (down,), target, accumulate=not post)
-        if post:
-            self._norm(target, post, x, res=x)
-        return x
+              ws.x16.data.ptr, ws.x16.strides[0] // 2)
+        return self._project_residual(g, down, x, post, a16=ws.x16)
 
     def logits(self, x: cp.ndarray) -> cp.ndarray:
         cfg, ws = self.cfg, self.ws

@@ -29,7 +29,7 @@ class W16:
     cols: int
 
 
-def layer_groups(cfg: ModelConfig, layer: int) -> list[tuple[str, ...]]:
+def layer_groups(layer: int) -> list[tuple[str, ...]]:
     p = f"blk.{layer}."
     return [(p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"), (p + "attn_output.weight",),
             (p + "ffn_gate.weight", p + "ffn_up.weight"), (p + "ffn_down.weight",)]
@@ -39,7 +39,7 @@ class F16Weights:
     def __init__(self, cfg: ModelConfig, w: DeviceWeights, kernels: L.Kernels,
                  resident_max: int | None = None) -> None:
         self.w, self.k = w, kernels
-        groups = [g for i in range(cfg.n_layer) for g in layer_groups(cfg, i)]
+        groups = [g for i in range(cfg.n_layer) for g in layer_groups(i)]
         size = {g: sum(w.mat(n).rows * w.mat(n).cols for n in g) for g in groups}
         limit = RESIDENT_MAX_BYTES if resident_max is None else resident_max
         self.resident = 2 * sum(size.values()) <= limit
@@ -53,9 +53,6 @@ class F16Weights:
             cp.cuda.get_current_stream().synchronize()  # built on this stream; used on the backend's
         else:
             self._scratch = cp.empty(max(size.values()), cp.float16)
-
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self._cache.values()) + (self._scratch.nbytes if self._scratch is not None else 0)
 
     def _dequant(self, names: Sequence[str], buf: cp.ndarray) -> None:
         off = buf.data.ptr

@@ -20,6 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from gguf_runtime.cli.app import main
+from test_cli import assert_one_line_error
 
 EXE = shutil.which("gguf-run", path=os.path.dirname(sys.executable)) or "gguf-run"
 TINY = ["--backend", "numpy", "-p", "16", "-n", "4", "-r", "2"]
@@ -35,17 +36,6 @@ def cli(capsys, *args):
     rc = main(["bench", *args])
     out, err = capsys.readouterr()
     return rc, out, err
-
-
-def assert_one_line_error(result, *words):
-    rc, out, err = result
-    assert rc == 2, err
-    assert "Traceback" not in err
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert len(lines) == 1, err
-    assert lines[0].startswith("error:"), err
-    for w in words:
-        assert w.lower() in lines[0].lower(), (w, err)
 
 
 def parse_table(text):

@@ -15,7 +15,6 @@ MMA_SPLIT_BLOCKS = 264  # K splits aim at two blocks per SM (the 64-row tiles' r
 MMA_TK = 128  # columns per k step (matmul_mma.cu TK)
 MMA_TALL_MIN_COLS = 1024
 MMA_MAX_SPLIT = 4  # K splits of a product (partials merged in split order by the tile's last block)
-SMEM_DEFAULT_MAX = 48 * 1024  # dynamic shared memory beyond this needs the kernel's opt-in
 
 
 class MmaConfig(NamedTuple):

@@ -25,6 +25,7 @@ TYPE_STRUCT = {"F32": "TF32", "F16": "TF16", "BF16": "TBF16", "Q4_0": "TQ4_0", "
 UNIT_ELEMS = {"TF32": 16, "TF16": 16, "TBF16": 16, "TQ4_0": 32, "TQ4_1": 32, "TQ5_0": 32, "TQ5_1": 32,
               "TQ8_0": 32, "TQ2_K": 64, "TQ3_K": 64, "TQ4_K": 32, "TQ5_K": 32, "TQ6_K": 64}
 MAX_MMV_TOKENS = 8
+SMEM_DEFAULT_MAX = 48 * 1024  # dynamic shared memory per block beyond this needs the kernel's opt-in
 ACT = {"silu": 0, "gelu_tanh": 1}
 
 
@@ -108,7 +109,7 @@ class _Counted:
 
     def __init__(self, kernel: cp.RawKernel, owner: Kernels, name: str) -> None:
         self.kernel, self.owner, self.name = kernel, owner, name
-        self.smem_max = 48 * 1024  # dynamic shared memory the kernel is allowed (opt-in above 48 KiB)
+        self.smem_max = SMEM_DEFAULT_MAX  # dynamic shared memory the kernel is allowed
 
     def __call__(self, grid, block, args, shared_mem: int = 0) -> None:
         self.owner.launches += 1
