@@ -12,6 +12,7 @@ runs on slot 0; ``seq_add``/``batch_step``/``seq_tokens``/``seq_release`` run ma
 
 from __future__ import annotations
 
+import os
 import secrets
 from typing import Callable, Iterator, Sequence
 
@@ -30,6 +31,7 @@ from .model import forward
 from .model_config import ModelConfig
 from .quant_kernels import launch_mma as LM
 from .quant_kernels import launchers as L
+from .quant_kernels import pdl
 from .quant_kernels.reference import dequantize
 from .backends import host_sample_loop
 from .sampling import SamplingParams
@@ -66,6 +68,8 @@ class CudaBackend:
             raise BackendError(f"--max-batch {max_batch} is not one of {', '.join(map(str, BUCKETS))}")
         self.f, self.cfg, self.n_ctx, self.max_batch = f, cfg, n_ctx, max_batch
         self.use_graph, self.note = use_graph, note
+        # GGUF_RUN_PDL=0 turns programmatic dependent launch off (to measure what it gives)
+        self.pdl = pdl.supported(cp.cuda.Device()) and os.environ.get("GGUF_RUN_PDL", "1") != "0"
         try:
             self.stream = cp.cuda.Stream(non_blocking=True)
             self.kernels = L.Kernels()
@@ -284,7 +288,7 @@ class CudaBackend:
         key = ("decode", rows, *mode)
         if not self.graphs.has(key):
             try:
-                self.graphs.capture(key, lambda: self._step(rows, mode),
+                self.graphs.capture(key, self._graph_step(rows, mode),
                                     before_warmup=self._save_state, after_warmup=self._restore_state)
             except CaptureError as e:
                 self.use_graph = False
@@ -292,6 +296,18 @@ class CudaBackend:
                     self.note(f"warning: CUDA graph capture failed ({e}); decoding eagerly")
                 return None
         return key
+
+    def _graph_step(self, rows: int, mode: tuple[bool, bool]) -> Callable[[], None]:
+        """The step to capture: its kernels launched with programmatic dependent launch where the
+        GPU has it (quant_kernels/pdl.py), so each one's launch and weight loads overlap the end of
+        the kernel before it in the replayed graph."""
+        def step() -> None:
+            self.kernels.pdl = self.pdl
+            try:
+                self._step(rows, mode)
+            finally:
+                self.kernels.pdl = False
+        return step
 
     def capture_buckets(self, mode: tuple[bool, bool] = (False, True),
                         progress: Callable[[str, int, int], None] | None = None) -> None:

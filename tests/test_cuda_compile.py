@@ -6,6 +6,7 @@ file instantiate every kernel for every quant type, so nvcc checks them all here
 
 import glob
 import os
+import re
 import shutil
 import subprocess
 
@@ -19,11 +20,37 @@ def test_sources_found():
     assert {os.path.basename(p) for p in SOURCES} >= {"matvec.cu", "layers.cu", "attention.cu", "sampling.cu"}
 
 
+_BUILT: dict[str, tuple[subprocess.CompletedProcess, str]] = {}
+
+
+def _build(src: str, tmp_path_factory) -> tuple[subprocess.CompletedProcess, str]:
+    """nvcc -c of one source (every instantiation), keeping its PTX; once per source."""
+    if src not in _BUILT:
+        nvcc = shutil.which("nvcc")
+        if nvcc is None:
+            pytest.skip("nvcc is not installed on this machine")
+        tmp = tmp_path_factory.mktemp("nvcc")
+        out = subprocess.run([nvcc, "-arch=sm_90", "-std=c++17", "-DGGUF_INSTANTIATE_ALL", "-Werror", "all-warnings",
+                              "--keep", "--keep-dir", str(tmp), "-c", src, "-o", str(tmp / "k.o")],
+                             capture_output=True, text=True)
+        ptx = "".join(open(p).read() for p in glob.glob(str(tmp / "*.ptx")))
+        _BUILT[src] = (out, ptx)
+    return _BUILT[src]
+
+
 @pytest.mark.parametrize("src", SOURCES, ids=os.path.basename)
-def test_compiles_for_sm90(src, tmp_path):
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("nvcc is not installed on this machine")
-    out = subprocess.run([nvcc, "-arch=sm_90", "-std=c++17", "-DGGUF_INSTANTIATE_ALL", "-Werror", "all-warnings",
-                          "-c", src, "-o", str(tmp_path / "k.o")], capture_output=True, text=True)
+def test_compiles_for_sm90(src, tmp_path_factory):
+    out, _ = _build(src, tmp_path_factory)
     assert out.returncode == 0, out.stderr[-4000:]
+
+
+@pytest.mark.parametrize("src", SOURCES, ids=os.path.basename)
+def test_every_kernel_waits_for_its_predecessor(src, tmp_path_factory):
+    """Graphs launch every kernel with programmatic dependent launch (pdl.py): a kernel without
+    griddepcontrol.wait would run while the kernel before it is still writing its inputs."""
+    out, ptx = _build(src, tmp_path_factory)
+    assert out.returncode == 0, out.stderr[-4000:]
+    entries = re.split(r"\.entry\s+", ptx)[1:]
+    assert entries, "no kernels in the PTX"
+    missing = [e.split("(", 1)[0] for e in entries if "griddepcontrol.wait" not in e]
+    assert not missing, f"kernels that never call pdl_enter(): {missing[:5]}"

@@ -280,7 +280,7 @@ def attention_ref(q, K, V, pos, scale, cap, window):
 @pytest.mark.parametrize("n_split", [1, 4, 32])
 def test_attention(k, d, hq, hkv, cap, window, n_split):
     rng = np.random.default_rng()
-    page, n_ctx = 16, 80
+    page, n_ctx = 16, 640  # up to 640 keys: rows using 1 split and up to 32 (at least 16 keys per split)
     max_pages = n_ctx // page
     K = rng.standard_normal((n_ctx, hkv, d)).astype(np.float32)
     V = rng.standard_normal((n_ctx, hkv, d)).astype(np.float32)
@@ -290,7 +290,7 @@ def test_attention(k, d, hq, hkv, cap, window, n_split):
     for p in range(n_ctx):
         kc[table[0, p // page], :, p % page] = K[p]
         vc[table[0, p // page], :, p % page] = V[p]
-    pos = np.array([0, 5, 16, 33, 79], np.int32)
+    pos = np.array([0, 5, 16, 33, 79, 300, 639], np.int32)
     t = pos.shape[0]
     q = rng.standard_normal((t, hq, d)).astype(np.float32)
     scale = 1 / math.sqrt(d)

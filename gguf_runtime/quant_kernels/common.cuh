@@ -96,6 +96,20 @@ DEV void store16_f16(u16* dst, const float* w) {
     d[1] = make_uint4(pack_h2(w[8], w[9]), pack_h2(w[10], w[11]), pack_h2(w[12], w[13]), pack_h2(w[14], w[15]));
 }
 
+// ---- programmatic dependent launch (sm_90+; no-ops on older GPUs and for plain launches) ----------
+// Inside captured graphs the launchers start kernels with the programmatic-serialization attribute
+// (pdl.py), so a kernel may begin while the one before it finishes. Every kernel calls pdl_enter()
+// before it reads anything a kernel may have written and before its first write; before it, it
+// reads only weights (never written). pdl_enter waits for the previous kernel to complete (its
+// writes visible), then lets the next kernel launch: so at most two kernels overlap, and the next
+// one's weight loads run under this one's work.
+DEV void pdl_enter() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // ---- warp and block reductions ---------------------------------------------------------------
 DEV float warp_sum(float v) {
 #pragma unroll

@@ -15,6 +15,7 @@ from typing import Sequence
 import cupy as cp
 import numpy as np
 
+from . import pdl
 from .formats import FORMATS
 
 SRC_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -81,6 +82,7 @@ class Kernels:
         self._fns: dict[tuple[str, str], "_Counted"] = {}
         self.launches = 0  # kernel launches issued from the host so far
         self.timeline: list | None = None  # when a list: (name, start event, end event) per launch
+        self.pdl = False  # launch with programmatic dependent launch (pdl.py); set around graph capture
 
     def prepare(self, filename: str, names: Sequence[str]) -> None:
         """Compile ``names`` of ``filename`` in one NVRTC pass (templates need their names)."""
@@ -114,6 +116,9 @@ class _Counted:
     def __call__(self, grid, block, args, shared_mem: int = 0) -> None:
         self.owner.launches += 1
         tl = self.owner.timeline
+        if self.owner.pdl and tl is None:
+            pdl.launch(self.kernel.kernel.ptr, grid, block, args, shared_mem, cp.cuda.get_current_stream().ptr)
+            return
         if tl is None:
             self.kernel(grid, block, args, shared_mem=shared_mem)
             return

@@ -11,6 +11,7 @@ extern "C" __global__ void rmsnorm(const float* __restrict__ x, int ldx, const f
                                    float* y, int ldy, const float* res, int ldr, int n, float eps,
                                    u16* y16, int ld16) {
     __shared__ float scratch[32];
+    pdl_enter();
     const float* xr = x + (long)blockIdx.x * ldx;
     float ss = 0.f;
     for (int i = threadIdx.x; i < n; i += blockDim.x) ss += xr[i] * xr[i];
@@ -41,6 +42,7 @@ extern "C" __global__ void rope_kv(float* qkv, int ldqkv, int n_head, int n_head
     __shared__ float xs[512];
     __shared__ float scratch[32];
     const int t = blockIdx.x, h = blockIdx.y, i = threadIdx.x;
+    pdl_enter();
     if (seq[t] < 0) return;
     const int p = pos[t];
     const int page = p / page_size < max_pages ? table[(long)seq[t] * max_pages + p / page_size] : -1;
@@ -82,6 +84,7 @@ extern "C" __global__ void rope_kv(float* qkv, int ldqkv, int n_head, int n_head
 extern "C" __global__ void glu(const float* __restrict__ g, const float* __restrict__ u, int ld, int n, int rows,
                                int act, float* y, int ldy, u16* out16, int ld16) {
     const long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    pdl_enter();
     if (idx >= (long)rows * n) return;
     const int t = (int)(idx / n), i = (int)(idx % n);
     const float gv = g[(long)t * ld + i];
@@ -93,6 +96,7 @@ extern "C" __global__ void glu(const float* __restrict__ g, const float* __restr
 // y[t, i] += b[i]
 extern "C" __global__ void add_bias(float* y, int ldy, const float* __restrict__ b, int n, int rows) {
     const long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    pdl_enter();
     if (idx >= (long)rows * n) return;
     y[(idx / n) * ldy + idx % n] += b[idx % n];
 }
@@ -100,6 +104,7 @@ extern "C" __global__ void add_bias(float* y, int ldy, const float* __restrict__
 // x = cap * tanh(x / cap)
 extern "C" __global__ void softcap(float* x, int ld, int n, int rows, float cap) {
     const long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    pdl_enter();
     if (idx >= (long)rows * n) return;
     float* p = x + (idx / n) * ld + idx % n;
     *p = cap * tanhf(*p / cap);

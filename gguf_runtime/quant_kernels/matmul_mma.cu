@@ -125,6 +125,7 @@ DEV void mma_tiles(const Mat (&ms)[NM], int n_rows, int row0, int jstride, const
     XRegs<TB> xr;
 #pragma unroll
     for (int j = 0; j < NM; ++j) w[j].load(ms[j], n_rows, row0 + j * jstride, kb, K);
+    pdl_enter();  // the first W tile loads before it (common.cuh)
     xr.load(x, ldx, n_tok, t0, kb, K);
     for (int k0 = kb; k0 < ke; k0 += TK) {
         __syncthreads();  // the previous step's MMAs are done with the tiles

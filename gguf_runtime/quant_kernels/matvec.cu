@@ -29,10 +29,14 @@ DEV void mmv_block(const Mat (&m)[R], const int (&row)[R], int K, const float* _
     for (int r = 0; r < R; ++r)
 #pragma unroll
         for (int b = 0; b < B; ++b) acc[r][b] = 0.f;
-    for (int u = tid; u < units; u += 32 * WG) {
-        typename T::Raw raw[R];
+    // The first units' weights are loaded before pdl_enter (they overlap the previous kernel's end);
+    // each later iteration's loads go out at the end of the one before.
+    typename T::Raw raw[R];
+    if (tid < units)
 #pragma unroll
-        for (int r = 0; r < R; ++r) T::load(m[r], row[r], u, raw[r]);  // R independent loads in flight
+        for (int r = 0; r < R; ++r) T::load(m[r], row[r], tid, raw[r]);  // R independent loads in flight
+    pdl_enter();
+    for (int u = tid; u < units; u += 32 * WG) {
 #pragma unroll
         for (int p = 0; p < T::NP; ++p) {
             const int off = T::xoff(u, p);
@@ -74,6 +78,9 @@ DEV void mmv_block(const Mat (&m)[R], const int (&row)[R], int K, const float* _
                 }
             }
         }
+        if (u + 32 * WG < units)
+#pragma unroll
+            for (int r = 0; r < R; ++r) T::load(m[r], row[r], u + 32 * WG, raw[r]);
     }
 #pragma unroll
     for (int r = 0; r < R; ++r)
@@ -240,6 +247,7 @@ template <class T>
 __global__ void embed_rows(PLANES(0), int K, const int* __restrict__ tokens, int n_vocab, float* x, int ldx,
                            float scale) {
     const Mat m = MAT(0, T);
+    pdl_enter();
     int tok = tokens[blockIdx.x];
     tok = tok < 0 ? 0 : (tok >= n_vocab ? n_vocab - 1 : tok);
     float* out = x + (long)blockIdx.x * ldx;
@@ -263,6 +271,7 @@ template <class T>
 __global__ void dequant_f16(PLANES(0), int rows, int K, u16* __restrict__ out) {
     const Mat m = MAT(0, T);
     const int units = K / T::UE;
+    pdl_enter();
     const long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long)rows * units) return;
     const int row = (int)(idx / units), u = (int)(idx % units);

@@ -26,6 +26,7 @@ extern "C" __global__ void repeat_penalty(float* logits, int ld, const int* __re
                                           const float* __restrict__ penalty, int n_vocab,
                                           const int* __restrict__ seq, int slot0) {
     const int r = blockIdx.x, b = slot0 + r, i = threadIdx.x;
+    pdl_enter();
     if (seq[b] < 0) return;
     const float pen = penalty[b];
     const int n = min(min(hist_n[b], HIST), last_n[b]);
@@ -50,6 +51,7 @@ extern "C" __global__ void __launch_bounds__(1024) argmax_sample(
     __shared__ int si[32];
     __shared__ bool last;
     const int b = slot0 + blockIdx.y, nb = gridDim.x;
+    pdl_enter();
     if (seq[b] < 0) return;
     const float* x = logits + (long)blockIdx.y * ld;
     const int per = (n_vocab + nb - 1) / nb, lo = blockIdx.x * per, hi = min(n_vocab, lo + per);
@@ -191,6 +193,7 @@ extern "C" __global__ void __launch_bounds__(1024) topk_sample(
     __shared__ int ci[CAP];
     __shared__ float ws[32];
     const int b = slot0 + blockIdx.y, tid = threadIdx.x, nb = gridDim.x, blk = blockIdx.x;
+    pdl_enter();
     if (seq[b] < 0) return;
     const float* x = logits + (long)blockIdx.y * ld;
     const float temp = temp_[b];
