@@ -54,3 +54,16 @@ def test_every_kernel_waits_for_its_predecessor(src, tmp_path_factory):
     assert entries, "no kernels in the PTX"
     missing = [e.split("(", 1)[0] for e in entries if "griddepcontrol.wait" not in e]
     assert not missing, f"kernels that never call pdl_enter(): {missing[:5]}"
+
+
+def test_source_text_changes_with_any_header(tmp_path):
+    """CuPy's kernel cache is keyed by the source text: an edited header must change it."""
+    from gguf_runtime.quant_kernels.sources import source
+    for name in ("matvec.cu", "common.cuh", "quant_types.cuh"):
+        shutil.copy(os.path.join(KERNELS, name), tmp_path / name)
+    before = source("matvec.cu", str(tmp_path))
+    assert before.startswith(open(os.path.join(KERNELS, "matvec.cu")).read())
+    with open(tmp_path / "common.cuh", "a") as fh:
+        fh.write("\n// edited\n")
+    source.cache_clear()
+    assert source("matvec.cu", str(tmp_path)) != before

@@ -52,22 +52,40 @@ __global__ void __launch_bounds__(128) attn_split(
                 vv[j][e] = ok[j] ? vcache[base + lane + 32 * e] : 0.f;
             }
         }
+        float sc[4][G];  // the 4 G dot products first: their warp sums are independent (they overlap)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            if (!ok[j]) continue;
+        for (int j = 0; j < 4; ++j)
 #pragma unroll
             for (int g = 0; g < G; ++g) {
-                float sc = 0.f;
+                float v = 0.f;
 #pragma unroll
-                for (int e = 0; e < E; ++e) sc = fmaf(qv[g][e], kv[j][e], sc);
-                sc = warp_sum(sc);
-                if (cap > 0.f) sc = cap * tanhf(sc / cap);
-                const float mn = fmaxf(m[g], sc), corr = __expf(m[g] - mn), pe = __expf(sc - mn);
-                l[g] = l[g] * corr + pe;
-#pragma unroll
-                for (int e = 0; e < E; ++e) acc[g][e] = fmaf(acc[g][e], corr, pe * vv[j][e]);
-                m[g] = mn;
+                for (int e = 0; e < E; ++e) v = fmaf(qv[g][e], kv[j][e], v);
+                sc[j][g] = v;
             }
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int g = 0; g < G; ++g) sc[j][g] = warp_sum(sc[j][g]);
+#pragma unroll
+        for (int g = 0; g < G; ++g) {  // one online-softmax update for the group
+            float mn = m[g];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                if (cap > 0.f) sc[j][g] = cap * tanhf(sc[j][g] / cap);
+                if (ok[j]) mn = fmaxf(mn, sc[j][g]);
+            }
+            const float corr = mn == -INFINITY ? 1.f : __expf(m[g] - mn);
+            l[g] *= corr;
+#pragma unroll
+            for (int e = 0; e < E; ++e) acc[g][e] *= corr;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const float pe = ok[j] ? __expf(sc[j][g] - mn) : 0.f;
+                l[g] += pe;
+#pragma unroll
+                for (int e = 0; e < E; ++e) acc[g][e] = fmaf(pe, vv[j][e], acc[g][e]);
+            }
+            m[g] = mn;
         }
     }
     // merge the 4 warps

@@ -7,8 +7,6 @@ Modules compile once per set of kernel names (CuPy caches the binaries on disk).
 
 from __future__ import annotations
 
-import functools
-import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -17,8 +15,8 @@ import numpy as np
 
 from . import pdl
 from .formats import FORMATS
+from .sources import SRC_DIR, source
 
-SRC_DIR = os.path.dirname(os.path.abspath(__file__))
 OPTIONS = ("-std=c++17", f"-I{SRC_DIR}")
 TYPE_STRUCT = {"F32": "TF32", "F16": "TF16", "BF16": "TBF16", "Q4_0": "TQ4_0", "Q4_1": "TQ4_1",
                "Q5_0": "TQ5_0", "Q5_1": "TQ5_1", "Q8_0": "TQ8_0", "Q2_K": "TQ2_K", "Q3_K": "TQ3_K",
@@ -68,12 +66,6 @@ class Mat:
         return (ptr(self.qs), ptr(self.qh), ptr(self.sc), ptr(self.d))
 
 
-@functools.lru_cache(maxsize=None)
-def _source(filename: str) -> str:
-    with open(os.path.join(SRC_DIR, filename)) as fh:
-        return fh.read()
-
-
 class Kernels:
     """Compiled kernels; names are C++ name expressions, e.g. ``embed_rows<TQ8_0>``."""
 
@@ -90,7 +82,7 @@ class Kernels:
         if not todo:
             return
         templates = tuple(n for n in todo if "<" in n)
-        mod = cp.RawModule(code=_source(filename), options=OPTIONS, name_expressions=templates or None)
+        mod = cp.RawModule(code=source(filename), options=OPTIONS, name_expressions=templates or None)
         mod.compile()
         self._modules[(filename, todo)] = mod
         for n in todo:
@@ -218,14 +210,14 @@ def mmv(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases
     """y_i[t, :] (=|+=) W_i x[t, :] (+ bias_i) for up to 3 matrices sharing x; t < b <= 8.
     ``norm`` = (weight, eps): x is RMS-normalized first (fused, see matvec.cu).
     ``rope``: the outputs are Q, K, V rows, and RoPE + the KV-cache write follow: fused into the
-    epilogue where the row groups are rope pairs (R = 2, one warp), else a rope_kv launch.
+    epilogue where the row groups are rope pairs (R = 2), else a rope_kv launch.
     ``config`` = (R, WG) overrides the automatic choice (bench/matvec_variants.py)."""
     assert 1 <= len(mats) <= 3 and 1 <= b <= MAX_MMV_TOKENS
     cols = mats[0].cols
     total = sum(m.rows for m in mats)
     for row, n in token_chunks(b):
         r, wg = config or mmv_config([m.struct for m in mats], [m.rows for m in mats], cols, n)
-        fused = rope is not None and mode == 0 and (r, wg) == (2, 1) and rope.fusable and len(mats) == 3
+        fused = rope is not None and mode == 0 and r == 2 and rope.fusable and len(mats) == 3
         fn = k.fn("matvec.cu", mmv_name([m.struct for m in mats], n, r, wg, mode))
         args: list = []
         for i in range(3):
