@@ -2,7 +2,7 @@
 # One device call (fourth session): twins, GPU tests, then tg128 (graph) of the three twins with
 # programmatic dependent launch on and off (GGUF_RUN_PDL), and optional batched rows / profiles.
 # Usage on the GPU machine: source .device/env.sh && [TESTS="tests/..."] [TG="smollm2 gemma3 llama3-8b"]
-#   [PDL="1 0"] [BATCH=64] [BATCHED="smollm2 llama3-8b"] [PROFILE="..."] bash bench/pdl_session.sh
+#   [PDL="1 0"] [BATCH=64] [BATCHED="smollm2 llama3-8b"] [PROFILE="..."] [PP="smollm2 ..."] bash bench/pdl_session.sh
 set -u -o pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 - <<'PY'
@@ -23,6 +23,10 @@ for m in ${BATCHED-}; do
   python3 -m gguf_runtime bench /tmp/twins/$m.gguf -p 0 -r 3 --batch ${BATCH:-64} --mode graph --json -q \
       > $OUT/batched-$m.json 2>>$OUT/batched.log || { echo "batched $m failed"; tail -5 $OUT/batched.log; }
 done
+for m in ${PP-}; do
+  python3 -m gguf_runtime bench /tmp/twins/$m.gguf -p 512 -n 0 -r 5 --json -q > $OUT/pp-$m.json 2>>$OUT/tg.log \
+      || { echo "pp $m failed"; tail -5 $OUT/tg.log; }
+done
 for m in ${TG-smollm2 gemma3 llama3-8b}; do
   for p in ${PDL-1 0}; do
     GGUF_RUN_PDL=$p python3 -m gguf_runtime bench /tmp/twins/$m.gguf -p 0 -n 128 -r 5 --mode graph --json -q \
@@ -32,7 +36,7 @@ done
 python3 - <<'PY'
 import glob, json, os
 out = os.environ.get("OUT", "/tmp/out")
-for f in sorted(glob.glob(f"{out}/tg-*.json")) + sorted(glob.glob(f"{out}/batched-*.json")):
+for f in sorted(glob.glob(f"{out}/tg-*.json")) + sorted(glob.glob(f"{out}/batched-*.json")) + sorted(glob.glob(f"{out}/pp-*.json")):
     try:
         r = json.load(open(f))
     except Exception as e:

@@ -134,8 +134,10 @@ def glu_name(struct: str, b: int, r: int, wg: int, act: int) -> str:
 def mmv_config(structs: Sequence[str], rows: Sequence[int], cols: int, b: int) -> tuple[int, int]:
     """(R, WG): weight rows per row group and warps per group. One warp per group measured best or
     tied on every shape swept (bench/matvec_variants.py, H100, 2026-11-21); 4 rows per group won on
-    the large output heads (32K+ rows), 2 elsewhere. Every segment must hold whole blocks."""
-    want = 4 if sum(rows) >= 32768 else 2
+    the large output heads (32K+ rows), 2 elsewhere, except one row for a lone matrix of under
+    2,048 rows (the small models' o-proj and down: Gemma-3 tg128 1,450 -> 1,507, SmolLM2 even,
+    bench/mmv_configs.py in graphs with PDL). Every segment must hold whole blocks."""
+    want = 4 if sum(rows) >= 32768 else (1 if len(rows) == 1 and rows[0] < 2048 else 2)
     fits = [r for r in (4, 2, 1) if r <= want and r * b <= 8 and all(n % (4 * r) == 0 for n in rows)]
     return (fits[0], 1) if fits else (1, 4)
 
