@@ -2,8 +2,9 @@
 which (R rows per group, WG warps per group) gives the shortest decode step once kernels overlap
 (programmatic dependent launch), where isolated-kernel sweeps (matvec_variants.py) cannot tell.
 Usage (GPU machine): python bench/mmv_configs.py TWIN.gguf "default" "qkv=2,2 mv=1,1 glu=2,2" ...
-  qkv: the Q/K/V group (R must stay 2 for the fused RoPE), mv: other single matrices (not the
-  output head), glu: gate/up row pairs (R = 2 is one gate and one up row).
+  qkv: the Q/K/V group (RoPE stays fused only at R = 2, WG = 1; other shapes add a rope_kv
+  launch), mv: other single matrices (not the output head), glu: gate/up row pairs (R = 2 is
+  one gate and one up row).
 """
 
 from __future__ import annotations

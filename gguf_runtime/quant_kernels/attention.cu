@@ -37,7 +37,7 @@ __global__ void __launch_bounds__(128) attn_split(
         for (int e = 0; e < E; ++e) { qv[g][e] = qh[lane + 32 * e] * scale; acc[g][e] = 0.f; }
         m[g] = -INFINITY; l[g] = 0.f;
     }
-    for (int k0 = start + warp; k0 < end; k0 += 16) {
+    for (int k0 = start + warp; k0 < end; k0 += KS) {  // the block's 4 warps x 4 keys
         float kv[4][E], vv[4][E];
         bool ok[4];
 #pragma unroll

@@ -212,14 +212,14 @@ def mmv(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases
     """y_i[t, :] (=|+=) W_i x[t, :] (+ bias_i) for up to 3 matrices sharing x; t < b <= 8.
     ``norm`` = (weight, eps): x is RMS-normalized first (fused, see matvec.cu).
     ``rope``: the outputs are Q, K, V rows, and RoPE + the KV-cache write follow: fused into the
-    epilogue where the row groups are rope pairs (R = 2), else a rope_kv launch.
+    epilogue where the row groups are rope pairs (R = 2, one warp: the tested shape), else a rope_kv launch.
     ``config`` = (R, WG) overrides the automatic choice (bench/matvec_variants.py)."""
     assert 1 <= len(mats) <= 3 and 1 <= b <= MAX_MMV_TOKENS
     cols = mats[0].cols
     total = sum(m.rows for m in mats)
     for row, n in token_chunks(b):
         r, wg = config or mmv_config([m.struct for m in mats], [m.rows for m in mats], cols, n)
-        fused = rope is not None and mode == 0 and r == 2 and rope.fusable and len(mats) == 3
+        fused = rope is not None and mode == 0 and (r, wg) == (2, 1) and rope.fusable and len(mats) == 3
         fn = k.fn("matvec.cu", mmv_name([m.struct for m in mats], n, r, wg, mode))
         args: list = []
         for i in range(3):

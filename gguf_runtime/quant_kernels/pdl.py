@@ -82,10 +82,9 @@ def launch(function_ptr: int, grid, block, args: Sequence, shared_mem: int, stre
     cfg.stream = stream_ptr
     cfg.attrs = ctypes.pointer(attr)
     cfg.n_attrs = 1
-    buf, params = _params(args)
+    buf, params = _params(args)  # buf holds the argument bytes params points into, through the call
     rc = _lib().cuLaunchKernelEx(ctypes.byref(cfg), function_ptr, params, None)
     if rc != 0:
         msg = ctypes.c_char_p()
         _lib().cuGetErrorString(rc, ctypes.byref(msg))
         raise RuntimeError(f"cuLaunchKernelEx failed: {(msg.value or b'?').decode()} ({rc})")
-    del buf
