@@ -19,8 +19,8 @@ import gguf_runtime.quant_kernels.launchers as L
 spec = dict(kv.split("=") for kv in sys.argv[1].split() if "=" in kv)
 cfg = {k: tuple(int(x) for x in v.split(",")) for k, v in spec.items()}
 mmv0, glu0 = L.mmv_config, L.glu_config
-def mmv_config(structs, rows, cols, b):
-    r = mmv0(structs, rows, cols, b)
+def mmv_config(structs, rows, cols, b, q8_out=False):
+    r = mmv0(structs, rows, cols, b, q8_out)
     key = "qkv" if len(rows) == 3 else ("mv" if sum(rows) < 32768 else None)
     return cfg.get(key, r) if key else r
 L.mmv_config = mmv_config

@@ -20,7 +20,7 @@ import cupy as cp
 import numpy as np
 
 from .backend_numpy import rope_inv_freq
-from .cuda_blocks import CudaBlocks, Workspace
+from .cuda_blocks import CudaBlocks, Workspace, use_q8
 from .cuda_weights import DeviceWeights
 from .errors import BackendError, ContextOverflowError, UnsupportedModelError
 from .gguf_file import GGUFFile
@@ -129,17 +129,27 @@ class CudaBackend:
         groups.append([head])
         glu = {(w.mat(f"blk.{i}.ffn_gate.weight").struct, w.mat(f"blk.{i}.ffn_gate.weight").rows,
                 w.mat(f"blk.{i}.ffn_gate.weight").cols) for i in range(cfg.n_layer)}
+        q8 = use_q8(cfg)
         for mats in groups:
             structs, rows = [m.struct for m in mats], [m.rows for m in mats]
+            ios = [0] + ([1] if q8 and L.q8_capable(mats) else [])
             for mode in (0, 1):
-                mm += [L.mmv_name(structs, b, *L.mmv_config(structs, rows, mats[0].cols, b), mode)
+                mm += [L.mmv_name(structs, b, *L.mmv_config(structs, rows, mats[0].cols, b), mode, io)
+                       for b in L.MMV_TOKENS for io in ios]
+            if len(ios) > 1 and len(mats) == 1 and rows[0] % L.Q8_OUT_ROWS == 0:  # residual with a q8 epilogue
+                mm += [L.mmv_name(structs, b, *L.q8_out_config(*L.mmv_config(structs, rows, mats[0].cols, b, True)), 1, 3)
                        for b in L.MMV_TOKENS]
                 if self.max_batch > L.MAX_MMV_TOKENS:
                     configs = [LM.mma_config(rows, b, mats[0].cols) for b in BUCKETS
                                if L.MAX_MMV_TOKENS < b <= self.max_batch]
                     mma += [LM.mma_name(structs, c.wr, c.nt, mode, c.h) for c in configs]
         act = L.ACT[cfg.activation]
-        mm += [L.glu_name(s, b, *L.glu_config(s, n, c, b), act) for s, n, c in glu for b in L.MMV_TOKENS]
+        for s, n, c in glu:
+            mm += [L.glu_name(s, b, *L.glu_config(s, n, c, b), act) for b in L.MMV_TOKENS]
+            if q8 and s not in L.FLOAT_STRUCTS:
+                mm += [L.glu_name(s, b, *L.glu_config(s, n, c, b), act, 1) for b in L.MMV_TOKENS]
+                mm += [L.glu_name(s, b, 2, min(L.glu_config(s, n, c, b)[1], 2), act, 3) for b in L.MMV_TOKENS
+                       if n % L.Q8_OUT_ROWS == 0]
         mma += [LM.mma_glu_name(s, *LM.mma_config([n], b, 0, tall=False)[:2], act) for s, n, _ in glu for b in BUCKETS
                 if L.MAX_MMV_TOKENS < b <= self.max_batch]
         mm.append(f"embed_rows<{w.mat('token_embd.weight').struct}>")
@@ -147,7 +157,7 @@ class CudaBackend:
         self.kernels.prepare("matvec.cu", mm)
         if mma:
             self.kernels.prepare("matmul_mma.cu", mma)
-        self.kernels.prepare("layers.cu", ["rmsnorm", "rope_kv", "glu", "add_bias", "softcap"])
+        self.kernels.prepare("layers.cu", ["rmsnorm", "rope_kv", "glu", "add_bias", "softcap", "quantize_q8"])
         self.kernels.prepare("attention.cu", [f"attn_split<{cfg.head_dim}, {cfg.n_head // cfg.n_head_kv}>"])
         self.kernels.prepare("sampling.cu", ["repeat_penalty", "argmax_sample", "topk_sample"])
 

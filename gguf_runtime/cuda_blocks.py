@@ -12,6 +12,9 @@ preallocated ``Workspace``: nothing is allocated per call.
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import cupy as cp
 import numpy as np
 
@@ -34,6 +37,12 @@ BATCH_SPLIT_BUDGET = 256
 # to every row group. Latency-bound small models gain (H100, 851c281: SmolLM2 tg128 999 -> 1,166,
 # Gemma-3 987 -> 1,040); the 8B's matvecs are issue-bound and lost (236 -> 197).
 FUSE_NORM_MAX_COLS = 2048
+
+
+def use_q8(cfg: ModelConfig) -> bool:
+    """Int8 activations and dp4a matvecs (matvec_block.cuh) where the norm is not fused: the f32
+    matvecs are issue-bound there (the 8B). GGUF_RUN_Q8=0 keeps f32 activations (to measure it)."""
+    return cfg.n_embd > FUSE_NORM_MAX_COLS and os.environ.get("GGUF_RUN_Q8", "1") != "0"
 
 
 def n_splits(rows: int) -> int:
@@ -70,6 +79,15 @@ class Workspace:
         self.g16 = cp.zeros((max_rows, cfg.n_ff), cp.float16) if big else None  # GLU output, f16
         # K-split tensor-core products of batch steps (<= logits_rows rows): QKV and the residual ones
         out = max(cfg.n_embd, self.qkv_width)
+        # int8 activations of the matvecs (use_q8): q8_norm holds the inputs after a norm (QKV, GLU,
+        # lm_head), q8_plain the others (attention and GLU outputs): a residual matvec reads the one
+        # and its epilogue writes the other
+        self.q8_norm = self.q8_plain = None
+        if use_q8(cfg):
+            self.xq = cp.zeros((2, L.MAX_MMV_TOKENS, widest), cp.int8)
+            self.xs = cp.zeros((2, L.MAX_MMV_TOKENS, widest // 16, 4), f32)
+            self.q8_norm, self.q8_plain = (L.Q8Vec(self.xq[i].data.ptr, widest, self.xs[i].data.ptr, widest // 16)
+                                           for i in range(2))
         self.mma_part = cp.zeros(LM.split_part_floats(out, logits_rows) if big else 1, f32)
         self.mma_counter = cp.zeros(-(-out // 16) * -(-logits_rows // 16) if big else 1, cp.uint32)
         self.split = LM.SplitScratch(self.mma_part.data.ptr, self.mma_part.size, self.mma_counter.data.ptr,
@@ -93,6 +111,8 @@ class CudaBlocks:
         self.handle = cp.cuda.device.get_cublas_handle()
         self._one = np.ones(1, np.float32)
         self._zero = np.zeros(1, np.float32)
+        self._q8_ready: tuple[str, int] | None = None  # (norm, rows) that q8_norm holds from an epilogue
+        self._att_q8: L.Q8Vec | None = None  # q8_plain when the last attend wrote its output's int8 copy
 
     def load_f16(self) -> None:
         """The f16 weights of the cuBLAS prefill path (resident copies or scratch)."""
@@ -117,32 +137,63 @@ class CudaBlocks:
                       cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
 
     def _norm(self, x: cp.ndarray, name: str, y: cp.ndarray, res: cp.ndarray | None = None,
-              f16: bool = False) -> None:
-        """y = rmsnorm(x) (+ res); f16: also into ws.x16 (the next tensor-core matmul's input)."""
+              f16: bool = False, q8: L.Q8Vec | None = None) -> None:
+        """y = rmsnorm(x) (+ res); f16: also into ws.x16 (the next tensor-core matmul's input); q8:
+        also the int8 copy."""
         x16 = self.ws.x16 if f16 else None
         L.rmsnorm(self.k, x.data.ptr, x.strides[0] // 4, self.w.vec(name).data.ptr, y.data.ptr, y.strides[0] // 4,
                   x.shape[0], x.shape[1], self.cfg.rms_eps,
                   res.data.ptr if res is not None else None, res.strides[0] // 4 if res is not None else 0,
-                  x16.data.ptr if x16 is not None else None, x16.strides[0] // 2 if x16 is not None else 0)
+                  x16.data.ptr if x16 is not None else None, x16.strides[0] // 2 if x16 is not None else 0, q8=q8)
+
+    def _q8_for(self, t: int, mats: list[L.Mat], buf: L.Q8Vec | None) -> L.Q8Vec | None:
+        """buf (an int8 activation buffer) when the matvec of these matrices over t rows takes it."""
+        return buf if buf is not None and self._small(t) and L.q8_capable(mats) else None
+
+    def _quantized(self, a: cp.ndarray, mats: list[L.Mat]) -> L.Q8Vec | None:
+        """a's int8 copy (quantize_q8, into q8_plain) when the matvec of mats takes int8 activations."""
+        q8 = self._q8_for(a.shape[0], mats, self.ws.q8_plain)
+        if q8 is not None:
+            L.quantize_q8(self.k, a.data.ptr, a.strides[0] // 4, a.shape[1], a.shape[0], q8)
+        return q8
+
+    def _epilogue_rows(self, x: cp.ndarray, name: str) -> int | None:
+        """The first row of x in q8_norm when the last residual epilogue left x's rows there,
+        multiplied by RMSNorm ``name``'s weight (x: rows of ws.x, as forward passes them)."""
+        if self._q8_ready is None or self._q8_ready[0] != name:
+            return None
+        base, stride = self.ws.x.data.ptr, self.ws.x.strides[0]
+        off = x.data.ptr - base
+        if off < 0 or off % stride or x.strides[0] != stride or off // stride + x.shape[0] > self._q8_ready[1]:
+            return None
+        return off // stride
 
     def _big_mma(self, t: int) -> bool:
         return self.mma and not self._small(t)
 
-    def _normed(self, x: cp.ndarray, name: str) -> tuple[cp.ndarray, tuple[int, float] | None]:
-        """The input of the matrix products after RMSNorm ``name``: on the matvec path (x, the norm
-        for the matvec to fuse); otherwise (ws.h, None) with ws.h (and ws.x16 on the tensor-core
-        and cuBLAS paths) normalized by a norm kernel."""
+    def _normed(self, x: cp.ndarray, name: str, mats: list[L.Mat]
+                ) -> tuple[cp.ndarray, tuple[int, float] | None, L.Q8Vec | None]:
+        """The input of the products with ``mats`` after RMSNorm ``name``: on the matvec path (x, the
+        norm for the matvec to fuse, None); otherwise (ws.h, None, q8) with ws.h (and ws.x16 on the
+        tensor-core and cuBLAS paths, and the int8 copy q8 where the matvec takes it) written by a
+        norm kernel."""
         t = x.shape[0]
         if self._small(t) and x.shape[1] <= FUSE_NORM_MAX_COLS:
-            return x, (self.w.vec(name).data.ptr, self.cfg.rms_eps)
+            return x, (self.w.vec(name).data.ptr, self.cfg.rms_eps), None
+        q8 = self._q8_for(t, mats, self.ws.q8_norm)
+        row = self._epilogue_rows(x, name) if q8 is not None else None
+        if row is not None:  # no norm kernel: the matvec normalizes (matvec_block.cuh)
+            return x, None, dataclasses.replace(q8.rows_from(row), norm_eps=self.cfg.rms_eps)
         h = self.ws.h[:t]
-        self._norm(x, name, h, f16=True)
-        return h, None
+        self._norm(x, name, h, f16=True, q8=q8)
+        self._q8_ready = None
+        return h, None, q8
 
     # ---- blocks --------------------------------------------------------------------------------
     def embed(self, tokens: cp.ndarray) -> cp.ndarray:
         t = tokens.shape[0]
         x = self.ws.x[:t]
+        self._q8_ready = None
         L.embed(self.k, self.w.mat("token_embd.weight"), tokens.data.ptr, t, x.data.ptr, x.strides[0] // 4,
                 self.cfg.embed_scale)
         return x
@@ -151,9 +202,9 @@ class CudaBlocks:
         cfg, ws, p = self.cfg, self.ws, f"blk.{layer}."
         t = x.shape[0]
         qkv = ws.qkv[:t]
-        h, norm = self._normed(x, p + "attn_norm.weight")
         hq, hk, d = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim, cfg.head_dim
         names = [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]
+        h, norm, q8 = self._normed(x, p + "attn_norm.weight", [self.w.mat(n) for n in names])
         cols = [0, hq, hq + hk]
         biases = [p + "attn_q.bias", p + "attn_k.bias", p + "attn_v.bias"] if cfg.attn_bias else [None] * 3
         ld = qkv.strides[0] // 4
@@ -167,7 +218,7 @@ class CudaBlocks:
         if self._small(t):  # RoPE + KV write in the matvec's epilogue where it can (else a rope_kv launch)
             L.mmv(self.k, [self.w.mat(n) for n in names], [(qkv.data.ptr + 4 * c, ld) for c in cols],
                   [self.w.vec(b).data.ptr if b else None for b in biases], h.data.ptr, h.strides[0] // 4, t, 0,
-                  norm=norm, rope=rope)
+                  norm=norm, rope=rope, q8=q8)
             return qkv
         if self.mma:
             LM.mma(self.k, [self.w.mat(n) for n in names], [(qkv.data.ptr + 4 * c, ld) for c in cols],
@@ -186,22 +237,36 @@ class CudaBlocks:
         t = q.shape[0]
         out = ws.att[:t]
         kc, vc = self.kv.layer(layer)
+        # the int8 copy for the O projection, written by the attention kernel itself (attn_out takes it)
+        q8 = self._q8_for(t, [self.w.mat(f"blk.{layer}.attn_output.weight")], ws.q8_plain)
+        self._att_q8 = q8 if q8 is not None and cfg.head_dim % 16 == 0 else None
         L.attention(self.k, q.data.ptr, q.strides[0] // 4, t, kc, vc, positions.data.ptr, self.seq.data.ptr,
                     self.kv.table.data.ptr, self.kv.max_pages, self.kv.page_size, cfg.n_head, cfg.n_head_kv,
                     cfg.head_dim, cfg.attn_scale, cfg.attn_softcap or 0.0, cfg.layer_window[layer], n_splits(t),
                     ws.part_o.data.ptr, ws.part_ml.data.ptr, ws.attn_counter.data.ptr, out.data.ptr,
                     out.strides[0] // 4, None if self._small(t) else ws.x16.data.ptr,
-                    0 if self._small(t) else ws.x16.strides[0] // 2)
+                    0 if self._small(t) else ws.x16.strides[0] // 2, q8=self._att_q8)
         return out
 
     def _project_residual(self, a: cp.ndarray, name: str, x: cp.ndarray, post_norm: str | None,
-                          a16: cp.ndarray | None = None) -> cp.ndarray:
-        """x += post_norm(W a) (no norm: straight into x). a16: a's f16 copy (over MAX_MMV_TOKENS rows)."""
+                          a16: cp.ndarray | None = None, a_q8: L.Q8Vec | None = None,
+                          then: tuple[str, list[L.Mat]] | None = None) -> cp.ndarray:
+        """x += post_norm(W a) (no norm: straight into x). a16: a's f16 copy (over MAX_MMV_TOKENS
+        rows); a_q8: a's int8 copy when already written; then = (the next RMSNorm, the matrices it
+        feeds): on the int8 path the epilogue also writes x * its weight into q8_norm."""
         t = a.shape[0]
         target = self.ws.o[:t] if post_norm else x
+        self._q8_ready = None
         if self._small(t):
-            L.mmv(self.k, [self.w.mat(name)], [(target.data.ptr, target.strides[0] // 4)], [None], a.data.ptr,
-                  a.strides[0] // 4, t, 0 if post_norm else 1)
+            w = self.w.mat(name)
+            q8 = a_q8 or self._quantized(a, [w])
+            out = None
+            if (q8 is not None and then is not None and not post_norm and x.data.ptr == self.ws.x.data.ptr
+                    and w.rows % L.Q8_OUT_ROWS == 0 and L.q8_capable(then[1])):
+                out = (self.ws.q8_norm, self.w.vec(then[0]).data.ptr)
+                self._q8_ready = (then[0], t)
+            L.mmv(self.k, [w], [(target.data.ptr, target.strides[0] // 4)], [None], a.data.ptr,
+                  a.strides[0] // 4, t, 0 if post_norm else 1, q8=q8, q8_out=out)
         elif self.mma:
             LM.mma(self.k, [self.w.mat(name)], [(target.data.ptr, target.strides[0] // 4)], [None], a16.data.ptr,
                   a16.strides[0] // 2, t, 0 if post_norm else 1, self.ws.split)
@@ -213,9 +278,18 @@ class CudaBlocks:
 
     def attn_out(self, x: cp.ndarray, a: cp.ndarray, layer: int) -> cp.ndarray:
         p = f"blk.{layer}."
+        then = (p + "ffn_norm.weight", [self.w.mat(p + "ffn_gate.weight"), self.w.mat(p + "ffn_up.weight")])
+        a_q8, self._att_q8 = self._att_q8, None  # attend's int8 copy of a (this layer's, just written)
         return self._project_residual(a, p + "attn_output.weight", x,
                                       p + "post_attention_norm.weight" if self.cfg.post_norms else None,
-                                      a16=None if self._small(a.shape[0]) else self.ws.x16)
+                                      a16=None if self._small(a.shape[0]) else self.ws.x16, a_q8=a_q8, then=then)
+
+    def _after_ffn(self, layer: int) -> tuple[str, list[L.Mat]]:
+        """The RMSNorm after layer's FFN and the matrices it feeds."""
+        if layer + 1 == self.cfg.n_layer:
+            return "output_norm.weight", [self.w.mat(lm_head_name(self.cfg))]
+        p = f"blk.{layer + 1}."
+        return p + "attn_norm.weight", [self.w.mat(p + n) for n in ("attn_q.weight", "attn_k.weight", "attn_v.weight")]
 
     def ffn(self, x: cp.ndarray, layer: int) -> cp.ndarray:
         cfg, ws, p = self.cfg, self.ws, f"blk.{layer}."
@@ -225,17 +299,20 @@ class CudaBlocks:
         gate, up = self.w.mat(gate_name), self.w.mat(up_name)
         post = p + "post_ffw_norm.weight" if cfg.post_norms else None
         big = self._big_mma(t)
-        h, norm = self._normed(x, p + "ffn_norm.weight")
+        h, norm, q8 = self._normed(x, p + "ffn_norm.weight", [gate, up])
         down = p + "ffn_down.weight"
         if self._small(t) and gate.type_id == up.type_id:
+            g_q8 = None  # the GLU's epilogue writes the int8 input of the down projection
+            if q8 is not None and gate.rows % L.Q8_OUT_ROWS == 0 and L.q8_capable([self.w.mat(down)]):
+                g_q8 = self.ws.q8_plain
             L.mmv_glu(self.k, gate, up, h.data.ptr, h.strides[0] // 4, t, cfg.activation, g.data.ptr, g.strides[0] // 4,
-                      norm=norm)
-            return self._project_residual(g, down, x, post)
+                      norm=norm, q8=q8, q8_out=g_q8)
+            return self._project_residual(g, down, x, post, a_q8=g_q8, then=self._after_ffn(layer))
         if big and gate.type_id == up.type_id:
             g16 = ws.g16
             LM.mma_glu(self.k, gate, up, ws.x16.data.ptr, ws.x16.strides[0] // 2, t, cfg.activation, g16.data.ptr,
                       g16.strides[0] // 2, ws.split)
-            return self._project_residual(g, down, x, post, a16=g16)
+            return self._project_residual(g, down, x, post, a16=g16, then=self._after_ffn(layer))
         if self._small(t) or big:
             u = ws.u[:t]
             if big:
@@ -244,13 +321,13 @@ class CudaBlocks:
                 LM.mma(self.k, [up], [(u.data.ptr, u.strides[0] // 4)], [None], x16, ld16, t, 0, ws.split)
             else:
                 L.mmv(self.k, [gate], [(g.data.ptr, g.strides[0] // 4)], [None], h.data.ptr, h.strides[0] // 4, t, 0,
-                      norm=norm)
+                      norm=norm, q8=q8)
                 L.mmv(self.k, [up], [(u.data.ptr, u.strides[0] // 4)], [None], h.data.ptr, h.strides[0] // 4, t, 0,
-                      norm=norm)
+                      norm=norm, q8=q8)
             g16 = ws.g16 if big else None
             L.glu(self.k, g.data.ptr, u.data.ptr, g.strides[0] // 4, cfg.n_ff, t, cfg.activation, g.data.ptr,
                   g.strides[0] // 4, g16.data.ptr if big else None, g16.strides[0] // 2 if big else 0)
-            return self._project_residual(g, down, x, post, a16=g16)
+            return self._project_residual(g, down, x, post, a16=g16, then=self._after_ffn(layer))
         u = ws.u[:t]
         self._gemm16(ws.x16, t, (gate_name, up_name), g, accumulate=False)  # g | u: adjacent halves
         L.glu(self.k, g.data.ptr, u.data.ptr, g.strides[0] // 4, cfg.n_ff, t, cfg.activation, None, 0,
@@ -265,7 +342,7 @@ class CudaBlocks:
         head = self.w.mat(lm_head_name(cfg))
         out = ws.logits[:t]
         ld = out.strides[0] // 4
-        h, norm = self._normed(x, "output_norm.weight")
+        h, norm, q8 = self._normed(x, "output_norm.weight", [head])
         if self._big_mma(t):
             LM.mma(self.k, [head], [(out.data.ptr, ld)], [None], self.ws.x16.data.ptr, self.ws.x16.strides[0] // 2,
                   t, 0, self.ws.split)
@@ -273,7 +350,7 @@ class CudaBlocks:
             for s in range(0, t, L.MAX_MMV_TOKENS):
                 n = min(L.MAX_MMV_TOKENS, t - s)
                 L.mmv(self.k, [head], [(out[s:].data.ptr, ld)], [None], h[s:].data.ptr, h.strides[0] // 4, n, 0,
-                      norm=norm)
+                      norm=norm, q8=q8)  # q8 only when t <= MAX_MMV_TOKENS: one chunk
         if cfg.final_softcap:
             L.softcap(self.k, out.data.ptr, ld, cfg.n_vocab, t, cfg.final_softcap)
         return out

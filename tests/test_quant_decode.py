@@ -14,6 +14,7 @@ import pytest
 
 from gguf_runtime.quant_kernels.formats import BY_NAME, FORMATS, SUPPORTED
 from gguf_runtime.quant_kernels.reference import dequantize, random_blocks
+from gguf_runtime.quant_kernels.reference_q8 import dequantize_q8, quantize_q8
 from gguf_runtime.quant_kernels.repack import repack
 
 KERNELS = os.path.join(os.path.dirname(__file__), "..", "gguf_runtime", "quant_kernels")
@@ -30,6 +31,8 @@ def lib(tmp_path_factory):
                     "-arch=sm_90", "-o", str(out), SRC], check=True)
     dll = ctypes.CDLL(str(out))
     dll.decode_rows.restype = ctypes.c_int
+    dll.decode_rows_i8.restype = ctypes.c_int
+    dll.dp4a_host.restype = ctypes.c_int
     return dll
 
 
@@ -53,3 +56,53 @@ def test_host_decoder_matches_reference(lib, name):
     assert rc == 0
     assert not np.isnan(out).any()
     np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+
+
+INT_TYPES = [n for n in SUPPORTED if n not in ("F32", "F16", "BF16")]
+
+
+@pytest.mark.parametrize("name", INT_TYPES)
+def test_int8_words_match_reference(lib, name):
+    """The q8 path's decoding (I8<T>::words: signed bytes q, weight = d q + m) gives the weights."""
+    rng = np.random.default_rng()
+    t = BY_NAME[name]
+    rows = 4
+    K = 512 if FORMATS[t].block_elems == 256 else 96
+    raw = random_blocks(t, rows * K, rng, scale=0.7)
+    want = dequantize(raw, t, (rows, K))
+    p = repack(raw, t, rows, K)
+    planes = {n: p.plane(n) if n in p.offsets else None for n in ("qs", "qh", "sc", "d")}
+    out = np.full((rows, K), np.nan, np.float32)
+    assert lib.decode_rows_i8(t, *(ptr(planes[n]) for n in ("qs", "qh", "sc", "d")), rows, K, ptr(out)) == 0
+    assert not np.isnan(out).any()
+    np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+
+
+def test_quant16_matches_numpy_bit_for_bit(lib):
+    rng = np.random.default_rng()
+    n = 16 * 64
+    x = (rng.standard_normal(n) * rng.choice([1e-3, 1.0, 40.0], n // 16).repeat(16)).astype(np.float32)
+    x[:16] = 0  # an all-zero piece quantizes to zeros with d = 0
+    x[16:32] = np.float32(1e-35)  # under the amax floor: zeros too
+    x[40] = 63.5 * np.abs(x[32:48]).max() / 127  # a tie case somewhere in the piece
+    q = np.full(n, 0x55, np.uint8)
+    d = np.full(n // 16, np.nan, np.float32)
+    s = np.full(n // 16, np.nan, np.float32)
+    lib.quant_rows(ptr(x), n, ptr(q), ptr(d), ptr(s))
+    wq, wd, ws = quantize_q8(x)
+    assert (q.view(np.int8) == wq).all()
+    assert (d == wd).all() and (s == ws).all()
+    assert (wq[:32] == 0).all() and (wd[:2] == 0).all()
+    assert np.abs(wq).max() == 127
+    err = np.abs(dequantize_q8(wq, wd) - x).reshape(-1, 16).max(-1)
+    bound = np.where(wd > 0, wd.astype(np.float64) * 0.5 * (1 + 1e-5), 1e-30)  # half a step; floor pieces: 0
+    assert (err <= bound).all()
+
+
+def test_dp4a_is_a_signed_byte_dot(lib):
+    rng = np.random.default_rng()
+    for _ in range(50):
+        a, b = rng.integers(-128, 128, 4, dtype=np.int8), rng.integers(-128, 128, 4, dtype=np.int8)
+        c = int(rng.integers(-1000, 1000))
+        got = lib.dp4a_host(ctypes.c_uint32(int(a.view(np.uint32)[0])), ctypes.c_uint32(int(b.view(np.uint32)[0])), c)
+        assert got == c + int((a.astype(np.int64) * b.astype(np.int64)).sum())

@@ -5,8 +5,27 @@
 // so the launch does not depend on the context length. A block (4 warps) runs an online softmax
 // over its chunk for the G = n_head / n_head_kv query heads that share the KV head, each warp four
 // keys at a time (their loads issued together), and writes (max, sum, weighted V) per head; the
-// row's last block merges the splits. The same kernel serves decode and prefill.
-#include "common.cuh"
+// row's last block merges the splits. The same kernel serves decode and prefill. oq non-null: the
+// writing block also stores the int8 copy of its heads' outputs (the O projection's q8 input).
+#include "quant_int8.cuh"
+
+// The int8 copy (quant16 per 16 columns, as layers.cu's quantize_q8) of the n floats at o (this
+// block's outputs, written before the call by any of its threads).
+DEV void q8_copy(const float* o, int n, u8* oq, float4* os) {
+    __syncthreads();  // the block's output stores are visible to all its threads
+    for (int j = threadIdx.x; j < n / 16; j += blockDim.x) {
+        float v[16];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float4 f = reinterpret_cast<const float4*>(o + 16 * j)[i];
+            v[4 * i] = f.x; v[4 * i + 1] = f.y; v[4 * i + 2] = f.z; v[4 * i + 3] = f.w;
+        }
+        u32 q[4]; float d, s;
+        quant16(v, q, d, s);
+        *reinterpret_cast<uint4*>(oq + 16 * j) = make_uint4(q[0], q[1], q[2], q[3]);
+        os[j] = make_float4(d, s, sumsq16(v), 0.f);
+    }
+}
 
 template <int D, int G>
 __global__ void __launch_bounds__(128) attn_split(
@@ -14,7 +33,8 @@ __global__ void __launch_bounds__(128) attn_split(
         const int* __restrict__ pos, const int* __restrict__ seq, const int* __restrict__ table, int max_pages,
         int page_size, int n_head_kv, float scale, float cap, int window, int n_split,
         float* __restrict__ part_o, float* __restrict__ part_ml, unsigned* __restrict__ counter,
-        float* __restrict__ out, int ldo, u16* __restrict__ out16, int ld16) {
+        float* __restrict__ out, int ldo, u16* __restrict__ out16, int ld16, u8* oq, int ldoq, float4* os,
+        int ldos) {
     constexpr int E = D / 32, KS = 16;  // at least KS keys per split: one group of 4 per warp
     pdl_enter();
     const int hk = blockIdx.x, s = blockIdx.y, t = blockIdx.z;
@@ -121,7 +141,11 @@ __global__ void __launch_bounds__(128) attn_split(
         part_o[slot * D + e] = O;
         if (e == 0) { part_ml[2 * slot] = M; part_ml[2 * slot + 1] = L; }
     }
-    if (ns == 1) return;
+    const long h0 = (long)(hk * G) * D;  // the block's heads: G * D consecutive outputs of row t
+    if (ns == 1) {
+        if (oq) q8_copy(out + (long)t * ldo + h0, G * D, oq + (long)t * ldoq + h0, os + (long)t * ldos + h0 / 16);
+        return;
+    }
     // the last split block of this (t, hk) merges every split
     __shared__ bool last;
     __threadfence();
@@ -172,10 +196,12 @@ __global__ void __launch_bounds__(128) attn_split(
         }
     }
     if (threadIdx.x == 0) counter[t * n_head_kv + hk] = 0u;
+    if (oq) q8_copy(out + (long)t * ldo + h0, G * D, oq + (long)t * ldoq + h0, os + (long)t * ldos + h0 / 16);
 }
 
 #ifdef GGUF_INSTANTIATE_ALL
 #define INST(D, G) template __global__ void attn_split<D, G>(const float*, int, const float*, const float*, \
-    const int*, const int*, const int*, int, int, int, float, float, int, int, float*, float*, unsigned*, float*, int, u16*, int);
+    const int*, const int*, const int*, int, int, int, float, float, int, int, float*, float*, unsigned*, float*, int, u16*, int, \
+    u8*, int, float4*, int);
 INST(64, 1) INST(64, 3) INST(128, 4) INST(256, 4) INST(128, 8) INST(256, 8)
 #endif

@@ -122,24 +122,82 @@ class _Counted:
 
 
 # ---- name expressions ----------------------------------------------------------------------------
-def mmv_name(structs: Sequence[str], b: int, r: int, wg: int, mode: int) -> str:
+def mmv_name(structs: Sequence[str], b: int, r: int, wg: int, mode: int, io: int = 0) -> str:
+    """io: bit 0 int8 activations in, bit 1 the q8 epilogue (matvec.cu)."""
     s = list(structs) + [structs[0]] * (3 - len(structs))
-    return f"mmv_group<{s[0]}, {s[1]}, {s[2]}, {b}, {r}, {wg}, {mode}>"
+    return f"mmv_group<{s[0]}, {s[1]}, {s[2]}, {b}, {r}, {wg}, {mode}, {io}>"
 
 
-def glu_name(struct: str, b: int, r: int, wg: int, act: int) -> str:
-    return f"mmv_glu<{struct}, {b}, {r}, {wg}, {act}>"
+def glu_name(struct: str, b: int, r: int, wg: int, act: int, io: int = 0) -> str:
+    return f"mmv_glu<{struct}, {b}, {r}, {wg}, {act}, {io}>"
 
 
-def mmv_config(structs: Sequence[str], rows: Sequence[int], cols: int, b: int) -> tuple[int, int]:
+FLOAT_STRUCTS = ("TF32", "TF16", "TBF16")
+
+
+def q8_capable(mats: Sequence["Mat"]) -> bool:
+    """Whether the int8-activation matvec (dp4a) handles these matrices: every quantized type."""
+    return all(m.struct not in FLOAT_STRUCTS for m in mats)
+
+
+@dataclass(frozen=True)
+class Q8Vec:
+    """Int8 activations of up to MAX_MMV_TOKENS rows (quant_int8.cuh): q int8 [rows, ldq] and
+    (d, s, sum of squares, 0) float quads [rows, lds] per 16 columns; pointers are of row 0.
+    norm_eps (as an input): the pieces are of x * w, written by a q8 epilogue for the RMSNorm
+    that the matvec then applies (matvec_block.cuh)."""
+
+    q: int
+    ldq: int
+    s: int
+    lds: int
+    norm_eps: float | None = None
+
+    def rows_from(self, row: int) -> "Q8Vec":
+        return Q8Vec(self.q + row * self.ldq, self.ldq, self.s + 16 * row * self.lds, self.lds, self.norm_eps)
+
+    def args(self, row: int = 0) -> tuple:
+        eps = self.norm_eps
+        return (ptr(self.q + row * self.ldq), i32(self.ldq), ptr(self.s + 16 * row * self.lds), i32(self.lds),
+                i32(eps is not None), f32(eps or 0.0))
+
+    def out_args(self, row: int, w: int | None) -> tuple:
+        return (ptr(self.q + row * self.ldq), i32(self.ldq), ptr(self.s + 16 * row * self.lds), i32(self.lds), ptr(w))
+
+
+NO_Q8 = (ptr(0), i32(0), ptr(0), i32(0), i32(0), f32(0.0))
+NO_QOUT = (ptr(0), i32(0), ptr(0), i32(0), ptr(0))
+Q8_OUT_ROWS = 16  # rows per block of a q8 epilogue (its block has 16 / R warps of one-warp groups)
+
+
+def block_warps(r: int, wg: int, io: int) -> int:
+    """matvec.cu's block_warps: 4, or 16 * WG / R with a q8 epilogue (r: rows per group)."""
+    return Q8_OUT_ROWS * wg // r if io & 2 else 4
+
+
+def q8_out_config(r: int, wg: int) -> tuple[int, int]:
+    """(R, WG) of a residual matvec with the q8 epilogue, from its usual config: at most 2 rows per
+    group (16 rows per block), at most 32 warps per block."""
+    r = min(r, 2)
+    return r, min(wg, 2 * r)
+
+
+def mmv_config(structs: Sequence[str], rows: Sequence[int], cols: int, b: int,
+               q8_out: bool = False) -> tuple[int, int]:
     """(R, WG): weight rows per row group and warps per group. One warp per group measured best or
     tied on every shape swept (bench/matvec_variants.py, H100, 2026-11-21); 4 rows per group won on
     the large output heads (32K+ rows), 2 elsewhere, except one row for a lone matrix of under
     2,048 rows (the small models' o-proj and down: Gemma-3 tg128 1,450 -> 1,507, SmolLM2 even,
-    bench/mmv_configs.py in graphs with PDL). Every segment must hold whole blocks."""
+    bench/mmv_configs.py in graphs with PDL). Every segment must hold whole blocks.
+    q8_out (a residual matvec with the q8 epilogue): two warps per group of two rows (8B tg128
+    405 -> 431 t/s; one row per group, or one or two warps per row: 388-395; H100, 2026-11-21)."""
     want = 4 if sum(rows) >= 32768 else (1 if len(rows) == 1 and rows[0] < 2048 else 2)
     fits = [r for r in (4, 2, 1) if r <= want and r * b <= 8 and all(n % (4 * r) == 0 for n in rows)]
-    return (fits[0], 1) if fits else (1, 4)
+    r, wg = (fits[0], 1) if fits else (1, 4)
+    if q8_out:
+        r = min(r, 2)
+        wg = 2 if r == 2 else 1
+    return r, wg
 
 
 def glu_config(struct: str, n: int, cols: int, b: int) -> tuple[int, int]:
@@ -208,19 +266,31 @@ NO_ROPE = (ptr(0), ptr(0), ptr(0), i32(0), i32(0), ptr(0), i32(0), i32(0), i32(0
 
 def mmv(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases: Sequence[int | None],
         x: int, ldx: int, b: int, mode: int, config: tuple[int, int] | None = None,
-        norm: tuple[int, float] | None = None, rope: RopeKV | None = None) -> None:
+        norm: tuple[int, float] | None = None, rope: RopeKV | None = None, q8: Q8Vec | None = None,
+        q8_out: tuple[Q8Vec, int | None] | None = None) -> None:
     """y_i[t, :] (=|+=) W_i x[t, :] (+ bias_i) for up to 3 matrices sharing x; t < b <= 8.
     ``norm`` = (weight, eps): x is RMS-normalized first (fused, see matvec.cu).
+    ``q8``: the activations are these int8 ones instead of x (dp4a; no fused norm; quantized types).
+    ``q8_out`` = (buffer, w): residual mode, one matrix of rows % 16 == 0: also the int8 copy of
+    the new y (times w, the next RMSNorm's weight, when given) into buffer.
     ``rope``: the outputs are Q, K, V rows, and RoPE + the KV-cache write follow: fused into the
-    epilogue where the row groups are rope pairs (R = 2, one warp: the tested shape), else a rope_kv launch.
+    epilogue where the row groups are rope pairs (R = 2; one warp on the f32 path: the tested shapes),
+    else a rope_kv launch.
     ``config`` = (R, WG) overrides the automatic choice (bench/matvec_variants.py)."""
     assert 1 <= len(mats) <= 3 and 1 <= b <= MAX_MMV_TOKENS
+    assert q8 is None or (norm is None and q8_capable(mats))
+    assert q8_out is None or (q8 is not None and mode == 1 and len(mats) == 1 and mats[0].rows % Q8_OUT_ROWS == 0)
     cols = mats[0].cols
     total = sum(m.rows for m in mats)
+    io = (q8 is not None) | (q8_out is not None) << 1
     for row, n in token_chunks(b):
-        r, wg = config or mmv_config([m.struct for m in mats], [m.rows for m in mats], cols, n)
-        fused = rope is not None and mode == 0 and (r, wg) == (2, 1) and rope.fusable and len(mats) == 3
-        fn = k.fn("matvec.cu", mmv_name([m.struct for m in mats], n, r, wg, mode))
+        r, wg = config or mmv_config([m.struct for m in mats], [m.rows for m in mats], cols, n, q8_out is not None)
+        if q8_out:
+            r, wg = q8_out_config(r, wg)
+        # RoPE in the epilogue: rope pairs in one group (R = 2); the f32 path is tested at one warp
+        fused = (rope is not None and mode == 0 and r == 2 and (wg == 1 or q8 is not None) and rope.fusable
+                 and len(mats) == 3)
+        fn = k.fn("matvec.cu", mmv_name([m.struct for m in mats], n, r, wg, mode, io))
         args: list = []
         for i in range(3):
             if i < len(mats):
@@ -228,9 +298,11 @@ def mmv(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases
                 args += [*m.planes, i32(m.rows), ptr(y + 4 * row * ldy), i32(ldy), ptr(bias)]
             else:
                 args += [ptr(0)] * 4 + [i32(0), ptr(0), i32(0), ptr(0)]
-        per_block = r * 4 // wg
-        fn(((total + per_block - 1) // per_block,), (128,),
+        nw = block_warps(r, wg, io)
+        per_block = r * nw // wg
+        fn(((total + per_block - 1) // per_block,), (32 * nw,),
            (*args, ptr(x + 4 * row * ldx), i32(ldx), i32(cols), *_norm_args(norm),
+            *(q8.args(row) if q8 else NO_Q8), *(q8_out[0].out_args(row, q8_out[1]) if q8_out else NO_QOUT),
             *(rope.fused_args(row) if fused else NO_ROPE)))
         if rope is not None and not fused:
             rope.launch(k, row, n)
@@ -241,15 +313,23 @@ def _norm_args(norm: tuple[int, float] | None) -> tuple[np.uint64, np.float32]:
 
 
 def mmv_glu(k: Kernels, gate: Mat, up: Mat, x: int, ldx: int, b: int, act: str, y: int, ldy: int,
-            norm: tuple[int, float] | None = None) -> None:
-    """y[t, :] = act(G x'[t]) * (U x'[t]) for t < b <= 8; x' = x, or rmsnorm(x) with ``norm``."""
+            norm: tuple[int, float] | None = None, q8: Q8Vec | None = None, q8_out: Q8Vec | None = None) -> None:
+    """y[t, :] = act(G x'[t]) * (U x'[t]) for t < b <= 8; x' = x, or rmsnorm(x) with ``norm``, or
+    the int8 activations ``q8``; ``q8_out`` (rows % 16 == 0): also y's int8 copy."""
+    assert q8 is None or (norm is None and q8_capable([gate, up]))
+    assert q8_out is None or (q8 is not None and gate.rows % Q8_OUT_ROWS == 0)
+    io = (q8 is not None) | (q8_out is not None) << 1
     for row, n in token_chunks(b):
         r, wg = glu_config(gate.struct, gate.rows, gate.cols, n)
-        per_block = (r // 2) * 4 // wg
-        fn = k.fn("matvec.cu", glu_name(gate.struct, n, r, wg, ACT[act]))
-        fn(((gate.rows + per_block - 1) // per_block,), (128,),
+        if q8_out:
+            r, wg = 2, min(wg, 2)  # one gate and one up row per group: 16 * WG warps per block
+        nw = block_warps(r // 2, wg, io)
+        per_block = (r // 2) * nw // wg
+        fn = k.fn("matvec.cu", glu_name(gate.struct, n, r, wg, ACT[act], io))
+        fn(((gate.rows + per_block - 1) // per_block,), (32 * nw,),
            (*gate.planes, *up.planes, i32(gate.rows), ptr(x + 4 * row * ldx), i32(ldx), i32(gate.cols),
-            ptr(y + 4 * row * ldy), i32(ldy), *_norm_args(norm)))
+            ptr(y + 4 * row * ldy), i32(ldy), *_norm_args(norm), *(q8.args(row) if q8 else NO_Q8),
+            *(q8_out.out_args(row, None) if q8_out else NO_QOUT)))
 
 
 def embed(k: Kernels, table: Mat, tokens: int, n: int, x: int, ldx: int, scale: float) -> None:
@@ -264,11 +344,21 @@ def dequant_f16(k: Kernels, m: Mat, out: int) -> None:
 
 
 def rmsnorm(k: Kernels, x: int, ldx: int, w: int, y: int, ldy: int, rows: int, n: int, eps: float,
-            res: int | None = None, ldr: int = 0, y16: int | None = None, ld16: int = 0) -> None:
+            res: int | None = None, ldr: int = 0, y16: int | None = None, ld16: int = 0,
+            q8: Q8Vec | None = None) -> None:
+    """y = rmsnorm(x) * w (+ res); y16: also an f16 copy; q8 (no res, n % 16 == 0): also int8."""
+    assert q8 is None or (res is None and n % 16 == 0)
     threads = 1024 if n >= 4096 else 256
     k.fn("layers.cu", "rmsnorm")((rows,), (threads,),
                                  (ptr(x), i32(ldx), ptr(w), ptr(y), i32(ldy), ptr(res), i32(ldr), i32(n), f32(eps),
-                                  ptr(y16), i32(ld16)))
+                                  ptr(y16), i32(ld16), *(q8.out_args(0, None)[:4] if q8 else NO_QOUT[:4])))
+
+
+def quantize_q8(k: Kernels, x: int, ldx: int, n: int, rows: int, q8: Q8Vec) -> None:
+    """q8 = the int8 activations of x[:rows, :n] (n % 16 == 0)."""
+    assert n % 16 == 0
+    k.fn("layers.cu", "quantize_q8")((-(-n // 16 // 128), rows), (128,),
+                                     (ptr(x), i32(ldx), i32(n), i32(rows), *q8.out_args(0, None)[:4]))
 
 
 def rope_kv(k: Kernels, qkv: int, ld: int, rows: int, n_head: int, n_head_kv: int, head_dim: int, head_dim_v: int,
@@ -285,15 +375,17 @@ def rope_kv(k: Kernels, qkv: int, ld: int, rows: int, n_head: int, n_head_kv: in
 def attention(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache: int, pos: int, seq: int, table: int,
               max_pages: int, page_size: int, n_head: int, n_head_kv: int, head_dim: int, scale: float, cap: float,
               window: int, n_split: int, part_o: int, part_ml: int, counter: int, out: int, ldo: int,
-              out16: int | None = None, ld16: int = 0) -> None:
+              out16: int | None = None, ld16: int = 0, q8: Q8Vec | None = None) -> None:
     """Split-K attention over the paged cache, merged in the same launch (counter: rows x n_head_kv
-    zeros, left zero)."""
+    zeros, left zero); q8: also the output's int8 copy (head_dim % 16 == 0)."""
     g = n_head // n_head_kv
+    assert q8 is None or head_dim % 16 == 0
     k.fn("attention.cu", f"attn_split<{head_dim}, {g}>")(
         (n_head_kv, n_split, rows), (128,),
         (ptr(q), i32(ldq), ptr(kcache), ptr(vcache), ptr(pos), ptr(seq), ptr(table), i32(max_pages),
          i32(page_size), i32(n_head_kv), f32(scale), f32(cap), i32(window), i32(n_split), ptr(part_o),
-         ptr(part_ml), ptr(counter), ptr(out), i32(ldo), ptr(out16), i32(ld16)))
+         ptr(part_ml), ptr(counter), ptr(out), i32(ldo), ptr(out16), i32(ld16),
+         *(q8.out_args(0, None)[:4] if q8 else NO_QOUT[:4])))
 
 
 def _grid(n: int, threads: int = 256) -> tuple[tuple[int], tuple[int]]:

@@ -3,13 +3,14 @@
 // Positions come from device memory (pos[t]), and KV pages from a block table, so one launch
 // configuration serves every position: these kernels can sit inside a replayed CUDA graph.
 // KV cache layout, per layer: [pages][n_head_kv][page_size][head_dim].
-#include "common.cuh"
+#include "quant_int8.cuh"
 
 // y[t] = (res ? res[t] : 0) + x[t] * rsqrt(mean(x[t]^2) + eps) * w   (one block per row t);
-// y16 != null: also an f16 copy (the input of the tensor-core matmuls)
+// y16 != null: also an f16 copy (the input of the tensor-core matmuls); xq != null (res null): also
+// the int8 copy of y (quant16 per 16 columns, see quant_int8.cuh; n % 16 == 0), for the q8 matvecs.
 extern "C" __global__ void rmsnorm(const float* __restrict__ x, int ldx, const float* __restrict__ w,
                                    float* y, int ldy, const float* res, int ldr, int n, float eps,
-                                   u16* y16, int ld16) {
+                                   u16* y16, int ld16, u8* xq, int ldq, float4* xs, int lds) {
     __shared__ float scratch[32];
     pdl_enter();
     const float* xr = x + (long)blockIdx.x * ldx;
@@ -26,6 +27,36 @@ extern "C" __global__ void rmsnorm(const float* __restrict__ x, int ldx, const f
         yr[i] = o;
         if (yh) yh[i] = f2h(o);
     }
+    if (!xq || rr) return;
+    for (int j = threadIdx.x; j < n / 16; j += blockDim.x) {  // the same products, sixteen at a time
+        float v[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) v[i] = xr[16 * j + i] * k * w[16 * j + i];
+        u32 q[4]; float d, s;
+        quant16(v, q, d, s);
+        *reinterpret_cast<uint4*>(xq + (long)blockIdx.x * ldq + 16 * j) = make_uint4(q[0], q[1], q[2], q[3]);
+        xs[(long)blockIdx.x * lds + j] = make_float4(d, s, sumsq16(v), 0.f);
+    }
+}
+
+// The int8 copy of x[t, :n] (n % 16 == 0), as rmsnorm writes it: one thread per 16 columns.
+// Both write each piece's (d, s, sum of squares, 0) (matvec_block.cuh's XQ).
+extern "C" __global__ void quantize_q8(const float* __restrict__ x, int ldx, int n, int rows, u8* xq, int ldq,
+                                       float4* xs, int lds) {
+    const int j = blockIdx.x * blockDim.x + threadIdx.x, t = blockIdx.y;
+    pdl_enter();
+    if (j >= n / 16 || t >= rows) return;
+    const float4* src = reinterpret_cast<const float4*>(x + (long)t * ldx + 16 * j);
+    float v[16];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float4 f = src[i];
+        v[4 * i] = f.x; v[4 * i + 1] = f.y; v[4 * i + 2] = f.z; v[4 * i + 3] = f.w;
+    }
+    u32 q[4]; float d, s;
+    quant16(v, q, d, s);
+    *reinterpret_cast<uint4*>(xq + (long)t * ldq + 16 * j) = make_uint4(q[0], q[1], q[2], q[3]);
+    xs[(long)t * lds + j] = make_float4(d, s, sumsq16(v), 0.f);
 }
 
 // One block per (token t, head h) over the fused QKV rows [q heads | k heads | v heads], blockDim

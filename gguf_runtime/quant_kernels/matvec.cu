@@ -11,113 +11,14 @@
 // RMSNorm fused (nw != null): the product is W (x * nw) * rsqrt(mean(x^2) + eps). Each row group
 // reads all of x anyway, so it sums x^2 in the same pass: no norm kernel, no staging of the
 // normalized x, and the scale is applied to the finished dot products.
-#include "quant_types.cuh"
+//
+// Q8 (the template flag): the activations come as int8 with a scale per 16 (matvec_block.cuh), and
+// the dot products are dp4a on the weights' integer bytes: used where the f32 path is issue-bound
+// (the 8B's matvecs), the norm then being a kernel of its own that also writes the int8 copy.
+#include "matvec_block.cuh"
 
 #define PLANES(i) const u8* qs##i, const u8* qh##i, const u8* sc##i, const u8* d##i
 #define MAT(i, T) Mat{qs##i, qh##i, sc##i, d##i, K / T::BLOCK}
-
-// acc[r][b] (group-reduced, valid in the group leader) = sum_k W[row r][k] x'[b][k] for the R rows
-// of m[r], x' = x * nw (nw null: x). nw non-null: the leader's acc is scaled by rsqrt(mean(x^2)+eps).
-template <class T, int B, int R, int WG>
-DEV void mmv_block(const Mat (&m)[R], const int (&row)[R], int K, const float* __restrict__ x, int ldx,
-                   const float* __restrict__ nw, float eps, float (&acc)[R][B]) {
-    const int tid = threadIdx.x % (32 * WG), units = K / T::UE;
-    float ssq[B];
-#pragma unroll
-    for (int b = 0; b < B; ++b) ssq[b] = 0.f;
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-        for (int b = 0; b < B; ++b) acc[r][b] = 0.f;
-    // The first units' weights are loaded before pdl_enter (they overlap the previous kernel's end);
-    // each later iteration's loads go out at the end of the one before.
-    typename T::Raw raw[R];
-    if (tid < units)
-#pragma unroll
-        for (int r = 0; r < R; ++r) T::load(m[r], row[r], tid, raw[r]);  // R independent loads in flight
-    pdl_enter();
-    for (int u = tid; u < units; u += 32 * WG) {
-#pragma unroll
-        for (int p = 0; p < T::NP; ++p) {
-            const int off = T::xoff(u, p);
-            float xv[B][16], sx[B], gv[16];
-            if (nw) {
-                const float4* gp = reinterpret_cast<const float4*>(nw + off);
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const float4 t = __ldg(gp + i);
-                    gv[4 * i] = t.x; gv[4 * i + 1] = t.y; gv[4 * i + 2] = t.z; gv[4 * i + 3] = t.w;
-                }
-            }
-#pragma unroll
-            for (int b = 0; b < B; ++b) {
-                const float4* xp = reinterpret_cast<const float4*>(x + (long)b * ldx + off);
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const float4 t = xp[i];
-                    xv[b][4 * i] = t.x; xv[b][4 * i + 1] = t.y; xv[b][4 * i + 2] = t.z; xv[b][4 * i + 3] = t.w;
-                }
-                if (nw) {
-#pragma unroll
-                    for (int i = 0; i < 16; ++i) { ssq[b] = fmaf(xv[b][i], xv[b][i], ssq[b]); xv[b][i] *= gv[i]; }
-                }
-                sx[b] = 0.f;
-#pragma unroll
-                for (int i = 0; i < 16; i += 4) sx[b] += (xv[b][i] + xv[b][i + 1]) + (xv[b][i + 2] + xv[b][i + 3]);
-            }
-#pragma unroll
-            for (int r = 0; r < R; ++r) {  // sum(w x) = d sum(q x) + m sum(x)
-                float q[16], d, mo;
-                T::qpiece(raw[r], p, q, d, mo);
-#pragma unroll
-                for (int b = 0; b < B; ++b) {
-                    float s = 0.f;
-#pragma unroll
-                    for (int i = 0; i < 16; ++i) s = fmaf(q[i], xv[b][i], s);
-                    acc[r][b] = fmaf(d, s, fmaf(mo, sx[b], acc[r][b]));
-                }
-            }
-        }
-        if (u + 32 * WG < units)
-#pragma unroll
-            for (int r = 0; r < R; ++r) T::load(m[r], row[r], u + 32 * WG, raw[r]);
-    }
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-        for (int b = 0; b < B; ++b) acc[r][b] = warp_sum(acc[r][b]);
-    if (nw)
-#pragma unroll
-        for (int b = 0; b < B; ++b) ssq[b] = warp_sum(ssq[b]);
-    if (WG > 1) {
-        __shared__ float red[4][R * B + B];
-        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-        if (lane == 0) {
-#pragma unroll
-            for (int i = 0; i < R * B; ++i) red[warp][i] = acc[i / B][i % B];
-#pragma unroll
-            for (int b = 0; b < B; ++b) red[warp][R * B + b] = ssq[b];
-        }
-        __syncthreads();
-        if (tid == 0) {
-#pragma unroll
-            for (int i = 0; i < R * B + B; ++i) {
-                float v = red[warp][i];
-#pragma unroll
-                for (int w = 1; w < WG; ++w) v += red[warp + w][i];
-                if (i < R * B) acc[i / B][i % B] = v;
-                else ssq[i - R * B] = v;
-            }
-        }
-    }
-    if (nw && tid == 0)
-#pragma unroll
-        for (int b = 0; b < B; ++b) {
-            const float sc = rsqrtf(ssq[b] / (float)K + eps);
-#pragma unroll
-            for (int r = 0; r < R; ++r) acc[r][b] *= sc;
-        }
-}
 
 // RoPE and the KV-cache write fused into the QKV product (pos null: off). Needs R == 2 (a rope pair
 // (2i, 2i+1) in one thread: the non-NEOX layout), no per-head norm, head_dim_v == head_dim; Q rows
@@ -152,22 +53,54 @@ DEV void rope_store(const RopeArgs& ra, int seg, int row0, float (&v)[R][B], flo
     }
 }
 
+// Warps per block: 4, or with a q8 epilogue (IO bit 1) as many as make 16 rows of R per group.
+template <int R, int WG, int IO>
+__host__ __device__ constexpr int block_warps() { return (IO & 2) ? 16 * WG / R : 4; }
+
 // The first row of this thread's row group, and whether the thread writes its results.
-template <int R, int WG>
-DEV int group_row0() { return (blockIdx.x * (4 / WG) + threadIdx.x / (32 * WG)) * R; }
+template <int R, int WG, int NW>
+DEV int group_row0() { return (blockIdx.x * (NW / WG) + threadIdx.x / (32 * WG)) * R; }
 
 template <int WG>
 DEV bool group_leader() { return threadIdx.x % (32 * WG) == 0; }
 
 // MODE 0: y = W x (+ bias)   MODE 1: y += W x (the residual add)
-template <class T, int B, int R, int WG, int MODE>
-DEV void mmv_segment(const Mat& mat, int n, int row0, const float* x, int ldx, int K, float* y, int ldy,
-                     const float* bias, const float* nw, float eps, const RopeArgs& ra, int seg) {
+// IO bit 0: the activations are int8 (XQ), else f32 x (RMSNorm fused when nw is non-null);
+// IO bit 1: a q8 epilogue also writes the int8 copy of the outputs (QOut; 16 rows per block).
+struct XIn { const float* x; int ldx; const float* nw; float eps; XQ q; };
+
+template <class T, int B, int R, int WG, bool Q8>
+DEV void mmv_any(const Mat (&m)[R], const int (&row)[R], int K, const XIn& xi, float (&acc)[R][B]) {
+    if constexpr (Q8) mmv_block_q8<T, B, R, WG>(m, row, K, xi.q, acc);
+    else mmv_block<T, B, R, WG>(m, row, K, xi.x, xi.ldx, xi.nw, xi.eps, acc);
+}
+
+template <class T, int B, int R, int WG, int MODE, int IO>
+DEV void mmv_segment(const Mat& mat, int n, int row0, const XIn& xi, int K, float* y, int ldy,
+                     const float* bias, const RopeArgs& ra, int seg, const QOut& qo) {
     Mat m[R]; int row[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) { m[r] = mat; row[r] = min(row0 + r, n - 1); }
-    float acc[R][B];
-    mmv_block<T, B, R, WG>(m, row, K, x, ldx, nw, eps, acc);
+    float acc[R][B], qw = 1.f;
+    if constexpr ((IO & 2) != 0)
+        if (threadIdx.x < 16 * B) qw = q8_out_weight(qo, row0 - row0 % 16);  // weights only: before pdl_enter
+    mmv_any<T, B, R, WG, (IO & 1) != 0>(m, row, K, xi, acc);
+    if constexpr ((IO & 2) != 0) {  // residual add, then the int8 copy of the block's 16 new rows
+        static_assert(MODE == 1, "q8 epilogue: residual mode");
+        __shared__ float tile[B][16];
+        if (group_leader<WG>())
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+#pragma unroll
+                for (int b = 0; b < B; ++b) {
+                    float* out = y + (long)b * ldy + row0 + r;
+                    const float v = *out + acc[r][b];
+                    *out = v;
+                    tile[b][row0 % 16 + r] = v;
+                }
+        store_q8_piece<B>(tile, row0 - row0 % 16, qo, qw);  // row0 % 16 == 0 in the threads that store
+        return;
+    }
     if (!group_leader<WG>()) return;
     if constexpr (R == 2 && MODE == 0) {
         if (ra.pos) {  // the launcher guarantees whole row groups (n % 8 == 0)
@@ -197,49 +130,61 @@ DEV void mmv_segment(const Mat& mat, int n, int row0, const float* x, int ldx, i
 // Up to three matrices that multiply the same x (Q, K and V), each of its own type; row groups take
 // R rows of segment 0, then 1, then 2 (each segment's row count is a multiple of R * 4 / WG, so a
 // block never straddles two segments).
-template <class T0, class T1, class T2, int B, int R, int WG, int MODE>
-__global__ void __launch_bounds__(128) mmv_group(
+// IO & 1: x and nw unused, XQ_ARGS is the input; IO & 2: QO_ARGS the int8 copy of the outputs.
+#define XQ_ARGS const u8* xq, int ldq, const float4* xs, int lds, int xnorm, float xeps
+#define QO_ARGS u8* oq, int ldoq, float4* os, int ldos, const float* onw
+template <class T0, class T1, class T2, int B, int R, int WG, int MODE, int IO>
+__global__ void __launch_bounds__(32 * block_warps<R, WG, IO>()) mmv_group(
         PLANES(0), int n0, float* y0, int ldy0, const float* bias0,
         PLANES(1), int n1, float* y1, int ldy1, const float* bias1,
         PLANES(2), int n2, float* y2, int ldy2, const float* bias2,
-        const float* __restrict__ x, int ldx, int K, const float* __restrict__ nw, float eps,
+        const float* __restrict__ x, int ldx, int K, const float* __restrict__ nw, float eps, XQ_ARGS, QO_ARGS,
         const int* rpos, const int* rseq, const int* rtable, int rmax_pages, int rpage_size,
         const double* rfreq, int rn_rot, int rhd, int rn_kv, float* rkc, float* rvc) {
     const RopeArgs ra{rpos, rseq, rtable, rmax_pages, rpage_size, rfreq, rn_rot, rhd, rn_kv, rkc, rvc};
-    int row0 = group_row0<R, WG>();
-    if (row0 < n0) { mmv_segment<T0, B, R, WG, MODE>(MAT(0, T0), n0, row0, x, ldx, K, y0, ldy0, bias0, nw, eps, ra, 0); return; }
+    const XIn xi{x, ldx, nw, eps, XQ{xq, ldq, xs, lds, xnorm, xeps}};
+    const QOut qo{oq, ldoq, os, ldos, onw};
+    int row0 = group_row0<R, WG, block_warps<R, WG, IO>()>();
+    if (row0 < n0) { mmv_segment<T0, B, R, WG, MODE, IO>(MAT(0, T0), n0, row0, xi, K, y0, ldy0, bias0, ra, 0, qo); return; }
     row0 -= n0;
-    if (row0 < n1) { mmv_segment<T1, B, R, WG, MODE>(MAT(1, T1), n1, row0, x, ldx, K, y1, ldy1, bias1, nw, eps, ra, 1); return; }
+    if (row0 < n1) { mmv_segment<T1, B, R, WG, MODE, IO>(MAT(1, T1), n1, row0, xi, K, y1, ldy1, bias1, ra, 1, qo); return; }
     row0 -= n1;
-    if (row0 < n2) mmv_segment<T2, B, R, WG, MODE>(MAT(2, T2), n2, row0, x, ldx, K, y2, ldy2, bias2, nw, eps, ra, 2);
+    if (row0 < n2) mmv_segment<T2, B, R, WG, MODE, IO>(MAT(2, T2), n2, row0, xi, K, y2, ldy2, bias2, ra, 2, qo);
 }
 
 // Gate and up projections in one pass, y = act(gate x) * (up x); ACT 0 = SiLU, 1 = GELU (tanh).
-// A row group takes R/2 rows of each.
-template <class T, int B, int R, int WG, int ACT>
-__global__ void __launch_bounds__(128) mmv_glu(PLANES(0), PLANES(1), int n, const float* __restrict__ x,
+// A row group takes R/2 rows of each. IO as mmv_group's.
+template <class T, int B, int R, int WG, int ACT, int IO>
+__global__ void __launch_bounds__(32 * block_warps<R / 2, WG, IO>()) mmv_glu(PLANES(0), PLANES(1), int n, const float* __restrict__ x,
                                                int ldx, int K, float* y, int ldy, const float* __restrict__ nw,
-                                               float eps) {
+                                               float eps, XQ_ARGS, QO_ARGS) {
     constexpr int H = R / 2;
-    const int row0 = group_row0<H, WG>();
+    const int row0 = group_row0<H, WG, block_warps<H, WG, IO>()>();
     Mat m[R]; int row[R];
 #pragma unroll
     for (int r = 0; r < H; ++r) {
         m[r] = MAT(0, T); m[H + r] = MAT(1, T);
         row[r] = row[H + r] = min(row0 + r, n - 1);
     }
-    float acc[R][B];
-    mmv_block<T, B, R, WG>(m, row, K, x, ldx, nw, eps, acc);
-    if (!group_leader<WG>()) return;
+    float acc[R][B], qw = 1.f;
+    constexpr bool QO = (IO & 2) != 0;
+    if constexpr (QO)
+        if (threadIdx.x < 16 * B) qw = q8_out_weight(QOut{oq, ldoq, os, ldos, onw}, row0 - row0 % 16);
+    mmv_any<T, B, R, WG, (IO & 1) != 0>(m, row, K, XIn{x, ldx, nw, eps, XQ{xq, ldq, xs, lds, xnorm, xeps}}, acc);
+    __shared__ float tile[QO ? B : 1][16];
+    if (group_leader<WG>())
 #pragma unroll
-    for (int r = 0; r < H; ++r) {
-        if (row0 + r >= n) break;
+        for (int r = 0; r < H; ++r) {
+            if (row0 + r >= n) break;
 #pragma unroll
-        for (int b = 0; b < B; ++b) {
-            const float g = acc[r][b];
-            y[(long)b * ldy + row0 + r] = (ACT == 0 ? silu_f(g) : gelu_tanh_f(g)) * acc[H + r][b];
+            for (int b = 0; b < B; ++b) {
+                const float g = acc[r][b];
+                const float v = (ACT == 0 ? silu_f(g) : gelu_tanh_f(g)) * acc[H + r][b];
+                y[(long)b * ldy + row0 + r] = v;
+                if constexpr (QO) tile[b][row0 % 16 + r] = v;
+            }
         }
-    }
+    if constexpr (QO) store_q8_piece<B>(tile, row0 - row0 % 16, QOut{oq, ldoq, os, ldos, onw}, qw);
 }
 
 // x[t] = scale * row tokens[t] of the embedding matrix (one block per token).
@@ -287,20 +232,23 @@ __global__ void dequant_f16(PLANES(0), int rows, int K, u16* __restrict__ out) {
 
 #ifdef GGUF_INSTANTIATE_ALL  // nvcc syntax check in CI: one instantiation of each kernel per type
 #define ROPE_ARGS const int*, const int*, const int*, int, int, const double*, int, int, int, float*, float*
-#define INST(T)                                                                              \
-    template __global__ void mmv_group<T, T, T, 1, 8, 4, 0>(PLANES(0), int, float*, int, const float*, \
-        PLANES(1), int, float*, int, const float*, PLANES(2), int, float*, int, const float*,       \
-        const float*, int, int, const float*, float, ROPE_ARGS);                             \
-    template __global__ void mmv_group<T, T, T, 8, 1, 1, 1>(PLANES(0), int, float*, int, const float*, \
-        PLANES(1), int, float*, int, const float*, PLANES(2), int, float*, int, const float*,       \
-        const float*, int, int, const float*, float, ROPE_ARGS);                             \
-    template __global__ void mmv_group<T, T, T, 2, 2, 1, 0>(PLANES(0), int, float*, int, const float*, \
-        PLANES(1), int, float*, int, const float*, PLANES(2), int, float*, int, const float*,       \
-        const float*, int, int, const float*, float, ROPE_ARGS);                             \
-    template __global__ void mmv_glu<T, 4, 2, 2, 1>(PLANES(0), PLANES(1), int, const float*, int, int, float*, int, \
-        const float*, float);                                                                \
+#define XQ_TYPES const u8*, int, const float4*, int, int, float
+#define QO_TYPES u8*, int, float4*, int, const float*
+#define GROUP(T, B, R, WG, MODE, IO)                                                           \
+    template __global__ void mmv_group<T, T, T, B, R, WG, MODE, IO>(PLANES(0), int, float*, int, const float*, \
+        PLANES(1), int, float*, int, const float*, PLANES(2), int, float*, int, const float*,  \
+        const float*, int, int, const float*, float, XQ_TYPES, QO_TYPES, ROPE_ARGS);
+#define GLU(T, B, R, WG, ACT, IO)                                                              \
+    template __global__ void mmv_glu<T, B, R, WG, ACT, IO>(PLANES(0), PLANES(1), int, const float*, int, int, \
+        float*, int, const float*, float, XQ_TYPES, QO_TYPES);
+#define INST(T)                                                                                \
+    GROUP(T, 1, 8, 4, 0, 0) GROUP(T, 8, 1, 1, 1, 0) GROUP(T, 2, 2, 1, 0, 0) GLU(T, 4, 2, 2, 1, 0) \
     template __global__ void embed_rows<T>(PLANES(0), int, const int*, int, float*, int, float); \
     template __global__ void dequant_f16<T>(PLANES(0), int, int, u16*);
+#define INST_Q8(T) GROUP(T, 1, 4, 2, 0, 1) GROUP(T, 8, 1, 1, 1, 1) GROUP(T, 2, 2, 1, 0, 1) GLU(T, 3, 2, 1, 0, 1) \
+    GROUP(T, 2, 4, 1, 1, 3) GROUP(T, 3, 2, 1, 1, 3) GROUP(T, 1, 1, 1, 1, 3) GLU(T, 1, 2, 1, 0, 3) GLU(T, 5, 4, 1, 1, 3)
 INST(TF32) INST(TF16) INST(TBF16) INST(TQ4_0) INST(TQ4_1) INST(TQ5_0) INST(TQ5_1) INST(TQ8_0)
 INST(TQ2_K) INST(TQ3_K) INST(TQ4_K) INST(TQ5_K) INST(TQ6_K)
+INST_Q8(TQ4_0) INST_Q8(TQ4_1) INST_Q8(TQ5_0) INST_Q8(TQ5_1) INST_Q8(TQ8_0)
+INST_Q8(TQ2_K) INST_Q8(TQ3_K) INST_Q8(TQ4_K) INST_Q8(TQ5_K) INST_Q8(TQ6_K)
 #endif

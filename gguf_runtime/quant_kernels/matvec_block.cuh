@@ -1,0 +1,213 @@
+// The inner loop of the matvec kernels (matvec.cu): one row group's dot products over K, for
+// f32 activations (mmv_block, RMSNorm optionally fused) or int8 ones (mmv_block_q8, dp4a).
+#pragma once
+#include "quant_int8.cuh"
+
+// Sum each acc[r][b] (and ssq[b] when has_ssq) over the group's 32 WG lanes: valid in the group leader.
+template <int B, int R, int WG>
+DEV void group_reduce(float (&acc)[R][B], float (&ssq)[B], bool has_ssq) {
+    const int tid = threadIdx.x % (32 * WG);
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int b = 0; b < B; ++b) acc[r][b] = warp_sum(acc[r][b]);
+    if (has_ssq)
+#pragma unroll
+        for (int b = 0; b < B; ++b) ssq[b] = warp_sum(ssq[b]);
+    if (WG > 1) {
+        __shared__ float red[32][R * B + B];  // per warp of the block (up to 1,024 threads)
+        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+        if (lane == 0) {
+#pragma unroll
+            for (int i = 0; i < R * B; ++i) red[warp][i] = acc[i / B][i % B];
+#pragma unroll
+            for (int b = 0; b < B; ++b) red[warp][R * B + b] = ssq[b];
+        }
+        __syncthreads();
+        if (tid == 0) {
+#pragma unroll
+            for (int i = 0; i < R * B + B; ++i) {
+                float v = red[warp][i];
+#pragma unroll
+                for (int w = 1; w < WG; ++w) v += red[warp + w][i];
+                if (i < R * B) acc[i / B][i % B] = v;
+                else ssq[i - R * B] = v;
+            }
+        }
+    }
+}
+
+// acc[r][b] (group-reduced, valid in the group leader) = sum_k W[row r][k] x'[b][k] for the R rows
+// of m[r], x' = x * nw (nw null: x). nw non-null: the leader's acc is scaled by rsqrt(mean(x^2)+eps).
+template <class T, int B, int R, int WG>
+DEV void mmv_block(const Mat (&m)[R], const int (&row)[R], int K, const float* __restrict__ x, int ldx,
+                   const float* __restrict__ nw, float eps, float (&acc)[R][B]) {
+    const int tid = threadIdx.x % (32 * WG), units = K / T::UE;
+    float ssq[B];
+#pragma unroll
+    for (int b = 0; b < B; ++b) ssq[b] = 0.f;
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int b = 0; b < B; ++b) acc[r][b] = 0.f;
+    // The first units' weights are loaded before pdl_enter (they overlap the previous kernel's end);
+    // each later iteration's loads go out at the end of the one before.
+    typename T::Raw raw[R];
+    if (tid < units)
+#pragma unroll
+        for (int r = 0; r < R; ++r) T::load(m[r], row[r], tid, raw[r]);  // R independent loads in flight
+    pdl_enter();
+    for (int u = tid; u < units; u += 32 * WG) {
+#pragma unroll
+        for (int p = 0; p < T::NP; ++p) {
+            const int off = T::xoff(u, p);
+            float xv[B][16], sx[B], gv[16];
+            if (nw) {
+                const float4* gp = reinterpret_cast<const float4*>(nw + off);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const float4 t = __ldg(gp + i);
+                    gv[4 * i] = t.x; gv[4 * i + 1] = t.y; gv[4 * i + 2] = t.z; gv[4 * i + 3] = t.w;
+                }
+            }
+#pragma unroll
+            for (int b = 0; b < B; ++b) {
+                const float4* xp = reinterpret_cast<const float4*>(x + (long)b * ldx + off);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const float4 t = xp[i];
+                    xv[b][4 * i] = t.x; xv[b][4 * i + 1] = t.y; xv[b][4 * i + 2] = t.z; xv[b][4 * i + 3] = t.w;
+                }
+                if (nw) {
+#pragma unroll
+                    for (int i = 0; i < 16; ++i) { ssq[b] = fmaf(xv[b][i], xv[b][i], ssq[b]); xv[b][i] *= gv[i]; }
+                }
+                sx[b] = 0.f;
+#pragma unroll
+                for (int i = 0; i < 16; i += 4) sx[b] += (xv[b][i] + xv[b][i + 1]) + (xv[b][i + 2] + xv[b][i + 3]);
+            }
+#pragma unroll
+            for (int r = 0; r < R; ++r) {  // sum(w x) = d sum(q x) + m sum(x)
+                float q[16], d, mo;
+                T::qpiece(raw[r], p, q, d, mo);
+#pragma unroll
+                for (int b = 0; b < B; ++b) {
+                    float s = 0.f;
+#pragma unroll
+                    for (int i = 0; i < 16; ++i) s = fmaf(q[i], xv[b][i], s);
+                    acc[r][b] = fmaf(d, s, fmaf(mo, sx[b], acc[r][b]));
+                }
+            }
+        }
+        if (u + 32 * WG < units)
+#pragma unroll
+            for (int r = 0; r < R; ++r) T::load(m[r], row[r], u + 32 * WG, raw[r]);
+    }
+    group_reduce<B, R, WG>(acc, ssq, nw != nullptr);
+    if (nw && tid == 0)
+#pragma unroll
+        for (int b = 0; b < B; ++b) {
+            const float sc = rsqrtf(ssq[b] / (float)K + eps);
+#pragma unroll
+            for (int r = 0; r < R; ++r) acc[r][b] *= sc;
+        }
+}
+
+// int8 activations (quant_int8.cuh): per token b, q[b * ldq + k] are the quantized x and s[b * lds +
+// k / 16] = (d, d * sum of the piece's q, sum of the piece's squares before quantization, 0) for
+// the sixteen columns from 16 (k / 16); the row group reads 16 + 16 bytes per piece, not 64. norm:
+// the pieces are of x * w and the product is RMS-normalized (its scale from the summed squares of x,
+// as mmv_block's fused norm): what a residual matvec's q8 epilogue writes for the next norm.
+struct XQ { const u8* q; int ldq; const float4* s; int lds; int norm; float eps; };
+
+template <class T, int B, int R, int WG>
+DEV void mmv_block_q8(const Mat (&m)[R], const int (&row)[R], int K, const XQ& xq, float (&acc)[R][B]) {
+    const int tid = threadIdx.x % (32 * WG), units = K / T::UE;
+    float ssq[B];
+#pragma unroll
+    for (int b = 0; b < B; ++b) ssq[b] = 0.f;
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int b = 0; b < B; ++b) acc[r][b] = 0.f;
+    typename T::Raw raw[R];  // loaded before pdl_enter, as in mmv_block (loading more units ahead
+    if (tid < units)         // measured slower: 8B tg128 385 -> 337 t/s, bench/RESULTS.md)
+#pragma unroll
+        for (int r = 0; r < R; ++r) T::load(m[r], row[r], tid, raw[r]);
+    pdl_enter();
+    for (int u = tid; u < units; u += 32 * WG) {
+#pragma unroll
+        for (int p = 0; p < T::NP; ++p) {
+            const int off = T::xoff(u, p);
+            uint4 xv[B]; float4 xs[B];
+#pragma unroll
+            for (int b = 0; b < B; ++b) {
+                xv[b] = *reinterpret_cast<const uint4*>(xq.q + (long)b * xq.ldq + off);
+                xs[b] = xq.s[(long)b * xq.lds + (off >> 4)];
+                ssq[b] += xs[b].z;
+            }
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                u32 q[4]; float d, mo;
+                I8<T>::words(raw[r], p, q, d, mo);
+#pragma unroll
+                for (int b = 0; b < B; ++b) {
+                    const int s = dp4a(q[3], xv[b].w, dp4a(q[2], xv[b].z, dp4a(q[1], xv[b].y, dp4a(q[0], xv[b].x, 0))));
+                    acc[r][b] = fmaf(d * xs[b].x, i2f_small(s), fmaf(mo, xs[b].y, acc[r][b]));
+                }
+            }
+        }
+        if (u + 32 * WG < units)
+#pragma unroll
+            for (int r = 0; r < R; ++r) T::load(m[r], row[r], u + 32 * WG, raw[r]);
+    }
+    group_reduce<B, R, WG>(acc, ssq, xq.norm != 0);
+    if (xq.norm && tid == 0)
+#pragma unroll
+        for (int b = 0; b < B; ++b) {
+            const float sc = rsqrtf(ssq[b] / (float)K + xq.eps);
+#pragma unroll
+            for (int r = 0; r < R; ++r) acc[r][b] *= sc;
+        }
+}
+
+// The int8 copy of a block's 16 consecutive output rows (the next matvec's input), written by a q8
+// epilogue: v[b][i] (row base + i of token b) staged in shared memory by the row groups' leaders,
+// then sixteen threads per token quantize it together (one value each, shuffles for the max and
+// the sums: a single thread's serial pass was the block's tail), v times w when w is non-null (the
+// next RMSNorm's weight, loaded before pdl_enter by q8_out_weight), and store the piece with the
+// squares of v (the next norm's scale). Same values as quant16.
+struct QOut { u8* q; int ldq; float4* s; int lds; const float* w; };
+
+DEV float q8_out_weight(const QOut& qo, int base) {  // this thread's weight (threads < 16 B)
+    return qo.w ? __ldg(qo.w + base + (threadIdx.x & 15)) : 1.f;
+}
+
+template <int B>
+DEV void store_q8_piece(float (&tile)[B][16], int base, const QOut& qo, float w) {
+    __syncthreads();
+    if ((int)(threadIdx.x & ~31u) >= 16 * B) return;  // whole warps only: the shuffles take all 32 lanes
+    const int b = threadIdx.x >> 4, e = threadIdx.x & 15;  // a token's 16 threads: half a warp
+    const bool live_b = b < B;  // false in the upper half of the last warp when B is odd
+    const float y = live_b ? tile[live_b ? b : 0][e] : 0.f;
+    const float v = qo.w ? y * w : y;
+    float amax = fabsf(v), ssq = y * y;
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) {
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        ssq += __shfl_xor_sync(0xffffffffu, ssq, o);
+    }
+    const bool live = amax >= Q8_MIN_AMAX;
+    const float inv = live ? 127.f / amax : 0.f, d = live ? amax / 127.f : 0.f;
+    const u32 bits = f2u(add_rn(mul_rn(v, inv), 12582912.f));
+    int sum = (int)(bits - 0x4B400000u);
+    u32 word = (bits & 0xFFu) << (8 * (e & 3));
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+#pragma unroll
+    for (int o = 2; o > 0; o >>= 1) word |= __shfl_xor_sync(0xffffffffu, word, o);
+    if (!live_b) return;
+    u8* dst = qo.q + (long)b * qo.ldq + base;
+    if ((e & 3) == 0) *reinterpret_cast<u32*>(dst + e) = word;
+    if (e == 0) qo.s[(long)b * qo.lds + (base >> 4)] = make_float4(d, d * (float)sum, ssq, 0.f);
+}

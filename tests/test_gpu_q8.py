@@ -1,0 +1,321 @@
+"""The int8-activation (q8, dp4a) matvec path against numpy, on fresh random inputs, outputs poisoned.
+
+The q8 kernels compute W x' exactly up to f32 rounding, where x' = dequantize_q8(quantize_q8(x))
+(reference_q8.py mirrors the kernels' quantizer bit for bit): so they are held to the f32 bound
+(1e-5) against W x' in float64, and to a loose bound against W x (the quantization itself).
+"""
+
+import dataclasses
+import os
+
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+from gguf_runtime.backend_numpy import silu  # noqa: E402
+from gguf_runtime.quant_kernels import launchers as L  # noqa: E402
+from gguf_runtime.quant_kernels.formats import BY_NAME, FORMATS, SUPPORTED  # noqa: E402
+from gguf_runtime.quant_kernels.reference import dequantize, random_blocks  # noqa: E402
+from gguf_runtime.quant_kernels.reference_q8 import dequantize_q8, quantize_q8  # noqa: E402
+from gguf_runtime.quant_kernels.repack import repack  # noqa: E402
+
+POISON = np.float32(np.nan)
+INT_TYPES = [n for n in SUPPORTED if n not in ("F32", "F16", "BF16")]
+
+
+@pytest.fixture(scope="module")
+def k():
+    return L.Kernels()
+
+
+def rel(out, ref):
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    assert np.isfinite(out).all(), "non-finite output (unwritten or NaN)"
+    return np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)
+
+
+def upload(name, rows, cols, rng, keep):
+    t = BY_NAME[name]
+    raw = random_blocks(t, rows * cols, rng, scale=0.05)
+    w = dequantize(raw, t, (rows, cols)).astype(np.float64)
+    p = repack(raw, t, rows, cols)
+    dev = cp.asarray(p.buffer)
+    keep.append(dev)
+    b, o = dev.data.ptr, p.offsets
+    return L.Mat(t, rows, cols, b + o["qs"], b + o.get("qh", -b), b + o.get("sc", -b), b + o.get("d", -b)), w
+
+
+class Q8Buf:
+    """A poisoned int8 activation buffer of rows x cols (q8 layout of Workspace)."""
+
+    def __init__(self, rows, cols):
+        self.q = cp.full((rows, cols + 16), 0x7F, cp.int8)
+        self.s = cp.full((rows, cols // 16 + 1, 4), POISON, cp.float32)
+        self.vec = L.Q8Vec(self.q.data.ptr, self.q.shape[1], self.s.data.ptr, self.s.shape[1])
+        self.cols = cols
+
+    def get(self):
+        """(q, d, s, sum of squares) of the written columns."""
+        s = self.s.get()[:, :self.cols // 16]
+        return self.q.get()[:, :self.cols], s[..., 0], s[..., 1], s[..., 2]
+
+    def put(self, q, d, s, ssq):
+        self.q[:, :self.cols] = cp.asarray(q)
+        self.s[:, :self.cols // 16] = cp.asarray(np.stack([d, s, ssq, np.zeros_like(d)], -1))
+
+
+def piece_ssq(v):
+    v = np.asarray(v, np.float64)
+    return (v.reshape(*v.shape[:-1], -1, 16) ** 2).sum(-1)
+
+
+def check_q8(buf, v, ssq_of=None):
+    """buf holds quantize_q8(v) bit for bit, and the pieces' squares of ssq_of (default v)."""
+    q, d, s, ssq = buf.get()
+    wq, wd, ws = quantize_q8(v)
+    assert (q == wq).all() and (d == wd).all()
+    np.testing.assert_allclose(s, ws, rtol=1e-6, atol=1e-30)
+    np.testing.assert_allclose(ssq, piece_ssq(v if ssq_of is None else ssq_of), rtol=1e-5, atol=1e-30)
+
+
+def quantized(k, x, keep):
+    """x (float32 rows x cols) quantized on the GPU by quantize_q8; checked against numpy bit for bit."""
+    xd = cp.asarray(x)
+    keep.append(xd)
+    buf = Q8Buf(*x.shape)
+    L.quantize_q8(k, xd.data.ptr, x.shape[1], x.shape[1], x.shape[0], buf.vec)
+    check_q8(buf, x)
+    keep.append(buf)
+    return buf, dequantize_q8(*quantize_q8(x)[:2])
+
+
+def test_quantize_q8_matches_numpy(k):
+    rng = np.random.default_rng()
+    x = (rng.standard_normal((5, 4096 + 16)) * 3).astype(np.float32)
+    x[2, 32:48] = 0  # a zero piece
+    keep = []
+    buf, xd = quantized(k, x, keep)
+    assert rel(xd, x) < 1e-2  # ~0.3% for int8 steps of max / 127
+    assert not (buf.q.get()[:, x.shape[1]:] != 0x7F).any(), "wrote past the columns"
+
+
+def test_rmsnorm_int8_copy(k):
+    """rmsnorm's int8 copy is quantize_q8 of its own f32 output, bit for bit."""
+    rng = np.random.default_rng()
+    n = 4096
+    x = rng.standard_normal((3, n)).astype(np.float32)
+    w = (1 + 0.3 * rng.standard_normal(n)).astype(np.float32)
+    xd, wd = cp.asarray(x), cp.asarray(w)
+    y = cp.full((3, n), POISON, cp.float32)
+    buf = Q8Buf(3, n)
+    L.rmsnorm(k, xd.data.ptr, n, wd.data.ptr, y.data.ptr, n, 3, n, 1e-5, q8=buf.vec)
+    check_q8(buf, y.get())
+
+
+def cols_for(name):
+    return 768 if FORMATS[BY_NAME[name]].block_elems == 256 else 224
+
+
+@pytest.mark.parametrize("name", INT_TYPES)
+@pytest.mark.parametrize("b", [1, 3, 8])
+def test_mmv_q8_every_type(k, name, b):
+    rng = np.random.default_rng()
+    keep = []
+    rows, cols = 72, cols_for(name)
+    m, w = upload(name, rows, cols, rng, keep)
+    x = rng.standard_normal((b, cols)).astype(np.float32)
+    buf, xq = quantized(k, x, keep)
+    bias = rng.standard_normal(rows).astype(np.float32)
+    bd = cp.asarray(bias)
+    y = cp.full((b, rows + 5), POISON, cp.float32)
+    L.mmv(k, [m], [(y.data.ptr, y.shape[1])], [bd.data.ptr], 0, cols, b, 0, q8=buf.vec)
+    got = y.get()
+    assert rel(got[:, :rows], xq @ w.T + bias) < 1e-5
+    assert rel(got[:, :rows], x.astype(np.float64) @ w.T + bias) < 2e-2
+    assert np.isnan(got[:, rows:]).all(), "wrote past the rows"
+    y0 = rng.standard_normal((b, rows)).astype(np.float32)  # residual mode
+    yd = cp.asarray(y0)
+    L.mmv(k, [m], [(yd.data.ptr, rows)], [None], 0, cols, b, 1, q8=buf.vec)
+    assert rel(yd.get(), y0 + xq @ w.T) < 1e-5
+
+
+@pytest.mark.parametrize("config", [None, (1, 1), (4, 1), (1, 4), (2, 2)])
+def test_mmv_q8_configs_mixed_types(k, config):
+    """Three matrices of different types on one x (the 8B's Q4_K/Q4_K/Q6_K QKV), every (R, WG)."""
+    rng = np.random.default_rng()
+    keep = []
+    cols = 1024
+    mats = [upload(n, r, cols, rng, keep) for n, r in (("Q4_K", 64), ("Q4_K", 32), ("Q6_K", 32))]
+    x = rng.standard_normal((2, cols)).astype(np.float32)
+    buf, xq = quantized(k, x, keep)
+    ys = [cp.full((2, m.rows), POISON, cp.float32) for m, _ in mats]
+    L.mmv(k, [m for m, _ in mats], [(y.data.ptr, y.shape[1]) for y in ys], [None] * 3, 0, cols, 2, 0,
+          config=config, q8=buf.vec)
+    for (m, w), y in zip(mats, ys):
+        assert rel(y.get(), xq @ w.T) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("b", [1, 4])
+def test_mmv_glu_q8(k, name, b):
+    rng = np.random.default_rng()
+    keep = []
+    rows, cols = 96, cols_for(name)
+    (g, wg), (u, wu) = upload(name, rows, cols, rng, keep), upload(name, rows, cols, rng, keep)
+    x = (rng.standard_normal((b, cols)) * 4).astype(np.float32)
+    buf, xq = quantized(k, x, keep)
+    y = cp.full((b, rows), POISON, cp.float32)
+    L.mmv_glu(k, g, u, 0, cols, b, "silu", y.data.ptr, rows, q8=buf.vec)
+    assert rel(y.get(), silu(xq @ wg.T) * (xq @ wu.T)) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q4_1"])
+@pytest.mark.parametrize("b,config", [(1, None), (3, None), (8, None), (1, (1, 2)), (2, (2, 2))])
+def test_residual_q8_epilogue_then_normed_consumer(k, name, b, config):
+    """y += W a with the q8 epilogue writes y * w's int8 copy and y's squares; a matvec fed that
+    copy with norm_eps computes V rmsnorm(y) w, as rmsnorm then a q8 matvec would."""
+    rng = np.random.default_rng()
+    keep = []
+    rows = 256 if FORMATS[BY_NAME[name]].block_elems == 256 else 96  # whole 16-row blocks; the consumer's K
+    cols = cols_for(name)
+    m, w = upload(name, rows, cols, rng, keep)
+    a = rng.standard_normal((b, cols)).astype(np.float32)
+    abuf, aq = quantized(k, a, keep)
+    y0 = rng.standard_normal((b, rows)).astype(np.float32)
+    nw = (1 + 0.3 * rng.standard_normal(rows)).astype(np.float32)
+    yd, nwd = cp.asarray(y0), cp.asarray(nw)
+    out = Q8Buf(b, rows)
+    L.mmv(k, [m], [(yd.data.ptr, rows)], [None], 0, cols, b, 1, q8=abuf.vec, q8_out=(out.vec, nwd.data.ptr),
+          config=config)
+    y1 = yd.get()
+    assert rel(y1, y0 + aq @ w.T) < 1e-5
+    check_q8(out, y1 * nw, ssq_of=y1)  # the kernel's own y times w, in f32: bit for bit
+    # the consumer: V (rows2 x rows) applied to the epilogue's copy with the norm
+    v, wv = upload(name, 64, rows, rng, keep)
+    z = cp.full((b, 64), POISON, cp.float32)
+    eps = 1e-5
+    L.mmv(k, [v], [(z.data.ptr, 64)], [None], 0, rows, b, 0, q8=dataclasses.replace(out.vec, norm_eps=eps))
+    hq = dequantize_q8(*quantize_q8(y1 * nw)[:2])
+    scale = 1 / np.sqrt((y1.astype(np.float64) ** 2).mean(-1, keepdims=True) + eps)
+    assert rel(z.get(), (hq @ wv.T) * scale) < 1e-5
+
+
+@pytest.mark.parametrize("b", [1, 2, 5])
+def test_glu_q8_epilogue(k, b):
+    rng = np.random.default_rng()
+    keep = []
+    rows, cols = 64, 512
+    (g, wg), (u, wu) = upload("Q4_K", rows, cols, rng, keep), upload("Q4_K", rows, cols, rng, keep)
+    x = (rng.standard_normal((b, cols)) * 4).astype(np.float32)
+    buf, xq = quantized(k, x, keep)
+    y = cp.full((b, rows), POISON, cp.float32)
+    out = Q8Buf(b, rows)
+    L.mmv_glu(k, g, u, 0, cols, b, "silu", y.data.ptr, rows, q8=buf.vec, q8_out=out.vec)
+    yv = y.get()
+    assert rel(yv, silu(xq @ wg.T) * (xq @ wu.T)) < 1e-5
+    check_q8(out, yv)
+
+
+@pytest.mark.parametrize("config", [None, (2, 2)])
+def test_qkv_q8_with_fused_rope_equals_f32_path_on_quantized_x(k, config):
+    """QKV with RoPE and the KV write fused, from int8 activations, equals the f32 path fed the
+    dequantized activations x' (same cache slots, same values to f32 rounding); at two warps per
+    group the f32 path runs rope_kv after the product instead."""
+    rng = np.random.default_rng()
+    keep = []
+    t, d, hq, hkv, cols, page = 3, 64, 8, 2, 768, 16
+    mats = [upload("Q4_K", n * d, cols, rng, keep) for n in (hq, hkv, hkv)]
+    x = rng.standard_normal((t, cols)).astype(np.float32)
+    buf, xq = quantized(k, x, keep)
+    xqd = cp.asarray(xq.astype(np.float32))
+    pos, seq = cp.asarray(np.array([3, 9, 30], np.int32)), cp.asarray(np.array([0, -1, 0], np.int32))
+    inv = cp.asarray(10000.0 ** (-np.arange(0, d, 2) / d))
+    table = cp.asarray(np.array([[1, 0]], np.int32))
+    width = (hq + 2 * hkv) * d
+    outs = []
+    for use_q8 in (False, True):
+        qkv = cp.full((t, width), POISON, cp.float32)
+        kc, vc = (cp.full((2, hkv, page, d), POISON, cp.float32) for _ in range(2))
+        rope = L.RopeKV(qkv.data.ptr, width, hq, hkv, d, d, d, False, None, None, 1e-6, inv.data.ptr, pos.data.ptr,
+                        seq.data.ptr, table.data.ptr, 2, page, kc.data.ptr, vc.data.ptr)
+        L.mmv(k, [m for m, _ in mats], [(qkv.data.ptr + 4 * c, width) for c in (0, hq * d, (hq + hkv) * d)],
+              [None] * 3, xqd.data.ptr, cols, t, 0, rope=rope, q8=buf.vec if use_q8 else None, config=config)
+        cp.cuda.runtime.deviceSynchronize()
+        outs.append((qkv.get()[[0, 2], :hq * d], kc.get(), vc.get()))
+    (q0, k0, v0), (q1, k1, v1) = outs
+    assert rel(q1, q0) < 1e-5
+    np.testing.assert_array_equal(np.isnan(k1), np.isnan(k0))
+    assert rel(np.nan_to_num(k1), np.nan_to_num(k0)) < 1e-5
+    assert rel(np.nan_to_num(v1), np.nan_to_num(v0)) < 1e-5
+    assert np.isfinite(k1).sum() == 2 * hkv * d  # two live rows; the padding row wrote nothing
+
+
+# ---- the whole model on the q8 path (forced on a small twin) ---------------------------------------
+def twin_path(name):
+    d = os.environ.get("GGUF_TWIN_DIR")
+    path = os.path.join(d, f"{name}.gguf") if d else None
+    if not path or not os.path.isfile(path):
+        pytest.skip(f"no {name} twin: set GGUF_TWIN_DIR (bench/gpu_session.sh makes them)")
+    return path
+
+
+def test_q8_model_matches_numpy_and_graph_matches_eager(monkeypatch):
+    """SmolLM2's twin with the norm unfused and int8 activations (the 8B's path): logits close to
+    the numpy backend's, and graph decoding gives the eager tokens exactly."""
+    from gguf_runtime import cuda_blocks
+    from gguf_runtime.backend_cuda import CudaBackend
+    from gguf_runtime.backend_numpy import NumpyBackend
+    from gguf_runtime.gguf_file import open_gguf
+    from gguf_runtime.model_config import config_from_gguf
+    from gguf_runtime.sampling import SamplingParams
+
+    monkeypatch.setattr(cuda_blocks, "FUSE_NORM_MAX_COLS", 0)
+    f = open_gguf(twin_path("smollm2"))
+    cfg = config_from_gguf(f)
+    npb, cub = NumpyBackend(f, cfg, 256), CudaBackend(f, cfg, 256)
+    assert cub.ws.q8_norm is not None
+    ids = np.random.default_rng().integers(0, cfg.n_vocab, 7).tolist()
+    ref, got = npb.eval(ids, all_logits=True), cub.eval(ids, all_logits=True)
+    a, b = got.astype(np.float64), ref.astype(np.float64)
+    cos = (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
+    assert cos.min() >= 0.999, cos
+    prompt = [1, 17, 300, 4000, 9, 52]
+    params = SamplingParams(temperature=0.0)
+    runs = []
+    for graph in (False, True):
+        cub.use_graph = graph
+        cub.truncate(0)
+        cub.prefill(prompt)
+        runs.append(list(cub.sample_loop(24, params, prompt, frozenset())))
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("d,hq,hkv", [(128, 32, 8), (64, 9, 3)])
+def test_attention_int8_copy(k, d, hq, hkv):
+    """attention with q8 writes the same output and, from the block that writes it (one split or
+    the merging block), its int8 copy: quantize_q8 of the output bit for bit."""
+    rng = np.random.default_rng()
+    page, n_ctx, n_split = 16, 320, 32
+    max_pages = n_ctx // page
+    kc, vc = (rng.standard_normal((max_pages, hkv, page, d)).astype(np.float32) for _ in range(2))
+    pos = np.array([0, 5, 40, 319], np.int32)  # one split (<= 16 keys), then merged splits
+    t = pos.shape[0]
+    q = rng.standard_normal((t, hq * d)).astype(np.float32)
+    table = rng.permutation(max_pages).astype(np.int32)[None]
+    qd, kd, vd, posd, seqd, tabd = (cp.asarray(a) for a in (q, kc, vc, pos, np.zeros(t, np.int32), table))
+    part_o = cp.zeros(t * hq * n_split * d, cp.float32)
+    part_ml = cp.zeros(t * hq * n_split * 2, cp.float32)
+    counter = cp.zeros(t * hkv, cp.uint32)
+    outs = []
+    buf = Q8Buf(t, hq * d)
+    for q8 in (None, buf.vec):
+        out = cp.full((t, hq * d), POISON, cp.float32)
+        L.attention(k, qd.data.ptr, hq * d, t, kd.data.ptr, vd.data.ptr, posd.data.ptr, seqd.data.ptr, tabd.data.ptr,
+                    max_pages, page, hq, hkv, d, 1 / np.sqrt(d), 0.0, 0, n_split, part_o.data.ptr, part_ml.data.ptr,
+                    counter.data.ptr, out.data.ptr, hq * d, q8=q8)
+        outs.append(out.get())
+    assert np.isfinite(outs[1]).all() and (outs[0] == outs[1]).all()
+    check_q8(buf, outs[1])
+    assert not counter.get().any()
