@@ -6,7 +6,6 @@ The q8 kernels compute W x' exactly up to f32 rounding, where x' = dequantize_q8
 """
 
 import dataclasses
-import os
 
 import numpy as np
 import pytest
@@ -17,34 +16,16 @@ pytestmark = pytest.mark.gpu
 from gguf_runtime.backend_numpy import silu  # noqa: E402
 from gguf_runtime.quant_kernels import launchers as L  # noqa: E402
 from gguf_runtime.quant_kernels.formats import BY_NAME, FORMATS, SUPPORTED  # noqa: E402
-from gguf_runtime.quant_kernels.reference import dequantize, random_blocks  # noqa: E402
 from gguf_runtime.quant_kernels.reference_q8 import dequantize_q8, quantize_q8  # noqa: E402
-from gguf_runtime.quant_kernels.repack import repack  # noqa: E402
+from test_gpu_backend import twin_path  # noqa: E402
+from test_gpu_kernels import POISON, rel, upload  # noqa: E402
 
-POISON = np.float32(np.nan)
 INT_TYPES = [n for n in SUPPORTED if n not in ("F32", "F16", "BF16")]
 
 
 @pytest.fixture(scope="module")
 def k():
     return L.Kernels()
-
-
-def rel(out, ref):
-    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    assert np.isfinite(out).all(), "non-finite output (unwritten or NaN)"
-    return np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)
-
-
-def upload(name, rows, cols, rng, keep):
-    t = BY_NAME[name]
-    raw = random_blocks(t, rows * cols, rng, scale=0.05)
-    w = dequantize(raw, t, (rows, cols)).astype(np.float64)
-    p = repack(raw, t, rows, cols)
-    dev = cp.asarray(p.buffer)
-    keep.append(dev)
-    b, o = dev.data.ptr, p.offsets
-    return L.Mat(t, rows, cols, b + o["qs"], b + o.get("qh", -b), b + o.get("sc", -b), b + o.get("d", -b)), w
 
 
 class Q8Buf:
@@ -253,14 +234,6 @@ def test_qkv_q8_with_fused_rope_equals_f32_path_on_quantized_x(k, config):
 
 
 # ---- the whole model on the q8 path (forced on a small twin) ---------------------------------------
-def twin_path(name):
-    d = os.environ.get("GGUF_TWIN_DIR")
-    path = os.path.join(d, f"{name}.gguf") if d else None
-    if not path or not os.path.isfile(path):
-        pytest.skip(f"no {name} twin: set GGUF_TWIN_DIR (bench/gpu_session.sh makes them)")
-    return path
-
-
 def test_q8_model_matches_numpy_and_graph_matches_eager(monkeypatch):
     """SmolLM2's twin with the norm unfused and int8 activations (the 8B's path): logits close to
     the numpy backend's, and graph decoding gives the eager tokens exactly."""

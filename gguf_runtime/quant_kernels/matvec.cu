@@ -12,9 +12,10 @@
 // reads all of x anyway, so it sums x^2 in the same pass: no norm kernel, no staging of the
 // normalized x, and the scale is applied to the finished dot products.
 //
-// Q8 (the template flag): the activations come as int8 with a scale per 16 (matvec_block.cuh), and
-// the dot products are dp4a on the weights' integer bytes: used where the f32 path is issue-bound
-// (the 8B's matvecs), the norm then being a kernel of its own that also writes the int8 copy.
+// Int8 activations (IO bit 0): int8 with a scale per 16 (matvec_block.cuh), the dot products dp4a
+// on the weights' integer bytes; used where the f32 path is issue-bound (the 8B's matvecs). The
+// norm is then applied by the matvec from the squares its producer stored: a residual matvec's q8
+// epilogue (IO bit 1) writes the next norm's input, the GLU's the down projection's.
 #include "matvec_block.cuh"
 
 #define PLANES(i) const u8* qs##i, const u8* qh##i, const u8* sc##i, const u8* d##i
