@@ -137,7 +137,7 @@ class CudaBackend:
                 mm += [L.mmv_name(structs, b, *L.mmv_config(structs, rows, mats[0].cols, b), mode, io)
                        for b in L.MMV_TOKENS for io in ios]
             if len(ios) > 1 and len(mats) == 1 and rows[0] % L.Q8_OUT_ROWS == 0:  # residual with a q8 epilogue
-                mm += [L.mmv_name(structs, b, *L.q8_out_config(*L.mmv_config(structs, rows, mats[0].cols, b, True)), 1, 3)
+                mm += [L.mmv_name(structs, b, *L.mmv_config(structs, rows, mats[0].cols, b, True), 1, 3)
                        for b in L.MMV_TOKENS]
                 if self.max_batch > L.MAX_MMV_TOKENS:
                     configs = [LM.mma_config(rows, b, mats[0].cols) for b in BUCKETS

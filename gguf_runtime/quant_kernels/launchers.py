@@ -156,18 +156,24 @@ class Q8Vec:
     def rows_from(self, row: int) -> "Q8Vec":
         return Q8Vec(self.q + row * self.ldq, self.ldq, self.s + 16 * row * self.lds, self.lds, self.norm_eps)
 
+    def ptrs(self, row: int = 0) -> tuple:
+        """(q, ldq, s, lds) from token ``row``: the buffer arguments of every kernel."""
+        return (ptr(self.q + row * self.ldq), i32(self.ldq), ptr(self.s + 16 * row * self.lds), i32(self.lds))
+
     def args(self, row: int = 0) -> tuple:
+        """As a matvec's input: the buffer, whether to normalize, eps."""
         eps = self.norm_eps
-        return (ptr(self.q + row * self.ldq), i32(self.ldq), ptr(self.s + 16 * row * self.lds), i32(self.lds),
-                i32(eps is not None), f32(eps or 0.0))
+        return (*self.ptrs(row), i32(eps is not None), f32(eps or 0.0))
 
     def out_args(self, row: int, w: int | None) -> tuple:
-        return (ptr(self.q + row * self.ldq), i32(self.ldq), ptr(self.s + 16 * row * self.lds), i32(self.lds), ptr(w))
+        """As a q8 epilogue's output: the buffer and the next norm's weight (or null)."""
+        return (*self.ptrs(row), ptr(w))
 
 
-NO_Q8 = (ptr(0), i32(0), ptr(0), i32(0), i32(0), f32(0.0))
-NO_QOUT = (ptr(0), i32(0), ptr(0), i32(0), ptr(0))
-Q8_OUT_ROWS = 16  # rows per block of a q8 epilogue (its block has 16 / R warps of one-warp groups)
+NO_PTRS = (ptr(0), i32(0), ptr(0), i32(0))
+NO_Q8 = (*NO_PTRS, i32(0), f32(0.0))
+NO_QOUT = (*NO_PTRS, ptr(0))
+Q8_OUT_ROWS = 16  # rows per block of a q8 epilogue (16 * WG / R warps: block_warps)
 
 
 def block_warps(r: int, wg: int, io: int) -> int:
@@ -351,14 +357,14 @@ def rmsnorm(k: Kernels, x: int, ldx: int, w: int, y: int, ldy: int, rows: int, n
     threads = 1024 if n >= 4096 else 256
     k.fn("layers.cu", "rmsnorm")((rows,), (threads,),
                                  (ptr(x), i32(ldx), ptr(w), ptr(y), i32(ldy), ptr(res), i32(ldr), i32(n), f32(eps),
-                                  ptr(y16), i32(ld16), *(q8.out_args(0, None)[:4] if q8 else NO_QOUT[:4])))
+                                  ptr(y16), i32(ld16), *(q8.ptrs() if q8 else NO_PTRS)))
 
 
 def quantize_q8(k: Kernels, x: int, ldx: int, n: int, rows: int, q8: Q8Vec) -> None:
     """q8 = the int8 activations of x[:rows, :n] (n % 16 == 0)."""
     assert n % 16 == 0
     k.fn("layers.cu", "quantize_q8")((-(-n // 16 // 128), rows), (128,),
-                                     (ptr(x), i32(ldx), i32(n), i32(rows), *q8.out_args(0, None)[:4]))
+                                     (ptr(x), i32(ldx), i32(n), i32(rows), *q8.ptrs()))
 
 
 def rope_kv(k: Kernels, qkv: int, ld: int, rows: int, n_head: int, n_head_kv: int, head_dim: int, head_dim_v: int,
@@ -385,7 +391,7 @@ def attention(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache: int,
         (ptr(q), i32(ldq), ptr(kcache), ptr(vcache), ptr(pos), ptr(seq), ptr(table), i32(max_pages),
          i32(page_size), i32(n_head_kv), f32(scale), f32(cap), i32(window), i32(n_split), ptr(part_o),
          ptr(part_ml), ptr(counter), ptr(out), i32(ldo), ptr(out16), i32(ld16),
-         *(q8.out_args(0, None)[:4] if q8 else NO_QOUT[:4])))
+         *(q8.ptrs() if q8 else NO_PTRS)))
 
 
 def _grid(n: int, threads: int = 256) -> tuple[tuple[int], tuple[int]]:
