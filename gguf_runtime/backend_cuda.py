@@ -29,6 +29,7 @@ from .graphs.manager import CaptureError
 from .kv_cache import PAGE_SIZE, PagedKVCache
 from .model import forward
 from .model_config import ModelConfig
+from .quant_kernels import launch_attention as LA
 from .quant_kernels import launch_mma as LM
 from .quant_kernels import launchers as L
 from .quant_kernels import pdl
@@ -158,7 +159,8 @@ class CudaBackend:
         if mma:
             self.kernels.prepare("matmul_mma.cu", mma)
         self.kernels.prepare("layers.cu", ["rmsnorm", "rope_kv", "glu", "add_bias", "softcap", "quantize_q8"])
-        self.kernels.prepare("attention.cu", [f"attn_split<{cfg.head_dim}, {cfg.n_head // cfg.n_head_kv}>"])
+        self.kernels.prepare("attention.cu", [LA.kernel_name(cfg.head_dim, cfg.n_head // cfg.n_head_kv,
+                                                              self.blocks.attn_shape)])
         self.kernels.prepare("sampling.cu", ["repeat_penalty", "argmax_sample", "topk_sample"])
 
     def _init_slots(self) -> None:
@@ -214,7 +216,7 @@ class CudaBackend:
             raise ValueError(f"all_logits is limited to {self.ws.logits.shape[0]} tokens per call on the GPU")
         ids = np.asarray(tokens, np.int32)
         b = self.blocks
-        b.seq, b.mma = self.ws.seq, False
+        b.seq, b.mma, b.decode = self.ws.seq, False, False
         with self.stream:
             for s in range(0, n, self.ws.max_rows):
                 part = ids[s:s + self.ws.max_rows]
@@ -278,7 +280,7 @@ class CudaBackend:
     def _step(self, rows: int, mode: tuple[bool, bool]) -> None:
         """Every active slot < rows: embed its token, run the model at its position, sample."""
         b = self.blocks
-        b.seq, b.mma = self.seq, rows > L.MAX_MMV_TOKENS
+        b.seq, b.mma, b.decode = self.seq, rows > L.MAX_MMV_TOKENS, True
         forward(b, self.cfg, self.tokens[:rows], self.pos[:rows], all_logits=True)
         self._sample(*mode, rows=rows)
 

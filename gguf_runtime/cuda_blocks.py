@@ -23,6 +23,7 @@ from .cuda_weights import DeviceWeights
 from .kv_cache import PagedKVCache
 from .model import lm_head_name
 from .model_config import ROPE_NEOX, ModelConfig
+from .quant_kernels import launch_attention as LA
 from .quant_kernels import launch_mma as LM
 from .quant_kernels import launchers as L
 
@@ -43,6 +44,14 @@ def use_q8(cfg: ModelConfig) -> bool:
     """Int8 activations and dp4a matvecs (matvec_block.cuh) where the norm is not fused: the f32
     matvecs are issue-bound there (the 8B). GGUF_RUN_Q8=0 keeps f32 activations (to measure it)."""
     return cfg.n_embd > FUSE_NORM_MAX_COLS and os.environ.get("GGUF_RUN_Q8", "1") != "0"
+
+
+def attn_shape(cfg: ModelConfig) -> LA.AttnShape:
+    """The attention kernel's block shape (launch_attention.attn_shape); GGUF_RUN_ATTN_WARPS and
+    GGUF_RUN_ATTN_ROUNDS override it (to measure)."""
+    env = os.environ.get
+    return LA.attn_shape(cfg.head_dim, cfg.n_head // cfg.n_head_kv, int(env("GGUF_RUN_ATTN_WARPS", "0")),
+                         int(env("GGUF_RUN_ATTN_ROUNDS", "2")))
 
 
 def n_splits(rows: int) -> int:
@@ -104,6 +113,10 @@ class CudaBlocks:
         self.inv_freq = inv_freq
         self.seq = ws.seq  # row -> sequence slot, for the rows of the current call
         self.mma = False  # tensor-core kernels for > MAX_MMV_TOKENS rows (capturable) instead of cuBLAS
+        self.decode = False  # every row one token of its own sequence (a decode step), else prefill
+        self.attn_shape = attn_shape(cfg)
+        # keys before a decode row's position loaded before waiting for the QKV kernel (attention.cu)
+        self.attn_early = os.environ.get("GGUF_RUN_ATTN_EARLY", "1") != "0"
         self.f16: F16Weights | None = None  # made by load_f16, after the kernels are compiled
         from cupy_backends.cuda.libs import cublas  # loads libcublas: only with a GPU
 
@@ -240,12 +253,13 @@ class CudaBlocks:
         # the int8 copy for the O projection, written by the attention kernel itself (attn_out takes it)
         q8 = self._q8_for(t, [self.w.mat(f"blk.{layer}.attn_output.weight")], ws.q8_plain)
         self._att_q8 = q8 if q8 is not None and cfg.head_dim % 16 == 0 else None
-        L.attention(self.k, q.data.ptr, q.strides[0] // 4, t, kc, vc, positions.data.ptr, self.seq.data.ptr,
+        LA.attention(self.k, q.data.ptr, q.strides[0] // 4, t, kc, vc, positions.data.ptr, self.seq.data.ptr,
                     self.kv.table.data.ptr, self.kv.max_pages, self.kv.page_size, cfg.n_head, cfg.n_head_kv,
                     cfg.head_dim, cfg.attn_scale, cfg.attn_softcap or 0.0, cfg.layer_window[layer], n_splits(t),
                     ws.part_o.data.ptr, ws.part_ml.data.ptr, ws.attn_counter.data.ptr, out.data.ptr,
                     out.strides[0] // 4, None if self._small(t) else ws.x16.data.ptr,
-                    0 if self._small(t) else ws.x16.strides[0] // 2, q8=self._att_q8)
+                    0 if self._small(t) else ws.x16.strides[0] // 2, q8=self._att_q8, shape=self.attn_shape,
+                    early=self.decode and self.attn_early)
         return out
 
     def _project_residual(self, a: cp.ndarray, name: str, x: cp.ndarray, post_norm: str | None,

@@ -13,6 +13,7 @@ cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
 from gguf_runtime.backend_numpy import apply_rope, gelu_tanh, silu  # noqa: E402
+from gguf_runtime.quant_kernels import launch_attention as LA  # noqa: E402
 from gguf_runtime.quant_kernels import launch_mma as LM  # noqa: E402
 from gguf_runtime.quant_kernels import launchers as L  # noqa: E402
 from gguf_runtime.quant_kernels.formats import BY_NAME, FORMATS, SUPPORTED  # noqa: E402
@@ -278,9 +279,12 @@ def attention_ref(q, K, V, pos, scale, cap, window):
 @pytest.mark.parametrize("d,hq,hkv,cap,window", [(64, 9, 3, 0.0, 0), (256, 4, 1, 0.0, 7), (128, 8, 2, 30.0, 0),
                                                  (128, 32, 4, 0.0, 0)])
 @pytest.mark.parametrize("n_split", [1, 4, 32])
-def test_attention(k, d, hq, hkv, cap, window, n_split):
+@pytest.mark.parametrize("warps,rounds", [(4, 1), (0, 2), (0, 1)])
+def test_attention(k, d, hq, hkv, cap, window, n_split, warps, rounds):
+    """Against float64 numpy for every row (one split to 32, each block shape: the old 4-warp one
+    and the default), and bit for bit the same with the decode flag (keys loaded before the wait)."""
     rng = np.random.default_rng()
-    page, n_ctx = 16, 640  # up to 640 keys: rows using 1 split and up to 32 (at least 16 keys per split)
+    page, n_ctx = 16, 640  # up to 640 keys: rows using 1 split and up to 32
     max_pages = n_ctx // page
     K = rng.standard_normal((n_ctx, hkv, d)).astype(np.float32)
     V = rng.standard_normal((n_ctx, hkv, d)).astype(np.float32)
@@ -294,20 +298,24 @@ def test_attention(k, d, hq, hkv, cap, window, n_split):
     t = pos.shape[0]
     q = rng.standard_normal((t, hq, d)).astype(np.float32)
     scale = 1 / math.sqrt(d)
+    shape = LA.attn_shape(d, hq // hkv, warps, rounds)
     out = cp.full((t, hq * d), POISON, cp.float32)
     part_o = cp.full(t * hq * n_split * d, POISON, cp.float32)
     part_ml = cp.full(t * hq * n_split * 2, POISON, cp.float32)
     counter = cp.zeros(t * hkv, cp.uint32)
     dev = [cp.asarray(a) for a in (q.reshape(t, -1), kc, vc, pos, np.zeros(t, np.int32), table)]
     qd, kd, vd, posd, seqd, tabd = dev
-    for _ in range(2):  # the counters must be back at zero for the next launch
+    ref = attention_ref(q, K, V, pos, scale, cap, window)
+    outs = []
+    for early in (False, True):  # twice: the counters must be back at zero for the next launch
         out.fill(POISON)
-        L.attention(k, qd.data.ptr, hq * d, t, kd.data.ptr, vd.data.ptr, posd.data.ptr, seqd.data.ptr, tabd.data.ptr,
-                    max_pages, page, hq, hkv, d, scale, cap, window, n_split, part_o.data.ptr, part_ml.data.ptr,
-                    counter.data.ptr, out.data.ptr, hq * d)
-        ref = attention_ref(q, K, V, pos, scale, cap, window)
-        assert rel(out.get().reshape(t, hq, d), ref) < 1e-5
+        LA.attention(k, qd.data.ptr, hq * d, t, kd.data.ptr, vd.data.ptr, posd.data.ptr, seqd.data.ptr,
+                     tabd.data.ptr, max_pages, page, hq, hkv, d, scale, cap, window, n_split, part_o.data.ptr,
+                     part_ml.data.ptr, counter.data.ptr, out.data.ptr, hq * d, shape=shape, early=early)
+        outs.append(out.get())
+        assert rel(outs[-1].reshape(t, hq, d), ref) < 1e-5
         assert not counter.get().any()
+    assert (outs[0] == outs[1]).all()
 
 
 def sampler_state(n_vocab, rows=1, top_k=40, top_p=1.0, min_p=0.0, temp=0.0, seed=0, penalty=1.0, last_n=64):

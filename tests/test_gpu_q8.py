@@ -14,6 +14,7 @@ cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
 from gguf_runtime.backend_numpy import silu  # noqa: E402
+from gguf_runtime.quant_kernels import launch_attention as LA  # noqa: E402
 from gguf_runtime.quant_kernels import launchers as L  # noqa: E402
 from gguf_runtime.quant_kernels.formats import BY_NAME, FORMATS, SUPPORTED  # noqa: E402
 from gguf_runtime.quant_kernels.reference_q8 import dequantize_q8, quantize_q8  # noqa: E402
@@ -273,7 +274,7 @@ def test_attention_int8_copy(k, d, hq, hkv):
     page, n_ctx, n_split = 16, 320, 32
     max_pages = n_ctx // page
     kc, vc = (rng.standard_normal((max_pages, hkv, page, d)).astype(np.float32) for _ in range(2))
-    pos = np.array([0, 5, 40, 319], np.int32)  # one split (<= 16 keys), then merged splits
+    pos = np.array([0, 5, 40, 319], np.int32)  # one split (the default shape: up to 128 keys), then 3
     t = pos.shape[0]
     q = rng.standard_normal((t, hq * d)).astype(np.float32)
     table = rng.permutation(max_pages).astype(np.int32)[None]
@@ -285,9 +286,9 @@ def test_attention_int8_copy(k, d, hq, hkv):
     buf = Q8Buf(t, hq * d)
     for q8 in (None, buf.vec):
         out = cp.full((t, hq * d), POISON, cp.float32)
-        L.attention(k, qd.data.ptr, hq * d, t, kd.data.ptr, vd.data.ptr, posd.data.ptr, seqd.data.ptr, tabd.data.ptr,
-                    max_pages, page, hq, hkv, d, 1 / np.sqrt(d), 0.0, 0, n_split, part_o.data.ptr, part_ml.data.ptr,
-                    counter.data.ptr, out.data.ptr, hq * d, q8=q8)
+        LA.attention(k, qd.data.ptr, hq * d, t, kd.data.ptr, vd.data.ptr, posd.data.ptr, seqd.data.ptr,
+                     tabd.data.ptr, max_pages, page, hq, hkv, d, 1 / np.sqrt(d), 0.0, 0, n_split, part_o.data.ptr,
+                     part_ml.data.ptr, counter.data.ptr, out.data.ptr, hq * d, q8=q8)
         outs.append(out.get())
     assert np.isfinite(outs[1]).all() and (outs[0] == outs[1]).all()
     check_q8(buf, outs[1])

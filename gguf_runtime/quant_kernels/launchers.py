@@ -378,22 +378,6 @@ def rope_kv(k: Kernels, qkv: int, ld: int, rows: int, n_head: int, n_head_kv: in
          i32(page_size), ptr(kcache), ptr(vcache)))
 
 
-def attention(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache: int, pos: int, seq: int, table: int,
-              max_pages: int, page_size: int, n_head: int, n_head_kv: int, head_dim: int, scale: float, cap: float,
-              window: int, n_split: int, part_o: int, part_ml: int, counter: int, out: int, ldo: int,
-              out16: int | None = None, ld16: int = 0, q8: Q8Vec | None = None) -> None:
-    """Split-K attention over the paged cache, merged in the same launch (counter: rows x n_head_kv
-    zeros, left zero); q8: also the output's int8 copy (head_dim % 16 == 0)."""
-    g = n_head // n_head_kv
-    assert q8 is None or head_dim % 16 == 0
-    k.fn("attention.cu", f"attn_split<{head_dim}, {g}>")(
-        (n_head_kv, n_split, rows), (128,),
-        (ptr(q), i32(ldq), ptr(kcache), ptr(vcache), ptr(pos), ptr(seq), ptr(table), i32(max_pages),
-         i32(page_size), i32(n_head_kv), f32(scale), f32(cap), i32(window), i32(n_split), ptr(part_o),
-         ptr(part_ml), ptr(counter), ptr(out), i32(ldo), ptr(out16), i32(ld16),
-         *(q8.ptrs() if q8 else NO_PTRS)))
-
-
 def _grid(n: int, threads: int = 256) -> tuple[tuple[int], tuple[int]]:
     return ((n + threads - 1) // threads,), (threads,)
 
