@@ -159,8 +159,8 @@ class CudaBackend:
         if mma:
             self.kernels.prepare("matmul_mma.cu", mma)
         self.kernels.prepare("layers.cu", ["rmsnorm", "rope_kv", "glu", "add_bias", "softcap", "quantize_q8"])
-        self.kernels.prepare("attention.cu", [LA.kernel_name(cfg.head_dim, cfg.n_head // cfg.n_head_kv,
-                                                              self.blocks.attn_shape)])
+        self.kernels.prepare("attention.cu", [LA.kernel_name(cfg.head_dim, cfg.n_head // cfg.n_head_kv, shape)
+                                              for shape in self.blocks.attn_shapes])
         self.kernels.prepare("sampling.cu", ["repeat_penalty", "argmax_sample", "topk_sample"])
 
     def _init_slots(self) -> None:

@@ -34,24 +34,31 @@ DECODE_SPLITS = 32  # rows <= MAX_MMV_TOKENS: every row the same split, so its a
 # block (32 splits of a 200-token context) cost more in block overhead and merging than it saved
 # (H100, 8B, B=64: 72 us per layer).
 BATCH_SPLIT_BUDGET = 256
-# RMSNorm fused into the matvec for hidden sizes up to this: it adds ~2 instructions per element of x
-# to every row group. Latency-bound small models gain (H100, 851c281: SmolLM2 tg128 999 -> 1,166,
-# Gemma-3 987 -> 1,040); the 8B's matvecs are issue-bound and lost (236 -> 197).
+# RMSNorm fused into the f32 matvec (GGUF_RUN_Q8=0, or matrices without integer weights) for hidden
+# sizes up to this: it adds ~2 instructions per element of x to every row group. Latency-bound
+# small models gain (H100, 851c281: SmolLM2 tg128 999 -> 1,166, Gemma-3 987 -> 1,040); the 8B's
+# matvecs are issue-bound and lost (236 -> 197).
 FUSE_NORM_MAX_COLS = 2048
 
 
 def use_q8(cfg: ModelConfig) -> bool:
-    """Int8 activations and dp4a matvecs (matvec_block.cuh) where the norm is not fused: the f32
-    matvecs are issue-bound there (the 8B). GGUF_RUN_Q8=0 keeps f32 activations (to measure it)."""
-    return cfg.n_embd > FUSE_NORM_MAX_COLS and os.environ.get("GGUF_RUN_Q8", "1") != "0"
+    """Int8 activations and dp4a matvecs (matvec_block.cuh) for the matrices with integer weights:
+    faster than the f32 matvecs on every reference model (H100 tg128, bench/RESULTS.md: the 8B
+    254 -> 431, SmolLM2 1,798 -> 2,231, Gemma-3 1,530 -> 1,581). GGUF_RUN_Q8=0 keeps f32."""
+    return os.environ.get("GGUF_RUN_Q8", "1") != "0"
 
 
-def attn_shape(cfg: ModelConfig) -> LA.AttnShape:
-    """The attention kernel's block shape (launch_attention.attn_shape); GGUF_RUN_ATTN_WARPS and
-    GGUF_RUN_ATTN_ROUNDS override it (to measure)."""
+def attn_shape(cfg: ModelConfig, rows: int) -> LA.AttnShape:
+    """The attention kernel's block shape (launch_attention.attn_shape). Up to MAX_MMV_TOKENS rows
+    (latency: decode steps, short prompts) the widest block, one round per split (GGUF_RUN_ATTN_WARPS
+    and GGUF_RUN_ATTN_ROUNDS override it, to measure); more rows (throughput: prefill, batch steps)
+    blocks of 4 warps, which leave room for more blocks per SM (the 16-warp block cost pp512 28%
+    on SmolLM2, bench/RESULTS.md)."""
     env = os.environ.get
-    return LA.attn_shape(cfg.head_dim, cfg.n_head // cfg.n_head_kv, int(env("GGUF_RUN_ATTN_WARPS", "0")),
-                         int(env("GGUF_RUN_ATTN_ROUNDS", "2")))
+    g = cfg.n_head // cfg.n_head_kv
+    if rows > L.MAX_MMV_TOKENS:
+        return LA.attn_shape(cfg.head_dim, g, 4, 1)
+    return LA.attn_shape(cfg.head_dim, g, int(env("GGUF_RUN_ATTN_WARPS", "0")), int(env("GGUF_RUN_ATTN_ROUNDS", "1")))
 
 
 def n_splits(rows: int) -> int:
@@ -114,7 +121,7 @@ class CudaBlocks:
         self.seq = ws.seq  # row -> sequence slot, for the rows of the current call
         self.mma = False  # tensor-core kernels for > MAX_MMV_TOKENS rows (capturable) instead of cuBLAS
         self.decode = False  # every row one token of its own sequence (a decode step), else prefill
-        self.attn_shape = attn_shape(cfg)
+        self.attn_shapes = (attn_shape(cfg, 1), attn_shape(cfg, L.MAX_MMV_TOKENS + 1))  # small, big calls
         # keys before a decode row's position loaded before waiting for the QKV kernel (attention.cu)
         self.attn_early = os.environ.get("GGUF_RUN_ATTN_EARLY", "1") != "0"
         self.f16: F16Weights | None = None  # made by load_f16, after the kernels are compiled
@@ -191,9 +198,9 @@ class CudaBlocks:
         tensor-core and cuBLAS paths, and the int8 copy q8 where the matvec takes it) written by a
         norm kernel."""
         t = x.shape[0]
-        if self._small(t) and x.shape[1] <= FUSE_NORM_MAX_COLS:
-            return x, (self.w.vec(name).data.ptr, self.cfg.rms_eps), None
         q8 = self._q8_for(t, mats, self.ws.q8_norm)
+        if q8 is None and self._small(t) and x.shape[1] <= FUSE_NORM_MAX_COLS:
+            return x, (self.w.vec(name).data.ptr, self.cfg.rms_eps), None
         row = self._epilogue_rows(x, name) if q8 is not None else None
         if row is not None:  # no norm kernel: the matvec normalizes (matvec_block.cuh)
             return x, None, dataclasses.replace(q8.rows_from(row), norm_eps=self.cfg.rms_eps)
@@ -258,7 +265,7 @@ class CudaBlocks:
                     cfg.head_dim, cfg.attn_scale, cfg.attn_softcap or 0.0, cfg.layer_window[layer], n_splits(t),
                     ws.part_o.data.ptr, ws.part_ml.data.ptr, ws.attn_counter.data.ptr, out.data.ptr,
                     out.strides[0] // 4, None if self._small(t) else ws.x16.data.ptr,
-                    0 if self._small(t) else ws.x16.strides[0] // 2, q8=self._att_q8, shape=self.attn_shape,
+                    0 if self._small(t) else ws.x16.strides[0] // 2, q8=self._att_q8, shape=self.attn_shapes[not self._small(t)],
                     early=self.decode and self.attn_early)
         return out
 

@@ -234,22 +234,23 @@ def test_qkv_q8_with_fused_rope_equals_f32_path_on_quantized_x(k, config):
     assert np.isfinite(k1).sum() == 2 * hkv * d  # two live rows; the padding row wrote nothing
 
 
-# ---- the whole model on the q8 path (forced on a small twin) ---------------------------------------
-def test_q8_model_matches_numpy_and_graph_matches_eager(monkeypatch):
-    """SmolLM2's twin with the norm unfused and int8 activations (the 8B's path): logits close to
-    the numpy backend's, and graph decoding gives the eager tokens exactly."""
-    from gguf_runtime import cuda_blocks
+# ---- the whole model on either path ---------------------------------------------------------------
+@pytest.mark.parametrize("q8", ["1", "0"])
+def test_model_matches_numpy_and_graph_matches_eager(monkeypatch, q8):
+    """SmolLM2's twin with int8 activations (the default) and with f32 ones and the norm fused
+    (GGUF_RUN_Q8=0): logits close to the numpy backend's, and graph decoding gives the eager
+    tokens exactly."""
     from gguf_runtime.backend_cuda import CudaBackend
     from gguf_runtime.backend_numpy import NumpyBackend
     from gguf_runtime.gguf_file import open_gguf
     from gguf_runtime.model_config import config_from_gguf
     from gguf_runtime.sampling import SamplingParams
 
-    monkeypatch.setattr(cuda_blocks, "FUSE_NORM_MAX_COLS", 0)
+    monkeypatch.setenv("GGUF_RUN_Q8", q8)
     f = open_gguf(twin_path("smollm2"))
     cfg = config_from_gguf(f)
     npb, cub = NumpyBackend(f, cfg, 256), CudaBackend(f, cfg, 256)
-    assert cub.ws.q8_norm is not None
+    assert (cub.ws.q8_norm is not None) == (q8 == "1")
     ids = np.random.default_rng().integers(0, cfg.n_vocab, 7).tolist()
     ref, got = npb.eval(ids, all_logits=True), cub.eval(ids, all_logits=True)
     a, b = got.astype(np.float64), ref.astype(np.float64)
