@@ -124,6 +124,9 @@ class CudaBlocks:
         self.attn_shapes = (attn_shape(cfg, 1), attn_shape(cfg, L.MAX_MMV_TOKENS + 1))  # small, big calls
         # keys before a decode row's position loaded before waiting for the QKV kernel (attention.cu)
         self.attn_early = os.environ.get("GGUF_RUN_ATTN_EARLY", "1") != "0"
+        # a post-norm's kernel also writes the next pre-norm's int8 input (GGUF_RUN_POST_Q8=0: a
+        # norm kernel of its own, to measure)
+        self.fuse_post_norm = os.environ.get("GGUF_RUN_POST_Q8", "1") != "0"
         self.f16: F16Weights | None = None  # made by load_f16, after the kernels are compiled
         from cupy_backends.cuda.libs import cublas  # loads libcublas: only with a GPU
 
@@ -157,14 +160,15 @@ class CudaBlocks:
                       cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
 
     def _norm(self, x: cp.ndarray, name: str, y: cp.ndarray, res: cp.ndarray | None = None,
-              f16: bool = False, q8: L.Q8Vec | None = None) -> None:
+              f16: bool = False, q8: L.Q8Vec | None = None, w2: str | None = None) -> None:
         """y = rmsnorm(x) (+ res); f16: also into ws.x16 (the next tensor-core matmul's input); q8:
-        also the int8 copy."""
+        also the int8 copy (of y times RMSNorm w2's weight, for a matvec that applies that norm)."""
         x16 = self.ws.x16 if f16 else None
         L.rmsnorm(self.k, x.data.ptr, x.strides[0] // 4, self.w.vec(name).data.ptr, y.data.ptr, y.strides[0] // 4,
                   x.shape[0], x.shape[1], self.cfg.rms_eps,
                   res.data.ptr if res is not None else None, res.strides[0] // 4 if res is not None else 0,
-                  x16.data.ptr if x16 is not None else None, x16.strides[0] // 2 if x16 is not None else 0, q8=q8)
+                  x16.data.ptr if x16 is not None else None, x16.strides[0] // 2 if x16 is not None else 0, q8=q8,
+                  w2=self.w.vec(w2).data.ptr if w2 else None)
 
     def _q8_for(self, t: int, mats: list[L.Mat], buf: L.Q8Vec | None) -> L.Q8Vec | None:
         """buf (an int8 activation buffer) when the matvec of these matrices over t rows takes it."""
@@ -293,8 +297,13 @@ class CudaBlocks:
                   a16.strides[0] // 2, t, 0 if post_norm else 1, self.ws.split)
         else:
             self._gemm16(a16, t, (name,), target, accumulate=not post_norm)
-        if post_norm:
-            self._norm(target, post_norm, x, res=x)
+        if post_norm:  # x += post_norm(target); on the int8 path also the next norm's input, as above
+            q8 = None
+            if (then is not None and self.fuse_post_norm and self._small(t) and x.data.ptr == self.ws.x.data.ptr
+                    and self._q8_for(t, then[1], self.ws.q8_norm) is not None and x.shape[1] % 16 == 0):
+                q8 = self.ws.q8_norm
+                self._q8_ready = (then[0], t)
+            self._norm(target, post_norm, x, res=x, q8=q8, w2=then[0] if q8 is not None else None)
         return x
 
     def attn_out(self, x: cp.ndarray, a: cp.ndarray, layer: int) -> cp.ndarray:

@@ -96,6 +96,36 @@ def test_rmsnorm_int8_copy(k):
     check_q8(buf, y.get())
 
 
+@pytest.mark.parametrize("b", [1, 3])
+def test_post_norm_residual_then_normed_consumer(k, b):
+    """Gemma-3's post-norm in place (x += rmsnorm(o) w) with w2, the next norm's weight: the int8
+    copy is of x * w2 with x's squares, bit for bit, and a matvec fed it with norm_eps computes
+    V rmsnorm(x) w2."""
+    rng = np.random.default_rng()
+    keep = []
+    n = 640
+    o = rng.standard_normal((b, n)).astype(np.float32)
+    x0 = rng.standard_normal((b, n)).astype(np.float32)
+    w, w2 = ((1 + 0.3 * rng.standard_normal(n)).astype(np.float32) for _ in range(2))
+    od, xd, wd, w2d = (cp.asarray(a) for a in (o, x0, w, w2))
+    buf = Q8Buf(b, n)
+    L.rmsnorm(k, od.data.ptr, n, wd.data.ptr, xd.data.ptr, n, b, n, 1e-6, xd.data.ptr, n, q8=buf.vec, w2=w2d.data.ptr)
+    x1 = xd.get()
+    assert rel(x1, x0 + rmsnorm_np(o, w, 1e-6)) < 1e-5
+    check_q8(buf, x1 * w2, ssq_of=x1)
+    v, wv = upload("Q5_0", 64, n, rng, keep)  # Gemma-3's QKV type
+    z = cp.full((b, 64), POISON, cp.float32)
+    L.mmv(k, [v], [(z.data.ptr, 64)], [None], 0, n, b, 0, q8=dataclasses.replace(buf.vec, norm_eps=1e-6))
+    hq = dequantize_q8(*quantize_q8(x1 * w2)[:2])
+    scale = 1 / np.sqrt((x1.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-6)
+    assert rel(z.get(), (hq @ wv.T) * scale) < 1e-5
+
+
+def rmsnorm_np(x, w, eps):
+    x64 = x.astype(np.float64)
+    return (x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + eps) * w).astype(np.float32)
+
+
 def cols_for(name):
     return 768 if FORMATS[BY_NAME[name]].block_elems == 256 else 224
 

@@ -351,13 +351,16 @@ def dequant_f16(k: Kernels, m: Mat, out: int) -> None:
 
 def rmsnorm(k: Kernels, x: int, ldx: int, w: int, y: int, ldy: int, rows: int, n: int, eps: float,
             res: int | None = None, ldr: int = 0, y16: int | None = None, ld16: int = 0,
-            q8: Q8Vec | None = None) -> None:
-    """y = rmsnorm(x) * w (+ res); y16: also an f16 copy; q8 (no res, n % 16 == 0): also int8."""
-    assert q8 is None or (res is None and n % 16 == 0)
+            q8: Q8Vec | None = None, w2: int | None = None) -> None:
+    """y = rmsnorm(x) * w (+ res; y may be res); y16: also an f16 copy; q8 (n % 16 == 0): also the
+    int8 copy of y, or with w2 (the next RMSNorm's weight) of y * w2 with y's squares: the input of
+    a matvec that applies that norm (q8.norm_eps)."""
+    assert q8 is not None or w2 is None
+    assert q8 is None or n % 16 == 0
     threads = 1024 if n >= 4096 else 256
     k.fn("layers.cu", "rmsnorm")((rows,), (threads,),
                                  (ptr(x), i32(ldx), ptr(w), ptr(y), i32(ldy), ptr(res), i32(ldr), i32(n), f32(eps),
-                                  ptr(y16), i32(ld16), *(q8.ptrs() if q8 else NO_PTRS)))
+                                  ptr(y16), i32(ld16), *(q8.ptrs() if q8 else NO_PTRS), ptr(w2)))
 
 
 def quantize_q8(k: Kernels, x: int, ldx: int, n: int, rows: int, q8: Q8Vec) -> None:

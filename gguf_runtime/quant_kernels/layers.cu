@@ -5,12 +5,16 @@
 // KV cache layout, per layer: [pages][n_head_kv][page_size][head_dim].
 #include "quant_int8.cuh"
 
-// y[t] = (res ? res[t] : 0) + x[t] * rsqrt(mean(x[t]^2) + eps) * w   (one block per row t);
-// y16 != null: also an f16 copy (the input of the tensor-core matmuls); xq != null (res null): also
-// the int8 copy of y (quant16 per 16 columns, see quant_int8.cuh; n % 16 == 0), for the q8 matvecs.
+// y[t] = (res ? res[t] : 0) + x[t] * rsqrt(mean(x[t]^2) + eps) * w   (one block per row t; y may be
+// res). y16 != null: also an f16 copy (the input of the tensor-core matmuls); xq != null: also the
+// int8 copy (quant16 per 16 columns, see quant_int8.cuh; n % 16 == 0) of y, or of y * w2 when w2 is
+// non-null, each piece with the squares of y: w2 is the next RMSNorm's weight, and a matvec given
+// the copy with its norm flag applies that norm (a post-norm, the residual add and the next
+// pre-norm in one launch: Gemma-3). Without w2 the copy is the next matvec's input as it stands.
 extern "C" __global__ void rmsnorm(const float* __restrict__ x, int ldx, const float* __restrict__ w,
                                    float* y, int ldy, const float* res, int ldr, int n, float eps,
-                                   u16* y16, int ld16, u8* xq, int ldq, float4* xs, int lds) {
+                                   u16* y16, int ld16, u8* xq, int ldq, float4* xs, int lds,
+                                   const float* __restrict__ w2) {
     __shared__ float scratch[32];
     pdl_enter();
     const float* xr = x + (long)blockIdx.x * ldx;
@@ -27,15 +31,20 @@ extern "C" __global__ void rmsnorm(const float* __restrict__ x, int ldx, const f
         yr[i] = o;
         if (yh) yh[i] = f2h(o);
     }
-    if (!xq || rr) return;
-    for (int j = threadIdx.x; j < n / 16; j += blockDim.x) {  // the same products, sixteen at a time
-        float v[16];
+    if (!xq) return;
+    __syncthreads();  // y as written (y may alias res: recomputing would add it twice)
+    for (int j = threadIdx.x; j < n / 16; j += blockDim.x) {  // sixteen at a time
+        float v[16], sq = 0.f;
 #pragma unroll
-        for (int i = 0; i < 16; ++i) v[i] = xr[16 * j + i] * k * w[16 * j + i];
+        for (int i = 0; i < 16; ++i) {
+            const float o = yr[16 * j + i];
+            sq = fmaf(o, o, sq);
+            v[i] = w2 ? o * w2[16 * j + i] : o;
+        }
         u32 q[4]; float d, s;
         quant16(v, q, d, s);
         *reinterpret_cast<uint4*>(xq + (long)blockIdx.x * ldq + 16 * j) = make_uint4(q[0], q[1], q[2], q[3]);
-        xs[(long)blockIdx.x * lds + j] = make_float4(d, s, sumsq16(v), 0.f);
+        xs[(long)blockIdx.x * lds + j] = make_float4(d, s, sq, 0.f);
     }
 }
 
