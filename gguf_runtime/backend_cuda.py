@@ -51,6 +51,10 @@ def check_supported(cfg: ModelConfig) -> None:
         raise UnsupportedModelError(
             f"the CUDA attention kernels support head sizes 64/128/256 and up to 8 query heads per KV head "
             f"(this model: {cfg.head_dim}, {g}); use --backend numpy")
+    if cfg.n_embd % 4 or cfg.n_embd > L.RMSNORM_MAX_COLS:
+        raise UnsupportedModelError(
+            f"the CUDA RMSNorm kernel supports hidden sizes that are multiples of 4 up to {L.RMSNORM_MAX_COLS} "
+            f"(this model: {cfg.n_embd}); use --backend numpy")
 
 
 def bucket_for(n: int, max_batch: int) -> int:

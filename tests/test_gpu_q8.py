@@ -83,27 +83,27 @@ def test_quantize_q8_matches_numpy(k):
     assert not (buf.q.get()[:, x.shape[1]:] != 0x7F).any(), "wrote past the columns"
 
 
-def test_rmsnorm_int8_copy(k):
+@pytest.mark.parametrize("n", [4096, 5200])  # one float4 per thread; 1,300 float4s over 1,024 threads
+def test_rmsnorm_int8_copy(k, n):
     """rmsnorm's int8 copy is quantize_q8 of its own f32 output, bit for bit."""
     rng = np.random.default_rng()
-    n = 4096
     x = rng.standard_normal((3, n)).astype(np.float32)
     w = (1 + 0.3 * rng.standard_normal(n)).astype(np.float32)
     xd, wd = cp.asarray(x), cp.asarray(w)
     y = cp.full((3, n), POISON, cp.float32)
     buf = Q8Buf(3, n)
     L.rmsnorm(k, xd.data.ptr, n, wd.data.ptr, y.data.ptr, n, 3, n, 1e-5, q8=buf.vec)
+    assert rel(y.get(), rmsnorm_np(x, w, 1e-5)) < 1e-5
     check_q8(buf, y.get())
 
 
-@pytest.mark.parametrize("b", [1, 3])
-def test_post_norm_residual_then_normed_consumer(k, b):
+@pytest.mark.parametrize("b,n", [(1, 640), (3, 640), (2, 5216)])  # 5,216: 1,304 float4s over 1,024 threads
+def test_post_norm_residual_then_normed_consumer(k, b, n):
     """Gemma-3's post-norm in place (x += rmsnorm(o) w) with w2, the next norm's weight: the int8
     copy is of x * w2 with x's squares, bit for bit, and a matvec fed it with norm_eps computes
     V rmsnorm(x) w2."""
     rng = np.random.default_rng()
     keep = []
-    n = 640
     o = rng.standard_normal((b, n)).astype(np.float32)
     x0 = rng.standard_normal((b, n)).astype(np.float32)
     w, w2 = ((1 + 0.3 * rng.standard_normal(n)).astype(np.float32) for _ in range(2))

@@ -349,6 +349,10 @@ def dequant_f16(k: Kernels, m: Mat, out: int) -> None:
     fn(((units + 255) // 256,), (256,), (*m.planes, i32(m.rows), i32(m.cols), ptr(out)))
 
 
+RMS_SLOTS = 2  # float4s per thread at most in layers.cu's rmsnorm
+RMSNORM_MAX_COLS = 4 * RMS_SLOTS * 1024
+
+
 def rmsnorm(k: Kernels, x: int, ldx: int, w: int, y: int, ldy: int, rows: int, n: int, eps: float,
             res: int | None = None, ldr: int = 0, y16: int | None = None, ld16: int = 0,
             q8: Q8Vec | None = None, w2: int | None = None) -> None:
@@ -357,7 +361,11 @@ def rmsnorm(k: Kernels, x: int, ldx: int, w: int, y: int, ldy: int, rows: int, n
     a matvec that applies that norm (q8.norm_eps)."""
     assert q8 is not None or w2 is None
     assert q8 is None or n % 16 == 0
-    threads = 1024 if n >= 4096 else 256
+    if n % 4 or n > RMSNORM_MAX_COLS:
+        raise ValueError(f"RMSNorm over {n} columns: the CUDA kernel takes multiples of 4 up to {RMSNORM_MAX_COLS}")
+    assert x % 16 == 0 and y % 16 == 0 and ldx % 4 == 0 and ldy % 4 == 0, "float4 rows"
+    assert res is None or (res % 16 == 0 and ldr % 4 == 0), "float4 rows"
+    threads = min(1024, -(-n // 128) * 32)  # a float4 per thread where it can (layers.cu)
     k.fn("layers.cu", "rmsnorm")((rows,), (threads,),
                                  (ptr(x), i32(ldx), ptr(w), ptr(y), i32(ldy), ptr(res), i32(ldr), i32(n), f32(eps),
                                   ptr(y16), i32(ld16), *(q8.ptrs() if q8 else NO_PTRS), ptr(w2)))

@@ -11,40 +11,88 @@
 // non-null, each piece with the squares of y: w2 is the next RMSNorm's weight, and a matvec given
 // the copy with its norm flag applies that norm (a post-norm, the residual add and the next
 // pre-norm in one launch: Gemma-3). Without w2 the copy is the next matvec's input as it stands.
-extern "C" __global__ void rmsnorm(const float* __restrict__ x, int ldx, const float* __restrict__ w,
-                                   float* y, int ldy, const float* res, int ldr, int n, float eps,
-                                   u16* y16, int ld16, u8* xq, int ldq, float4* xs, int lds,
-                                   const float* __restrict__ w2) {
+//
+// Latency (a decode step waits on every launch): thread i holds the float4s i + j blockDim (j <
+// RMS_SLOTS; n % 4 == 0, n <= 4 RMS_SLOTS blockDim; rows 16-byte aligned) in registers; w and w2 are loaded before
+// pdl_enter; a 16-column piece is four consecutive threads' float4s, quantized by shuffles (the
+// same values as quant16), so nothing is read back from global memory.
+constexpr int RMS_SLOTS = 2;
+
+extern "C" __global__ void __launch_bounds__(1024) rmsnorm(
+        const float* __restrict__ x, int ldx, const float* __restrict__ w, float* y, int ldy, const float* res,
+        int ldr, int n, float eps, u16* y16, int ld16, u8* xq, int ldq, float4* xs, int lds,
+        const float* __restrict__ w2) {
     __shared__ float scratch[32];
+    const int n4 = n / 4;
+    float4 wv[RMS_SLOTS], w2v[RMS_SLOTS], v[RMS_SLOTS];
+#pragma unroll
+    for (int j = 0; j < RMS_SLOTS; ++j) {
+        const int i = threadIdx.x + j * blockDim.x;
+        wv[j] = i < n4 ? __ldg(reinterpret_cast<const float4*>(w) + i) : make_float4(0.f, 0.f, 0.f, 0.f);
+        w2v[j] = i < n4 && w2 ? __ldg(reinterpret_cast<const float4*>(w2) + i) : make_float4(1.f, 1.f, 1.f, 1.f);
+    }
     pdl_enter();
-    const float* xr = x + (long)blockIdx.x * ldx;
+    const float4* xr = reinterpret_cast<const float4*>(x + (long)blockIdx.x * ldx);
     float ss = 0.f;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += xr[i] * xr[i];
+#pragma unroll
+    for (int j = 0; j < RMS_SLOTS; ++j) {
+        const int i = threadIdx.x + j * blockDim.x;
+        v[j] = i < n4 ? xr[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+        ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+    }
     ss = block_sum(ss, scratch);
     const float k = rsqrtf(ss / (float)n + eps);
     float* yr = y + (long)blockIdx.x * ldy;
     const float* rr = res ? res + (long)blockIdx.x * ldr : nullptr;
     u16* yh = y16 ? y16 + (long)blockIdx.x * ld16 : nullptr;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        const float v = xr[i] * k * w[i];
-        const float o = rr ? rr[i] + v : v;
-        yr[i] = o;
-        if (yh) yh[i] = f2h(o);
+#pragma unroll
+    for (int j = 0; j < RMS_SLOTS; ++j) {
+        const int i = threadIdx.x + j * blockDim.x;
+        if (i >= n4) continue;
+        float o[4] = {v[j].x * k * wv[j].x, v[j].y * k * wv[j].y, v[j].z * k * wv[j].z, v[j].w * k * wv[j].w};
+        if (rr) {
+            const float4 r = reinterpret_cast<const float4*>(rr)[i];
+            o[0] = r.x + o[0]; o[1] = r.y + o[1]; o[2] = r.z + o[2]; o[3] = r.w + o[3];
+        }
+        v[j] = make_float4(o[0], o[1], o[2], o[3]);
+        reinterpret_cast<float4*>(yr)[i] = v[j];
+        if (yh)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) yh[4 * i + c] = f2h(o[c]);
     }
     if (!xq) return;
-    __syncthreads();  // y as written (y may alias res: recomputing would add it twice)
-    for (int j = threadIdx.x; j < n / 16; j += blockDim.x) {  // sixteen at a time
-        float v[16], sq = 0.f;
 #pragma unroll
-        for (int i = 0; i < 16; ++i) {
-            const float o = yr[16 * j + i];
-            sq = fmaf(o, o, sq);
-            v[i] = w2 ? o * w2[16 * j + i] : o;
+    for (int j = 0; j < RMS_SLOTS; ++j) {  // whole warps: n % 16 == 0, so a piece's 4 threads agree on i < n4
+        const int i = threadIdx.x + j * blockDim.x;
+        if (j * blockDim.x >= n4) break;  // block-uniform
+        const float o[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
+        float q[4], amax = 0.f, sq = 0.f;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            q[c] = w2 ? o[c] * (&w2v[j].x)[c] : o[c];
+            amax = fmaxf(amax, fabsf(q[c]));
+            sq = fmaf(o[c], o[c], sq);
         }
-        u32 q[4]; float d, s;
-        quant16(v, q, d, s);
-        *reinterpret_cast<uint4*>(xq + (long)blockIdx.x * ldq + 16 * j) = make_uint4(q[0], q[1], q[2], q[3]);
-        xs[(long)blockIdx.x * lds + j] = make_float4(d, s, sq, 0.f);
+#pragma unroll
+        for (int m = 1; m < 4; m <<= 1) {
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
+            sq += __shfl_xor_sync(0xffffffffu, sq, m);
+        }
+        const bool live = amax >= Q8_MIN_AMAX;
+        const float inv = live ? 127.f / amax : 0.f, d = live ? amax / 127.f : 0.f;
+        u32 word = 0;
+        int sum = 0;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const u32 bits = f2u(add_rn(mul_rn(q[c], inv), 12582912.f));
+            sum += (int)(bits - 0x4B400000u);
+            word |= (bits & 0xFFu) << (8 * c);
+        }
+#pragma unroll
+        for (int m = 1; m < 4; m <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, m);
+        if (i >= n4) continue;
+        *reinterpret_cast<u32*>(xq + (long)blockIdx.x * ldq + 4 * i) = word;
+        if ((i & 3) == 0) xs[(long)blockIdx.x * lds + i / 4] = make_float4(d, d * (float)sum, sq, 0.f);
     }
 }
 
