@@ -14,7 +14,6 @@ pytestmark = pytest.mark.gpu
 
 from gguf_runtime.backend_cuda import CudaBackend  # noqa: E402
 from gguf_runtime.backend_numpy import NumpyBackend  # noqa: E402
-from gguf_runtime.backends import host_sample_loop  # noqa: E402
 from gguf_runtime.gguf_file import open_gguf  # noqa: E402
 from gguf_runtime.model_config import config_from_gguf  # noqa: E402
 from gguf_runtime.sampling import SamplingParams  # noqa: E402
@@ -42,6 +41,21 @@ def cosines(a, b):
     return (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
 
 
+# The int8 activations of the matvec path (the default) put the logits within 1.6-2.6% (relative
+# L2) of numpy's f32 ones on the twins, and where numpy's top two logits lie closer than that the
+# argmax may differ: in 4 of 84 rows (bench/logit_error.py, H100, 2026-11-21, before and after the
+# register-resident rmsnorm alike), at gaps of 0.006-0.046 of the row's logit std. So the argmax
+# must agree where the gap is beyond the error's reach, and nearly everywhere.
+def assert_argmax_agrees(got, ref, min_share):
+    got, ref = got.astype(np.float64), ref.astype(np.float64)
+    top2 = np.sort(ref, -1)[:, -2:]
+    margin = 4 * np.sqrt(2) * np.sqrt(((got - ref) ** 2).mean(-1))  # two logits' errors, 4 sigma
+    same = got.argmax(-1) == ref.argmax(-1)
+    decided = top2[:, 1] - top2[:, 0] > margin
+    assert same[decided].all(), (top2[:, 1] - top2[:, 0], margin)
+    assert same.mean() >= min_share, same
+
+
 @pytest.mark.parametrize("n", [7, 40])  # 7: matvec kernels; 40: the cuBLAS prefill path
 def test_logits_match_numpy(pair, n):
     f, cfg, npb, cub = pair
@@ -53,8 +67,7 @@ def test_logits_match_numpy(pair, n):
     got = cub.eval(ids, all_logits=True)
     c = cosines(got, ref)
     assert c.min() >= 0.999, c
-    agree = (got.argmax(-1) == ref.argmax(-1)).mean()
-    assert agree >= (1.0 if n <= 8 else 0.9), agree
+    assert_argmax_agrees(got, ref, 0.7 if n <= 8 else 0.9)
     # one decode step on top of the prompt
     ref1 = npb.eval([5])
     got1 = cub.eval([5])
@@ -86,13 +99,16 @@ def test_greedy_tokens_match_numpy(pair):
     f, cfg, npb, cub = pair
     prompt = [1, 17, 300, 4000, 9, 52]
     params = SamplingParams(temperature=0.0)
-    npb.truncate(0)
-    npb.prefill(prompt)
-    want = list(host_sample_loop(npb, 32, params, prompt, frozenset()))
     cub.truncate(0)
     cub.prefill(prompt)
     got = list(cub.sample_loop(32, params, prompt, frozenset()))
-    assert got == want
+    # every GPU token is numpy's greedy choice given the GPU's own history, or (int8 activations,
+    # see assert_argmax_agrees) within 0.15 logit std of it, three times the widest flip measured
+    npb.truncate(0)
+    ref = npb.eval(prompt + got[:-1], all_logits=True)[len(prompt) - 1:].astype(np.float64)
+    chosen = ref[np.arange(len(got)), got]
+    assert (chosen >= ref.max(-1) - 0.15 * ref.std(-1)).all(), (ref.max(-1) - chosen) / ref.std(-1)
+    assert (np.array(got) == ref.argmax(-1)).mean() >= 0.75
 
 
 def test_no_allocation_while_decoding(pair):
