@@ -19,7 +19,7 @@ from gguf_runtime.quant_kernels import launchers as L  # noqa: E402
 from gguf_runtime.quant_kernels.formats import BY_NAME, FORMATS, SUPPORTED  # noqa: E402
 from gguf_runtime.quant_kernels.reference_q8 import dequantize_q8, quantize_q8  # noqa: E402
 from test_gpu_backend import twin_path  # noqa: E402
-from test_gpu_kernels import POISON, rel, upload  # noqa: E402
+from test_gpu_kernels import POISON, cols_for, rel, upload  # noqa: E402
 
 INT_TYPES = [n for n in SUPPORTED if n not in ("F32", "F16", "BF16")]
 
@@ -124,10 +124,6 @@ def test_post_norm_residual_then_normed_consumer(k, b, n):
 def rmsnorm_np(x, w, eps):
     x64 = x.astype(np.float64)
     return (x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + eps) * w).astype(np.float32)
-
-
-def cols_for(name):
-    return 768 if FORMATS[BY_NAME[name]].block_elems == 256 else 224
 
 
 @pytest.mark.parametrize("name", INT_TYPES)

@@ -78,14 +78,14 @@ extern "C" __global__ void __launch_bounds__(1024) rmsnorm(
             amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
             sq += __shfl_xor_sync(0xffffffffu, sq, m);
         }
-        const bool live = amax >= Q8_MIN_AMAX;
-        const float inv = live ? 127.f / amax : 0.f, d = live ? amax / 127.f : 0.f;
+        float inv, d;
+        q8_step(amax, inv, d);
         u32 word = 0;
         int sum = 0;
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
-            const u32 bits = f2u(add_rn(mul_rn(q[c], inv), 12582912.f));
-            sum += (int)(bits - 0x4B400000u);
+            const u32 bits = q8_bits(q[c], inv);
+            sum += q8_int(bits);
             word |= (bits & 0xFFu) << (8 * c);
         }
 #pragma unroll

@@ -37,6 +37,16 @@ DEV void group_reduce(float (&acc)[R][B], float (&ssq)[B], bool has_ssq) {
     }
 }
 
+template <int B, int R>
+DEV void zero_sums(float (&acc)[R][B], float (&ssq)[B]) {
+#pragma unroll
+    for (int b = 0; b < B; ++b) ssq[b] = 0.f;
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int b = 0; b < B; ++b) acc[r][b] = 0.f;
+}
+
 // acc[r][b] (group-reduced, valid in the group leader) = sum_k W[row r][k] x'[b][k] for the R rows
 // of m[r], x' = x * nw (nw null: x). nw non-null: the leader's acc is scaled by rsqrt(mean(x^2)+eps).
 template <class T, int B, int R, int WG>
@@ -44,12 +54,7 @@ DEV void mmv_block(const Mat (&m)[R], const int (&row)[R], int K, const float* _
                    const float* __restrict__ nw, float eps, float (&acc)[R][B]) {
     const int tid = threadIdx.x % (32 * WG), units = K / T::UE;
     float ssq[B];
-#pragma unroll
-    for (int b = 0; b < B; ++b) ssq[b] = 0.f;
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-        for (int b = 0; b < B; ++b) acc[r][b] = 0.f;
+    zero_sums<B, R>(acc, ssq);
     // The first units' weights are loaded before pdl_enter (they overlap the previous kernel's end);
     // each later iteration's loads go out at the end of the one before.
     typename T::Raw raw[R];
@@ -124,12 +129,7 @@ template <class T, int B, int R, int WG>
 DEV void mmv_block_q8(const Mat (&m)[R], const int (&row)[R], int K, const XQ& xq, float (&acc)[R][B]) {
     const int tid = threadIdx.x % (32 * WG), units = K / T::UE;
     float ssq[B];
-#pragma unroll
-    for (int b = 0; b < B; ++b) ssq[b] = 0.f;
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-        for (int b = 0; b < B; ++b) acc[r][b] = 0.f;
+    zero_sums<B, R>(acc, ssq);
     typename T::Raw raw[R];  // loaded before pdl_enter, as in mmv_block (loading more units ahead
     if (tid < units)         // measured slower: 8B tg128 385 -> 337 t/s, bench/RESULTS.md)
 #pragma unroll
@@ -197,10 +197,10 @@ DEV void store_q8_piece(float (&tile)[B][16], int base, const QOut& qo, float w)
         amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
         ssq += __shfl_xor_sync(0xffffffffu, ssq, o);
     }
-    const bool live = amax >= Q8_MIN_AMAX;
-    const float inv = live ? 127.f / amax : 0.f, d = live ? amax / 127.f : 0.f;
-    const u32 bits = f2u(add_rn(mul_rn(v, inv), 12582912.f));
-    int sum = (int)(bits - 0x4B400000u);
+    float inv, d;
+    q8_step(amax, inv, d);
+    const u32 bits = q8_bits(v, inv);
+    int sum = q8_int(bits);
     u32 word = (bits & 0xFFu) << (8 * (e & 3));
 #pragma unroll
     for (int o = 8; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);

@@ -52,21 +52,33 @@ HD u32 f2u(float f) {
 
 constexpr float Q8_MIN_AMAX = 1e-30f;  // below: the piece quantizes to zeros (127 / amax stays finite)
 
+// A piece's step d and its inverse from its largest magnitude (every quantizer: quant16, the q8
+// epilogue of matvec_block.cuh, layers.cu's rmsnorm; all must agree with numpy bit for bit).
+HD void q8_step(float amax, float& inv, float& d) {
+    const bool live = amax >= Q8_MIN_AMAX;
+    inv = live ? 127.f / amax : 0.f;
+    d = live ? amax / 127.f : 0.f;
+}
+
+// rint(v * inv) by the 1.5 * 2^23 trick (round to nearest even, like np.rint): the float's bits,
+// whose low byte is the int8 and whose value less 0x4B400000 is the integer (q8_int).
+HD u32 q8_bits(float v, float inv) { return f2u(add_rn(mul_rn(v, inv), 12582912.f)); }
+HD int q8_int(u32 bits) { return (int)(bits - 0x4B400000u); }
+
 HD void quant16(const float* v, u32 (&q)[4], float& d, float& s) {
     float amax = 0.f;
 #pragma unroll
     for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(v[i]));
-    const bool live = amax >= Q8_MIN_AMAX;
-    const float inv = live ? 127.f / amax : 0.f;
-    d = live ? amax / 127.f : 0.f;
+    float inv;
+    q8_step(amax, inv, d);
     int sum = 0;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
         u32 w = 0;
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {  // rint by the 1.5 * 2^23 trick: round to nearest even, like np.rint
-            const u32 bits = f2u(add_rn(mul_rn(v[4 * j + k], inv), 12582912.f));
-            sum += (int)(bits - 0x4B400000u);
+        for (int k = 0; k < 4; ++k) {
+            const u32 bits = q8_bits(v[4 * j + k], inv);
+            sum += q8_int(bits);
             w |= (bits & 0xFFu) << (8 * k);
         }
         q[j] = w;
