@@ -13,7 +13,7 @@ export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy_ab}; mkdir -p "$CUPY_CACHE_DIR
 [ -n "${CUPY_CACHE_TGZ-}" ] && tar -xzf "$CUPY_CACHE_TGZ" -C "$CUPY_CACHE_DIR" --skip-old-files
 python3 -c "import sys; sys.path.insert(0, 'bench'); import gpu_session as g; print('twins:', g.make_twins(False, None))"
 if [ -n "${TESTS-}" ]; then
-  GGUF_TWIN_DIR=/tmp/twins python3 -m pytest -m gpu -q -p no:cacheprovider $TESTS > $OUT/pytest.log 2>&1
+  GGUF_TWIN_DIR=/tmp/twins timeout ${TEST_TIMEOUT:-560} python3 -m pytest -m gpu -q -p no:cacheprovider ${PYTEST_N:+-n $PYTEST_N} $TESTS > $OUT/pytest.log 2>&1
   echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)" $OUT/pytest.log | head; tail -1 $OUT/pytest.log
 fi
 tg() {  # tree model

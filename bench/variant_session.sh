@@ -3,7 +3,9 @@
 # optional pp / batched rows / per-kernel profiles (under the first variant).
 # Usage on the GPU machine: source .device/env.sh && [TESTS="tests/..."] [TG="llama3-8b"]
 #   [VARIANTS="GGUF_RUN_Q8=1 GGUF_RUN_Q8=0"] [MODE=graph|both] [PP="..."] [BATCHED="..."] [BATCH=64]
-#   [PROFILE="..."] bash bench/variant_session.sh
+#   [PROFILE="..."] [PYTEST_N=8] bash bench/variant_session.sh
+# PYTEST_N runs the tests in N processes (pytest-xdist, carried in .device/wheels): a cold CuPy
+# kernel cache compiles for minutes in one process.
 # A variant is one or more NAME=VALUE pairs joined by commas ("GGUF_RUN_Q8=0,GGUF_RUN_PDL=0").
 set -u -o pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -13,10 +15,10 @@ import gpu_session as g
 print("twins:", g.make_twins(False, None), flush=True)
 PY
 if [ -n "${TESTS-}" ]; then
-  GGUF_TWIN_DIR=/tmp/twins python3 -m pytest -m gpu -q -p no:cacheprovider $TESTS > $OUT/pytest.log 2>&1
+  GGUF_TWIN_DIR=/tmp/twins timeout ${TEST_TIMEOUT:-560} python3 -m pytest -m gpu -q -p no:cacheprovider ${PYTEST_N:+-n $PYTEST_N} $TESTS > $OUT/pytest.log 2>&1
   echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)|Error|assert" $OUT/pytest.log | head -12; tail -2 $OUT/pytest.log
 fi
-first=${VARIANTS%% *}
+first=${VARIANTS-}; first=${first%% *}
 for m in ${PROFILE-}; do
   env ${first//,/ } python3 bench/profile_step.py /tmp/twins/$m.gguf --batch ${PROFILE_BATCH:-1} \
       --json $OUT/profile-$m.json > $OUT/profile-$m.log 2>&1 || echo "profile $m failed"
@@ -30,11 +32,12 @@ for m in ${PP-}; do
   env ${first//,/ } python3 -m gguf_runtime bench /tmp/twins/$m.gguf -p 512 -n 0 -r 5 --json -q \
       > $OUT/pp-$m.json 2>>$OUT/bench.log || { echo "pp $m failed"; tail -5 $OUT/bench.log; }
 done
-for m in ${TG-llama3-8b}; do
-  i=0
+round=0
+for m in ${TG-llama3-8b}; do  # a model named twice runs its variants twice (tg-MODEL-rROUND-vI.json)
+  i=0; round=$((round+1))
   for v in ${VARIANTS:-NONE=0}; do
     env ${v//,/ } python3 -m gguf_runtime bench /tmp/twins/$m.gguf -p 0 -n 128 -r 5 --mode ${MODE:-graph} --json -q \
-        > $OUT/tg-$m-v$i.json 2>>$OUT/bench.log || { echo "tg $m $v failed"; tail -5 $OUT/bench.log; }
+        > $OUT/tg-$m-r$round-v$i.json 2>>$OUT/bench.log || { echo "tg $m $v failed"; tail -5 $OUT/bench.log; }
     echo "v$i = $v"; i=$((i+1))
   done
 done

@@ -61,6 +61,9 @@ def bucket_for(n: int, max_batch: int) -> int:
     return next(b for b in BUCKETS if b >= n or b >= max_batch)
 
 
+MMV_SWEEP = ((2, 1), (2, 2), (2, 4), (1, 1), (1, 2), (1, 4))  # (R, WG) candidates of GGUF_RUN_MMV_*
+
+
 class CudaBackend:
     name = "cuda"
 
@@ -159,6 +162,11 @@ class CudaBackend:
                 if L.MAX_MMV_TOKENS < b <= self.max_batch]
         mm.append(f"embed_rows<{w.mat('token_embd.weight').struct}>")
         mm += [f"dequant_f16<{s}>" for s in {m.struct for m in w.mats.values()}]
+        if any(self.blocks.mmv_cfg.values()):  # measuring (R, WG): every candidate, so one module for all
+            for mats in groups:
+                structs = [m.struct for m in mats]
+                for r, wg in MMV_SWEEP:
+                    mm += [L.mmv_name(structs, 1, r, wg, 0, 1), L.mmv_name(structs, 1, *L.q8_out_config(r, wg), 1, 3)]
         self.kernels.prepare("matvec.cu", mm)
         if mma:
             self.kernels.prepare("matmul_mma.cu", mma)

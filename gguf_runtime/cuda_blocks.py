@@ -61,6 +61,11 @@ def attn_shape(cfg: ModelConfig, rows: int) -> LA.AttnShape:
     return LA.attn_shape(cfg.head_dim, g, int(env("GGUF_RUN_ATTN_WARPS", "0")), int(env("GGUF_RUN_ATTN_ROUNDS", "1")))
 
 
+def mmv_override(role: str) -> tuple[int, int] | None:
+    v = os.environ.get(f"GGUF_RUN_MMV_{role}")
+    return tuple(int(x) for x in v.split(":")) if v else None  # type: ignore[return-value]
+
+
 def n_splits(rows: int) -> int:
     budget = BATCH_SPLIT_BUDGET if L.MAX_MMV_TOKENS < rows <= 64 else ATTN_PARTS
     return max(1, min(DECODE_SPLITS, budget // rows))
@@ -127,6 +132,9 @@ class CudaBlocks:
         # a post-norm's kernel also writes the next pre-norm's int8 input (GGUF_RUN_POST_Q8=0: a
         # norm kernel of its own, to measure)
         self.fuse_post_norm = os.environ.get("GGUF_RUN_POST_Q8", "1") != "0"
+        # (R, WG) of the one-row-group matvecs by role, overriding launchers.mmv_config (to measure):
+        # GGUF_RUN_MMV_QKV, GGUF_RUN_MMV_O, GGUF_RUN_MMV_DOWN = "R:WG"
+        self.mmv_cfg = {role: mmv_override(role) for role in ("QKV", "O", "DOWN")}
         self.f16: F16Weights | None = None  # made by load_f16, after the kernels are compiled
         from cupy_backends.cuda.libs import cublas  # loads libcublas: only with a GPU
 
@@ -242,7 +250,7 @@ class CudaBlocks:
         if self._small(t):  # RoPE + KV write in the matvec's epilogue where it can (else a rope_kv launch)
             L.mmv(self.k, [self.w.mat(n) for n in names], [(qkv.data.ptr + 4 * c, ld) for c in cols],
                   [self.w.vec(b).data.ptr if b else None for b in biases], h.data.ptr, h.strides[0] // 4, t, 0,
-                  norm=norm, rope=rope, q8=q8)
+                  norm=norm, rope=rope, q8=q8, config=self.mmv_cfg["QKV"])
             return qkv
         if self.mma:
             LM.mma(self.k, [self.w.mat(n) for n in names], [(qkv.data.ptr + 4 * c, ld) for c in cols],
@@ -291,7 +299,8 @@ class CudaBlocks:
                 out = (self.ws.q8_norm, self.w.vec(then[0]).data.ptr)
                 self._q8_ready = (then[0], t)
             L.mmv(self.k, [w], [(target.data.ptr, target.strides[0] // 4)], [None], a.data.ptr,
-                  a.strides[0] // 4, t, 0 if post_norm else 1, q8=q8, q8_out=out)
+                  a.strides[0] // 4, t, 0 if post_norm else 1, q8=q8, q8_out=out,
+                  config=self.mmv_cfg["O" if name.endswith("attn_output.weight") else "DOWN"])
         elif self.mma:
             LM.mma(self.k, [self.w.mat(name)], [(target.data.ptr, target.strides[0] // 4)], [None], a16.data.ptr,
                   a16.strides[0] // 2, t, 0 if post_norm else 1, self.ws.split)

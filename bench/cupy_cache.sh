@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# CuPy's on-disk kernel cache carried between device calls (a cold cache compiles for minutes).
+#   source .device/env.sh && source bench/cupy_cache.sh unpack .cupy_cache.tgz   (sets CUPY_CACHE_DIR)
+#   ... work ...
+#   bash bench/cupy_cache.sh pack     -> $OUT/cupy_cache.tgz: only the kernels this call loaded or built
+# Every header edit changes every kernel's cache key (sources.py), so the cache would grow with
+# stale entries: past 15 MB (a returned file may have 16 MiB) pack keeps only the files written or
+# read in the call (unpacked files get an old access time; reads renew it where the mount allows).
+D=${CUPY_CACHE_DIR:-/tmp/cupy_cache}
+case "$1" in
+  unpack)
+    export CUPY_CACHE_DIR=$D; mkdir -p "$D"
+    [ -f "${2-}" ] && tar -xzf "$2" -C "$D" --skip-old-files
+    find "$D" -type f -exec touch -a -d 2000-01-01 {} +
+    touch "$D/.marker"
+    echo "cupy cache: $(find "$D" -type f -name '*.cubin' | wc -l) kernels unpacked into $D" ;;
+  pack)  # everything, or where that is over 15 MB only what this call read or wrote
+    OUT=${OUT:-/tmp/out}
+    (cd "$D" && find . -type f ! -name .marker > /tmp/cupy_all.txt &&
+     find . -type f ! -name .marker \( -anewer .marker -o -newer .marker \) > /tmp/cupy_used.txt)
+    tar -czf "$OUT/cupy_cache.tgz" -C "$D" -T /tmp/cupy_all.txt
+    if [ "$(stat -c %s "$OUT/cupy_cache.tgz")" -gt 15000000 ]; then
+      tar -czf "$OUT/cupy_cache.tgz" -C "$D" -T /tmp/cupy_used.txt; echo "cupy cache: used files only"
+    fi
+    echo "cupy cache: $(wc -l < /tmp/cupy_all.txt) files, $(wc -l < /tmp/cupy_used.txt) read or written in this call," \
+         "$(du -h "$OUT/cupy_cache.tgz" | cut -f1)" ;;
+esac
