@@ -9,6 +9,9 @@
 # $OUT/cupy_cache.tgz (a cold cache compiles for minutes; carry it to the next call).
 set -u -o pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+# the GPU machine's copy of the tree carries a .git of the session's start: bench JSON would name
+# that commit; here, before the call: git describe --always --dirty > .device/commit
+[ -f .device/commit ] && export GGUF_RUN_COMMIT=${GGUF_RUN_COMMIT:-$(cat .device/commit)}
 export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy_ab}; mkdir -p "$CUPY_CACHE_DIR"
 [ -n "${CUPY_CACHE_TGZ-}" ] && tar -xzf "$CUPY_CACHE_TGZ" -C "$CUPY_CACHE_DIR" --skip-old-files
 python3 -c "import sys; sys.path.insert(0, 'bench'); import gpu_session as g; print('twins:', g.make_twins(False, None))"

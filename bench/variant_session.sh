@@ -9,6 +9,9 @@
 # A variant is one or more NAME=VALUE pairs joined by commas ("GGUF_RUN_Q8=0,GGUF_RUN_PDL=0").
 set -u -o pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+# the GPU machine's copy of the tree carries a .git of the session's start: bench JSON would name
+# that commit; here, before the call: git describe --always --dirty > .device/commit
+[ -f .device/commit ] && export GGUF_RUN_COMMIT=${GGUF_RUN_COMMIT:-$(cat .device/commit)}
 python3 - <<'PY'
 import sys; sys.path.insert(0, "bench")
 import gpu_session as g
