@@ -32,6 +32,7 @@ from .model_config import ModelConfig
 from .quant_kernels import launch_attention as LA
 from .quant_kernels import launch_mma as LM
 from .quant_kernels import launchers as L
+from .quant_kernels import launch_sampling as LS
 from .quant_kernels import pdl
 from .quant_kernels.reference import dequantize
 from .backends import host_sample_loop
@@ -181,10 +182,10 @@ class CudaBackend:
         self.tokens, self.pos = z(n), z(n)  # each slot's next input token and its position
         self.seq = cp.full(n, -1, cp.int32)  # slot id when active, -1 when free
         self.hist, self.hist_n, self.step = z(HIST * n), z(n), z(n)
-        self.pval, self.pidx = z(L.ARGMAX_BLOCKS * n, cp.float32), z(L.ARGMAX_BLOCKS * n)
+        self.pval, self.pidx = z(LS.ARGMAX_BLOCKS * n, cp.float32), z(LS.ARGMAX_BLOCKS * n)
         self.counter = z(n, cp.uint32)
-        nb = L.topk_blocks(self.cfg.n_vocab)
-        self.cand_v, self.cand_i = z(n * nb * L.TOPK_MAX, cp.float32), z(n * nb * L.TOPK_MAX)
+        nb = LS.topk_blocks(self.cfg.n_vocab)
+        self.cand_v, self.cand_i = z(n * nb * LS.TOPK_MAX, cp.float32), z(n * nb * LS.TOPK_MAX)
         self.cand_n = z(n * nb)
         self.p_top_k, self.p_last_n = z(n), z(n)
         self.p_top_p, self.p_min_p, self.p_temp, self.p_penalty = (z(n, cp.float32) for _ in range(4))
@@ -193,7 +194,7 @@ class CudaBackend:
         self.ring = np.frombuffer(self._ring_mem, np.int32, RING * n).reshape(RING, n)
         self._state = [self.tokens, self.pos, self.hist, self.hist_n, self.step, self.counter]
         self._saved = [cp.empty_like(a) for a in self._state]
-        self.sampler_state = L.SamplerState(
+        self.sampler_state = LS.SamplerState(
             tokens=self.tokens.data.ptr, pos=self.pos.data.ptr, hist=self.hist.data.ptr,
             hist_n=self.hist_n.data.ptr, step=self.step.data.ptr, ring=self._ring_mem.ptr, ring_len=RING,
             n_seq=n, pval=self.pval.data.ptr, pidx=self.pidx.data.ptr, counter=self.counter.data.ptr,
@@ -257,11 +258,11 @@ class CudaBackend:
         st, k, cfg, logits = self.sampler_state, self.kernels, self.cfg, self.ws.logits
         ld = logits.strides[0] // 4
         if penalty:
-            L.repeat_penalty(k, logits.data.ptr, ld, cfg.n_vocab, st, rows, slot0)
+            LS.repeat_penalty(k, logits.data.ptr, ld, cfg.n_vocab, st, rows, slot0)
         if greedy:
-            L.argmax_sample(k, logits.data.ptr, ld, cfg.n_vocab, st, rows, slot0)
+            LS.argmax_sample(k, logits.data.ptr, ld, cfg.n_vocab, st, rows, slot0)
         else:
-            L.topk_sample(k, logits.data.ptr, ld, cfg.n_vocab, st, rows, slot0)
+            LS.topk_sample(k, logits.data.ptr, ld, cfg.n_vocab, st, rows, slot0)
 
     def gpu_sampling(self, params: SamplingParams) -> bool:
         """Whether the GPU sampler covers these parameters (else the host samples)."""

@@ -16,6 +16,7 @@ from gguf_runtime.backend_numpy import apply_rope, gelu_tanh, silu  # noqa: E402
 from gguf_runtime.quant_kernels import launch_attention as LA  # noqa: E402
 from gguf_runtime.quant_kernels import launch_mma as LM  # noqa: E402
 from gguf_runtime.quant_kernels import launchers as L  # noqa: E402
+from gguf_runtime.quant_kernels import launch_sampling as LS  # noqa: E402
 from gguf_runtime.quant_kernels.formats import BY_NAME, FORMATS, SUPPORTED  # noqa: E402
 from gguf_runtime.quant_kernels.reference import dequantize, random_blocks  # noqa: E402
 from gguf_runtime.quant_kernels.repack import repack  # noqa: E402
@@ -322,15 +323,15 @@ def sampler_state(n_vocab, rows=1, top_k=40, top_p=1.0, min_p=0.0, temp=0.0, see
     z = lambda n, t=cp.int32: cp.zeros(n, t)  # noqa: E731
     full = lambda v, t: cp.full(rows, v, t)  # noqa: E731
     keep = dict(tokens=z(rows), pos=z(rows), hist=z(64 * rows), hist_n=z(rows), step=z(rows),
-                pval=z(L.ARGMAX_BLOCKS * rows, cp.float32), pidx=z(L.ARGMAX_BLOCKS * rows),
-                counter=z(rows, cp.uint32), cand_v=z(rows * L.topk_blocks(n_vocab) * L.TOPK_MAX, cp.float32),
-                cand_i=z(rows * L.topk_blocks(n_vocab) * L.TOPK_MAX), cand_n=z(rows * L.topk_blocks(n_vocab)),
+                pval=z(LS.ARGMAX_BLOCKS * rows, cp.float32), pidx=z(LS.ARGMAX_BLOCKS * rows),
+                counter=z(rows, cp.uint32), cand_v=z(rows * LS.topk_blocks(n_vocab) * LS.TOPK_MAX, cp.float32),
+                cand_i=z(rows * LS.topk_blocks(n_vocab) * LS.TOPK_MAX), cand_n=z(rows * LS.topk_blocks(n_vocab)),
                 top_k=full(top_k, cp.int32), top_p=full(top_p, cp.float32),
                 min_p=full(min_p, cp.float32), temp=full(temp, cp.float32), seed=full(seed, cp.uint64),
                 penalty=full(penalty, cp.float32), last_n=full(last_n, cp.int32), seq=cp.arange(rows, dtype=cp.int32))
     ring_mem = cp.cuda.alloc_pinned_memory(16 * rows * 4)
     ring = np.frombuffer(ring_mem, np.int32, 16 * rows)
-    st = L.SamplerState(ring=ring_mem.ptr, ring_len=16, n_seq=rows,
+    st = LS.SamplerState(ring=ring_mem.ptr, ring_len=16, n_seq=rows,
                         **{name: a.data.ptr for name, a in keep.items()})
     return st, keep, ring, ring_mem
 
@@ -342,7 +343,7 @@ def test_argmax_sample_commits_state(k):
     for step in range(3):
         logits = rng.standard_normal((2, n)).astype(np.float32)
         ld = cp.asarray(logits)
-        L.argmax_sample(k, ld.data.ptr, n, n, st, 2)
+        LS.argmax_sample(k, ld.data.ptr, n, n, st, 2)
         cp.cuda.runtime.deviceSynchronize()
         want = logits.argmax(-1)
         assert keep["tokens"].get().tolist() == want.tolist()
@@ -362,7 +363,7 @@ def test_repeat_penalty_matches_numpy(k):
     keep["hist_n"].set(np.array([40], np.int32))
     logits = rng.standard_normal(n).astype(np.float32)
     d = cp.asarray(logits)
-    L.repeat_penalty(k, d.data.ptr, n, n, st, 1)
+    LS.repeat_penalty(k, d.data.ptr, n, n, st, 1)
     ref = apply_repeat_penalty(logits, hist.tolist(), 1.3, 32)
     np.testing.assert_array_equal(d.get(), ref)
 
@@ -379,7 +380,7 @@ def test_topk_sample_distribution(k, top_k, top_p, min_p, temp):
     d = cp.asarray(logits)
     draws = []
     for i in range(1500):
-        L.topk_sample(k, d.data.ptr, n, n, st, 1)
+        LS.topk_sample(k, d.data.ptr, n, n, st, 1)
         if i % 16 == 15:
             cp.cuda.runtime.deviceSynchronize()
             draws += ring.tolist()
@@ -393,12 +394,12 @@ def test_topk_sample_distribution(k, top_k, top_p, min_p, temp):
     for _ in range(2):
         keep["step"].fill(0)
         keep["seed"].fill(777)
-        L.topk_sample(k, d.data.ptr, n, n, st, 1)
+        LS.topk_sample(k, d.data.ptr, n, n, st, 1)
         cp.cuda.runtime.deviceSynchronize()
         draws.append(int(ring[0]))
     assert draws[-1] == draws[-2]
     keep["temp"].fill(0.0)
-    L.topk_sample(k, d.data.ptr, n, n, st, 1)
+    LS.topk_sample(k, d.data.ptr, n, n, st, 1)
     cp.cuda.runtime.deviceSynchronize()
     assert int(keep["tokens"].get()[0]) == int(np.argmax(logits))
 
@@ -418,7 +419,7 @@ def test_topk_sample_rows_vocab_and_ties(k):
     ids2, probs2 = Sampler(SamplingParams(temperature=0.7, top_k=40, top_p=0.95, min_p=0.05)).distribution(logits[2])
     seen2, seen3 = set(), set()
     for step in range(64):
-        L.topk_sample(k, d.data.ptr, n, n, st, rows)
+        LS.topk_sample(k, d.data.ptr, n, n, st, rows)
         cp.cuda.runtime.deviceSynchronize()
         got = ring[(step % 16) * rows:(step % 16 + 1) * rows].tolist()
         assert got[0] == int(np.argmax(logits[0]))

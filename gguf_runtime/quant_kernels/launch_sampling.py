@@ -1,0 +1,73 @@
+"""Launchers of sampling.cu: repetition penalty, greedy argmax and top-k/top-p/min-p sampling of
+logits rows on the GPU, with the per-sequence state they update (no host sync per token)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .launchers import Kernels, i32, ptr
+
+
+@dataclass(frozen=True)
+class SamplerState:
+    """Device pointers of the per-sequence sampling state and parameters (see sampling.cu)."""
+
+    tokens: int
+    pos: int
+    hist: int
+    hist_n: int
+    step: int
+    ring: int  # mapped host memory, [ring_len, n_seq] int32
+    ring_len: int
+    n_seq: int
+    pval: int  # argmax partials [n_seq, ARGMAX_BLOCKS]
+    pidx: int
+    counter: int
+    cand_v: int  # top-k candidates: f32 and int32 [n_seq, topk_blocks(n_vocab), TOPK_MAX]
+    cand_i: int
+    cand_n: int  # int32 [n_seq, topk_blocks(n_vocab)]
+    top_k: int  # per-sequence parameters: int32, f32, f32, f32, u64, f32, int32
+    top_p: int
+    min_p: int
+    temp: int
+    seed: int
+    penalty: int
+    last_n: int
+    seq: int  # per slot: >= 0 active, < 0 padding (samples nothing)
+
+
+ARGMAX_BLOCKS = 32
+TOPK_MAX, TOPK_PER_THREAD = 1024, 8  # sampling.cu's TK_MAX and TK_E
+
+
+def topk_blocks(n_vocab: int) -> int:
+    """Blocks per row of topk_sample: 1024 threads x TOPK_PER_THREAD logits each."""
+    return -(-n_vocab // (1024 * TOPK_PER_THREAD))
+
+
+# Logits row r belongs to sequence slot slot0 + r (a decode step: slot0 = 0, one row per slot;
+# after a prefill: the prompt's last row, for its slot).
+def repeat_penalty(k: Kernels, logits: int, ld: int, n_vocab: int, st: SamplerState, rows: int,
+                   slot0: int = 0) -> None:
+    k.fn("sampling.cu", "repeat_penalty")((rows,), (64,), (ptr(logits), i32(ld), ptr(st.hist), ptr(st.hist_n),
+                                                           ptr(st.last_n), ptr(st.penalty), i32(n_vocab),
+                                                           ptr(st.seq), i32(slot0)))
+
+
+def argmax_sample(k: Kernels, logits: int, ld: int, n_vocab: int, st: SamplerState, rows: int,
+                  slot0: int = 0) -> None:
+    k.fn("sampling.cu", "argmax_sample")(
+        (ARGMAX_BLOCKS, rows), (1024,),
+        (ptr(logits), i32(ld), i32(n_vocab), ptr(st.pval), ptr(st.pidx), ptr(st.counter), ptr(st.tokens),
+         ptr(st.pos), ptr(st.hist), ptr(st.hist_n), ptr(st.step), ptr(st.ring), i32(st.ring_len), i32(st.n_seq),
+         ptr(st.seq), i32(slot0)))
+
+
+def topk_sample(k: Kernels, logits: int, ld: int, n_vocab: int, st: SamplerState, rows: int,
+                slot0: int = 0) -> None:
+    """Per row: greedy when temp <= 0, else top-k/top-p/min-p/temperature with the row's seed."""
+    k.fn("sampling.cu", "topk_sample")(
+        (topk_blocks(n_vocab), rows), (1024,),
+        (ptr(logits), i32(ld), i32(n_vocab), ptr(st.top_k), ptr(st.top_p), ptr(st.min_p), ptr(st.temp),
+         ptr(st.seed), ptr(st.cand_v), ptr(st.cand_i), ptr(st.cand_n), ptr(st.counter), ptr(st.tokens), ptr(st.pos), ptr(st.hist), ptr(st.hist_n), ptr(st.step), ptr(st.ring),
+         i32(st.ring_len), i32(st.n_seq), ptr(st.seq), i32(slot0)))
