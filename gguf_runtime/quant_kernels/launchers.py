@@ -201,11 +201,10 @@ def mmv_config(structs: Sequence[str], rows: Sequence[int], cols: int, b: int,
     fits = [r for r in (4, 2, 1) if r <= want and r * b <= 8 and all(n % (4 * r) == 0 for n in rows)]
     r, wg = (fits[0], 1) if fits else (1, 4)
     if q8_out:
-        r = min(r, 2)
         # two warps per row where one warp would take two rounds of loads: every lane's weights are
         # then loaded before pdl_enter (SmolLM2's down, 1,536 columns: tg128 2,204 -> 2,353; the 8B's
         # down at four warps per two rows lost, 445 -> 426; H100, 2026-11-21)
-        wg = 2 if r == 2 or cols // UNIT_ELEMS[structs[0]] > 32 else 1
+        return q8_out_config(r, 2 if r >= 2 or cols // UNIT_ELEMS[structs[0]] > 32 else 1)
     return r, wg
 
 
