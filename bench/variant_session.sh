@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: twins, GPU tests, then tg128 of each twin under each environment variant, and
-# optional pp / batched rows / per-kernel profiles (under the first variant).
+# optional pp rows / per-kernel profiles (under the first variant) and batched rows (under each).
 # Usage on the GPU machine: source .device/env.sh && [TESTS="tests/..."] [TG="llama3-8b"]
 #   [VARIANTS="GGUF_RUN_Q8=1 GGUF_RUN_Q8=0"] [MODE=graph|both] [PP="..."] [BATCHED="..."] [BATCH=64]
 #   [PROFILE="..."] [PYTEST_N=8] bash bench/variant_session.sh
@@ -27,9 +27,13 @@ for m in ${PROFILE-}; do
       --json $OUT/profile-$m.json > $OUT/profile-$m.log 2>&1 || echo "profile $m failed"
   tail -16 $OUT/profile-$m.log | cut -c1-110
 done
-for m in ${BATCHED-}; do
-  env ${first//,/ } python3 -m gguf_runtime bench /tmp/twins/$m.gguf -p 0 -r 3 --batch ${BATCH:-64} --mode graph \
-      --json -q > $OUT/batched-$m.json 2>>$OUT/bench.log || { echo "batched $m failed"; tail -5 $OUT/bench.log; }
+for m in ${BATCHED-}; do  # under each variant (batched-MODEL-vI.json)
+  i=0
+  for v in ${VARIANTS:-NONE=0}; do
+    env ${v//,/ } python3 -m gguf_runtime bench /tmp/twins/$m.gguf -p 0 -r 3 --batch ${BATCH:-64} --mode graph \
+        --json -q > $OUT/batched-$m-v$i.json 2>>$OUT/bench.log || { echo "batched $m $v failed"; tail -5 $OUT/bench.log; }
+    i=$((i+1))
+  done
 done
 for m in ${PP-}; do
   env ${first//,/ } python3 -m gguf_runtime bench /tmp/twins/$m.gguf -p 512 -n 0 -r 5 --json -q \

@@ -139,6 +139,8 @@ class CudaBackend:
         glu = {(w.mat(f"blk.{i}.ffn_gate.weight").struct, w.mat(f"blk.{i}.ffn_gate.weight").rows,
                 w.mat(f"blk.{i}.ffn_gate.weight").cols) for i in range(cfg.n_layer)}
         q8 = use_q8(cfg)
+        # o-proj and down: y += W a, or y = W a before a post-norm (both modes)
+        residuals = {w.mat(f"blk.{i}.{n}.weight").qs for i in range(cfg.n_layer) for n in ("attn_output", "ffn_down")}
         for mats in groups:
             structs, rows = [m.struct for m in mats], [m.rows for m in mats]
             ios = [0] + ([1] if q8 and L.q8_capable(mats) else [])
@@ -148,10 +150,11 @@ class CudaBackend:
             if len(ios) > 1 and len(mats) == 1 and rows[0] % L.Q8_OUT_ROWS == 0:  # residual with a q8 epilogue
                 mm += [L.mmv_name(structs, b, *L.mmv_config(structs, rows, mats[0].cols, b, True), 1, 3)
                        for b in L.MMV_TOKENS]
-                if self.max_batch > L.MAX_MMV_TOKENS:
-                    configs = [LM.mma_config(rows, b, mats[0].cols) for b in BUCKETS
-                               if L.MAX_MMV_TOKENS < b <= self.max_batch]
-                    mma += [LM.mma_name(structs, c.wr, c.nt, mode, c.h) for c in configs]
+            if self.max_batch > L.MAX_MMV_TOKENS:  # batch decode steps: tensor-core products
+                modes = (0, 1) if len(mats) == 1 and mats[0].qs in residuals else (0,)
+                configs = [LM.mma_config(rows, b, mats[0].cols) for b in BUCKETS
+                           if L.MAX_MMV_TOKENS < b <= self.max_batch]
+                mma += [LM.mma_name(structs, c.wr, c.nt, mode, c.h) for c in configs for mode in modes]
         act = L.ACT[cfg.activation]
         for s, n, c in glu:
             mm += [L.glu_name(s, b, *L.glu_config(s, n, c, b), act) for b in L.MMV_TOKENS]

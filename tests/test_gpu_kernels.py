@@ -513,11 +513,12 @@ def test_mma_split_k_and_wide_tiles(k, name, n_tok):
     assert rel(out.get().astype(np.float32), silu(gv) * uv) < 2e-3
 
 
-def test_mma_group_and_glu(k):
+@pytest.mark.parametrize("specs", [(("Q5_0", 96), ("Q5_0", 33), ("Q8_0", 50)),
+                                   (("Q4_K", 96), ("Q4_K", 33), ("Q6_K", 50))])  # the 8B's QKV: register fragments
+def test_mma_group_and_glu(k, specs):
     rng = np.random.default_rng()
     keep = []
-    cols = 640
-    specs = [("Q5_0", 96), ("Q5_0", 33), ("Q8_0", 50)]
+    cols = 640 if specs[0][0] == "Q5_0" else 768
     mats = [upload(n, r, cols, rng, keep) for n, r in specs]
     x = rng.standard_normal((24, cols)).astype(np.float16).astype(np.float32)
     xd = cp.asarray(x.astype(np.float16))
@@ -532,3 +533,24 @@ def test_mma_group_and_glu(k):
     LM.mma_glu(k, g, u, x2d.data.ptr, 512, 40, "silu", out.data.ptr, 70)
     gv, uv = x2.astype(np.float64) @ wg.T, x2.astype(np.float64) @ wu.T
     assert rel(out.get().astype(np.float32), silu(gv) * uv) < 2e-3
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+def test_mma_register_fragments_and_dequantizing_tiles_agree(k, name, monkeypatch):
+    """Q4_K / Q6_K build their A fragments in registers (mma_regs.cuh); GGUF_RUN_MMA_REGA=0 takes
+    the dequantizing tiles. Both match numpy, and each other, on the same inputs."""
+    rng = np.random.default_rng()
+    keep = []
+    rows, cols, n_tok = 200, 1024, 64
+    m, w = upload(name, rows, cols, rng, keep)
+    x = rng.standard_normal((n_tok, cols)).astype(np.float16).astype(np.float32)
+    xd = cp.asarray(x.astype(np.float16))
+    ref = x.astype(np.float64) @ w.T
+    got = {}
+    for ra in ("1", "0"):
+        monkeypatch.setenv("GGUF_RUN_MMA_REGA", ra)
+        y = cp.full((n_tok, rows), POISON, cp.float32)
+        LM.mma(k, [m], [(y.data.ptr, rows)], [None], xd.data.ptr, cols, n_tok, 0)
+        got[ra] = y.get()
+        assert rel(got[ra], ref) < 2e-3
+    assert rel(got["1"], got["0"]) < 2e-3

@@ -5,6 +5,7 @@ Products of more than MAX_MMV_TOKENS rows in the batch decode steps; see matmul_
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
@@ -15,6 +16,15 @@ MMA_SPLIT_BLOCKS = 264  # K splits aim at two blocks per SM (the 64-row tiles' r
 MMA_TK = 128  # columns per k step (matmul_mma.cu TK)
 MMA_TALL_MIN_COLS = 1024
 MMA_MAX_SPLIT = 4  # K splits of a product (partials merged in split order by the tile's last block)
+# Types whose A fragments are built in registers (mma_regs.cuh): x tile row stride in halves.
+# Only x goes through shared memory there, in two buffers.
+REG_A_LDX = {"TQ4_K": 160, "TQ6_K": 144}
+
+
+def reg_a() -> int:
+    """1: register fragments for the REG_A_LDX types (the default); GGUF_RUN_MMA_REGA=0 keeps
+    every type on the dequantizing tiles (to measure one against the other)."""
+    return 0 if os.environ.get("GGUF_RUN_MMA_REGA", "1") == "0" else 1
 
 
 class MmaConfig(NamedTuple):
@@ -46,22 +56,25 @@ def mma_config(rows: Sequence[int], n_tok: int, cols: int = 0, tall: bool = True
     raise AssertionError
 
 
-def _mma_smem(fn: "_Counted", wr: int, nt: int, n_mats: int) -> int:
-    """Dynamic shared memory of an mma kernel: the x tile and n_mats W tiles, f16, padded rows."""
-    size = (8 * nt * (4 // wr) + n_mats * 16 * wr) * (MMA_TK + 8) * 2
+def _mma_smem(fn: "_Counted", wr: int, nt: int, n_mats: int, structs: Sequence[str], ra: int) -> int:
+    """Dynamic shared memory of an mma kernel: the x tile and n_mats W tiles, f16, padded rows;
+    for a register-fragment segment, two x tiles (the largest over the segments)."""
+    tb = 8 * nt * (4 // wr)
+    size = max(2 * tb * REG_A_LDX[s] * 2 if ra and s in REG_A_LDX else (tb + n_mats * 16 * wr) * (MMA_TK + 8) * 2
+               for s in structs)
     if size > fn.smem_max:
         fn.kernel.max_dynamic_shared_size_bytes = size
         fn.smem_max = size
     return size
 
 
-def mma_name(structs: Sequence[str], wr: int, nt: int, mode: int, h: int = 1) -> str:
+def mma_name(structs: Sequence[str], wr: int, nt: int, mode: int, h: int = 1, ra: int | None = None) -> str:
     s = list(structs) + [structs[0]] * (3 - len(structs))
-    return f"mma_group<{s[0]}, {s[1]}, {s[2]}, {wr}, {nt}, {mode}, {h}>"
+    return f"mma_group<{s[0]}, {s[1]}, {s[2]}, {wr}, {nt}, {mode}, {h}, {reg_a() if ra is None else ra}>"
 
 
-def mma_glu_name(struct: str, wr: int, nt: int, act: int) -> str:
-    return f"mma_glu<{struct}, {wr}, {nt}, {act}>"
+def mma_glu_name(struct: str, wr: int, nt: int, act: int, ra: int | None = None) -> str:
+    return f"mma_glu<{struct}, {wr}, {nt}, {act}, {reg_a() if ra is None else ra}>"
 
 
 def _mma_plan(rows: Sequence[int], n_tok: int, cols: int, n_mats: int, scratch: "SplitScratch | None",
@@ -97,7 +110,8 @@ def mma(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases
     assert 1 <= len(mats) <= 3
     wr, nt, split, h = _mma_plan([m.rows for m in mats], n_tok, mats[0].cols, 1, scratch)
     tb = 8 * nt * (4 // wr)
-    fn = k.fn("matmul_mma.cu", mma_name([m.struct for m in mats], wr, nt, mode, h))
+    ra, structs = reg_a(), [m.struct for m in mats]
+    fn = k.fn("matmul_mma.cu", mma_name(structs, wr, nt, mode, h, ra))
     args: list = []
     for i in range(3):
         if i < len(mats):
@@ -109,7 +123,7 @@ def mma(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases
     part, counter = (scratch.part, scratch.counter) if split > 1 else (0, 0)
     fn((row_tiles, -(-n_tok // tb), split), (128,),
        (*args, ptr(x16), i32(ldx16), i32(n_tok), i32(mats[0].cols), ptr(part), ptr(counter)),
-       shared_mem=_mma_smem(fn, wr, nt, h))
+       shared_mem=_mma_smem(fn, wr, nt, h, structs, ra))
 
 
 def mma_glu(k: Kernels, gate: Mat, up: Mat, x16: int, ldx16: int, n_tok: int, act: str, y16: int, ldy16: int,
@@ -117,9 +131,10 @@ def mma_glu(k: Kernels, gate: Mat, up: Mat, x16: int, ldx16: int, n_tok: int, ac
     """y16[t, :] = f16(act(G x[t]) * (U x[t])), x in f16. Not split: with two W tiles per block
     the 8B's GLU fills the GPU, and SmolLM2's lost 39% split (H100, 2c8440d + splits)."""
     wr, nt, split, _ = _mma_plan([gate.rows], n_tok, 0, 2, scratch, tall=False)
-    fn = k.fn("matmul_mma.cu", mma_glu_name(gate.struct, wr, nt, ACT[act]))
+    ra = reg_a()
+    fn = k.fn("matmul_mma.cu", mma_glu_name(gate.struct, wr, nt, ACT[act], ra))
     tb = 8 * nt * (4 // wr)
     part, counter = (scratch.part, scratch.counter) if split > 1 else (0, 0)
     fn((-(-gate.rows // (16 * wr)), -(-n_tok // tb), split), (128,),
        (*gate.planes, *up.planes, i32(gate.rows), ptr(x16), i32(ldx16), i32(n_tok), i32(gate.cols), ptr(y16),
-        i32(ldy16), ptr(part), ptr(counter)), shared_mem=_mma_smem(fn, wr, nt, 2))
+        i32(ldy16), ptr(part), ptr(counter)), shared_mem=_mma_smem(fn, wr, nt, 2, [gate.struct], ra))

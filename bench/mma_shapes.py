@@ -1,0 +1,101 @@
+"""The 8B's batch-decode products on their own: GPU time per call of each tensor-core kernel at
+B tokens, random weights of the real types and shapes, for each tile config given and with the
+register fragments on and off (GGUF_RUN_MMA_REGA). Faster to iterate on than a whole twin.
+Usage (GPU machine): python bench/mma_shapes.py [--tokens 64] [--configs "" 4:8 2:4] [--reps 20]
+  [--only glu] [--ra 1 0]
+  (a config WR:NT[:H] replaces the launcher's choice for every shape, K splits kept as planned;
+  H = 2, tall blocks, for the single-matrix products)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import cupy as cp
+import numpy as np
+
+from gguf_runtime.quant_kernels import launch_mma as LM
+from gguf_runtime.quant_kernels import launchers as L
+from gguf_runtime.quant_kernels.formats import BY_NAME
+from gguf_runtime.quant_kernels.reference import random_blocks
+from gguf_runtime.quant_kernels.repack import repack
+
+K8B, F8B = 4096, 14336
+
+
+def upload(name: str, rows: int, cols: int, rng, keep: list) -> L.Mat:
+    t = BY_NAME[name]
+    p = repack(random_blocks(t, rows * cols, rng, scale=0.02), t, rows, cols)
+    dev = cp.asarray(p.buffer)
+    keep.append(dev)
+    b, o = dev.data.ptr, p.offsets
+    return L.Mat(t, rows, cols, b + o["qs"], b + o.get("qh", -b), b + o.get("sc", -b), b + o.get("d", -b))
+
+
+def timed(fn, reps: int) -> float:
+    for _ in range(3):
+        fn()
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return cp.cuda.get_elapsed_time(start, end) * 1000 / reps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--configs", nargs="*", default=[""])
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--head-rows", type=int, default=32768)
+    ap.add_argument("--only", default="", help="products whose name contains this")
+    ap.add_argument("--ra", nargs="*", default=["1", "0"])
+    a = ap.parse_args()
+    rng, keep, k, t = np.random.default_rng(0), [], L.Kernels(), a.tokens
+    x = cp.asarray(rng.standard_normal((t, F8B)).astype(np.float16))
+    y = cp.zeros((t, max(F8B, a.head_rows)), cp.float32)
+    y16 = cp.zeros((t, F8B), cp.float16)
+    part = cp.zeros(LM.split_part_floats(max(F8B, a.head_rows), t), cp.float32)
+    counter = cp.zeros(-(-max(F8B, a.head_rows) // 16) * -(-t // 16), cp.uint32)
+    sc = LM.SplitScratch(part.data.ptr, part.size, counter.data.ptr, counter.size)
+    gate, up = upload("Q4_K", F8B, K8B, rng, keep), upload("Q4_K", F8B, K8B, rng, keep)
+    o, down4, down6 = upload("Q4_K", K8B, K8B, rng, keep), upload("Q4_K", K8B, F8B, rng, keep), upload("Q6_K", K8B, F8B, rng, keep)
+    q, kk, v = upload("Q4_K", K8B, K8B, rng, keep), upload("Q4_K", 1024, K8B, rng, keep), upload("Q6_K", 1024, K8B, rng, keep)
+    head = upload("Q6_K", a.head_rows, K8B, rng, keep)
+    xp, yp = x.data.ptr, y.data.ptr
+    shapes = {
+        "glu Q4_K 2x14336x4096": (2 * F8B * K8B, lambda: LM.mma_glu(k, gate, up, xp, K8B, t, "silu", y16.data.ptr, F8B, sc)),
+        "o Q4_K 4096x4096 (+=)": (K8B * K8B, lambda: LM.mma(k, [o], [(yp, y.shape[1])], [None], xp, K8B, t, 1, sc)),
+        "down Q4_K 4096x14336 (+=)": (K8B * F8B, lambda: LM.mma(k, [down4], [(yp, y.shape[1])], [None], xp, F8B, t, 1, sc)),
+        "down Q6_K 4096x14336 (+=)": (K8B * F8B, lambda: LM.mma(k, [down6], [(yp, y.shape[1])], [None], xp, F8B, t, 1, sc)),
+        "qkv Q4_K/Q4_K/Q6_K 6144x4096": (6144 * K8B, lambda: LM.mma(
+            k, [q, kk, v], [(yp, y.shape[1]), (yp + 4 * K8B, y.shape[1]), (yp + 4 * 5120, y.shape[1])], [None] * 3,
+            xp, K8B, t, 0, sc)),
+        f"head Q6_K {a.head_rows}x4096": (a.head_rows * K8B, lambda: LM.mma(k, [head], [(yp, y.shape[1])], [None], xp,
+                                                                       K8B, t, 0, sc)),
+    }
+    plan, rows_out = LM._mma_plan, []
+    for cfg in a.configs:
+        if cfg:
+            wr, nt, h = ([int(v) for v in cfg.split(":")] + [1])[:3]
+            LM._mma_plan = lambda rows, n, cols, nm, s, tall=True, wr=wr, nt=nt, h=h: LM.MmaConfig(
+                wr, nt, plan(rows, n, cols, nm, s, tall).split, h if nm == 1 else 1)
+        else:
+            LM._mma_plan = plan
+        for ra in a.ra:
+            os.environ["GGUF_RUN_MMA_REGA"] = ra
+            for name, (macs, fn) in shapes.items():
+                if a.only not in name:
+                    continue
+                us = timed(fn, a.reps)
+                rows_out.append((cfg or "plan", ra, name, us, 2 * macs * t / us / 1e6))
+    print(f"{'config':<7} {'regA':<5} {'product':<32} {'us':>8} {'TFLOP/s':>8}")
+    for cfg, ra, name, us, tf in rows_out:
+        print(f"{cfg:<7} {ra:<5} {name:<32} {us:8.1f} {tf:8.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,239 @@
+// Tensor-core A fragments built in registers from the raw quants (Q4_K, Q6_K): the tiles of
+// matmul_mma.cu without dequantizing W into shared memory.
+//
+// A warp owns 16 weight rows; lane (g, tig) = (lane / 4, lane % 4) holds rows g and g + 8 of
+// them (mma.sync.m16n8k16's A layout). It loads its own quant bytes and scales from global
+// memory, one 128-wide k step ahead, and turns them into f16 pairs with f16x2 arithmetic:
+// byte b -> f16 (1024 + b) by one PRMT with 0x64 bytes, then (q - 1024) * ds + (-m) by
+// sub.f16x2 and fma.f16x2 (two weights per instruction, against ~5 f32 instructions per
+// weight, one conversion and a shared-memory round trip in the dequantizing path). Every mma
+// spans 16 columns of one sub-block, so its scales are the same f16 pair for all four lanes of a
+// row. A k16 MMA only needs A and B to agree on which column sits at which k: lane tig takes
+// its own contiguous quant bytes, and the B fragment (x, f16, in shared memory) is read at the
+// same columns. Only the x tile goes through shared memory (cp.async, two buffers).
+//
+// Precision: ds = d * sc and m = dmin * mn are rounded to f16 (as is the dequantized weight in
+// the other path), then q * ds - m is rounded once (fma).
+#pragma once
+#include "quant_types.cuh"
+
+DEV u32 prmt(u32 a, u32 b, u32 sel) {
+    u32 d; asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel)); return d;
+}
+DEV u32 hsub2(u32 a, u32 b) { u32 d; asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b)); return d; }
+DEV u32 hmul2(u32 a, u32 b) { u32 d; asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b)); return d; }
+DEV u32 hfma2(u32 a, u32 b, u32 c) {
+    u32 d; asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c)); return d;
+}
+
+constexpr u32 H_MAGIC = 0x64646464u;  // PRMT filler: f16 0x64bb = 1024 + b
+constexpr u32 H1024 = 0x64006400u;    // (1024, 1024)
+// Bytes (0, 1) / (2, 3) of w as the f16 pair (1024 + b0, 1024 + b1) / (1024 + b2, 1024 + b3);
+// (j, j): byte j of w in both halves.
+constexpr u32 SEL01 = 0x4140u, SEL23 = 0x4342u;
+DEV u32 sel_bcast(int j) { return 0x4040u | (u32)(j * 0x0101); }
+
+DEV u32 ldg32(const u8* p) { return __ldg(reinterpret_cast<const unsigned int*>(p)); }
+DEV uint2 ldg64(const u8* p) { return __ldg(reinterpret_cast<const uint2*>(p)); }
+DEV uint4 ldg128(const u8* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+
+template <class T> struct RegA { static constexpr bool OK = false; static constexpr int LDX = 8; };
+
+// Q4_K. A 128-wide step is half a superblock: its 64-groups G = 0, 1 (sub-blocks lo = 2 G' and
+// hi = 2 G' + 1 of the superblock, G' = 2 half + G). Lane tig takes quant bytes 8 tig .. 8 tig + 7
+// of each group's 32: byte i holds element 8 tig + i of sub-block lo (low nibble) and of hi (high
+// nibble). MMA j (0, 1) of a sub-block takes bytes 4 j .. 4 j + 3: k (2 tig, 2 tig + 1) <- bytes
+// 4 j, 4 j + 1 and k (2 tig + 8, + 9) <- 4 j + 2, 4 j + 3, so the B fragments of both MMAs are the
+// 8 halves at column 8 tig of the sub-block: one 16-byte load. Row stride 160 halves (80 words):
+// the two rows of a quarter warp fall in opposite bank halves.
+template <> struct RegA<TQ4_K> {
+    static constexpr bool OK = true;
+    static constexpr int LDX = 160;
+    struct Raw { uint2 q[2][2]; uint4 s[2]; };  // [row g, g + 8][group]; the 16 scale bytes of each row
+
+    static DEV void load(const Mat& m, int n_rows, int r, int k0, Raw& raw) {
+        const int tig = threadIdx.x & 3, sb = k0 >> 8, half = (k0 >> 7) & 1;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const long b = (long)min(r + 8 * i, n_rows - 1) * m.nb + sb;
+#pragma unroll
+            for (int G = 0; G < 2; ++G) raw.q[i][G] = ldg64(m.qs + b * 128 + 32 * (2 * half + G) + 8 * tig);
+            raw.s[i] = ldg128(m.sc + b * 16);  // d, dmin, scales12
+        }
+    }
+
+    // The MMAs of one 128-wide step for NM tiles (GLU: gate and up; tall: two row tiles) against
+    // the same x: each B fragment load feeds all NM tiles.
+    template <int NT, int NM>
+    static DEV void step(const Raw (&raw)[NM], int k0, const u16* xs, float (&acc)[NM][NT][4]) {
+        const int lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3, half = (k0 >> 7) & 1;
+        u32 sc[NM][2], mn[NM][2], d2[NM][2], nmin2[NM][2];  // per row: this half's 6-bit scales and mins
+#pragma unroll
+        for (int m = 0; m < NM; ++m)
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const uint4 s = raw[m].s[i];
+                d2[m][i] = prmt(s.x, 0u, 0x1010u);                   // (d, d)
+                nmin2[m][i] = prmt(s.x, 0u, 0x3232u) ^ 0x80008000u;  // (-dmin, -dmin)
+                if (half == 0) {
+                    sc[m][i] = s.y & 0x3F3F3F3Fu;
+                    mn[m][i] = s.z & 0x3F3F3F3Fu;
+                } else {
+                    sc[m][i] = (s.w & 0x0F0F0F0Fu) | ((s.y >> 2) & 0x30303030u);
+                    mn[m][i] = ((s.w >> 4) & 0x0F0F0F0Fu) | ((s.z >> 2) & 0x30303030u);
+                }
+            }
+#pragma unroll 1  // (unrolled, the compiler hoists all 32 B loads of the step: spills in the GLU)
+        for (int G = 0; G < 2; ++G)
+#pragma unroll
+            for (int hi = 0; hi < 2; ++hi) {
+                u32 a[NM][2][4];  // [tile][mma j][a0..a3]
+#pragma unroll
+                for (int m = 0; m < NM; ++m)
+#pragma unroll
+                    for (int i = 0; i < 2; ++i) {
+                        // (d sc, d sc) and (-dmin mn, -dmin mn) of sub-block 4 half + 2 G + hi
+                        const u32 ds = hmul2(hsub2(prmt(sc[m][i], H_MAGIC, sel_bcast(2 * G + hi)), H1024), d2[m][i]);
+                        const u32 nm = hmul2(hsub2(prmt(mn[m][i], H_MAGIC, sel_bcast(2 * G + hi)), H1024), nmin2[m][i]);
+                        const uint2 q = G ? raw[m].q[i][1] : raw[m].q[i][0];
+#pragma unroll
+                        for (int j = 0; j < 2; ++j) {
+                            const u32 nib = (hi ? (j ? q.y : q.x) >> 4 : (j ? q.y : q.x)) & 0x0F0F0F0Fu;
+                            a[m][j][i] = hfma2(hsub2(prmt(nib, H_MAGIC, SEL01), H1024), ds, nm);
+                            a[m][j][2 + i] = hfma2(hsub2(prmt(nib, H_MAGIC, SEL23), H1024), ds, nm);
+                        }
+                    }
+                const u16* xp = xs + g * LDX + 64 * G + 32 * hi + 8 * tig;
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    const uint4 b = *reinterpret_cast<const uint4*>(xp + nt * 8 * LDX);
+#pragma unroll
+                    for (int m = 0; m < NM; ++m) {
+                        mma16816(acc[m][nt], a[m][0][0], a[m][0][1], a[m][0][2], a[m][0][3], b.x, b.y);
+                        mma16816(acc[m][nt], a[m][1][0], a[m][1][1], a[m][1][2], a[m][1][3], b.z, b.w);
+                    }
+                }
+            }
+    }
+};
+
+// Q6_K. A 128-wide step is half h of a superblock: element 128 h + 32 p + l (quadrant p, l < 32)
+// is ql[64 h + l] (p = 0, 2: low / high nibble) or ql[64 h + 32 + l] (p = 1, 3) with bits 2p, 2p+1
+// of qh[32 h + l] on top, minus 32, times scale 8 h + 2 p + l / 16 (16-element sub-blocks). MMA
+// (b, p) covers l = 16 b .. 16 b + 15; lane tig takes l = 16 b + 4 tig + i, i < 4 (one word of
+// each plane). B: 4 halves at column 32 p + 16 b + 4 tig (8-byte loads; row stride 144 halves =
+// 72 words: the four rows of a half warp in four bank quarters).
+template <> struct RegA<TQ6_K> {
+    static constexpr bool OK = true;
+    static constexpr int LDX = 144;
+    struct Raw { u32 la[2][2], lb[2][2], qh[2][2]; uint2 s[2]; u32 d[2]; };  // [row][b]; this half's 8 scales
+
+    static DEV void load(const Mat& m, int n_rows, int r, int k0, Raw& raw) {
+        const int tig = threadIdx.x & 3, sb = k0 >> 8, h = (k0 >> 7) & 1;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const long b = (long)min(r + 8 * i, n_rows - 1) * m.nb + sb;
+#pragma unroll
+            for (int bb = 0; bb < 2; ++bb) {
+                const int l = 16 * bb + 4 * tig;
+                raw.la[i][bb] = ldg32(m.qs + b * 128 + 64 * h + l);
+                raw.lb[i][bb] = ldg32(m.qs + b * 128 + 64 * h + 32 + l);
+                raw.qh[i][bb] = ldg32(m.qh + b * 64 + 32 * h + l);
+            }
+            raw.s[i] = ldg64(m.sc + b * 16 + 8 * h);
+            raw.d[i] = ld16bits(m.d + b * 2);
+        }
+    }
+
+    template <int NT, int NM>
+    static DEV void step(const Raw (&raw)[NM], int, const u16* xs, float (&acc)[NM][NT][4]) {
+        const int lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
+        constexpr u32 H1056 = 0x64206420u, H1152 = 0x64806480u;  // 1024 + 32; 1024 + 128
+#pragma unroll
+        for (int bb = 0; bb < 2; ++bb)
+#pragma unroll
+            for (int p = 0; p < 4; ++p) {
+                u32 a[NM][4];
+#pragma unroll
+                for (int m = 0; m < NM; ++m)
+#pragma unroll
+                    for (int i = 0; i < 2; ++i) {
+                        const u32 d2 = raw[m].d[i] | (raw[m].d[i] << 16);
+                        // scale 2 p + bb of this half: signed byte, offset by 128 to an unsigned one
+                        const u32 sw = (p < 2 ? raw[m].s[i].x : raw[m].s[i].y) ^ 0x80808080u;
+                        const u32 ds = hmul2(hsub2(prmt(sw, H_MAGIC, sel_bcast(2 * (p & 1) + bb)), H1152), d2);
+                        const u32 l = (p & 1) ? raw[m].lb[i][bb] : raw[m].la[i][bb], h = raw[m].qh[i][bb];
+                        const u32 lo = (p < 2 ? l : l >> 4) & 0x0F0F0F0Fu;
+                        const u32 hb = (p == 0 ? h << 4 : p == 1 ? h << 2 : p == 2 ? h : h >> 2) & 0x30303030u;
+                        const u32 q = lo | hb;  // 6-bit quants, one per byte
+                        a[m][i] = hmul2(hsub2(prmt(q, H_MAGIC, SEL01), H1056), ds);
+                        a[m][2 + i] = hmul2(hsub2(prmt(q, H_MAGIC, SEL23), H1056), ds);
+                    }
+                const u16* xp = xs + g * LDX + 32 * p + 16 * bb + 4 * tig;
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    const uint2 b = *reinterpret_cast<const uint2*>(xp + nt * 8 * LDX);
+#pragma unroll
+                    for (int m = 0; m < NM; ++m) mma16816(acc[m][nt], a[m][0], a[m][1], a[m][2], a[m][3], b.x, b.y);
+                }
+            }
+    }
+};
+
+// cp.async: 16 bytes global -> shared, zero-filled when !valid (the source address stays valid).
+DEV void cp_async16(void* dst, const void* src, bool valid) {
+    u64 s;
+    asm("cvta.to.shared.u64 %0, %1;" : "=l"(s) : "l"(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"((u32)s), "l"(src), "r"(valid ? 16 : 0));
+}
+DEV void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+DEV void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+
+// The x tile of tokens [t0, t0 + TB) x columns [k0, k0 + TK) into Xs (row stride LDX halves);
+// zeros past n_tok and K.
+template <int TB, int LDX>
+DEV void x_tile_async(const u16* __restrict__ x, int ldx, int n_tok, int t0, int k0, int K, u16* Xs) {
+    constexpr int CPR = TK / 8, N = (TB * CPR + NTHR - 1) / NTHR;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        const int idx = threadIdx.x + i * NTHR, b = idx / CPR, c = (idx % CPR) * 8;
+        if (TB * CPR % NTHR == 0 || idx < TB * CPR)
+            cp_async16(Xs + b * LDX + c, x + (long)min(t0 + b, n_tok - 1) * ldx + min(k0 + c, K - 8),
+                       t0 + b < n_tok && k0 + c < K);
+    }
+}
+
+// mma_tiles (matmul_mma.cu) for a type with register fragments: the same operands and C layout.
+template <class T, int WR, int NT, int NM>
+DEV void mma_tiles_reg(const Mat (&ms)[NM], int n_rows, int row0, int jstride, const u16* x, int ldx, int n_tok,
+                       int t0, int kb, int ke, int K, u16* smem, float (&acc)[NM][NT][4]) {
+    using R = RegA<T>;
+    constexpr int TB = 8 * NT * (4 / WR), XS = TB * R::LDX;
+    const int warp = threadIdx.x >> 5, wr = warp % WR, wc = warp / WR;
+    const int r = row0 + 16 * wr + ((threadIdx.x & 31) >> 2);
+#pragma unroll
+    for (int j = 0; j < NM; ++j)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) acc[j][nt][0] = acc[j][nt][1] = acc[j][nt][2] = acc[j][nt][3] = 0.f;
+    typename R::Raw w[NM];
+#pragma unroll
+    for (int j = 0; j < NM; ++j) R::load(ms[j], n_rows, r + j * jstride, kb, w[j]);
+    pdl_enter();  // the first weights load before it (common.cuh)
+    x_tile_async<TB, R::LDX>(x, ldx, n_tok, t0, kb, K, smem);
+    cp_async_commit();
+    int buf = 0;
+    for (int k0 = kb; k0 < ke; k0 += TK, buf ^= 1) {
+        cp_async_wait_all();
+        __syncthreads();  // this step's x tile is in; every warp is done with the other buffer
+        if (k0 + TK < ke) x_tile_async<TB, R::LDX>(x, ldx, n_tok, t0, k0 + TK, K, smem + (buf ^ 1) * XS);
+        cp_async_commit();
+        const int kn = k0 + TK < ke ? k0 + TK : k0;  // the next step (the last one reloads its own)
+        typename R::Raw cur[NM];
+#pragma unroll
+        for (int j = 0; j < NM; ++j) {  // the next step's loads go out before this step's MMAs
+            cur[j] = w[j];
+            R::load(ms[j], n_rows, r + j * jstride, kn, w[j]);
+        }
+        R::template step<NT, NM>(cur, k0, smem + buf * XS + wc * 8 * NT * R::LDX, acc);
+    }
+}
