@@ -1,10 +1,10 @@
 """The 8B's batch-decode products on their own: GPU time per call of each tensor-core kernel at
 B tokens, random weights of the real types and shapes, for each tile config given and with the
 register fragments on and off (GGUF_RUN_MMA_REGA). Faster to iterate on than a whole twin.
-Usage (GPU machine): python bench/mma_shapes.py [--tokens 64] [--configs "" 4:8 2:4] [--reps 20]
+Usage (GPU machine): python bench/mma_shapes.py [--tokens 64] [--configs "" 4:8 2:4] [--reps 100]
   [--only glu] [--ra 1 0]
-  (a config WR:NT[:H] replaces the launcher's choice for every shape, K splits kept as planned;
-  H = 2, tall blocks, for the single-matrix products)
+  (a config WR:NT[:H[:S]] replaces the launcher's choice for every shape: H = 2, tall blocks, for
+  the single-matrix products; S K splits, 0 or absent: as planned)
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--configs", nargs="*", default=[""])
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=100)
     ap.add_argument("--head-rows", type=int, default=32768)
     ap.add_argument("--only", default="", help="products whose name contains this")
     ap.add_argument("--ra", nargs="*", default=["1", "0"])
@@ -62,27 +62,32 @@ def main() -> None:
     counter = cp.zeros(-(-max(F8B, a.head_rows) // 16) * -(-t // 16), cp.uint32)
     sc = LM.SplitScratch(part.data.ptr, part.size, counter.data.ptr, counter.size)
     gate, up = upload("Q4_K", F8B, K8B, rng, keep), upload("Q4_K", F8B, K8B, rng, keep)
-    o, down4, down6 = upload("Q4_K", K8B, K8B, rng, keep), upload("Q4_K", K8B, F8B, rng, keep), upload("Q6_K", K8B, F8B, rng, keep)
-    q, kk, v = upload("Q4_K", K8B, K8B, rng, keep), upload("Q4_K", 1024, K8B, rng, keep), upload("Q6_K", 1024, K8B, rng, keep)
+    o, down4 = upload("Q4_K", K8B, K8B, rng, keep), upload("Q4_K", K8B, F8B, rng, keep)
+    down6 = upload("Q6_K", K8B, F8B, rng, keep)
+    q, kk = upload("Q4_K", K8B, K8B, rng, keep), upload("Q4_K", 1024, K8B, rng, keep)
+    v = upload("Q6_K", 1024, K8B, rng, keep)
     head = upload("Q6_K", a.head_rows, K8B, rng, keep)
-    xp, yp = x.data.ptr, y.data.ptr
+    xp, yp, ly = x.data.ptr, y.data.ptr, y.shape[1]
+
+    def product(mats, cols, mode, outs=None):
+        return lambda: LM.mma(k, mats, outs or [(yp, ly)], [None] * len(mats), xp, cols, t, mode, sc)
+
     shapes = {
-        "glu Q4_K 2x14336x4096": (2 * F8B * K8B, lambda: LM.mma_glu(k, gate, up, xp, K8B, t, "silu", y16.data.ptr, F8B, sc)),
-        "o Q4_K 4096x4096 (+=)": (K8B * K8B, lambda: LM.mma(k, [o], [(yp, y.shape[1])], [None], xp, K8B, t, 1, sc)),
-        "down Q4_K 4096x14336 (+=)": (K8B * F8B, lambda: LM.mma(k, [down4], [(yp, y.shape[1])], [None], xp, F8B, t, 1, sc)),
-        "down Q6_K 4096x14336 (+=)": (K8B * F8B, lambda: LM.mma(k, [down6], [(yp, y.shape[1])], [None], xp, F8B, t, 1, sc)),
-        "qkv Q4_K/Q4_K/Q6_K 6144x4096": (6144 * K8B, lambda: LM.mma(
-            k, [q, kk, v], [(yp, y.shape[1]), (yp + 4 * K8B, y.shape[1]), (yp + 4 * 5120, y.shape[1])], [None] * 3,
-            xp, K8B, t, 0, sc)),
-        f"head Q6_K {a.head_rows}x4096": (a.head_rows * K8B, lambda: LM.mma(k, [head], [(yp, y.shape[1])], [None], xp,
-                                                                       K8B, t, 0, sc)),
+        "glu Q4_K 2x14336x4096": (2 * F8B * K8B, lambda: LM.mma_glu(k, gate, up, xp, K8B, t, "silu", y16.data.ptr, F8B,
+                                                                     sc)),
+        "o Q4_K 4096x4096 (+=)": (K8B * K8B, product([o], K8B, 1)),
+        "down Q4_K 4096x14336 (+=)": (K8B * F8B, product([down4], F8B, 1)),
+        "down Q6_K 4096x14336 (+=)": (K8B * F8B, product([down6], F8B, 1)),
+        "qkv Q4_K/Q4_K/Q6_K 6144x4096": (6144 * K8B, product([q, kk, v], K8B, 0,
+                                                            [(yp, ly), (yp + 4 * K8B, ly), (yp + 4 * 5120, ly)])),
+        f"head Q6_K {a.head_rows}x4096": (a.head_rows * K8B, product([head], K8B, 0)),
     }
     plan, rows_out = LM._mma_plan, []
     for cfg in a.configs:
         if cfg:
-            wr, nt, h = ([int(v) for v in cfg.split(":")] + [1])[:3]
-            LM._mma_plan = lambda rows, n, cols, nm, s, tall=True, wr=wr, nt=nt, h=h: LM.MmaConfig(
-                wr, nt, plan(rows, n, cols, nm, s, tall).split, h if nm == 1 else 1)
+            wr, nt, h, sp = ([int(v) for v in cfg.split(":")] + [1, 0])[:4]
+            LM._mma_plan = lambda rows, n, cols, nm, s, tall=True, wr=wr, nt=nt, h=h, sp=sp: LM.MmaConfig(
+                wr, nt, sp or plan(rows, n, cols, nm, s, tall).split, h if nm == 1 else 1)
         else:
             LM._mma_plan = plan
         for ra in a.ra:

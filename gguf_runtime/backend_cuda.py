@@ -201,7 +201,8 @@ class CudaBackend:
             tokens=self.tokens.data.ptr, pos=self.pos.data.ptr, hist=self.hist.data.ptr,
             hist_n=self.hist_n.data.ptr, step=self.step.data.ptr, ring=self._ring_mem.ptr, ring_len=RING,
             n_seq=n, pval=self.pval.data.ptr, pidx=self.pidx.data.ptr, counter=self.counter.data.ptr,
-            cand_v=self.cand_v.data.ptr, cand_i=self.cand_i.data.ptr, cand_n=self.cand_n.data.ptr, top_k=self.p_top_k.data.ptr, top_p=self.p_top_p.data.ptr, min_p=self.p_min_p.data.ptr,
+            cand_v=self.cand_v.data.ptr, cand_i=self.cand_i.data.ptr, cand_n=self.cand_n.data.ptr,
+            top_k=self.p_top_k.data.ptr, top_p=self.p_top_p.data.ptr, min_p=self.p_min_p.data.ptr,
             temp=self.p_temp.data.ptr, seed=self.p_seed.data.ptr, penalty=self.p_penalty.data.ptr,
             last_n=self.p_last_n.data.ptr, seq=self.seq.data.ptr)
         self.slot_len = [0] * n  # tokens whose K/V sit in the slot's pages

@@ -52,11 +52,11 @@ def attn_shape(cfg: ModelConfig, rows: int) -> LA.AttnShape:
     """The attention kernel's block shape (launch_attention.attn_shape). Up to MAX_MMV_TOKENS rows
     (latency: decode steps, short prompts) the widest block, one round per split (GGUF_RUN_ATTN_WARPS
     and GGUF_RUN_ATTN_ROUNDS override it, to measure); more rows (throughput: prefill, batch steps)
-    blocks of 4 warps, one round per split (GGUF_RUN_ATTN_BIG="W,R" overrides it)."""
+    blocks of 4 warps, one round per split (GGUF_RUN_ATTN_BIG="W,R" or "W:R" overrides it)."""
     env = os.environ.get
     g = cfg.n_head // cfg.n_head_kv
     if rows > L.MAX_MMV_TOKENS:
-        w, r = env("GGUF_RUN_ATTN_BIG", "4,1").split(",")
+        w, r = env("GGUF_RUN_ATTN_BIG", "4,1").replace(":", ",").split(",")
         return LA.attn_shape(cfg.head_dim, g, int(w), int(r))
     return LA.attn_shape(cfg.head_dim, g, int(env("GGUF_RUN_ATTN_WARPS", "0")), int(env("GGUF_RUN_ATTN_ROUNDS", "1")))
 

@@ -11,8 +11,11 @@
 // addresses: straight-line code) go out before this step's MMAs, so their latency overlaps the
 // arithmetic. grid.z > 1 splits K: each block a contiguous run of k steps; every thread stores its
 // partial C fragments, and the last block of the tile to finish (a counter, reset by that block)
-// adds the S fragments in split order (the same result on every run) and runs the epilogue. Raw kernels rather than cuBLAS, so the batch decode step can be
-// captured in a CUDA graph. Shared memory is dynamic: (TB + NM TM) (TK + 8) halves.
+// adds the S fragments in split order (the same result on every run) and runs the epilogue. Raw
+// kernels rather than cuBLAS, so the batch decode step can be captured in a CUDA graph. Shared
+// memory is dynamic: (TB + NM TM) (TK + 8) halves.
+// RA = 1 and a type of mma_regs.cuh (Q4_K, Q6_K): the warps build their A fragments in registers
+// from the raw quants instead, and only x goes through shared memory (2 TB LDX halves).
 #include "quant_types.cuh"
 
 #define NTHR 128
@@ -253,16 +256,19 @@ __global__ void __launch_bounds__(NTHR) mma_group(
     int tile = blockIdx.x;
     const int t0n = (n0 + TM - 1) / TM, t1n = (n1 + TM - 1) / TM;
     if (tile < t0n) {
-        mma_segment<T0, WR, NT, MODE, H, RA>(MAT(0, T0), n0, tile * TM, x, ldx, n_tok, K, y0, ldy0, bias0, smem, part, counter);
+        mma_segment<T0, WR, NT, MODE, H, RA>(MAT(0, T0), n0, tile * TM, x, ldx, n_tok, K, y0, ldy0, bias0, smem,
+                                              part, counter);
         return;
     }
     tile -= t0n;
     if (tile < t1n) {
-        mma_segment<T1, WR, NT, MODE, H, RA>(MAT(1, T1), n1, tile * TM, x, ldx, n_tok, K, y1, ldy1, bias1, smem, part, counter);
+        mma_segment<T1, WR, NT, MODE, H, RA>(MAT(1, T1), n1, tile * TM, x, ldx, n_tok, K, y1, ldy1, bias1, smem,
+                                              part, counter);
         return;
     }
     tile -= t1n;
-    mma_segment<T2, WR, NT, MODE, H, RA>(MAT(2, T2), n2, tile * TM, x, ldx, n_tok, K, y2, ldy2, bias2, smem, part, counter);
+    mma_segment<T2, WR, NT, MODE, H, RA>(MAT(2, T2), n2, tile * TM, x, ldx, n_tok, K, y2, ldy2, bias2, smem,
+                                          part, counter);
 }
 
 // y16 = f16(act(G x) * (U x)); ACT 0 = SiLU, 1 = GELU (tanh). Gate and up tiles share each x tile.
