@@ -4,7 +4,7 @@
 // A warp owns 16 weight rows; lane (g, tig) = (lane / 4, lane % 4) holds rows g and g + 8 of
 // them (mma.sync.m16n8k16's A layout). It loads its own quant bytes and scales from global
 // memory, one 128-wide k step ahead, and turns them into f16 pairs with f16x2 arithmetic:
-// byte b -> f16 (1024 + b) by one PRMT with 0x64 bytes, then (q - 1024) * ds + (-m) by
+// quant byte b -> f16 h = 1024 + b by one PRMT with 0x64 bytes, then (h - 1024) * ds + (-m) by
 // sub.f16x2 and fma.f16x2 (two weights per instruction, against ~5 f32 instructions per
 // weight, one conversion and a shared-memory round trip in the dequantizing path). Every mma
 // spans 16 columns of one sub-block, so its scales are the same f16 pair for all four lanes of a
