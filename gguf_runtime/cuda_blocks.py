@@ -58,7 +58,8 @@ def attn_shape(cfg: ModelConfig, rows: int) -> LA.AttnShape:
     if rows > L.MAX_MMV_TOKENS:
         w, r = env("GGUF_RUN_ATTN_BIG", "4,1").replace(":", ",").split(",")
         return LA.attn_shape(cfg.head_dim, g, int(w), int(r))
-    return LA.attn_shape(cfg.head_dim, g, int(env("GGUF_RUN_ATTN_WARPS", "0")), int(env("GGUF_RUN_ATTN_ROUNDS", "1")))
+    return LA.attn_shape(cfg.head_dim, g, int(env("GGUF_RUN_ATTN_WARPS", "0")),
+                         int(env("GGUF_RUN_ATTN_ROUNDS", "1")))
 
 
 def mmv_override(role: str) -> tuple[int, int] | None:
@@ -277,7 +278,8 @@ class CudaBlocks:
                     cfg.head_dim, cfg.attn_scale, cfg.attn_softcap or 0.0, cfg.layer_window[layer], n_splits(t),
                     ws.part_o.data.ptr, ws.part_ml.data.ptr, ws.attn_counter.data.ptr, out.data.ptr,
                     out.strides[0] // 4, None if self._small(t) else ws.x16.data.ptr,
-                    0 if self._small(t) else ws.x16.strides[0] // 2, q8=self._att_q8, shape=self.attn_shapes[not self._small(t)],
+                    0 if self._small(t) else ws.x16.strides[0] // 2, q8=self._att_q8,
+                    shape=self.attn_shapes[not self._small(t)],
                     early=self.decode and self.attn_early)
         return out
 

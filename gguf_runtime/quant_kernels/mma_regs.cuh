@@ -33,11 +33,9 @@ constexpr u32 H1024 = 0x64006400u;    // (1024, 1024)
 constexpr u32 SEL01 = 0x4140u, SEL23 = 0x4342u;
 DEV u32 sel_bcast(int j) { return 0x4040u | (u32)(j * 0x0101); }
 
-DEV u32 ldg32(const u8* p) { return __ldg(reinterpret_cast<const unsigned int*>(p)); }
-DEV uint2 ldg64(const u8* p) { return __ldg(reinterpret_cast<const uint2*>(p)); }
-DEV uint4 ldg128(const u8* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+DEV uint2 ld8(const u8* p) { return __ldg(reinterpret_cast<const uint2*>(p)); }  // beside common.cuh's ld16, ld32
 
-template <class T> struct RegA { static constexpr bool OK = false; static constexpr int LDX = 8; };
+template <class T> struct RegA { static constexpr bool OK = false; };
 
 // Q4_K. A 128-wide step is half a superblock: its 64-groups G = 0, 1 (sub-blocks lo = 2 G' and
 // hi = 2 G' + 1 of the superblock, G' = 2 half + G). Lane tig takes quant bytes 8 tig .. 8 tig + 7
@@ -49,7 +47,7 @@ template <class T> struct RegA { static constexpr bool OK = false; static conste
 template <> struct RegA<TQ4_K> {
     static constexpr bool OK = true;
     static constexpr int LDX = 160;
-    struct Raw { uint2 q[2][2]; uint4 s[2]; };  // [row g, g + 8][group]; the 16 scale bytes of each row
+    struct Raw { uint2 q[2][2]; V16 s[2]; };  // [row g, g + 8][group]; the 16 scale bytes of each row
 
     static DEV void load(const Mat& m, int n_rows, int r, int k0, Raw& raw) {
         const int tig = threadIdx.x & 3, sb = k0 >> 8, half = (k0 >> 7) & 1;
@@ -57,8 +55,8 @@ template <> struct RegA<TQ4_K> {
         for (int i = 0; i < 2; ++i) {
             const long b = (long)min(r + 8 * i, n_rows - 1) * m.nb + sb;
 #pragma unroll
-            for (int G = 0; G < 2; ++G) raw.q[i][G] = ldg64(m.qs + b * 128 + 32 * (2 * half + G) + 8 * tig);
-            raw.s[i] = ldg128(m.sc + b * 16);  // d, dmin, scales12
+            for (int G = 0; G < 2; ++G) raw.q[i][G] = ld8(m.qs + b * 128 + 32 * (2 * half + G) + 8 * tig);
+            raw.s[i] = ld16(m.sc + b * 16);  // d, dmin, scales12
         }
     }
 
@@ -72,15 +70,15 @@ template <> struct RegA<TQ4_K> {
         for (int m = 0; m < NM; ++m)
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
-                const uint4 s = raw[m].s[i];
-                d2[m][i] = prmt(s.x, 0u, 0x1010u);                   // (d, d)
-                nmin2[m][i] = prmt(s.x, 0u, 0x3232u) ^ 0x80008000u;  // (-dmin, -dmin)
+                const V16 s = raw[m].s[i];  // words: (d, dmin), scales12
+                d2[m][i] = prmt(s.w[0], 0u, 0x1010u);                   // (d, d)
+                nmin2[m][i] = prmt(s.w[0], 0u, 0x3232u) ^ 0x80008000u;  // (-dmin, -dmin)
                 if (half == 0) {
-                    sc[m][i] = s.y & 0x3F3F3F3Fu;
-                    mn[m][i] = s.z & 0x3F3F3F3Fu;
+                    sc[m][i] = s.w[1] & 0x3F3F3F3Fu;
+                    mn[m][i] = s.w[2] & 0x3F3F3F3Fu;
                 } else {
-                    sc[m][i] = (s.w & 0x0F0F0F0Fu) | ((s.y >> 2) & 0x30303030u);
-                    mn[m][i] = ((s.w >> 4) & 0x0F0F0F0Fu) | ((s.z >> 2) & 0x30303030u);
+                    sc[m][i] = (s.w[3] & 0x0F0F0F0Fu) | ((s.w[1] >> 2) & 0x30303030u);
+                    mn[m][i] = ((s.w[3] >> 4) & 0x0F0F0F0Fu) | ((s.w[2] >> 2) & 0x30303030u);
                 }
             }
 #pragma unroll 1  // (unrolled, the compiler hoists all 32 B loads of the step: spills in the GLU)
@@ -136,11 +134,11 @@ template <> struct RegA<TQ6_K> {
 #pragma unroll
             for (int bb = 0; bb < 2; ++bb) {
                 const int l = 16 * bb + 4 * tig;
-                raw.la[i][bb] = ldg32(m.qs + b * 128 + 64 * h + l);
-                raw.lb[i][bb] = ldg32(m.qs + b * 128 + 64 * h + 32 + l);
-                raw.qh[i][bb] = ldg32(m.qh + b * 64 + 32 * h + l);
+                raw.la[i][bb] = ld32(m.qs + b * 128 + 64 * h + l);
+                raw.lb[i][bb] = ld32(m.qs + b * 128 + 64 * h + 32 + l);
+                raw.qh[i][bb] = ld32(m.qh + b * 64 + 32 * h + l);
             }
-            raw.s[i] = ldg64(m.sc + b * 16 + 8 * h);
+            raw.s[i] = ld8(m.sc + b * 16 + 8 * h);
             raw.d[i] = ld16bits(m.d + b * 2);
         }
     }
