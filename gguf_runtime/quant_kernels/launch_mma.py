@@ -17,8 +17,10 @@ MMA_TK = 128  # columns per k step (matmul_mma.cu TK)
 MMA_TALL_MIN_COLS = 1024
 MMA_MAX_SPLIT = 4  # K splits of a product (partials merged in split order by the tile's last block)
 # Types whose A fragments are built in registers (mma_regs.cuh): x tile row stride in halves.
-# Only x goes through shared memory there, in two buffers.
+# x goes through shared memory in two buffers, and for the REG_A_WROW types each k step's raw
+# weights too (bytes per weight row, two buffers).
 REG_A_LDX = {"TQ4_K": 160, "TQ6_K": 144}
+REG_A_WROW = {"TQ4_K": 96}
 
 
 def reg_a() -> int:
@@ -58,10 +60,11 @@ def mma_config(rows: Sequence[int], n_tok: int, cols: int = 0, tall: bool = True
 
 def _mma_smem(fn: "_Counted", wr: int, nt: int, n_mats: int, structs: Sequence[str], ra: int) -> int:
     """Dynamic shared memory of an mma kernel: the x tile and n_mats W tiles, f16, padded rows;
-    for a register-fragment segment, two x tiles (the largest over the segments)."""
+    for a register-fragment segment two x tiles, and two stages of raw weights where staged (the
+    largest over the segments)."""
     tb = 8 * nt * (4 // wr)
-    size = max(2 * tb * REG_A_LDX[s] * 2 if ra and s in REG_A_LDX else (tb + n_mats * 16 * wr) * (MMA_TK + 8) * 2
-               for s in structs)
+    size = max(2 * tb * REG_A_LDX[s] * 2 + 2 * n_mats * 16 * wr * REG_A_WROW.get(s, 0) if ra and s in REG_A_LDX
+               else (tb + n_mats * 16 * wr) * (MMA_TK + 8) * 2 for s in structs)
     if size > fn.smem_max:
         fn.kernel.max_dynamic_shared_size_bytes = size
         fn.smem_max = size

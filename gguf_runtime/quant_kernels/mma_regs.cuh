@@ -10,7 +10,8 @@
 // spans 16 columns of one sub-block, so its scales are the same f16 pair for all four lanes of a
 // row. A k16 MMA only needs A and B to agree on which column sits at which k: lane tig takes
 // its own contiguous quant bytes, and the B fragment (x, f16, in shared memory) is read at the
-// same columns. Only the x tile goes through shared memory (cp.async, two buffers).
+// same columns. The x tile goes through shared memory (cp.async, two buffers); Q4_K stages each
+// step's raw weights there too (mma_tiles_cp), Q6_K loads them into registers (mma_tiles_reg).
 //
 // Precision: ds = d * sc and m = dmin * mn are rounded to f16 (as is the dequantized weight in
 // the other path), then q * ds - m is rounded once (fma).
@@ -33,9 +34,16 @@ constexpr u32 H1024 = 0x64006400u;    // (1024, 1024)
 constexpr u32 SEL01 = 0x4140u, SEL23 = 0x4342u;
 DEV u32 sel_bcast(int j) { return 0x4040u | (u32)(j * 0x0101); }
 
+// 16 bytes of shared memory, in program order with the (volatile) MMAs around it.
+DEV uint4 lds_b16(const u16* p) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "r"((u32)__cvta_generic_to_shared(p)));
+    return v;
+}
 DEV uint2 ld8(const u8* p) { return __ldg(reinterpret_cast<const uint2*>(p)); }  // beside common.cuh's ld16, ld32
 
-template <class T> struct RegA { static constexpr bool OK = false; };
+template <class T> struct RegA { static constexpr bool OK = false; static constexpr int WROW = 0; };  // WROW: below
 
 // Q4_K. A 128-wide step is half a superblock: its 64-groups G = 0, 1 (sub-blocks lo = 2 G' and
 // hi = 2 G' + 1 of the superblock, G' = 2 half + G). Lane tig takes quant bytes 8 tig .. 8 tig + 7
@@ -48,15 +56,24 @@ template <> struct RegA<TQ4_K> {
     static constexpr bool OK = true;
     static constexpr int LDX = 160;
     struct Raw { uint2 q[2][2]; V16 s[2]; };  // [row g, g + 8][group]; the 16 scale bytes of each row
+    // A step's raw data of a row staged in shared memory by cp.async (mma_tiles_cp): its 64 quant
+    // bytes, then its 16 scale bytes, padded to 96 (24 words: the 8-byte reads of a half warp and
+    // the 16-byte reads of a quarter warp are conflict-free).
+    static constexpr int WROW = 96, CHUNKS = 5;
 
-    static DEV void load(const Mat& m, int n_rows, int r, int k0, Raw& raw) {
-        const int tig = threadIdx.x & 3, sb = k0 >> 8, half = (k0 >> 7) & 1;
+    static DEV const u8* chunk(const Mat& m, int row, int k0, int c) {  // 16-byte piece c of a row's step
+        const long b = (long)row * m.nb + (k0 >> 8);
+        return c < 4 ? m.qs + b * 128 + 64 * ((k0 >> 7) & 1) + 16 * c : m.sc + b * 16;
+    }
+    static DEV void load_smem(const u8* ws, Raw& raw) {  // ws: row g's staged bytes (row g + 8 at 8 WROW)
+        const int tig = threadIdx.x & 3;
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-            const long b = (long)min(r + 8 * i, n_rows - 1) * m.nb + sb;
 #pragma unroll
-            for (int G = 0; G < 2; ++G) raw.q[i][G] = ld8(m.qs + b * 128 + 32 * (2 * half + G) + 8 * tig);
-            raw.s[i] = ld16(m.sc + b * 16);  // d, dmin, scales12
+            for (int G = 0; G < 2; ++G)
+                raw.q[i][G] = *reinterpret_cast<const uint2*>(ws + i * 8 * WROW + 32 * G + 8 * tig);
+            const uint4 v = *reinterpret_cast<const uint4*>(ws + i * 8 * WROW + 64);
+            raw.s[i] = V16{{v.x, v.y, v.z, v.w}};
         }
     }
 
@@ -81,7 +98,10 @@ template <> struct RegA<TQ4_K> {
                     mn[m][i] = ((s.w[3] >> 4) & 0x0F0F0F0Fu) | ((s.w[2] >> 2) & 0x30303030u);
                 }
             }
-#pragma unroll 1  // (unrolled, the compiler hoists all 32 B loads of the step: spills in the GLU)
+        // Straight-line code (as an `unroll 1` loop: the 8B's GLU at B=64 95.5 -> 88.3 us, H100).
+        // The B loads are volatile (lds_b16), so they stay between the MMAs instead of all 32
+        // being hoisted (spills in the GLU).
+#pragma unroll
         for (int G = 0; G < 2; ++G)
 #pragma unroll
             for (int hi = 0; hi < 2; ++hi) {
@@ -104,7 +124,7 @@ template <> struct RegA<TQ4_K> {
                 const u16* xp = xs + g * LDX + 64 * G + 32 * hi + 8 * tig;
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
-                    const uint4 b = *reinterpret_cast<const uint4*>(xp + nt * 8 * LDX);
+                    const uint4 b = lds_b16(xp + nt * 8 * LDX);
 #pragma unroll
                     for (int m = 0; m < NM; ++m) {
                         mma16816(acc[m][nt], a[m][0][0], a[m][0][1], a[m][0][2], a[m][0][3], b.x, b.y);
@@ -123,7 +143,7 @@ template <> struct RegA<TQ4_K> {
 // 72 words: the four rows of a half warp in four bank quarters).
 template <> struct RegA<TQ6_K> {
     static constexpr bool OK = true;
-    static constexpr int LDX = 144;
+    static constexpr int LDX = 144, WROW = 0;  // loads straight into registers (mma_tiles_reg)
     struct Raw { u32 la[2][2], lb[2][2], qh[2][2]; uint2 s[2]; u32 d[2]; };  // [row][b]; this half's 8 scales
 
     static DEV void load(const Mat& m, int n_rows, int r, int k0, Raw& raw) {
@@ -232,6 +252,54 @@ DEV void mma_tiles_reg(const Mat (&ms)[NM], int n_rows, int row0, int jstride, c
             cur[j] = w[j];
             R::load(ms[j], n_rows, r + j * jstride, kn, w[j]);
         }
+        R::template step<NT, NM>(cur, k0, smem + buf * XS + wc * 8 * NT * R::LDX, acc);
+    }
+}
+
+// mma_tiles_reg with the weights staged too: each k step's raw quants and scales of the block's
+// rows go to shared memory by cp.async one step ahead, beside the x tile (two buffers each), and
+// each lane reads its own from there. Register loads one step ahead left every warp waiting about
+// a memory latency per step at its first use of them (ncu: 35% of the GLU's cycles, long
+// scoreboard), and cost two register copies of the raw data.
+template <class T, int WR, int NT, int NM>
+DEV void mma_tiles_cp(const Mat (&ms)[NM], int n_rows, int row0, int jstride, const u16* x, int ldx, int n_tok,
+                      int t0, int kb, int ke, int K, u16* smem, float (&acc)[NM][NT][4]) {
+    using R = RegA<T>;
+    constexpr int TB = 8 * NT * (4 / WR), XS = TB * R::LDX, ROWS = 16 * WR;
+    constexpr int WS = NM * ROWS * R::WROW, CH = NM * ROWS * R::CHUNKS;
+    const int warp = threadIdx.x >> 5, wr = warp % WR, wc = warp / WR, g = (threadIdx.x & 31) >> 2;
+    u8* wsm = reinterpret_cast<u8*>(smem + 2 * XS);  // two W stages after the two x tiles
+    auto copy_w = [&](int k0, u8* dst) {
+#pragma unroll
+        for (int i = 0; i < (CH + NTHR - 1) / NTHR; ++i) {
+            const int idx = threadIdx.x + i * NTHR;
+            if (CH % NTHR == 0 || idx < CH) {
+                const int j = idx / (ROWS * R::CHUNKS), r = idx / R::CHUNKS % ROWS, c = idx % R::CHUNKS;
+                cp_async16(dst + (j * ROWS + r) * R::WROW + 16 * c,
+                           R::chunk(ms[j], min(row0 + j * jstride + r, n_rows - 1), k0, c), true);
+            }
+        }
+    };
+#pragma unroll
+    for (int j = 0; j < NM; ++j)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) acc[j][nt][0] = acc[j][nt][1] = acc[j][nt][2] = acc[j][nt][3] = 0.f;
+    copy_w(kb, wsm);  // weights only: before the previous kernel's end (common.cuh)
+    pdl_enter();
+    x_tile_async<TB, R::LDX>(x, ldx, n_tok, t0, kb, K, smem);
+    cp_async_commit();
+    int buf = 0;
+    for (int k0 = kb; k0 < ke; k0 += TK, buf ^= 1) {
+        cp_async_wait_all();
+        __syncthreads();  // this step's tiles are in; every warp is done with the other buffers
+        if (k0 + TK < ke) {
+            copy_w(k0 + TK, wsm + (buf ^ 1) * WS);
+            x_tile_async<TB, R::LDX>(x, ldx, n_tok, t0, k0 + TK, K, smem + (buf ^ 1) * XS);
+        }
+        cp_async_commit();
+        typename R::Raw cur[NM];
+#pragma unroll
+        for (int j = 0; j < NM; ++j) R::load_smem(wsm + buf * WS + (j * ROWS + 16 * wr + g) * R::WROW, cur[j]);
         R::template step<NT, NM>(cur, k0, smem + buf * XS + wc * 8 * NT * R::LDX, acc);
     }
 }
