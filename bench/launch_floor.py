@@ -15,7 +15,7 @@ import cupy as cp
 import numpy as np
 
 from gguf_runtime.quant_kernels import pdl
-from gguf_runtime.quant_kernels.launchers import OPTIONS
+from gguf_runtime.quant_kernels.launch_core import OPTIONS
 
 SRC = r"""
 #include "common.cuh"

@@ -20,7 +20,9 @@ import cupy as cp
 import numpy as np
 
 from .backend_numpy import rope_inv_freq
-from .cuda_blocks import CudaBlocks, Workspace, use_q8
+from .cuda_blocks import CudaBlocks
+from .cuda_workspace import Workspace
+from .cuda_precompile import precompile
 from .cuda_weights import DeviceWeights
 from .errors import BackendError, ContextOverflowError, UnsupportedModelError
 from .gguf_file import GGUFFile
@@ -29,8 +31,7 @@ from .graphs.manager import CaptureError
 from .kv_cache import PAGE_SIZE, PagedKVCache
 from .model import forward
 from .model_config import ModelConfig
-from .quant_kernels import launch_attention as LA
-from .quant_kernels import launch_mma as LM
+from .quant_kernels import launch_layers as LL
 from .quant_kernels import launchers as L
 from .quant_kernels import launch_sampling as LS
 from .quant_kernels import pdl
@@ -52,17 +53,14 @@ def check_supported(cfg: ModelConfig) -> None:
         raise UnsupportedModelError(
             f"the CUDA attention kernels support head sizes 64/128/256 and up to 8 query heads per KV head "
             f"(this model: {cfg.head_dim}, {g}); use --backend numpy")
-    if cfg.n_embd % 4 or cfg.n_embd > L.RMSNORM_MAX_COLS:
+    if cfg.n_embd % 4 or cfg.n_embd > LL.RMSNORM_MAX_COLS:
         raise UnsupportedModelError(
-            f"the CUDA RMSNorm kernel supports hidden sizes that are multiples of 4 up to {L.RMSNORM_MAX_COLS} "
+            f"the CUDA RMSNorm kernel supports hidden sizes that are multiples of 4 up to {LL.RMSNORM_MAX_COLS} "
             f"(this model: {cfg.n_embd}); use --backend numpy")
 
 
 def bucket_for(n: int, max_batch: int) -> int:
     return next(b for b in BUCKETS if b >= n or b >= max_batch)
-
-
-MMV_SWEEP = ((2, 1), (2, 2), (2, 4), (1, 1), (1, 2), (1, 4))  # (R, WG) candidates of GGUF_RUN_MMV_*
 
 
 class CudaBackend:
@@ -94,7 +92,7 @@ class CudaBackend:
                              for key in {cfg.rope_key(i) for i in range(cfg.n_layer)}}
             self.blocks = CudaBlocks(cfg, self.weights, self.kv, self.ws, self.kernels, self.inv_freq)
             self._init_slots()
-            self._precompile()
+            precompile(self.kernels, cfg, self.weights, self.blocks, max_batch, BUCKETS)
             self.blocks.load_f16()
         except cp.cuda.memory.OutOfMemoryError as e:
             raise BackendError(f"the GPU ran out of memory loading the model ({e}); "
@@ -123,61 +121,6 @@ class CudaBackend:
                     self.note(f"note: the KV cache holds {want * PAGE_SIZE} tokens for {self.max_batch} "
                               "sequences (half the free GPU memory); sequences wait for pages when it is full")
         return want
-
-    def _precompile(self) -> None:
-        """Compile every kernel this model can launch, one NVRTC pass per source file."""
-        cfg, w = self.cfg, self.weights
-        mm, mma = [], []
-        head = w.mat("output.weight" if "output.weight" in w.mats else "token_embd.weight")
-        groups = []
-        for i in range(cfg.n_layer):
-            p = f"blk.{i}."
-            groups.append([w.mat(p + n) for n in ("attn_q.weight", "attn_k.weight", "attn_v.weight")])
-            groups += [[w.mat(p + n)] for n in ("attn_output.weight", "ffn_down.weight", "ffn_gate.weight",
-                                                "ffn_up.weight")]
-        groups.append([head])
-        glu = {(w.mat(f"blk.{i}.ffn_gate.weight").struct, w.mat(f"blk.{i}.ffn_gate.weight").rows,
-                w.mat(f"blk.{i}.ffn_gate.weight").cols) for i in range(cfg.n_layer)}
-        q8 = use_q8(cfg)
-        # o-proj and down: y += W a, or y = W a before a post-norm (both modes)
-        residuals = {w.mat(f"blk.{i}.{n}.weight").qs for i in range(cfg.n_layer) for n in ("attn_output", "ffn_down")}
-        for mats in groups:
-            structs, rows = [m.struct for m in mats], [m.rows for m in mats]
-            ios = [0] + ([1] if q8 and L.q8_capable(mats) else [])
-            for mode in (0, 1):
-                mm += [L.mmv_name(structs, b, *L.mmv_config(structs, rows, mats[0].cols, b), mode, io)
-                       for b in L.MMV_TOKENS for io in ios]
-            if len(ios) > 1 and len(mats) == 1 and rows[0] % L.Q8_OUT_ROWS == 0:  # residual with a q8 epilogue
-                mm += [L.mmv_name(structs, b, *L.mmv_config(structs, rows, mats[0].cols, b, True), 1, 3)
-                       for b in L.MMV_TOKENS]
-            if self.max_batch > L.MAX_MMV_TOKENS:  # batch decode steps: tensor-core products
-                modes = (0, 1) if len(mats) == 1 and mats[0].qs in residuals else (0,)
-                configs = [LM.mma_config(rows, b, mats[0].cols) for b in BUCKETS
-                           if L.MAX_MMV_TOKENS < b <= self.max_batch]
-                mma += [LM.mma_name(structs, c.wr, c.nt, mode, c.h) for c in configs for mode in modes]
-        act = L.ACT[cfg.activation]
-        for s, n, c in glu:
-            mm += [L.glu_name(s, b, *L.glu_config(s, n, c, b), act) for b in L.MMV_TOKENS]
-            if q8 and s not in L.FLOAT_STRUCTS:
-                mm += [L.glu_name(s, b, *L.glu_config(s, n, c, b), act, 1) for b in L.MMV_TOKENS]
-                mm += [L.glu_name(s, b, 2, min(L.glu_config(s, n, c, b)[1], 2), act, 3) for b in L.MMV_TOKENS
-                       if n % L.Q8_OUT_ROWS == 0]
-        mma += [LM.mma_glu_name(s, *LM.mma_config([n], b, 0, tall=False)[:2], act) for s, n, _ in glu for b in BUCKETS
-                if L.MAX_MMV_TOKENS < b <= self.max_batch]
-        mm.append(f"embed_rows<{w.mat('token_embd.weight').struct}>")
-        mm += [f"dequant_f16<{s}>" for s in {m.struct for m in w.mats.values()}]
-        if any(self.blocks.mmv_cfg.values()):  # measuring (R, WG): every candidate, so one module for all
-            for mats in groups:
-                structs = [m.struct for m in mats]
-                for r, wg in MMV_SWEEP:
-                    mm += [L.mmv_name(structs, 1, r, wg, 0, 1), L.mmv_name(structs, 1, *L.q8_out_config(r, wg), 1, 3)]
-        self.kernels.prepare("matvec.cu", mm)
-        if mma:
-            self.kernels.prepare("matmul_mma.cu", mma)
-        self.kernels.prepare("layers.cu", ["rmsnorm", "rope_kv", "glu", "add_bias", "softcap", "quantize_q8"])
-        self.kernels.prepare("attention.cu", [LA.kernel_name(cfg.head_dim, cfg.n_head // cfg.n_head_kv, shape)
-                                              for shape in self.blocks.attn_shapes])
-        self.kernels.prepare("sampling.cu", ["repeat_penalty", "argmax_sample", "topk_sample"])
 
     def _init_slots(self) -> None:
         n = self.max_batch

@@ -20,20 +20,16 @@ import numpy as np
 
 from .cuda_f16 import F16Weights
 from .cuda_weights import DeviceWeights
+from .cuda_workspace import Workspace, attn_shape, n_splits
 from .kv_cache import PagedKVCache
 from .model import lm_head_name
 from .model_config import ROPE_NEOX, ModelConfig
 from .quant_kernels import launch_attention as LA
+from .quant_kernels import launch_layers as LL
 from .quant_kernels import launch_mma as LM
 from .quant_kernels import launchers as L
 
 CUDA_R_16F, CUDA_R_32F = 2, 0
-ATTN_PARTS = 2048  # splits x rows budget of the attention partials
-DECODE_SPLITS = 32  # rows <= MAX_MMV_TOKENS: every row the same split, so its arithmetic never depends on B
-# Tensor-core batch steps (9..64 rows): the rows already fill the GPU; a split of a few keys per
-# block (32 splits of a 200-token context) cost more in block overhead and merging than it saved
-# (H100, 8B, B=64: 72 us per layer).
-BATCH_SPLIT_BUDGET = 256
 # RMSNorm fused into the f32 matvec (GGUF_RUN_Q8=0, or matrices without integer weights) for hidden
 # sizes up to this: it adds ~2 instructions per element of x to every row group. Latency-bound
 # small models gain (H100, 851c281: SmolLM2 tg128 999 -> 1,166, Gemma-3 987 -> 1,040); the 8B's
@@ -41,82 +37,9 @@ BATCH_SPLIT_BUDGET = 256
 FUSE_NORM_MAX_COLS = 2048
 
 
-def use_q8(cfg: ModelConfig) -> bool:
-    """Int8 activations and dp4a matvecs (matvec_block.cuh) for the matrices with integer weights:
-    faster than the f32 matvecs on every reference model (H100 tg128, bench/RESULTS.md: the 8B
-    254 -> 431, SmolLM2 1,798 -> 2,231, Gemma-3 1,530 -> 1,581). GGUF_RUN_Q8=0 keeps f32."""
-    return os.environ.get("GGUF_RUN_Q8", "1") != "0"
-
-
-def attn_shape(cfg: ModelConfig, rows: int) -> LA.AttnShape:
-    """The attention kernel's block shape (launch_attention.attn_shape). Up to MAX_MMV_TOKENS rows
-    (latency: decode steps, short prompts) the widest block, one round per split (GGUF_RUN_ATTN_WARPS
-    and GGUF_RUN_ATTN_ROUNDS override it, to measure); more rows (throughput: prefill, batch steps)
-    blocks of 4 warps, one round per split (GGUF_RUN_ATTN_BIG="W,R" or "W:R" overrides it)."""
-    env = os.environ.get
-    g = cfg.n_head // cfg.n_head_kv
-    if rows > L.MAX_MMV_TOKENS:
-        w, r = env("GGUF_RUN_ATTN_BIG", "4,1").replace(":", ",").split(",")
-        return LA.attn_shape(cfg.head_dim, g, int(w), int(r))
-    return LA.attn_shape(cfg.head_dim, g, int(env("GGUF_RUN_ATTN_WARPS", "0")),
-                         int(env("GGUF_RUN_ATTN_ROUNDS", "1")))
-
-
 def mmv_override(role: str) -> tuple[int, int] | None:
     v = os.environ.get(f"GGUF_RUN_MMV_{role}")
     return tuple(int(x) for x in v.split(":")) if v else None  # type: ignore[return-value]
-
-
-def n_splits(rows: int) -> int:
-    budget = BATCH_SPLIT_BUDGET if L.MAX_MMV_TOKENS < rows <= 64 else ATTN_PARTS
-    return max(1, min(DECODE_SPLITS, budget // rows))
-
-
-class Workspace:
-    """Every activation buffer, sized at load for ``max_rows`` tokens per forward call."""
-
-    def __init__(self, cfg: ModelConfig, max_rows: int, logits_rows: int) -> None:
-        f32 = cp.float32
-        self.max_rows = max_rows
-        self.qkv_width = (cfg.n_head + 2 * cfg.n_head_kv) * cfg.head_dim
-        self.x = cp.zeros((max_rows, cfg.n_embd), f32)
-        self.h = cp.zeros((max_rows, cfg.n_embd), f32)
-        self.o = cp.zeros((max_rows, cfg.n_embd), f32)
-        self.qkv = cp.zeros((max_rows, self.qkv_width), f32)
-        self.att = cp.zeros((max_rows, cfg.n_head * cfg.head_dim_v), f32)
-        gu = cp.zeros((max_rows, 2 * cfg.n_ff), f32)  # gate | up side by side: one stacked product fills both
-        self.g, self.u = gu[:, :cfg.n_ff], gu[:, cfg.n_ff:]
-        self.logits = cp.zeros((logits_rows, cfg.n_vocab), f32)
-        parts = max(ATTN_PARTS, max_rows) * cfg.n_head
-        self.part_o = cp.zeros(parts * cfg.head_dim_v, f32)
-        self.part_ml = cp.zeros(parts * 2, f32)
-        self.attn_counter = cp.zeros(max_rows * cfg.n_head_kv, cp.uint32)
-        self.tokens = cp.zeros(max_rows, cp.int32)
-        self.pos = cp.zeros(max_rows, cp.int32)
-        self.seq = cp.zeros(max_rows, cp.int32)
-        # f16 inputs of the cuBLAS and tensor-core paths
-        widest = max(cfg.n_embd, cfg.n_ff, cfg.n_head * cfg.head_dim_v)
-        big = max_rows > L.MAX_MMV_TOKENS
-        self.x16 = cp.zeros((max_rows, widest), cp.float16) if big else None  # f16 inputs of big matmuls
-        self.g16 = cp.zeros((max_rows, cfg.n_ff), cp.float16) if big else None  # GLU output, f16
-        # K-split tensor-core products of batch steps (<= logits_rows rows): QKV and the residual ones
-        out = max(cfg.n_embd, self.qkv_width)
-        # int8 activations of the matvecs (use_q8): q8_norm holds the inputs after a norm (QKV, GLU,
-        # lm_head), q8_plain the others (attention and GLU outputs): a residual matvec reads the one
-        # and its epilogue writes the other
-        self.q8_norm = self.q8_plain = None
-        if use_q8(cfg):
-            self.xq = cp.zeros((2, L.MAX_MMV_TOKENS, widest), cp.int8)
-            self.xs = cp.zeros((2, L.MAX_MMV_TOKENS, widest // 16, 4), f32)
-            self.q8_norm, self.q8_plain = (L.Q8Vec(self.xq[i].data.ptr, widest, self.xs[i].data.ptr, widest // 16)
-                                           for i in range(2))
-        self.mma_part = cp.zeros(LM.split_part_floats(out, logits_rows) if big else 1, f32)
-        self.mma_counter = cp.zeros(-(-out // 16) * -(-logits_rows // 16) if big else 1, cp.uint32)
-        self.split = LM.SplitScratch(self.mma_part.data.ptr, self.mma_part.size, self.mma_counter.data.ptr,
-                                    self.mma_counter.size)
-
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in vars(self).values() if isinstance(a, cp.ndarray))
 
 
 class CudaBlocks:
@@ -173,7 +96,7 @@ class CudaBlocks:
         """y = rmsnorm(x) (+ res); f16: also into ws.x16 (the next tensor-core matmul's input); q8:
         also the int8 copy (of y times RMSNorm w2's weight, for a matvec that applies that norm)."""
         x16 = self.ws.x16 if f16 else None
-        L.rmsnorm(self.k, x.data.ptr, x.strides[0] // 4, self.w.vec(name).data.ptr, y.data.ptr, y.strides[0] // 4,
+        LL.rmsnorm(self.k, x.data.ptr, x.strides[0] // 4, self.w.vec(name).data.ptr, y.data.ptr, y.strides[0] // 4,
                   x.shape[0], x.shape[1], self.cfg.rms_eps,
                   res.data.ptr if res is not None else None, res.strides[0] // 4 if res is not None else 0,
                   x16.data.ptr if x16 is not None else None, x16.strides[0] // 2 if x16 is not None else 0, q8=q8,
@@ -187,7 +110,7 @@ class CudaBlocks:
         """a's int8 copy (quantize_q8, into q8_plain) when the matvec of mats takes int8 activations."""
         q8 = self._q8_for(a.shape[0], mats, self.ws.q8_plain)
         if q8 is not None:
-            L.quantize_q8(self.k, a.data.ptr, a.strides[0] // 4, a.shape[1], a.shape[0], q8)
+            LL.quantize_q8(self.k, a.data.ptr, a.strides[0] // 4, a.shape[1], a.shape[0], q8)
         return q8
 
     def _epilogue_rows(self, x: cp.ndarray, name: str) -> int | None:
@@ -227,7 +150,7 @@ class CudaBlocks:
         t = tokens.shape[0]
         x = self.ws.x[:t]
         self._q8_ready = None
-        L.embed(self.k, self.w.mat("token_embd.weight"), tokens.data.ptr, t, x.data.ptr, x.strides[0] // 4,
+        LL.embed(self.k, self.w.mat("token_embd.weight"), tokens.data.ptr, t, x.data.ptr, x.strides[0] // 4,
                 self.cfg.embed_scale)
         return x
 
@@ -261,7 +184,7 @@ class CudaBlocks:
             self._gemm16(ws.x16, t, tuple(names), qkv, accumulate=False)
             for n, c, b in zip(names, cols, biases):
                 if b:
-                    L.add_bias(self.k, qkv.data.ptr + 4 * c, ld, self.w.vec(b).data.ptr, self.w.mat(n).rows, t)
+                    LL.add_bias(self.k, qkv.data.ptr + 4 * c, ld, self.w.vec(b).data.ptr, self.w.mat(n).rows, t)
         rope.launch(self.k, 0, t)
         return qkv
 
@@ -366,12 +289,12 @@ class CudaBlocks:
                 L.mmv(self.k, [up], [(u.data.ptr, u.strides[0] // 4)], [None], h.data.ptr, h.strides[0] // 4, t, 0,
                       norm=norm, q8=q8)
             g16 = ws.g16 if big else None
-            L.glu(self.k, g.data.ptr, u.data.ptr, g.strides[0] // 4, cfg.n_ff, t, cfg.activation, g.data.ptr,
+            LL.glu(self.k, g.data.ptr, u.data.ptr, g.strides[0] // 4, cfg.n_ff, t, cfg.activation, g.data.ptr,
                   g.strides[0] // 4, g16.data.ptr if big else None, g16.strides[0] // 2 if big else 0)
             return self._project_residual(g, down, x, post, a16=g16, then=self._after_ffn(layer))
         u = ws.u[:t]
         self._gemm16(ws.x16, t, (gate_name, up_name), g, accumulate=False)  # g | u: adjacent halves
-        L.glu(self.k, g.data.ptr, u.data.ptr, g.strides[0] // 4, cfg.n_ff, t, cfg.activation, None, 0,
+        LL.glu(self.k, g.data.ptr, u.data.ptr, g.strides[0] // 4, cfg.n_ff, t, cfg.activation, None, 0,
               ws.x16.data.ptr, ws.x16.strides[0] // 2)
         return self._project_residual(g, down, x, post, a16=ws.x16)
 
@@ -393,5 +316,5 @@ class CudaBlocks:
                 L.mmv(self.k, [head], [(out[s:].data.ptr, ld)], [None], h[s:].data.ptr, h.strides[0] // 4, n, 0,
                       norm=norm, q8=q8)  # q8 only when t <= MAX_MMV_TOKENS: one chunk
         if cfg.final_softcap:
-            L.softcap(self.k, out.data.ptr, ld, cfg.n_vocab, t, cfg.final_softcap)
+            LL.softcap(self.k, out.data.ptr, ld, cfg.n_vocab, t, cfg.final_softcap)
         return out

@@ -18,6 +18,7 @@ import cupy as cp
 from .cuda_weights import DeviceWeights
 from .model_config import ModelConfig
 from .quant_kernels import launchers as L
+from .quant_kernels import launch_layers as LL
 
 RESIDENT_MAX_BYTES = 1 << 30  # SmolLM2-135M: 212 MB, Gemma-3-270M: 200 MB; Llama-3-8B: 14 GB (scratch)
 
@@ -58,7 +59,7 @@ class F16Weights:
         off = buf.data.ptr
         for n in names:
             m = self.w.mat(n)
-            L.dequant_f16(self.k, m, off)
+            LL.dequant_f16(self.k, m, off)
             off += 2 * m.rows * m.cols
 
     def get(self, names: Sequence[str]) -> W16:

@@ -13,7 +13,7 @@ import numpy as np
 from .errors import UnsupportedModelError
 from .gguf_file import GGUFFile
 from .model_config import ModelConfig, model_tensors
-from .quant_kernels.launchers import Mat
+from .quant_kernels.launch_core import Mat
 from .quant_kernels.reference import dequantize
 from .quant_kernels.repack import repack
 

@@ -16,6 +16,7 @@ from gguf_runtime.backend_numpy import apply_rope, gelu_tanh, silu  # noqa: E402
 from gguf_runtime.quant_kernels import launch_attention as LA  # noqa: E402
 from gguf_runtime.quant_kernels import launch_mma as LM  # noqa: E402
 from gguf_runtime.quant_kernels import launchers as L  # noqa: E402
+from gguf_runtime.quant_kernels import launch_layers as LL  # noqa: E402
 from gguf_runtime.quant_kernels import launch_sampling as LS  # noqa: E402
 from gguf_runtime.quant_kernels.formats import BY_NAME, FORMATS, SUPPORTED  # noqa: E402
 from gguf_runtime.quant_kernels.reference import dequantize, random_blocks  # noqa: E402
@@ -82,7 +83,7 @@ def test_rmsnorm_f16_copy_and_attention_f16_copy(k):
     xd, wd = cp.asarray(x), cp.asarray(w)
     y = cp.full((3, 640), POISON, cp.float32)
     y16 = cp.full((3, 648), np.nan, cp.float16)
-    L.rmsnorm(k, xd.data.ptr, 640, wd.data.ptr, y.data.ptr, 640, 3, 640, 1e-6, y16=y16.data.ptr, ld16=648)
+    LL.rmsnorm(k, xd.data.ptr, 640, wd.data.ptr, y.data.ptr, 640, 3, 640, 1e-6, y16=y16.data.ptr, ld16=648)
     assert rel(y16.get()[:, :640].astype(np.float32), y.get()) < 1e-3
 
 
@@ -155,10 +156,10 @@ def test_embed_and_dequant_f16(k, name):
     toks = rng.integers(0, rows, 7).astype(np.int32)
     x = cp.full((7, cols), POISON, cp.float32)
     td = cp.asarray(toks)
-    L.embed(k, m, td.data.ptr, 7, x.data.ptr, cols, 1.5)
+    LL.embed(k, m, td.data.ptr, 7, x.data.ptr, cols, 1.5)
     assert rel(x.get(), 1.5 * w[toks]) < 1e-6
     out = cp.full(rows * cols, POISON, cp.float16)
-    L.dequant_f16(k, m, out.data.ptr)
+    LL.dequant_f16(k, m, out.data.ptr)
     assert rel(out.get().reshape(rows, cols), w) < 1e-3
 
 
@@ -169,11 +170,11 @@ def test_rmsnorm_with_residual(k):
     res = rng.standard_normal((5, 576)).astype(np.float32)
     xd, wd, rd = cp.asarray(x), cp.asarray(w), cp.asarray(res)
     y = cp.full((5, 576), POISON, cp.float32)
-    L.rmsnorm(k, xd.data.ptr, 576, wd.data.ptr, y.data.ptr, 576, 5, 576, 1e-6)
+    LL.rmsnorm(k, xd.data.ptr, 576, wd.data.ptr, y.data.ptr, 576, 5, 576, 1e-6)
     x64 = x.astype(np.float64)
     ref = x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-6) * w
     assert rel(y.get(), ref) < 1e-5
-    L.rmsnorm(k, xd.data.ptr, 576, wd.data.ptr, rd.data.ptr, 576, 5, 576, 1e-6, rd.data.ptr, 576)
+    LL.rmsnorm(k, xd.data.ptr, 576, wd.data.ptr, rd.data.ptr, 576, 5, 576, 1e-6, rd.data.ptr, 576)
     assert rel(rd.get(), res + ref) < 1e-5
 
 
@@ -245,7 +246,7 @@ def test_rope_kv(k, neox, qk_norm, d, n_rot, hq, hkv):
     dq = cp.asarray(qkv)
     keep = [cp.asarray(a) if a is not None else None for a in (qn, kn)]
     invd, posd, seqd, tabd = cp.asarray(inv), cp.asarray(pos), cp.zeros(t, cp.int32), cp.asarray(table)
-    L.rope_kv(k, dq.data.ptr, width, t, hq, hkv, d, d, n_rot, neox, keep[0].data.ptr if qk_norm else None,
+    LL.rope_kv(k, dq.data.ptr, width, t, hq, hkv, d, d, n_rot, neox, keep[0].data.ptr if qk_norm else None,
               keep[1].data.ptr if qk_norm else None, 1e-6, invd.data.ptr, posd.data.ptr,
               seqd.data.ptr, tabd.data.ptr, max_pages, page, kc.data.ptr, vc.data.ptr)
     q = qkv[:, :hq * d].reshape(t, hq, d)
@@ -435,7 +436,7 @@ def test_topk_sample_rows_vocab_and_ties(k):
 
 
 def split_scratch(rows, n_tok, keep):
-    """Workspace of K-split products (as cuda_blocks.Workspace sizes it), partials poisoned."""
+    """Workspace of K-split products (as cuda_workspace.Workspace sizes it), partials poisoned."""
     part = cp.full(LM.split_part_floats(rows, n_tok), POISON, cp.float32)
     counter = cp.zeros(-(-rows // 16) * -(-n_tok // 16), cp.uint32)
     keep += [part, counter]

@@ -16,6 +16,7 @@ pytestmark = pytest.mark.gpu
 from gguf_runtime.backend_numpy import silu  # noqa: E402
 from gguf_runtime.quant_kernels import launch_attention as LA  # noqa: E402
 from gguf_runtime.quant_kernels import launchers as L  # noqa: E402
+from gguf_runtime.quant_kernels import launch_layers as LL  # noqa: E402
 from gguf_runtime.quant_kernels.formats import BY_NAME, FORMATS, SUPPORTED  # noqa: E402
 from gguf_runtime.quant_kernels.reference_q8 import dequantize_q8, quantize_q8  # noqa: E402
 from test_gpu_backend import twin_path  # noqa: E402
@@ -67,7 +68,7 @@ def quantized(k, x, keep):
     xd = cp.asarray(x)
     keep.append(xd)
     buf = Q8Buf(*x.shape)
-    L.quantize_q8(k, xd.data.ptr, x.shape[1], x.shape[1], x.shape[0], buf.vec)
+    LL.quantize_q8(k, xd.data.ptr, x.shape[1], x.shape[1], x.shape[0], buf.vec)
     check_q8(buf, x)
     keep.append(buf)
     return buf, dequantize_q8(*quantize_q8(x)[:2])
@@ -92,7 +93,7 @@ def test_rmsnorm_int8_copy(k, n):
     xd, wd = cp.asarray(x), cp.asarray(w)
     y = cp.full((3, n), POISON, cp.float32)
     buf = Q8Buf(3, n)
-    L.rmsnorm(k, xd.data.ptr, n, wd.data.ptr, y.data.ptr, n, 3, n, 1e-5, q8=buf.vec)
+    LL.rmsnorm(k, xd.data.ptr, n, wd.data.ptr, y.data.ptr, n, 3, n, 1e-5, q8=buf.vec)
     assert rel(y.get(), rmsnorm_np(x, w, 1e-5)) < 1e-5
     check_q8(buf, y.get())
 
@@ -109,7 +110,7 @@ def test_post_norm_residual_then_normed_consumer(k, b, n):
     w, w2 = ((1 + 0.3 * rng.standard_normal(n)).astype(np.float32) for _ in range(2))
     od, xd, wd, w2d = (cp.asarray(a) for a in (o, x0, w, w2))
     buf = Q8Buf(b, n)
-    L.rmsnorm(k, od.data.ptr, n, wd.data.ptr, xd.data.ptr, n, b, n, 1e-6, xd.data.ptr, n, q8=buf.vec, w2=w2d.data.ptr)
+    LL.rmsnorm(k, od.data.ptr, n, wd.data.ptr, xd.data.ptr, n, b, n, 1e-6, xd.data.ptr, n, q8=buf.vec, w2=w2d.data.ptr)
     x1 = xd.get()
     assert rel(x1, x0 + rmsnorm_np(o, w, 1e-6)) < 1e-5
     check_q8(buf, x1 * w2, ssq_of=x1)

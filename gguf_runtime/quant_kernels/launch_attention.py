@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .launchers import NO_PTRS, Kernels, Q8Vec, f32, i32, ptr
+from .launch_core import NO_PTRS, Kernels, Q8Vec, f32, i32, ptr
 
 ATTN_WARPS = (4, 8, 16)  # the compiled block sizes
 

@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
-from .launchers import ACT, Kernels, Mat, _Counted, i32, ptr
+from .launch_core import ACT, Kernels, Mat, _Counted, i32, ptr
 
 MMA_MIN_BLOCKS = 132  # one wave on an H100: below this, smaller tiles or K splits (more blocks) win
 MMA_SPLIT_BLOCKS = 264  # K splits aim at two blocks per SM (the 64-row tiles' registers allow 2-3)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .launchers import Kernels, i32, ptr
+from .launch_core import Kernels, i32, ptr
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,7 @@
-"""Thin typed launchers for the kernels in this folder (NVRTC through ``cupy.RawModule``).
-
-Every launcher takes device pointers as ints and sizes as ints, converts them to the exact C
-types, and launches on CuPy's current stream, so launches can be recorded by stream capture.
-Modules compile once per set of kernel names (CuPy caches the binaries on disk).
+"""Launchers of the matvec kernels (matvec.cu): one to eight tokens against up to three matrices
+sharing x (fused RMSNorm, int8 activations, RoPE + KV write and int8 epilogues), and the GLU
+matvec. Argument conventions and the kernel cache: launch_core.py; the per-layer kernels:
+launch_layers.py.
 """
 
 from __future__ import annotations
@@ -10,115 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-import cupy as cp
 import numpy as np
 
-from . import pdl
-from .formats import FORMATS
-from .sources import SRC_DIR, source
+from .launch_core import ACT, NO_PTRS, UNIT_ELEMS, Kernels, Mat, Q8Vec, f32, i32, ptr
+from .launch_layers import rope_kv
 
-OPTIONS = ("-std=c++17", f"-I{SRC_DIR}")
-TYPE_STRUCT = {"F32": "TF32", "F16": "TF16", "BF16": "TBF16", "Q4_0": "TQ4_0", "Q4_1": "TQ4_1",
-               "Q5_0": "TQ5_0", "Q5_1": "TQ5_1", "Q8_0": "TQ8_0", "Q2_K": "TQ2_K", "Q3_K": "TQ3_K",
-               "Q4_K": "TQ4_K", "Q5_K": "TQ5_K", "Q6_K": "TQ6_K"}
-UNIT_ELEMS = {"TF32": 16, "TF16": 16, "TBF16": 16, "TQ4_0": 32, "TQ4_1": 32, "TQ5_0": 32, "TQ5_1": 32,
-              "TQ8_0": 32, "TQ2_K": 64, "TQ3_K": 64, "TQ4_K": 32, "TQ5_K": 32, "TQ6_K": 64}
 MAX_MMV_TOKENS = 8
-SMEM_DEFAULT_MAX = 48 * 1024  # dynamic shared memory per block beyond this needs the kernel's opt-in
-ACT = {"silu": 0, "gelu_tanh": 1}
-
-
-def i32(v: int) -> np.int32:
-    return np.int32(v)
-
-
-def f32(v: float) -> np.float32:
-    return np.float32(v)
-
-
-def ptr(v) -> np.uint64:
-    """A device pointer argument from an int, a cupy array or None (null)."""
-    if v is None:
-        return np.uint64(0)
-    if isinstance(v, cp.ndarray):
-        return np.uint64(v.data.ptr)
-    return np.uint64(int(v))
-
-
-@dataclass(frozen=True)
-class Mat:
-    """A repacked matrix on the device: plane pointers (0 when absent), shape, type."""
-
-    type_id: int
-    rows: int
-    cols: int
-    qs: int
-    qh: int = 0
-    sc: int = 0
-    d: int = 0
-
-    @property
-    def struct(self) -> str:
-        return TYPE_STRUCT[FORMATS[self.type_id].name]
-
-    @property
-    def planes(self) -> tuple[np.uint64, ...]:
-        return (ptr(self.qs), ptr(self.qh), ptr(self.sc), ptr(self.d))
-
-
-class Kernels:
-    """Compiled kernels; names are C++ name expressions, e.g. ``embed_rows<TQ8_0>``."""
-
-    def __init__(self) -> None:
-        self._modules: dict[tuple[str, tuple[str, ...]], cp.RawModule] = {}
-        self._fns: dict[tuple[str, str], "_Counted"] = {}
-        self.launches = 0  # kernel launches issued from the host so far
-        self.timeline: list | None = None  # when a list: (name, start event, end event) per launch
-        self.pdl = False  # launch with programmatic dependent launch (pdl.py); set around graph capture
-
-    def prepare(self, filename: str, names: Sequence[str]) -> None:
-        """Compile ``names`` of ``filename`` in one NVRTC pass (templates need their names)."""
-        todo = tuple(sorted({n for n in names if (filename, n) not in self._fns}))
-        if not todo:
-            return
-        templates = tuple(n for n in todo if "<" in n)
-        mod = cp.RawModule(code=source(filename), options=OPTIONS, name_expressions=templates or None)
-        mod.compile()
-        self._modules[(filename, todo)] = mod
-        for n in todo:
-            self._fns[(filename, n)] = _Counted(mod.get_function(n), self, n)
-
-    def fn(self, filename: str, name: str) -> "_Counted":
-        f = self._fns.get((filename, name))
-        if f is None:
-            self.prepare(filename, [name])
-            f = self._fns[(filename, name)]
-        return f
-
-
-class _Counted:
-    """A kernel that counts its launches on its Kernels (to prove graph replay launches none)."""
-
-    __slots__ = ("kernel", "owner", "name", "smem_max")
-
-    def __init__(self, kernel: cp.RawKernel, owner: Kernels, name: str) -> None:
-        self.kernel, self.owner, self.name = kernel, owner, name
-        self.smem_max = SMEM_DEFAULT_MAX  # dynamic shared memory the kernel is allowed
-
-    def __call__(self, grid, block, args, shared_mem: int = 0) -> None:
-        self.owner.launches += 1
-        tl = self.owner.timeline
-        if self.owner.pdl and tl is None:
-            pdl.launch(self.kernel.kernel.ptr, grid, block, args, shared_mem, cp.cuda.get_current_stream().ptr)
-            return
-        if tl is None:
-            self.kernel(grid, block, args, shared_mem=shared_mem)
-            return
-        start, end = cp.cuda.Event(), cp.cuda.Event()  # profiling only (bench/profile_step.py)
-        start.record()
-        self.kernel(grid, block, args, shared_mem=shared_mem)
-        end.record()
-        tl.append((self.name, start, end))
 
 
 # ---- name expressions ----------------------------------------------------------------------------
@@ -140,37 +36,6 @@ def q8_capable(mats: Sequence["Mat"]) -> bool:
     return all(m.struct not in FLOAT_STRUCTS for m in mats)
 
 
-@dataclass(frozen=True)
-class Q8Vec:
-    """Int8 activations of up to MAX_MMV_TOKENS rows (quant_int8.cuh): q int8 [rows, ldq] and
-    (d, s, sum of squares, 0) float quads [rows, lds] per 16 columns; pointers are of row 0.
-    norm_eps (as an input): the pieces are of x * w, written by a q8 epilogue for the RMSNorm
-    that the matvec then applies (matvec_block.cuh)."""
-
-    q: int
-    ldq: int
-    s: int
-    lds: int
-    norm_eps: float | None = None
-
-    def rows_from(self, row: int) -> "Q8Vec":
-        return Q8Vec(self.q + row * self.ldq, self.ldq, self.s + 16 * row * self.lds, self.lds, self.norm_eps)
-
-    def ptrs(self, row: int = 0) -> tuple:
-        """(q, ldq, s, lds) from token ``row``: the buffer arguments of every kernel."""
-        return (ptr(self.q + row * self.ldq), i32(self.ldq), ptr(self.s + 16 * row * self.lds), i32(self.lds))
-
-    def args(self, row: int = 0) -> tuple:
-        """As a matvec's input: the buffer, whether to normalize, eps."""
-        eps = self.norm_eps
-        return (*self.ptrs(row), i32(eps is not None), f32(eps or 0.0))
-
-    def out_args(self, row: int, w: int | None) -> tuple:
-        """As a q8 epilogue's output: the buffer and the next norm's weight (or null)."""
-        return (*self.ptrs(row), ptr(w))
-
-
-NO_PTRS = (ptr(0), i32(0), ptr(0), i32(0))
 NO_Q8 = (*NO_PTRS, i32(0), f32(0.0))
 NO_QOUT = (*NO_PTRS, ptr(0))
 Q8_OUT_ROWS = 16  # rows per block of a q8 epilogue (16 * WG / R warps: block_warps)
@@ -338,72 +203,3 @@ def mmv_glu(k: Kernels, gate: Mat, up: Mat, x: int, ldx: int, b: int, act: str, 
            (*gate.planes, *up.planes, i32(gate.rows), ptr(x + 4 * row * ldx), i32(ldx), i32(gate.cols),
             ptr(y + 4 * row * ldy), i32(ldy), *_norm_args(norm), *(q8.args(row) if q8 else NO_Q8),
             *(q8_out.out_args(row, None) if q8_out else NO_QOUT)))
-
-
-def embed(k: Kernels, table: Mat, tokens: int, n: int, x: int, ldx: int, scale: float) -> None:
-    fn = k.fn("matvec.cu", f"embed_rows<{table.struct}>")
-    fn((n,), (128,), (*table.planes, i32(table.cols), ptr(tokens), i32(table.rows), ptr(x), i32(ldx), f32(scale)))
-
-
-def dequant_f16(k: Kernels, m: Mat, out: int) -> None:
-    fn = k.fn("matvec.cu", f"dequant_f16<{m.struct}>")
-    units = m.rows * (m.cols // UNIT_ELEMS[m.struct])
-    fn(((units + 255) // 256,), (256,), (*m.planes, i32(m.rows), i32(m.cols), ptr(out)))
-
-
-RMS_SLOTS = 2  # float4s per thread at most in layers.cu's rmsnorm
-RMSNORM_MAX_COLS = 4 * RMS_SLOTS * 1024
-
-
-def rmsnorm(k: Kernels, x: int, ldx: int, w: int, y: int, ldy: int, rows: int, n: int, eps: float,
-            res: int | None = None, ldr: int = 0, y16: int | None = None, ld16: int = 0,
-            q8: Q8Vec | None = None, w2: int | None = None) -> None:
-    """y = rmsnorm(x) * w (+ res; y may be res); y16: also an f16 copy; q8 (n % 16 == 0): also the
-    int8 copy of y, or with w2 (the next RMSNorm's weight) of y * w2 with y's squares: the input of
-    a matvec that applies that norm (q8.norm_eps)."""
-    assert q8 is not None or w2 is None
-    assert q8 is None or n % 16 == 0
-    if n % 4 or n > RMSNORM_MAX_COLS:
-        raise ValueError(f"RMSNorm over {n} columns: the CUDA kernel takes multiples of 4 up to {RMSNORM_MAX_COLS}")
-    assert x % 16 == 0 and y % 16 == 0 and ldx % 4 == 0 and ldy % 4 == 0, "float4 rows"
-    assert res is None or (res % 16 == 0 and ldr % 4 == 0), "float4 rows"
-    threads = min(1024, -(-n // 128) * 32)  # a float4 per thread where it can (layers.cu)
-    k.fn("layers.cu", "rmsnorm")((rows,), (threads,),
-                                 (ptr(x), i32(ldx), ptr(w), ptr(y), i32(ldy), ptr(res), i32(ldr), i32(n), f32(eps),
-                                  ptr(y16), i32(ld16), *(q8.ptrs() if q8 else NO_PTRS), ptr(w2)))
-
-
-def quantize_q8(k: Kernels, x: int, ldx: int, n: int, rows: int, q8: Q8Vec) -> None:
-    """q8 = the int8 activations of x[:rows, :n] (n % 16 == 0)."""
-    assert n % 16 == 0
-    k.fn("layers.cu", "quantize_q8")((-(-n // 16 // 128), rows), (128,),
-                                     (ptr(x), i32(ldx), i32(n), i32(rows), *q8.ptrs()))
-
-
-def rope_kv(k: Kernels, qkv: int, ld: int, rows: int, n_head: int, n_head_kv: int, head_dim: int, head_dim_v: int,
-            n_rot: int, neox: bool, qnw: int | None, knw: int | None, eps: float, inv_freq: int, pos: int, seq: int,
-            table: int, max_pages: int, page_size: int, kcache: int, vcache: int) -> None:
-    threads = max(head_dim, head_dim_v)
-    k.fn("layers.cu", "rope_kv")(
-        (rows, n_head + 2 * n_head_kv), (threads,),
-        (ptr(qkv), i32(ld), i32(n_head), i32(n_head_kv), i32(head_dim), i32(head_dim_v), i32(n_rot), i32(neox),
-         ptr(qnw), ptr(knw), f32(eps), ptr(inv_freq), ptr(pos), ptr(seq), ptr(table), i32(max_pages),
-         i32(page_size), ptr(kcache), ptr(vcache)))
-
-
-def _grid(n: int, threads: int = 256) -> tuple[tuple[int], tuple[int]]:
-    return ((n + threads - 1) // threads,), (threads,)
-
-
-def glu(k: Kernels, g: int, u: int, ld: int, n: int, rows: int, act: str, y: int | None, ldy: int,
-        out16: int | None = None, ld16: int = 0) -> None:
-    k.fn("layers.cu", "glu")(*_grid(rows * n), (ptr(g), ptr(u), i32(ld), i32(n), i32(rows), i32(ACT[act]), ptr(y),
-                                                i32(ldy), ptr(out16), i32(ld16)))
-
-
-def add_bias(k: Kernels, y: int, ldy: int, b: int, n: int, rows: int) -> None:
-    k.fn("layers.cu", "add_bias")(*_grid(rows * n), (ptr(y), i32(ldy), ptr(b), i32(n), i32(rows)))
-
-
-def softcap(k: Kernels, x: int, ld: int, n: int, rows: int, cap: float) -> None:
-    k.fn("layers.cu", "softcap")(*_grid(rows * n), (ptr(x), i32(ld), i32(n), i32(rows), f32(cap)))
