@@ -147,14 +147,11 @@ DEV void mma_tiles(const Mat (&ms)[NM], int n_rows, int row0, int jstride, const
     }
 }
 
-// mma_tiles, or where RA and the type has register fragments (mma_regs.cuh) mma_tiles_cp (raw
-// weights staged in shared memory) or mma_tiles_reg (raw weights loaded into registers).
+// mma_tiles, or mma_tiles_reg where RA and the type has register fragments (mma_regs.cuh).
 template <class T, int WR, int NT, int NM, int RA>
 DEV void mma_tiles_any(const Mat (&ms)[NM], int n_rows, int row0, int jstride, const u16* x, int ldx, int n_tok,
                        int t0, int kb, int ke, int K, u16* smem, float (&acc)[NM][NT][4]) {
-    if constexpr (RA && RegA<T>::OK && RegA<T>::WROW > 0)
-        mma_tiles_cp<T, WR, NT, NM>(ms, n_rows, row0, jstride, x, ldx, n_tok, t0, kb, ke, K, smem, acc);
-    else if constexpr (RA && RegA<T>::OK)
+    if constexpr (RA && RegA<T>::OK)
         mma_tiles_reg<T, WR, NT, NM>(ms, n_rows, row0, jstride, x, ldx, n_tok, t0, kb, ke, K, smem, acc);
     else
         mma_tiles<T, WR, NT, NM>(ms, n_rows, row0, jstride, x, ldx, n_tok, t0, kb, ke, K, smem, acc);

@@ -11,7 +11,7 @@
 // row. A k16 MMA only needs A and B to agree on which column sits at which k: lane tig takes
 // its own contiguous quant bytes, and the B fragment (x, f16, in shared memory) is read at the
 // same columns. The x tile goes through shared memory (cp.async, two buffers); Q4_K stages each
-// step's raw weights there too (mma_tiles_cp), Q6_K loads them into registers (mma_tiles_reg).
+// step's raw weights there too, Q6_K loads them into registers (mma_tiles_reg).
 //
 // Precision: ds = d * sc and m = dmin * mn are rounded to f16 (as is the dequantized weight in
 // the other path), then q * ds - m is rounded once (fma).
@@ -43,6 +43,15 @@ DEV uint4 lds_b16(const u16* p) {
 }
 DEV uint2 ld8(const u8* p) { return __ldg(reinterpret_cast<const uint2*>(p)); }  // beside common.cuh's ld16, ld32
 
+// cp.async: 16 bytes global -> shared, zero-filled when !valid (the source address stays valid).
+DEV void cp_async16(void* dst, const void* src, bool valid) {
+    u64 s;
+    asm("cvta.to.shared.u64 %0, %1;" : "=l"(s) : "l"(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"((u32)s), "l"(src), "r"(valid ? 16 : 0));
+}
+DEV void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+DEV void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+
 template <class T> struct RegA { static constexpr bool OK = false; static constexpr int WROW = 0; };  // WROW: below
 
 // Q4_K. A 128-wide step is half a superblock: its 64-groups G = 0, 1 (sub-blocks lo = 2 G' and
@@ -56,7 +65,7 @@ template <> struct RegA<TQ4_K> {
     static constexpr bool OK = true;
     static constexpr int LDX = 160;
     struct Raw { uint2 q[2][2]; V16 s[2]; };  // [row g, g + 8][group]; the 16 scale bytes of each row
-    // A step's raw data of a row staged in shared memory by cp.async (mma_tiles_cp): its 64 quant
+    // A step's raw data of a row staged in shared memory by cp.async (mma_tiles_reg): its 64 quant
     // bytes, then its 16 scale bytes, padded to 96 (24 words: the 8-byte reads of a half warp and
     // the 16-byte reads of a quarter warp are conflict-free).
     static constexpr int WROW = 96, CHUNKS = 5;
@@ -74,6 +83,20 @@ template <> struct RegA<TQ4_K> {
                 raw.q[i][G] = *reinterpret_cast<const uint2*>(ws + i * 8 * WROW + 32 * G + 8 * tig);
             const uint4 v = *reinterpret_cast<const uint4*>(ws + i * 8 * WROW + 64);
             raw.s[i] = V16{{v.x, v.y, v.z, v.w}};
+        }
+    }
+    // cp.async of a k step's rows [row0 + j jstride, + 16 WR) of the NM tiles into ws (16-byte chunks)
+    template <int WR, int NM>
+    static DEV void stage(const Mat (&ms)[NM], int n_rows, int row0, int jstride, int k0, u8* ws) {
+        constexpr int ROWS = 16 * WR, CH = NM * ROWS * CHUNKS;
+#pragma unroll
+        for (int i = 0; i < (CH + NTHR - 1) / NTHR; ++i) {
+            const int idx = threadIdx.x + i * NTHR;
+            if (CH % NTHR == 0 || idx < CH) {
+                const int j = idx / (ROWS * CHUNKS), r = idx / CHUNKS % ROWS, c = idx % CHUNKS;
+                const int row = min(row0 + j * jstride + r, n_rows - 1);
+                cp_async16(ws + (j * ROWS + r) * WROW + 16 * c, chunk(ms[j], row, k0, c), true);
+            }
         }
     }
 
@@ -143,7 +166,7 @@ template <> struct RegA<TQ4_K> {
 // 72 words: the four rows of a half warp in four bank quarters).
 template <> struct RegA<TQ6_K> {
     static constexpr bool OK = true;
-    static constexpr int LDX = 144, WROW = 0;  // loads straight into registers (mma_tiles_reg)
+    static constexpr int LDX = 144, WROW = 0;  // not staged: loads straight into registers
     struct Raw { u32 la[2][2], lb[2][2], qh[2][2]; uint2 s[2]; u32 d[2]; };  // [row][b]; this half's 8 scales
 
     static DEV void load(const Mat& m, int n_rows, int r, int k0, Raw& raw) {
@@ -198,15 +221,6 @@ template <> struct RegA<TQ6_K> {
     }
 };
 
-// cp.async: 16 bytes global -> shared, zero-filled when !valid (the source address stays valid).
-DEV void cp_async16(void* dst, const void* src, bool valid) {
-    u64 s;
-    asm("cvta.to.shared.u64 %0, %1;" : "=l"(s) : "l"(dst));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"((u32)s), "l"(src), "r"(valid ? 16 : 0));
-}
-DEV void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-DEV void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
-
 // The x tile of tokens [t0, t0 + TB) x columns [k0, k0 + TK) into Xs (row stride LDX halves);
 // zeros past n_tok and K.
 template <int TB, int LDX>
@@ -222,70 +236,32 @@ DEV void x_tile_async(const u16* __restrict__ x, int ldx, int n_tok, int t0, int
 }
 
 // mma_tiles (matmul_mma.cu) for a type with register fragments: the same operands and C layout.
+// Staged types (WROW > 0) copy each k step's raw quants and scales of the block's rows to shared
+// memory by cp.async one step ahead, beside the x tile (two stages each), and each lane reads its
+// own from there: loaded into registers one step ahead instead (the others), every warp waited
+// about a memory latency per step at their first use (ncu, the 8B's GLU: 35% of its cycles, long
+// scoreboard) and they took two register copies of the raw data.
 template <class T, int WR, int NT, int NM>
 DEV void mma_tiles_reg(const Mat (&ms)[NM], int n_rows, int row0, int jstride, const u16* x, int ldx, int n_tok,
                        int t0, int kb, int ke, int K, u16* smem, float (&acc)[NM][NT][4]) {
     using R = RegA<T>;
-    constexpr int TB = 8 * NT * (4 / WR), XS = TB * R::LDX;
-    const int warp = threadIdx.x >> 5, wr = warp % WR, wc = warp / WR;
-    const int r = row0 + 16 * wr + ((threadIdx.x & 31) >> 2);
-#pragma unroll
-    for (int j = 0; j < NM; ++j)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) acc[j][nt][0] = acc[j][nt][1] = acc[j][nt][2] = acc[j][nt][3] = 0.f;
-    typename R::Raw w[NM];
-#pragma unroll
-    for (int j = 0; j < NM; ++j) R::load(ms[j], n_rows, r + j * jstride, kb, w[j]);
-    pdl_enter();  // the first weights load before it (common.cuh)
-    x_tile_async<TB, R::LDX>(x, ldx, n_tok, t0, kb, K, smem);
-    cp_async_commit();
-    int buf = 0;
-    for (int k0 = kb; k0 < ke; k0 += TK, buf ^= 1) {
-        cp_async_wait_all();
-        __syncthreads();  // this step's x tile is in; every warp is done with the other buffer
-        if (k0 + TK < ke) x_tile_async<TB, R::LDX>(x, ldx, n_tok, t0, k0 + TK, K, smem + (buf ^ 1) * XS);
-        cp_async_commit();
-        const int kn = k0 + TK < ke ? k0 + TK : k0;  // the next step (the last one reloads its own)
-        typename R::Raw cur[NM];
-#pragma unroll
-        for (int j = 0; j < NM; ++j) {  // the next step's loads go out before this step's MMAs
-            cur[j] = w[j];
-            R::load(ms[j], n_rows, r + j * jstride, kn, w[j]);
-        }
-        R::template step<NT, NM>(cur, k0, smem + buf * XS + wc * 8 * NT * R::LDX, acc);
-    }
-}
-
-// mma_tiles_reg with the weights staged too: each k step's raw quants and scales of the block's
-// rows go to shared memory by cp.async one step ahead, beside the x tile (two buffers each), and
-// each lane reads its own from there. Register loads one step ahead left every warp waiting about
-// a memory latency per step at its first use of them (ncu: 35% of the GLU's cycles, long
-// scoreboard), and cost two register copies of the raw data.
-template <class T, int WR, int NT, int NM>
-DEV void mma_tiles_cp(const Mat (&ms)[NM], int n_rows, int row0, int jstride, const u16* x, int ldx, int n_tok,
-                      int t0, int kb, int ke, int K, u16* smem, float (&acc)[NM][NT][4]) {
-    using R = RegA<T>;
-    constexpr int TB = 8 * NT * (4 / WR), XS = TB * R::LDX, ROWS = 16 * WR;
-    constexpr int WS = NM * ROWS * R::WROW, CH = NM * ROWS * R::CHUNKS;
+    constexpr bool STAGED = R::WROW > 0;
+    constexpr int TB = 8 * NT * (4 / WR), XS = TB * R::LDX, WS = NM * 16 * WR * R::WROW;
     const int warp = threadIdx.x >> 5, wr = warp % WR, wc = warp / WR, g = (threadIdx.x & 31) >> 2;
-    u8* wsm = reinterpret_cast<u8*>(smem + 2 * XS);  // two W stages after the two x tiles
-    auto copy_w = [&](int k0, u8* dst) {
-#pragma unroll
-        for (int i = 0; i < (CH + NTHR - 1) / NTHR; ++i) {
-            const int idx = threadIdx.x + i * NTHR;
-            if (CH % NTHR == 0 || idx < CH) {
-                const int j = idx / (ROWS * R::CHUNKS), r = idx / R::CHUNKS % ROWS, c = idx % R::CHUNKS;
-                cp_async16(dst + (j * ROWS + r) * R::WROW + 16 * c,
-                           R::chunk(ms[j], min(row0 + j * jstride + r, n_rows - 1), k0, c), true);
-            }
-        }
-    };
+    const int r = row0 + 16 * wr + g;
+    u8* wsm = reinterpret_cast<u8*>(smem + 2 * XS);  // staged: two W stages after the two x tiles
 #pragma unroll
     for (int j = 0; j < NM; ++j)
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) acc[j][nt][0] = acc[j][nt][1] = acc[j][nt][2] = acc[j][nt][3] = 0.f;
-    copy_w(kb, wsm);  // weights only: before the previous kernel's end (common.cuh)
-    pdl_enter();
+    typename R::Raw w[NM];  // not staged: the next step's raw data
+    if constexpr (STAGED) {
+        R::template stage<WR, NM>(ms, n_rows, row0, jstride, kb, wsm);
+    } else {
+#pragma unroll
+        for (int j = 0; j < NM; ++j) R::load(ms[j], n_rows, r + j * jstride, kb, w[j]);
+    }
+    pdl_enter();  // the first weights load before it (common.cuh)
     x_tile_async<TB, R::LDX>(x, ldx, n_tok, t0, kb, K, smem);
     cp_async_commit();
     int buf = 0;
@@ -293,13 +269,22 @@ DEV void mma_tiles_cp(const Mat (&ms)[NM], int n_rows, int row0, int jstride, co
         cp_async_wait_all();
         __syncthreads();  // this step's tiles are in; every warp is done with the other buffers
         if (k0 + TK < ke) {
-            copy_w(k0 + TK, wsm + (buf ^ 1) * WS);
+            if constexpr (STAGED) R::template stage<WR, NM>(ms, n_rows, row0, jstride, k0 + TK, wsm + (buf ^ 1) * WS);
             x_tile_async<TB, R::LDX>(x, ldx, n_tok, t0, k0 + TK, K, smem + (buf ^ 1) * XS);
         }
         cp_async_commit();
         typename R::Raw cur[NM];
+        if constexpr (STAGED) {
 #pragma unroll
-        for (int j = 0; j < NM; ++j) R::load_smem(wsm + buf * WS + (j * ROWS + 16 * wr + g) * R::WROW, cur[j]);
+            for (int j = 0; j < NM; ++j) R::load_smem(wsm + buf * WS + (j * 16 * WR + 16 * wr + g) * R::WROW, cur[j]);
+        } else {
+            const int kn = k0 + TK < ke ? k0 + TK : k0;  // the next step (the last one reloads its own)
+#pragma unroll
+            for (int j = 0; j < NM; ++j) {  // the next step's loads go out before this step's MMAs
+                cur[j] = w[j];
+                R::load(ms[j], n_rows, r + j * jstride, kn, w[j]);
+            }
+        }
         R::template step<NT, NM>(cur, k0, smem + buf * XS + wc * 8 * NT * R::LDX, acc);
     }
 }
