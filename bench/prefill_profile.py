@@ -19,6 +19,7 @@ import numpy as np
 from gguf_runtime.backend_cuda import CudaBackend
 from gguf_runtime.gguf_file import open_gguf
 from gguf_runtime.model_config import config_from_gguf
+from profile_step import SPIN  # bench/: this script's folder is on sys.path
 
 
 def main() -> None:
@@ -63,12 +64,10 @@ def main() -> None:
     pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(a.top)
     print(out.getvalue())
     # GPU time alone: the same prefill queued behind a spin, so no host gap shows
-    spin = cp.RawKernel("extern \"C\" __global__ void spin(long long c) { long long t = clock64(); "
-                        "while (clock64() - t < c) { } }", "spin")
     be.truncate(0)
     s.synchronize()
     with s:
-        spin((1,), (1,), (cp.int64(400_000_000),))
+        SPIN((1,), (1,), (cp.int64(400_000_000),))
     e0, e1 = cp.cuda.Event(), cp.cuda.Event()
     e0.record(s)
     be.prefill(ids)
