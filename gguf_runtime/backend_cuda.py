@@ -8,6 +8,7 @@ reads tokens from a ring in pinned memory after an event, and never writes betwe
 
 The single-sequence API (``prefill``/``sample_loop``/``eval``/``truncate``, used by the engine)
 runs on slot 0; ``seq_add``/``batch_step``/``seq_tokens``/``seq_release`` run many slots at once.
+Prompt evaluation (chunks, padding, prefill graphs) is ``cuda_prefill.PrefillMixin``.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from .backend_numpy import rope_inv_freq
 from .cuda_blocks import CudaBlocks
 from .cuda_workspace import Workspace
 from .cuda_precompile import precompile
+from .cuda_prefill import PrefillMixin
 from .cuda_weights import DeviceWeights
-from .errors import BackendError, ContextOverflowError, UnsupportedModelError
+from .errors import BackendError, UnsupportedModelError
 from .gguf_file import GGUFFile
 from .graphs import GraphManager
 from .graphs.manager import CaptureError
@@ -63,7 +65,7 @@ def bucket_for(n: int, max_batch: int) -> int:
     return next(b for b in BUCKETS if b >= n or b >= max_batch)
 
 
-class CudaBackend:
+class CudaBackend(PrefillMixin):
     name = "cuda"
 
     def __init__(self, f: GGUFFile, cfg: ModelConfig, n_ctx: int,
@@ -75,6 +77,9 @@ class CudaBackend:
             raise BackendError(f"--max-batch {max_batch} is not one of {', '.join(map(str, BUCKETS))}")
         self.f, self.cfg, self.n_ctx, self.max_batch = f, cfg, n_ctx, max_batch
         self.use_graph, self.note = use_graph, note
+        # prefill chunks as graphs, one per padded size (GGUF_RUN_PREFILL_GRAPH=0: eager, to measure)
+        self.prefill_graph = use_graph and os.environ.get("GGUF_RUN_PREFILL_GRAPH", "1") != "0"
+        self._prefill_runs: dict[tuple, int] = {}
         # GGUF_RUN_PDL=0 turns programmatic dependent launch off (to measure what it gives)
         self.pdl = pdl.supported(cp.cuda.Device()) and os.environ.get("GGUF_RUN_PDL", "1") != "0"
         try:
@@ -149,50 +154,6 @@ class CudaBackend:
             temp=self.p_temp.data.ptr, seed=self.p_seed.data.ptr, penalty=self.p_penalty.data.ptr,
             last_n=self.p_last_n.data.ptr, seq=self.seq.data.ptr)
         self.slot_len = [0] * n  # tokens whose K/V sit in the slot's pages
-
-    # ---- evaluation (prefill) ---------------------------------------------------------------------
-    @property
-    def n_past(self) -> int:
-        return self.slot_len[0]
-
-    @n_past.setter
-    def n_past(self, n: int) -> None:
-        self.slot_len[0] = n
-
-    def truncate(self, n: int) -> None:
-        self.slot_len[0] = min(self.slot_len[0], n)
-
-    def eval(self, tokens: Sequence[int], all_logits: bool = False) -> np.ndarray:
-        """Append tokens to slot 0; host copy of the last (or every) token's logits."""
-        out = self._eval(0, tokens, all_logits)
-        return cp.asnumpy(out, stream=self.stream)
-
-    def _eval(self, slot: int, tokens: Sequence[int], all_logits: bool) -> cp.ndarray:
-        n, past = len(tokens), self.slot_len[slot]
-        if past + n > self.kv.capacity(slot):
-            raise ContextOverflowError(f"{past + n} tokens do not fit the context of {self.kv.capacity(slot)}; "
-                                       "raise --ctx-size or shorten the input")
-        if all_logits and n > self.ws.logits.shape[0]:
-            raise ValueError(f"all_logits is limited to {self.ws.logits.shape[0]} tokens per call on the GPU")
-        ids = np.asarray(tokens, np.int32)
-        b = self.blocks
-        b.seq, b.mma, b.decode = self.ws.seq, False, False
-        with self.stream:
-            for s in range(0, n, self.ws.max_rows):
-                part = ids[s:s + self.ws.max_rows]
-                t = part.shape[0]
-                self.ws.tokens[:t].set(part, stream=self.stream)
-                self.ws.pos[:t].set(np.arange(past, past + t, dtype=np.int32), stream=self.stream)
-                self.ws.seq[:t].fill(slot)
-                last = s + t >= n
-                logits = forward(b, self.cfg, self.ws.tokens[:t], self.ws.pos[:t], all_logits=all_logits and last)
-                past += t
-                self.slot_len[slot] = past
-        self.last_logits = logits
-        return logits
-
-    def prefill(self, tokens: Sequence[int]) -> None:
-        self._eval(0, tokens, all_logits=False)
 
     # ---- sampling -------------------------------------------------------------------------------
     @staticmethod

@@ -90,19 +90,48 @@ def single_slot(backend, n_tokens: int) -> None:
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def prefill_rate(backend, n: int = 512, reps: int = 5, seed: int = 0) -> Rate:
+class _PrefillGraphs:
+    """Prefill graphs on or off while a block runs (backends without them: a no-op); ``mode`` is
+    the row's label afterwards ("eager" when the backend has none, or a capture failed)."""
+
+    def __init__(self, backend, on: bool) -> None:
+        self.backend, self.on = backend, on
+
+    def __enter__(self) -> "_PrefillGraphs":
+        self.saved = getattr(self.backend, "prefill_graph", None)
+        self.set_to = self.on and bool(getattr(self.backend, "use_graph", False))
+        if self.saved is not None:
+            self.backend.prefill_graph = self.set_to
+        return self
+
+    @property
+    def mode(self) -> str:
+        return "graph" if getattr(self.backend, "prefill_graph", False) else "eager"
+
+    def __exit__(self, *exc) -> None:
+        if self.saved is not None:  # a failed capture (set_to, now off) turns them off for good
+            failed = self.set_to and not self.backend.prefill_graph
+            self.backend.prefill_graph = False if failed else self.saved
+
+
+def prefill_rate(backend, n: int = 512, reps: int = 5, seed: int = 0, graph: bool = False) -> Rate:
+    """Prompt processing of n random tokens from an empty cache. With graph: the first run is
+    eager and the second captures the graph (a padded size's second use), so both are warm-up."""
     rng = np.random.default_rng(seed)
     ids = rng.integers(10, backend.cfg.n_vocab, n).tolist()
     runs = []
-    for r in range(reps + 1):
-        backend.truncate(0)
-        _sync(backend)
-        t0 = time.perf_counter()
-        backend.prefill(ids)
-        _sync(backend)
-        if r:  # the first run warms up
-            runs.append(n / (time.perf_counter() - t0))
-    return Rate(f"pp{n}", "eager", n, runs)
+    with _PrefillGraphs(backend, graph) as pg:
+        warm = 2 if pg.mode == "graph" else 1
+        for r in range(reps + warm):
+            backend.truncate(0)
+            _sync(backend)
+            t0 = time.perf_counter()
+            backend.prefill(ids)
+            _sync(backend)
+            if r >= warm:
+                runs.append(n / (time.perf_counter() - t0))
+        mode = pg.mode
+    return Rate(f"pp{n}", mode, n, runs)
 
 
 def _decode(backend, n: int, history: list[int], graph: bool, params: SamplingParams = GREEDY) -> None:
@@ -144,19 +173,21 @@ def prompt_gen_rates(backend, prompts: Sequence[list[int]], n_gen: int, graph: b
     tokens greedily; prompts[0] warms up. (prompt eval, eval) rates, like Ollama's two figures."""
     single_slot(backend, max(len(p) for p in prompts) + n_gen + 1)
     pp, tg = [], []
-    for r, ids in enumerate(prompts):
-        _sync(backend)
-        t0 = time.perf_counter()
-        _start(backend, list(ids))
-        _sync(backend)
-        t1 = time.perf_counter()
-        _decode(backend, n_gen, list(ids), graph)
-        _sync(backend)
-        if r:
-            pp.append(len(ids) / (t1 - t0))
-            tg.append(n_gen / (time.perf_counter() - t1))
+    with _PrefillGraphs(backend, graph) as pg:
+        for r, ids in enumerate(prompts):
+            _sync(backend)
+            t0 = time.perf_counter()
+            _start(backend, list(ids))
+            _sync(backend)
+            t1 = time.perf_counter()
+            _decode(backend, n_gen, list(ids), graph)
+            _sync(backend)
+            if r:
+                pp.append(len(ids) / (t1 - t0))
+                tg.append(n_gen / (time.perf_counter() - t1))
+        mode = pg.mode
     n = n_prompt or len(prompts[-1])
-    return Rate(f"pp{n}", "eager", n, pp), Rate(f"tg{n_gen}", _graphed(backend, graph), n_gen, tg)
+    return Rate(f"pp{n}", mode, n, pp), Rate(f"tg{n_gen}", _graphed(backend, graph), n_gen, tg)
 
 
 def batch_rate(backend, batch: int, prompt: int = BATCH_PROMPT, gen: int = 128, reps: int = 3, seed: int = 0,
@@ -267,18 +298,18 @@ class Suite:
     n_prompt: int = 512
     n_gen: int = 128
     reps: int = 5
-    modes: tuple[str, ...] = ("graph", "eager")  # of the tg and batched rows; pp is always eager
+    modes: tuple[str, ...] = ("graph", "eager")  # of the pp, tg and batched rows
     batches: tuple[int, ...] = ()
     seed: int = 0
     sampled: bool = True  # with graphs on a GPU: one more tg row with the CLI's default sampling
 
     def n_rows(self) -> int:
-        return (self.n_prompt > 0) + (len(self.modes) * (1 + len(self.batches)) if self.n_gen > 0 else 0) + \
+        return (len(self.modes) if self.n_prompt > 0 else 0) + (len(self.modes) * (1 + len(self.batches)) if self.n_gen > 0 else 0) + \
             (self.sampled and self.n_gen > 0 and "graph" in self.modes)
 
 
 def run_suite(backend, f, cfg: ModelConfig, suite: Suite, progress: ProgressFn | None = None) -> list[Rate]:
-    """pp (eager), tg per mode, then batched tg per mode and batch size; rows carry the bytes one
+    """pp and tg per mode, then batched tg per mode and batch size; rows carry the bytes one
     decode step reads, for GB/s."""
     name = getattr(backend, "name", "numpy")
     weights = weight_bytes_read(f, cfg, name)
@@ -293,7 +324,8 @@ def run_suite(backend, f, cfg: ModelConfig, suite: Suite, progress: ProgressFn |
     if suite.n_prompt > 0 or suite.n_gen > 0:
         single_slot(backend, max(suite.n_prompt, suite.n_gen + 1))
     if suite.n_prompt > 0:
-        done(prefill_rate(backend, suite.n_prompt, suite.reps, suite.seed))
+        for mode in suite.modes:
+            done(prefill_rate(backend, suite.n_prompt, suite.reps, suite.seed, graph=mode == "graph"))
     if suite.n_gen > 0:
         step = weights + kv_bytes_read(cfg, 1 + (suite.n_gen + 1) / 2)
         for mode in suite.modes:

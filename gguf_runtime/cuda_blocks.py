@@ -2,10 +2,10 @@
 
 Matrix products by row count: up to MAX_MMV_TOKENS rows run the dequantizing matvec kernels (f32
 throughout: single-sequence decode, small batches, short prompts). More rows run either the
-tensor-core kernels (``mma = True``: batch decode steps, which are captured in CUDA graphs) or,
-for eager prefill, cuBLAS on f16 copies of the matrices (``cuda_f16``: Q/K/V and gate/up stacked,
-one product each; f16 inputs written by the kernel before, f32 accumulate and output; the
-residual add is its beta = 1). ``seq`` maps the rows of the current call to KV-cache sequence
+tensor-core kernels (``mma = True``: batch decode steps) or, for prefill, cuBLAS on f16 copies of
+the matrices (``cuda_f16``: Q/K/V and gate/up stacked, one product each; f16 inputs written by the
+kernel before, f32 accumulate and output; the residual add is its beta = 1; ``cublas_gemm``: it
+can be captured, so prefill chunks run as graphs too). ``seq`` maps the rows of the current call to KV-cache sequence
 slots (< 0: a padding row that writes nothing). Every array returned is a view of the
 preallocated ``Workspace``: nothing is allocated per call.
 """
@@ -16,8 +16,8 @@ import dataclasses
 import os
 
 import cupy as cp
-import numpy as np
 
+from .cublas_gemm import CublasGemm
 from .cuda_f16 import F16Weights
 from .cuda_weights import DeviceWeights
 from .cuda_workspace import Workspace, attn_shape, n_splits
@@ -29,7 +29,6 @@ from .quant_kernels import launch_layers as LL
 from .quant_kernels import launch_mma as LM
 from .quant_kernels import launchers as L
 
-CUDA_R_16F, CUDA_R_32F = 2, 0
 # RMSNorm fused into the f32 matvec (GGUF_RUN_Q8=0, or matrices without integer weights) for hidden
 # sizes up to this: it adds ~2 instructions per element of x to every row group. Latency-bound
 # small models gain (H100, 851c281: SmolLM2 tg128 999 -> 1,166, Gemma-3 987 -> 1,040); the 8B's
@@ -60,12 +59,7 @@ class CudaBlocks:
         # GGUF_RUN_MMV_QKV, GGUF_RUN_MMV_O, GGUF_RUN_MMV_DOWN = "R:WG"
         self.mmv_cfg = {role: mmv_override(role) for role in ("QKV", "O", "DOWN")}
         self.f16: F16Weights | None = None  # made by load_f16, after the kernels are compiled
-        from cupy_backends.cuda.libs import cublas  # loads libcublas: only with a GPU
-
-        self.cublas = cublas
-        self.handle = cp.cuda.device.get_cublas_handle()
-        self._one = np.ones(1, np.float32)
-        self._zero = np.zeros(1, np.float32)
+        self.gemm: CublasGemm | None = None  # made by load_f16 (the cuBLAS prefill path)
         self._q8_ready: tuple[str, int] | None = None  # (norm, rows) that q8_norm holds from an epilogue
         self._att_q8: L.Q8Vec | None = None  # q8_plain when the last attend wrote its output's int8 copy
 
@@ -73,6 +67,7 @@ class CudaBlocks:
         """The f16 weights of the cuBLAS prefill path (resident copies or scratch)."""
         if self.ws.max_rows > L.MAX_MMV_TOKENS and self.f16 is None:
             self.f16 = F16Weights(self.cfg, self.w, self.k)
+            self.gemm = CublasGemm()
 
     # ---- helpers -------------------------------------------------------------------------------
     def _small(self, rows: int) -> bool:
@@ -80,16 +75,10 @@ class CudaBlocks:
 
     def _gemm16(self, x16: cp.ndarray, t: int, names: tuple[str, ...], y: cp.ndarray, accumulate: bool) -> None:
         """y[:t, :N] (+)= x16[:t, :K] @ W.T, W = the matrices ``names`` stacked by rows (f16)."""
-        assert self.f16 is not None
-        w16, cublas = self.f16.get(names), self.cublas
-        cublas.setStream(self.handle, cp.cuda.get_current_stream().ptr)
-        cublas.setPointerMode(self.handle, cublas.CUBLAS_POINTER_MODE_HOST)
-        beta = self._one if accumulate else self._zero
-        cublas.gemmEx(self.handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, w16.rows, t, w16.cols,
-                      self._one.ctypes.data, w16.ptr, CUDA_R_16F, w16.cols,
-                      x16.data.ptr, CUDA_R_16F, x16.strides[0] // 2,
-                      beta.ctypes.data, y.data.ptr, CUDA_R_32F, y.strides[0] // 4,
-                      cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
+        assert self.f16 is not None and self.gemm is not None
+        w16 = self.f16.get(names)
+        self.gemm.wt_x(w16.rows, t, w16.cols, w16.ptr, x16.data.ptr, x16.strides[0] // 2, y.data.ptr,
+                       y.strides[0] // 4, accumulate)
 
     def _norm(self, x: cp.ndarray, name: str, y: cp.ndarray, res: cp.ndarray | None = None,
               f16: bool = False, q8: L.Q8Vec | None = None, w2: str | None = None) -> None:

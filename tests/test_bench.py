@@ -153,7 +153,8 @@ class FakeCuda:
 
     def __init__(self, cfg):
         self.cfg, self.use_graph, self.max_batch, self.stream, self.kv = cfg, True, 8, None, FakeKV()
-        self.steps, self.active = [], set()
+        self.prefill_graph = True
+        self.steps, self.active, self.prefills = [], set(), []
 
     def _work(self):
         time.sleep(2e-4)
@@ -162,6 +163,7 @@ class FakeCuda:
         pass
 
     def prefill(self, ids):
+        self.prefills.append(self.prefill_graph)
         self._work()
 
     def start_decode(self, prompt, params, seed=0):
@@ -197,6 +199,26 @@ def model():
     f.close()
 
 
+def test_prefill_graph_rows_say_what_ran(model):
+    """pp rows say graph only when the prefill graphs ran; a failed capture (the backend turns them
+    off) labels the row eager and keeps them off; the eager row leaves them as they were."""
+    from gguf_runtime.bench import prefill_rate
+
+    f, cfg = model
+    be = FakeCuda(cfg)
+    assert prefill_rate(be, 16, 2, graph=False).mode == "eager" and be.prefill_graph
+    assert prefill_rate(be, 16, 2, graph=True).mode == "graph" and be.prefill_graph
+
+    class Failing(FakeCuda):
+        def prefill(self, ids):
+            super().prefill(ids)
+            self.prefill_graph = False  # as CudaBackend does when a capture fails
+
+    be = Failing(cfg)
+    r = prefill_rate(be, 16, 2, graph=True)
+    assert r.mode == "eager" and not be.prefill_graph and len(r.runs) == 2
+
+
 def test_suite_graph_and_eager_rows_with_batches(model, tmp_path):
     from gguf_runtime.bench import Suite, kv_bytes_read, run_suite, weight_bytes_read
     from gguf_runtime.bench_report import render_table, result
@@ -206,16 +228,19 @@ def test_suite_graph_and_eager_rows_with_batches(model, tmp_path):
     seen = []
     rows = run_suite(be, f, cfg, Suite(16, 4, 2, ("graph", "eager"), (1, 4)), lambda *a: seen.append(a))
     assert [(r.test, r.mode) for r in rows] == [
-        ("pp16", "eager"), ("tg4", "graph"), ("tg4", "eager"), ("tg4", "graph, sampled"), ("B=1 tg4", "graph"),
-        ("B=4 tg4", "graph"), ("B=1 tg4", "eager"), ("B=4 tg4", "eager")]
-    assert seen[-1] == ("benchmarking", 8, 8)
+        ("pp16", "graph"), ("pp16", "eager"), ("tg4", "graph"), ("tg4", "eager"), ("tg4", "graph, sampled"),
+        ("B=1 tg4", "graph"), ("B=4 tg4", "graph"), ("B=1 tg4", "eager"), ("B=4 tg4", "eager")]
+    assert seen[-1] == ("benchmarking", 9, 9)
+    # the graph row warms up twice (eager, then the capture), the eager row once; then 2 timed runs
+    assert be.prefills == [True] * 4 + [False] * 3 and be.prefill_graph
+    assert [len(r.runs) for r in rows[:2]] == [2, 2]
     assert ("sampled", True) in be.steps and be.params.top_k == 40  # the CLI's default sampling
     assert be.use_graph  # eager batched rows turn graphs off only while they run
     assert {g for k, g in be.steps if k == "B=4"} == {True, False}
     assert be.kv.reserved[0] == (0, 16)  # slot 0 gets pages for the single-sequence rows
     w = weight_bytes_read(f, cfg, "cuda")
     assert w == sum(t.nbytes for t in f.tensors.values())  # tied embeddings: the head reads them all
-    b4 = rows[5]
+    b4 = rows[6]
     assert b4.batch == 4 and b4.step_bytes == pytest.approx(w + 4 * kv_bytes_read(cfg, 128 + 2.5))
     assert b4.gbs == pytest.approx(b4.step_bytes * b4.mean / 4 / 1e9)
     res = result(f=f, cfg=cfg, path=f.path, backend="cuda", device="Fake GPU", bandwidth=3000.0,

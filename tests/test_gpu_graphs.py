@@ -61,3 +61,52 @@ def test_one_graph_launch_per_token_and_no_allocation(backend):
     assert backend.kernels.launches - kernels0 == 1
     assert backend.graphs.launches - graphs0 == 200
     assert (pool.used_bytes(), pool.total_bytes()) == mem0
+
+
+def test_prefill_graph_equals_eager(backend):
+    """Prompt chunks over MAX_MMV_TOKENS rows run padded in front to a multiple of 64 rows; a
+    padded size is captured on its second use and replayed after. The graph's logits and KV cache
+    are the eager run's, bit for bit, and the padding rows write no keys or values."""
+    from gguf_runtime.cuda_prefill import PREFILL_QUANTUM
+
+    rng = np.random.default_rng()
+    first, more = (rng.integers(0, backend.cfg.n_vocab, n).tolist() for n in (40, 100))  # 64 and 128 rows
+    kv = backend.kv
+    backend.use_graph = True
+
+    def run(graph):
+        backend.prefill_graph = graph
+        kv.k.fill(7.0)  # poison: positions no run writes keep it
+        kv.v.fill(-7.0)
+        backend.truncate(0)
+        a = backend.eval(first, all_logits=True)
+        b = backend.eval(more)
+        backend.stream.synchronize()
+        return a, b, cp.asnumpy(kv.k), cp.asnumpy(kv.v)
+
+    sizes = [(-(-n // PREFILL_QUANTUM) * PREFILL_QUANTUM, a) for n, a in ((40, True), (100, False))]
+    backend._prefill_runs.clear()
+    for key in [("prefill", *s) for s in sizes]:
+        backend.graphs.graphs.pop(key, None)
+    launches0 = backend.graphs.launches
+    first_use = run(True)  # each padded size's first use runs eagerly (the capture's warm-up)
+    assert backend.graphs.launches == launches0
+    ref = run(False)
+    assert ref[0].shape == (40, backend.cfg.n_vocab) and ref[1].shape == (1, backend.cfg.n_vocab)
+    for g, r in zip(first_use, ref):
+        assert np.array_equal(g, r)
+    for i in range(3):  # capture (each size's third use here), then replays
+        got = run(True)
+        for g, r in zip(got, ref):
+            assert np.array_equal(g, r)
+    assert backend.graphs.launches - launches0 == 6
+    assert all(backend.graphs.has(("prefill", *s)) for s in sizes)
+    # slot 0's first 140 positions hold keys and values; everything else keeps the poison (padding
+    # rows sit at the position after their chunk's last: 140 for the second chunk)
+    table = cp.asnumpy(kv.table[0])
+    written = np.zeros((kv.n_pages, kv.page_size), bool)
+    for p in range(140):
+        written[table[p // kv.page_size], p % kv.page_size] = True
+    k, v = (np.moveaxis(a, 3, 2) for a in ref[2:])  # [layer, page, slot, head, dim]
+    assert (k[:, written] != 7.0).all() and (v[:, written] != -7.0).all()
+    assert (k[:, ~written] == 7.0).all() and (v[:, ~written] == -7.0).all()

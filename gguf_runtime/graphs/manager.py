@@ -28,8 +28,9 @@ class GraphManager:
 
     def capture(self, key: Hashable, step: Callable[[], None],
                 before_warmup: Callable[[], None] | None = None,
-                after_warmup: Callable[[], None] | None = None) -> cp.cuda.Graph:
-        """Warm up ``step`` eagerly, then capture it as the graph for ``key``.
+                after_warmup: Callable[[], None] | None = None, warmup: int | None = None) -> cp.cuda.Graph:
+        """Warm up ``step`` eagerly (``warmup`` runs, default the manager's), then capture it as the
+        graph for ``key``.
 
         ``before_warmup``/``after_warmup`` let the caller save and restore the state the warm-up
         changes (it really runs). Raises CaptureError if the step fails to capture or allocates.
@@ -38,7 +39,7 @@ class GraphManager:
         with self.stream:
             if before_warmup:
                 before_warmup()
-            for _ in range(self.warmup):
+            for _ in range(self.warmup if warmup is None else warmup):
                 step()
             if after_warmup:
                 after_warmup()
