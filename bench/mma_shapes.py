@@ -2,7 +2,8 @@
 B tokens, random weights of the real types and shapes, for each tile config given and with the
 register fragments on and off (GGUF_RUN_MMA_REGA). Faster to iterate on than a whole twin.
 Usage (GPU machine): python bench/mma_shapes.py [--tokens 64] [--configs "" 4:8 2:4] [--reps 100]
-  [--only glu] [--ra 1 0]
+  [--only glu] [--ra 1 0] [--stages "" 2:2 3:3]
+  (--stages: GGUF_RUN_MMA_STAGES values, "" the default; staged types only)
   (a config WR:NT[:H[:S]] replaces the launcher's choice for every shape: H = 2, tall blocks, for
   the single-matrix products; S K splits, 0 or absent: as planned)
 """
@@ -53,6 +54,7 @@ def main() -> None:
     ap.add_argument("--head-rows", type=int, default=32768)
     ap.add_argument("--only", default="", help="products whose name contains this")
     ap.add_argument("--ra", nargs="*", default=["1", "0"])
+    ap.add_argument("--stages", nargs="*", default=[""])
     a = ap.parse_args()
     rng, keep, k, t = np.random.default_rng(0), [], L.Kernels(), a.tokens
     x = cp.asarray(rng.standard_normal((t, F8B)).astype(np.float16))
@@ -92,14 +94,19 @@ def main() -> None:
             LM._mma_plan = plan
         for ra in a.ra:
             os.environ["GGUF_RUN_MMA_REGA"] = ra
-            for name, (macs, fn) in shapes.items():
-                if a.only not in name:
-                    continue
-                us = timed(fn, a.reps)
-                rows_out.append((cfg or "plan", ra, name, us, 2 * macs * t / us / 1e6))
-    print(f"{'config':<7} {'regA':<5} {'product':<32} {'us':>8} {'TFLOP/s':>8}")
+            for st in a.stages if ra == "1" else [""]:
+                if st:
+                    os.environ["GGUF_RUN_MMA_STAGES"] = st
+                else:
+                    os.environ.pop("GGUF_RUN_MMA_STAGES", None)
+                for name, (macs, fn) in shapes.items():
+                    if a.only not in name:
+                        continue
+                    us = timed(fn, a.reps)
+                    rows_out.append((cfg or "plan", ra + (f" st {st}" if st else ""), name, us, 2 * macs * t / us / 1e6))
+    print(f"{'config':<7} {'regA':<10} {'product':<32} {'us':>8} {'TFLOP/s':>8}")
     for cfg, ra, name, us, tf in rows_out:
-        print(f"{cfg:<7} {ra:<5} {name:<32} {us:8.1f} {tf:8.1f}")
+        print(f"{cfg:<7} {ra:<10} {name:<32} {us:8.1f} {tf:8.1f}")
 
 
 if __name__ == "__main__":

@@ -555,3 +555,42 @@ def test_mma_register_fragments_and_dequantizing_tiles_agree(k, name, monkeypatc
         got[ra] = y.get()
         assert rel(got[ra], ref) < 2e-3
     assert rel(got["1"], got["0"]) < 2e-3
+
+
+def test_mma_staged_pipeline_depths(k, monkeypatch):
+    """Q4_K's tensor-core products stage x and the raw weights ST steps deep (GGUF_RUN_MMA_STAGES
+    "single:GLU"). Every depth matches numpy and gives the two-stage pipeline's bits (the same
+    MMAs in the same order), also with fewer k steps per block than stages: 2 k steps, and a K
+    split 4 ways over 18 steps (4 or 5 each)."""
+    rng = np.random.default_rng()
+    keep = []
+    n_tok = 64
+    cases = []
+    for rows, cols, split in ((200, 256, False), (2200, 2304, True)):
+        m, w = upload("Q4_K", rows, cols, rng, keep)
+        x = rng.standard_normal((n_tok, cols)).astype(np.float16).astype(np.float32)
+        y0 = rng.standard_normal((n_tok, rows)).astype(np.float32)
+        sc = split_scratch(rows, n_tok, keep)[0] if split else None
+        assert (LM.mma_config([rows], n_tok, cols if split else 0).split > 1) == split
+        cases.append((m, w, x, cp.asarray(x.astype(np.float16)), y0, sc))
+    (g, wg), (u, wu) = upload("Q4_K", 140, 512, rng, keep), upload("Q4_K", 140, 512, rng, keep)
+    x2 = rng.standard_normal((n_tok, 512)).astype(np.float16).astype(np.float32)
+    x2d = cp.asarray(x2.astype(np.float16))
+    glu_ref = silu(x2.astype(np.float64) @ wg.T) * (x2.astype(np.float64) @ wu.T)
+    first = None
+    for stages in ("2:2", "3:3", "4:3", "4:4"):
+        monkeypatch.setenv("GGUF_RUN_MMA_STAGES", stages)
+        got = []
+        for m, w, x, xd, y0, sc in cases:
+            yd = cp.asarray(y0)
+            LM.mma(k, [m], [(yd.data.ptr, m.rows)], [None], xd.data.ptr, m.cols, n_tok, 1, sc)
+            got.append(yd.get())
+            assert rel(got[-1], y0 + x.astype(np.float64) @ w.T) < 2e-3, stages
+        out = cp.full((n_tok, 140), np.nan, cp.float16)
+        LM.mma_glu(k, g, u, x2d.data.ptr, 512, n_tok, "silu", out.data.ptr, 140)
+        got.append(out.get())
+        assert rel(got[-1].astype(np.float32), glu_ref) < 2e-3, stages
+        if first is None:
+            first = got
+        for a, b in zip(got, first):
+            assert np.array_equal(a, b), stages

@@ -21,12 +21,26 @@ MMA_MAX_SPLIT = 4  # K splits of a product (partials merged in split order by th
 # weights too (bytes per weight row, two buffers).
 REG_A_LDX = {"TQ4_K": 160, "TQ6_K": 144}
 REG_A_WROW = {"TQ4_K": 96}
+# Stages of the staged types' x tiles and raw weights (the others keep two x buffers), by W tiles
+# per block: 1 (single products) or 2 (GLU; tall blocks). Deeper measured slower on the H100 (the
+# 8B at B=64: 4 and 3 stages 5,156 t/s against 5,431 with 2; bench/RESULTS.md row 45).
+MMA_STAGES = {1: 2, 2: 2}
 
 
 def reg_a() -> int:
     """1: register fragments for the REG_A_LDX types (the default); GGUF_RUN_MMA_REGA=0 keeps
     every type on the dequantizing tiles (to measure one against the other)."""
     return 0 if os.environ.get("GGUF_RUN_MMA_REGA", "1") == "0" else 1
+
+
+def mma_stages(structs: Sequence[str], n_mats: int, ra: int) -> int:
+    """The ST template argument: MMA_STAGES where a segment is staged (GGUF_RUN_MMA_STAGES="S1:S2"
+    overrides, to measure), else 2."""
+    if not ra or not any(s in REG_A_WROW for s in structs):
+        return 2
+    env = os.environ.get("GGUF_RUN_MMA_STAGES")
+    table = dict(zip((1, 2), (int(v) for v in env.split(":")))) if env else {}
+    return table.get(n_mats, MMA_STAGES[n_mats])
 
 
 class MmaConfig(NamedTuple):
@@ -58,13 +72,13 @@ def mma_config(rows: Sequence[int], n_tok: int, cols: int = 0, tall: bool = True
     raise AssertionError
 
 
-def _mma_smem(fn: "_Counted", wr: int, nt: int, n_mats: int, structs: Sequence[str], ra: int) -> int:
+def _mma_smem(fn: "_Counted", wr: int, nt: int, n_mats: int, structs: Sequence[str], ra: int, st: int) -> int:
     """Dynamic shared memory of an mma kernel: the x tile and n_mats W tiles, f16, padded rows;
-    for a register-fragment segment two x tiles, and two stages of raw weights where staged (the
-    largest over the segments)."""
+    for a register-fragment segment two x tiles, or for a staged one st x tiles and st stages of
+    raw weights (the largest over the segments)."""
     tb = 8 * nt * (4 // wr)
-    size = max(2 * tb * REG_A_LDX[s] * 2 + 2 * n_mats * 16 * wr * REG_A_WROW.get(s, 0) if ra and s in REG_A_LDX
-               else (tb + n_mats * 16 * wr) * (MMA_TK + 8) * 2 for s in structs)
+    size = max((st if s in REG_A_WROW else 2) * (tb * REG_A_LDX[s] * 2 + n_mats * 16 * wr * REG_A_WROW.get(s, 0))
+               if ra and s in REG_A_LDX else (tb + n_mats * 16 * wr) * (MMA_TK + 8) * 2 for s in structs)
     if size > fn.smem_max:
         fn.kernel.max_dynamic_shared_size_bytes = size
         fn.smem_max = size
@@ -73,11 +87,13 @@ def _mma_smem(fn: "_Counted", wr: int, nt: int, n_mats: int, structs: Sequence[s
 
 def mma_name(structs: Sequence[str], wr: int, nt: int, mode: int, h: int = 1, ra: int | None = None) -> str:
     s = list(structs) + [structs[0]] * (3 - len(structs))
-    return f"mma_group<{s[0]}, {s[1]}, {s[2]}, {wr}, {nt}, {mode}, {h}, {reg_a() if ra is None else ra}>"
+    ra = reg_a() if ra is None else ra
+    return f"mma_group<{s[0]}, {s[1]}, {s[2]}, {wr}, {nt}, {mode}, {h}, {ra}, {mma_stages(s, h, ra)}>"
 
 
 def mma_glu_name(struct: str, wr: int, nt: int, act: int, ra: int | None = None) -> str:
-    return f"mma_glu<{struct}, {wr}, {nt}, {act}, {reg_a() if ra is None else ra}>"
+    ra = reg_a() if ra is None else ra
+    return f"mma_glu<{struct}, {wr}, {nt}, {act}, {ra}, {mma_stages([struct], 2, ra)}>"
 
 
 def _mma_plan(rows: Sequence[int], n_tok: int, cols: int, n_mats: int, scratch: "SplitScratch | None",
@@ -126,7 +142,7 @@ def mma(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases
     part, counter = (scratch.part, scratch.counter) if split > 1 else (0, 0)
     fn((row_tiles, -(-n_tok // tb), split), (128,),
        (*args, ptr(x16), i32(ldx16), i32(n_tok), i32(mats[0].cols), ptr(part), ptr(counter)),
-       shared_mem=_mma_smem(fn, wr, nt, h, structs, ra))
+       shared_mem=_mma_smem(fn, wr, nt, h, structs, ra, mma_stages(structs, h, ra)))
 
 
 def mma_glu(k: Kernels, gate: Mat, up: Mat, x16: int, ldx16: int, n_tok: int, act: str, y16: int, ldy16: int,
@@ -140,4 +156,5 @@ def mma_glu(k: Kernels, gate: Mat, up: Mat, x16: int, ldx16: int, n_tok: int, ac
     part, counter = (scratch.part, scratch.counter) if split > 1 else (0, 0)
     fn((-(-gate.rows // (16 * wr)), -(-n_tok // tb), split), (128,),
        (*gate.planes, *up.planes, i32(gate.rows), ptr(x16), i32(ldx16), i32(n_tok), i32(gate.cols), ptr(y16),
-        i32(ldy16), ptr(part), ptr(counter)), shared_mem=_mma_smem(fn, wr, nt, 2, [gate.struct], ra))
+        i32(ldy16), ptr(part), ptr(counter)),
+       shared_mem=_mma_smem(fn, wr, nt, 2, [gate.struct], ra, mma_stages([gate.struct], 2, ra)))

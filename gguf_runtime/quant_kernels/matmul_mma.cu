@@ -11,11 +11,12 @@
 // addresses: straight-line code) go out before this step's MMAs, so their latency overlaps the
 // arithmetic. grid.z > 1 splits K: each block a contiguous run of k steps; every thread stores its
 // partial C fragments, and the last block of the tile to finish (a counter, reset by that block)
-// adds the S fragments in split order (the same result on every run) and runs the epilogue. Raw
-// kernels rather than cuBLAS, so the batch decode step can be captured in a CUDA graph. Shared
-// memory is dynamic: (TB + NM TM) (TK + 8) halves.
+// adds the S fragments in split order (the same result on every run) and runs the epilogue. They
+// read the quantized weights (cuBLAS would need f16 copies: 4x the bytes). Shared memory is
+// dynamic: (TB + NM TM) (TK + 8) halves.
 // RA = 1 and a type of mma_regs.cuh (Q4_K, Q6_K): the warps build their A fragments in registers
-// from the raw quants instead, and only x goes through shared memory (2 TB LDX halves).
+// from the raw quants instead; x goes through shared memory (2 TB LDX halves), and for Q4_K each
+// step's raw weights too, in ST stages of x and weights (ST TB LDX halves + ST NM TM WROW bytes).
 #include "quant_types.cuh"
 
 #define NTHR 128
@@ -148,11 +149,11 @@ DEV void mma_tiles(const Mat (&ms)[NM], int n_rows, int row0, int jstride, const
 }
 
 // mma_tiles, or mma_tiles_reg where RA and the type has register fragments (mma_regs.cuh).
-template <class T, int WR, int NT, int NM, int RA>
+template <class T, int WR, int NT, int NM, int RA, int ST>
 DEV void mma_tiles_any(const Mat (&ms)[NM], int n_rows, int row0, int jstride, const u16* x, int ldx, int n_tok,
                        int t0, int kb, int ke, int K, u16* smem, float (&acc)[NM][NT][4]) {
     if constexpr (RA && RegA<T>::OK)
-        mma_tiles_reg<T, WR, NT, NM>(ms, n_rows, row0, jstride, x, ldx, n_tok, t0, kb, ke, K, smem, acc);
+        mma_tiles_reg<T, WR, NT, NM, ST>(ms, n_rows, row0, jstride, x, ldx, n_tok, t0, kb, ke, K, smem, acc);
     else
         mma_tiles<T, WR, NT, NM>(ms, n_rows, row0, jstride, x, ldx, n_tok, t0, kb, ke, K, smem, acc);
 }
@@ -219,7 +220,7 @@ DEV bool merge_splits(float (&acc)[NM][NT][4], float* part, unsigned* counter) {
 }
 
 // H stacked row tiles of 16 WR rows (H = 2: 32 WR rows per block, x read half as often).
-template <class T, int WR, int NT, int MODE, int H, int RA>
+template <class T, int WR, int NT, int MODE, int H, int RA, int ST>
 DEV void mma_segment(const Mat& m, int n, int row0, const u16* x, int ldx, int n_tok, int K, float* y, int ldy,
                      const float* bias, u16* smem, float* part, unsigned* counter) {
     const int t0 = blockIdx.y * 8 * NT * (4 / WR);
@@ -229,7 +230,7 @@ DEV void mma_segment(const Mat& m, int n, int row0, const u16* x, int ldx, int n
     Mat ms[H];
 #pragma unroll
     for (int j = 0; j < H; ++j) ms[j] = m;
-    mma_tiles_any<T, WR, NT, H, RA>(ms, n, row0, 16 * WR, x, ldx, n_tok, t0, kb, ke, K, smem, acc);
+    mma_tiles_any<T, WR, NT, H, RA, ST>(ms, n, row0, 16 * WR, x, ldx, n_tok, t0, kb, ke, K, smem, acc);
     if (gridDim.z > 1 && !merge_splits<H, NT>(acc, part, counter)) return;
 #pragma unroll
     for (int j = 0; j < H; ++j)
@@ -245,7 +246,7 @@ DEV void mma_segment(const Mat& m, int n, int row0, const u16* x, int ldx, int n
 // segment 0, 1, 2.
 // grid = (row tiles of all segments, token tiles, K splits). MODE 0: y = W x (+ bias); 1: y += W x.
 // Splits need part (S x 128 x 4 NT floats per tile) and counter (a zero per tile).
-template <class T0, class T1, class T2, int WR, int NT, int MODE, int H, int RA>
+template <class T0, class T1, class T2, int WR, int NT, int MODE, int H, int RA, int ST>
 __global__ void __launch_bounds__(NTHR) mma_group(
         PLANES(0), int n0, float* y0, int ldy0, const float* bias0,
         PLANES(1), int n1, float* y1, int ldy1, const float* bias1,
@@ -256,24 +257,24 @@ __global__ void __launch_bounds__(NTHR) mma_group(
     int tile = blockIdx.x;
     const int t0n = (n0 + TM - 1) / TM, t1n = (n1 + TM - 1) / TM;
     if (tile < t0n) {
-        mma_segment<T0, WR, NT, MODE, H, RA>(MAT(0, T0), n0, tile * TM, x, ldx, n_tok, K, y0, ldy0, bias0, smem,
+        mma_segment<T0, WR, NT, MODE, H, RA, ST>(MAT(0, T0), n0, tile * TM, x, ldx, n_tok, K, y0, ldy0, bias0, smem,
                                               part, counter);
         return;
     }
     tile -= t0n;
     if (tile < t1n) {
-        mma_segment<T1, WR, NT, MODE, H, RA>(MAT(1, T1), n1, tile * TM, x, ldx, n_tok, K, y1, ldy1, bias1, smem,
+        mma_segment<T1, WR, NT, MODE, H, RA, ST>(MAT(1, T1), n1, tile * TM, x, ldx, n_tok, K, y1, ldy1, bias1, smem,
                                               part, counter);
         return;
     }
     tile -= t1n;
-    mma_segment<T2, WR, NT, MODE, H, RA>(MAT(2, T2), n2, tile * TM, x, ldx, n_tok, K, y2, ldy2, bias2, smem,
+    mma_segment<T2, WR, NT, MODE, H, RA, ST>(MAT(2, T2), n2, tile * TM, x, ldx, n_tok, K, y2, ldy2, bias2, smem,
                                           part, counter);
 }
 
 // y16 = f16(act(G x) * (U x)); ACT 0 = SiLU, 1 = GELU (tanh). Gate and up tiles share each x tile.
 // The output feeds the down projection. Splits: part holds S x 128 x 8 NT floats per tile.
-template <class T, int WR, int NT, int ACT, int RA>
+template <class T, int WR, int NT, int ACT, int RA, int ST>
 __global__ void __launch_bounds__(NTHR) mma_glu(PLANES(0), PLANES(1), int n, const u16* __restrict__ x, int ldx,
                                                 int n_tok, int K, u16* y, int ldy, float* part, unsigned* counter) {
     extern __shared__ __align__(16) u16 smem[];
@@ -282,7 +283,7 @@ __global__ void __launch_bounds__(NTHR) mma_glu(PLANES(0), PLANES(1), int n, con
     k_range(K, kb, ke);
     float acc[2][NT][4];
     const Mat ms[2] = {MAT(0, T), MAT(1, T)};
-    mma_tiles_any<T, WR, NT, 2, RA>(ms, n, row0, 0, x, ldx, n_tok, t0, kb, ke, K, smem, acc);
+    mma_tiles_any<T, WR, NT, 2, RA, ST>(ms, n, row0, 0, x, ldx, n_tok, t0, kb, ke, K, smem, acc);
     if (gridDim.z > 1 && !merge_splits<2, NT>(acc, part, counter)) return;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
@@ -300,17 +301,20 @@ __global__ void __launch_bounds__(NTHR) mma_glu(PLANES(0), PLANES(1), int n, con
 #define GROUP_ARGS PLANES(0), int, float*, int, const float*, PLANES(1), int, float*, int, const float*, \
     PLANES(2), int, float*, int, const float*, const u16*, int, int, int, float*, unsigned*
 #define GLU_ARGS PLANES(0), PLANES(1), int, const u16*, int, int, int, u16*, int, float*, unsigned*
-template __global__ void mma_group<TQ5_0, TQ5_0, TQ8_0, 4, 8, 0, 1, 1>(GROUP_ARGS);
-template __global__ void mma_group<TQ4_K, TQ4_K, TQ6_K, 4, 8, 0, 1, 1>(GROUP_ARGS);
+template __global__ void mma_group<TQ5_0, TQ5_0, TQ8_0, 4, 8, 0, 1, 1, 2>(GROUP_ARGS);
+template __global__ void mma_group<TQ4_K, TQ4_K, TQ6_K, 4, 8, 0, 1, 1, 4>(GROUP_ARGS);
 #define INST(T)                                                                                  \
-    template __global__ void mma_group<T, T, T, 4, 8, 0, 1, 1>(GROUP_ARGS);                      \
-    template __global__ void mma_group<T, T, T, 1, 2, 1, 1, 1>(GROUP_ARGS);                      \
-    template __global__ void mma_group<T, T, T, 2, 1, 1, 1, 1>(GROUP_ARGS);                      \
-    template __global__ void mma_group<T, T, T, 4, 8, 1, 2, 1>(GROUP_ARGS);                      \
-    template __global__ void mma_group<T, T, T, 4, 8, 1, 2, 0>(GROUP_ARGS);                      \
-    template __global__ void mma_glu<T, 2, 4, 0, 1>(GLU_ARGS);                                   \
-    template __global__ void mma_glu<T, 4, 8, 0, 1>(GLU_ARGS);                                   \
-    template __global__ void mma_glu<T, 4, 8, 0, 0>(GLU_ARGS);
+    template __global__ void mma_group<T, T, T, 4, 8, 0, 1, 1, 4>(GROUP_ARGS);                   \
+    template __global__ void mma_group<T, T, T, 4, 8, 1, 1, 1, 2>(GROUP_ARGS);                   \
+    template __global__ void mma_group<T, T, T, 4, 8, 1, 1, 1, 3>(GROUP_ARGS);                   \
+    template __global__ void mma_group<T, T, T, 1, 2, 1, 1, 1, 4>(GROUP_ARGS);                   \
+    template __global__ void mma_group<T, T, T, 2, 1, 1, 1, 1, 4>(GROUP_ARGS);                   \
+    template __global__ void mma_group<T, T, T, 4, 8, 1, 2, 1, 3>(GROUP_ARGS);                   \
+    template __global__ void mma_group<T, T, T, 4, 8, 1, 2, 0, 2>(GROUP_ARGS);                   \
+    template __global__ void mma_glu<T, 2, 4, 0, 1, 3>(GLU_ARGS);                                \
+    template __global__ void mma_glu<T, 4, 8, 0, 1, 3>(GLU_ARGS);                                \
+    template __global__ void mma_glu<T, 4, 8, 0, 1, 2>(GLU_ARGS);                                \
+    template __global__ void mma_glu<T, 4, 8, 0, 0, 2>(GLU_ARGS);
 INST(TF32) INST(TF16) INST(TBF16) INST(TQ4_0) INST(TQ4_1) INST(TQ5_0) INST(TQ5_1) INST(TQ8_0)
 INST(TQ2_K) INST(TQ3_K) INST(TQ4_K) INST(TQ5_K) INST(TQ6_K)
 #endif

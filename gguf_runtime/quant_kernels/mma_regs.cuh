@@ -51,6 +51,7 @@ DEV void cp_async16(void* dst, const void* src, bool valid) {
 }
 DEV void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 DEV void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+template <int N> DEV void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
 template <class T> struct RegA { static constexpr bool OK = false; static constexpr int WROW = 0; };  // WROW: below
 
@@ -237,54 +238,64 @@ DEV void x_tile_async(const u16* __restrict__ x, int ldx, int n_tok, int t0, int
 
 // mma_tiles (matmul_mma.cu) for a type with register fragments: the same operands and C layout.
 // Staged types (WROW > 0) copy each k step's raw quants and scales of the block's rows to shared
-// memory by cp.async one step ahead, beside the x tile (two stages each), and each lane reads its
-// own from there: loaded into registers one step ahead instead (the others), every warp waited
-// about a memory latency per step at their first use (ncu, the 8B's GLU: 35% of its cycles, long
-// scoreboard) and they took two register copies of the raw data.
-template <class T, int WR, int NT, int NM>
+// memory by cp.async, ST - 1 steps ahead, beside the x tiles (ST stages each), and each lane reads
+// its own from there: loaded into registers one step ahead instead (the others, two x stages),
+// every warp waited about a memory latency per step at their first use (ncu, the 8B's GLU: 35% of
+// its cycles, long scoreboard) and they took two register copies of the raw data. ST > 2 keeps
+// more steps' loads in flight (launch_mma.MMA_STAGES: two, the fastest measured).
+template <class T, int WR, int NT, int NM, int ST>
 DEV void mma_tiles_reg(const Mat (&ms)[NM], int n_rows, int row0, int jstride, const u16* x, int ldx, int n_tok,
                        int t0, int kb, int ke, int K, u16* smem, float (&acc)[NM][NT][4]) {
     using R = RegA<T>;
     constexpr bool STAGED = R::WROW > 0;
+    constexpr int S = STAGED ? ST : 2;  // stages (buffers) of x and of the staged raw weights
+    static_assert(S >= 2, "two stages at least");
     constexpr int TB = 8 * NT * (4 / WR), XS = TB * R::LDX, WS = NM * 16 * WR * R::WROW;
     const int warp = threadIdx.x >> 5, wr = warp % WR, wc = warp / WR, g = (threadIdx.x & 31) >> 2;
     const int r = row0 + 16 * wr + g;
-    u8* wsm = reinterpret_cast<u8*>(smem + 2 * XS);  // staged: two W stages after the two x tiles
+    u8* wsm = reinterpret_cast<u8*>(smem + S * XS);  // staged: S W stages after the S x tiles
 #pragma unroll
     for (int j = 0; j < NM; ++j)
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) acc[j][nt][0] = acc[j][nt][1] = acc[j][nt][2] = acc[j][nt][3] = 0.f;
     typename R::Raw w[NM];  // not staged: the next step's raw data
     if constexpr (STAGED) {
-        R::template stage<WR, NM>(ms, n_rows, row0, jstride, kb, wsm);
+#pragma unroll
+        for (int s = 0; s < S - 1; ++s)
+            if (kb + s * TK < ke) R::template stage<WR, NM>(ms, n_rows, row0, jstride, kb + s * TK, wsm + s * WS);
     } else {
 #pragma unroll
         for (int j = 0; j < NM; ++j) R::load(ms[j], n_rows, r + j * jstride, kb, w[j]);
     }
     pdl_enter();  // the first weights load before it (common.cuh)
-    x_tile_async<TB, R::LDX>(x, ldx, n_tok, t0, kb, K, smem);
-    cp_async_commit();
-    int buf = 0;
-    for (int k0 = kb; k0 < ke; k0 += TK, buf ^= 1) {
-        cp_async_wait_all();
-        __syncthreads();  // this step's tiles are in; every warp is done with the other buffers
-        if (k0 + TK < ke) {
-            if constexpr (STAGED) R::template stage<WR, NM>(ms, n_rows, row0, jstride, k0 + TK, wsm + (buf ^ 1) * WS);
-            x_tile_async<TB, R::LDX>(x, ldx, n_tok, t0, k0 + TK, K, smem + (buf ^ 1) * XS);
-        }
+#pragma unroll
+    for (int s = 0; s < S - 1; ++s) {  // cp.async group s: x of step s (group 0 also the weights above)
+        if (kb + s * TK < ke) x_tile_async<TB, R::LDX>(x, ldx, n_tok, t0, kb + s * TK, K, smem + s * XS);
         cp_async_commit();
+    }
+    int buf = 0;
+    for (int k0 = kb; k0 < ke; k0 += TK) {
+        cp_async_wait<S - 2>();  // this step's group is in (later steps' may still be in flight)
+        __syncthreads();         // ... for every thread; every warp is done with the previous step's buffers
+        const int kn = k0 + (S - 1) * TK, nb = buf == 0 ? S - 1 : buf - 1;  // the previous step's buffers
+        if (kn < ke) {
+            if constexpr (STAGED) R::template stage<WR, NM>(ms, n_rows, row0, jstride, kn, wsm + nb * WS);
+            x_tile_async<TB, R::LDX>(x, ldx, n_tok, t0, kn, K, smem + nb * XS);
+        }
+        cp_async_commit();  // (empty past the end: the group count stays one per step)
         typename R::Raw cur[NM];
         if constexpr (STAGED) {
 #pragma unroll
             for (int j = 0; j < NM; ++j) R::load_smem(wsm + buf * WS + (j * 16 * WR + 16 * wr + g) * R::WROW, cur[j]);
         } else {
-            const int kn = k0 + TK < ke ? k0 + TK : k0;  // the next step (the last one reloads its own)
+            const int kn1 = k0 + TK < ke ? k0 + TK : k0;  // the next step (the last one reloads its own)
 #pragma unroll
             for (int j = 0; j < NM; ++j) {  // the next step's loads go out before this step's MMAs
                 cur[j] = w[j];
-                R::load(ms[j], n_rows, r + j * jstride, kn, w[j]);
+                R::load(ms[j], n_rows, r + j * jstride, kn1, w[j]);
             }
         }
         R::template step<NT, NM>(cur, k0, smem + buf * XS + wc * 8 * NT * R::LDX, acc);
+        buf = buf + 1 == S ? 0 : buf + 1;
     }
 }
