@@ -557,14 +557,15 @@ def test_mma_register_fragments_and_dequantizing_tiles_agree(k, name, monkeypatc
     assert rel(got["1"], got["0"]) < 2e-3
 
 
-def test_mma_staged_pipeline_depths(k, monkeypatch):
+@pytest.mark.parametrize("n_tok", [64, 32])
+def test_mma_staged_pipeline_depths(k, n_tok, monkeypatch):
     """Q4_K's tensor-core products stage x and the raw weights ST steps deep (GGUF_RUN_MMA_STAGES
     "single:GLU"). Every depth matches numpy and gives the two-stage pipeline's bits (the same
     MMAs in the same order), also with fewer k steps per block than stages: 2 k steps, and a K
-    split 4 ways over 18 steps (4 or 5 each)."""
+    split 4 ways over 18 steps (4 or 5 each). At 32 tokens and 3 stages the split product asks for
+    exactly 48 KiB of dynamic shared memory, which with its static 16 bytes needs the opt-in."""
     rng = np.random.default_rng()
     keep = []
-    n_tok = 64
     cases = []
     for rows, cols, split in ((200, 256, False), (2200, 2304, True)):
         m, w = upload("Q4_K", rows, cols, rng, keep)

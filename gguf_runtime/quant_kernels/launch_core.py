@@ -103,7 +103,14 @@ class _Counted:
 
     def __init__(self, kernel: cp.RawKernel, owner: Kernels, name: str) -> None:
         self.kernel, self.owner, self.name = kernel, owner, name
-        self.smem_max = SMEM_DEFAULT_MAX  # dynamic shared memory the kernel is allowed
+        # dynamic shared memory the kernel is allowed: by default 48 KiB with its static share
+        self.smem_max = SMEM_DEFAULT_MAX - kernel.shared_size_bytes
+
+    def allow_smem(self, size: int) -> None:
+        """Opt in to ``size`` bytes of dynamic shared memory per block where the default is less."""
+        if size > self.smem_max:
+            self.kernel.max_dynamic_shared_size_bytes = size
+            self.smem_max = size
 
     def __call__(self, grid, block, args, shared_mem: int = 0) -> None:
         self.owner.launches += 1

@@ -79,9 +79,7 @@ def _mma_smem(fn: "_Counted", wr: int, nt: int, n_mats: int, structs: Sequence[s
     tb = 8 * nt * (4 // wr)
     size = max((st if s in REG_A_WROW else 2) * (tb * REG_A_LDX[s] * 2 + n_mats * 16 * wr * REG_A_WROW.get(s, 0))
                if ra and s in REG_A_LDX else (tb + n_mats * 16 * wr) * (MMA_TK + 8) * 2 for s in structs)
-    if size > fn.smem_max:
-        fn.kernel.max_dynamic_shared_size_bytes = size
-        fn.smem_max = size
+    fn.allow_smem(size)
     return size
 
 
