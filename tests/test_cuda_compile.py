@@ -67,3 +67,29 @@ def test_source_text_changes_with_any_header(tmp_path):
         fh.write("\n// edited\n")
     source.cache_clear()
     assert source("matvec.cu", str(tmp_path)) != before
+
+
+def _module_constants(path: str) -> dict:
+    """The literal top-level assignments of a Python file (without importing it: it needs cupy)."""
+    import ast
+
+    tree = ast.parse(open(path).read())
+    return {t.id: ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+            for t in node.targets if isinstance(t, ast.Name) and isinstance(node.value, (ast.Dict, ast.Constant))}
+
+
+def test_register_fragment_constants_match_the_launcher():
+    """launch_mma sizes the shared memory of the register-fragment products from REG_A_LDX and
+    REG_A_WROW; they must be mma_regs.cuh's LDX and WROW of each RegA specialization."""
+    text = open(os.path.join(KERNELS, "mma_regs.cuh")).read()
+    parts = re.split(r"template <> struct RegA<(\w+)>", text)[1:]
+    cu = {}
+    for name, body in zip(parts[::2], parts[1::2]):
+        body = body[:body.find("\n};")]
+        ldx, wrow = (re.search(rf"\b{c} = (\d+)", body) for c in ("LDX", "WROW"))
+        cu[name] = (int(ldx.group(1)), int(wrow.group(1)))
+    py = _module_constants(os.path.join(KERNELS, "launch_mma.py"))
+    assert set(cu) == set(py["REG_A_LDX"]) and len(cu) >= 2
+    for name, (ldx, wrow) in cu.items():
+        assert py["REG_A_LDX"][name] == ldx, name
+        assert py["REG_A_WROW"].get(name, 0) == wrow, name

@@ -23,7 +23,7 @@ REG_A_LDX = {"TQ4_K": 160, "TQ6_K": 144}
 REG_A_WROW = {"TQ4_K": 96}
 # Stages of the staged types' x tiles and raw weights (the others keep two x buffers), by W tiles
 # per block: 1 (single products) or 2 (GLU; tall blocks). Deeper measured slower on the H100 (the
-# 8B at B=64: 4 and 3 stages 5,156 t/s against 5,431 with 2; bench/RESULTS.md row 45).
+# 8B at B=64: 4 and 3 stages 5,156 t/s against 5,431 with 2; bench/RESULTS.md row 46).
 MMA_STAGES = {1: 2, 2: 2}
 
 
