@@ -241,8 +241,8 @@ def weight_bytes_read(f, cfg: ModelConfig, backend_name: str) -> int:
 
 
 def kv_bytes_read(cfg: ModelConfig, ctx: float) -> float:
-    """K and V bytes attention reads at context ``ctx`` (f16 caches; windowed layers capped)."""
-    per_layer = cfg.n_head_kv * (cfg.head_dim + cfg.head_dim_v) * 2
+    """K and V bytes attention reads at context ``ctx`` (float32 caches; windowed layers capped)."""
+    per_layer = cfg.n_head_kv * (cfg.head_dim + cfg.head_dim_v) * 4
     windows = cfg.layer_window or (0,) * cfg.n_layer
     return sum(per_layer * (min(ctx, w) if w else ctx) for w in windows)
 

@@ -26,15 +26,15 @@ class PagedKVCache:
         self.n_seqs = n_seqs
         self.n_pages = n_pages if n_pages is not None else self.max_pages * n_seqs
         shape = (cfg.n_layer, self.n_pages, cfg.n_head_kv, page_size, cfg.head_dim)
-        self.k = cp.zeros(shape, cp.float16)  # f16, as llama.cpp's default cache type
-        self.v = cp.zeros(shape[:-1] + (cfg.head_dim_v,), cp.float16)
+        self.k = cp.zeros(shape, cp.float32)
+        self.v = cp.zeros(shape[:-1] + (cfg.head_dim_v,), cp.float32)
         self.table = cp.full((n_seqs, self.max_pages), -1, cp.int32)  # -1: no page (kernels skip it)
         self._free = list(range(self.n_pages - 1, -1, -1))
         self._owned: list[list[int]] = [[] for _ in range(n_seqs)]
 
     @staticmethod
     def page_bytes(cfg: ModelConfig, page_size: int = PAGE_SIZE) -> int:
-        return cfg.n_layer * cfg.n_head_kv * page_size * (cfg.head_dim + cfg.head_dim_v) * 2
+        return cfg.n_layer * cfg.n_head_kv * page_size * (cfg.head_dim + cfg.head_dim_v) * 4
 
     def layer(self, i: int) -> tuple[int, int]:
         """Device pointers of layer i's K and V pages."""

@@ -1,5 +1,4 @@
-// Attention over the paged KV cache (f16 keys and values, f32 arithmetic) with a fixed grid: (kv
-// head, split, query token).
+// Attention over the paged KV cache with a fixed grid: (kv head, split, query token).
 //
 // Each query token t attends to positions [lo, pos[t]] (lo > 0 only for sliding-window layers),
 // cut into ns = min(n_split, ceil(n / min_keys)) equal chunks computed in-kernel (blocks past ns
@@ -33,7 +32,7 @@ DEV void q8_copy(const float* o, int n, u8* oq, float4* os) {
 // and V rows except the key ``fresh`` (< 0: none), which the caller loads after pdl_enter.
 template <int E, int W>
 DEV void load_keys(int k0, int end, int fresh, const int* tab, int max_pages, int page_size, int n_head_kv, int hk,
-                   int lane, const u16* kcache, const u16* vcache, float (&kv)[4][E], float (&vv)[4][E],
+                   int lane, const float* kcache, const float* vcache, float (&kv)[4][E], float (&vv)[4][E],
                    bool (&ok)[4], long (&base)[4]) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -44,8 +43,8 @@ DEV void load_keys(int k0, int end, int fresh, const int* tab, int max_pages, in
         const bool now = ok[j] && key != fresh;
 #pragma unroll
         for (int e = 0; e < E; ++e) {
-            kv[j][e] = now ? h2f(kcache[base[j] + lane + 32 * e]) : 0.f;
-            vv[j][e] = now ? h2f(vcache[base[j] + lane + 32 * e]) : 0.f;
+            kv[j][e] = now ? kcache[base[j] + lane + 32 * e] : 0.f;
+            vv[j][e] = now ? vcache[base[j] + lane + 32 * e] : 0.f;
         }
     }
 }
@@ -57,7 +56,7 @@ DEV void load_keys(int k0, int end, int fresh, const int* tab, int max_pages, in
 // overlap the kernel before; only q and the row's own key and value (written by that kernel) wait.
 template <int D, int G, int W>
 __global__ void __launch_bounds__(32 * W) attn_split(
-        const float* __restrict__ q, int ldq, const u16* __restrict__ kcache, const u16* __restrict__ vcache,
+        const float* __restrict__ q, int ldq, const float* __restrict__ kcache, const float* __restrict__ vcache,
         const int* __restrict__ pos, const int* __restrict__ seq, const int* __restrict__ table, int max_pages,
         int page_size, int n_head_kv, float scale, float cap, int window, int n_split, int min_keys, int early,
         float* __restrict__ part_o, float* __restrict__ part_ml, unsigned* __restrict__ counter,
@@ -90,8 +89,8 @@ __global__ void __launch_bounds__(32 * W) attn_split(
             if (ok[j] && k0 + W * j == p)
 #pragma unroll
                 for (int e = 0; e < E; ++e) {
-                    kv[j][e] = h2f(kcache[base[j] + lane + 32 * e]);
-                    vv[j][e] = h2f(vcache[base[j] + lane + 32 * e]);
+                    kv[j][e] = kcache[base[j] + lane + 32 * e];
+                    vv[j][e] = vcache[base[j] + lane + 32 * e];
                 }
     }
     float qv[G][E], acc[G][E], m[G], l[G];
@@ -253,7 +252,7 @@ __global__ void __launch_bounds__(32 * W) attn_split(
 }
 
 #ifdef GGUF_INSTANTIATE_ALL
-#define INST(D, G, W) template __global__ void attn_split<D, G, W>(const float*, int, const u16*, const u16*, \
+#define INST(D, G, W) template __global__ void attn_split<D, G, W>(const float*, int, const float*, const float*, \
     const int*, const int*, const int*, int, int, int, float, float, int, int, int, int, float*, float*, unsigned*, \
     float*, int, u16*, int, u8*, int, float4*, int);
 #define INST_W(D, G) INST(D, G, 4) INST(D, G, 8) INST(D, G, 16)
