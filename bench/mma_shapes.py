@@ -103,7 +103,8 @@ def main() -> None:
                     if a.only not in name:
                         continue
                     us = timed(fn, a.reps)
-                    rows_out.append((cfg or "plan", ra + (f" st {st}" if st else ""), name, us, 2 * macs * t / us / 1e6))
+                    label = ra + (f" st {st}" if st else "")
+                    rows_out.append((cfg or "plan", label, name, us, 2 * macs * t / us / 1e6))
     print(f"{'config':<7} {'regA':<10} {'product':<32} {'us':>8} {'TFLOP/s':>8}")
     for cfg, ra, name, us, tf in rows_out:
         print(f"{cfg:<7} {ra:<10} {name:<32} {us:8.1f} {tf:8.1f}")

@@ -304,8 +304,9 @@ class Suite:
     sampled: bool = True  # with graphs on a GPU: one more tg row with the CLI's default sampling
 
     def n_rows(self) -> int:
-        return (len(self.modes) if self.n_prompt > 0 else 0) + (len(self.modes) * (1 + len(self.batches)) if self.n_gen > 0 else 0) + \
-            (self.sampled and self.n_gen > 0 and "graph" in self.modes)
+        pp = len(self.modes) if self.n_prompt > 0 else 0
+        tg = len(self.modes) * (1 + len(self.batches)) if self.n_gen > 0 else 0
+        return pp + tg + (self.sampled and self.n_gen > 0 and "graph" in self.modes)
 
 
 def run_suite(backend, f, cfg: ModelConfig, suite: Suite, progress: ProgressFn | None = None) -> list[Rate]:

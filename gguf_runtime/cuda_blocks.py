@@ -5,8 +5,8 @@ throughout: single-sequence decode, small batches, short prompts). More rows run
 tensor-core kernels (``mma = True``: batch decode steps) or, for prefill, cuBLAS on f16 copies of
 the matrices (``cuda_f16``: Q/K/V and gate/up stacked, one product each; f16 inputs written by the
 kernel before, f32 accumulate and output; the residual add is its beta = 1; ``cublas_gemm``: it
-can be captured, so prefill chunks run as graphs too). ``seq`` maps the rows of the current call to KV-cache sequence
-slots (< 0: a padding row that writes nothing). Every array returned is a view of the
+can be captured, so prefill chunks run as graphs too). ``seq`` maps the rows of the current call
+to KV-cache sequence slots (< 0: a padding row that writes nothing). Every array returned is a view of the
 preallocated ``Workspace``: nothing is allocated per call.
 """
 
