@@ -230,17 +230,20 @@ class CudaBackend(PrefillMixin):
                 return None
         return key
 
-    def _graph_step(self, rows: int, mode: tuple[bool, bool]) -> Callable[[], None]:
-        """The step to capture: its kernels launched with programmatic dependent launch where the
-        GPU has it (quant_kernels/pdl.py), so each one's launch and weight loads overlap the end of
-        the kernel before it in the replayed graph."""
+    def _with_pdl(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """fn as a step to capture: its kernels launched with programmatic dependent launch where
+        the GPU has it (quant_kernels/pdl.py), so each one's launch and weight loads overlap the end
+        of the kernel before it in the replayed graph."""
         def step() -> None:
             self.kernels.pdl = self.pdl
             try:
-                self._step(rows, mode)
+                fn()
             finally:
                 self.kernels.pdl = False
         return step
+
+    def _graph_step(self, rows: int, mode: tuple[bool, bool]) -> Callable[[], None]:
+        return self._with_pdl(lambda: self._step(rows, mode))
 
     def capture_buckets(self, mode: tuple[bool, bool] = (False, True),
                         progress: Callable[[str, int, int], None] | None = None) -> None:

@@ -9,7 +9,7 @@ hundreds of Python launches per chunk for a small model's 30 layers.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Sequence
 
 import cupy as cp
 import numpy as np
@@ -24,7 +24,7 @@ PREFILL_QUANTUM = 64
 
 class PrefillMixin:
     """``eval``/``prefill``/``truncate`` of CudaBackend (its attributes: ws, kv, blocks, graphs,
-    stream, kernels, pdl, use_graph, prefill_graph, slot_len, note)."""
+    stream, use_graph, prefill_graph, slot_len, note; its ``_with_pdl`` for the captured step)."""
 
     @property
     def n_past(self) -> int:
@@ -77,7 +77,7 @@ class PrefillMixin:
         graph = rows > L.MAX_MMV_TOKENS and self.use_graph and self.prefill_graph and seen > 0
         if graph and not self.graphs.has(key):
             try:  # the eager first run was its warm-up
-                self.graphs.capture(key, self._graph_prefill(rows, all_logits), warmup=0)
+                self.graphs.capture(key, self._with_pdl(lambda: self._prefill_rows(rows, all_logits)), warmup=0)
             except CaptureError as e:
                 self.prefill_graph = graph = False
                 if self.note:
@@ -93,15 +93,6 @@ class PrefillMixin:
         b = self.blocks
         b.seq, b.mma, b.decode = self.ws.seq, False, False
         forward(b, self.cfg, self.ws.tokens[:rows], self.ws.pos[:rows], all_logits=all_logits)
-
-    def _graph_prefill(self, rows: int, all_logits: bool) -> Callable[[], None]:
-        def step() -> None:
-            self.kernels.pdl = self.pdl
-            try:
-                self._prefill_rows(rows, all_logits)
-            finally:
-                self.kernels.pdl = False
-        return step
 
     def prefill(self, tokens: Sequence[int]) -> None:
         self._eval(0, tokens, all_logits=False)

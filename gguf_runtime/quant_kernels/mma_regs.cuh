@@ -50,7 +50,6 @@ DEV void cp_async16(void* dst, const void* src, bool valid) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"((u32)s), "l"(src), "r"(valid ? 16 : 0));
 }
 DEV void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-DEV void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
 template <int N> DEV void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
 template <class T> struct RegA { static constexpr bool OK = false; static constexpr int WROW = 0; };  // WROW: below
