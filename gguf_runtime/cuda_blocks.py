@@ -21,7 +21,6 @@ from .cublas_gemm import CublasGemm
 from .cuda_f16 import F16Weights
 from .cuda_weights import DeviceWeights
 from .cuda_workspace import Workspace, attn_shape, n_splits
-from .l2_prefetch import MAX_REGIONS, MIB, table
 from .kv_cache import PagedKVCache
 from .model import lm_head_name
 from .model_config import ROPE_NEOX, ModelConfig
@@ -35,11 +34,6 @@ from .quant_kernels import launchers as L
 # small models gain (H100, 851c281: SmolLM2 tg128 999 -> 1,166, Gemma-3 987 -> 1,040); the 8B's
 # matvecs are issue-bound and lost (236 -> 197).
 FUSE_NORM_MAX_COLS = 2048
-L2_PREFETCH_MIB = 0  # the default budget of l2_prefetch (GGUF_RUN_L2_PREFETCH overrides)
-
-
-def prefetch_mib() -> float:
-    return float(os.environ.get("GGUF_RUN_L2_PREFETCH", L2_PREFETCH_MIB))
 
 
 def mmv_override(role: str) -> tuple[int, int] | None:
@@ -68,17 +62,6 @@ class CudaBlocks:
         self.gemm: CublasGemm | None = None  # made by load_f16 (the cuBLAS prefill path)
         self._q8_ready: tuple[str, int] | None = None  # (norm, rows) that q8_norm holds from an epilogue
         self._att_q8: L.Q8Vec | None = None  # q8_plain when the last attend wrote its output's int8 copy
-        # the weights a small call's attention prefetches into the L2 (l2_prefetch.py), per layer
-        self.pf_table = cp.zeros((cfg.n_layer, MAX_REGIONS, 2), cp.int64)
-        self.pf_count = [0] * cfg.n_layer
-        self.set_prefetch(prefetch_mib())
-
-    def set_prefetch(self, mib: float) -> None:
-        """Prefetch budget per layer in MiB (0: off). A graph captured before keeps the region
-        counts it was captured with: drop the captured graphs after a change."""
-        t, n = table(self.cfg, self.w.mats.get, int(mib * MIB))
-        self.pf_table.set(t)
-        self.pf_count = [int(c) for c in n]
 
     def load_f16(self) -> None:
         """The f16 weights of the cuBLAS prefill path (resident copies or scratch)."""
@@ -209,13 +192,8 @@ class CudaBlocks:
                     out.strides[0] // 4, None if self._small(t) else ws.x16.data.ptr,
                     0 if self._small(t) else ws.x16.strides[0] // 2, q8=self._att_q8,
                     shape=self.attn_shapes[not self._small(t)],
-                    early=self.decode and self.attn_early, prefetch=self._prefetch(layer, t))
+                    early=self.decode and self.attn_early)
         return out
-
-    def _prefetch(self, layer: int, t: int) -> tuple[int, int]:
-        if not self._small(t) or not self.pf_count[layer]:
-            return (0, 0)
-        return (self.pf_table.data.ptr + layer * MAX_REGIONS * 16, self.pf_count[layer])
 
     def _project_residual(self, a: cp.ndarray, name: str, x: cp.ndarray, post_norm: str | None,
                           a16: cp.ndarray | None = None, a_q8: L.Q8Vec | None = None,

@@ -110,27 +110,3 @@ def test_prefill_graph_equals_eager(backend):
     k, v = (np.moveaxis(a, 3, 2) for a in ref[2:])  # [layer, page, slot, head, dim]
     assert (k[:, written] != 7.0).all() and (v[:, written] != -7.0).all()
     assert (k[:, ~written] == 7.0).all() and (v[:, ~written] == -7.0).all()
-
-
-def test_l2_prefetch_changes_no_bits(backend):
-    """The decode attention's L2 prefetch of the weights used next (l2_prefetch.py) is a hint: the
-    logits of a short prompt (the small path, which prefetches) and the greedy tokens after it are
-    the same bits with it off and with every layer's next weights in the plan."""
-    from gguf_runtime.cuda_blocks import prefetch_mib
-
-    blocks = backend.blocks
-    prompt = [1, 5, 77, 900, 12]
-    runs = []
-    try:
-        for mib in (0, 1024):
-            blocks.set_prefetch(mib)
-            assert (sum(blocks.pf_count) > 0) == (mib > 0)
-            backend.truncate(0)
-            logits = backend.eval(prompt)
-            backend.stream.synchronize()
-            logits = cp.asnumpy(logits) if isinstance(logits, cp.ndarray) else np.array(logits)
-            runs.append((logits, generate(backend, prompt, 24, SamplingParams(temperature=0.0), graph=False)))
-    finally:
-        blocks.set_prefetch(prefetch_mib())
-    assert np.array_equal(runs[0][0], runs[1][0])
-    assert runs[0][1] == runs[1][1]

@@ -61,9 +61,8 @@ __global__ void __launch_bounds__(32 * W) attn_split(
         int page_size, int n_head_kv, float scale, float cap, int window, int n_split, int min_keys, int early,
         float* __restrict__ part_o, float* __restrict__ part_ml, unsigned* __restrict__ counter,
         float* __restrict__ out, int ldo, u16* __restrict__ out16, int ld16, u8* oq, int ldoq, float4* os,
-        int ldos, const long long* __restrict__ pf, int n_pf) {
+        int ldos) {
     constexpr int E = D / 32, KR = 4 * W;  // keys per round: each warp four keys, their loads together
-    l2_prefetch(pf, n_pf);  // the weights of the products after this kernel (l2_prefetch.py)
     if (!early) pdl_enter();
     const int hk = blockIdx.x, s = blockIdx.y, t = blockIdx.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -255,7 +254,7 @@ __global__ void __launch_bounds__(32 * W) attn_split(
 #ifdef GGUF_INSTANTIATE_ALL
 #define INST(D, G, W) template __global__ void attn_split<D, G, W>(const float*, int, const float*, const float*, \
     const int*, const int*, const int*, int, int, int, float, float, int, int, int, int, float*, float*, unsigned*, \
-    float*, int, u16*, int, u8*, int, float4*, int, const long long*, int);
+    float*, int, u16*, int, u8*, int, float4*, int);
 #define INST_W(D, G) INST(D, G, 4) INST(D, G, 8) INST(D, G, 16)
 INST_W(64, 1) INST_W(64, 3) INST_W(128, 4) INST_W(128, 8) INST(256, 4, 4) INST(256, 4, 8) INST(256, 8, 4) INST(256, 8, 8)
 #endif

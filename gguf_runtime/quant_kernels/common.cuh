@@ -111,32 +111,6 @@ DEV void pdl_enter() {
 #endif
 }
 
-// ---- L2 prefetch of weights ------------------------------------------------------------------
-// pf: n pairs (address, bytes) of memory no kernel writes (weights), each 16-byte aligned and a
-// multiple of 16 bytes long. The grid's threads split them into PF_CHUNK-byte pieces and ask the
-// L2 for each (a bulk prefetch: no completion, no registers held), so a kernel whose own work
-// leaves DRAM idle (a decode step's attention) brings in the weights of the products after it.
-// Called before pdl_enter: it reads only the table, which the host wrote.
-#define PF_CHUNK 4096
-DEV void l2_prefetch(const long long* __restrict__ pf, int n) {
-    const long long nt = (long long)gridDim.x * gridDim.y * gridDim.z * blockDim.x;
-    const long long id = (((long long)blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) * blockDim.x
-                         + threadIdx.x;
-    for (int i = 0; i < n; ++i) {
-        const char* base = reinterpret_cast<const char*>(pf[2 * i]);
-        const long long bytes = pf[2 * i + 1];
-        for (long long off = id * PF_CHUNK; off < bytes; off += nt * PF_CHUNK) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-            const unsigned sz = (unsigned)(bytes - off < PF_CHUNK ? bytes - off : PF_CHUNK);
-            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(base + off), "r"(sz) : "memory");
-#elif defined(__CUDA_ARCH__)
-            for (long long b = off; b < off + PF_CHUNK && b < bytes; b += 128)
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(base + b));
-#endif
-        }
-    }
-}
-
 // ---- warp and block reductions ---------------------------------------------------------------
 DEV float warp_sum(float v) {
 #pragma unroll

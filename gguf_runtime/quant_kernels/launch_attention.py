@@ -38,12 +38,11 @@ def attention(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache: int,
               max_pages: int, page_size: int, n_head: int, n_head_kv: int, head_dim: int, scale: float, cap: float,
               window: int, n_split: int, part_o: int, part_ml: int, counter: int, out: int, ldo: int,
               out16: int | None = None, ld16: int = 0, q8: Q8Vec | None = None, shape: AttnShape | None = None,
-              early: bool = False, prefetch: tuple[int, int] = (0, 0)) -> None:
+              early: bool = False) -> None:
     """Split-K attention over the paged cache, merged in the same launch (counter: rows x n_head_kv
     zeros, left zero); q8: also the output's int8 copy (head_dim % 16 == 0). early: every row is
     one token of its own sequence (decode), so the keys before its position are loaded before the
-    wait for the kernel that wrote q (attention.cu). prefetch: (table, n), n (address, bytes) int64
-    pairs the kernel's threads ask the L2 to fetch (common.cuh's l2_prefetch; n = 0: none)."""
+    wait for the kernel that wrote q (attention.cu)."""
     g = n_head // n_head_kv
     assert q8 is None or head_dim % 16 == 0
     shape = shape or attn_shape(head_dim, g)
@@ -52,4 +51,4 @@ def attention(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache: int,
         (ptr(q), i32(ldq), ptr(kcache), ptr(vcache), ptr(pos), ptr(seq), ptr(table), i32(max_pages),
          i32(page_size), i32(n_head_kv), f32(scale), f32(cap), i32(window), i32(n_split), i32(shape.min_keys),
          i32(1 if early else 0), ptr(part_o), ptr(part_ml), ptr(counter), ptr(out), i32(ldo), ptr(out16), i32(ld16),
-         *(q8.ptrs() if q8 else NO_PTRS), ptr(prefetch[0]), i32(prefetch[1])))
+         *(q8.ptrs() if q8 else NO_PTRS)))
