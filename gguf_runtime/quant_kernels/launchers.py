@@ -6,7 +6,6 @@ launch_layers.py.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -20,7 +19,7 @@ MAX_MMV_TOKENS = 8
 
 # ---- name expressions ----------------------------------------------------------------------------
 def mmv_name(structs: Sequence[str], b: int, r: int, wg: int, mode: int, io: int = 0) -> str:
-    """io: bit 0 int8 activations in, bit 1 the q8 epilogue, bit 2 two rounds of loads (matvec.cu)."""
+    """io: bit 0 int8 activations in, bit 1 the q8 epilogue (matvec.cu)."""
     s = list(structs) + [structs[0]] * (3 - len(structs))
     return f"mmv_group<{s[0]}, {s[1]}, {s[2]}, {b}, {r}, {wg}, {mode}, {io}>"
 
@@ -30,15 +29,6 @@ def glu_name(struct: str, b: int, r: int, wg: int, act: int, io: int = 0) -> str
 
 
 FLOAT_STRUCTS = ("TF32", "TF16", "TBF16")
-# int8-input matvecs whose lanes issue a round's weight loads before the round before it is
-# multiplied (io bit 2; matvec_block.cuh's PIPE): GGUF_RUN_MMV_PIPE = "group" (QKV, o-proj, down),
-# "glu", "all" or "0"
-MMV_PIPE = os.environ.get("GGUF_RUN_MMV_PIPE", "0")
-
-
-def pipe_bit(kind: str, io: int) -> int:
-    """io with bit 2 set where kind ("group" or "glu") has int8 input (io bit 0) and is piped."""
-    return io | 4 if io & 1 and MMV_PIPE in ("all", kind) else io
 
 
 def q8_capable(mats: Sequence["Mat"]) -> bool:
@@ -165,7 +155,7 @@ def mmv(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases
     assert q8_out is None or (q8 is not None and mode == 1 and len(mats) == 1 and mats[0].rows % Q8_OUT_ROWS == 0)
     cols = mats[0].cols
     total = sum(m.rows for m in mats)
-    io = pipe_bit("group", (q8 is not None) | (q8_out is not None) << 1)
+    io = (q8 is not None) | (q8_out is not None) << 1
     for row, n in token_chunks(b):
         r, wg = config or mmv_config([m.struct for m in mats], [m.rows for m in mats], cols, n, q8_out is not None)
         if q8_out:
@@ -201,7 +191,7 @@ def mmv_glu(k: Kernels, gate: Mat, up: Mat, x: int, ldx: int, b: int, act: str, 
     the int8 activations ``q8``; ``q8_out`` (rows % 16 == 0): also y's int8 copy."""
     assert q8 is None or (norm is None and q8_capable([gate, up]))
     assert q8_out is None or (q8 is not None and gate.rows % Q8_OUT_ROWS == 0)
-    io = pipe_bit("glu", (q8 is not None) | (q8_out is not None) << 1)
+    io = (q8 is not None) | (q8_out is not None) << 1
     for row, n in token_chunks(b):
         r, wg = glu_config(gate.struct, gate.rows, gate.cols, n)
         if q8_out:

@@ -125,9 +125,7 @@ DEV void mmv_block(const Mat (&m)[R], const int (&row)[R], int K, const float* _
 // as mmv_block's fused norm): what a residual matvec's q8 epilogue writes for the next norm.
 struct XQ { const u8* q; int ldq; const float4* s; int lds; int norm; float eps; };
 
-// PIPE: a lane issues its next round's weight loads before this round's dot products (two rounds'
-// raw weights live at once), so its loads overlap its own arithmetic; else after them.
-template <class T, int B, int R, int WG, bool PIPE>
+template <class T, int B, int R, int WG>
 DEV void mmv_block_q8(const Mat (&m)[R], const int (&row)[R], int K, const XQ& xq, float (&acc)[R][B]) {
     const int tid = threadIdx.x % (32 * WG), units = K / T::UE;
     float ssq[B];
@@ -138,13 +136,6 @@ DEV void mmv_block_q8(const Mat (&m)[R], const int (&row)[R], int K, const XQ& x
         for (int r = 0; r < R; ++r) T::load(m[r], row[r], tid, raw[r]);
     pdl_enter();
     for (int u = tid; u < units; u += 32 * WG) {
-        typename T::Raw nxt[PIPE ? R : 1];
-        if constexpr (PIPE) {
-            if (u + 32 * WG < units) {
-#pragma unroll
-                for (int r = 0; r < R; ++r) T::load(m[r], row[r], u + 32 * WG, nxt[r]);
-            }
-        }
 #pragma unroll
         for (int p = 0; p < T::NP; ++p) {
             const int off = T::xoff(u, p);
@@ -166,13 +157,9 @@ DEV void mmv_block_q8(const Mat (&m)[R], const int (&row)[R], int K, const XQ& x
                 }
             }
         }
-        if constexpr (PIPE) {
-#pragma unroll
-            for (int r = 0; r < R; ++r) raw[r] = nxt[r];
-        } else if (u + 32 * WG < units) {
+        if (u + 32 * WG < units)
 #pragma unroll
             for (int r = 0; r < R; ++r) T::load(m[r], row[r], u + 32 * WG, raw[r]);
-        }
     }
     group_reduce<B, R, WG>(acc, ssq, xq.norm != 0);
     if (xq.norm && tid == 0)
