@@ -41,11 +41,11 @@ def precompile(kernels: Kernels, cfg: ModelConfig, w: DeviceWeights, blocks: Cud
         structs, rows = [m.struct for m in mats], [m.rows for m in mats]
         ios = [0] + ([1] if q8 and L.q8_capable(mats) else [])
         for mode in (0, 1):
-            mm += [L.mmv_name(structs, b, *L.mmv_config(structs, rows, mats[0].cols, b), mode,
-                              L.pf_bits("group", io)) for b in L.MMV_TOKENS for io in ios]
+            mm += [L.mmv_name(structs, b, *L.mmv_config(structs, rows, mats[0].cols, b), mode, io)
+                   for b in L.MMV_TOKENS for io in ios]
         if len(ios) > 1 and len(mats) == 1 and rows[0] % L.Q8_OUT_ROWS == 0:  # residual with a q8 epilogue
-            mm += [L.mmv_name(structs, b, *L.mmv_config(structs, rows, mats[0].cols, b, True), 1,
-                              L.pf_bits("group", 3)) for b in L.MMV_TOKENS]
+            mm += [L.mmv_name(structs, b, *L.mmv_config(structs, rows, mats[0].cols, b, True), 1, 3)
+                   for b in L.MMV_TOKENS]
         if max_batch > L.MAX_MMV_TOKENS:  # batch decode steps: tensor-core products
             modes = (0, 1) if len(mats) == 1 and mats[0].qs in residuals else (0,)
             configs = [LM.mma_config(rows, b, mats[0].cols) for b in buckets
@@ -55,9 +55,9 @@ def precompile(kernels: Kernels, cfg: ModelConfig, w: DeviceWeights, blocks: Cud
     for s, n, c in glu:
         mm += [L.glu_name(s, b, *L.glu_config(s, n, c, b), act) for b in L.MMV_TOKENS]
         if q8 and s not in L.FLOAT_STRUCTS:
-            mm += [L.glu_name(s, b, *L.glu_config(s, n, c, b), act, L.pf_bits("glu", 1)) for b in L.MMV_TOKENS]
-            mm += [L.glu_name(s, b, 2, min(L.glu_config(s, n, c, b)[1], 2), act, L.pf_bits("glu", 3))
-                   for b in L.MMV_TOKENS if n % L.Q8_OUT_ROWS == 0]
+            mm += [L.glu_name(s, b, *L.glu_config(s, n, c, b), act, 1) for b in L.MMV_TOKENS]
+            mm += [L.glu_name(s, b, 2, min(L.glu_config(s, n, c, b)[1], 2), act, 3) for b in L.MMV_TOKENS
+                   if n % L.Q8_OUT_ROWS == 0]
     mma += [LM.mma_glu_name(s, *LM.mma_config([n], b, 0, tall=False)[:2], act) for s, n, _ in glu for b in buckets
             if L.MAX_MMV_TOKENS < b <= max_batch]
     mm.append(f"embed_rows<{w.mat('token_embd.weight').struct}>")

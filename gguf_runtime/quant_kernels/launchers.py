@@ -6,7 +6,6 @@ launch_layers.py.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -20,7 +19,7 @@ MAX_MMV_TOKENS = 8
 
 # ---- name expressions ----------------------------------------------------------------------------
 def mmv_name(structs: Sequence[str], b: int, r: int, wg: int, mode: int, io: int = 0) -> str:
-    """io: bit 0 int8 activations in, bit 1 the q8 epilogue, bits 2-3 L2 prefetch depth (matvec.cu)."""
+    """io: bit 0 int8 activations in, bit 1 the q8 epilogue (matvec.cu)."""
     s = list(structs) + [structs[0]] * (3 - len(structs))
     return f"mmv_group<{s[0]}, {s[1]}, {s[2]}, {b}, {r}, {wg}, {mode}, {io}>"
 
@@ -30,16 +29,6 @@ def glu_name(struct: str, b: int, r: int, wg: int, act: int, io: int = 0) -> str
 
 
 FLOAT_STRUCTS = ("TF32", "TF16", "TBF16")
-# rounds of weights the lanes of int8-input matvecs prefetch into the L2 ahead of their loads
-# (io bits 2-3; matvec_block.cuh's PF): GGUF_RUN_MMV_PF = "N" for all, or "N:M" (QKV, o-proj and
-# down N; the GLU M), 0 to 3
-_PF = os.environ.get("GGUF_RUN_MMV_PF", "0").split(":")
-MMV_PF = (int(_PF[0]), int(_PF[-1]))
-
-
-def pf_bits(kind: str, io: int) -> int:
-    """io with the prefetch depth of kind ("group" or "glu") in bits 2-3, where its input is int8."""
-    return io | MMV_PF[kind == "glu"] << 2 if io & 1 else io
 
 
 def q8_capable(mats: Sequence["Mat"]) -> bool:
@@ -166,7 +155,7 @@ def mmv(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases
     assert q8_out is None or (q8 is not None and mode == 1 and len(mats) == 1 and mats[0].rows % Q8_OUT_ROWS == 0)
     cols = mats[0].cols
     total = sum(m.rows for m in mats)
-    io = pf_bits("group", (q8 is not None) | (q8_out is not None) << 1)
+    io = (q8 is not None) | (q8_out is not None) << 1
     for row, n in token_chunks(b):
         r, wg = config or mmv_config([m.struct for m in mats], [m.rows for m in mats], cols, n, q8_out is not None)
         if q8_out:
@@ -202,7 +191,7 @@ def mmv_glu(k: Kernels, gate: Mat, up: Mat, x: int, ldx: int, b: int, act: str, 
     the int8 activations ``q8``; ``q8_out`` (rows % 16 == 0): also y's int8 copy."""
     assert q8 is None or (norm is None and q8_capable([gate, up]))
     assert q8_out is None or (q8 is not None and gate.rows % Q8_OUT_ROWS == 0)
-    io = pf_bits("glu", (q8 is not None) | (q8_out is not None) << 1)
+    io = (q8 is not None) | (q8_out is not None) << 1
     for row, n in token_chunks(b):
         r, wg = glu_config(gate.struct, gate.rows, gate.cols, n)
         if q8_out:

@@ -125,26 +125,17 @@ DEV void mmv_block(const Mat (&m)[R], const int (&row)[R], int K, const float* _
 // as mmv_block's fused norm): what a residual matvec's q8 epilogue writes for the next norm.
 struct XQ { const u8* q; int ldq; const float4* s; int lds; int norm; float eps; };
 
-// PF > 0: besides loading its first round of weights, a lane asks the L2 for its next PF rounds'
-// before pdl_enter, and for the round PF + 1 ahead after each load (PfL2, quant_int8.cuh): the
-// loads of later rounds then hit the L2 instead of waiting on DRAM, with no registers held.
-template <class T, int B, int R, int WG, int PF>
+template <class T, int B, int R, int WG>
 DEV void mmv_block_q8(const Mat (&m)[R], const int (&row)[R], int K, const XQ& xq, float (&acc)[R][B]) {
     const int tid = threadIdx.x % (32 * WG), units = K / T::UE;
-    constexpr int S = 32 * WG;
     float ssq[B];
     zero_sums<B, R>(acc, ssq);
     typename T::Raw raw[R];  // loaded before pdl_enter, as in mmv_block (loading more units ahead
     if (tid < units)         // measured slower: 8B tg128 385 -> 337 t/s, bench/RESULTS.md)
 #pragma unroll
         for (int r = 0; r < R; ++r) T::load(m[r], row[r], tid, raw[r]);
-#pragma unroll
-    for (int i = 1; i <= PF; ++i)
-        if (tid + i * S < units)
-#pragma unroll
-            for (int r = 0; r < R; ++r) PfL2<T>::unit(m[r], row[r], tid + i * S);
     pdl_enter();
-    for (int u = tid; u < units; u += S) {
+    for (int u = tid; u < units; u += 32 * WG) {
 #pragma unroll
         for (int p = 0; p < T::NP; ++p) {
             const int off = T::xoff(u, p);
@@ -166,12 +157,9 @@ DEV void mmv_block_q8(const Mat (&m)[R], const int (&row)[R], int K, const XQ& x
                 }
             }
         }
-        if (u + S < units)
+        if (u + 32 * WG < units)
 #pragma unroll
-            for (int r = 0; r < R; ++r) T::load(m[r], row[r], u + S, raw[r]);
-        if (PF > 0 && u + (PF + 1) * S < units)
-#pragma unroll
-            for (int r = 0; r < R; ++r) PfL2<T>::unit(m[r], row[r], u + (PF + 1) * S);
+            for (int r = 0; r < R; ++r) T::load(m[r], row[r], u + 32 * WG, raw[r]);
     }
     group_reduce<B, R, WG>(acc, ssq, xq.norm != 0);
     if (xq.norm && tid == 0)

@@ -177,28 +177,3 @@ template <> struct I8<TQ6_K> {
         d = r.dl[p]; m = -32.f * r.dl[p];
     }
 };
-
-// L2 prefetch of the bytes T::load reads for unit u of a row (mmv_block_q8's PF): the warp's lanes
-// cover whole lines, so one instruction per plane. Types without a specialization prefetch nothing.
-DEV void pf_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
-
-template <class T> struct PfL2 { static DEV void unit(const Mat&, int, int) {} };
-
-template <> struct PfL2<TQ4_K> {
-    static DEV void unit(const Mat& m, int row, int u) {
-        const long sb = (long)row * m.nb + (u >> 3);
-        pf_l2(m.qs + sb * 128 + 32 * ((u >> 1) & 3) + 16 * (u & 1));
-        pf_l2(m.sc + sb * 16);
-    }
-};
-
-template <> struct PfL2<TQ6_K> {
-    static DEV void unit(const Mat& m, int row, int u) {
-        const long sb = (long)row * m.nb + (u >> 2);
-        const int h = (u >> 1) & 1, s = u & 1;
-        pf_l2(m.qs + sb * 128 + 64 * h + 16 * s);
-        pf_l2(m.qs + sb * 128 + 64 * h + 16 * s + 32);
-        pf_l2(m.qh + sb * 64 + 32 * h + 16 * s);
-        pf_l2(m.sc + sb * 16);
-    }
-};
