@@ -56,8 +56,8 @@ class CudaBlocks:
         # norm kernel of its own, to measure)
         self.fuse_post_norm = os.environ.get("GGUF_RUN_POST_Q8", "1") != "0"
         # (R, WG) of the one-row-group matvecs by role, overriding launchers.mmv_config (to measure):
-        # GGUF_RUN_MMV_QKV, GGUF_RUN_MMV_O, GGUF_RUN_MMV_DOWN = "R:WG"
-        self.mmv_cfg = {role: mmv_override(role) for role in ("QKV", "O", "DOWN")}
+        # GGUF_RUN_MMV_QKV, GGUF_RUN_MMV_O, GGUF_RUN_MMV_DOWN, GGUF_RUN_MMV_GLU = "R:WG"
+        self.mmv_cfg = {role: mmv_override(role) for role in ("QKV", "O", "DOWN", "GLU")}
         self.f16: F16Weights | None = None  # made by load_f16, after the kernels are compiled
         self.gemm: CublasGemm | None = None  # made by load_f16 (the cuBLAS prefill path)
         self._q8_ready: tuple[str, int] | None = None  # (norm, rows) that q8_norm holds from an epilogue
@@ -259,7 +259,7 @@ class CudaBlocks:
             if q8 is not None and gate.rows % L.Q8_OUT_ROWS == 0 and L.q8_capable([self.w.mat(down)]):
                 g_q8 = self.ws.q8_plain
             L.mmv_glu(self.k, gate, up, h.data.ptr, h.strides[0] // 4, t, cfg.activation, g.data.ptr, g.strides[0] // 4,
-                      norm=norm, q8=q8, q8_out=g_q8)
+                      norm=norm, q8=q8, q8_out=g_q8, config=self.mmv_cfg["GLU"])
             return self._project_residual(g, down, x, post, a_q8=g_q8, then=self._after_ffn(layer))
         if big and gate.type_id == up.type_id:
             g16 = ws.g16

@@ -62,7 +62,10 @@ def precompile(kernels: Kernels, cfg: ModelConfig, w: DeviceWeights, blocks: Cud
             if L.MAX_MMV_TOKENS < b <= max_batch]
     mm.append(f"embed_rows<{w.mat('token_embd.weight').struct}>")
     mm += [f"dequant_f16<{s}>" for s in {m.struct for m in w.mats.values()}]
-    if any(blocks.mmv_cfg.values()):  # measuring (R, WG): every candidate, so one module for all
+    if blocks.mmv_cfg["GLU"]:  # measuring the GLU's (R, WG)
+        mm += [L.glu_name(s, b, *blocks.mmv_cfg["GLU"], act, io) for s, _, _ in glu for b in L.MMV_TOKENS
+               for io in (1, 3)]
+    if any(blocks.mmv_cfg[k] for k in ("QKV", "O", "DOWN")):  # measuring (R, WG): every candidate, one module
         for mats in groups:
             structs = [m.struct for m in mats]
             for r, wg in MMV_SWEEP:

@@ -186,14 +186,16 @@ def _norm_args(norm: tuple[int, float] | None) -> tuple[np.uint64, np.float32]:
 
 
 def mmv_glu(k: Kernels, gate: Mat, up: Mat, x: int, ldx: int, b: int, act: str, y: int, ldy: int,
-            norm: tuple[int, float] | None = None, q8: Q8Vec | None = None, q8_out: Q8Vec | None = None) -> None:
+            norm: tuple[int, float] | None = None, q8: Q8Vec | None = None, q8_out: Q8Vec | None = None,
+            config: tuple[int, int] | None = None) -> None:
     """y[t, :] = act(G x'[t]) * (U x'[t]) for t < b <= 8; x' = x, or rmsnorm(x) with ``norm``, or
-    the int8 activations ``q8``; ``q8_out`` (rows % 16 == 0): also y's int8 copy."""
+    the int8 activations ``q8``; ``q8_out`` (rows % 16 == 0): also y's int8 copy. ``config`` =
+    (R, WG) overrides glu_config (to measure)."""
     assert q8 is None or (norm is None and q8_capable([gate, up]))
     assert q8_out is None or (q8 is not None and gate.rows % Q8_OUT_ROWS == 0)
     io = (q8 is not None) | (q8_out is not None) << 1
     for row, n in token_chunks(b):
-        r, wg = glu_config(gate.struct, gate.rows, gate.cols, n)
+        r, wg = config or glu_config(gate.struct, gate.rows, gate.cols, n)
         if q8_out:
             r, wg = 2, min(wg, 2)  # one gate and one up row per group: 16 * WG warps per block
         nw = block_warps(r // 2, wg, io)
