@@ -58,9 +58,6 @@ class CudaBlocks:
         # (R, WG) of the one-row-group matvecs by role, overriding launchers.mmv_config (to measure):
         # GGUF_RUN_MMV_QKV, GGUF_RUN_MMV_O, GGUF_RUN_MMV_DOWN, GGUF_RUN_MMV_GLU = "R:WG"
         self.mmv_cfg = {role: mmv_override(role) for role in ("QKV", "O", "DOWN", "GLU")}
-        # the output projection parks its second round of weights in shared memory before waiting
-        # for attention (launchers.mmv's park; GGUF_RUN_PARK_O=0 turns it off)
-        self.park_o = os.environ.get("GGUF_RUN_PARK_O", "0") != "0"
         self.f16: F16Weights | None = None  # made by load_f16, after the kernels are compiled
         self.gemm: CublasGemm | None = None  # made by load_f16 (the cuBLAS prefill path)
         self._q8_ready: tuple[str, int] | None = None  # (norm, rows) that q8_norm holds from an epilogue
@@ -215,10 +212,9 @@ class CudaBlocks:
                     and w.rows % L.Q8_OUT_ROWS == 0 and L.q8_capable(then[1])):
                 out = (self.ws.q8_norm, self.w.vec(then[0]).data.ptr)
                 self._q8_ready = (then[0], t)
-            o = name.endswith("attn_output.weight")
             L.mmv(self.k, [w], [(target.data.ptr, target.strides[0] // 4)], [None], a.data.ptr,
                   a.strides[0] // 4, t, 0 if post_norm else 1, q8=q8, q8_out=out,
-                  config=self.mmv_cfg["O" if o else "DOWN"], park=o and self.park_o)
+                  config=self.mmv_cfg["O" if name.endswith("attn_output.weight") else "DOWN"])
         elif self.mma:
             LM.mma(self.k, [self.w.mat(name)], [(target.data.ptr, target.strides[0] // 4)], [None], a16.data.ptr,
                   a16.strides[0] // 2, t, 0 if post_norm else 1, self.ws.split)

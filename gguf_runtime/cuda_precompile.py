@@ -37,7 +37,6 @@ def precompile(kernels: Kernels, cfg: ModelConfig, w: DeviceWeights, blocks: Cud
     q8 = use_q8(cfg)
     # o-proj and down: y += W a, or y = W a before a post-norm (both modes)
     residuals = {w.mat(f"blk.{i}.{n}.weight").qs for i in range(cfg.n_layer) for n in ("attn_output", "ffn_down")}
-    o_proj = {w.mat(f"blk.{i}.attn_output.weight").qs for i in range(cfg.n_layer)}
     for mats in groups:
         structs, rows = [m.struct for m in mats], [m.rows for m in mats]
         ios = [0] + ([1] if q8 and L.q8_capable(mats) else [])
@@ -45,8 +44,7 @@ def precompile(kernels: Kernels, cfg: ModelConfig, w: DeviceWeights, blocks: Cud
             mm += [L.mmv_name(structs, b, *L.mmv_config(structs, rows, mats[0].cols, b), mode, io)
                    for b in L.MMV_TOKENS for io in ios]
         if len(ios) > 1 and len(mats) == 1 and rows[0] % L.Q8_OUT_ROWS == 0:  # residual with a q8 epilogue
-            io = 7 if blocks.park_o and mats[0].qs in o_proj else 3
-            mm += [L.mmv_name(structs, b, *L.mmv_config(structs, rows, mats[0].cols, b, True), 1, io)
+            mm += [L.mmv_name(structs, b, *L.mmv_config(structs, rows, mats[0].cols, b, True), 1, 3)
                    for b in L.MMV_TOKENS]
         if max_batch > L.MAX_MMV_TOKENS:  # batch decode steps: tensor-core products
             modes = (0, 1) if len(mats) == 1 and mats[0].qs in residuals else (0,)

@@ -211,36 +211,6 @@ def test_residual_q8_epilogue_then_normed_consumer(k, name, b, config):
     assert rel(z.get(), (hq @ wv.T) * scale) < 1e-5
 
 
-@pytest.mark.parametrize("name,cols", [("Q4_K", 4096), ("Q4_K", 2304), ("Q4_K", 8192), ("Q4_1", 2080),
-                                       ("Q6_K", 8192)])
-@pytest.mark.parametrize("b,q8_out", [(1, True), (2, True), (1, False)])
-def test_parked_second_round_same_bits(k, name, cols, b, q8_out):
-    """A residual q8 matvec that parks each lane's second round of weights in shared memory before
-    pdl_enter (the output projection's park) gives the unparked kernel's bits: lanes with one, two
-    and more rounds (2,304 columns: 72 Q4_K units over 64 lanes; 8,192: four rounds), with and
-    without the q8 epilogue, and types too large to park (Q6_K) fall back to loading."""
-    rng = np.random.default_rng()
-    keep = []
-    rows = 256
-    m, w = upload(name, rows, cols, rng, keep)
-    a = rng.standard_normal((b, cols)).astype(np.float32)
-    abuf, aq = quantized(k, a, keep)
-    y0 = rng.standard_normal((b, rows)).astype(np.float32)
-    nw = cp.asarray((1 + 0.3 * rng.standard_normal(rows)).astype(np.float32))
-    got = []
-    for park in (False, True):
-        yd = cp.asarray(y0)
-        out = Q8Buf(b, rows) if q8_out else None
-        L.mmv(k, [m], [(yd.data.ptr, rows)], [None], 0, cols, b, 1, q8=abuf.vec,
-              q8_out=(out.vec, nw.data.ptr) if q8_out else None, config=(2, 2), park=park)
-        got.append((yd.get(), *((out.q.get(), out.s.get()) if q8_out else ())))
-    assert rel(got[1][0], y0 + aq @ w.T) < 1e-5
-    for unparked, parked in zip(*got):  # y, and the int8 copy's bytes and scales
-        assert np.array_equal(unparked, parked, equal_nan=True)
-    if q8_out:
-        check_q8(out, got[1][0] * nw.get(), ssq_of=got[1][0])
-
-
 @pytest.mark.parametrize("b", [1, 2, 5])
 def test_glu_q8_epilogue(k, b):
     rng = np.random.default_rng()

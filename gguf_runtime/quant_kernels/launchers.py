@@ -19,7 +19,7 @@ MAX_MMV_TOKENS = 8
 
 # ---- name expressions ----------------------------------------------------------------------------
 def mmv_name(structs: Sequence[str], b: int, r: int, wg: int, mode: int, io: int = 0) -> str:
-    """io: bit 0 int8 activations in, bit 1 the q8 epilogue, bit 2 a parked round (matvec.cu)."""
+    """io: bit 0 int8 activations in, bit 1 the q8 epilogue (matvec.cu)."""
     s = list(structs) + [structs[0]] * (3 - len(structs))
     return f"mmv_group<{s[0]}, {s[1]}, {s[2]}, {b}, {r}, {wg}, {mode}, {io}>"
 
@@ -140,7 +140,7 @@ NO_ROPE = (ptr(0), ptr(0), ptr(0), i32(0), i32(0), ptr(0), i32(0), i32(0), i32(0
 def mmv(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases: Sequence[int | None],
         x: int, ldx: int, b: int, mode: int, config: tuple[int, int] | None = None,
         norm: tuple[int, float] | None = None, rope: RopeKV | None = None, q8: Q8Vec | None = None,
-        q8_out: tuple[Q8Vec, int | None] | None = None, park: bool = False) -> None:
+        q8_out: tuple[Q8Vec, int | None] | None = None) -> None:
     """y_i[t, :] (=|+=) W_i x[t, :] (+ bias_i) for up to 3 matrices sharing x; t < b <= 8.
     ``norm`` = (weight, eps): x is RMS-normalized first (fused, see matvec.cu).
     ``q8``: the activations are these int8 ones instead of x (dp4a; no fused norm; quantized types).
@@ -149,15 +149,13 @@ def mmv(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases
     ``rope``: the outputs are Q, K, V rows, and RoPE + the KV-cache write follow: fused into the
     epilogue where the row groups are rope pairs (R = 2; one warp on the f32 path: the tested shapes),
     else a rope_kv launch.
-    ``config`` = (R, WG) overrides the automatic choice (bench/matvec_variants.py).
-    ``park`` (int8 input): each lane's second round of weights is loaded before the wait for the
-    kernel before too, into shared memory (io bit 2): for the output projection, after attention."""
+    ``config`` = (R, WG) overrides the automatic choice (bench/matvec_variants.py)."""
     assert 1 <= len(mats) <= 3 and 1 <= b <= MAX_MMV_TOKENS
     assert q8 is None or (norm is None and q8_capable(mats))
     assert q8_out is None or (q8 is not None and mode == 1 and len(mats) == 1 and mats[0].rows % Q8_OUT_ROWS == 0)
     cols = mats[0].cols
     total = sum(m.rows for m in mats)
-    io = (q8 is not None) | (q8_out is not None) << 1 | (park and q8 is not None) << 2
+    io = (q8 is not None) | (q8_out is not None) << 1
     for row, n in token_chunks(b):
         r, wg = config or mmv_config([m.struct for m in mats], [m.rows for m in mats], cols, n, q8_out is not None)
         if q8_out:

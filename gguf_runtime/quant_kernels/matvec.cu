@@ -67,14 +67,12 @@ DEV bool group_leader() { return threadIdx.x % (32 * WG) == 0; }
 
 // MODE 0: y = W x (+ bias)   MODE 1: y += W x (the residual add)
 // IO bit 0: the activations are int8 (XQ), else f32 x (RMSNorm fused when nw is non-null);
-// IO bit 1: a q8 epilogue also writes the int8 copy of the outputs (QOut; 16 rows per block);
-// IO bit 2 (with bit 0): the second round of weights parked in shared memory before pdl_enter
-// (mmv_block_q8's NT) where it fits.
+// IO bit 1: a q8 epilogue also writes the int8 copy of the outputs (QOut; 16 rows per block).
 struct XIn { const float* x; int ldx; const float* nw; float eps; XQ q; };
 
-template <class T, int B, int R, int WG, bool Q8, int NT = 0>
+template <class T, int B, int R, int WG, bool Q8>
 DEV void mmv_any(const Mat (&m)[R], const int (&row)[R], int K, const XIn& xi, float (&acc)[R][B]) {
-    if constexpr (Q8) mmv_block_q8<T, B, R, WG, NT>(m, row, K, xi.q, acc);
+    if constexpr (Q8) mmv_block_q8<T, B, R, WG>(m, row, K, xi.q, acc);
     else mmv_block<T, B, R, WG>(m, row, K, xi.x, xi.ldx, xi.nw, xi.eps, acc);
 }
 
@@ -87,9 +85,7 @@ DEV void mmv_segment(const Mat& mat, int n, int row0, const XIn& xi, int K, floa
     float acc[R][B], qw = 1.f;
     if constexpr ((IO & 2) != 0)
         if (threadIdx.x < 16 * B) qw = q8_out_weight(qo, row0 - row0 % 16);  // weights only: before pdl_enter
-    constexpr int NT = 32 * block_warps<R, WG, IO>();  // parked round: where it fits 40 KiB of shared memory
-    constexpr bool PARK = (IO & 5) == 5 && R * NT * sizeof(typename T::Raw) <= 40960;
-    mmv_any<T, B, R, WG, (IO & 1) != 0, PARK ? NT : 0>(m, row, K, xi, acc);
+    mmv_any<T, B, R, WG, (IO & 1) != 0>(m, row, K, xi, acc);
     if constexpr ((IO & 2) != 0) {  // residual add, then the int8 copy of the block's 16 new rows
         static_assert(MODE == 1, "q8 epilogue: residual mode");
         __shared__ float tile[B][16];
@@ -251,8 +247,7 @@ __global__ void dequant_f16(PLANES(0), int rows, int K, u16* __restrict__ out) {
     template __global__ void embed_rows<T>(PLANES(0), int, const int*, int, float*, int, float); \
     template __global__ void dequant_f16<T>(PLANES(0), int, int, u16*);
 #define INST_Q8(T) GROUP(T, 1, 4, 2, 0, 1) GROUP(T, 8, 1, 1, 1, 1) GROUP(T, 2, 2, 1, 0, 1) GLU(T, 3, 2, 1, 0, 1) \
-    GROUP(T, 2, 4, 1, 1, 3) GROUP(T, 3, 2, 1, 1, 3) GROUP(T, 1, 1, 1, 1, 3) GLU(T, 1, 2, 1, 0, 3) GLU(T, 5, 4, 1, 1, 3) \
-    GROUP(T, 1, 2, 2, 1, 7) GROUP(T, 2, 2, 2, 1, 7)
+    GROUP(T, 2, 4, 1, 1, 3) GROUP(T, 3, 2, 1, 1, 3) GROUP(T, 1, 1, 1, 1, 3) GLU(T, 1, 2, 1, 0, 3) GLU(T, 5, 4, 1, 1, 3)
 INST(TF32) INST(TF16) INST(TBF16) INST(TQ4_0) INST(TQ4_1) INST(TQ5_0) INST(TQ5_1) INST(TQ8_0)
 INST(TQ2_K) INST(TQ3_K) INST(TQ4_K) INST(TQ5_K) INST(TQ6_K)
 INST_Q8(TQ4_0) INST_Q8(TQ4_1) INST_Q8(TQ5_0) INST_Q8(TQ5_1) INST_Q8(TQ8_0)

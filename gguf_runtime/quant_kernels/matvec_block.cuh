@@ -125,28 +125,15 @@ DEV void mmv_block(const Mat (&m)[R], const int (&row)[R], int K, const float* _
 // as mmv_block's fused norm): what a residual matvec's q8 epilogue writes for the next norm.
 struct XQ { const u8* q; int ldq; const float4* s; int lds; int norm; float eps; };
 
-// NT > 0 (NT threads per block): the lane's second round of weights is loaded before pdl_enter too
-// and parked in shared memory (no registers held past the wait), for a product whose kernel before
-// leaves DRAM idle (the output projection after attention).
-template <class T, int B, int R, int WG, int NT>
+template <class T, int B, int R, int WG>
 DEV void mmv_block_q8(const Mat (&m)[R], const int (&row)[R], int K, const XQ& xq, float (&acc)[R][B]) {
     const int tid = threadIdx.x % (32 * WG), units = K / T::UE;
     float ssq[B];
     zero_sums<B, R>(acc, ssq);
     typename T::Raw raw[R];  // loaded before pdl_enter, as in mmv_block (loading more units ahead
-    if (tid < units)         // into registers measured slower: 8B tg128 385 -> 337 t/s, bench/RESULTS.md)
+    if (tid < units)         // measured slower: 8B tg128 385 -> 337 t/s, bench/RESULTS.md)
 #pragma unroll
         for (int r = 0; r < R; ++r) T::load(m[r], row[r], tid, raw[r]);
-    __shared__ typename T::Raw parked[NT > 0 ? R : 1][NT > 0 ? NT : 1];
-    if constexpr (NT > 0) {
-        if (tid + 32 * WG < units) {
-            typename T::Raw nx[R];
-#pragma unroll
-            for (int r = 0; r < R; ++r) T::load(m[r], row[r], tid + 32 * WG, nx[r]);
-#pragma unroll
-            for (int r = 0; r < R; ++r) parked[r][threadIdx.x] = nx[r];
-        }
-    }
     pdl_enter();
     for (int u = tid; u < units; u += 32 * WG) {
 #pragma unroll
@@ -170,13 +157,9 @@ DEV void mmv_block_q8(const Mat (&m)[R], const int (&row)[R], int K, const XQ& x
                 }
             }
         }
-        if (NT > 0 && u == tid && u + 32 * WG < units) {
-#pragma unroll
-            for (int r = 0; r < R; ++r) raw[r] = parked[r][threadIdx.x];
-        } else if (u + 32 * WG < units) {
+        if (u + 32 * WG < units)
 #pragma unroll
             for (int r = 0; r < R; ++r) T::load(m[r], row[r], u + 32 * WG, raw[r]);
-        }
     }
     group_reduce<B, R, WG>(acc, ssq, xq.norm != 0);
     if (xq.norm && tid == 0)
