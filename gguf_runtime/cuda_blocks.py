@@ -58,6 +58,10 @@ class CudaBlocks:
         # (R, WG) of the one-row-group matvecs by role, overriding launchers.mmv_config (to measure):
         # GGUF_RUN_MMV_QKV, GGUF_RUN_MMV_O, GGUF_RUN_MMV_DOWN, GGUF_RUN_MMV_GLU = "R:WG"
         self.mmv_cfg = {role: mmv_override(role) for role in ("QKV", "O", "DOWN", "GLU")}
+        # measuring only: the kernels of these roles ("qkv", "attn", "o", "glu", "down") are left out
+        # of calls of up to MAX_MMV_TOKENS rows, so a step's time without them can be read off a
+        # benchmark (the outputs are then wrong): GGUF_RUN_BENCH_SKIP = "attn,o"
+        self.skip = frozenset(filter(None, os.environ.get("GGUF_RUN_BENCH_SKIP", "").split(",")))
         self.f16: F16Weights | None = None  # made by load_f16, after the kernels are compiled
         self.gemm: CublasGemm | None = None  # made by load_f16 (the cuBLAS prefill path)
         self._q8_ready: tuple[str, int] | None = None  # (norm, rows) that q8_norm holds from an epilogue
@@ -161,9 +165,10 @@ class CudaBlocks:
                         positions.data.ptr, self.seq.data.ptr, self.kv.table.data.ptr, self.kv.max_pages,
                         self.kv.page_size, kc, vc)
         if self._small(t):  # RoPE + KV write in the matvec's epilogue where it can (else a rope_kv launch)
-            L.mmv(self.k, [self.w.mat(n) for n in names], [(qkv.data.ptr + 4 * c, ld) for c in cols],
-                  [self.w.vec(b).data.ptr if b else None for b in biases], h.data.ptr, h.strides[0] // 4, t, 0,
-                  norm=norm, rope=rope, q8=q8, config=self.mmv_cfg["QKV"])
+            if "qkv" not in self.skip:
+                L.mmv(self.k, [self.w.mat(n) for n in names], [(qkv.data.ptr + 4 * c, ld) for c in cols],
+                      [self.w.vec(b).data.ptr if b else None for b in biases], h.data.ptr, h.strides[0] // 4, t,
+                      0, norm=norm, rope=rope, q8=q8, config=self.mmv_cfg["QKV"])
             return qkv
         if self.mma:
             LM.mma(self.k, [self.w.mat(n) for n in names], [(qkv.data.ptr + 4 * c, ld) for c in cols],
@@ -185,6 +190,8 @@ class CudaBlocks:
         # the int8 copy for the O projection, written by the attention kernel itself (attn_out takes it)
         q8 = self._q8_for(t, [self.w.mat(f"blk.{layer}.attn_output.weight")], ws.q8_plain)
         self._att_q8 = q8 if q8 is not None and cfg.head_dim % 16 == 0 else None
+        if "attn" in self.skip and self._small(t):
+            return out
         LA.attention(self.k, q.data.ptr, q.strides[0] // 4, t, kc, vc, positions.data.ptr, self.seq.data.ptr,
                     self.kv.table.data.ptr, self.kv.max_pages, self.kv.page_size, cfg.n_head, cfg.n_head_kv,
                     cfg.head_dim, cfg.attn_scale, cfg.attn_softcap or 0.0, cfg.layer_window[layer], n_splits(t),
@@ -212,9 +219,10 @@ class CudaBlocks:
                     and w.rows % L.Q8_OUT_ROWS == 0 and L.q8_capable(then[1])):
                 out = (self.ws.q8_norm, self.w.vec(then[0]).data.ptr)
                 self._q8_ready = (then[0], t)
-            L.mmv(self.k, [w], [(target.data.ptr, target.strides[0] // 4)], [None], a.data.ptr,
-                  a.strides[0] // 4, t, 0 if post_norm else 1, q8=q8, q8_out=out,
-                  config=self.mmv_cfg["O" if name.endswith("attn_output.weight") else "DOWN"])
+            role = "O" if name.endswith("attn_output.weight") else "DOWN"
+            if role.lower() not in self.skip:
+                L.mmv(self.k, [w], [(target.data.ptr, target.strides[0] // 4)], [None], a.data.ptr,
+                      a.strides[0] // 4, t, 0 if post_norm else 1, q8=q8, q8_out=out, config=self.mmv_cfg[role])
         elif self.mma:
             LM.mma(self.k, [self.w.mat(name)], [(target.data.ptr, target.strides[0] // 4)], [None], a16.data.ptr,
                   a16.strides[0] // 2, t, 0 if post_norm else 1, self.ws.split)
@@ -258,8 +266,9 @@ class CudaBlocks:
             g_q8 = None  # the GLU's epilogue writes the int8 input of the down projection
             if q8 is not None and gate.rows % L.Q8_OUT_ROWS == 0 and L.q8_capable([self.w.mat(down)]):
                 g_q8 = self.ws.q8_plain
-            L.mmv_glu(self.k, gate, up, h.data.ptr, h.strides[0] // 4, t, cfg.activation, g.data.ptr, g.strides[0] // 4,
-                      norm=norm, q8=q8, q8_out=g_q8, config=self.mmv_cfg["GLU"])
+            if "glu" not in self.skip:
+                L.mmv_glu(self.k, gate, up, h.data.ptr, h.strides[0] // 4, t, cfg.activation, g.data.ptr,
+                          g.strides[0] // 4, norm=norm, q8=q8, q8_out=g_q8, config=self.mmv_cfg["GLU"])
             return self._project_residual(g, down, x, post, a_q8=g_q8, then=self._after_ffn(layer))
         if big and gate.type_id == up.type_id:
             g16 = ws.g16
