@@ -79,7 +79,8 @@ def main() -> None:
                 if rep >= 2:
                     ts.append(cp.cuda.get_elapsed_time(ev[0], ev[1]) * 1e3)
             t = float(np.median(ts))
-            print(f"{mib:>5} {rounds:>6} {64 if smem == 0 else 32:>8} {ilp:>3} {label:<12} {t:>8.1f} {half / t / 1e3:>7.0f}")
+            warps = 64 if smem == 0 else 32
+            print(f"{mib:>5} {rounds:>6} {warps:>8} {ilp:>3} {label:<12} {t:>8.1f} {half / t / 1e3:>7.0f}")
 
 
 if __name__ == "__main__":

@@ -71,7 +71,8 @@ def main() -> None:
             ts.append(cp.cuda.get_elapsed_time(ev[0], ev[1]) * 1e3)
         return float(np.median(ts[1:]))
 
-    print(f"{'blocks':>6} {'phases':>6} {'barriers us':>12} {'per phase':>10} {'graph of launches us':>21} {'per phase':>10}")
+    print(f"{'blocks':>6} {'phases':>6} {'barriers us':>12} {'per phase':>10} "
+          f"{'graph of launches us':>21} {'per phase':>10}")
     for blocks in (sms, 2 * sms):
         w = cp.ones(8 * blocks * 4096 * 4, cp.uint32)  # 8 phases' worth, 64 KiB per block each
         out = cp.zeros(blocks, cp.float32)
