@@ -90,10 +90,10 @@ class CudaBlocks:
         also the int8 copy (of y times RMSNorm w2's weight, for a matvec that applies that norm)."""
         x16 = self.ws.x16 if f16 else None
         LL.rmsnorm(self.k, x.data.ptr, x.strides[0] // 4, self.w.vec(name).data.ptr, y.data.ptr, y.strides[0] // 4,
-                  x.shape[0], x.shape[1], self.cfg.rms_eps,
-                  res.data.ptr if res is not None else None, res.strides[0] // 4 if res is not None else 0,
-                  x16.data.ptr if x16 is not None else None, x16.strides[0] // 2 if x16 is not None else 0, q8=q8,
-                  w2=self.w.vec(w2).data.ptr if w2 else None)
+                   x.shape[0], x.shape[1], self.cfg.rms_eps,
+                   res.data.ptr if res is not None else None, res.strides[0] // 4 if res is not None else 0,
+                   x16.data.ptr if x16 is not None else None, x16.strides[0] // 2 if x16 is not None else 0, q8=q8,
+                   w2=self.w.vec(w2).data.ptr if w2 else None)
 
     def _q8_for(self, t: int, mats: list[L.Mat], buf: L.Q8Vec | None) -> L.Q8Vec | None:
         """buf (an int8 activation buffer) when the matvec of these matrices over t rows takes it."""
@@ -144,7 +144,7 @@ class CudaBlocks:
         x = self.ws.x[:t]
         self._q8_ready = None
         LL.embed(self.k, self.w.mat("token_embd.weight"), tokens.data.ptr, t, x.data.ptr, x.strides[0] // 4,
-                self.cfg.embed_scale)
+                 self.cfg.embed_scale)
         return x
 
     def attn_in(self, x: cp.ndarray, layer: int, positions: cp.ndarray) -> cp.ndarray:
@@ -288,12 +288,12 @@ class CudaBlocks:
                       norm=norm, q8=q8)
             g16 = ws.g16 if big else None
             LL.glu(self.k, g.data.ptr, u.data.ptr, g.strides[0] // 4, cfg.n_ff, t, cfg.activation, g.data.ptr,
-                  g.strides[0] // 4, g16.data.ptr if big else None, g16.strides[0] // 2 if big else 0)
+                   g.strides[0] // 4, g16.data.ptr if big else None, g16.strides[0] // 2 if big else 0)
             return self._project_residual(g, down, x, post, a16=g16, then=self._after_ffn(layer))
         u = ws.u[:t]
         self._gemm16(ws.x16, t, (gate_name, up_name), g, accumulate=False)  # g | u: adjacent halves
         LL.glu(self.k, g.data.ptr, u.data.ptr, g.strides[0] // 4, cfg.n_ff, t, cfg.activation, None, 0,
-              ws.x16.data.ptr, ws.x16.strides[0] // 2)
+               ws.x16.data.ptr, ws.x16.strides[0] // 2)
         return self._project_residual(g, down, x, post, a16=ws.x16)
 
     def logits(self, x: cp.ndarray) -> cp.ndarray:

@@ -247,8 +247,8 @@ def test_rope_kv(k, neox, qk_norm, d, n_rot, hq, hkv):
     keep = [cp.asarray(a) if a is not None else None for a in (qn, kn)]
     invd, posd, seqd, tabd = cp.asarray(inv), cp.asarray(pos), cp.zeros(t, cp.int32), cp.asarray(table)
     LL.rope_kv(k, dq.data.ptr, width, t, hq, hkv, d, d, n_rot, neox, keep[0].data.ptr if qk_norm else None,
-              keep[1].data.ptr if qk_norm else None, 1e-6, invd.data.ptr, posd.data.ptr,
-              seqd.data.ptr, tabd.data.ptr, max_pages, page, kc.data.ptr, vc.data.ptr)
+               keep[1].data.ptr if qk_norm else None, 1e-6, invd.data.ptr, posd.data.ptr,
+               seqd.data.ptr, tabd.data.ptr, max_pages, page, kc.data.ptr, vc.data.ptr)
     q = qkv[:, :hq * d].reshape(t, hq, d)
     kk = qkv[:, hq * d:(hq + hkv) * d].reshape(t, hkv, d)
     vv = qkv[:, (hq + hkv) * d:].reshape(t, hkv, d)
