@@ -75,6 +75,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
     ap.add_argument("--batch", type=int, action="append")
+    ap.add_argument("--prompt", type=int, default=64, help="tokens per sequence before the step (its context)")
     ap.add_argument("--json")
     args = ap.parse_args()
     f = open_gguf(args.model)
@@ -84,9 +85,9 @@ def main() -> None:
     weight_bytes = sum(t.nbytes for t in f.tensors.values())
     out = []
     for rows in batches:
-        r = profile(be, rows)
+        r = profile(be, rows, args.prompt)
         out.append(r)
-        print(f"\n{args.model} B={rows}: {r['kernels']} kernels, {r['kernel_ms'] * 1e3:.0f} us of kernel time, "
+        print(f"\n{args.model} B={rows} (context {args.prompt}): {r['kernels']} kernels, {r['kernel_ms'] * 1e3:.0f} us of kernel time, "
               f"graph replay {r['graph_step_ms'] * 1e3:.0f} us/step "
               f"(weights {weight_bytes / 1e9:.2f} GB -> {weight_bytes / r['graph_step_ms'] / 1e6:.0f} GB/s)")
         print(f"  {'kernel':<62}{'calls':>6}{'us':>10}{'us/call':>9}{'share':>7}")

@@ -3,7 +3,7 @@
 # optional pp rows / per-kernel profiles (under the first variant) and batched rows (under each).
 # Usage on the GPU machine: source .device/env.sh && [TESTS="tests/..."] [TG="llama3-8b"]
 #   [VARIANTS="GGUF_RUN_Q8=1 GGUF_RUN_Q8=0"] [MODE=graph|both] [PP="..."] [BATCHED="..."] [BATCH=64]
-#   [PROFILE="..."] [PYTEST_N=8] bash bench/variant_session.sh
+#   [PROFILE="..."] [PROFILE_BATCH=1] [PROFILE_PROMPT=64] [PYTEST_N=8] bash bench/variant_session.sh
 # PYTEST_N runs the tests in N processes (pytest-xdist, carried in .device/wheels): a cold CuPy
 # kernel cache compiles for minutes in one process.
 # A variant is one or more NAME=VALUE pairs joined by commas ("GGUF_RUN_Q8=0,GGUF_RUN_PDL=0").
@@ -24,7 +24,7 @@ fi
 first=${VARIANTS-}; first=${first%% *}
 for m in ${PROFILE-}; do
   env ${first//,/ } python3 bench/profile_step.py /tmp/twins/$m.gguf --batch ${PROFILE_BATCH:-1} \
-      --json $OUT/profile-$m.json > $OUT/profile-$m.log 2>&1 || echo "profile $m failed"
+      --prompt ${PROFILE_PROMPT:-64} --json $OUT/profile-$m.json > $OUT/profile-$m.log 2>&1 || echo "profile $m failed"
   tail -16 $OUT/profile-$m.log | cut -c1-110
 done
 for m in ${BATCHED-}; do  # under each variant (batched-MODEL-vI.json)
