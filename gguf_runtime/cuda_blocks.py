@@ -34,6 +34,9 @@ from .quant_kernels import launchers as L
 # small models gain (H100, 851c281: SmolLM2 tg128 999 -> 1,166, Gemma-3 987 -> 1,040); the 8B's
 # matvecs are issue-bound and lost (236 -> 197).
 FUSE_NORM_MAX_COLS = 2048
+# Batch decode steps with at least this many (KV head, row) blocks take attention_tiles.cu (one
+# block per pair, no splits); fewer take attention.cu's splits, for more blocks than SMs.
+TILES_MIN_BLOCKS = 256
 
 
 def mmv_override(role: str) -> tuple[int, int] | None:
@@ -52,6 +55,8 @@ class CudaBlocks:
         self.attn_shapes = (attn_shape(cfg, 1), attn_shape(cfg, L.MAX_MMV_TOKENS + 1))  # small, big calls
         # keys before a decode row's position loaded before waiting for the QKV kernel (attention.cu)
         self.attn_early = os.environ.get("GGUF_RUN_ATTN_EARLY", "1") != "0"
+        # batch decode steps' attention kernel: "auto" (TILES_MIN_BLOCKS), "1" tiles, "0" splits (to measure)
+        self.attn_tiles = os.environ.get("GGUF_RUN_ATTN_TILES", "auto")
         # a post-norm's kernel also writes the next pre-norm's int8 input (GGUF_RUN_POST_Q8=0: a
         # norm kernel of its own, to measure)
         self.fuse_post_norm = os.environ.get("GGUF_RUN_POST_Q8", "1") != "0"
@@ -116,6 +121,15 @@ class CudaBlocks:
         if off < 0 or off % stride or x.strides[0] != stride or off // stride + x.shape[0] > self._q8_ready[1]:
             return None
         return off // stride
+
+    def tiles(self, t: int, decode: bool | None = None) -> bool:
+        """Whether a call of t rows (a decode step: ``decode``, else the current call's kind) takes
+        attention_tiles.cu: batch decode steps, by shape only."""
+        cfg = self.cfg
+        decode = self.decode if decode is None else decode
+        if not decode or self._small(t) or self.attn_tiles == "0" or not LA.tiles_ok(cfg.head_dim, cfg.head_dim_v):
+            return False
+        return self.attn_tiles == "1" or t * cfg.n_head_kv >= TILES_MIN_BLOCKS
 
     def _big_mma(self, t: int) -> bool:
         return self.mma and not self._small(t)
@@ -191,6 +205,13 @@ class CudaBlocks:
         q8 = self._q8_for(t, [self.w.mat(f"blk.{layer}.attn_output.weight")], ws.q8_plain)
         self._att_q8 = q8 if q8 is not None and cfg.head_dim % 16 == 0 else None
         if "attn" in self.skip and self._small(t):
+            return out
+        if self.tiles(t):
+            LA.attention_tiles(self.k, q.data.ptr, q.strides[0] // 4, t, kc, vc, positions.data.ptr,
+                               self.seq.data.ptr, self.kv.table.data.ptr, self.kv.max_pages, self.kv.page_size,
+                               cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.attn_scale, cfg.attn_softcap or 0.0,
+                               cfg.layer_window[layer], out.data.ptr, out.strides[0] // 4, ws.x16.data.ptr,
+                               ws.x16.strides[0] // 2, early=self.attn_early)
             return out
         LA.attention(self.k, q.data.ptr, q.strides[0] // 4, t, kc, vc, positions.data.ptr, self.seq.data.ptr,
                     self.kv.table.data.ptr, self.kv.max_pages, self.kv.page_size, cfg.n_head, cfg.n_head_kv,

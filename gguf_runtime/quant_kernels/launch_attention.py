@@ -52,3 +52,44 @@ def attention(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache: int,
          i32(page_size), i32(n_head_kv), f32(scale), f32(cap), i32(window), i32(n_split), i32(shape.min_keys),
          i32(1 if early else 0), ptr(part_o), ptr(part_ml), ptr(counter), ptr(out), i32(ldo), ptr(out16), i32(ld16),
          *(q8.ptrs() if q8 else NO_PTRS)))
+
+
+# ---- attention_tiles.cu: batch decode steps, one block per (KV head, row) ---------------------------
+TILE_HEAD_DIMS = (64, 128, 256)  # Tile<D>: 4096 / D keys per tile
+
+
+def tiles_ok(head_dim: int, head_dim_v: int) -> bool:
+    return head_dim == head_dim_v and head_dim in TILE_HEAD_DIMS
+
+
+def tiles_warps(head_dim: int, group: int) -> int:
+    """One thread per (head, 4 dims) in P V, between 2 and 8 warps."""
+    return min(8, max(2, group * head_dim // 128))
+
+
+def tiles_kernel_name(head_dim: int, group: int) -> str:
+    return f"attn_tiles<{head_dim}, {group}, {tiles_warps(head_dim, group)}>"
+
+
+def tiles_smem(head_dim: int, group: int) -> int:
+    """Bytes: two stages of K (rows padded by 4 floats) and V tiles, q, and per-head scratch."""
+    kt = 4096 // head_dim
+    return 4 * (2 * kt * (head_dim + 4) + 2 * kt * head_dim + group * head_dim + group * kt + 2 * group)
+
+
+def attention_tiles(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache: int, pos: int, seq: int,
+                    table: int, max_pages: int, page_size: int, n_head: int, n_head_kv: int, head_dim: int,
+                    scale: float, cap: float, window: int, out: int, ldo: int, out16: int | None = None,
+                    ld16: int = 0, early: bool = False) -> None:
+    """Each row's attention over its own keys, one block per (KV head, row) streaming them in tiles
+    (attention_tiles.cu); out16: also an f16 copy. early: every row is one token of its own
+    sequence, so its keys before its position are loaded before the wait for the kernel before."""
+    g = n_head // n_head_kv
+    assert tiles_ok(head_dim, head_dim)
+    fn = k.fn("attention_tiles.cu", tiles_kernel_name(head_dim, g))
+    smem = tiles_smem(head_dim, g)
+    fn.allow_smem(smem)
+    fn((n_head_kv, rows), (32 * tiles_warps(head_dim, g),),
+       (ptr(q), i32(ldq), ptr(kcache), ptr(vcache), ptr(pos), ptr(seq), ptr(table), i32(max_pages), i32(page_size),
+        i32(n_head_kv), f32(scale), f32(cap), i32(window), i32(1 if early else 0), ptr(out), i32(ldo), ptr(out16),
+        i32(ld16)), shared_mem=smem)

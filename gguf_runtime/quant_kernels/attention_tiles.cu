@@ -1,0 +1,195 @@
+// Attention for batch decode steps: one block per (KV head, row), no splits. Many rows give enough
+// blocks (the 8B at B = 64: 512), so instead of attention.cu's split chunks (each a few keys, a
+// warp reduction per key and head, a merge across blocks) a block streams all of its row's keys
+// through shared memory in tiles of KT keys (cp.async, two stages: the next tile is in flight while
+// this one is computed). Per tile:
+//   scores: one thread per (head, key), a D-long dot product read from shared memory (no shuffles);
+//   softmax: one warp per head, an online update of its running max and sum;
+//   P V: one thread per (head, 4 dims), float4 reads of the V tile.
+// Tiles are aligned to multiples of KT positions (a tile's pages are whole; keys before lo, after
+// the row's position or past its pages are masked, their rows zero-filled). early != 0 (every row
+// one token of its own sequence): the first two tiles' keys before the row's position are issued
+// before pdl_enter, overlapping the kernel before; q and the row's own key and value wait for it.
+#include "common.cuh"
+
+// cp.async of 16 bytes global -> shared, zero-filled when !valid (as mma_regs.cuh's, which needs
+// matmul_mma.cu's constants to compile).
+DEV void tile_cp16(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                 ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src), "r"(valid ? 16 : 0));
+}
+DEV void tile_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> DEV void tile_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+template <int D> struct Tile {
+    static constexpr int KT = 4096 / D;  // keys per tile: 16 KB of K and 16 KB of V
+    static constexpr int LD = D + 4;  // K row stride (floats): float4 reads of consecutive keys hit distinct banks
+    static constexpr int C = D / 4;  // 16-byte chunks per row
+};
+
+// cp.async of the keys of tile [k0, k0 + KT) that lie in [lo, p] (p itself only if !skip_p) into
+// stage (Ks, Vs); the others are zero-filled (their scores are masked, their V rows must be finite).
+template <int D, int NT>
+DEV void load_tile(int k0, int lo, int p, bool skip_p, const int* tab, int max_pages, int page_size, int n_head_kv,
+                   int hk, const float* kcache, const float* vcache, float* Ks, float* Vs) {
+    using T = Tile<D>;
+    static_assert(T::KT * T::C % NT == 0, "a tile's chunks are spread evenly over the threads");
+#pragma unroll
+    for (int r = 0; r < T::KT * T::C / NT; ++r) {
+        const int i = threadIdx.x + r * NT, j = i / T::C, c = i % T::C, key = k0 + j;
+        const int page = key >= lo && key <= p && key / page_size < max_pages ? tab[key / page_size] : -1;
+        if (skip_p && key == p) continue;  // written by plain stores after pdl_enter
+        const bool ok = page >= 0;
+        const long base = ok ? (((long)page * n_head_kv + hk) * page_size + key % page_size) * D + 4 * c : 0;
+        tile_cp16(Ks + j * T::LD + 4 * c, kcache + base, ok);
+        tile_cp16(Vs + j * D + 4 * c, vcache + base, ok);
+    }
+}
+
+// Shared memory (floats): Ks[2][KT][LD], Vs[2][KT][D], Qs[G][D], Ps[G][KT], Cs[G], Ls[G].
+template <int D, int G, int W>
+__global__ void __launch_bounds__(32 * W) attn_tiles(
+        const float* __restrict__ q, int ldq, const float* __restrict__ kcache, const float* __restrict__ vcache,
+        const int* __restrict__ pos, const int* __restrict__ seq, const int* __restrict__ table, int max_pages,
+        int page_size, int n_head_kv, float scale, float cap, int window, int early, float* __restrict__ out,
+        int ldo, u16* __restrict__ out16, int ld16) {
+    using T = Tile<D>;
+    constexpr int KT = T::KT, LD = T::LD, NT = 32 * W, HW = (G + W - 1) / W, NP = G * T::C;
+    constexpr int PP = (NP + NT - 1) / NT;  // (head, 4 dims) pairs per thread in P V
+    extern __shared__ float4 smem4[];
+    float* Ks = reinterpret_cast<float*>(smem4);
+    float* Vs = Ks + 2 * KT * LD;
+    float* Qs = Vs + 2 * KT * D;
+    float* Ps = Qs + G * D;
+    float* Cs = Ps + G * KT;
+    float* Ls = Cs + G;
+    if (!early) pdl_enter();
+    const int hk = blockIdx.x, t = blockIdx.y;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const bool pad = seq[t] < 0;  // a padding row of a batch bucket: no keys
+    const int p = pad ? -1 : pos[t];
+    const int lo = window > 0 ? max(0, p - window + 1) : 0;
+    const int first = lo / KT * KT, n_tiles = pad ? 0 : (p - first) / KT + 1;
+    const int* tab = table + (long)(pad ? 0 : seq[t]) * max_pages;
+    for (int s = 0; s < 2; ++s) {  // one commit group per tile (empty past the last)
+        if (s < n_tiles)
+            load_tile<D, NT>(first + s * KT, lo, p, early != 0, tab, max_pages, page_size, n_head_kv, hk, kcache,
+                             vcache, Ks + s * KT * LD, Vs + s * KT * D);
+        tile_commit();
+    }
+    if (early) {
+        pdl_enter();
+        const int ft = (p - first) / KT;  // the tile of the row's own key
+        if (!pad && ft < 2 && warp == 0) {  // (no page: zeros, as cp.async would have filled)
+            const int page = p / page_size < max_pages ? tab[p / page_size] : -1;
+            const long base = (((long)max(page, 0) * n_head_kv + hk) * page_size + p % page_size) * D;
+            const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+            float* kd = Ks + (ft * KT + p - first - ft * KT) * LD;
+            float* vd = Vs + (ft * KT + p - first - ft * KT) * D;
+            for (int c = lane; c < T::C; c += 32) {
+                reinterpret_cast<float4*>(kd)[c] = page >= 0 ? reinterpret_cast<const float4*>(kcache + base)[c] : zero;
+                reinterpret_cast<float4*>(vd)[c] = page >= 0 ? reinterpret_cast<const float4*>(vcache + base)[c] : zero;
+            }
+        }
+    }
+    for (int i = threadIdx.x; i < G * D; i += NT)
+        Qs[i] = q[(long)t * ldq + hk * G * D + i] * scale;
+    float m[HW], l[HW];  // warp w's heads w, w + W, ...: running max and sum
+#pragma unroll
+    for (int h = 0; h < HW; ++h) { m[h] = -INFINITY; l[h] = 0.f; }
+    float4 acc[PP];
+#pragma unroll
+    for (int r = 0; r < PP; ++r) acc[r] = make_float4(0.f, 0.f, 0.f, 0.f);
+
+    for (int i = 0; i < n_tiles; ++i) {
+        const int st = i & 1, k0 = first + i * KT;
+        const float* K = Ks + st * KT * LD;
+        const float* V = Vs + st * KT * D;
+        tile_wait<1>();  // this tile's group is in (the next one's may still be in flight)
+        __syncthreads();
+        for (int idx = threadIdx.x; idx < G * KT; idx += NT) {  // scores: thread (head g, key j)
+            const int g = idx / KT, j = idx % KT, key = k0 + j;
+            const float4* kr = reinterpret_cast<const float4*>(K + j * LD);
+            const float4* qr = reinterpret_cast<const float4*>(Qs + g * D);
+            float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma unroll 8
+            for (int c = 0; c < T::C; ++c) {
+                const float4 kv = kr[c], qv = qr[c];
+                a0 = fmaf(kv.x, qv.x, a0); a1 = fmaf(kv.y, qv.y, a1);
+                a2 = fmaf(kv.z, qv.z, a2); a3 = fmaf(kv.w, qv.w, a3);
+            }
+            float s = (a0 + a1) + (a2 + a3);
+            if (cap > 0.f) s = cap * tanhf(s / cap);
+            const bool ok = key >= lo && key <= p && key / page_size < max_pages && tab[key / page_size] >= 0;
+            Ps[g * KT + j] = ok ? s : -INFINITY;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int h = 0; h < HW; ++h) {  // softmax: warp w updates head g = w + W h
+            const int g = warp + W * h;
+            if (g >= G) break;
+            float mx = -INFINITY;
+            for (int j = lane; j < KT; j += 32) mx = fmaxf(mx, Ps[g * KT + j]);
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+            const float mn = fmaxf(m[h], mx);  // -inf only while every key so far had no page
+            const float corr = mn == -INFINITY ? 1.f : __expf(m[h] - mn);  // 0 on the first tile (m = -inf)
+            float sum = 0.f;
+            for (int j = lane; j < KT; j += 32) {
+                const float e = mn == -INFINITY ? 0.f : __expf(Ps[g * KT + j] - mn);  // masked keys: 0
+                Ps[g * KT + j] = e;
+                sum += e;
+            }
+            l[h] = l[h] * corr + warp_sum(sum);
+            m[h] = mn;
+            if (lane == 0) Cs[g] = corr;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int r = 0; r < PP; ++r) {  // P V: thread (head g, dims 4 c .. 4 c + 3)
+            const int idx = threadIdx.x + r * NT;
+            if (idx >= NP) break;
+            const int g = idx / T::C, c = idx % T::C;
+            const float corr = Cs[g];
+            float4 a = acc[r];
+            a.x *= corr; a.y *= corr; a.z *= corr; a.w *= corr;
+#pragma unroll 8
+            for (int j = 0; j < KT; ++j) {
+                const float pj = Ps[g * KT + j];
+                const float4 v = reinterpret_cast<const float4*>(V + j * D)[c];
+                a.x = fmaf(pj, v.x, a.x); a.y = fmaf(pj, v.y, a.y); a.z = fmaf(pj, v.z, a.z); a.w = fmaf(pj, v.w, a.w);
+            }
+            acc[r] = a;
+        }
+        __syncthreads();  // the stage is read: tile i + 2 may overwrite it
+        if (i + 2 < n_tiles)
+            load_tile<D, NT>(k0 + 2 * KT, lo, p, false, tab, max_pages, page_size, n_head_kv, hk, kcache, vcache,
+                             Ks + st * KT * LD, Vs + st * KT * D);
+        tile_commit();
+    }
+    if (lane == 0)
+#pragma unroll
+        for (int h = 0; h < HW; ++h)
+            if (warp + W * h < G) Ls[warp + W * h] = l[h];
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < PP; ++r) {
+        const int idx = threadIdx.x + r * NT;
+        if (idx >= NP) break;
+        const int g = idx / T::C, c = idx % T::C;
+        const float inv = Ls[g] > 0.f ? 1.f / Ls[g] : 0.f;  // a padding row: zeros
+        const float4 o = make_float4(acc[r].x * inv, acc[r].y * inv, acc[r].z * inv, acc[r].w * inv);
+        const long e = (long)(hk * G + g) * D + 4 * c;
+        *reinterpret_cast<float4*>(out + (long)t * ldo + e) = o;
+        if (out16) {
+            u16* h = out16 + (long)t * ld16 + e;
+            h[0] = f2h(o.x); h[1] = f2h(o.y); h[2] = f2h(o.z); h[3] = f2h(o.w);
+        }
+    }
+}
+
+#ifdef GGUF_INSTANTIATE_ALL
+#define INST(D, G, W) template __global__ void attn_tiles<D, G, W>(const float*, int, const float*, const float*, \
+    const int*, const int*, const int*, int, int, int, float, float, int, int, float*, int, u16*, int);
+INST(64, 1, 2) INST(64, 3, 2) INST(128, 4, 4) INST(128, 8, 8) INST(256, 4, 8) INST(256, 8, 8)
+#endif

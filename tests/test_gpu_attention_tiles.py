@@ -1,0 +1,67 @@
+"""attention_tiles.cu (batch decode steps' attention) against float64 numpy: rows of several
+sequences with their own page tables, sliding windows, soft-capping, a padding row, both launch
+modes (keys loaded before the wait or after), outputs poisoned first."""
+
+import math
+
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+from gguf_runtime.quant_kernels import launch_attention as LA  # noqa: E402
+from gguf_runtime.quant_kernels import launchers as L  # noqa: E402
+
+from test_gpu_kernels import POISON, attention_ref, rel  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def k():
+    return L.Kernels()
+
+
+@pytest.mark.parametrize("d,hq,hkv,cap,window", [(64, 9, 3, 0.0, 0), (256, 4, 1, 0.0, 7), (128, 8, 2, 30.0, 0),
+                                                 (128, 32, 8, 0.0, 0), (128, 32, 4, 0.0, 100), (64, 3, 3, 0.0, 0)])
+def test_attention_tiles(k, d, hq, hkv, cap, window):
+    rng = np.random.default_rng()
+    page, n_ctx, n_seq = 16, 400, 3
+    max_pages = n_ctx // page
+    n_pages = max_pages * n_seq + 5
+    perm = rng.permutation(n_pages).astype(np.int32)
+    table = perm[:max_pages * n_seq].reshape(n_seq, max_pages)
+    K = rng.standard_normal((n_seq, n_ctx, hkv, d)).astype(np.float32)
+    V = rng.standard_normal((n_seq, n_ctx, hkv, d)).astype(np.float32)
+    kc = rng.standard_normal((n_pages, hkv, page, d)).astype(np.float32)  # unowned pages: noise, never read
+    vc = rng.standard_normal((n_pages, hkv, page, d)).astype(np.float32)
+    for s in range(n_seq):
+        for p in range(n_ctx):
+            kc[table[s, p // page], :, p % page] = K[s, p]
+            vc[table[s, p // page], :, p % page] = V[s, p]
+    # (sequence, position): tile edges (a tile is 4096 / d keys), the first key, the last one, a pad row
+    rows = [(0, 0), (1, 5), (2, 63), (0, 64), (1, 127), (2, 128), (0, 200), (1, 399), (-1, 0), (2, 31), (0, 32)]
+    seq = np.array([s for s, _ in rows], np.int32)
+    pos = np.array([p for _, p in rows], np.int32)
+    t = len(rows)
+    q = rng.standard_normal((t, hq, d)).astype(np.float32)
+    scale = 1 / math.sqrt(d)
+    ref = np.zeros((t, hq, d))
+    for i, (s, p) in enumerate(rows):
+        if s >= 0:
+            ref[i] = attention_ref(q[i:i + 1], K[s], V[s], pos[i:i + 1], scale, cap, window)[0]
+    out = cp.full((t, hq * d), POISON, cp.float32)
+    out16 = cp.full((t, hq * d), 0x7E00, cp.uint16)  # f16 NaN
+    qd, kd, vd, posd, seqd, tabd = (cp.asarray(a) for a in (q.reshape(t, -1), kc, vc, pos, seq, table))
+    outs = []
+    for early in (False, True):
+        out.fill(POISON)
+        LA.attention_tiles(k, qd.data.ptr, hq * d, t, kd.data.ptr, vd.data.ptr, posd.data.ptr, seqd.data.ptr,
+                           tabd.data.ptr, max_pages, page, hq, hkv, d, scale, cap, window, out.data.ptr, hq * d,
+                           out16.data.ptr, hq * d, early=early)
+        o = out.get()
+        outs.append(o)
+        assert rel(o.reshape(t, hq, d), ref) < 1e-5
+        assert not o[seq < 0].any(), "a padding row's output is zeros"
+        o16 = out16.get().view(np.float16).astype(np.float32)
+        assert rel(o16, o) < 1e-3
+    assert (outs[0] == outs[1]).all()
