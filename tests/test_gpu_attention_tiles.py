@@ -1,6 +1,7 @@
 """attention_tiles.cu (batch decode steps' attention) against float64 numpy: rows of several
 sequences with their own page tables, sliding windows, soft-capping, a padding row, both launch
-modes (keys loaded before the wait or after), outputs poisoned first."""
+modes (keys loaded before the wait or after), tile shapes (keys per tile: stages), outputs
+poisoned first."""
 
 import math
 
@@ -23,7 +24,8 @@ def k():
 
 @pytest.mark.parametrize("d,hq,hkv,cap,window", [(64, 9, 3, 0.0, 0), (256, 4, 1, 0.0, 7), (128, 8, 2, 30.0, 0),
                                                  (128, 32, 8, 0.0, 0), (128, 32, 4, 0.0, 100), (64, 3, 3, 0.0, 0)])
-def test_attention_tiles(k, d, hq, hkv, cap, window):
+@pytest.mark.parametrize("config", [None, (16, 4), (8, 3)], ids=["default", "16:4", "8:3"])
+def test_attention_tiles(k, d, hq, hkv, cap, window, config):
     rng = np.random.default_rng()
     page, n_ctx, n_seq = 16, 400, 3
     max_pages = n_ctx // page
@@ -57,7 +59,7 @@ def test_attention_tiles(k, d, hq, hkv, cap, window):
         out.fill(POISON)
         LA.attention_tiles(k, qd.data.ptr, hq * d, t, kd.data.ptr, vd.data.ptr, posd.data.ptr, seqd.data.ptr,
                            tabd.data.ptr, max_pages, page, hq, hkv, d, scale, cap, window, out.data.ptr, hq * d,
-                           out16.data.ptr, hq * d, early=early)
+                           out16.data.ptr, hq * d, early=early, config=config)
         o = out.get()
         outs.append(o)
         assert rel(o.reshape(t, hq, d), ref) < 1e-5

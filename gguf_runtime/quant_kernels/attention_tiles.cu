@@ -1,14 +1,14 @@
 // Attention for batch decode steps: one block per (KV head, row), no splits. Many rows give enough
 // blocks (the 8B at B = 64: 512), so instead of attention.cu's split chunks (each a few keys, a
 // warp reduction per key and head, a merge across blocks) a block streams all of its row's keys
-// through shared memory in tiles of KT keys (cp.async, two stages: the next tile is in flight while
-// this one is computed). Per tile:
-//   scores: one thread per (head, key), a D-long dot product read from shared memory (no shuffles);
+// through shared memory in tiles of KT keys (cp.async, ST stages: ST - 1 tiles are in flight while
+// one is computed). Per tile:
+//   scores: SP threads per (head, key), each a dot product over D / SP dims read from shared memory;
 //   softmax: one warp per head, an online update of its running max and sum;
 //   P V: one thread per (head, 4 dims), float4 reads of the V tile.
 // Tiles are aligned to multiples of KT positions (a tile's pages are whole; keys before lo, after
 // the row's position or past its pages are masked, their rows zero-filled). early != 0 (every row
-// one token of its own sequence): the first two tiles' keys before the row's position are issued
+// one token of its own sequence): the first ST - 1 tiles' keys before the row's position are issued
 // before pdl_enter, overlapping the kernel before; q and the row's own key and value wait for it.
 #include "common.cuh"
 
@@ -21,22 +21,23 @@ DEV void tile_cp16(void* dst, const void* src, bool valid) {
 DEV void tile_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N> DEV void tile_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
-template <int D> struct Tile {
-    static constexpr int KT = 4096 / D;  // keys per tile: 16 KB of K and 16 KB of V
-    static constexpr int LD = D + 4;  // K row stride (floats): float4 reads of consecutive keys hit distinct banks
-    static constexpr int C = D / 4;  // 16-byte chunks per row
+template <int D, int G, int W, int KT_> struct Tile {
+    static constexpr int KT = KT_;  // keys per tile
+    static constexpr int NT = 32 * W, C = D / 4;  // threads; 16-byte chunks per row
+    static constexpr int SP = G * KT >= NT || NT % (G * KT) ? 1 : NT / (G * KT);  // threads per score: 1, 2, 4..
+    static constexpr int LD = D + 4 * SP;  // K row stride (floats): the SP parts' float4 reads hit distinct banks
+    static_assert(KT * C % NT == 0, "a tile's chunks are spread evenly over the threads");
+    static_assert(C % SP == 0 && (SP & (SP - 1)) == 0, "a score's parts: a power of two dividing D / 4");
 };
 
 // cp.async of the keys of tile [k0, k0 + KT) that lie in [lo, p] (p itself only if !skip_p) into
 // stage (Ks, Vs); the others are zero-filled (their scores are masked, their V rows must be finite).
-template <int D, int NT>
+template <class T, int D>
 DEV void load_tile(int k0, int lo, int p, bool skip_p, const int* tab, int max_pages, int page_size, int n_head_kv,
                    int hk, const float* kcache, const float* vcache, float* Ks, float* Vs) {
-    using T = Tile<D>;
-    static_assert(T::KT * T::C % NT == 0, "a tile's chunks are spread evenly over the threads");
 #pragma unroll
-    for (int r = 0; r < T::KT * T::C / NT; ++r) {
-        const int i = threadIdx.x + r * NT, j = i / T::C, c = i % T::C, key = k0 + j;
+    for (int r = 0; r < T::KT * T::C / T::NT; ++r) {
+        const int i = threadIdx.x + r * T::NT, j = i / T::C, c = i % T::C, key = k0 + j;
         const int page = key >= lo && key <= p && key / page_size < max_pages ? tab[key / page_size] : -1;
         if (skip_p && key == p) continue;  // written by plain stores after pdl_enter
         const bool ok = page >= 0;
@@ -46,20 +47,21 @@ DEV void load_tile(int k0, int lo, int p, bool skip_p, const int* tab, int max_p
     }
 }
 
-// Shared memory (floats): Ks[2][KT][LD], Vs[2][KT][D], Qs[G][D], Ps[G][KT], Cs[G], Ls[G].
-template <int D, int G, int W>
+// Shared memory (floats): Ks[ST][KT][LD], Vs[ST][KT][D], Qs[G][D], Ps[G][KT], Cs[G], Ls[G].
+template <int D, int G, int W, int KT, int ST>
 __global__ void __launch_bounds__(32 * W) attn_tiles(
         const float* __restrict__ q, int ldq, const float* __restrict__ kcache, const float* __restrict__ vcache,
         const int* __restrict__ pos, const int* __restrict__ seq, const int* __restrict__ table, int max_pages,
         int page_size, int n_head_kv, float scale, float cap, int window, int early, float* __restrict__ out,
         int ldo, u16* __restrict__ out16, int ld16) {
-    using T = Tile<D>;
-    constexpr int KT = T::KT, LD = T::LD, NT = 32 * W, HW = (G + W - 1) / W, NP = G * T::C;
+    using T = Tile<D, G, W, KT>;
+    constexpr int LD = T::LD, NT = T::NT, SP = T::SP, HW = (G + W - 1) / W, NP = G * T::C;
     constexpr int PP = (NP + NT - 1) / NT;  // (head, 4 dims) pairs per thread in P V
+    static_assert(ST >= 2, "two stages at least");
     extern __shared__ float4 smem4[];
     float* Ks = reinterpret_cast<float*>(smem4);
-    float* Vs = Ks + 2 * KT * LD;
-    float* Qs = Vs + 2 * KT * D;
+    float* Vs = Ks + ST * KT * LD;
+    float* Qs = Vs + ST * KT * D;
     float* Ps = Qs + G * D;
     float* Cs = Ps + G * KT;
     float* Ls = Cs + G;
@@ -71,16 +73,17 @@ __global__ void __launch_bounds__(32 * W) attn_tiles(
     const int lo = window > 0 ? max(0, p - window + 1) : 0;
     const int first = lo / KT * KT, n_tiles = pad ? 0 : (p - first) / KT + 1;
     const int* tab = table + (long)(pad ? 0 : seq[t]) * max_pages;
-    for (int s = 0; s < 2; ++s) {  // one commit group per tile (empty past the last)
+#pragma unroll
+    for (int s = 0; s < ST - 1; ++s) {  // one commit group per tile (empty past the last)
         if (s < n_tiles)
-            load_tile<D, NT>(first + s * KT, lo, p, early != 0, tab, max_pages, page_size, n_head_kv, hk, kcache,
-                             vcache, Ks + s * KT * LD, Vs + s * KT * D);
+            load_tile<T, D>(first + s * KT, lo, p, early != 0, tab, max_pages, page_size, n_head_kv, hk, kcache,
+                            vcache, Ks + s * KT * LD, Vs + s * KT * D);
         tile_commit();
     }
     if (early) {
         pdl_enter();
         const int ft = (p - first) / KT;  // the tile of the row's own key
-        if (!pad && ft < 2 && warp == 0) {  // (no page: zeros, as cp.async would have filled)
+        if (!pad && ft < ST - 1 && warp == 0) {  // (no page: zeros, as cp.async would have filled)
             const int page = p / page_size < max_pages ? tab[p / page_size] : -1;
             const long base = (((long)max(page, 0) * n_head_kv + hk) * page_size + p % page_size) * D;
             const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -102,26 +105,34 @@ __global__ void __launch_bounds__(32 * W) attn_tiles(
     for (int r = 0; r < PP; ++r) acc[r] = make_float4(0.f, 0.f, 0.f, 0.f);
 
     for (int i = 0; i < n_tiles; ++i) {
-        const int st = i & 1, k0 = first + i * KT;
+        const int st = i % ST, k0 = first + i * KT;
         const float* K = Ks + st * KT * LD;
         const float* V = Vs + st * KT * D;
-        tile_wait<1>();  // this tile's group is in (the next one's may still be in flight)
-        __syncthreads();
-        for (int idx = threadIdx.x; idx < G * KT; idx += NT) {  // scores: thread (head g, key j)
-            const int g = idx / KT, j = idx % KT, key = k0 + j;
-            const float4* kr = reinterpret_cast<const float4*>(K + j * LD);
-            const float4* qr = reinterpret_cast<const float4*>(Qs + g * D);
+        tile_wait<ST - 2>();  // this tile's group is in (the next ones' may still be in flight)
+        __syncthreads();  // ... for every thread; and the stage computed last iteration is free
+        if (i + ST - 1 < n_tiles) {
+            const int sn = (i + ST - 1) % ST;
+            load_tile<T, D>(k0 + (ST - 1) * KT, lo, p, false, tab, max_pages, page_size, n_head_kv, hk, kcache,
+                            vcache, Ks + sn * KT * LD, Vs + sn * KT * D);
+        }
+        tile_commit();
+        for (int idx = threadIdx.x; idx < G * KT * SP; idx += NT) {  // scores: SP threads per (head g, key j)
+            const int part = idx % SP, g = idx / SP / KT, j = idx / SP % KT, key = k0 + j;
+            const float4* kr = reinterpret_cast<const float4*>(K + j * LD) + part;
+            const float4* qr = reinterpret_cast<const float4*>(Qs + g * D) + part;
             float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
 #pragma unroll 8
-            for (int c = 0; c < T::C; ++c) {
+            for (int c = 0; c < T::C; c += SP) {  // chunk c + part: the parts of a key interleave by float4
                 const float4 kv = kr[c], qv = qr[c];
                 a0 = fmaf(kv.x, qv.x, a0); a1 = fmaf(kv.y, qv.y, a1);
                 a2 = fmaf(kv.z, qv.z, a2); a3 = fmaf(kv.w, qv.w, a3);
             }
             float s = (a0 + a1) + (a2 + a3);
+#pragma unroll
+            for (int o = SP / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
             if (cap > 0.f) s = cap * tanhf(s / cap);
             const bool ok = key >= lo && key <= p && key / page_size < max_pages && tab[key / page_size] >= 0;
-            Ps[g * KT + j] = ok ? s : -INFINITY;
+            if (part == 0) Ps[g * KT + j] = ok ? s : -INFINITY;
         }
         __syncthreads();
 #pragma unroll
@@ -161,11 +172,6 @@ __global__ void __launch_bounds__(32 * W) attn_tiles(
             }
             acc[r] = a;
         }
-        __syncthreads();  // the stage is read: tile i + 2 may overwrite it
-        if (i + 2 < n_tiles)
-            load_tile<D, NT>(k0 + 2 * KT, lo, p, false, tab, max_pages, page_size, n_head_kv, hk, kcache, vcache,
-                             Ks + st * KT * LD, Vs + st * KT * D);
-        tile_commit();
     }
     if (lane == 0)
 #pragma unroll
@@ -189,7 +195,8 @@ __global__ void __launch_bounds__(32 * W) attn_tiles(
 }
 
 #ifdef GGUF_INSTANTIATE_ALL
-#define INST(D, G, W) template __global__ void attn_tiles<D, G, W>(const float*, int, const float*, const float*, \
-    const int*, const int*, const int*, int, int, int, float, float, int, int, float*, int, u16*, int);
-INST(64, 1, 2) INST(64, 3, 2) INST(128, 4, 4) INST(128, 8, 8) INST(256, 4, 8) INST(256, 8, 8)
+#define INST(D, G, W, KT, ST) template __global__ void attn_tiles<D, G, W, KT, ST>(const float*, int, const float*, \
+    const float*, const int*, const int*, const int*, int, int, int, float, float, int, int, float*, int, u16*, int);
+INST(64, 1, 2, 64, 2) INST(64, 3, 2, 64, 2) INST(128, 4, 4, 32, 2) INST(128, 4, 4, 16, 4) INST(128, 4, 4, 8, 6)
+INST(128, 8, 8, 32, 2) INST(256, 4, 8, 16, 2) INST(256, 8, 8, 16, 3)
 #endif

@@ -1,12 +1,14 @@
-"""Launcher of the attention kernel (attention.cu) and its block shape.
+"""Launchers of the attention kernels and their block shapes.
 
-A block of W warps takes four keys per warp per round; a split covers at least ``rounds`` rounds
-(min_keys = 4 W rounds keys), so short contexts run one block per KV head and merge their warps
-in shared memory, not across blocks.
+attention.cu (decode of one or a few sequences, prefill): a block of W warps takes four keys per
+warp per round; a split covers at least ``rounds`` rounds (min_keys = 4 W rounds keys), so short
+contexts run one block per KV head and merge their warps in shared memory, not across blocks.
+attention_tiles.cu (batch decode steps): one block per (KV head, row), keys streamed in tiles.
 """
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 from .launch_core import NO_PTRS, Kernels, Q8Vec, f32, i32, ptr
@@ -55,7 +57,8 @@ def attention(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache: int,
 
 
 # ---- attention_tiles.cu: batch decode steps, one block per (KV head, row) ---------------------------
-TILE_HEAD_DIMS = (64, 128, 256)  # Tile<D>: 4096 / D keys per tile
+TILE_HEAD_DIMS = (64, 128, 256)
+TILES_CONFIG = {64: (64, 2), 128: (32, 2), 256: (16, 2)}  # head_dim -> (keys per tile, stages)
 
 
 def tiles_ok(head_dim: int, head_dim_v: int) -> bool:
@@ -67,27 +70,38 @@ def tiles_warps(head_dim: int, group: int) -> int:
     return min(8, max(2, group * head_dim // 128))
 
 
-def tiles_kernel_name(head_dim: int, group: int) -> str:
-    return f"attn_tiles<{head_dim}, {group}, {tiles_warps(head_dim, group)}>"
+def tiles_config(head_dim: int) -> tuple[int, int]:
+    """(keys per tile, stages): TILES_CONFIG, or GGUF_RUN_ATTN_TILES_CFG="KT:ST" (to measure)."""
+    env = os.environ.get("GGUF_RUN_ATTN_TILES_CFG")
+    return tuple(int(v) for v in env.split(":")) if env else TILES_CONFIG[head_dim]  # type: ignore[return-value]
 
 
-def tiles_smem(head_dim: int, group: int) -> int:
-    """Bytes: two stages of K (rows padded by 4 floats) and V tiles, q, and per-head scratch."""
-    kt = 4096 // head_dim
-    return 4 * (2 * kt * (head_dim + 4) + 2 * kt * head_dim + group * head_dim + group * kt + 2 * group)
+def tiles_kernel_name(head_dim: int, group: int, config: tuple[int, int] | None = None) -> str:
+    kt, st = config or tiles_config(head_dim)
+    return f"attn_tiles<{head_dim}, {group}, {tiles_warps(head_dim, group)}, {kt}, {st}>"
+
+
+def tiles_smem(head_dim: int, group: int, config: tuple[int, int] | None = None) -> int:
+    """Bytes: the stages of K and V tiles (K rows padded, as attention_tiles.cu's Tile), q, and
+    per-head scratch."""
+    kt, st = config or tiles_config(head_dim)
+    nt = 32 * tiles_warps(head_dim, group)
+    sp = 1 if group * kt >= nt or nt % (group * kt) else nt // (group * kt)
+    return 4 * (st * kt * (head_dim + 4 * sp) + st * kt * head_dim + group * head_dim + group * kt + 2 * group)
 
 
 def attention_tiles(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache: int, pos: int, seq: int,
                     table: int, max_pages: int, page_size: int, n_head: int, n_head_kv: int, head_dim: int,
                     scale: float, cap: float, window: int, out: int, ldo: int, out16: int | None = None,
-                    ld16: int = 0, early: bool = False) -> None:
+                    ld16: int = 0, early: bool = False, config: tuple[int, int] | None = None) -> None:
     """Each row's attention over its own keys, one block per (KV head, row) streaming them in tiles
     (attention_tiles.cu); out16: also an f16 copy. early: every row is one token of its own
     sequence, so its keys before its position are loaded before the wait for the kernel before."""
     g = n_head // n_head_kv
     assert tiles_ok(head_dim, head_dim)
-    fn = k.fn("attention_tiles.cu", tiles_kernel_name(head_dim, g))
-    smem = tiles_smem(head_dim, g)
+    config = config or tiles_config(head_dim)
+    fn = k.fn("attention_tiles.cu", tiles_kernel_name(head_dim, g, config))
+    smem = tiles_smem(head_dim, g, config)
     fn.allow_smem(smem)
     fn((n_head_kv, rows), (32 * tiles_warps(head_dim, g),),
        (ptr(q), i32(ldq), ptr(kcache), ptr(vcache), ptr(pos), ptr(seq), ptr(table), i32(max_pages), i32(page_size),
