@@ -58,7 +58,10 @@ def attention(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache: int,
 
 # ---- attention_tiles.cu: batch decode steps, one block per (KV head, row) ---------------------------
 TILE_HEAD_DIMS = (64, 128, 256)
-TILES_CONFIG = {64: (64, 2), 128: (32, 2), 256: (16, 2)}  # head_dim -> (keys per tile, stages)
+# head_dim -> (keys per tile, stages): about 34 KB of shared memory, six blocks per SM, so the 8B's 512
+# blocks at B = 64 run in one wave (three per SM, as 32:2 and 16:4 take, measured 47-62% slower;
+# bench/RESULTS.md row 57)
+TILES_CONFIG = {64: (32, 2), 128: (16, 2), 256: (8, 2)}
 
 
 def tiles_ok(head_dim: int, head_dim_v: int) -> bool:
