@@ -47,6 +47,10 @@ LOOKAHEAD = 4  # decode steps enqueued ahead of the token the host is reading
 HIST = 64
 MAX_GPU_TOP_K = 1024
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+# Graphs of up to this many rows (the matvec path) launch with programmatic dependent launch. The
+# tensor-core batch steps lost with it: the 8B's B=64 step replayed in 11.63 ms with it and 10.95
+# without (bench/RESULTS.md row 58).
+PDL_MAX_ROWS = L.MAX_MMV_TOKENS
 
 
 def check_supported(cfg: ModelConfig) -> None:
@@ -80,8 +84,11 @@ class CudaBackend(PrefillMixin):
         # prefill chunks as graphs, one per padded size (GGUF_RUN_PREFILL_GRAPH=0: eager, to measure)
         self.prefill_graph = use_graph and os.environ.get("GGUF_RUN_PREFILL_GRAPH", "1") != "0"
         self._prefill_runs: dict[tuple, int] = {}
-        # GGUF_RUN_PDL=0 turns programmatic dependent launch off (to measure what it gives)
-        self.pdl = pdl.supported(cp.cuda.Device()) and os.environ.get("GGUF_RUN_PDL", "1") != "0"
+        # programmatic dependent launch in graphs of up to PDL_MAX_ROWS rows; GGUF_RUN_PDL=0 turns it
+        # off, GGUF_RUN_PDL=all on for every graph (to measure what it gives)
+        env_pdl = os.environ.get("GGUF_RUN_PDL", "1")
+        self.pdl = pdl.supported(cp.cuda.Device()) and env_pdl != "0"
+        self.pdl_max_rows = 1 << 30 if env_pdl == "all" else PDL_MAX_ROWS
         try:
             self.stream = cp.cuda.Stream(non_blocking=True)
             self.kernels = L.Kernels()
@@ -230,12 +237,13 @@ class CudaBackend(PrefillMixin):
                 return None
         return key
 
-    def _with_pdl(self, fn: Callable[[], None]) -> Callable[[], None]:
-        """fn as a step to capture: its kernels launched with programmatic dependent launch where
-        the GPU has it (quant_kernels/pdl.py), so each one's launch and weight loads overlap the end
-        of the kernel before it in the replayed graph."""
+    def _with_pdl(self, fn: Callable[[], None], rows: int) -> Callable[[], None]:
+        """fn (a call of ``rows`` rows) as a step to capture: up to PDL_MAX_ROWS rows its kernels
+        launched with programmatic dependent launch where the GPU has it (quant_kernels/pdl.py), so
+        each one's launch and weight loads overlap the end of the kernel before it in the replayed
+        graph."""
         def step() -> None:
-            self.kernels.pdl = self.pdl
+            self.kernels.pdl = self.pdl and rows <= self.pdl_max_rows
             try:
                 fn()
             finally:
@@ -243,7 +251,7 @@ class CudaBackend(PrefillMixin):
         return step
 
     def _graph_step(self, rows: int, mode: tuple[bool, bool]) -> Callable[[], None]:
-        return self._with_pdl(lambda: self._step(rows, mode))
+        return self._with_pdl(lambda: self._step(rows, mode), rows)
 
     def capture_buckets(self, mode: tuple[bool, bool] = (False, True),
                         progress: Callable[[str, int, int], None] | None = None) -> None:

@@ -77,7 +77,8 @@ class PrefillMixin:
         graph = rows > L.MAX_MMV_TOKENS and self.use_graph and self.prefill_graph and seen > 0
         if graph and not self.graphs.has(key):
             try:  # the eager first run was its warm-up
-                self.graphs.capture(key, self._with_pdl(lambda: self._prefill_rows(rows, all_logits)), warmup=0)
+                self.graphs.capture(key, self._with_pdl(lambda: self._prefill_rows(rows, all_logits), rows),
+                                    warmup=0)
             except CaptureError as e:
                 self.prefill_graph = graph = False
                 if self.note:
