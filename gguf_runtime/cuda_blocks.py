@@ -57,6 +57,9 @@ class CudaBlocks:
         self.attn_early = os.environ.get("GGUF_RUN_ATTN_EARLY", "1") != "0"
         # batch decode steps' attention kernel: "auto" (TILES_MIN_BLOCKS), "1" tiles, "0" splits (to measure)
         self.attn_tiles = os.environ.get("GGUF_RUN_ATTN_TILES", "auto")
+        # ... which also does rope_kv's work where it can (GGUF_RUN_ATTN_ROPE=0: a rope_kv launch, to measure)
+        self.tiles_rope = os.environ.get("GGUF_RUN_ATTN_ROPE", "1") != "0"
+        self._rope: L.RopeKV | None = None  # the RoPE + KV write attn_in left to attend's kernel
         # a post-norm's kernel also writes the next pre-norm's int8 input (GGUF_RUN_POST_Q8=0: a
         # norm kernel of its own, to measure)
         self.fuse_post_norm = os.environ.get("GGUF_RUN_POST_Q8", "1") != "0"
@@ -193,7 +196,11 @@ class CudaBlocks:
             for n, c, b in zip(names, cols, biases):
                 if b:
                     LL.add_bias(self.k, qkv.data.ptr + 4 * c, ld, self.w.vec(b).data.ptr, self.w.mat(n).rows, t)
-        rope.launch(self.k, 0, t)
+        if (self.tiles(t) and self.attn_early and self.tiles_rope and rope.qnw is None and rope.knw is None
+                and rope.n_rot % 2 == 0):
+            self._rope = rope  # attend's kernel applies it (attention_tiles.cu)
+        else:
+            rope.launch(self.k, 0, t)
         return qkv
 
     def attend(self, layer: int, q: cp.ndarray, positions: cp.ndarray) -> cp.ndarray:
@@ -207,11 +214,14 @@ class CudaBlocks:
         if "attn" in self.skip and self._small(t):
             return out
         if self.tiles(t):
+            rope, self._rope = self._rope, None
             LA.attention_tiles(self.k, q.data.ptr, q.strides[0] // 4, t, kc, vc, positions.data.ptr,
                                self.seq.data.ptr, self.kv.table.data.ptr, self.kv.max_pages, self.kv.page_size,
                                cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.attn_scale, cfg.attn_softcap or 0.0,
                                cfg.layer_window[layer], out.data.ptr, out.strides[0] // 4, ws.x16.data.ptr,
-                               ws.x16.strides[0] // 2, early=self.attn_early)
+                               ws.x16.strides[0] // 2, early=self.attn_early,
+                               inv_freq=rope.inv_freq if rope else 0, n_rot=rope.n_rot if rope else 0,
+                               neox=rope.neox if rope else False)
             return out
         LA.attention(self.k, q.data.ptr, q.strides[0] // 4, t, kc, vc, positions.data.ptr, self.seq.data.ptr,
                     self.kv.table.data.ptr, self.kv.max_pages, self.kv.page_size, cfg.n_head, cfg.n_head_kv,

@@ -11,6 +11,7 @@ import pytest
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
+from gguf_runtime.backend_numpy import apply_rope  # noqa: E402
 from gguf_runtime.quant_kernels import launch_attention as LA  # noqa: E402
 from gguf_runtime.quant_kernels import launchers as L  # noqa: E402
 
@@ -67,3 +68,56 @@ def test_attention_tiles(k, d, hq, hkv, cap, window, config):
         o16 = out16.get().view(np.float16).astype(np.float32)
         assert rel(o16, o) < 1e-3
     assert (outs[0] == outs[1]).all()
+
+
+@pytest.mark.parametrize("d,hq,hkv,n_rot,neox,window", [(128, 32, 8, 128, False, 0), (64, 9, 3, 64, True, 0),
+                                                        (128, 8, 2, 64, False, 50), (256, 4, 1, 256, True, 0)])
+def test_attention_tiles_with_rope(k, d, hq, hkv, n_rot, neox, window):
+    """With n_rot > 0 the kernel takes raw QKV rows (one row per sequence, as a decode step): RoPE on
+    q and on the row's own key, that key and value written into the cache (whose slot holds NaN
+    before: the kernel must not read it), against rope_kv's numpy reference and float64 attention."""
+    rng = np.random.default_rng()
+    page, n_ctx = 16, 320
+    max_pages = n_ctx // page
+    pos = np.array([0, 15, 16, 100, 250, 319, 0], np.int32)
+    seq = np.array([0, 1, 2, 3, 4, 5, -1], np.int32)  # the last row: padding
+    t = len(pos)
+    table = rng.permutation(max_pages * t).astype(np.int32).reshape(t, max_pages)
+    K = rng.standard_normal((t, n_ctx, hkv, d)).astype(np.float32)  # earlier keys (already rotated)
+    V = rng.standard_normal((t, n_ctx, hkv, d)).astype(np.float32)
+    kc = np.zeros((max_pages * t, hkv, page, d), np.float32)
+    vc = np.zeros_like(kc)
+    for s in range(t):
+        for p in range(n_ctx):
+            kc[table[s, p // page], :, p % page] = K[s, p]
+            vc[table[s, p // page], :, p % page] = V[s, p]
+    for s, p in zip(seq, pos):
+        if s >= 0:
+            kc[table[s, p // page], :, p % page] = np.nan
+            vc[table[s, p // page], :, p % page] = np.nan
+    width = (hq + 2 * hkv) * d
+    qkv = rng.standard_normal((t, width)).astype(np.float32)
+    inv = 10000.0 ** (-np.arange(0, n_rot, 2) / n_rot)
+    style = "neox" if neox else "norm"
+    q = apply_rope(qkv[:, :hq * d].reshape(t, hq, d), pos, inv, style)
+    kr = apply_rope(qkv[:, hq * d:(hq + hkv) * d].reshape(t, hkv, d), pos, inv, style)
+    vr = qkv[:, (hq + hkv) * d:].reshape(t, hkv, d)
+    scale = 1 / math.sqrt(d)
+    ref = np.zeros((t, hq, d))
+    for i, (s, p) in enumerate(zip(seq, pos)):
+        if s >= 0:
+            K[s, p], V[s, p] = kr[i], vr[i]
+            ref[i] = attention_ref(q[i:i + 1], K[s], V[s], pos[i:i + 1], scale, 0.0, window)[0]
+    out = cp.full((t, hq * d), POISON, cp.float32)
+    dev = [cp.asarray(a) for a in (qkv, kc, vc, pos, seq, table, inv)]
+    qd, kd, vd, posd, seqd, tabd, invd = dev
+    LA.attention_tiles(k, qd.data.ptr, width, t, kd.data.ptr, vd.data.ptr, posd.data.ptr, seqd.data.ptr,
+                       tabd.data.ptr, max_pages, page, hq, hkv, d, scale, 0.0, window, out.data.ptr, hq * d,
+                       early=True, inv_freq=invd.data.ptr, n_rot=n_rot, neox=neox)
+    assert rel(out.get().reshape(t, hq, d), ref) < 1e-5
+    kcache, vcache = kd.get(), vd.get()
+    for i, (s, p) in enumerate(zip(seq, pos)):
+        if s >= 0:
+            assert rel(kcache[table[s, p // page], :, p % page], kr[i]) < 1e-6
+            assert np.array_equal(vcache[table[s, p // page], :, p % page], vr[i])
+    assert np.isfinite(kcache).all() and np.isfinite(vcache).all()  # every row's own slot written

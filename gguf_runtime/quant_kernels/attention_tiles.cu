@@ -8,8 +8,11 @@
 //   P V: one thread per (head, 4 dims), float4 reads of the V tile.
 // Tiles are aligned to multiples of KT positions (a tile's pages are whole; keys before lo, after
 // the row's position or past its pages are masked, their rows zero-filled). early != 0 (every row
-// one token of its own sequence): the first ST - 1 tiles' keys before the row's position are issued
-// before pdl_enter, overlapping the kernel before; q and the row's own key and value wait for it.
+// one token of its own sequence): the row's own key and value are held apart (Fk, Fv), never read
+// from a tile, and the first ST - 1 tiles are issued before pdl_enter (with PDL they overlap the
+// kernel before; q and the row's own key wait for it). n_rot > 0 (with early): q, k and v are the
+// raw QKV rows, and this kernel does rope_kv's work for its heads (layers.cu: RoPE on q and k,
+// pairs (2i, 2i + 1) or neox (i, i + n_rot / 2), the same float arithmetic; k and v into the cache).
 #include "common.cuh"
 
 // cp.async of 16 bytes global -> shared, zero-filled when !valid (as mma_regs.cuh's, which needs
@@ -30,16 +33,16 @@ template <int D, int G, int W, int KT_> struct Tile {
     static_assert(C % SP == 0 && (SP & (SP - 1)) == 0, "a score's parts: a power of two dividing D / 4");
 };
 
-// cp.async of the keys of tile [k0, k0 + KT) that lie in [lo, p] (p itself only if !skip_p) into
-// stage (Ks, Vs); the others are zero-filled (their scores are masked, their V rows must be finite).
+// cp.async of the keys of tile [k0, k0 + KT) that lie in [lo, p] but the key ``fresh`` into stage
+// (Ks, Vs); the others are zero-filled (their scores are masked, their V rows must be finite).
 template <class T, int D>
-DEV void load_tile(int k0, int lo, int p, bool skip_p, const int* tab, int max_pages, int page_size, int n_head_kv,
+DEV void load_tile(int k0, int lo, int p, int fresh, const int* tab, int max_pages, int page_size, int n_head_kv,
                    int hk, const float* kcache, const float* vcache, float* Ks, float* Vs) {
 #pragma unroll
     for (int r = 0; r < T::KT * T::C / T::NT; ++r) {
         const int i = threadIdx.x + r * T::NT, j = i / T::C, c = i % T::C, key = k0 + j;
         const int page = key >= lo && key <= p && key / page_size < max_pages ? tab[key / page_size] : -1;
-        if (skip_p && key == p) continue;  // written by plain stores after pdl_enter
+        if (key == fresh) continue;  // held in Fk, Fv
         const bool ok = page >= 0;
         const long base = ok ? (((long)page * n_head_kv + hk) * page_size + key % page_size) * D + 4 * c : 0;
         tile_cp16(Ks + j * T::LD + 4 * c, kcache + base, ok);
@@ -47,13 +50,25 @@ DEV void load_tile(int k0, int lo, int p, bool skip_p, const int* tab, int max_p
     }
 }
 
-// Shared memory (floats): Ks[ST][KT][LD], Vs[ST][KT][D], Qs[G][D], Ps[G][KT], Cs[G], Ls[G].
+// RoPE of element i of a head x (D floats, shared memory) at the angles cs (cos, sin per pair).
+DEV float rope_at(const float* x, int i, const float* cs, int n_rot, int neox) {
+    if (i >= n_rot) return x[i];
+    const int half = n_rot / 2;
+    const bool first = neox ? i < half : (i & 1) == 0;
+    const int j = neox ? (first ? i : i - half) : i >> 1, partner = neox ? (first ? i + half : i - half) : i ^ 1;
+    const float v = x[i], o = x[partner], cf = cs[2 * j], sf = cs[2 * j + 1];
+    return first ? v * cf - o * sf : o * sf + v * cf;
+}
+
+// Shared memory (floats): Ks[ST][KT][LD], Vs[ST][KT][D], Qs[G][D], Ps[G][KT], Cs[G], Ls[G], Fk[D],
+// Fv[D], CS[D].
 template <int D, int G, int W, int KT, int ST>
 __global__ void __launch_bounds__(32 * W) attn_tiles(
-        const float* __restrict__ q, int ldq, const float* __restrict__ kcache, const float* __restrict__ vcache,
+        const float* __restrict__ q, int ldq, float* __restrict__ kcache, float* __restrict__ vcache,
         const int* __restrict__ pos, const int* __restrict__ seq, const int* __restrict__ table, int max_pages,
-        int page_size, int n_head_kv, float scale, float cap, int window, int early, float* __restrict__ out,
-        int ldo, u16* __restrict__ out16, int ld16) {
+        int page_size, int n_head_kv, float scale, float cap, int window, int early,
+        const double* __restrict__ inv_freq, int n_rot, int neox, float* __restrict__ out, int ldo,
+        u16* __restrict__ out16, int ld16) {
     using T = Tile<D, G, W, KT>;
     constexpr int LD = T::LD, NT = T::NT, SP = T::SP, HW = (G + W - 1) / W, NP = G * T::C;
     constexpr int PP = (NP + NT - 1) / NT;  // (head, 4 dims) pairs per thread in P V
@@ -65,6 +80,9 @@ __global__ void __launch_bounds__(32 * W) attn_tiles(
     float* Ps = Qs + G * D;
     float* Cs = Ps + G * KT;
     float* Ls = Cs + G;
+    float* Fk = Ls + G;
+    float* Fv = Fk + D;
+    float* CS = Fv + D;
     if (!early) pdl_enter();
     const int hk = blockIdx.x, t = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -73,30 +91,69 @@ __global__ void __launch_bounds__(32 * W) attn_tiles(
     const int lo = window > 0 ? max(0, p - window + 1) : 0;
     const int first = lo / KT * KT, n_tiles = pad ? 0 : (p - first) / KT + 1;
     const int* tab = table + (long)(pad ? 0 : seq[t]) * max_pages;
+    const int fresh = early && !pad ? p : -1;  // the key held in Fk, Fv
 #pragma unroll
     for (int s = 0; s < ST - 1; ++s) {  // one commit group per tile (empty past the last)
         if (s < n_tiles)
-            load_tile<T, D>(first + s * KT, lo, p, early != 0, tab, max_pages, page_size, n_head_kv, hk, kcache,
-                            vcache, Ks + s * KT * LD, Vs + s * KT * D);
+            load_tile<T, D>(first + s * KT, lo, p, fresh, tab, max_pages, page_size, n_head_kv, hk, kcache, vcache,
+                            Ks + s * KT * LD, Vs + s * KT * D);
         tile_commit();
     }
-    if (early) {
-        pdl_enter();
-        const int ft = (p - first) / KT;  // the tile of the row's own key
-        if (!pad && ft < ST - 1 && warp == 0) {  // (no page: zeros, as cp.async would have filled)
-            const int page = p / page_size < max_pages ? tab[p / page_size] : -1;
-            const long base = (((long)max(page, 0) * n_head_kv + hk) * page_size + p % page_size) * D;
-            const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
-            float* kd = Ks + (ft * KT + p - first - ft * KT) * LD;
-            float* vd = Vs + (ft * KT + p - first - ft * KT) * D;
-            for (int c = lane; c < T::C; c += 32) {
-                reinterpret_cast<float4*>(kd)[c] = page >= 0 ? reinterpret_cast<const float4*>(kcache + base)[c] : zero;
-                reinterpret_cast<float4*>(vd)[c] = page >= 0 ? reinterpret_cast<const float4*>(vcache + base)[c] : zero;
+    const float* qr = q + (long)t * ldq + hk * G * D;
+    if (early) pdl_enter();
+    if (fresh >= 0) {  // the row's own key and value (no page: zeros, masked)
+        const int page = p / page_size < max_pages ? tab[p / page_size] : -1;
+        const long base = (((long)max(page, 0) * n_head_kv + hk) * page_size + p % page_size) * D;
+        if (n_rot > 0) {  // raw rows: k and v of this KV head, RoPE angles of position p
+            const float* kr = q + (long)t * ldq + (n_head_kv * G + hk) * D;
+            for (int i = threadIdx.x; i < D; i += NT) {
+                Fk[i] = kr[i];
+                Fv[i] = kr[n_head_kv * D + i];
+            }
+            for (int j = threadIdx.x; j < n_rot / 2; j += NT) {
+                double sn, cn;
+                sincos((double)p * inv_freq[j], &sn, &cn);
+                CS[2 * j] = (float)cn;
+                CS[2 * j + 1] = (float)sn;
+            }
+            __syncthreads();
+            float kv[(D + NT - 1) / NT];
+#pragma unroll
+            for (int r = 0; r < (D + NT - 1) / NT; ++r)
+                if (threadIdx.x + r * NT < D) kv[r] = rope_at(Fk, threadIdx.x + r * NT, CS, n_rot, neox);
+            __syncthreads();  // every thread has read Fk
+#pragma unroll
+            for (int r = 0; r < (D + NT - 1) / NT; ++r) {
+                const int i = threadIdx.x + r * NT;
+                if (i >= D) break;
+                Fk[i] = kv[r];
+                if (page >= 0) { kcache[base + i] = kv[r]; vcache[base + i] = Fv[i]; }
+            }
+        } else {
+            for (int i = threadIdx.x; i < D; i += NT) {
+                Fk[i] = page >= 0 ? kcache[base + i] : 0.f;
+                Fv[i] = page >= 0 ? vcache[base + i] : 0.f;
             }
         }
     }
-    for (int i = threadIdx.x; i < G * D; i += NT)
-        Qs[i] = q[(long)t * ldq + hk * G * D + i] * scale;
+    if (n_rot > 0 && fresh >= 0) {  // q: RoPE through Qs (the angles are in CS)
+        for (int i = threadIdx.x; i < G * D; i += NT) Qs[i] = qr[i];
+        __syncthreads();
+        float qv[(G * D + NT - 1) / NT];
+#pragma unroll
+        for (int r = 0; r < (G * D + NT - 1) / NT; ++r) {
+            const int i = threadIdx.x + r * NT;
+            if (i < G * D) qv[r] = rope_at(Qs + i / D * D, i % D, CS, n_rot, neox);
+        }
+        __syncthreads();
+#pragma unroll
+        for (int r = 0; r < (G * D + NT - 1) / NT; ++r) {
+            const int i = threadIdx.x + r * NT;
+            if (i < G * D) Qs[i] = qv[r] * scale;
+        }
+    } else {
+        for (int i = threadIdx.x; i < G * D; i += NT) Qs[i] = qr[i] * scale;
+    }
     float m[HW], l[HW];  // warp w's heads w, w + W, ...: running max and sum
 #pragma unroll
     for (int h = 0; h < HW; ++h) { m[h] = -INFINITY; l[h] = 0.f; }
@@ -112,13 +169,13 @@ __global__ void __launch_bounds__(32 * W) attn_tiles(
         __syncthreads();  // ... for every thread; and the stage computed last iteration is free
         if (i + ST - 1 < n_tiles) {
             const int sn = (i + ST - 1) % ST;
-            load_tile<T, D>(k0 + (ST - 1) * KT, lo, p, false, tab, max_pages, page_size, n_head_kv, hk, kcache,
+            load_tile<T, D>(k0 + (ST - 1) * KT, lo, p, fresh, tab, max_pages, page_size, n_head_kv, hk, kcache,
                             vcache, Ks + sn * KT * LD, Vs + sn * KT * D);
         }
         tile_commit();
         for (int idx = threadIdx.x; idx < G * KT * SP; idx += NT) {  // scores: SP threads per (head g, key j)
             const int part = idx % SP, g = idx / SP / KT, j = idx / SP % KT, key = k0 + j;
-            const float4* kr = reinterpret_cast<const float4*>(K + j * LD) + part;
+            const float4* kr = reinterpret_cast<const float4*>(key == fresh ? Fk : K + j * LD) + part;
             const float4* qr = reinterpret_cast<const float4*>(Qs + g * D) + part;
             float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
 #pragma unroll 8
@@ -167,7 +224,7 @@ __global__ void __launch_bounds__(32 * W) attn_tiles(
 #pragma unroll 8
             for (int j = 0; j < KT; ++j) {
                 const float pj = Ps[g * KT + j];
-                const float4 v = reinterpret_cast<const float4*>(V + j * D)[c];
+                const float4 v = reinterpret_cast<const float4*>(k0 + j == fresh ? Fv : V + j * D)[c];
                 a.x = fmaf(pj, v.x, a.x); a.y = fmaf(pj, v.y, a.y); a.z = fmaf(pj, v.z, a.z); a.w = fmaf(pj, v.w, a.w);
             }
             acc[r] = a;
@@ -195,8 +252,9 @@ __global__ void __launch_bounds__(32 * W) attn_tiles(
 }
 
 #ifdef GGUF_INSTANTIATE_ALL
-#define INST(D, G, W, KT, ST) template __global__ void attn_tiles<D, G, W, KT, ST>(const float*, int, const float*, \
-    const float*, const int*, const int*, const int*, int, int, int, float, float, int, int, float*, int, u16*, int);
+#define INST(D, G, W, KT, ST) template __global__ void attn_tiles<D, G, W, KT, ST>(const float*, int, float*, float*, \
+    const int*, const int*, const int*, int, int, int, float, float, int, int, const double*, int, int, float*, int, \
+    u16*, int);
 INST(64, 1, 2, 64, 2) INST(64, 3, 2, 64, 2) INST(128, 4, 4, 32, 2) INST(128, 4, 4, 16, 4) INST(128, 4, 4, 8, 6)
 INST(128, 8, 8, 32, 2) INST(256, 4, 8, 16, 2) INST(256, 8, 8, 16, 3)
 #endif

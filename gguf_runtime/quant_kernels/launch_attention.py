@@ -85,21 +85,26 @@ def tiles_kernel_name(head_dim: int, group: int, config: tuple[int, int] | None 
 
 
 def tiles_smem(head_dim: int, group: int, config: tuple[int, int] | None = None) -> int:
-    """Bytes: the stages of K and V tiles (K rows padded, as attention_tiles.cu's Tile), q, and
-    per-head scratch."""
+    """Bytes: the stages of K and V tiles (K rows padded, as attention_tiles.cu's Tile), q,
+    per-head scratch, the row's own key and value and its RoPE angles."""
     kt, st = config or tiles_config(head_dim)
     nt = 32 * tiles_warps(head_dim, group)
     sp = 1 if group * kt >= nt or nt % (group * kt) else nt // (group * kt)
-    return 4 * (st * kt * (head_dim + 4 * sp) + st * kt * head_dim + group * head_dim + group * kt + 2 * group)
+    return 4 * (st * kt * (head_dim + 4 * sp) + st * kt * head_dim + group * head_dim + group * kt + 2 * group
+                + 3 * head_dim)
 
 
 def attention_tiles(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache: int, pos: int, seq: int,
                     table: int, max_pages: int, page_size: int, n_head: int, n_head_kv: int, head_dim: int,
                     scale: float, cap: float, window: int, out: int, ldo: int, out16: int | None = None,
-                    ld16: int = 0, early: bool = False, config: tuple[int, int] | None = None) -> None:
+                    ld16: int = 0, early: bool = False, config: tuple[int, int] | None = None,
+                    inv_freq: int = 0, n_rot: int = 0, neox: bool = False) -> None:
     """Each row's attention over its own keys, one block per (KV head, row) streaming them in tiles
     (attention_tiles.cu); out16: also an f16 copy. early: every row is one token of its own
-    sequence, so its keys before its position are loaded before the wait for the kernel before."""
+    sequence, so its keys before its position are loaded before the wait for the kernel before.
+    n_rot > 0 (early only): q points at raw QKV rows, and the kernel does rope_kv's work (RoPE of
+    the first n_rot dims at angles pos * inv_freq (float64), K and V into the cache)."""
+    assert n_rot == 0 or early
     g = n_head // n_head_kv
     assert tiles_ok(head_dim, head_dim)
     config = config or tiles_config(head_dim)
@@ -108,5 +113,5 @@ def attention_tiles(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache
     fn.allow_smem(smem)
     fn((n_head_kv, rows), (32 * tiles_warps(head_dim, g),),
        (ptr(q), i32(ldq), ptr(kcache), ptr(vcache), ptr(pos), ptr(seq), ptr(table), i32(max_pages), i32(page_size),
-        i32(n_head_kv), f32(scale), f32(cap), i32(window), i32(1 if early else 0), ptr(out), i32(ldo), ptr(out16),
-        i32(ld16)), shared_mem=smem)
+        i32(n_head_kv), f32(scale), f32(cap), i32(window), i32(1 if early else 0), ptr(inv_freq), i32(n_rot),
+        i32(1 if neox else 0), ptr(out), i32(ldo), ptr(out16), i32(ld16)), shared_mem=smem)
