@@ -47,10 +47,12 @@ LOOKAHEAD = 4  # decode steps enqueued ahead of the token the host is reading
 HIST = 64
 MAX_GPU_TOP_K = 1024
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-# Graphs of up to this many rows (the matvec path) launch with programmatic dependent launch. The
-# tensor-core batch steps lost with it: the 8B's B=64 step replayed in 11.63 ms with it and 10.95
-# without (bench/RESULTS.md row 58).
+# Graphs of up to this many rows (the matvec path) launch with programmatic dependent launch, and
+# graphs of any size for models of at most PDL_ANY_ROWS_BYTES of weights. The 8B's tensor-core
+# batch steps lost with it (B=64: 5,428 t/s with it, 5,902 without), SmolLM2's gained (33,615
+# against 32,212); bench/RESULTS.md row 58.
 PDL_MAX_ROWS = L.MAX_MMV_TOKENS
+PDL_ANY_ROWS_BYTES = 1 << 30
 
 
 def check_supported(cfg: ModelConfig) -> None:
@@ -84,11 +86,12 @@ class CudaBackend(PrefillMixin):
         # prefill chunks as graphs, one per padded size (GGUF_RUN_PREFILL_GRAPH=0: eager, to measure)
         self.prefill_graph = use_graph and os.environ.get("GGUF_RUN_PREFILL_GRAPH", "1") != "0"
         self._prefill_runs: dict[tuple, int] = {}
-        # programmatic dependent launch in graphs of up to PDL_MAX_ROWS rows; GGUF_RUN_PDL=0 turns it
-        # off, GGUF_RUN_PDL=all on for every graph (to measure what it gives)
+        # programmatic dependent launch in graphs as PDL_MAX_ROWS says; GGUF_RUN_PDL=0 turns it off,
+        # GGUF_RUN_PDL=all on for every graph (to measure what it gives)
         env_pdl = os.environ.get("GGUF_RUN_PDL", "1")
         self.pdl = pdl.supported(cp.cuda.Device()) and env_pdl != "0"
-        self.pdl_max_rows = 1 << 30 if env_pdl == "all" else PDL_MAX_ROWS
+        small = sum(t.nbytes for t in f.tensors.values()) <= PDL_ANY_ROWS_BYTES
+        self.pdl_max_rows = 1 << 30 if env_pdl == "all" or small else PDL_MAX_ROWS
         try:
             self.stream = cp.cuda.Stream(non_blocking=True)
             self.kernels = L.Kernels()
