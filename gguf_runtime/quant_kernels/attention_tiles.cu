@@ -60,8 +60,8 @@ DEV float rope_at(const float* x, int i, const float* cs, int n_rot, int neox) {
     return first ? v * cf - o * sf : o * sf + v * cf;
 }
 
-// Shared memory (floats): Ks[ST][KT][LD], Vs[ST][KT][D], Qs[G][D], Ps[G][KT], Cs[G], Ls[G], Fk[D],
-// Fv[D], CS[D].
+// Shared memory (floats, float4-read arrays first): Ks[ST][KT][LD], Vs[ST][KT][D], Fk[D], Fv[D],
+// Qs[G][D], CS[D], Ps[G][KT], Cs[G], Ls[G].
 template <int D, int G, int W, int KT, int ST>
 __global__ void __launch_bounds__(32 * W) attn_tiles(
         const float* __restrict__ q, int ldq, float* __restrict__ kcache, float* __restrict__ vcache,
@@ -76,13 +76,13 @@ __global__ void __launch_bounds__(32 * W) attn_tiles(
     extern __shared__ float4 smem4[];
     float* Ks = reinterpret_cast<float*>(smem4);
     float* Vs = Ks + ST * KT * LD;
-    float* Qs = Vs + ST * KT * D;
-    float* Ps = Qs + G * D;
+    float* Fk = Vs + ST * KT * D;
+    float* Fv = Fk + D;
+    float* Qs = Fv + D;
+    float* CS = Qs + G * D;
+    float* Ps = CS + D;
     float* Cs = Ps + G * KT;
     float* Ls = Cs + G;
-    float* Fk = Ls + G;
-    float* Fv = Fk + D;
-    float* CS = Fv + D;
     if (!early) pdl_enter();
     const int hk = blockIdx.x, t = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
