@@ -18,20 +18,9 @@ from gguf_runtime.cuda_workspace import n_splits
 from gguf_runtime.kv_cache import PAGE_SIZE
 from gguf_runtime.quant_kernels import launch_attention as LA
 from gguf_runtime.quant_kernels import launchers as L
+from mma_shapes import timed  # (bench/ is the script's folder)
 
 SHAPES = {"8b": (128, 32, 8), "smollm2": (64, 9, 3), "gemma3": (256, 4, 1)}  # head_dim, heads, KV heads
-
-
-def timed(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    start, end = cp.cuda.Event(), cp.cuda.Event()
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    return cp.cuda.get_elapsed_time(start, end) * 1000 / reps
 
 
 def main() -> None:

@@ -241,10 +241,10 @@ class CudaBackend(PrefillMixin):
         return key
 
     def _with_pdl(self, fn: Callable[[], None], rows: int) -> Callable[[], None]:
-        """fn (a call of ``rows`` rows) as a step to capture: up to PDL_MAX_ROWS rows its kernels
-        launched with programmatic dependent launch where the GPU has it (quant_kernels/pdl.py), so
-        each one's launch and weight loads overlap the end of the kernel before it in the replayed
-        graph."""
+        """fn (a call of ``rows`` rows) as a step to capture: where PDL_MAX_ROWS allows it (and the
+        GPU has it, quant_kernels/pdl.py) its kernels launched with programmatic dependent launch,
+        so each one's launch and weight loads overlap the end of the kernel before it in the
+        replayed graph."""
         def step() -> None:
             self.kernels.pdl = self.pdl and rows <= self.pdl_max_rows
             try:
