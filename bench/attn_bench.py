@@ -3,7 +3,7 @@ batch steps launch it) and of attention_tiles.cu under each (keys per tile, stag
 rows of B sequences at each context, on a paged cache laid out as PagedKVCache allocates it.
 Faster to iterate on than a whole twin; also checks that the kernels agree.
 Usage (GPU machine): python bench/attn_bench.py [--shape 8b] [--rows 64] [--ctx 64 192 512]
-  [--configs 32:2 16:4] [--reps 50]
+  [--configs 32:2 16:4] [--reps 50] [--kv f32 f16] (each cache type: its own table rows)
 """
 
 from __future__ import annotations
@@ -30,14 +30,21 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, nargs="*", default=[64, 192, 512])
     ap.add_argument("--configs", nargs="*", default=[])
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--kv", nargs="*", default=["f32"], choices=["f32", "f16"])
     a = ap.parse_args()
+    for kv in a.kv:
+        run(a, kv == "f16")
+
+
+def run(a: argparse.Namespace, kv16: bool) -> None:
     d, hq, hkv = SHAPES[a.shape]
     rows, page, k = a.rows, PAGE_SIZE, L.Kernels()
     max_pages = -(-max(a.ctx) // page)
     rng = np.random.default_rng(0)
     shape = (rows * max_pages, hkv, page, d)  # sequence s owns pages [s max_pages, (s + 1) max_pages)
-    kc = cp.asarray(rng.standard_normal(shape, np.float32))
-    vc = cp.asarray(rng.standard_normal(shape, np.float32))
+    kv_dtype = np.float16 if kv16 else np.float32
+    kc = cp.asarray(rng.standard_normal(shape, np.float32).astype(kv_dtype))
+    vc = cp.asarray(rng.standard_normal(shape, np.float32).astype(kv_dtype))
     table = cp.arange(rows * max_pages, dtype=cp.int32).reshape(rows, max_pages)
     seq = cp.arange(rows, dtype=cp.int32)
     q = cp.asarray(rng.standard_normal((rows, hq * d), np.float32))
@@ -49,18 +56,19 @@ def main() -> None:
     counter = cp.zeros(rows * hkv, cp.uint32)
     scale = 1 / math.sqrt(d)
     split_shape = LA.attn_shape(d, hq // hkv, 4, 1)
-    configs = [tuple(int(v) for v in c.split(":")) for c in a.configs] or [LA.tiles_config(d)]
-    print(f"{a.shape}: head_dim {d}, {hq} heads, {hkv} KV heads, B={rows}; split kernel: {ns} splits")
+    configs = [tuple(int(v) for v in c.split(":")) for c in a.configs] or [LA.tiles_config(d, kv16)]
+    print(f"{a.shape}: head_dim {d}, {hq} heads, {hkv} KV heads, B={rows}, {'f16' if kv16 else 'f32'} cache; "
+          f"split kernel: {ns} splits")
     print(f"{'context':>8} {'kernel':<22} {'us/call':>9} {'KV GB/s':>9} {'rel. diff':>10}")
     for ctx in a.ctx:
         pos = cp.full(rows, ctx - 1, cp.int32)
-        kv_bytes = rows * hkv * ctx * d * 4 * 2
+        kv_bytes = rows * hkv * ctx * d * kc.itemsize * 2
 
         def split():
             LA.attention(k, q.data.ptr, hq * d, rows, kc.data.ptr, vc.data.ptr, pos.data.ptr, seq.data.ptr,
                          table.data.ptr, max_pages, page, hq, hkv, d, scale, 0.0, 0, ns, part_o.data.ptr,
                          part_ml.data.ptr, counter.data.ptr, out.data.ptr, hq * d, out16.data.ptr, hq * d,
-                         shape=split_shape, early=True)
+                         shape=split_shape, early=True, kv16=kv16)
         us = timed(split, a.reps)
         ref = out.get()
         print(f"{ctx:>8} {'split':<22} {us:>9.2f} {kv_bytes / us / 1e3:>9.0f} {'':>10}")
@@ -68,7 +76,8 @@ def main() -> None:
             def tiles(cfg=cfg):
                 LA.attention_tiles(k, q.data.ptr, hq * d, rows, kc.data.ptr, vc.data.ptr, pos.data.ptr,
                                    seq.data.ptr, table.data.ptr, max_pages, page, hq, hkv, d, scale, 0.0, 0,
-                                   out.data.ptr, hq * d, out16.data.ptr, hq * d, early=True, config=cfg)
+                                   out.data.ptr, hq * d, out16.data.ptr, hq * d, early=True, config=cfg,
+                                   kv16=kv16)
             out.fill(np.nan)
             us = timed(tiles, a.reps)
             diff = float(np.linalg.norm(out.get() - ref) / np.linalg.norm(ref))

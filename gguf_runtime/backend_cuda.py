@@ -30,7 +30,7 @@ from .errors import BackendError, UnsupportedModelError
 from .gguf_file import GGUFFile
 from .graphs import GraphManager
 from .graphs.manager import CaptureError
-from .kv_cache import PAGE_SIZE, PagedKVCache
+from .kv_cache import PAGE_SIZE, PagedKVCache, choose_kv_type
 from .model import forward
 from .model_config import ModelConfig
 from .quant_kernels import launch_layers as LL
@@ -77,7 +77,7 @@ class CudaBackend(PrefillMixin):
     def __init__(self, f: GGUFFile, cfg: ModelConfig, n_ctx: int,
                  progress: Callable[[str, int, int], None] | None = None, max_rows: int = PREFILL_CHUNK,
                  use_graph: bool = True, note: Callable[[str], None] | None = None, max_batch: int = 1,
-                 kv_tokens: int | None = None) -> None:
+                 kv_tokens: int | None = None, kv_type: str | None = None) -> None:
         check_supported(cfg)
         if max_batch not in BUCKETS:
             raise BackendError(f"--max-batch {max_batch} is not one of {', '.join(map(str, BUCKETS))}")
@@ -90,14 +90,18 @@ class CudaBackend(PrefillMixin):
         # GGUF_RUN_PDL=all on for every graph (to measure what it gives)
         env_pdl = os.environ.get("GGUF_RUN_PDL", "1")
         self.pdl = pdl.supported(cp.cuda.Device()) and env_pdl != "0"
-        small = sum(t.nbytes for t in f.tensors.values()) <= PDL_ANY_ROWS_BYTES
-        self.pdl_max_rows = 1 << 30 if env_pdl == "all" or small else PDL_MAX_ROWS
+        weight_bytes = sum(t.nbytes for t in f.tensors.values())
+        self.pdl_max_rows = 1 << 30 if env_pdl == "all" or weight_bytes <= PDL_ANY_ROWS_BYTES else PDL_MAX_ROWS
+        # larger graphs: PDL for the kernels named by these prefixes only (GGUF_RUN_PDL_ONLY="a:b", to measure)
+        self.pdl_only = tuple(p for p in os.environ.get("GGUF_RUN_PDL_ONLY", "").split(":") if p) or False
+        kv_type = choose_kv_type(kv_type, weight_bytes)
         try:
             self.stream = cp.cuda.Stream(non_blocking=True)
             self.kernels = L.Kernels()
             self.weights = DeviceWeights(f, cfg, progress)
-            page = PagedKVCache.page_bytes(cfg)
-            self.kv = PagedKVCache(cfg, n_ctx, n_seqs=max_batch, n_pages=self._kv_pages(n_ctx, kv_tokens, page))
+            page = PagedKVCache.page_bytes(cfg, kv_type=kv_type)
+            self.kv = PagedKVCache(cfg, n_ctx, n_seqs=max_batch, n_pages=self._kv_pages(n_ctx, kv_tokens, page),
+                                   kv_type=kv_type)
             self.ws = Workspace(cfg, max(max_rows, max_batch), max(max_batch, 64))
             ff = None
             if cfg.rope.freq_factors:
@@ -246,7 +250,7 @@ class CudaBackend(PrefillMixin):
         so each one's launch and weight loads overlap the end of the kernel before it in the
         replayed graph."""
         def step() -> None:
-            self.kernels.pdl = self.pdl and rows <= self.pdl_max_rows
+            self.kernels.pdl = self.pdl and (rows <= self.pdl_max_rows or self.pdl_only)
             try:
                 fn()
             finally:

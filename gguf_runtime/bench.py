@@ -240,9 +240,10 @@ def weight_bytes_read(f, cfg: ModelConfig, backend_name: str) -> int:
     return total
 
 
-def kv_bytes_read(cfg: ModelConfig, ctx: float) -> float:
-    """K and V bytes attention reads at context ``ctx`` (float32 caches; windowed layers capped)."""
-    per_layer = cfg.n_head_kv * (cfg.head_dim + cfg.head_dim_v) * 4
+def kv_bytes_read(cfg: ModelConfig, ctx: float, elem: int = 4) -> float:
+    """K and V bytes attention reads at context ``ctx`` (caches of ``elem``-byte elements;
+    windowed layers capped)."""
+    per_layer = cfg.n_head_kv * (cfg.head_dim + cfg.head_dim_v) * elem
     windows = cfg.layer_window or (0,) * cfg.n_layer
     return sum(per_layer * (min(ctx, w) if w else ctx) for w in windows)
 
@@ -314,6 +315,8 @@ def run_suite(backend, f, cfg: ModelConfig, suite: Suite, progress: ProgressFn |
     decode step reads, for GB/s."""
     name = getattr(backend, "name", "numpy")
     weights = weight_bytes_read(f, cfg, name)
+    keys = getattr(getattr(backend, "kv", None), "k", None)
+    elem = keys.itemsize if keys is not None else 4  # the CUDA cache's type; numpy's caches are float32
     rows: list[Rate] = []
     total = suite.n_rows()
 
@@ -328,7 +331,7 @@ def run_suite(backend, f, cfg: ModelConfig, suite: Suite, progress: ProgressFn |
         for mode in suite.modes:
             done(prefill_rate(backend, suite.n_prompt, suite.reps, suite.seed, graph=mode == "graph"))
     if suite.n_gen > 0:
-        step = weights + kv_bytes_read(cfg, 1 + (suite.n_gen + 1) / 2)
+        step = weights + kv_bytes_read(cfg, 1 + (suite.n_gen + 1) / 2, elem)
         for mode in suite.modes:
             r = decode_rate(backend, suite.n_gen, suite.reps, graph=mode == "graph")
             r.step_bytes = step
@@ -346,6 +349,6 @@ def run_suite(backend, f, cfg: ModelConfig, suite: Suite, progress: ProgressFn |
         for mode in suite.modes:
             for b in suite.batches:
                 r = batch_rate(backend, b, BATCH_PROMPT, suite.n_gen, suite.reps, suite.seed, graph=mode == "graph")
-                r.step_bytes = weights + b * kv_bytes_read(cfg, ctx)
+                r.step_bytes = weights + b * kv_bytes_read(cfg, ctx, elem)
                 done(r)
     return rows

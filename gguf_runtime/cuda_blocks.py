@@ -180,7 +180,7 @@ class CudaBlocks:
         rope = L.RopeKV(qkv.data.ptr, ld, cfg.n_head, cfg.n_head_kv, d, cfg.head_dim_v, cfg.rope.n_dims,
                         cfg.rope.style == ROPE_NEOX, qn, kn, cfg.rms_eps, self.inv_freq[cfg.rope_key(layer)].data.ptr,
                         positions.data.ptr, self.seq.data.ptr, self.kv.table.data.ptr, self.kv.max_pages,
-                        self.kv.page_size, kc, vc)
+                        self.kv.page_size, kc, vc, self.kv.kv16)
         if self._small(t):  # RoPE + KV write in the matvec's epilogue where it can (else a rope_kv launch)
             if "qkv" not in self.skip:
                 L.mmv(self.k, [self.w.mat(n) for n in names], [(qkv.data.ptr + 4 * c, ld) for c in cols],
@@ -221,7 +221,7 @@ class CudaBlocks:
                                cfg.layer_window[layer], out.data.ptr, out.strides[0] // 4, ws.x16.data.ptr,
                                ws.x16.strides[0] // 2, early=self.attn_early,
                                inv_freq=rope.inv_freq if rope else 0, n_rot=rope.n_rot if rope else 0,
-                               neox=rope.neox if rope else False)
+                               neox=rope.neox if rope else False, kv16=self.kv.kv16)
             return out
         LA.attention(self.k, q.data.ptr, q.strides[0] // 4, t, kc, vc, positions.data.ptr, self.seq.data.ptr,
                     self.kv.table.data.ptr, self.kv.max_pages, self.kv.page_size, cfg.n_head, cfg.n_head_kv,
@@ -230,7 +230,7 @@ class CudaBlocks:
                     out.strides[0] // 4, None if self._small(t) else ws.x16.data.ptr,
                     0 if self._small(t) else ws.x16.strides[0] // 2, q8=self._att_q8,
                     shape=self.attn_shapes[not self._small(t)],
-                    early=self.decode and self.attn_early)
+                    early=self.decode and self.attn_early, kv16=self.kv.kv16)
         return out
 
     def _project_residual(self, a: cp.ndarray, name: str, x: cp.ndarray, post_norm: str | None,

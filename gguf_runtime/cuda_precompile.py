@@ -74,8 +74,10 @@ def precompile(kernels: Kernels, cfg: ModelConfig, w: DeviceWeights, blocks: Cud
     if mma:
         kernels.prepare("matmul_mma.cu", mma)
     kernels.prepare("layers.cu", ["rmsnorm", "rope_kv", "glu", "add_bias", "softcap", "quantize_q8"])
-    kernels.prepare("attention.cu", [LA.kernel_name(cfg.head_dim, cfg.n_head // cfg.n_head_kv, shape)
+    kv16 = blocks.kv.kv16
+    kernels.prepare("attention.cu", [LA.kernel_name(cfg.head_dim, cfg.n_head // cfg.n_head_kv, shape, kv16)
                                      for shape in blocks.attn_shapes])
     if any(blocks.tiles(b, decode=True) for b in buckets if b <= max_batch):
-        kernels.prepare("attention_tiles.cu", [LA.tiles_kernel_name(cfg.head_dim, cfg.n_head // cfg.n_head_kv)])
+        kernels.prepare("attention_tiles.cu", [LA.tiles_kernel_name(cfg.head_dim, cfg.n_head // cfg.n_head_kv,
+                                                                    kv16=kv16)])
     kernels.prepare("sampling.cu", ["repeat_penalty", "argmax_sample", "topk_sample"])

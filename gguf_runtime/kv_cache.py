@@ -4,37 +4,60 @@ Per layer the cache is [pages, n_head_kv, page_size, head_dim]; sequence slot s'
 lives in page table[s, p // page_size], slot p % page_size. Kernels read the table and each
 token's position from device memory, so one launch configuration serves any context length.
 Pages are handed out by a host-side free list when a sequence is admitted (for its prompt plus
-the tokens it may generate) and return to it the moment the sequence ends.
+the tokens it may generate) and return to it the moment the sequence ends. Keys and values are
+float32 or f16 (``kv_type``, llama.cpp's default cache type); the kernels compute in float32.
 """
 
 from __future__ import annotations
 
+import os
+
 import cupy as cp
 import numpy as np
 
-from .errors import KVCacheFullError
+from .errors import BackendError, KVCacheFullError
 from .model_config import ModelConfig
 
 PAGE_SIZE = 16
+KV_DTYPES = {"f32": cp.float32, "f16": cp.float16}
+# "auto": f16 (half the bytes attention reads, twice the tokens per GiB) for models of more than
+# KV_F16_BYTES of weights; float32 for smaller ones, whose single-sequence steps lost 3% to the
+# conversions (bench/RESULTS.md rows 47 and 60).
+KV_F16_BYTES = 1 << 30
+
+
+def choose_kv_type(kv_type: str | None, weight_bytes: int) -> str:
+    """The cache's element type: kv_type, else GGUF_RUN_KV_TYPE, else "auto"."""
+    kv_type = kv_type or os.environ.get("GGUF_RUN_KV_TYPE", "auto")
+    if kv_type not in ("auto", *KV_DTYPES):
+        raise BackendError(f"KV cache type {kv_type!r} is not one of auto, {', '.join(KV_DTYPES)} "
+                           "(GGUF_RUN_KV_TYPE)")
+    if kv_type == "auto":
+        return "f16" if weight_bytes > KV_F16_BYTES else "f32"
+    return kv_type
 
 
 class PagedKVCache:
     def __init__(self, cfg: ModelConfig, n_ctx: int, n_seqs: int = 1, n_pages: int | None = None,
-                 page_size: int = PAGE_SIZE) -> None:
-        self.page_size = page_size
+                 page_size: int = PAGE_SIZE, kv_type: str = "f32") -> None:
+        if kv_type not in KV_DTYPES:
+            raise ValueError(f"KV cache type {kv_type!r} is not one of {', '.join(KV_DTYPES)}")
+        self.page_size, self.kv_type = page_size, kv_type
+        self.kv16 = kv_type == "f16"  # the kernels' flag
         self.max_pages = (n_ctx + page_size - 1) // page_size  # table width: pages one sequence can hold
         self.n_seqs = n_seqs
         self.n_pages = n_pages if n_pages is not None else self.max_pages * n_seqs
         shape = (cfg.n_layer, self.n_pages, cfg.n_head_kv, page_size, cfg.head_dim)
-        self.k = cp.zeros(shape, cp.float32)
-        self.v = cp.zeros(shape[:-1] + (cfg.head_dim_v,), cp.float32)
+        self.k = cp.zeros(shape, KV_DTYPES[kv_type])
+        self.v = cp.zeros(shape[:-1] + (cfg.head_dim_v,), KV_DTYPES[kv_type])
         self.table = cp.full((n_seqs, self.max_pages), -1, cp.int32)  # -1: no page (kernels skip it)
         self._free = list(range(self.n_pages - 1, -1, -1))
         self._owned: list[list[int]] = [[] for _ in range(n_seqs)]
 
     @staticmethod
-    def page_bytes(cfg: ModelConfig, page_size: int = PAGE_SIZE) -> int:
-        return cfg.n_layer * cfg.n_head_kv * page_size * (cfg.head_dim + cfg.head_dim_v) * 4
+    def page_bytes(cfg: ModelConfig, page_size: int = PAGE_SIZE, kv_type: str = "f32") -> int:
+        elem = np.dtype(KV_DTYPES[kv_type]).itemsize
+        return cfg.n_layer * cfg.n_head_kv * page_size * (cfg.head_dim + cfg.head_dim_v) * elem
 
     def layer(self, i: int) -> tuple[int, int]:
         """Device pointers of layer i's K and V pages."""

@@ -17,6 +17,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import numpy as np
 import pytest
 
 from gguf_runtime.cli.app import main
@@ -141,6 +142,7 @@ def test_help_shows_examples():
 class FakeKV:
     def __init__(self):
         self.reserved = []
+        self.k = np.zeros(1, np.float16)  # an f16 cache: the rows' bytes count 2 per element
 
     def reserve(self, seq, n, stream=None):
         self.reserved.append((seq, n))
@@ -241,7 +243,8 @@ def test_suite_graph_and_eager_rows_with_batches(model, tmp_path):
     w = weight_bytes_read(f, cfg, "cuda")
     assert w == sum(t.nbytes for t in f.tensors.values())  # tied embeddings: the head reads them all
     b4 = rows[6]
-    assert b4.batch == 4 and b4.step_bytes == pytest.approx(w + 4 * kv_bytes_read(cfg, 128 + 2.5))
+    assert kv_bytes_read(cfg, 130.5, 2) == pytest.approx(kv_bytes_read(cfg, 130.5) / 2)
+    assert b4.batch == 4 and b4.step_bytes == pytest.approx(w + 4 * kv_bytes_read(cfg, 128 + 2.5, 2))
     assert b4.gbs == pytest.approx(b4.step_bytes * b4.mean / 4 / 1e9)
     res = result(f=f, cfg=cfg, path=f.path, backend="cuda", device="Fake GPU", bandwidth=3000.0,
                  bandwidth_method="device-to-device copy (cupy)", weights_read=w, rows=rows,

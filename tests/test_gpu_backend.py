@@ -74,6 +74,42 @@ def test_logits_match_numpy(pair, n):
     assert cosines(got1, ref1).min() >= 0.999
 
 
+def test_f16_kv_cache_matches_numpy(pair):
+    """The twins are under KV_F16_BYTES, so "auto" keeps float32 keys and values; with f16 ones
+    (the 8B's default) prefill and graph decode steps stay as close to numpy's logits."""
+    f, cfg, npb, cub = pair
+    assert cub.kv.k.dtype == cp.float32 and not cub.kv.kv16
+    be = CudaBackend(f, cfg, 256, kv_type="f16")
+    assert be.kv.k.dtype == cp.float16 and be.kv.kv16
+    assert be.kv_page_bytes == cub.kv_page_bytes // 2
+    rng = np.random.default_rng()
+    ids = rng.integers(0, cfg.n_vocab, 40).tolist()
+    npb.truncate(0)
+    ref = npb.eval(ids, all_logits=True)
+    got = be.eval(ids, all_logits=True)
+    assert cosines(got, ref).min() >= 0.999
+    assert_argmax_agrees(got, ref, 0.9)
+    for tok in (5, 17, 300):  # decode steps: the matvec path's fused KV write, graphs
+        assert cosines(be.eval([tok]), npb.eval([tok])).min() >= 0.999
+    assert be.kv.k.get().astype(np.float32)[:, :3].any()  # pages hold keys
+
+
+def test_kv_type_from_the_environment(pair, monkeypatch):
+    from gguf_runtime.kv_cache import KV_F16_BYTES, choose_kv_type
+    from gguf_runtime.errors import BackendError
+
+    monkeypatch.delenv("GGUF_RUN_KV_TYPE", raising=False)
+    assert choose_kv_type(None, KV_F16_BYTES + 1) == "f16"  # the 8B's 4.6 GiB
+    assert choose_kv_type(None, KV_F16_BYTES) == "f32"
+    assert choose_kv_type("f32", 5 << 30) == "f32"
+    f, cfg, _, _ = pair
+    monkeypatch.setenv("GGUF_RUN_KV_TYPE", "f16")
+    assert CudaBackend(f, cfg, 32).kv.kv16
+    monkeypatch.setenv("GGUF_RUN_KV_TYPE", "q8")
+    with pytest.raises(BackendError, match="KV cache type 'q8'"):
+        CudaBackend(f, cfg, 32)
+
+
 def test_prefill_f16_weights_resident_or_scratch(pair, monkeypatch):
     """The cuBLAS prefill (Q/K/V and gate/up stacked): the twins keep resident f16 copies; with
     the budget at 0 every group is dequantized into the scratch buffer instead (the 8B's path).

@@ -91,13 +91,15 @@ def test_buckets_replay_without_allocation(backend):
         backend.seq_release(s)
 
 
+@pytest.mark.parametrize("kv_type", ["f32", "f16"])
 @pytest.mark.parametrize("name", TWINS)
-def test_attention_tiles_step_matches_split_attention(name):
+def test_attention_tiles_step_matches_split_attention(name, kv_type):
     """A tensor-core decode step with attention_tiles.cu forced (RoPE and the KV write in it where
-    the model has no per-head norms) gives the logits of attention.cu's splits with rope_kv."""
+    the model has no per-head norms) gives the logits of attention.cu's splits with rope_kv, with
+    either cache type."""
     f = open_gguf(twin_path(name))
     cfg = config_from_gguf(f)
-    be = CudaBackend(f, cfg, 512, max_batch=16, use_graph=False)
+    be = CudaBackend(f, cfg, 512, max_batch=16, use_graph=False, kv_type=kv_type)
     for s, p in enumerate(prompts(16, seed=4)):
         be.seq_add(s, p, GREEDY, 64)
     be.stream.synchronize()
@@ -113,5 +115,5 @@ def test_attention_tiles_step_matches_split_attention(name):
     split, tiled = (np.asarray(x, np.float64) for x in logits)
     assert np.isfinite(tiled).all()
     err = np.linalg.norm(tiled - split) / np.linalg.norm(split)
-    print(f"{name}: relative logit difference {err:.1e}")
+    print(f"{name}, {kv_type} cache: relative logit difference {err:.1e}")
     assert err < 1e-2  # f32 sums in another order, through f16 copies and every layer

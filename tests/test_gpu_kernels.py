@@ -231,7 +231,8 @@ def rms(v, w, eps):
 
 @pytest.mark.parametrize("neox,qk_norm,d,n_rot,hq,hkv", [(False, False, 64, 64, 9, 3), (True, True, 256, 256, 4, 1),
                                                          (True, False, 128, 64, 8, 2)])
-def test_rope_kv(k, neox, qk_norm, d, n_rot, hq, hkv):
+@pytest.mark.parametrize("kv16", [False, True], ids=["f32", "f16"])
+def test_rope_kv(k, neox, qk_norm, d, n_rot, hq, hkv, kv16):
     rng = np.random.default_rng()
     t, page, max_pages = 6, 16, 4
     width = (hq + 2 * hkv) * d
@@ -241,14 +242,15 @@ def test_rope_kv(k, neox, qk_norm, d, n_rot, hq, hkv):
     qn = rng.standard_normal(d).astype(np.float32) if qk_norm else None
     kn = rng.standard_normal(d).astype(np.float32) if qk_norm else None
     table = np.array([[3, 0, 2, 1]], np.int32)  # pages out of order
-    kc = cp.full((4, hkv, page, d), POISON, cp.float32)
-    vc = cp.full((4, hkv, page, d), POISON, cp.float32)
+    kv_dtype = cp.float16 if kv16 else cp.float32
+    kc = cp.full((4, hkv, page, d), POISON, kv_dtype)
+    vc = cp.full((4, hkv, page, d), POISON, kv_dtype)
     dq = cp.asarray(qkv)
     keep = [cp.asarray(a) if a is not None else None for a in (qn, kn)]
     invd, posd, seqd, tabd = cp.asarray(inv), cp.asarray(pos), cp.zeros(t, cp.int32), cp.asarray(table)
     LL.rope_kv(k, dq.data.ptr, width, t, hq, hkv, d, d, n_rot, neox, keep[0].data.ptr if qk_norm else None,
                keep[1].data.ptr if qk_norm else None, 1e-6, invd.data.ptr, posd.data.ptr,
-               seqd.data.ptr, tabd.data.ptr, max_pages, page, kc.data.ptr, vc.data.ptr)
+               seqd.data.ptr, tabd.data.ptr, max_pages, page, kc.data.ptr, vc.data.ptr, kv16)
     q = qkv[:, :hq * d].reshape(t, hq, d)
     kk = qkv[:, hq * d:(hq + hkv) * d].reshape(t, hkv, d)
     vv = qkv[:, (hq + hkv) * d:].reshape(t, hkv, d)
@@ -260,8 +262,8 @@ def test_rope_kv(k, neox, qk_norm, d, n_rot, hq, hkv):
     kcache, vcache = kc.get(), vc.get()
     for i, p in enumerate(pos):
         pg, sl = table[0, p // page], p % page
-        assert rel(kcache[pg, :, sl], kr[i]) < 1e-5
-        assert np.array_equal(vcache[pg, :, sl], vv[i])
+        assert rel(kcache[pg, :, sl], kr[i]) < (1e-3 if kv16 else 1e-5)  # f16: 2^-11 relative rounding
+        assert np.array_equal(vcache[pg, :, sl], vv[i].astype(kv_dtype))
 
 
 def attention_ref(q, K, V, pos, scale, cap, window):
@@ -278,20 +280,23 @@ def attention_ref(q, K, V, pos, scale, cap, window):
     return out
 
 
-@pytest.mark.parametrize("d,hq,hkv,cap,window", [(64, 9, 3, 0.0, 0), (256, 4, 1, 0.0, 7), (128, 8, 2, 30.0, 0),
-                                                 (128, 32, 4, 0.0, 0)])
+ATTN_SHAPES = [(64, 9, 3, 0.0, 0), (256, 4, 1, 0.0, 7), (128, 8, 2, 30.0, 0), (128, 32, 4, 0.0, 0)]
+
+
+@pytest.mark.parametrize("d,hq,hkv,cap,window", ATTN_SHAPES)
 @pytest.mark.parametrize("n_split", [1, 4, 32])
 @pytest.mark.parametrize("warps,rounds", [(4, 1), (0, 2), (0, 1)])
-def test_attention(k, d, hq, hkv, cap, window, n_split, warps, rounds):
+def test_attention(k, d, hq, hkv, cap, window, n_split, warps, rounds, kv16=False):
     """Against float64 numpy for every row (one split to 32, each block shape: the old 4-warp one
     and the default), and bit for bit the same with the decode flag (keys loaded before the wait)."""
     rng = np.random.default_rng()
     page, n_ctx = 16, 640  # up to 640 keys: rows using 1 split and up to 32
     max_pages = n_ctx // page
-    K = rng.standard_normal((n_ctx, hkv, d)).astype(np.float32)
-    V = rng.standard_normal((n_ctx, hkv, d)).astype(np.float32)
+    kv_dtype = np.float16 if kv16 else np.float32  # the reference takes the cache's values
+    K = rng.standard_normal((n_ctx, hkv, d)).astype(kv_dtype).astype(np.float32)
+    V = rng.standard_normal((n_ctx, hkv, d)).astype(kv_dtype).astype(np.float32)
     table = rng.permutation(max_pages).astype(np.int32)[None]
-    kc = np.zeros((max_pages, hkv, page, d), np.float32)
+    kc = np.zeros((max_pages, hkv, page, d), kv_dtype)
     vc = np.zeros_like(kc)
     for p in range(n_ctx):
         kc[table[0, p // page], :, p % page] = K[p]
@@ -313,11 +318,20 @@ def test_attention(k, d, hq, hkv, cap, window, n_split, warps, rounds):
         out.fill(POISON)
         LA.attention(k, qd.data.ptr, hq * d, t, kd.data.ptr, vd.data.ptr, posd.data.ptr, seqd.data.ptr,
                      tabd.data.ptr, max_pages, page, hq, hkv, d, scale, cap, window, n_split, part_o.data.ptr,
-                     part_ml.data.ptr, counter.data.ptr, out.data.ptr, hq * d, shape=shape, early=early)
+                     part_ml.data.ptr, counter.data.ptr, out.data.ptr, hq * d, shape=shape, early=early,
+                     kv16=kv16)
         outs.append(out.get())
         assert rel(outs[-1].reshape(t, hq, d), ref) < 1e-5
         assert not counter.get().any()
     assert (outs[0] == outs[1]).all()
+
+
+@pytest.mark.parametrize("d,hq,hkv,cap,window", ATTN_SHAPES)
+@pytest.mark.parametrize("n_split", [1, 32])
+def test_attention_f16_cache(k, d, hq, hkv, cap, window, n_split):
+    """The same with f16 keys and values (the default block shape): f32 arithmetic on the cache's
+    values, so the float64 reference of those values holds to the same 1e-5."""
+    test_attention(k, d, hq, hkv, cap, window, n_split, 0, 2, kv16=True)
 
 
 def sampler_state(n_vocab, rows=1, top_k=40, top_p=1.0, min_p=0.0, temp=0.0, seed=0, penalty=1.0, last_n=64):

@@ -231,7 +231,8 @@ def test_glu_q8_epilogue(k, b):
 def test_qkv_q8_with_fused_rope_equals_f32_path_on_quantized_x(k, config):
     """QKV with RoPE and the KV write fused, from int8 activations, equals the f32 path fed the
     dequantized activations x' (same cache slots, same values to f32 rounding); at two warps per
-    group the f32 path runs rope_kv after the product instead."""
+    group the f32 path runs rope_kv after the product instead. Into f16 caches (both paths) the
+    keys and values are the float32 ones rounded."""
     rng = np.random.default_rng()
     keep = []
     t, d, hq, hkv, cols, page = 3, 64, 8, 2, 768, 16
@@ -243,22 +244,30 @@ def test_qkv_q8_with_fused_rope_equals_f32_path_on_quantized_x(k, config):
     inv = cp.asarray(10000.0 ** (-np.arange(0, d, 2) / d))
     table = cp.asarray(np.array([[1, 0]], np.int32))
     width = (hq + 2 * hkv) * d
-    outs = []
+    outs = {}
     for use_q8 in (False, True):
-        qkv = cp.full((t, width), POISON, cp.float32)
-        kc, vc = (cp.full((2, hkv, page, d), POISON, cp.float32) for _ in range(2))
-        rope = L.RopeKV(qkv.data.ptr, width, hq, hkv, d, d, d, False, None, None, 1e-6, inv.data.ptr, pos.data.ptr,
-                        seq.data.ptr, table.data.ptr, 2, page, kc.data.ptr, vc.data.ptr)
-        L.mmv(k, [m for m, _ in mats], [(qkv.data.ptr + 4 * c, width) for c in (0, hq * d, (hq + hkv) * d)],
-              [None] * 3, xqd.data.ptr, cols, t, 0, rope=rope, q8=buf.vec if use_q8 else None, config=config)
-        cp.cuda.runtime.deviceSynchronize()
-        outs.append((qkv.get()[[0, 2], :hq * d], kc.get(), vc.get()))
-    (q0, k0, v0), (q1, k1, v1) = outs
+        for kv16 in (False, True):
+            qkv = cp.full((t, width), POISON, cp.float32)
+            kc, vc = (cp.full((2, hkv, page, d), POISON, cp.float16 if kv16 else cp.float32) for _ in range(2))
+            rope = L.RopeKV(qkv.data.ptr, width, hq, hkv, d, d, d, False, None, None, 1e-6, inv.data.ptr,
+                            pos.data.ptr, seq.data.ptr, table.data.ptr, 2, page, kc.data.ptr, vc.data.ptr, kv16)
+            L.mmv(k, [m for m, _ in mats], [(qkv.data.ptr + 4 * c, width) for c in (0, hq * d, (hq + hkv) * d)],
+                  [None] * 3, xqd.data.ptr, cols, t, 0, rope=rope, q8=buf.vec if use_q8 else None, config=config)
+            cp.cuda.runtime.deviceSynchronize()
+            outs[use_q8, kv16] = (qkv.get()[[0, 2], :hq * d], kc.get().astype(np.float32), vc.get())
+    (q0, k0, v0), (q1, k1, v1) = outs[False, False], outs[True, False]
     assert rel(q1, q0) < 1e-5
     np.testing.assert_array_equal(np.isnan(k1), np.isnan(k0))
     assert rel(np.nan_to_num(k1), np.nan_to_num(k0)) < 1e-5
     assert rel(np.nan_to_num(v1), np.nan_to_num(v0)) < 1e-5
     assert np.isfinite(k1).sum() == 2 * hkv * d  # two live rows; the padding row wrote nothing
+    for use_q8 in (False, True):
+        q, k32, v32 = outs[use_q8, False]
+        q16, k16, v16 = outs[use_q8, True]
+        assert (q16 == q).all()  # the Q rows do not depend on the cache's type
+        np.testing.assert_array_equal(np.isnan(k16), np.isnan(k32))
+        assert rel(np.nan_to_num(k16), np.nan_to_num(k32)) < 1e-3  # f16 rounding: 2^-11 relative
+        np.testing.assert_array_equal(np.nan_to_num(v16), np.nan_to_num(v32).astype(np.float16))
 
 
 # ---- the whole model on either path ---------------------------------------------------------------

@@ -7,8 +7,12 @@
 // warp four keys at a time (their loads issued together); the warps merge in shared memory, and
 // with ns > 1 each block writes (max, sum, weighted V) per head and the row's last block merges
 // the splits. The same kernel serves decode and prefill. oq non-null: the writing block also
-// stores the int8 copy of its heads' outputs (the O projection's q8 input).
+// stores the int8 copy of its heads' outputs (the O projection's q8 input). KV: the cache's
+// element type, float or u16 (f16); the arithmetic is f32.
 #include "quant_int8.cuh"
+
+DEV float kv_f(float v) { return v; }
+DEV float kv_f(u16 v) { return h2f(v); }
 
 // The int8 copy (quant16 per 16 columns, as layers.cu's quantize_q8) of the n floats at o (this
 // block's outputs, written before the call by any of its threads).
@@ -30,9 +34,9 @@ DEV void q8_copy(const float* o, int n, u8* oq, float4* os) {
 
 // The four keys' loads of a warp's round (keys k0 + W j): their pages and addresses, and their K
 // and V rows except the key ``fresh`` (< 0: none), which the caller loads after pdl_enter.
-template <int E, int W>
+template <int E, int W, class KV>
 DEV void load_keys(int k0, int end, int fresh, const int* tab, int max_pages, int page_size, int n_head_kv, int hk,
-                   int lane, const float* kcache, const float* vcache, float (&kv)[4][E], float (&vv)[4][E],
+                   int lane, const KV* kcache, const KV* vcache, float (&kv)[4][E], float (&vv)[4][E],
                    bool (&ok)[4], long (&base)[4]) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -43,8 +47,8 @@ DEV void load_keys(int k0, int end, int fresh, const int* tab, int max_pages, in
         const bool now = ok[j] && key != fresh;
 #pragma unroll
         for (int e = 0; e < E; ++e) {
-            kv[j][e] = now ? kcache[base[j] + lane + 32 * e] : 0.f;
-            vv[j][e] = now ? vcache[base[j] + lane + 32 * e] : 0.f;
+            kv[j][e] = now ? kv_f(kcache[base[j] + lane + 32 * e]) : 0.f;
+            vv[j][e] = now ? kv_f(vcache[base[j] + lane + 32 * e]) : 0.f;
         }
     }
 }
@@ -54,9 +58,9 @@ DEV void load_keys(int k0, int end, int fresh, const int* tab, int max_pages, in
 // before the row's own are loads of memory no kernel of this step writes (earlier steps' keys,
 // the sampler's bumped position, host-written tables), so they are issued before pdl_enter and
 // overlap the kernel before; only q and the row's own key and value (written by that kernel) wait.
-template <int D, int G, int W>
+template <int D, int G, int W, class KV>
 __global__ void __launch_bounds__(32 * W) attn_split(
-        const float* __restrict__ q, int ldq, const float* __restrict__ kcache, const float* __restrict__ vcache,
+        const float* __restrict__ q, int ldq, const KV* __restrict__ kcache, const KV* __restrict__ vcache,
         const int* __restrict__ pos, const int* __restrict__ seq, const int* __restrict__ table, int max_pages,
         int page_size, int n_head_kv, float scale, float cap, int window, int n_split, int min_keys, int early,
         float* __restrict__ part_o, float* __restrict__ part_ml, unsigned* __restrict__ counter,
@@ -80,7 +84,7 @@ __global__ void __launch_bounds__(32 * W) attn_split(
     bool ok[4];
     long base[4];
     int k0 = start + warp;
-    load_keys<E, W>(k0, end, early ? p : -1, tab, max_pages, page_size, n_head_kv, hk, lane, kcache, vcache, kv, vv,
+    load_keys<E, W, KV>(k0, end, early ? p : -1, tab, max_pages, page_size, n_head_kv, hk, lane, kcache, vcache, kv, vv,
                     ok, base);
     if (early) {
         pdl_enter();
@@ -89,8 +93,8 @@ __global__ void __launch_bounds__(32 * W) attn_split(
             if (ok[j] && k0 + W * j == p)
 #pragma unroll
                 for (int e = 0; e < E; ++e) {
-                    kv[j][e] = kcache[base[j] + lane + 32 * e];
-                    vv[j][e] = vcache[base[j] + lane + 32 * e];
+                    kv[j][e] = kv_f(kcache[base[j] + lane + 32 * e]);
+                    vv[j][e] = kv_f(vcache[base[j] + lane + 32 * e]);
                 }
     }
     float qv[G][E], acc[G][E], m[G], l[G];
@@ -139,7 +143,7 @@ __global__ void __launch_bounds__(32 * W) attn_split(
         }
         k0 += KR;
         if (k0 < end)
-            load_keys<E, W>(k0, end, -1, tab, max_pages, page_size, n_head_kv, hk, lane, kcache, vcache, kv, vv, ok,
+            load_keys<E, W, KV>(k0, end, -1, tab, max_pages, page_size, n_head_kv, hk, lane, kcache, vcache, kv, vv, ok,
                             base);
     }
     // merge the W warps: per head the warps' weights exp(m_w - M) (fw) and the total L, then the
@@ -252,9 +256,10 @@ __global__ void __launch_bounds__(32 * W) attn_split(
 }
 
 #ifdef GGUF_INSTANTIATE_ALL
-#define INST(D, G, W) template __global__ void attn_split<D, G, W>(const float*, int, const float*, const float*, \
+#define INST1(D, G, W, KV) template __global__ void attn_split<D, G, W, KV>(const float*, int, const KV*, const KV*, \
     const int*, const int*, const int*, int, int, int, float, float, int, int, int, int, float*, float*, unsigned*, \
     float*, int, u16*, int, u8*, int, float4*, int);
+#define INST(D, G, W) INST1(D, G, W, float) INST1(D, G, W, u16)
 #define INST_W(D, G) INST(D, G, 4) INST(D, G, 8) INST(D, G, 16)
 INST_W(64, 1) INST_W(64, 3) INST_W(128, 4) INST_W(128, 8) INST(256, 4, 4) INST(256, 4, 8) INST(256, 8, 4) INST(256, 8, 8)
 #endif

@@ -13,6 +13,8 @@
 // kernel before; q and the row's own key wait for it). n_rot > 0 (with early): q, k and v are the
 // raw QKV rows, and this kernel does rope_kv's work for its heads (layers.cu: RoPE on q and k,
 // pairs (2i, 2i + 1) or neox (i, i + n_rot / 2), the same float arithmetic; k and v into the cache).
+// KV: the cache's element type, float or u16 (f16); tiles and Fk, Fv hold it as the cache does,
+// and the arithmetic is f32.
 #include "common.cuh"
 
 // cp.async of 16 bytes global -> shared, zero-filled when !valid (as mma_regs.cuh's, which needs
@@ -24,29 +26,43 @@ DEV void tile_cp16(void* dst, const void* src, bool valid) {
 DEV void tile_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N> DEV void tile_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
-template <int D, int G, int W, int KT_> struct Tile {
+// Four cache elements from shared memory as floats (16 bytes of float, 8 of f16).
+DEV float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+DEV float4 ld4(const u16* p) {
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    return make_float4(h2f(u.x & 0xFFFFu), h2f(u.x >> 16), h2f(u.y & 0xFFFFu), h2f(u.y >> 16));
+}
+DEV void st_kv(float* p, float v) { *p = v; }
+DEV void st_kv(u16* p, float v) { *p = f2h(v); }
+DEV float kv_f(float v) { return v; }
+DEV float kv_f(u16 v) { return h2f(v); }
+
+template <int D, int G, int W, int KT_, class KV> struct Tile {
     static constexpr int KT = KT_;  // keys per tile
-    static constexpr int NT = 32 * W, C = D / 4;  // threads; 16-byte chunks per row
+    static constexpr int NT = 32 * W, C = D / 4;  // threads; 4-element chunks per row (scores, P V)
+    static constexpr int VE = 16 / sizeof(KV), CC = D / VE;  // elements per cp.async; its chunks per row
     static constexpr int SP = G * KT >= NT || NT % (G * KT) ? 1 : NT / (G * KT);  // threads per score: 1, 2, 4..
-    static constexpr int LD = D + 4 * SP;  // K row stride (floats): the SP parts' float4 reads hit distinct banks
-    static_assert(KT * C % NT == 0, "a tile's chunks are spread evenly over the threads");
+    // K row stride (elements): the SP parts' 4-element reads hit distinct banks; rows 16-byte aligned
+    static constexpr int LD = D + (sizeof(KV) == 4 || SP > 1 ? 4 * SP : 8);
     static_assert(C % SP == 0 && (SP & (SP - 1)) == 0, "a score's parts: a power of two dividing D / 4");
+    static_assert(KT % 4 == 0 && D % 16 == 0, "shared arrays stay 16-byte aligned");
 };
 
 // cp.async of the keys of tile [k0, k0 + KT) that lie in [lo, p] but the key ``fresh`` into stage
 // (Ks, Vs); the others are zero-filled (their scores are masked, their V rows must be finite).
-template <class T, int D>
+template <class T, int D, class KV>
 DEV void load_tile(int k0, int lo, int p, int fresh, const int* tab, int max_pages, int page_size, int n_head_kv,
-                   int hk, const float* kcache, const float* vcache, float* Ks, float* Vs) {
+                   int hk, const KV* kcache, const KV* vcache, KV* Ks, KV* Vs) {
 #pragma unroll
-    for (int r = 0; r < T::KT * T::C / T::NT; ++r) {
-        const int i = threadIdx.x + r * T::NT, j = i / T::C, c = i % T::C, key = k0 + j;
+    for (int r = 0; r < (T::KT * T::CC + T::NT - 1) / T::NT; ++r) {
+        const int i = threadIdx.x + r * T::NT, j = i / T::CC, c = i % T::CC, key = k0 + j;
+        if (T::KT * T::CC % T::NT && i >= T::KT * T::CC) break;
         const int page = key >= lo && key <= p && key / page_size < max_pages ? tab[key / page_size] : -1;
         if (key == fresh) continue;  // held in Fk, Fv
         const bool ok = page >= 0;
-        const long base = ok ? (((long)page * n_head_kv + hk) * page_size + key % page_size) * D + 4 * c : 0;
-        tile_cp16(Ks + j * T::LD + 4 * c, kcache + base, ok);
-        tile_cp16(Vs + j * D + 4 * c, vcache + base, ok);
+        const long base = ok ? (((long)page * n_head_kv + hk) * page_size + key % page_size) * D + T::VE * c : 0;
+        tile_cp16(Ks + j * T::LD + T::VE * c, kcache + base, ok);
+        tile_cp16(Vs + j * D + T::VE * c, vcache + base, ok);
     }
 }
 
@@ -60,25 +76,25 @@ DEV float rope_at(const float* x, int i, const float* cs, int n_rot, int neox) {
     return first ? v * cf - o * sf : o * sf + v * cf;
 }
 
-// Shared memory (floats, float4-read arrays first): Ks[ST][KT][LD], Vs[ST][KT][D], Fk[D], Fv[D],
+// Shared memory (16-byte-read arrays first): KV Ks[ST][KT][LD], Vs[ST][KT][D], Fk[D], Fv[D]; floats
 // Qs[G][D], CS[D], Ps[G][KT], Cs[G], Ls[G].
-template <int D, int G, int W, int KT, int ST>
+template <int D, int G, int W, int KT, int ST, class KV>
 __global__ void __launch_bounds__(32 * W) attn_tiles(
-        const float* __restrict__ q, int ldq, float* __restrict__ kcache, float* __restrict__ vcache,
+        const float* __restrict__ q, int ldq, KV* __restrict__ kcache, KV* __restrict__ vcache,
         const int* __restrict__ pos, const int* __restrict__ seq, const int* __restrict__ table, int max_pages,
         int page_size, int n_head_kv, float scale, float cap, int window, int early,
         const double* __restrict__ inv_freq, int n_rot, int neox, float* __restrict__ out, int ldo,
         u16* __restrict__ out16, int ld16) {
-    using T = Tile<D, G, W, KT>;
+    using T = Tile<D, G, W, KT, KV>;
     constexpr int LD = T::LD, NT = T::NT, SP = T::SP, HW = (G + W - 1) / W, NP = G * T::C;
     constexpr int PP = (NP + NT - 1) / NT;  // (head, 4 dims) pairs per thread in P V
     static_assert(ST >= 2, "two stages at least");
     extern __shared__ float4 smem4[];
-    float* Ks = reinterpret_cast<float*>(smem4);
-    float* Vs = Ks + ST * KT * LD;
-    float* Fk = Vs + ST * KT * D;
-    float* Fv = Fk + D;
-    float* Qs = Fv + D;
+    KV* Ks = reinterpret_cast<KV*>(smem4);
+    KV* Vs = Ks + ST * KT * LD;
+    KV* Fk = Vs + ST * KT * D;
+    KV* Fv = Fk + D;
+    float* Qs = reinterpret_cast<float*>(Fv + D);
     float* CS = Qs + G * D;
     float* Ps = CS + D;
     float* Cs = Ps + G * KT;
@@ -95,7 +111,7 @@ __global__ void __launch_bounds__(32 * W) attn_tiles(
 #pragma unroll
     for (int s = 0; s < ST - 1; ++s) {  // one commit group per tile (empty past the last)
         if (s < n_tiles)
-            load_tile<T, D>(first + s * KT, lo, p, fresh, tab, max_pages, page_size, n_head_kv, hk, kcache, vcache,
+            load_tile<T, D, KV>(first + s * KT, lo, p, fresh, tab, max_pages, page_size, n_head_kv, hk, kcache, vcache,
                             Ks + s * KT * LD, Vs + s * KT * D);
         tile_commit();
     }
@@ -106,9 +122,10 @@ __global__ void __launch_bounds__(32 * W) attn_tiles(
         const long base = (((long)max(page, 0) * n_head_kv + hk) * page_size + p % page_size) * D;
         if (n_rot > 0) {  // raw rows: k and v of this KV head, RoPE angles of position p
             const float* kr = q + (long)t * ldq + (n_head_kv * G + hk) * D;
+            float* Rk = Qs;  // the raw key (Qs is free until q's turn below)
             for (int i = threadIdx.x; i < D; i += NT) {
-                Fk[i] = kr[i];
-                Fv[i] = kr[n_head_kv * D + i];
+                Rk[i] = kr[i];
+                st_kv(Fv + i, kr[n_head_kv * D + i]);
             }
             for (int j = threadIdx.x; j < n_rot / 2; j += NT) {
                 double sn, cn;
@@ -120,19 +137,19 @@ __global__ void __launch_bounds__(32 * W) attn_tiles(
             float kv[(D + NT - 1) / NT];
 #pragma unroll
             for (int r = 0; r < (D + NT - 1) / NT; ++r)
-                if (threadIdx.x + r * NT < D) kv[r] = rope_at(Fk, threadIdx.x + r * NT, CS, n_rot, neox);
-            __syncthreads();  // every thread has read Fk
+                if (threadIdx.x + r * NT < D) kv[r] = rope_at(Rk, threadIdx.x + r * NT, CS, n_rot, neox);
+            __syncthreads();  // every thread has read Rk
 #pragma unroll
             for (int r = 0; r < (D + NT - 1) / NT; ++r) {
                 const int i = threadIdx.x + r * NT;
                 if (i >= D) break;
-                Fk[i] = kv[r];
-                if (page >= 0) { kcache[base + i] = kv[r]; vcache[base + i] = Fv[i]; }
+                st_kv(Fk + i, kv[r]);
+                if (page >= 0) { kcache[base + i] = Fk[i]; vcache[base + i] = Fv[i]; }
             }
         } else {
             for (int i = threadIdx.x; i < D; i += NT) {
-                Fk[i] = page >= 0 ? kcache[base + i] : 0.f;
-                Fv[i] = page >= 0 ? vcache[base + i] : 0.f;
+                Fk[i] = page >= 0 ? kcache[base + i] : KV(0);
+                Fv[i] = page >= 0 ? vcache[base + i] : KV(0);
             }
         }
     }
@@ -163,24 +180,24 @@ __global__ void __launch_bounds__(32 * W) attn_tiles(
 
     for (int i = 0; i < n_tiles; ++i) {
         const int st = i % ST, k0 = first + i * KT;
-        const float* K = Ks + st * KT * LD;
-        const float* V = Vs + st * KT * D;
+        const KV* K = Ks + st * KT * LD;
+        const KV* V = Vs + st * KT * D;
         tile_wait<ST - 2>();  // this tile's group is in (the next ones' may still be in flight)
         __syncthreads();  // ... for every thread; and the stage computed last iteration is free
         if (i + ST - 1 < n_tiles) {
             const int sn = (i + ST - 1) % ST;
-            load_tile<T, D>(k0 + (ST - 1) * KT, lo, p, fresh, tab, max_pages, page_size, n_head_kv, hk, kcache,
+            load_tile<T, D, KV>(k0 + (ST - 1) * KT, lo, p, fresh, tab, max_pages, page_size, n_head_kv, hk, kcache,
                             vcache, Ks + sn * KT * LD, Vs + sn * KT * D);
         }
         tile_commit();
         for (int idx = threadIdx.x; idx < G * KT * SP; idx += NT) {  // scores: SP threads per (head g, key j)
             const int part = idx % SP, g = idx / SP / KT, j = idx / SP % KT, key = k0 + j;
-            const float4* kr = reinterpret_cast<const float4*>(key == fresh ? Fk : K + j * LD) + part;
+            const KV* kr = (key == fresh ? Fk : K + j * LD) + 4 * part;
             const float4* qr = reinterpret_cast<const float4*>(Qs + g * D) + part;
             float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
 #pragma unroll 8
-            for (int c = 0; c < T::C; c += SP) {  // chunk c + part: the parts of a key interleave by float4
-                const float4 kv = kr[c], qv = qr[c];
+            for (int c = 0; c < T::C; c += SP) {  // chunk c + part: the parts of a key interleave by 4 elements
+                const float4 kv = ld4(kr + 4 * c), qv = qr[c];
                 a0 = fmaf(kv.x, qv.x, a0); a1 = fmaf(kv.y, qv.y, a1);
                 a2 = fmaf(kv.z, qv.z, a2); a3 = fmaf(kv.w, qv.w, a3);
             }
@@ -224,7 +241,7 @@ __global__ void __launch_bounds__(32 * W) attn_tiles(
 #pragma unroll 8
             for (int j = 0; j < KT; ++j) {
                 const float pj = Ps[g * KT + j];
-                const float4 v = reinterpret_cast<const float4*>(k0 + j == fresh ? Fv : V + j * D)[c];
+                const float4 v = ld4((k0 + j == fresh ? Fv : V + j * D) + 4 * c);
                 a.x = fmaf(pj, v.x, a.x); a.y = fmaf(pj, v.y, a.y); a.z = fmaf(pj, v.z, a.z); a.w = fmaf(pj, v.w, a.w);
             }
             acc[r] = a;
@@ -252,9 +269,11 @@ __global__ void __launch_bounds__(32 * W) attn_tiles(
 }
 
 #ifdef GGUF_INSTANTIATE_ALL
-#define INST(D, G, W, KT, ST) template __global__ void attn_tiles<D, G, W, KT, ST>(const float*, int, float*, float*, \
-    const int*, const int*, const int*, int, int, int, float, float, int, int, const double*, int, int, float*, int, \
-    u16*, int);
+#define INST1(D, G, W, KT, ST, KV) template __global__ void attn_tiles<D, G, W, KT, ST, KV>(const float*, int, KV*, \
+    KV*, const int*, const int*, const int*, int, int, int, float, float, int, int, const double*, int, int, float*, \
+    int, u16*, int);
+#define INST(D, G, W, KT, ST) INST1(D, G, W, KT, ST, float) INST1(D, G, W, KT, ST, u16)
 INST(64, 1, 2, 64, 2) INST(64, 3, 2, 64, 2) INST(128, 4, 4, 32, 2) INST(128, 4, 4, 16, 4) INST(128, 4, 4, 8, 6)
-INST(128, 8, 8, 32, 2) INST(256, 4, 8, 16, 2) INST(256, 8, 8, 16, 3)
+INST(128, 8, 8, 32, 2) INST(256, 4, 8, 16, 2) INST(256, 8, 8, 16, 3) INST(128, 4, 4, 16, 2) INST(64, 3, 2, 32, 2)
+INST(256, 8, 8, 8, 2) INST(256, 8, 8, 16, 2)
 #endif

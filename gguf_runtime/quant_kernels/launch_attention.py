@@ -4,6 +4,7 @@ attention.cu (decode of one or a few sequences, prefill): a block of W warps tak
 warp per round; a split covers at least ``rounds`` rounds (min_keys = 4 W rounds keys), so short
 contexts run one block per KV head and merge their warps in shared memory, not across blocks.
 attention_tiles.cu (batch decode steps): one block per (KV head, row), keys streamed in tiles.
+Both read float32 or f16 caches (kv16), compiled apart.
 """
 
 from __future__ import annotations
@@ -32,15 +33,20 @@ def attn_shape(head_dim: int, group: int, warps: int = 0, rounds: int = 2) -> At
     return AttnShape(warps, 4 * warps * rounds)
 
 
-def kernel_name(head_dim: int, group: int, shape: AttnShape) -> str:
-    return f"attn_split<{head_dim}, {group}, {shape.warps}>"
+def kv_type(kv16: bool) -> str:
+    """The kernels' KV template argument."""
+    return "u16" if kv16 else "float"
+
+
+def kernel_name(head_dim: int, group: int, shape: AttnShape, kv16: bool = False) -> str:
+    return f"attn_split<{head_dim}, {group}, {shape.warps}, {kv_type(kv16)}>"
 
 
 def attention(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache: int, pos: int, seq: int, table: int,
               max_pages: int, page_size: int, n_head: int, n_head_kv: int, head_dim: int, scale: float, cap: float,
               window: int, n_split: int, part_o: int, part_ml: int, counter: int, out: int, ldo: int,
               out16: int | None = None, ld16: int = 0, q8: Q8Vec | None = None, shape: AttnShape | None = None,
-              early: bool = False) -> None:
+              early: bool = False, kv16: bool = False) -> None:
     """Split-K attention over the paged cache, merged in the same launch (counter: rows x n_head_kv
     zeros, left zero); q8: also the output's int8 copy (head_dim % 16 == 0). early: every row is
     one token of its own sequence (decode), so the keys before its position are loaded before the
@@ -48,7 +54,7 @@ def attention(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache: int,
     g = n_head // n_head_kv
     assert q8 is None or head_dim % 16 == 0
     shape = shape or attn_shape(head_dim, g)
-    k.fn("attention.cu", kernel_name(head_dim, g, shape))(
+    k.fn("attention.cu", kernel_name(head_dim, g, shape, kv16))(
         (n_head_kv, n_split, rows), (32 * shape.warps,),
         (ptr(q), i32(ldq), ptr(kcache), ptr(vcache), ptr(pos), ptr(seq), ptr(table), i32(max_pages),
          i32(page_size), i32(n_head_kv), f32(scale), f32(cap), i32(window), i32(n_split), i32(shape.min_keys),
@@ -62,6 +68,9 @@ TILE_HEAD_DIMS = (64, 128, 256)
 # blocks at B = 64 run in one wave (three per SM, as 32:2 and 16:4 take, measured 47-62% slower;
 # bench/RESULTS.md row 57)
 TILES_CONFIG = {64: (32, 2), 128: (16, 2), 256: (8, 2)}
+# f16 caches: twice the keys per tile in the same bytes. The 8B at B = 64, context 192: 32:2 32.3 us,
+# 16:2 42.2, 16:4 38.7, 64:2 44.9 (two waves); bench/RESULTS.md row 60
+TILES_CONFIG_F16 = {64: (64, 2), 128: (32, 2), 256: (16, 2)}
 
 
 def tiles_ok(head_dim: int, head_dim_v: int) -> bool:
@@ -73,32 +82,35 @@ def tiles_warps(head_dim: int, group: int) -> int:
     return min(8, max(2, group * head_dim // 128))
 
 
-def tiles_config(head_dim: int) -> tuple[int, int]:
-    """(keys per tile, stages): TILES_CONFIG, or GGUF_RUN_ATTN_TILES_CFG="KT:ST" (to measure)."""
+def tiles_config(head_dim: int, kv16: bool = False) -> tuple[int, int]:
+    """(keys per tile, stages): TILES_CONFIG(_F16), or GGUF_RUN_ATTN_TILES_CFG="KT:ST" (to measure)."""
     env = os.environ.get("GGUF_RUN_ATTN_TILES_CFG")
-    return tuple(int(v) for v in env.split(":")) if env else TILES_CONFIG[head_dim]  # type: ignore[return-value]
+    if env:
+        return tuple(int(v) for v in env.split(":"))  # type: ignore[return-value]
+    return (TILES_CONFIG_F16 if kv16 else TILES_CONFIG)[head_dim]
 
 
-def tiles_kernel_name(head_dim: int, group: int, config: tuple[int, int] | None = None) -> str:
-    kt, st = config or tiles_config(head_dim)
-    return f"attn_tiles<{head_dim}, {group}, {tiles_warps(head_dim, group)}, {kt}, {st}>"
+def tiles_kernel_name(head_dim: int, group: int, config: tuple[int, int] | None = None, kv16: bool = False) -> str:
+    kt, st = config or tiles_config(head_dim, kv16)
+    return f"attn_tiles<{head_dim}, {group}, {tiles_warps(head_dim, group)}, {kt}, {st}, {kv_type(kv16)}>"
 
 
-def tiles_smem(head_dim: int, group: int, config: tuple[int, int] | None = None) -> int:
-    """Bytes: the stages of K and V tiles (K rows padded, as attention_tiles.cu's Tile), q,
-    per-head scratch, the row's own key and value and its RoPE angles."""
-    kt, st = config or tiles_config(head_dim)
+def tiles_smem(head_dim: int, group: int, config: tuple[int, int] | None = None, kv16: bool = False) -> int:
+    """Bytes: the stages of K and V tiles (K rows padded, as attention_tiles.cu's Tile) and the
+    row's own key and value, in the cache's type; q, per-head scratch and the RoPE angles (float)."""
+    kt, st = config or tiles_config(head_dim, kv16)
     nt = 32 * tiles_warps(head_dim, group)
     sp = 1 if group * kt >= nt or nt % (group * kt) else nt // (group * kt)
-    return 4 * (st * kt * (head_dim + 4 * sp) + st * kt * head_dim + group * head_dim + group * kt + 2 * group
-                + 3 * head_dim)
+    pad = 8 if kv16 and sp == 1 else 4 * sp
+    kv_elems = st * kt * (head_dim + pad) + st * kt * head_dim + 2 * head_dim
+    return (2 if kv16 else 4) * kv_elems + 4 * (group * head_dim + head_dim + group * kt + 2 * group)
 
 
 def attention_tiles(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache: int, pos: int, seq: int,
                     table: int, max_pages: int, page_size: int, n_head: int, n_head_kv: int, head_dim: int,
                     scale: float, cap: float, window: int, out: int, ldo: int, out16: int | None = None,
                     ld16: int = 0, early: bool = False, config: tuple[int, int] | None = None,
-                    inv_freq: int = 0, n_rot: int = 0, neox: bool = False) -> None:
+                    inv_freq: int = 0, n_rot: int = 0, neox: bool = False, kv16: bool = False) -> None:
     """Each row's attention over its own keys, one block per (KV head, row) streaming them in tiles
     (attention_tiles.cu); out16: also an f16 copy. early: every row is one token of its own
     sequence, so its keys before its position are loaded before the wait for the kernel before.
@@ -107,9 +119,9 @@ def attention_tiles(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache
     assert n_rot == 0 or early
     g = n_head // n_head_kv
     assert tiles_ok(head_dim, head_dim)
-    config = config or tiles_config(head_dim)
-    fn = k.fn("attention_tiles.cu", tiles_kernel_name(head_dim, g, config))
-    smem = tiles_smem(head_dim, g, config)
+    config = config or tiles_config(head_dim, kv16)
+    fn = k.fn("attention_tiles.cu", tiles_kernel_name(head_dim, g, config, kv16))
+    smem = tiles_smem(head_dim, g, config, kv16)
     fn.allow_smem(smem)
     fn((n_head_kv, rows), (32 * tiles_warps(head_dim, g),),
        (ptr(q), i32(ldq), ptr(kcache), ptr(vcache), ptr(pos), ptr(seq), ptr(table), i32(max_pages), i32(page_size),

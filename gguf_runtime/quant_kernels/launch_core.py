@@ -74,7 +74,9 @@ class Kernels:
         self._fns: dict[tuple[str, str], "_Counted"] = {}
         self.launches = 0  # kernel launches issued from the host so far
         self.timeline: list | None = None  # when a list: (name, start event, end event) per launch
-        self.pdl = False  # launch with programmatic dependent launch (pdl.py); set around graph capture
+        # launch with programmatic dependent launch (pdl.py), set around graph capture: True, or a
+        # tuple of kernel-name prefixes (only those kernels)
+        self.pdl: bool | tuple[str, ...] = False
 
     def prepare(self, filename: str, names: Sequence[str]) -> None:
         """Compile ``names`` of ``filename`` in one NVRTC pass (templates need their names)."""
@@ -115,7 +117,8 @@ class _Counted:
     def __call__(self, grid, block, args, shared_mem: int = 0) -> None:
         self.owner.launches += 1
         tl = self.owner.timeline
-        if self.owner.pdl and tl is None:
+        p = self.owner.pdl
+        if p and tl is None and (p is True or self.name.startswith(p)):
             pdl.launch(self.kernel.kernel.ptr, grid, block, args, shared_mem, cp.cuda.get_current_stream().ptr)
             return
         if tl is None:

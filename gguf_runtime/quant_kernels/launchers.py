@@ -115,6 +115,7 @@ class RopeKV:
     page_size: int
     kcache: int
     vcache: int
+    kv16: bool = False  # the caches hold f16
 
     @property
     def fusable(self) -> bool:
@@ -126,15 +127,15 @@ class RopeKV:
         rope_kv(k, self.qkv + 4 * row * self.ld, self.ld, rows, self.n_head, self.n_head_kv, self.head_dim,
                 self.head_dim_v, self.n_rot, self.neox, self.qnw, self.knw, self.eps, self.inv_freq,
                 self.pos + 4 * row, self.seq + 4 * row, self.table, self.max_pages, self.page_size, self.kcache,
-                self.vcache)
+                self.vcache, self.kv16)
 
     def fused_args(self, row: int) -> tuple:
         return (ptr(self.pos + 4 * row), ptr(self.seq + 4 * row), ptr(self.table), i32(self.max_pages),
                 i32(self.page_size), ptr(self.inv_freq), i32(self.n_rot), i32(self.head_dim), i32(self.n_head_kv),
-                ptr(self.kcache), ptr(self.vcache))
+                ptr(self.kcache), ptr(self.vcache), i32(self.kv16))
 
 
-NO_ROPE = (ptr(0), ptr(0), ptr(0), i32(0), i32(0), ptr(0), i32(0), i32(0), i32(0), ptr(0), ptr(0))
+NO_ROPE = (ptr(0), ptr(0), ptr(0), i32(0), i32(0), ptr(0), i32(0), i32(0), i32(0), ptr(0), ptr(0), i32(0))
 
 
 def mmv(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases: Sequence[int | None],

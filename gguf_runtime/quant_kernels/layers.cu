@@ -116,17 +116,22 @@ extern "C" __global__ void quantize_q8(const float* __restrict__ x, int ldx, int
     xs[(long)t * lds + j] = make_float4(d, s, sumsq16(v), 0.f);
 }
 
+DEV void store_kv(void* cache, long at, int kv16, float v) {
+    if (kv16) static_cast<u16*>(cache)[at] = f2h(v);
+    else static_cast<float*>(cache)[at] = v;
+}
+
 // One block per (token t, head h) over the fused QKV rows [q heads | k heads | v heads], blockDim
 // = head_dim. Q and K heads: optional per-head RMSNorm (qnw/knw non-null), then RoPE (the first
 // n_rot dims; neox: pairs (i, i + n_rot/2), else (2i, 2i+1)); Q is written back in place, K into
-// the cache slot of pos[t]; V heads are copied into the cache. Rows with seq[t] < 0 (padding in a
-// batch bucket) are skipped: they write nothing.
+// the cache slot of pos[t]; V heads are copied into the cache (as f16 when kv16). Rows with seq[t]
+// < 0 (padding in a batch bucket) are skipped: they write nothing.
 extern "C" __global__ void rope_kv(float* qkv, int ldqkv, int n_head, int n_head_kv, int head_dim,
                                    int head_dim_v, int n_rot, int neox, const float* __restrict__ qnw,
                                    const float* __restrict__ knw, float eps,
                                    const double* __restrict__ inv_freq, const int* __restrict__ pos,
                                    const int* __restrict__ seq, const int* __restrict__ table, int max_pages,
-                                   int page_size, float* kcache, float* vcache) {
+                                   int page_size, void* kcache, void* vcache, int kv16) {
     __shared__ float xs[512];
     __shared__ float scratch[32];
     const int t = blockIdx.x, h = blockIdx.y, i = threadIdx.x;
@@ -140,8 +145,8 @@ extern "C" __global__ void rope_kv(float* qkv, int ldqkv, int n_head, int n_head
     if (h >= n_head + n_head_kv) {  // V head: copy into the cache
         const int hv = h - n_head - n_head_kv;
         if (i < head_dim_v)
-            vcache[(((long)page * n_head_kv + hv) * page_size + slot) * head_dim_v + i] =
-                row[(n_head + n_head_kv) * head_dim + hv * head_dim_v + i];
+            store_kv(vcache, (((long)page * n_head_kv + hv) * page_size + slot) * head_dim_v + i, kv16,
+                     row[(n_head + n_head_kv) * head_dim + hv * head_dim_v + i]);
         return;
     }
     const bool is_q = h < n_head;
@@ -165,7 +170,7 @@ extern "C" __global__ void rope_kv(float* qkv, int ldqkv, int n_head, int n_head
     }
     if (i >= head_dim) return;
     if (is_q) src[i] = v;
-    else kcache[(((long)page * n_head_kv + (h - n_head)) * page_size + slot) * head_dim + i] = v;
+    else store_kv(kcache, (((long)page * n_head_kv + (h - n_head)) * page_size + slot) * head_dim + i, kv16, v);
 }
 
 // y[t, i] = act(g[t, i]) * u[t, i]; ACT 0 = SiLU, 1 = GELU (tanh); writes f16 when out16 != null

@@ -24,10 +24,10 @@
 // RoPE and the KV-cache write fused into the QKV product (pos null: off). Needs R == 2 (a rope pair
 // (2i, 2i+1) in one thread: the non-NEOX layout), no per-head norm, head_dim_v == head_dim; Q rows
 // are rotated in place, K rows rotated into the cache at pos[b], V rows copied into the cache.
-// Same arithmetic as layers.cu's rope_kv (double sincos, f32 rotation).
+// Same arithmetic as layers.cu's rope_kv (double sincos, f32 rotation). kv16: f16 caches.
 struct RopeArgs {
     const int* pos; const int* seq; const int* table; int max_pages, page_size;
-    const double* freq; int n_rot, hd, n_kv; float* kc; float* vc;
+    const double* freq; int n_rot, hd, n_kv; void* kc; void* vc; int kv16;
 };
 
 template <int R, int B>
@@ -49,8 +49,10 @@ DEV void rope_store(const RopeArgs& ra, int seg, int row0, float (&v)[R][B], flo
         const int pi = p / ra.page_size;
         const int page = pi < ra.max_pages ? ra.table[(long)ra.seq[b] * ra.max_pages + pi] : -1;
         if (page < 0) continue;  // past the sequence's pages: write nothing (as rope_kv)
-        float* dst = (seg == 1 ? ra.kc : ra.vc) + (((long)page * ra.n_kv + head) * ra.page_size + p % ra.page_size) * ra.hd + i;
-        dst[0] = y0; dst[1] = y1;
+        const long at = (((long)page * ra.n_kv + head) * ra.page_size + p % ra.page_size) * ra.hd + i;
+        void* dst = seg == 1 ? ra.kc : ra.vc;
+        if (ra.kv16) *reinterpret_cast<u32*>(static_cast<u16*>(dst) + at) = pack_h2(y0, y1);  // i even: aligned
+        else { static_cast<float*>(dst)[at] = y0; static_cast<float*>(dst)[at + 1] = y1; }
     }
 }
 
@@ -141,8 +143,8 @@ __global__ void __launch_bounds__(32 * block_warps<R, WG, IO>()) mmv_group(
         PLANES(2), int n2, float* y2, int ldy2, const float* bias2,
         const float* __restrict__ x, int ldx, int K, const float* __restrict__ nw, float eps, XQ_ARGS, QO_ARGS,
         const int* rpos, const int* rseq, const int* rtable, int rmax_pages, int rpage_size,
-        const double* rfreq, int rn_rot, int rhd, int rn_kv, float* rkc, float* rvc) {
-    const RopeArgs ra{rpos, rseq, rtable, rmax_pages, rpage_size, rfreq, rn_rot, rhd, rn_kv, rkc, rvc};
+        const double* rfreq, int rn_rot, int rhd, int rn_kv, void* rkc, void* rvc, int rkv16) {
+    const RopeArgs ra{rpos, rseq, rtable, rmax_pages, rpage_size, rfreq, rn_rot, rhd, rn_kv, rkc, rvc, rkv16};
     const XIn xi{x, ldx, nw, eps, XQ{xq, ldq, xs, lds, xnorm, xeps}};
     const QOut qo{oq, ldoq, os, ldos, onw};
     int row0 = group_row0<R, WG, block_warps<R, WG, IO>()>();
@@ -232,7 +234,7 @@ __global__ void dequant_f16(PLANES(0), int rows, int K, u16* __restrict__ out) {
 }
 
 #ifdef GGUF_INSTANTIATE_ALL  // nvcc syntax check in CI: one instantiation of each kernel per type
-#define ROPE_ARGS const int*, const int*, const int*, int, int, const double*, int, int, int, float*, float*
+#define ROPE_ARGS const int*, const int*, const int*, int, int, const double*, int, int, int, void*, void*, int
 #define XQ_TYPES const u8*, int, const float4*, int, int, float
 #define QO_TYPES u8*, int, float4*, int, const float*
 #define GROUP(T, B, R, WG, MODE, IO)                                                           \
