@@ -5,7 +5,7 @@ lives in page table[s, p // page_size], slot p % page_size. Kernels read the tab
 token's position from device memory, so one launch configuration serves any context length.
 Pages are handed out by a host-side free list when a sequence is admitted (for its prompt plus
 the tokens it may generate) and return to it the moment the sequence ends. Keys and values are
-float32 or f16 (``kv_type``, llama.cpp's default cache type); the kernels compute in float32.
+float32 or f16 (``kv_type``; f16 is llama.cpp's default cache type); the kernels compute in float32.
 """
 
 from __future__ import annotations

@@ -84,8 +84,8 @@ __global__ void __launch_bounds__(32 * W) attn_split(
     bool ok[4];
     long base[4];
     int k0 = start + warp;
-    load_keys<E, W, KV>(k0, end, early ? p : -1, tab, max_pages, page_size, n_head_kv, hk, lane, kcache, vcache, kv, vv,
-                    ok, base);
+    load_keys<E, W, KV>(k0, end, early ? p : -1, tab, max_pages, page_size, n_head_kv, hk, lane, kcache, vcache,
+                        kv, vv, ok, base);
     if (early) {
         pdl_enter();
 #pragma unroll
@@ -143,8 +143,8 @@ __global__ void __launch_bounds__(32 * W) attn_split(
         }
         k0 += KR;
         if (k0 < end)
-            load_keys<E, W, KV>(k0, end, -1, tab, max_pages, page_size, n_head_kv, hk, lane, kcache, vcache, kv, vv, ok,
-                            base);
+            load_keys<E, W, KV>(k0, end, -1, tab, max_pages, page_size, n_head_kv, hk, lane, kcache, vcache, kv,
+                                vv, ok, base);
     }
     // merge the W warps: per head the warps' weights exp(m_w - M) (fw) and the total L, then the
     // weighted sums, HG heads at a time through shared memory (at most 32 KB of partial outputs)

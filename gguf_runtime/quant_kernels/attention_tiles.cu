@@ -34,8 +34,6 @@ DEV float4 ld4(const u16* p) {
 }
 DEV void st_kv(float* p, float v) { *p = v; }
 DEV void st_kv(u16* p, float v) { *p = f2h(v); }
-DEV float kv_f(float v) { return v; }
-DEV float kv_f(u16 v) { return h2f(v); }
 
 template <int D, int G, int W, int KT_, class KV> struct Tile {
     static constexpr int KT = KT_;  // keys per tile

@@ -33,13 +33,13 @@ def attn_shape(head_dim: int, group: int, warps: int = 0, rounds: int = 2) -> At
     return AttnShape(warps, 4 * warps * rounds)
 
 
-def kv_type(kv16: bool) -> str:
-    """The kernels' KV template argument."""
+def kv_ctype(kv16: bool) -> str:
+    """The kernels' KV template argument: the C type of a cache element."""
     return "u16" if kv16 else "float"
 
 
 def kernel_name(head_dim: int, group: int, shape: AttnShape, kv16: bool = False) -> str:
-    return f"attn_split<{head_dim}, {group}, {shape.warps}, {kv_type(kv16)}>"
+    return f"attn_split<{head_dim}, {group}, {shape.warps}, {kv_ctype(kv16)}>"
 
 
 def attention(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache: int, pos: int, seq: int, table: int,
@@ -92,7 +92,7 @@ def tiles_config(head_dim: int, kv16: bool = False) -> tuple[int, int]:
 
 def tiles_kernel_name(head_dim: int, group: int, config: tuple[int, int] | None = None, kv16: bool = False) -> str:
     kt, st = config or tiles_config(head_dim, kv16)
-    return f"attn_tiles<{head_dim}, {group}, {tiles_warps(head_dim, group)}, {kt}, {st}, {kv_type(kv16)}>"
+    return f"attn_tiles<{head_dim}, {group}, {tiles_warps(head_dim, group)}, {kt}, {st}, {kv_ctype(kv16)}>"
 
 
 def tiles_smem(head_dim: int, group: int, config: tuple[int, int] | None = None, kv16: bool = False) -> int:
