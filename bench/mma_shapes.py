@@ -2,7 +2,7 @@
 B tokens, random weights of the real types and shapes, for each tile config given and with the
 register fragments on and off (GGUF_RUN_MMA_REGA). Faster to iterate on than a whole twin.
 Usage (GPU machine): python bench/mma_shapes.py [--tokens 64] [--configs "" 4:8 2:4] [--reps 100]
-  [--only glu] [--ra 1 0] [--stages "" 2:2 3:3]
+  [--only glu] [--ra 1 0] [--stages "" 2:2 3:3] [--host]
   (--stages: GGUF_RUN_MMA_STAGES values, "" the default; staged types only)
   (a config WR:NT[:H[:S]] replaces the launcher's choice for every shape: H = 2, tall blocks, for
   the single-matrix products; S K splits, 0 or absent: as planned)
@@ -34,14 +34,31 @@ def upload(name: str, rows: int, cols: int, rng, keep: list) -> L.Mat:
     return L.Mat(t, rows, cols, b + o["qs"], b + o.get("qh", -b), b + o.get("sc", -b), b + o.get("d", -b))
 
 
-def timed(fn, reps: int) -> float:
+def timed(fn, reps: int, graph: bool = True) -> float:
+    """GPU time per call (us): ``reps`` calls captured in one CUDA graph, replayed after a warm-up.
+    Launched one by one from Python (graph=False), a call of a few tens of us is host-bound: the
+    GPU waits for the next launch (why the split products' rows swung by +-40% before 2026-11-22)."""
     for _ in range(3):
         fn()
     start, end = cp.cuda.Event(), cp.cuda.Event()
-    start.record()
-    for _ in range(reps):
+    if not graph:
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        return cp.cuda.get_elapsed_time(start, end) * 1000 / reps
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
         fn()
-    end.record()
+        stream.begin_capture()
+        for _ in range(reps):
+            fn()
+        g = stream.end_capture()
+        g.launch(stream)
+        start.record(stream)
+        g.launch(stream)
+        end.record(stream)
     end.synchronize()
     return cp.cuda.get_elapsed_time(start, end) * 1000 / reps
 
@@ -55,6 +72,7 @@ def main() -> None:
     ap.add_argument("--only", default="", help="products whose name contains this")
     ap.add_argument("--ra", nargs="*", default=["1", "0"])
     ap.add_argument("--stages", nargs="*", default=[""])
+    ap.add_argument("--host", action="store_true", help="time launches from Python, not a captured graph")
     a = ap.parse_args()
     rng, keep, k, t = np.random.default_rng(0), [], L.Kernels(), a.tokens
     x = cp.asarray(rng.standard_normal((t, F8B)).astype(np.float16))
@@ -66,6 +84,7 @@ def main() -> None:
     gate, up = upload("Q4_K", F8B, K8B, rng, keep), upload("Q4_K", F8B, K8B, rng, keep)
     o, down4 = upload("Q4_K", K8B, K8B, rng, keep), upload("Q4_K", K8B, F8B, rng, keep)
     down6 = upload("Q6_K", K8B, F8B, rng, keep)
+    o1k, o2k = upload("Q4_K", K8B, 1024, rng, keep), upload("Q4_K", K8B, 2048, rng, keep)
     q, kk = upload("Q4_K", K8B, K8B, rng, keep), upload("Q4_K", 1024, K8B, rng, keep)
     v = upload("Q6_K", 1024, K8B, rng, keep)
     head = upload("Q6_K", a.head_rows, K8B, rng, keep)
@@ -79,6 +98,8 @@ def main() -> None:
                                                                      sc)),
         "o Q4_K 4096x4096 (+=)": (K8B * K8B, product([o], K8B, 1)),
         "down Q4_K 4096x14336 (+=)": (K8B * F8B, product([down4], F8B, 1)),
+        "o-short Q4_K 4096x1024 (+=)": (K8B * 1024, product([o1k], 1024, 1)),
+        "o-short Q4_K 4096x2048 (+=)": (K8B * 2048, product([o2k], 2048, 1)),
         "down Q6_K 4096x14336 (+=)": (K8B * F8B, product([down6], F8B, 1)),
         "qkv Q4_K/Q4_K/Q6_K 6144x4096": (6144 * K8B, product([q, kk, v], K8B, 0,
                                                             [(yp, ly), (yp + 4 * K8B, ly), (yp + 4 * 5120, ly)])),
@@ -102,7 +123,7 @@ def main() -> None:
                 for name, (macs, fn) in shapes.items():
                     if a.only not in name:
                         continue
-                    us = timed(fn, a.reps)
+                    us = timed(fn, a.reps, not a.host)
                     label = ra + (f" st {st}" if st else "")
                     rows_out.append((cfg or "plan", label, name, us, 2 * macs * t / us / 1e6))
     print(f"{'config':<7} {'regA':<10} {'product':<32} {'us':>8} {'TFLOP/s':>8}")

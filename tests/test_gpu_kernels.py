@@ -449,6 +449,39 @@ def test_topk_sample_rows_vocab_and_ties(k):
     assert keep["pos"].get().tolist() == [64] * rows
 
 
+def test_topk_sample_top1_ties_and_edges(k):
+    """The top-1 path (greedy rows and top_k = 1: a max reduction, not the radix select): ties go
+    to the lowest id inside a thread, across threads and across blocks; an odd vocabulary's last
+    id; -inf everywhere but one id; the candidates written are the block maxima."""
+    rng = np.random.default_rng()
+    n, rows = 262145, 5  # 33 blocks of 7,944 logits (the last 7,937)
+    per = -(-n // LS.topk_blocks(n))
+    st, keep, ring, _mem = sampler_state(n, rows=rows, top_k=1, temp=0.0)
+    keep["temp"].set(np.array([0.0, 0.8, 0.0, 0.5, 0.0], np.float32))  # rows 1, 3: sampled, top_k 1
+    logits = (rng.standard_normal((rows, n)) * 3).astype(np.float32)
+    logits[0] = 2.5                                                   # all tied: id 0
+    logits[1, [150000, 70000 + 1024, 70000, 9000 + 7]] = 50.0        # across blocks and threads: 9007
+    logits[2] = -np.inf
+    logits[2, 123456] = -3.0
+    logits[3, n - 1] = 40.0                                           # the last id
+    logits[4, [per, per - 1]] = 60.0                                  # the first of block 1, last of 0
+    want = [0, 9007, 123456, n - 1, per - 1]
+    for step in range(3):
+        keep["cand_v"].fill(POISON)
+        LS.topk_sample(k, cp.asarray(logits).data.ptr, n, n, st, rows)
+        cp.cuda.runtime.deviceSynchronize()
+        assert ring[step * rows:(step + 1) * rows].tolist() == want
+        assert not keep["counter"].get().any()
+    nb = LS.topk_blocks(n)
+    cand_v = keep["cand_v"].get().reshape(rows, nb, LS.TOPK_MAX)[:, :, 0]
+    cand_i = keep["cand_i"].get().reshape(rows, nb, LS.TOPK_MAX)[:, :, 0]
+    for r in range(rows):
+        for b in range(nb):
+            sl = logits[r, b * per:min(n, (b + 1) * per)]
+            assert cand_v[r, b] == sl.max() and cand_i[r, b] == b * per + int(np.argmax(sl))
+    assert keep["cand_n"].get().tolist() == [1] * (rows * nb)
+
+
 def split_scratch(rows, n_tok, keep):
     """Workspace of K-split products (as cuda_workspace.Workspace sizes it), partials poisoned."""
     part = cp.full(LM.split_part_floats(rows, n_tok), POISON, cp.float32)
@@ -494,6 +527,10 @@ def test_mma_split_k_and_wide_tiles(k, name, n_tok):
     rows, cols = 2200, 2304
     c = LM.mma_config([rows], n_tok, cols)
     assert (c.wr, c.h, c.split) == (4, 1, 4)
+    # the 8B's o-proj at 64 tokens: 2 splits of 16 k steps over 32-token tiles, not 4 splits of 8
+    # over one 64-token tile (the split floor); its down (112 k steps) keeps 4; 32 tokens: as before
+    assert LM.mma_config([4096], 64, 4096) == (4, 4, 2, 1) and LM.mma_config([4096], 64, 14336) == (4, 8, 4, 1)
+    assert LM.mma_config([4096], 32, 4096) == (4, 4, 4, 1)
     m, w = upload(name, rows, cols, rng, keep)
     x = rng.standard_normal((n_tok, cols)).astype(np.float16).astype(np.float32)
     xd = cp.asarray(x.astype(np.float16))
@@ -526,6 +563,39 @@ def test_mma_split_k_and_wide_tiles(k, name, n_tok):
     LM.mma_glu(k, g, u, cp.asarray(x2.astype(np.float16)).data.ptr, c, n_tok, "silu", out.data.ptr, n)
     gv, uv = x2.astype(np.float64) @ wg.T, x2.astype(np.float64) @ wu.T
     assert rel(out.get().astype(np.float32), silu(gv) * uv) < 2e-3
+
+
+@pytest.mark.parametrize("n_tok", [64, 50])
+def test_mma_split_floor_half_token_tiles(k, n_tok):
+    """The 8B's o-proj (Q4_K 4096 x 4096, y +=) and QKV (Q4_K, Q4_K, Q6_K over 4096 columns) at
+    more than 32 tokens: 2 K splits over 32-token tiles (the split floor), against numpy; the
+    counters are reset and a rerun gives the same bits."""
+    rng = np.random.default_rng()
+    keep = []
+    cols = 4096
+    o = upload("Q4_K", 4096, cols, rng, keep)
+    qkv = [upload(n, r, cols, rng, keep) for n, r in (("Q4_K", 4096), ("Q4_K", 1024), ("Q6_K", 1024))]
+    x = rng.standard_normal((n_tok, cols)).astype(np.float16).astype(np.float32)
+    xd = cp.asarray(x.astype(np.float16))
+    sc, counter = split_scratch(6144, n_tok, keep)
+    assert LM.mma_config([4096], n_tok, cols) == (4, 4, 2, 1)
+    assert LM.mma_config([4096, 1024, 1024], n_tok, cols) == (4, 4, 2, 1)
+    y0 = rng.standard_normal((n_tok, 4096)).astype(np.float32)
+    yd = cp.asarray(y0)
+    LM.mma(k, [o[0]], [(yd.data.ptr, 4096)], [None], xd.data.ptr, cols, n_tok, 1, sc)
+    got = yd.get()
+    assert rel(got, y0 + x.astype(np.float64) @ o[1].T) < 2e-3
+    assert not counter.any(), "split counters not reset"
+    yd.set(y0)
+    LM.mma(k, [o[0]], [(yd.data.ptr, 4096)], [None], xd.data.ptr, cols, n_tok, 1, sc)
+    assert (yd.get() == got).all()
+    y = cp.full((n_tok, 6144 + 8), POISON, cp.float32)
+    outs = [(y.data.ptr, 6152), (y.data.ptr + 4 * 4096, 6152), (y.data.ptr + 4 * 5120, 6152)]
+    LM.mma(k, [m for m, _ in qkv], outs, [None] * 3, xd.data.ptr, cols, n_tok, 0, sc)
+    ref = np.concatenate([x.astype(np.float64) @ w.T for _, w in qkv], axis=1)
+    assert rel(y.get()[:, :6144], ref) < 2e-3
+    assert np.isnan(y.get()[:, 6144:]).all(), "wrote past the rows"
+    assert not counter.any(), "split counters not reset"
 
 
 @pytest.mark.parametrize("specs", [(("Q5_0", 96), ("Q5_0", 33), ("Q8_0", 50)),

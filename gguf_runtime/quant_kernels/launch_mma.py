@@ -16,6 +16,10 @@ MMA_SPLIT_BLOCKS = 264  # K splits aim at two blocks per SM (the 64-row tiles' r
 MMA_TK = 128  # columns per k step (matmul_mma.cu TK)
 MMA_TALL_MIN_COLS = 1024
 MMA_MAX_SPLIT = 4  # K splits of a product (partials merged in split order by the tile's last block)
+# k steps a split block keeps at least where token tiles can be halved instead (mma_config; 0: no
+# floor; GGUF_RUN_MMA_SPLIT_STEPS): the 8B's o-proj and QKV at B=64 split 2 ways (16 k steps each),
+# not 4 and 3, over 32-token tiles. Graph-timed alone (H100): o 30.4 -> 25.3 us, QKV 34.2 -> 32.7.
+MMA_SPLIT_MIN_STEPS = 12
 # Types whose A fragments are built in registers (mma_regs.cuh): x tile row stride in halves.
 # x goes through shared memory in two buffers, and for the REG_A_WROW types each k step's raw
 # weights too (bytes per weight row, two buffers).
@@ -31,6 +35,11 @@ def reg_a() -> int:
     """1: register fragments for the REG_A_LDX types (the default); GGUF_RUN_MMA_REGA=0 keeps
     every type on the dequantizing tiles (to measure one against the other)."""
     return 0 if os.environ.get("GGUF_RUN_MMA_REGA", "1") == "0" else 1
+
+
+def split_min_steps() -> int:
+    """MMA_SPLIT_MIN_STEPS, or GGUF_RUN_MMA_SPLIT_STEPS (to measure)."""
+    return int(os.environ.get("GGUF_RUN_MMA_SPLIT_STEPS", MMA_SPLIT_MIN_STEPS))
 
 
 def mma_stages(structs: Sequence[str], n_mats: int, ra: int) -> int:
@@ -55,19 +64,30 @@ def mma_config(rows: Sequence[int], n_tok: int, cols: int = 0, tall: bool = True
     with at most MMA_MAX_SPLIT K splits; cols = 0: no split. tall: blocks of two stacked 64-row
     tiles where they fill the GPU unsplit and K is long (output heads: the 8B's 698 -> 531 us at
     B=64, but SmolLM2's, K = 576, 49 -> 66 us); split tall blocks measured slower than split
-    64-row ones (H100: the 8B's o-proj 80 -> 89 us)."""
+    64-row ones (H100: the 8B's o-proj 80 -> 89 us). Where that split leaves a block fewer than
+    split_min_steps() k steps and the token tile is wider than 32, the split is lowered to keep
+    them and the token tiles are halved to keep the blocks (the 8B's o-proj at B=64: 4 splits of
+    64-token tiles 30.4 us, 2 splits of 32-token tiles 25.3; RESULTS row 65)."""
     steps = -(-cols // MMA_TK)
+    floor = split_min_steps()
+
+    def plan(wr: int, nt: int, h: int) -> tuple[int, int]:  # (tiles, split before the floor)
+        tiles = sum(-(-n // (16 * wr * h)) for n in rows) * -(-n_tok // (8 * nt * (4 // wr)))
+        return tiles, max(1, min(steps, MMA_MAX_SPLIT, -(-MMA_SPLIT_BLOCKS // tiles)))
+
     for wr, h in ((4, 2), (4, 1), (2, 1), (1, 1)):
         if h == 2 and not tall:
             continue
-        wc = 4 // wr
-        nt = min(8, max(1, -(-min(n_tok, 64) // (8 * wc))))
-        tb = 8 * nt * wc
-        tiles = sum(-(-n // (16 * wr * h)) for n in rows) * -(-n_tok // tb)
-        split = max(1, min(steps, MMA_MAX_SPLIT, -(-MMA_SPLIT_BLOCKS // tiles)))
+        nt = min(8, max(1, -(-min(n_tok, 64) // (8 * (4 // wr)))))
+        tiles, split = plan(wr, nt, h)
         if h == 2 and (tiles < MMA_SPLIT_BLOCKS or cols < MMA_TALL_MIN_COLS):
             continue
         if tiles * split >= MMA_MIN_BLOCKS or wr == 1:
+            runs = max(1, steps // floor) if floor else split  # splits of at least `floor` k steps
+            if runs < split and nt > 4 and tiles * runs >= MMA_MIN_BLOCKS // 2:
+                nt = 4  # fewer, longer split runs; twice the token tiles keep the blocks
+                tiles, split = plan(wr, nt, h)
+                split = min(split, runs)
             return MmaConfig(wr, nt, split, h)
     raise AssertionError
 

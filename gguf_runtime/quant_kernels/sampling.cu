@@ -147,6 +147,28 @@ DEV void hist_add(u32* h, u32 bin) {
     if ((threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&h[bin], (u32)__popc(peers));
 }
 
+// (key, id) with the largest key, the lowest id among equal keys: a warp's, then the block's (ws:
+// 64 words of shared memory); the result in thread 0's bk, bi.
+DEV void top1_warp(u32& bk, int& bi) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const u32 ok = __shfl_xor_sync(0xffffffffu, bk, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (ok > bk || (ok == bk && oi < bi)) { bk = ok; bi = oi; }
+    }
+}
+DEV void top1_block(u32& bk, int& bi, u32* ws) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    top1_warp(bk, bi);
+    if (lane == 0) { ws[warp] = bk; ws[32 + warp] = (u32)bi; }
+    __syncthreads();
+    if (warp == 0) {
+        bk = lane < (int)(blockDim.x >> 5) ? ws[lane] : 0u;
+        bi = lane < (int)(blockDim.x >> 5) ? (int)ws[32 + lane] : 0x7fffffff;
+        top1_warp(bk, bi);
+    }
+}
+
 // Block-wide inclusive prefix sum of one float per thread (blockDim.x == 1024); ws: 32 floats.
 DEV float block_scan(float v, float* ws) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -179,7 +201,7 @@ DEV float block_scan(float v, float* ws) {
 // digit per warp) and writes them to cand_v/cand_i. Phase 2: the last block of the row to finish
 // gathers the n_blocks * k candidates (radix-selecting again when they overflow CAP), sorts them
 // (value desc, id asc) and draws with block-wide prefix sums; it commits the token.
-extern "C" __global__ void __launch_bounds__(1024) topk_sample(
+extern "C" __global__ void __launch_bounds__(1024, 2) topk_sample(
         const float* __restrict__ logits, int ld, int n_vocab, const int* __restrict__ top_k_,
         const float* __restrict__ top_p_, const float* __restrict__ min_p_, const float* __restrict__ temp_,
         const unsigned long long* __restrict__ seed_, float* cand_v, int* cand_i, int* cand_n,
@@ -212,7 +234,16 @@ extern "C" __global__ void __launch_bounds__(1024) topk_sample(
     const int kk = min(top_k, max(hi - lo, 0));
     if (tid == 0) { prefix = 0; prefix_mask = 0; remaining = kk; n_cand = 0; n_ties = 0; }
     __syncthreads();
-    if (kk > 0) {
+    if (kk == 1) {  // top-1 (greedy rows): the largest key, lowest id on ties, by a max reduction
+        u32 bk = 0u; int bi = 0x7fffffff;  // (0, no id) loses to every real (key, id)
+#pragma unroll
+        for (int e = 0; e < TK_E; ++e) {
+            const int i = lo + e * 1024 + tid;
+            if (i < hi && (key[e] > bk || bi == 0x7fffffff)) { bk = key[e]; bi = i; }  // ids ascend with e
+        }
+        top1_block(bk, bi, hist_c);
+        if (tid == 0) { my_v[0] = u2f(key_float(bk)); my_i[0] = bi; }
+    } else if (kk > 0) {
         for (int shift = 24; shift >= 0; shift -= 8) {
             if (tid < 256) hist_c[tid] = 0;
             __syncthreads();
