@@ -196,9 +196,11 @@ DEV float block_scan(float v, float* ws) {
 
 // Per sequence b: temp[b] <= 0 is greedy (argmax, ties: lowest id); otherwise top-k (k <= 1024) ->
 // top-p -> min-p -> temperature -> draw, as sampling.py's Sampler, with the draw's uniform number
-// from (seed[b], step[b]). Grid (n_blocks, rows), 1024 threads. Phase 1: each block radix-selects
-// the k largest logits of its slice (TK_E per thread, in registers; one shared atomic per distinct
-// digit per warp) and writes them to cand_v/cand_i. Phase 2: the last block of the row to finish
+// from (seed[b], step[b]). Grid (n_blocks, rows), 1024 threads, two blocks per SM (32 registers:
+// a batch of 64 rows over the 8B's vocabulary launches 1,024 blocks). Phase 1: each block
+// radix-selects the k largest logits of its slice (TK_E per thread, in registers; one shared atomic
+// per distinct digit per warp), or for k = 1 takes the max by a reduction, and writes them to
+// cand_v/cand_i. Phase 2: the last block of the row to finish
 // gathers the n_blocks * k candidates (radix-selecting again when they overflow CAP), sorts them
 // (value desc, id asc) and draws with block-wide prefix sums; it commits the token.
 extern "C" __global__ void __launch_bounds__(1024, 2) topk_sample(
