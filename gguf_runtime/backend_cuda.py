@@ -53,6 +53,10 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 # against 32,212); bench/RESULTS.md row 58.
 PDL_MAX_ROWS = L.MAX_MMV_TOKENS
 PDL_ANY_ROWS_BYTES = 1 << 30
+# ... except the kernels named by these prefixes (GGUF_RUN_PDL_ONLY="a:b" replaces them, "" none):
+# with PDL on RMSNorm alone the 8B's B=64 went 7,006 -> 7,033 (and 6,567 -> 6,586 the session
+# before); on the tensor-core products it costs (rows 61 and 66).
+PDL_BIG_GRAPH_KERNELS = ("rmsnorm",)
 
 
 def check_supported(cfg: ModelConfig) -> None:
@@ -92,8 +96,9 @@ class CudaBackend(PrefillMixin):
         self.pdl = pdl.supported(cp.cuda.Device()) and env_pdl != "0"
         weight_bytes = sum(t.nbytes for t in f.tensors.values())
         self.pdl_max_rows = 1 << 30 if env_pdl == "all" or weight_bytes <= PDL_ANY_ROWS_BYTES else PDL_MAX_ROWS
-        # larger graphs: PDL for the kernels named by these prefixes only (GGUF_RUN_PDL_ONLY="a:b", to measure)
-        self.pdl_only = tuple(p for p in os.environ.get("GGUF_RUN_PDL_ONLY", "").split(":") if p) or False
+        # larger graphs: PDL for the kernels named by these prefixes only
+        only = os.environ.get("GGUF_RUN_PDL_ONLY")
+        self.pdl_only = (tuple(p for p in only.split(":") if p) if only is not None else PDL_BIG_GRAPH_KERNELS) or False
         kv_type = choose_kv_type(kv_type, weight_bytes)
         try:
             self.stream = cp.cuda.Stream(non_blocking=True)
