@@ -57,6 +57,11 @@ PDL_ANY_ROWS_BYTES = 1 << 30
 # with PDL on RMSNorm alone the 8B's B=64 went 7,006 -> 7,033 (and 6,567 -> 6,586 the session
 # before); on the tensor-core products it costs (rows 61 and 66).
 PDL_BIG_GRAPH_KERNELS = ("rmsnorm",)
+# Batch decode steps of more rows than this take the tensor-core products, for models over
+# PDL_ANY_ROWS_BYTES (the smaller ones: above MAX_MMV_TOKENS). The 8B's matvecs of 4 and 8 tokens
+# are slower than its tensor-core kernels (B=4 781 -> 875 t/s, B=8 706 -> 1,637; B=2 677 -> 443;
+# RESULTS row 68). GGUF_RUN_MMV_ROWS=1..8 overrides it (to measure).
+DECODE_MMV_ROWS_BIG = 2
 
 
 def check_supported(cfg: ModelConfig) -> None:
@@ -115,6 +120,7 @@ class CudaBackend(PrefillMixin):
             self.inv_freq = {key: cp.asarray(rope_inv_freq(cfg, *key, ff))
                              for key in {cfg.rope_key(i) for i in range(cfg.n_layer)}}
             self.blocks = CudaBlocks(cfg, self.weights, self.kv, self.ws, self.kernels, self.inv_freq)
+            self.blocks.decode_mmv_rows = self._decode_mmv_rows(weight_bytes)
             self._init_slots()
             precompile(self.kernels, cfg, self.weights, self.blocks, max_batch, BUCKETS)
             self.blocks.load_f16()
@@ -217,10 +223,21 @@ class CudaBackend(PrefillMixin):
         one(self.p_seed, seed, np.uint64)
 
     # ---- the decode step and its graphs ---------------------------------------------------------
+    def _decode_mmv_rows(self, weight_bytes: int) -> int:
+        """Rows up to which decode steps use the matvecs (DECODE_MMV_ROWS_BIG; GGUF_RUN_MMV_ROWS)."""
+        env = os.environ.get("GGUF_RUN_MMV_ROWS")
+        if env is not None:
+            if not env.isdigit() or not 1 <= int(env) <= L.MAX_MMV_TOKENS:
+                raise BackendError(f"GGUF_RUN_MMV_ROWS={env!r}: give a number of rows from 1 to {L.MAX_MMV_TOKENS}")
+            return int(env)
+        big = weight_bytes > PDL_ANY_ROWS_BYTES and self.ws.x16 is not None  # (x16: the tensor-core inputs)
+        return DECODE_MMV_ROWS_BIG if big else L.MAX_MMV_TOKENS
+
     def _step(self, rows: int, mode: tuple[bool, bool]) -> None:
         """Every active slot < rows: embed its token, run the model at its position, sample."""
         b = self.blocks
-        b.seq, b.mma, b.decode = self.seq, rows > L.MAX_MMV_TOKENS, True
+        b.seq, b.mma, b.decode = self.seq, rows > b.decode_mmv_rows, True
+        b.mmv_rows = b.decode_mmv_rows
         forward(b, self.cfg, self.tokens[:rows], self.pos[:rows], all_logits=True)
         self._sample(*mode, rows=rows)
 
@@ -249,13 +266,14 @@ class CudaBackend(PrefillMixin):
                 return None
         return key
 
-    def _with_pdl(self, fn: Callable[[], None], rows: int) -> Callable[[], None]:
-        """fn (a call of ``rows`` rows) as a step to capture: where PDL_MAX_ROWS allows it (and the
-        GPU has it, quant_kernels/pdl.py) its kernels launched with programmatic dependent launch,
-        so each one's launch and weight loads overlap the end of the kernel before it in the
-        replayed graph."""
+    def _with_pdl(self, fn: Callable[[], None], rows: int, max_rows: int | None = None) -> Callable[[], None]:
+        """fn (a call of ``rows`` rows) as a step to capture: where PDL_MAX_ROWS (or max_rows) allows
+        it (and the GPU has it, quant_kernels/pdl.py) its kernels launched with programmatic
+        dependent launch, so each one's launch and weight loads overlap the end of the kernel before
+        it in the replayed graph."""
+        limit = self.pdl_max_rows if max_rows is None else max_rows
         def step() -> None:
-            self.kernels.pdl = self.pdl and (rows <= self.pdl_max_rows or self.pdl_only)
+            self.kernels.pdl = self.pdl and (rows <= limit or self.pdl_only)
             try:
                 fn()
             finally:
@@ -263,7 +281,9 @@ class CudaBackend(PrefillMixin):
         return step
 
     def _graph_step(self, rows: int, mode: tuple[bool, bool]) -> Callable[[], None]:
-        return self._with_pdl(lambda: self._step(rows, mode), rows)
+        # PDL_MAX_ROWS means the matvec path: for decode steps, up to decode_mmv_rows
+        limit = self.pdl_max_rows if self.pdl_max_rows > PDL_MAX_ROWS else self.blocks.decode_mmv_rows
+        return self._with_pdl(lambda: self._step(rows, mode), rows, limit)
 
     def capture_buckets(self, mode: tuple[bool, bool] = (False, True),
                         progress: Callable[[str, int, int], None] | None = None) -> None:

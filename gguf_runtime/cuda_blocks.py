@@ -1,7 +1,8 @@
 """``model.Blocks`` on the GPU: each block is a short, fixed sequence of kernel launches.
 
-Matrix products by row count: up to MAX_MMV_TOKENS rows run the dequantizing matvec kernels (f32
-throughout: single-sequence decode, small batches, short prompts). More rows run either the
+Matrix products by row count: up to ``mmv_rows`` rows (MAX_MMV_TOKENS; in the decode steps of
+models over 1 GiB, 2) run the dequantizing matvec kernels (f32 or int8 activations: single-sequence
+decode, small batches, short prompts). More rows run either the
 tensor-core kernels (``mma = True``: batch decode steps) or, for prefill, cuBLAS on f16 copies of
 the matrices (``cuda_f16``: Q/K/V and gate/up stacked, one product each; f16 inputs written by the
 kernel before, f32 accumulate and output; the residual add is its beta = 1; ``cublas_gemm``: it
@@ -50,7 +51,10 @@ class CudaBlocks:
         self.cfg, self.w, self.kv, self.ws, self.k = cfg, w, kv, ws, kernels
         self.inv_freq = inv_freq
         self.seq = ws.seq  # row -> sequence slot, for the rows of the current call
-        self.mma = False  # tensor-core kernels for > MAX_MMV_TOKENS rows (capturable) instead of cuBLAS
+        self.mma = False  # tensor-core kernels for > mmv_rows rows (capturable) instead of cuBLAS
+        # the current call's matvec rows: MAX_MMV_TOKENS, or for decode steps decode_mmv_rows (the
+        # backend sets it by model size: backend_cuda.DECODE_MMV_ROWS_BIG)
+        self.mmv_rows = self.decode_mmv_rows = L.MAX_MMV_TOKENS
         self.decode = False  # every row one token of its own sequence (a decode step), else prefill
         self.attn_shapes = (attn_shape(cfg, 1), attn_shape(cfg, L.MAX_MMV_TOKENS + 1))  # small, big calls
         # keys before a decode row's position loaded before waiting for the QKV kernel (attention.cu)
@@ -83,7 +87,7 @@ class CudaBlocks:
 
     # ---- helpers -------------------------------------------------------------------------------
     def _small(self, rows: int) -> bool:
-        return rows <= L.MAX_MMV_TOKENS
+        return rows <= self.mmv_rows
 
     def _gemm16(self, x16: cp.ndarray, t: int, names: tuple[str, ...], y: cp.ndarray, accumulate: bool) -> None:
         """y[:t, :N] (+)= x16[:t, :K] @ W.T, W = the matrices ``names`` stacked by rows (f16)."""
@@ -225,9 +229,9 @@ class CudaBlocks:
             return out
         LA.attention(self.k, q.data.ptr, q.strides[0] // 4, t, kc, vc, positions.data.ptr, self.seq.data.ptr,
                     self.kv.table.data.ptr, self.kv.max_pages, self.kv.page_size, cfg.n_head, cfg.n_head_kv,
-                    cfg.head_dim, cfg.attn_scale, cfg.attn_softcap or 0.0, cfg.layer_window[layer], n_splits(t),
-                    ws.part_o.data.ptr, ws.part_ml.data.ptr, ws.attn_counter.data.ptr, out.data.ptr,
-                    out.strides[0] // 4, None if self._small(t) else ws.x16.data.ptr,
+                    cfg.head_dim, cfg.attn_scale, cfg.attn_softcap or 0.0, cfg.layer_window[layer],
+                    n_splits(t, self.mmv_rows), ws.part_o.data.ptr, ws.part_ml.data.ptr, ws.attn_counter.data.ptr,
+                    out.data.ptr, out.strides[0] // 4, None if self._small(t) else ws.x16.data.ptr,
                     0 if self._small(t) else ws.x16.strides[0] // 2, q8=self._att_q8,
                     shape=self.attn_shapes[not self._small(t)],
                     early=self.decode and self.attn_early, kv16=self.kv.kv16)

@@ -46,10 +46,10 @@ def precompile(kernels: Kernels, cfg: ModelConfig, w: DeviceWeights, blocks: Cud
         if len(ios) > 1 and len(mats) == 1 and rows[0] % L.Q8_OUT_ROWS == 0:  # residual with a q8 epilogue
             mm += [L.mmv_name(structs, b, *L.mmv_config(structs, rows, mats[0].cols, b, True), 1, 3)
                    for b in L.MMV_TOKENS]
-        if max_batch > L.MAX_MMV_TOKENS:  # batch decode steps: tensor-core products
+        if max_batch > blocks.decode_mmv_rows:  # batch decode steps: tensor-core products
             modes = (0, 1) if len(mats) == 1 and mats[0].qs in residuals else (0,)
             configs = [LM.mma_config(rows, b, mats[0].cols) for b in buckets
-                       if L.MAX_MMV_TOKENS < b <= max_batch]
+                       if blocks.decode_mmv_rows < b <= max_batch]
             mma += [LM.mma_name(structs, c.wr, c.nt, mode, c.h) for c in configs for mode in modes]
     act = L.ACT[cfg.activation]
     for s, n, c in glu:
@@ -59,7 +59,7 @@ def precompile(kernels: Kernels, cfg: ModelConfig, w: DeviceWeights, blocks: Cud
             mm += [L.glu_name(s, b, 2, min(L.glu_config(s, n, c, b)[1], 2), act, 3) for b in L.MMV_TOKENS
                    if n % L.Q8_OUT_ROWS == 0]
     mma += [LM.mma_glu_name(s, *LM.mma_config([n], b, 0, tall=False)[:2], act) for s, n, _ in glu for b in buckets
-            if L.MAX_MMV_TOKENS < b <= max_batch]
+            if blocks.decode_mmv_rows < b <= max_batch]
     mm.append(f"embed_rows<{w.mat('token_embd.weight').struct}>")
     mm += [f"dequant_f16<{s}>" for s in {m.struct for m in w.mats.values()}]
     if blocks.mmv_cfg["GLU"]:  # measuring the GLU's (R, WG)

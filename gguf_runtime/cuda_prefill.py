@@ -93,6 +93,7 @@ class PrefillMixin:
         """The model over ws.tokens/pos/seq[:rows] (logits into ws.logits)."""
         b = self.blocks
         b.seq, b.mma, b.decode = self.ws.seq, False, False
+        b.mmv_rows = L.MAX_MMV_TOKENS
         forward(b, self.cfg, self.ws.tokens[:rows], self.ws.pos[:rows], all_logits=all_logits)
 
     def prefill(self, tokens: Sequence[int]) -> None:

@@ -43,8 +43,10 @@ def attn_shape(cfg: ModelConfig, rows: int) -> LA.AttnShape:
                          int(env("GGUF_RUN_ATTN_ROUNDS", "1")))
 
 
-def n_splits(rows: int) -> int:
-    budget = BATCH_SPLIT_BUDGET if L.MAX_MMV_TOKENS < rows <= 64 else ATTN_PARTS
+def n_splits(rows: int, mmv_rows: int = L.MAX_MMV_TOKENS) -> int:
+    """Attention splits per row: calls of more than mmv_rows rows (the tensor-core path) share
+    BATCH_SPLIT_BUDGET."""
+    budget = BATCH_SPLIT_BUDGET if mmv_rows < rows <= 64 else ATTN_PARTS
     return max(1, min(DECODE_SPLITS, budget // rows))
 
 

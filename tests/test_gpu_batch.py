@@ -8,6 +8,7 @@ pytestmark = pytest.mark.gpu
 
 from gguf_runtime.backend_cuda import CudaBackend  # noqa: E402
 from gguf_runtime.batch import generate_batch  # noqa: E402
+from gguf_runtime.errors import BackendError  # noqa: E402
 from gguf_runtime.gguf_file import open_gguf  # noqa: E402
 from gguf_runtime.model_config import config_from_gguf  # noqa: E402
 from gguf_runtime.sampling import SamplingParams  # noqa: E402
@@ -55,6 +56,40 @@ def test_tensor_core_bucket_equals_alone_in_the_same_bucket(backend):
     for s in (0, 4, 12):
         alone = generate_batch(backend, [ps[s]], 24, GREEDY, slots=[s], bucket=16)[0]
         assert batched[s] == alone
+
+
+@pytest.mark.parametrize("name", TWINS)
+def test_tensor_core_small_buckets(name, monkeypatch):
+    """GGUF_RUN_MMV_ROWS=2 (the default of models over 1 GiB, backend_cuda.DECODE_MMV_ROWS_BIG):
+    decode steps of 4 and 8 rows run the tensor-core products, and each sequence gets the tokens it
+    gets alone in that bucket; a 2-row step keeps the matvecs. The rule by size, and bad values."""
+    monkeypatch.setenv("GGUF_RUN_MMV_ROWS", "2")
+    f = open_gguf(twin_path(name))
+    be = CudaBackend(f, config_from_gguf(f), 256, max_batch=8)
+    assert be.blocks.decode_mmv_rows == 2
+    ps = prompts(8, seed=4)
+    for n in (4, 8):
+        batched = generate_batch(be, ps[:n], 16, GREEDY, bucket=n)
+        for s in (0, n - 1):
+            assert batched[s] == generate_batch(be, [ps[s]], 16, GREEDY, slots=[s], bucket=n)[0]
+    for rows, mma in ((2, False), (4, True), (8, True)):  # the kernels of one eager step
+        for s in range(rows):
+            be.seq_add(s, ps[s], GREEDY, 8)
+        be.kernels.timeline = []
+        with be.stream:
+            be._step(rows, (False, True))
+        be.stream.synchronize()
+        names, be.kernels.timeline = [n for n, _, _ in be.kernels.timeline], None
+        assert any(n.startswith("mma_") for n in names) == mma
+        assert any(n.startswith("mmv_") for n in names) != mma
+        for s in range(rows):
+            be.seq_release(s)
+    monkeypatch.delenv("GGUF_RUN_MMV_ROWS")
+    assert be._decode_mmv_rows(2 << 30) == 2 and be._decode_mmv_rows(1 << 29) == 8
+    for bad in ("0", "9", "two"):
+        monkeypatch.setenv("GGUF_RUN_MMV_ROWS", bad)
+        with pytest.raises(BackendError, match="GGUF_RUN_MMV_ROWS"):
+            be._decode_mmv_rows(1 << 20)
 
 
 def test_sampled_batch_is_reproducible_and_pages_return(backend):
