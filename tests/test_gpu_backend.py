@@ -162,3 +162,17 @@ def test_no_allocation_while_decoding(pair):
     cub.stream.synchronize()
     assert len(out) == 100
     assert (pool.used_bytes(), pool.total_bytes()) == before
+
+
+def test_unsupported_shapes_are_refused(pair):
+    """check_supported names what the CUDA kernels cannot take (a head size, a hidden size); the
+    config of a real twin passes."""
+    import dataclasses
+
+    from gguf_runtime.backend_cuda import check_supported
+    from gguf_runtime.errors import UnsupportedModelError
+    cfg = pair[1]
+    check_supported(cfg)
+    for change, words in (({"n_embd": 4098}, "hidden sizes"), ({"head_dim": 96}, "head sizes")):
+        with pytest.raises(UnsupportedModelError, match=words):
+            check_supported(dataclasses.replace(cfg, **change))
