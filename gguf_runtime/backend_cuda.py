@@ -47,11 +47,10 @@ LOOKAHEAD = 4  # decode steps enqueued ahead of the token the host is reading
 HIST = 64
 MAX_GPU_TOP_K = 1024
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-# Graphs of up to this many rows (the matvec path) launch with programmatic dependent launch, and
-# graphs of any size for models of at most PDL_ANY_ROWS_BYTES of weights. The 8B's tensor-core
-# batch steps lost with it (B=64: 5,428 t/s with it, 5,902 without), SmolLM2's gained (33,615
-# against 32,212); bench/RESULTS.md row 58.
-PDL_MAX_ROWS = L.MAX_MMV_TOKENS
+# Graphs of the matvec path (decode steps of up to decode_mmv_rows rows) launch with programmatic
+# dependent launch, and graphs of any size for models of at most PDL_ANY_ROWS_BYTES of weights. The
+# 8B's tensor-core batch steps lost with it (B=64: 5,428 t/s with it, 5,902 without), SmolLM2's
+# gained (33,615 against 32,212); bench/RESULTS.md row 58.
 PDL_ANY_ROWS_BYTES = 1 << 30
 # ... except the kernels named by these prefixes (GGUF_RUN_PDL_ONLY="a:b" replaces them, "" none):
 # with PDL on RMSNorm alone the 8B's B=64 went 7,006 -> 7,033 (and 6,567 -> 6,586 the session
@@ -95,12 +94,11 @@ class CudaBackend(PrefillMixin):
         # prefill chunks as graphs, one per padded size (GGUF_RUN_PREFILL_GRAPH=0: eager, to measure)
         self.prefill_graph = use_graph and os.environ.get("GGUF_RUN_PREFILL_GRAPH", "1") != "0"
         self._prefill_runs: dict[tuple, int] = {}
-        # programmatic dependent launch in graphs as PDL_MAX_ROWS says; GGUF_RUN_PDL=0 turns it off,
-        # GGUF_RUN_PDL=all on for every graph (to measure what it gives)
+        # programmatic dependent launch in graphs as PDL_ANY_ROWS_BYTES says (pdl_max_rows, set
+        # below); GGUF_RUN_PDL=0 turns it off, GGUF_RUN_PDL=all on for every graph (to measure)
         env_pdl = os.environ.get("GGUF_RUN_PDL", "1")
         self.pdl = pdl.supported(cp.cuda.Device()) and env_pdl != "0"
         weight_bytes = sum(t.nbytes for t in f.tensors.values())
-        self.pdl_max_rows = 1 << 30 if env_pdl == "all" or weight_bytes <= PDL_ANY_ROWS_BYTES else PDL_MAX_ROWS
         # larger graphs: PDL for the kernels named by these prefixes only
         only = os.environ.get("GGUF_RUN_PDL_ONLY")
         self.pdl_only = (tuple(p for p in only.split(":") if p) if only is not None else PDL_BIG_GRAPH_KERNELS) or False
@@ -121,6 +119,8 @@ class CudaBackend(PrefillMixin):
                              for key in {cfg.rope_key(i) for i in range(cfg.n_layer)}}
             self.blocks = CudaBlocks(cfg, self.weights, self.kv, self.ws, self.kernels, self.inv_freq)
             self.blocks.decode_mmv_rows = self._decode_mmv_rows(weight_bytes)
+            pdl_any = env_pdl == "all" or weight_bytes <= PDL_ANY_ROWS_BYTES
+            self.pdl_max_rows = 1 << 30 if pdl_any else self.blocks.decode_mmv_rows  # (prefill graphs: > 8 rows)
             self._init_slots()
             precompile(self.kernels, cfg, self.weights, self.blocks, max_batch, BUCKETS)
             self.blocks.load_f16()
@@ -266,14 +266,13 @@ class CudaBackend(PrefillMixin):
                 return None
         return key
 
-    def _with_pdl(self, fn: Callable[[], None], rows: int, max_rows: int | None = None) -> Callable[[], None]:
-        """fn (a call of ``rows`` rows) as a step to capture: where PDL_MAX_ROWS (or max_rows) allows
-        it (and the GPU has it, quant_kernels/pdl.py) its kernels launched with programmatic
-        dependent launch, so each one's launch and weight loads overlap the end of the kernel before
-        it in the replayed graph."""
-        limit = self.pdl_max_rows if max_rows is None else max_rows
+    def _with_pdl(self, fn: Callable[[], None], rows: int) -> Callable[[], None]:
+        """fn (a call of ``rows`` rows) as a step to capture: where pdl_max_rows allows it (and the
+        GPU has it, quant_kernels/pdl.py) its kernels launched with programmatic dependent launch
+        (else only pdl_only's), so each one's launch and weight loads overlap the end of the kernel
+        before it in the replayed graph."""
         def step() -> None:
-            self.kernels.pdl = self.pdl and (rows <= limit or self.pdl_only)
+            self.kernels.pdl = self.pdl and (rows <= self.pdl_max_rows or self.pdl_only)
             try:
                 fn()
             finally:
@@ -281,9 +280,7 @@ class CudaBackend(PrefillMixin):
         return step
 
     def _graph_step(self, rows: int, mode: tuple[bool, bool]) -> Callable[[], None]:
-        # PDL_MAX_ROWS means the matvec path: for decode steps, up to decode_mmv_rows
-        limit = self.pdl_max_rows if self.pdl_max_rows > PDL_MAX_ROWS else self.blocks.decode_mmv_rows
-        return self._with_pdl(lambda: self._step(rows, mode), rows, limit)
+        return self._with_pdl(lambda: self._step(rows, mode), rows)
 
     def capture_buckets(self, mode: tuple[bool, bool] = (False, True),
                         progress: Callable[[str, int, int], None] | None = None) -> None:
