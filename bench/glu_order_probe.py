@@ -1,0 +1,235 @@
+"""Why does the 8B's GLU take 29 us a layer where a bare reader of its bytes takes 22? (H100 probe)
+
+bench/chain_probe.py (RESULTS row 70) showed the gap inside a PDL-chained graph of the 8B's layer.
+This probe keeps that chain (QKV, attention, o-proj and down as bare readers, chain_probe.SRC) and
+puts in the GLU's place, in turn:
+
+- ``bare``: chain_probe's reader of the same bytes (64 KiB blocks, 4 loads in flight per thread);
+- ``loads``: the GLU's grid, warps and addresses (each warp one gate and one up row of K = 4,096,
+  4 rounds of a 16-byte quant load and a 16-byte scale load per row), bytes only xor-ed;
+- ``decode``: the same with TQ4_K::load's scale decode;
+- ``dp4a``: the GLU's inner loop (mmv_block_q8: int8 x loads, dp4a, scales) and SiLU, no epilogue;
+- ``real``: the product's kernel, mmv_glu<TQ4_K, 1, 2, 1, 0, 3> (q8 epilogue included).
+
+each with the repacked planes' order (``row``: a row's quants contiguous, rows 2,048 bytes apart)
+and with a block-contiguous order (``blk``: a block's 16 rows of one round adjacent, 8 KiB of
+quants and 1 KiB of scales per matrix and round; TQ4_KP below). ``/2`` pads shared memory to two
+blocks per SM (the real kernel's occupancy at 55 registers). The GLU's cost is the chain's layer
+time less the layer time without it. Medians of 7 replays, each variant measured twice.
+
+    python3 bench/glu_order_probe.py [--layers 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import cupy as cp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from chain_probe import SRC as BARE_SRC  # noqa: E402
+from gguf_runtime.quant_kernels import pdl  # noqa: E402
+from gguf_runtime.quant_kernels.sources import SRC_DIR  # noqa: E402
+
+GLU_SRC = r"""
+#include "matvec.cu"
+// TQ4_K with a block-contiguous order: round (u / 32) of the 16 rows of block (row / 16) is one
+// run of 16 x 512 quant bytes and one of 16 x 64 scale bytes (the same bytes as TQ4_K's planes).
+struct TQ4_KP : TQ4_K {
+    static DEV void load(const Mat& m, int row, int u, Raw& r) {
+        const long chunk = ((long)(row >> 4) * (m.nb / 4) + (u >> 5)) * 16 + (row & 15);
+        r.q = ld16(m.qs + chunk * 512 + (u & 31) * 16);
+        const V16 hv = ld16(m.sc + chunk * 64 + ((u & 31) >> 3) * 16);
+        const int g = (u >> 1) & 3;
+        const float d = h2f((u16)(hv.w[0] & 0xFFFFu)), dmin = h2f((u16)(hv.w[0] >> 16));
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            int sc, mn; k4_scale_min(hv.w[1], hv.w[2], hv.w[3], 2 * g + k, sc, mn);
+            r.d[k] = d * qf((u32)sc); r.m[k] = dmin * qf((u32)mn);
+        }
+    }
+};
+template <> struct I8<TQ4_KP> : I8<TQ4_K> {};
+
+// the bytes TQ4_K(P)::load reads, by the type's order (tag dispatch: NVRTC has no <type_traits>)
+DEV void raw_v16(const TQ4_K*, const Mat& m, int row, int u, V16& q, V16& s) {
+    q = ld16(m.qs + ((long)row * m.nb + (u >> 3)) * 128 + 16 * (u & 7));
+    s = ld16(m.sc + ((long)row * m.nb + (u >> 3)) * 16);
+}
+DEV void raw_v16(const TQ4_KP*, const Mat& m, int row, int u, V16& q, V16& s) {
+    const long chunk = ((long)(row >> 4) * (m.nb / 4) + (u >> 5)) * 16 + (row & 15);
+    q = ld16(m.qs + chunk * 512 + (u & 31) * 16);
+    s = ld16(m.sc + chunk * 64 + ((u & 31) >> 3) * 16);
+}
+
+// MODE 0: loads, xor; 1: TQ4_K::load (scale decode), xor; 2: mmv_block_q8 and SiLU (no epilogue).
+template <class T, int MODE>
+__global__ void __launch_bounds__(512) glu_like(const u8* qs0, const u8* sc0, const u8* qs1, const u8* sc1, int K,
+                                                const u8* xq, const float4* xs, float* y) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, row = blockIdx.x * 16 + warp, units = K / 32;
+    const Mat m[2] = {Mat{qs0, nullptr, sc0, nullptr, K / 256}, Mat{qs1, nullptr, sc1, nullptr, K / 256}};
+    const int rows[2] = {row, row};
+    float out;
+    if constexpr (MODE == 2) {
+        float acc[2][1];
+        mmv_block_q8<T, 1, 2, 1>(m, rows, K, XQ{xq, K, xs, K / 16, 0, 0.f}, acc);
+        out = silu_f(acc[0][0]) * acc[1][0];
+    } else {
+        u32 s = 0;
+        V16 q[2], sc[2];
+        typename T::Raw raw[2];
+        auto ld = [&](int u) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                if constexpr (MODE == 0) raw_v16((const T*)nullptr, m[r], row, u, q[r], sc[r]);
+                else T::load(m[r], row, u, raw[r]);
+            }
+        };
+        ld(lane);
+        pdl_enter();
+        for (int u = lane; u < units; u += 32) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                if constexpr (MODE == 0) s ^= q[r].w[0] ^ q[r].w[1] ^ q[r].w[2] ^ q[r].w[3] ^ sc[r].w[lane & 3];
+                else s ^= raw[r].q.w[0] ^ raw[r].q.w[1] ^ raw[r].q.w[2] ^ raw[r].q.w[3] ^ __float_as_uint(raw[r].d[0] + raw[r].m[1]);
+            }
+            if (u + 32 < units) ld(u + 32);
+        }
+        for (int o = 16; o > 0; o >>= 1) s ^= __shfl_xor_sync(0xffffffffu, s, o);
+        out = (float)(s & 1u);
+    }
+    if (lane == 0) y[row] = out;
+}
+"""
+GLU_NAMES = ["glu_like<TQ4_K, 0>", "glu_like<TQ4_K, 1>", "glu_like<TQ4_K, 2>", "glu_like<TQ4_KP, 0>",
+             "glu_like<TQ4_KP, 1>", "glu_like<TQ4_KP, 2>", "mmv_glu<TQ4_K, 1, 2, 1, 0, 3>",
+             "mmv_glu<TQ4_KP, 1, 2, 1, 0, 3>"]
+BARE_NAMES = ["ldg_read<4>", "small_read"]
+N, K = 14336, 4096  # the 8B's GLU: 14,336 gate and 14,336 up rows of 4,096 columns (Q4_K)
+OTHER_MB = {"QKV": 14.7, "o-proj": 9.4, "down": 40.6}
+
+
+def u64(x) -> np.uint64:
+    return np.uint64(x.data.ptr) if isinstance(x, cp.ndarray) else np.uint64(x)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=32)
+    a = ap.parse_args()
+    L = a.layers
+    bare = cp.RawModule(code=BARE_SRC, options=("-std=c++17", "-arch=sm_90"), name_expressions=BARE_NAMES)
+    glu = cp.RawModule(code=GLU_SRC, options=("-std=c++17", "-arch=sm_90", f"-I{SRC_DIR}"),
+                       name_expressions=GLU_NAMES)
+    fns = {n: bare.get_function(n) for n in BARE_NAMES} | {n: glu.get_function(n) for n in GLU_NAMES}
+    for n in GLU_NAMES:
+        print(f"{n}: {fns[n].num_regs} registers", flush=True)
+    stream = cp.cuda.Stream(non_blocking=True)
+    ev = [cp.cuda.Event() for _ in range(2)]
+    other = int(sum(OTHER_MB.values()) * 1e6 * L * 1.02)
+    w_other = cp.random.randint(0, 2**31, size=other // 4, dtype=cp.int32).view(cp.uint8)
+    qs_b, sc_b = N * K // 2, N * K // 16  # per matrix
+    # scales as real ones: d, dmin small f16, 12 bytes of 6-bit scales (random is fine for timing)
+    w_glu = cp.random.randint(0, 2**31, size=L * 2 * (qs_b + sc_b) // 4, dtype=cp.int32).view(cp.uint8)
+    cache = cp.ones(32 * 1024 * 4, cp.uint32)
+    xs = [cp.ones(1025, cp.float32), cp.ones(1025, cp.float32)]
+    xq = cp.random.randint(-127, 128, size=K, dtype=cp.int8).view(cp.uint8)
+    xsc = cp.ones((K // 16, 4), cp.float32) * cp.asarray([0.01, 0.5, 1.0, 0.0], cp.float32)
+    y = cp.zeros(N + 1024, cp.float32)
+    oq, osc = cp.zeros(N, cp.uint8), cp.zeros((N // 16, 4), cp.float32)
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    for n in GLU_NAMES:
+        fns[n].max_dynamic_shared_size_bytes = 100 * 1024
+    fns["ldg_read<4>"].max_dynamic_shared_size_bytes = 100 * 1024
+
+    def glu_planes(layer: int, which: int):
+        base = (layer * 2 + which) * (qs_b + sc_b)
+        return w_glu[base:], w_glu[base + qs_b:]
+
+    def plan(variant: str | None):
+        """One chain of L layers; variant None leaves the GLU out."""
+        launches, off, i = [], 0, 0
+        for layer in range(L):
+            for role in ("QKV", "attention", "o-proj", "GLU", "down"):
+                xin, xout = xs[i % 2], xs[(i + 1) % 2]
+                if role == "attention":
+                    launches.append((fns["small_read"], 32, 256, (cache, xin, xout, np.int32(0)), 0))
+                elif role == "GLU":
+                    if variant is None:
+                        continue
+                    (gq, gs), (uq, us) = glu_planes(layer, 0), glu_planes(layer, 1)
+                    kind, _, occ = variant.partition("/")
+                    smem = 100 * 1024 if occ == "2" else 0
+                    if kind == "bare":  # the same bytes, contiguous, as chain_probe's blocks4
+                        n = 2 * (qs_b + sc_b) // 4096 * 4096
+                        grid = n // 65536
+                        launches.append((fns["ldg_read<4>"], grid, 512, (gq, np.int64(n // 16 // grid), xin, xout,
+                                                                            np.int32(1), np.int32(0), np.int32(0)), smem))
+                    else:
+                        mode, order = kind.split("-")
+                        t = "TQ4_K" if order == "row" else "TQ4_KP"
+                        if mode == "real":
+                            name = f"mmv_glu<{t}, 1, 2, 1, 0, 3>"
+                            args = (gq, 0, gs, 0, uq, 0, us, 0, np.int32(N), 0, np.int32(K), np.int32(K), y,
+                                    np.int32(N), 0, np.float32(0), xq, np.int32(K), xsc, np.int32(K // 16),
+                                    np.int32(0), np.float32(0), oq, np.int32(N), osc, np.int32(N // 16), 0)
+                        else:
+                            name = f"glu_like<{t}, {['loads', 'decode', 'dp4a'].index(mode)}>"
+                            args = (gq, gs, uq, us, np.int32(K), xq, xsc, y)
+                        launches.append((fns[name], N // 16, 512, args, smem))
+                    i += 1
+                    continue
+                else:
+                    n = int(OTHER_MB[role] * 1e6) // 4096 * 4096
+                    grid = n // 65536
+                    launches.append((fns["ldg_read<4>"], grid, 512, (w_other[off:], np.int64(n // 16 // grid), xin,
+                                                                        xout, np.int32(1), np.int32(0), np.int32(0)), 0))
+                    off += n
+                i += 1
+
+        def launch_all():
+            for fn, grid, block, args, smem in launches:
+                pdl.launch(fn.kernel.ptr, (grid,), (block,), [u64(x) if not isinstance(x, np.generic) else x
+                                                              for x in args], smem, stream.ptr)
+        return launch_all
+
+    def graph_time(variant) -> float:
+        launch_all = plan(variant)
+        with stream:
+            launch_all()
+            stream.synchronize()
+            stream.begin_capture()
+            launch_all()
+            graph = stream.end_capture()
+            ts = []
+            for _ in range(8):
+                ev[0].record(stream)
+                graph.launch(stream)
+                ev[1].record(stream)
+                ev[1].synchronize()
+                ts.append(cp.cuda.get_elapsed_time(ev[0], ev[1]) * 1e3)
+        return float(np.median(ts[1:])) / L
+
+    variants = ["bare", "bare/2", "loads-row", "loads-row/2", "decode-row/2", "dp4a-row/2", "real-row",
+                "loads-blk", "loads-blk/2", "decode-blk/2", "dp4a-blk/2", "real-blk"]
+    res: dict[str, list[float]] = {v: [] for v in variants}
+    base = []
+    for rnd in range(2):
+        base.append(graph_time(None))
+        for v in variants:
+            res[v].append(graph_time(v) - base[-1])
+            print(f"round {rnd}: {v:>13}: GLU {res[v][-1]:6.2f} us a layer (rest {base[-1]:.2f})", flush=True)
+    gb = 2 * (qs_b + sc_b) / 1e9
+    print(f"\n{sms} SMs; layer without the GLU: {' / '.join(f'{b:.2f}' for b in base)} us")
+    print("\n| GLU stand-in | us a layer (two rounds) | TB/s |\n|---|---|---|")
+    for v in variants:
+        t = min(res[v])
+        print(f"| {v} | {' / '.join(f'{x:.2f}' for x in res[v])} | {gb / t * 1e3:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
