@@ -54,6 +54,22 @@ struct TQ4_KP : TQ4_K {
     }
 };
 template <> struct I8<TQ4_KP> : I8<TQ4_K> {};
+// TQ4_K with its 12 scale bytes transposed: byte g of words 1, 2, 3 of the 16-byte block hold the
+// 24 bits of 64-group g (sc[2g] | sc[2g+1] << 6 | mn[2g] << 12 | mn[2g+1] << 18), so a unit's two
+// scales and mins are two byte permutes and four 6-bit fields away (k4_scale_min: about 25 each).
+struct TQ4_KS : TQ4_K {
+    static DEV void load(const Mat& m, int row, int u, Raw& r) {
+        const long sb = (long)row * m.nb + (u >> 3);
+        const int g = (u >> 1) & 3;
+        r.q = ld16(m.qs + sb * 128 + 16 * (u & 7));
+        const V16 hv = ld16(m.sc + sb * 16);
+        const float d = h2f((u16)(hv.w[0] & 0xFFFFu)), dmin = h2f((u16)(hv.w[0] >> 16));
+        const u32 f = __byte_perm(__byte_perm(hv.w[1], hv.w[2], g | (g + 4) << 4), hv.w[3], 0x10 | (g + 4) << 8);
+        r.d[0] = d * qf(f & 63); r.d[1] = d * qf((f >> 6) & 63);
+        r.m[0] = dmin * qf((f >> 12) & 63); r.m[1] = dmin * qf((f >> 18) & 63);
+    }
+};
+template <> struct I8<TQ4_KS> : I8<TQ4_K> {};
 
 // the bytes TQ4_K(P)::load reads, by the type's order (tag dispatch: NVRTC has no <type_traits>)
 DEV void raw_v16(const TQ4_K*, const Mat& m, int row, int u, V16& q, V16& s) {
@@ -66,7 +82,42 @@ DEV void raw_v16(const TQ4_KP*, const Mat& m, int row, int u, V16& q, V16& s) {
     s = ld16(m.sc + chunk * 64 + ((u & 31) >> 3) * 16);
 }
 
-// MODE 0: loads, xor; 1: TQ4_K::load (scale decode), xor; 2: mmv_block_q8 and SiLU (no epilogue).
+// mmv_block_q8 (B = 1, R = 2, WG = 1, no norm) with the unit count known at compile time: the
+// rounds unrolled, their addresses immediate offsets (the 8B's 4,096 columns: 4 rounds).
+template <class T, int UNITS>
+DEV void mmv_q8_fixed(const Mat (&m)[2], const int (&row)[2], const XQ& xq, float (&acc)[2][1]) {
+    const int tid = threadIdx.x & 31;
+    acc[0][0] = acc[1][0] = 0.f;
+    typename T::Raw raw[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) T::load(m[r], row[r], tid, raw[r]);
+    pdl_enter();
+#pragma unroll
+    for (int i = 0; i < UNITS / 32; ++i) {
+        const int u = tid + 32 * i;
+#pragma unroll
+        for (int p = 0; p < T::NP; ++p) {
+            const int off = T::xoff(u, p);
+            const uint4 xv = *reinterpret_cast<const uint4*>(xq.q + off);
+            const float4 xs = xq.s[off >> 4];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                u32 q[4]; float d, mo;
+                I8<T>::words(raw[r], p, q, d, mo);
+                const int s = dp4a(q[3], xv.w, dp4a(q[2], xv.z, dp4a(q[1], xv.y, dp4a(q[0], xv.x, 0))));
+                acc[r][0] = fmaf(d * xs.x, i2f_small(s), fmaf(mo, xs.y, acc[r][0]));
+            }
+        }
+        if (i + 1 < UNITS / 32)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) T::load(m[r], row[r], u + 32, raw[r]);
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) acc[r][0] = warp_sum(acc[r][0]);
+}
+
+// MODE 0: loads, xor; 1: TQ4_K::load (scale decode), xor; 2: mmv_block_q8 and SiLU (no epilogue);
+// 3: mmv_q8_fixed (K = 4,096) and SiLU.
 template <class T, int MODE>
 __global__ void __launch_bounds__(512) glu_like(const u8* qs0, const u8* sc0, const u8* qs1, const u8* sc1, int K,
                                                 const u8* xq, const float4* xs, float* y) {
@@ -74,9 +125,10 @@ __global__ void __launch_bounds__(512) glu_like(const u8* qs0, const u8* sc0, co
     const Mat m[2] = {Mat{qs0, nullptr, sc0, nullptr, K / 256}, Mat{qs1, nullptr, sc1, nullptr, K / 256}};
     const int rows[2] = {row, row};
     float out;
-    if constexpr (MODE == 2) {
+    if constexpr (MODE >= 2) {
         float acc[2][1];
-        mmv_block_q8<T, 1, 2, 1>(m, rows, K, XQ{xq, K, xs, K / 16, 0, 0.f}, acc);
+        if constexpr (MODE == 3) mmv_q8_fixed<T, 128>(m, rows, XQ{xq, K, xs, K / 16, 0, 0.f}, acc);
+        else mmv_block_q8<T, 1, 2, 1>(m, rows, K, XQ{xq, K, xs, K / 16, 0, 0.f}, acc);
         out = silu_f(acc[0][0]) * acc[1][0];
     } else {
         u32 s = 0;
@@ -105,7 +157,7 @@ __global__ void __launch_bounds__(512) glu_like(const u8* qs0, const u8* sc0, co
     if (lane == 0) y[row] = out;
 }
 """
-GLU_NAMES = ["glu_like<TQ4_K, 0>", "glu_like<TQ4_K, 1>", "glu_like<TQ4_K, 2>", "glu_like<TQ4_KP, 0>",
+GLU_NAMES = ["glu_like<TQ4_KS, 2>", "glu_like<TQ4_K, 3>", "glu_like<TQ4_KS, 3>", "mmv_glu<TQ4_KS, 1, 2, 1, 0, 3>", "glu_like<TQ4_K, 0>", "glu_like<TQ4_K, 1>", "glu_like<TQ4_K, 2>", "glu_like<TQ4_KP, 0>",
              "glu_like<TQ4_KP, 1>", "glu_like<TQ4_KP, 2>", "mmv_glu<TQ4_K, 1, 2, 1, 0, 3>",
              "mmv_glu<TQ4_KP, 1, 2, 1, 0, 3>"]
 BARE_NAMES = ["ldg_read<4>", "small_read"]
@@ -171,14 +223,14 @@ def main() -> None:
                                                                             np.int32(1), np.int32(0), np.int32(0)), smem))
                     else:
                         mode, order = kind.split("-")
-                        t = "TQ4_K" if order == "row" else "TQ4_KP"
+                        t = {"row": "TQ4_K", "blk": "TQ4_KP", "S": "TQ4_KS"}[order]
                         if mode == "real":
                             name = f"mmv_glu<{t}, 1, 2, 1, 0, 3>"
                             args = (gq, 0, gs, 0, uq, 0, us, 0, np.int32(N), 0, np.int32(K), np.int32(K), y,
                                     np.int32(N), 0, np.float32(0), xq, np.int32(K), xsc, np.int32(K // 16),
                                     np.int32(0), np.float32(0), oq, np.int32(N), osc, np.int32(N // 16), 0)
                         else:
-                            name = f"glu_like<{t}, {['loads', 'decode', 'dp4a'].index(mode)}>"
+                            name = f"glu_like<{t}, {['loads', 'decode', 'dp4a', 'fixed'].index(mode)}>"
                             args = (gq, gs, uq, us, np.int32(K), xq, xsc, y)
                         launches.append((fns[name], N // 16, 512, args, smem))
                     i += 1
@@ -214,8 +266,7 @@ def main() -> None:
                 ts.append(cp.cuda.get_elapsed_time(ev[0], ev[1]) * 1e3)
         return float(np.median(ts[1:])) / L
 
-    variants = ["bare", "bare/2", "loads-row", "loads-row/2", "decode-row/2", "dp4a-row/2", "real-row",
-                "loads-blk", "loads-blk/2", "decode-blk/2", "dp4a-blk/2", "real-blk"]
+    variants = ["bare/2", "loads-row/2", "dp4a-row/2", "real-row", "dp4a-S/2", "real-S", "fixed-row/2", "fixed-S/2"]
     res: dict[str, list[float]] = {v: [] for v in variants}
     base = []
     for rnd in range(2):
