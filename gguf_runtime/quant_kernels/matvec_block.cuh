@@ -125,9 +125,14 @@ DEV void mmv_block(const Mat (&m)[R], const int (&row)[R], int K, const float* _
 // as mmv_block's fused norm): what a residual matvec's q8 epilogue writes for the next norm.
 struct XQ { const u8* q; int ldq; const float4* s; int lds; int norm; float eps; };
 
-template <class T, int B, int R, int WG>
+// KC > 0: the row length K, known at compile time; the lane's rounds are then unrolled, so the
+// compiler issues each round's weight loads among the previous round's dot products and addresses
+// become immediate offsets (GLU stand-in in an 8B chain: 30.2 -> 28.8 us a layer,
+// bench/glu_order_probe.py). KC = 0: a runtime loop.
+template <class T, int B, int R, int WG, int KC = 0>
 DEV void mmv_block_q8(const Mat (&m)[R], const int (&row)[R], int K, const XQ& xq, float (&acc)[R][B]) {
-    const int tid = threadIdx.x % (32 * WG), units = K / T::UE;
+    constexpr int LANES = 32 * WG, KU = KC / T::UE, NR = (KU + LANES - 1) / LANES;
+    const int tid = threadIdx.x % LANES, units = KC ? KU : K / T::UE;
     float ssq[B];
     zero_sums<B, R>(acc, ssq);
     typename T::Raw raw[R];  // loaded before pdl_enter, as in mmv_block (loading more units ahead
@@ -135,7 +140,7 @@ DEV void mmv_block_q8(const Mat (&m)[R], const int (&row)[R], int K, const XQ& x
 #pragma unroll
         for (int r = 0; r < R; ++r) T::load(m[r], row[r], tid, raw[r]);
     pdl_enter();
-    for (int u = tid; u < units; u += 32 * WG) {
+    auto round = [&](int u, bool next) {  // unit u's pieces, then (next) the loads of unit u + LANES
 #pragma unroll
         for (int p = 0; p < T::NP; ++p) {
             const int off = T::xoff(u, p);
@@ -157,9 +162,19 @@ DEV void mmv_block_q8(const Mat (&m)[R], const int (&row)[R], int K, const XQ& x
                 }
             }
         }
-        if (u + 32 * WG < units)
+        if (next)
 #pragma unroll
-            for (int r = 0; r < R; ++r) T::load(m[r], row[r], u + 32 * WG, raw[r]);
+            for (int r = 0; r < R; ++r) T::load(m[r], row[r], u + LANES, raw[r]);
+    };
+    if constexpr (KC > 0) {
+#pragma unroll
+        for (int i = 0; i < NR; ++i) {
+            const int u = tid + i * LANES;
+            if (KU % LANES == 0) round(u, i + 1 < NR);  // every lane has NR units
+            else if (u < units) round(u, u + LANES < units);
+        }
+    } else {
+        for (int u = tid; u < units; u += LANES) round(u, u + LANES < units);
     }
     group_reduce<B, R, WG>(acc, ssq, xq.norm != 0);
     if (xq.norm && tid == 0)
