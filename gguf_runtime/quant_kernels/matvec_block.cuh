@@ -135,8 +135,11 @@ DEV void mmv_block_q8(const Mat (&m)[R], const int (&row)[R], int K, const XQ& x
     const int tid = threadIdx.x % LANES, units = KC ? KU : K / T::UE;
     float ssq[B];
     zero_sums<B, R>(acc, ssq);
-    typename T::Raw raw[R];  // loaded before pdl_enter, as in mmv_block (loading more units ahead
-    if (tid < units)         // measured slower: 8B tg128 385 -> 337 t/s, bench/RESULTS.md)
+    // loaded before pdl_enter, as in mmv_block (loading more units ahead measured slower: 8B tg128
+    // 385 -> 337 t/s, bench/RESULTS.md). The guard is on the runtime K even where KC is known: a
+    // branch the compiler cannot remove, without which ptxas moved the wait above these loads.
+    typename T::Raw raw[R];
+    if (tid < K / T::UE)
 #pragma unroll
         for (int r = 0; r < R; ++r) T::load(m[r], row[r], tid, raw[r]);
     pdl_enter();
