@@ -143,27 +143,35 @@ DEV void mmv_block_q8(const Mat (&m)[R], const int (&row)[R], int K, const XQ& x
 #pragma unroll
         for (int r = 0; r < R; ++r) T::load(m[r], row[r], tid, raw[r]);
     pdl_enter();
+    // x of XP pieces per load step: all of the unit's where the rounds are unrolled (else the
+    // compiler issued each piece's x load after the previous piece's products, serializing them)
+    constexpr int XP = KC > 0 ? T::NP : 1;
     auto round = [&](int u, bool next) {  // unit u's pieces, then (next) the loads of unit u + LANES
 #pragma unroll
-        for (int p = 0; p < T::NP; ++p) {
-            const int off = T::xoff(u, p);
-            uint4 xv[B]; float4 xs[B];
+        for (int p0 = 0; p0 < T::NP; p0 += XP) {
+            uint4 xv[XP][B]; float4 xs[XP][B];
 #pragma unroll
-            for (int b = 0; b < B; ++b) {
-                xv[b] = *reinterpret_cast<const uint4*>(xq.q + (long)b * xq.ldq + off);
-                xs[b] = xq.s[(long)b * xq.lds + (off >> 4)];
-                ssq[b] += xs[b].z;
-            }
-#pragma unroll
-            for (int r = 0; r < R; ++r) {
-                u32 q[4]; float d, mo;
-                I8<T>::words(raw[r], p, q, d, mo);
+            for (int j = 0; j < XP; ++j)
 #pragma unroll
                 for (int b = 0; b < B; ++b) {
-                    const int s = dp4a(q[3], xv[b].w, dp4a(q[2], xv[b].z, dp4a(q[1], xv[b].y, dp4a(q[0], xv[b].x, 0))));
-                    acc[r][b] = fmaf(d * xs[b].x, i2f_small(s), fmaf(mo, xs[b].y, acc[r][b]));
+                    const int off = T::xoff(u, p0 + j);
+                    xv[j][b] = *reinterpret_cast<const uint4*>(xq.q + (long)b * xq.ldq + off);
+                    xs[j][b] = xq.s[(long)b * xq.lds + (off >> 4)];
+                    ssq[b] += xs[j][b].z;
                 }
-            }
+#pragma unroll
+            for (int j = 0; j < XP; ++j)
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    u32 q[4]; float d, mo;
+                    I8<T>::words(raw[r], p0 + j, q, d, mo);
+#pragma unroll
+                    for (int b = 0; b < B; ++b) {
+                        const uint4& v = xv[j][b];
+                        const int s = dp4a(q[3], v.w, dp4a(q[2], v.z, dp4a(q[1], v.y, dp4a(q[0], v.x, 0))));
+                        acc[r][b] = fmaf(d * xs[j][b].x, i2f_small(s), fmaf(mo, xs[j][b].y, acc[r][b]));
+                    }
+                }
         }
         if (next)
 #pragma unroll
