@@ -41,10 +41,10 @@ def precompile(kernels: Kernels, cfg: ModelConfig, w: DeviceWeights, blocks: Cud
         structs, rows = [m.struct for m in mats], [m.rows for m in mats]
         ios = [0] + ([1] if q8 and L.q8_capable(mats) else [])
         for mode in (0, 1):
-            mm += [L.mmv_name(structs, b, *L.mmv_config(structs, rows, mats[0].cols, b), mode, io, mats[0].cols)
+            mm += [L.mmv_name(structs, b, *L.mmv_config(structs, rows, mats[0].cols, b), mode, io)
                    for b in L.MMV_TOKENS for io in ios]
         if len(ios) > 1 and len(mats) == 1 and rows[0] % L.Q8_OUT_ROWS == 0:  # residual with a q8 epilogue
-            mm += [L.mmv_name(structs, b, *L.mmv_config(structs, rows, mats[0].cols, b, True), 1, 3, mats[0].cols)
+            mm += [L.mmv_name(structs, b, *L.mmv_config(structs, rows, mats[0].cols, b, True), 1, 3)
                    for b in L.MMV_TOKENS]
         if max_batch > blocks.decode_mmv_rows:  # batch decode steps: tensor-core products
             modes = (0, 1) if len(mats) == 1 and mats[0].qs in residuals else (0,)
@@ -55,22 +55,21 @@ def precompile(kernels: Kernels, cfg: ModelConfig, w: DeviceWeights, blocks: Cud
     for s, n, c in glu:
         mm += [L.glu_name(s, b, *L.glu_config(s, n, c, b), act) for b in L.MMV_TOKENS]
         if q8 and s not in L.FLOAT_STRUCTS:
-            mm += [L.glu_name(s, b, *L.glu_config(s, n, c, b), act, 1, c) for b in L.MMV_TOKENS]
-            mm += [L.glu_name(s, b, 2, min(L.glu_config(s, n, c, b)[1], 2), act, 3, c) for b in L.MMV_TOKENS
+            mm += [L.glu_name(s, b, *L.glu_config(s, n, c, b), act, 1) for b in L.MMV_TOKENS]
+            mm += [L.glu_name(s, b, 2, min(L.glu_config(s, n, c, b)[1], 2), act, 3) for b in L.MMV_TOKENS
                    if n % L.Q8_OUT_ROWS == 0]
     mma += [LM.mma_glu_name(s, *LM.mma_config([n], b, 0, tall=False)[:2], act) for s, n, _ in glu for b in buckets
             if blocks.decode_mmv_rows < b <= max_batch]
     mm.append(f"embed_rows<{w.mat('token_embd.weight').struct}>")
     mm += [f"dequant_f16<{s}>" for s in {m.struct for m in w.mats.values()}]
     if blocks.mmv_cfg["GLU"]:  # measuring the GLU's (R, WG)
-        mm += [L.glu_name(s, b, *blocks.mmv_cfg["GLU"], act, io, c) for s, _, c in glu for b in L.MMV_TOKENS
+        mm += [L.glu_name(s, b, *blocks.mmv_cfg["GLU"], act, io) for s, _, _ in glu for b in L.MMV_TOKENS
                for io in (1, 3)]
     if any(blocks.mmv_cfg[k] for k in ("QKV", "O", "DOWN")):  # measuring (R, WG): every candidate, one module
         for mats in groups:
             structs = [m.struct for m in mats]
             for r, wg in MMV_SWEEP:
-                c = mats[0].cols
-                mm += [L.mmv_name(structs, 1, r, wg, 0, 1, c), L.mmv_name(structs, 1, *L.q8_out_config(r, wg), 1, 3, c)]
+                mm += [L.mmv_name(structs, 1, r, wg, 0, 1), L.mmv_name(structs, 1, *L.q8_out_config(r, wg), 1, 3)]
     kernels.prepare("matvec.cu", mm)
     if mma:
         kernels.prepare("matmul_mma.cu", mma)

@@ -18,7 +18,6 @@ from gguf_runtime.quant_kernels import launch_attention as LA  # noqa: E402
 from gguf_runtime.quant_kernels import launchers as L  # noqa: E402
 from gguf_runtime.quant_kernels import launch_layers as LL  # noqa: E402
 from gguf_runtime.quant_kernels.formats import BY_NAME, FORMATS, SUPPORTED  # noqa: E402
-from gguf_runtime.quant_kernels.launch_core import TYPE_STRUCT  # noqa: E402
 from gguf_runtime.quant_kernels.reference_q8 import dequantize_q8, quantize_q8  # noqa: E402
 from test_gpu_backend import twin_path  # noqa: E402
 from test_gpu_kernels import POISON, cols_for, rel, upload  # noqa: E402
@@ -149,40 +148,6 @@ def test_mmv_q8_every_type(k, name, b):
     yd = cp.asarray(y0)
     L.mmv(k, [m], [(yd.data.ptr, rows)], [None], 0, cols, b, 1, q8=buf.vec)
     assert rel(yd.get(), y0 + xq @ w.T) < 1e-5
-
-
-@pytest.mark.parametrize("name", INT_TYPES)
-def test_mmv_q8_unrolled_rounds_equal_the_loop(k, monkeypatch, name):
-    """One token with K compiled in (matvec_block.cuh's KC: the rounds unrolled, the last one partial
-    here) gives the runtime loop's results bit for bit, for the plain matvec, the residual one with the
-    q8 epilogue and the GLU; both match numpy."""
-    rng = np.random.default_rng()
-    keep = []
-    be = FORMATS[BY_NAME[name]].block_elems
-    rows, cols = 32, (256 * 13 if be == 256 else be * 105)  # 3 to 4 rounds of 32 lanes, 2 of 64
-    (m, w), (u, wu) = upload(name, rows, cols, rng, keep), upload(name, rows, cols, rng, keep)
-    x = rng.standard_normal((1, cols)).astype(np.float32)
-    buf, xq = quantized(k, x, keep)
-    y0 = rng.standard_normal((1, rows)).astype(np.float32)
-    runs = []
-    for unroll in ("8", "0"):
-        monkeypatch.setenv("GGUF_RUN_Q8_UNROLL", unroll)
-        struct = TYPE_STRUCT[name]
-        assert (L.unrolled_cols([struct], cols, 1, 1, 1) == cols) == (unroll == "8")
-        assert (L.unrolled_cols([struct], cols, 1, 2, 3) == cols) == (unroll == "8")
-        y = cp.full((1, rows), POISON, cp.float32)
-        L.mmv(k, [m], [(y.data.ptr, rows)], [None], 0, cols, 1, 0, q8=buf.vec)
-        yr = cp.asarray(y0)
-        out = Q8Buf(1, rows)
-        L.mmv(k, [m], [(yr.data.ptr, rows)], [None], 0, cols, 1, 1, q8=buf.vec, q8_out=(out.vec, None))
-        g = cp.full((1, rows), POISON, cp.float32)
-        L.mmv_glu(k, m, u, 0, cols, 1, "silu", g.data.ptr, rows, q8=buf.vec)
-        runs.append((y.get(), yr.get(), out.get()[0], g.get()))
-        assert rel(runs[-1][0], xq @ w.T) < 1e-5
-        assert rel(runs[-1][1], y0 + xq @ w.T) < 1e-5
-        assert rel(runs[-1][3], silu(xq @ w.T) * (xq @ wu.T)) < 1e-5
-    for a, b in zip(*runs):
-        assert np.array_equal(a, b)
 
 
 @pytest.mark.parametrize("config", [None, (1, 1), (4, 1), (1, 4), (2, 2)])

@@ -6,7 +6,6 @@ launch_layers.py.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -19,34 +18,14 @@ MAX_MMV_TOKENS = 8
 
 
 # ---- name expressions ----------------------------------------------------------------------------
-# Rounds per lane up to which an int8 matvec of one token has its row length compiled in (KC, its
-# rounds unrolled: matvec_block.cuh); GGUF_RUN_Q8_UNROLL overrides it (0: never, to measure).
-Q8_UNROLL_ROUNDS = 8
-
-
-def unrolled_cols(structs: Sequence[str], cols: int, b: int, wg: int, io: int) -> int:
-    """The KC template argument: ``cols`` for an int8-input matvec (io bit 0) of one token whose
-    lanes take at most Q8_UNROLL_ROUNDS rounds of units, else 0 (a runtime loop). More tokens keep
-    the loop: unrolled, their accumulators spill."""
-    limit = int(os.environ.get("GGUF_RUN_Q8_UNROLL", Q8_UNROLL_ROUNDS))
-    if not io & 1 or b != 1 or cols <= 0:
-        return 0
-    lanes = 32 * wg
-    rounds = max(-(-(cols // UNIT_ELEMS[s]) // lanes) for s in structs)
-    return cols if rounds <= limit else 0
-
-
-def mmv_name(structs: Sequence[str], b: int, r: int, wg: int, mode: int, io: int = 0, cols: int = 0) -> str:
-    """io: bit 0 int8 activations in, bit 1 the q8 epilogue (matvec.cu); cols: the row length
-    (for unrolled_cols)."""
+def mmv_name(structs: Sequence[str], b: int, r: int, wg: int, mode: int, io: int = 0) -> str:
+    """io: bit 0 int8 activations in, bit 1 the q8 epilogue (matvec.cu)."""
     s = list(structs) + [structs[0]] * (3 - len(structs))
-    kc = unrolled_cols(structs, cols, b, wg, io)
-    return f"mmv_group<{s[0]}, {s[1]}, {s[2]}, {b}, {r}, {wg}, {mode}, {io}" + (f", {kc}>" if kc else ">")
+    return f"mmv_group<{s[0]}, {s[1]}, {s[2]}, {b}, {r}, {wg}, {mode}, {io}>"
 
 
-def glu_name(struct: str, b: int, r: int, wg: int, act: int, io: int = 0, cols: int = 0) -> str:
-    kc = unrolled_cols([struct], cols, b, wg, io)
-    return f"mmv_glu<{struct}, {b}, {r}, {wg}, {act}, {io}" + (f", {kc}>" if kc else ">")
+def glu_name(struct: str, b: int, r: int, wg: int, act: int, io: int = 0) -> str:
+    return f"mmv_glu<{struct}, {b}, {r}, {wg}, {act}, {io}>"
 
 
 FLOAT_STRUCTS = ("TF32", "TF16", "TBF16")
@@ -185,7 +164,7 @@ def mmv(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases
         # RoPE in the epilogue: rope pairs in one group (R = 2); the f32 path is tested at one warp
         fused = (rope is not None and mode == 0 and r == 2 and (wg == 1 or q8 is not None) and rope.fusable
                  and len(mats) == 3)
-        fn = k.fn("matvec.cu", mmv_name([m.struct for m in mats], n, r, wg, mode, io, cols))
+        fn = k.fn("matvec.cu", mmv_name([m.struct for m in mats], n, r, wg, mode, io))
         args: list = []
         for i in range(3):
             if i < len(mats):
@@ -222,7 +201,7 @@ def mmv_glu(k: Kernels, gate: Mat, up: Mat, x: int, ldx: int, b: int, act: str, 
             r, wg = 2, min(wg, 2)  # one gate and one up row per group: 16 * WG warps per block
         nw = block_warps(r // 2, wg, io)
         per_block = (r // 2) * nw // wg
-        fn = k.fn("matvec.cu", glu_name(gate.struct, n, r, wg, ACT[act], io, gate.cols))
+        fn = k.fn("matvec.cu", glu_name(gate.struct, n, r, wg, ACT[act], io))
         fn(((gate.rows + per_block - 1) // per_block,), (32 * nw,),
            (*gate.planes, *up.planes, i32(gate.rows), ptr(x + 4 * row * ldx), i32(ldx), i32(gate.cols),
             ptr(y + 4 * row * ldy), i32(ldy), *_norm_args(norm), *(q8.args(row) if q8 else NO_Q8),

@@ -72,13 +72,13 @@ DEV bool group_leader() { return threadIdx.x % (32 * WG) == 0; }
 // IO bit 1: a q8 epilogue also writes the int8 copy of the outputs (QOut; 16 rows per block).
 struct XIn { const float* x; int ldx; const float* nw; float eps; XQ q; };
 
-template <class T, int B, int R, int WG, bool Q8, int KC>
+template <class T, int B, int R, int WG, bool Q8>
 DEV void mmv_any(const Mat (&m)[R], const int (&row)[R], int K, const XIn& xi, float (&acc)[R][B]) {
-    if constexpr (Q8) mmv_block_q8<T, B, R, WG, KC>(m, row, K, xi.q, acc);
+    if constexpr (Q8) mmv_block_q8<T, B, R, WG>(m, row, K, xi.q, acc);
     else mmv_block<T, B, R, WG>(m, row, K, xi.x, xi.ldx, xi.nw, xi.eps, acc);
 }
 
-template <class T, int B, int R, int WG, int MODE, int IO, int KC>
+template <class T, int B, int R, int WG, int MODE, int IO>
 DEV void mmv_segment(const Mat& mat, int n, int row0, const XIn& xi, int K, float* y, int ldy,
                      const float* bias, const RopeArgs& ra, int seg, const QOut& qo) {
     Mat m[R]; int row[R];
@@ -87,7 +87,7 @@ DEV void mmv_segment(const Mat& mat, int n, int row0, const XIn& xi, int K, floa
     float acc[R][B], qw = 1.f;
     if constexpr ((IO & 2) != 0)
         if (threadIdx.x < 16 * B) qw = q8_out_weight(qo, row0 - row0 % 16);  // weights only: before pdl_enter
-    mmv_any<T, B, R, WG, (IO & 1) != 0, KC>(m, row, K, xi, acc);
+    mmv_any<T, B, R, WG, (IO & 1) != 0>(m, row, K, xi, acc);
     if constexpr ((IO & 2) != 0) {  // residual add, then the int8 copy of the block's 16 new rows
         static_assert(MODE == 1, "q8 epilogue: residual mode");
         __shared__ float tile[B][16];
@@ -134,10 +134,9 @@ DEV void mmv_segment(const Mat& mat, int n, int row0, const XIn& xi, int K, floa
 // R rows of segment 0, then 1, then 2 (each segment's row count is a multiple of R * 4 / WG, so a
 // block never straddles two segments).
 // IO & 1: x and nw unused, XQ_ARGS is the input; IO & 2: QO_ARGS the int8 copy of the outputs.
-// KC: K compiled in (IO & 1 only; matvec_block.cuh's mmv_block_q8), or 0.
 #define XQ_ARGS const u8* xq, int ldq, const float4* xs, int lds, int xnorm, float xeps
 #define QO_ARGS u8* oq, int ldoq, float4* os, int ldos, const float* onw
-template <class T0, class T1, class T2, int B, int R, int WG, int MODE, int IO, int KC = 0>
+template <class T0, class T1, class T2, int B, int R, int WG, int MODE, int IO>
 __global__ void __launch_bounds__(32 * block_warps<R, WG, IO>()) mmv_group(
         PLANES(0), int n0, float* y0, int ldy0, const float* bias0,
         PLANES(1), int n1, float* y1, int ldy1, const float* bias1,
@@ -149,16 +148,16 @@ __global__ void __launch_bounds__(32 * block_warps<R, WG, IO>()) mmv_group(
     const XIn xi{x, ldx, nw, eps, XQ{xq, ldq, xs, lds, xnorm, xeps}};
     const QOut qo{oq, ldoq, os, ldos, onw};
     int row0 = group_row0<R, WG, block_warps<R, WG, IO>()>();
-    if (row0 < n0) { mmv_segment<T0, B, R, WG, MODE, IO, KC>(MAT(0, T0), n0, row0, xi, K, y0, ldy0, bias0, ra, 0, qo); return; }
+    if (row0 < n0) { mmv_segment<T0, B, R, WG, MODE, IO>(MAT(0, T0), n0, row0, xi, K, y0, ldy0, bias0, ra, 0, qo); return; }
     row0 -= n0;
-    if (row0 < n1) { mmv_segment<T1, B, R, WG, MODE, IO, KC>(MAT(1, T1), n1, row0, xi, K, y1, ldy1, bias1, ra, 1, qo); return; }
+    if (row0 < n1) { mmv_segment<T1, B, R, WG, MODE, IO>(MAT(1, T1), n1, row0, xi, K, y1, ldy1, bias1, ra, 1, qo); return; }
     row0 -= n1;
-    if (row0 < n2) mmv_segment<T2, B, R, WG, MODE, IO, KC>(MAT(2, T2), n2, row0, xi, K, y2, ldy2, bias2, ra, 2, qo);
+    if (row0 < n2) mmv_segment<T2, B, R, WG, MODE, IO>(MAT(2, T2), n2, row0, xi, K, y2, ldy2, bias2, ra, 2, qo);
 }
 
 // Gate and up projections in one pass, y = act(gate x) * (up x); ACT 0 = SiLU, 1 = GELU (tanh).
-// A row group takes R/2 rows of each. IO and KC as mmv_group's.
-template <class T, int B, int R, int WG, int ACT, int IO, int KC = 0>
+// A row group takes R/2 rows of each. IO as mmv_group's.
+template <class T, int B, int R, int WG, int ACT, int IO>
 __global__ void __launch_bounds__(32 * block_warps<R / 2, WG, IO>()) mmv_glu(PLANES(0), PLANES(1), int n, const float* __restrict__ x,
                                                int ldx, int K, float* y, int ldy, const float* __restrict__ nw,
                                                float eps, XQ_ARGS, QO_ARGS) {
@@ -174,7 +173,7 @@ __global__ void __launch_bounds__(32 * block_warps<R / 2, WG, IO>()) mmv_glu(PLA
     constexpr bool QO = (IO & 2) != 0;
     if constexpr (QO)
         if (threadIdx.x < 16 * B) qw = q8_out_weight(QOut{oq, ldoq, os, ldos, onw}, row0 - row0 % 16);
-    mmv_any<T, B, R, WG, (IO & 1) != 0, KC>(m, row, K, XIn{x, ldx, nw, eps, XQ{xq, ldq, xs, lds, xnorm, xeps}}, acc);
+    mmv_any<T, B, R, WG, (IO & 1) != 0>(m, row, K, XIn{x, ldx, nw, eps, XQ{xq, ldq, xs, lds, xnorm, xeps}}, acc);
     __shared__ float tile[QO ? B : 1][16];
     if (group_leader<WG>())
 #pragma unroll
@@ -238,22 +237,19 @@ __global__ void dequant_f16(PLANES(0), int rows, int K, u16* __restrict__ out) {
 #define ROPE_ARGS const int*, const int*, const int*, int, int, const double*, int, int, int, void*, void*, int
 #define XQ_TYPES const u8*, int, const float4*, int, int, float
 #define QO_TYPES u8*, int, float4*, int, const float*
-#define GROUPK(T, B, R, WG, MODE, IO, KC)                                                      \
-    template __global__ void mmv_group<T, T, T, B, R, WG, MODE, IO, KC>(PLANES(0), int, float*, int, const float*, \
+#define GROUP(T, B, R, WG, MODE, IO)                                                           \
+    template __global__ void mmv_group<T, T, T, B, R, WG, MODE, IO>(PLANES(0), int, float*, int, const float*, \
         PLANES(1), int, float*, int, const float*, PLANES(2), int, float*, int, const float*,  \
         const float*, int, int, const float*, float, XQ_TYPES, QO_TYPES, ROPE_ARGS);
-#define GLUK(T, B, R, WG, ACT, IO, KC)                                                         \
-    template __global__ void mmv_glu<T, B, R, WG, ACT, IO, KC>(PLANES(0), PLANES(1), int, const float*, int, int, \
+#define GLU(T, B, R, WG, ACT, IO)                                                              \
+    template __global__ void mmv_glu<T, B, R, WG, ACT, IO>(PLANES(0), PLANES(1), int, const float*, int, int, \
         float*, int, const float*, float, XQ_TYPES, QO_TYPES);
-#define GROUP(T, B, R, WG, MODE, IO) GROUPK(T, B, R, WG, MODE, IO, 0)
-#define GLU(T, B, R, WG, ACT, IO) GLUK(T, B, R, WG, ACT, IO, 0)
 #define INST(T)                                                                                \
     GROUP(T, 1, 8, 4, 0, 0) GROUP(T, 8, 1, 1, 1, 0) GROUP(T, 2, 2, 1, 0, 0) GLU(T, 4, 2, 2, 1, 0) \
     template __global__ void embed_rows<T>(PLANES(0), int, const int*, int, float*, int, float); \
     template __global__ void dequant_f16<T>(PLANES(0), int, int, u16*);
 #define INST_Q8(T) GROUP(T, 1, 4, 2, 0, 1) GROUP(T, 8, 1, 1, 1, 1) GROUP(T, 2, 2, 1, 0, 1) GLU(T, 3, 2, 1, 0, 1) \
-    GROUP(T, 2, 4, 1, 1, 3) GROUP(T, 3, 2, 1, 1, 3) GROUP(T, 1, 1, 1, 1, 3) GLU(T, 1, 2, 1, 0, 3) GLU(T, 5, 4, 1, 1, 3) \
-    GROUPK(T, 1, 2, 1, 0, 1, 4096) GROUPK(T, 1, 2, 2, 1, 3, 3328) GLUK(T, 1, 2, 1, 0, 3, 4096)
+    GROUP(T, 2, 4, 1, 1, 3) GROUP(T, 3, 2, 1, 1, 3) GROUP(T, 1, 1, 1, 1, 3) GLU(T, 1, 2, 1, 0, 3) GLU(T, 5, 4, 1, 1, 3)
 INST(TF32) INST(TF16) INST(TBF16) INST(TQ4_0) INST(TQ4_1) INST(TQ5_0) INST(TQ5_1) INST(TQ8_0)
 INST(TQ2_K) INST(TQ3_K) INST(TQ4_K) INST(TQ5_K) INST(TQ6_K)
 INST_Q8(TQ4_0) INST_Q8(TQ4_1) INST_Q8(TQ5_0) INST_Q8(TQ5_1) INST_Q8(TQ8_0)

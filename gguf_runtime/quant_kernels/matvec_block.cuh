@@ -125,67 +125,41 @@ DEV void mmv_block(const Mat (&m)[R], const int (&row)[R], int K, const float* _
 // as mmv_block's fused norm): what a residual matvec's q8 epilogue writes for the next norm.
 struct XQ { const u8* q; int ldq; const float4* s; int lds; int norm; float eps; };
 
-// KC > 0: the row length K, known at compile time; the lane's rounds are then unrolled, so the
-// compiler issues each round's weight loads among the previous round's dot products and addresses
-// become immediate offsets (GLU stand-in in an 8B chain: 30.2 -> 28.8 us a layer,
-// bench/glu_order_probe.py). KC = 0: a runtime loop.
-template <class T, int B, int R, int WG, int KC = 0>
+template <class T, int B, int R, int WG>
 DEV void mmv_block_q8(const Mat (&m)[R], const int (&row)[R], int K, const XQ& xq, float (&acc)[R][B]) {
-    constexpr int LANES = 32 * WG, KU = KC / T::UE, NR = (KU + LANES - 1) / LANES;
-    const int tid = threadIdx.x % LANES, units = KC ? KU : K / T::UE;
+    const int tid = threadIdx.x % (32 * WG), units = K / T::UE;
     float ssq[B];
     zero_sums<B, R>(acc, ssq);
-    // loaded before pdl_enter, as in mmv_block (loading more units ahead measured slower: 8B tg128
-    // 385 -> 337 t/s, bench/RESULTS.md). The guard is on the runtime K even where KC is known: a
-    // branch the compiler cannot remove, without which ptxas moved the wait above these loads.
-    typename T::Raw raw[R];
-    if (tid < K / T::UE)
+    typename T::Raw raw[R];  // loaded before pdl_enter, as in mmv_block (loading more units ahead
+    if (tid < units)         // measured slower: 8B tg128 385 -> 337 t/s, bench/RESULTS.md)
 #pragma unroll
         for (int r = 0; r < R; ++r) T::load(m[r], row[r], tid, raw[r]);
     pdl_enter();
-    // x of XP pieces per load step: all of the unit's where the rounds are unrolled (else the
-    // compiler issued each piece's x load after the previous piece's products, serializing them)
-    constexpr int XP = KC > 0 ? T::NP : 1;
-    auto round = [&](int u, bool next) {  // unit u's pieces, then (next) the loads of unit u + LANES
+    for (int u = tid; u < units; u += 32 * WG) {
 #pragma unroll
-        for (int p0 = 0; p0 < T::NP; p0 += XP) {
-            uint4 xv[XP][B]; float4 xs[XP][B];
+        for (int p = 0; p < T::NP; ++p) {
+            const int off = T::xoff(u, p);
+            uint4 xv[B]; float4 xs[B];
 #pragma unroll
-            for (int j = 0; j < XP; ++j)
+            for (int b = 0; b < B; ++b) {
+                xv[b] = *reinterpret_cast<const uint4*>(xq.q + (long)b * xq.ldq + off);
+                xs[b] = xq.s[(long)b * xq.lds + (off >> 4)];
+                ssq[b] += xs[b].z;
+            }
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                u32 q[4]; float d, mo;
+                I8<T>::words(raw[r], p, q, d, mo);
 #pragma unroll
                 for (int b = 0; b < B; ++b) {
-                    const int off = T::xoff(u, p0 + j);
-                    xv[j][b] = *reinterpret_cast<const uint4*>(xq.q + (long)b * xq.ldq + off);
-                    xs[j][b] = xq.s[(long)b * xq.lds + (off >> 4)];
-                    ssq[b] += xs[j][b].z;
+                    const int s = dp4a(q[3], xv[b].w, dp4a(q[2], xv[b].z, dp4a(q[1], xv[b].y, dp4a(q[0], xv[b].x, 0))));
+                    acc[r][b] = fmaf(d * xs[b].x, i2f_small(s), fmaf(mo, xs[b].y, acc[r][b]));
                 }
-#pragma unroll
-            for (int j = 0; j < XP; ++j)
-#pragma unroll
-                for (int r = 0; r < R; ++r) {
-                    u32 q[4]; float d, mo;
-                    I8<T>::words(raw[r], p0 + j, q, d, mo);
-#pragma unroll
-                    for (int b = 0; b < B; ++b) {
-                        const uint4& v = xv[j][b];
-                        const int s = dp4a(q[3], v.w, dp4a(q[2], v.z, dp4a(q[1], v.y, dp4a(q[0], v.x, 0))));
-                        acc[r][b] = fmaf(d * xs[j][b].x, i2f_small(s), fmaf(mo, xs[j][b].y, acc[r][b]));
-                    }
-                }
+            }
         }
-        if (next)
+        if (u + 32 * WG < units)
 #pragma unroll
-            for (int r = 0; r < R; ++r) T::load(m[r], row[r], u + LANES, raw[r]);
-    };
-    if constexpr (KC > 0) {
-#pragma unroll
-        for (int i = 0; i < NR; ++i) {
-            const int u = tid + i * LANES;
-            if (KU % LANES == 0) round(u, i + 1 < NR);  // every lane has NR units
-            else if (u < units) round(u, u + LANES < units);
-        }
-    } else {
-        for (int u = tid; u < units; u += LANES) round(u, u + LANES < units);
+            for (int r = 0; r < R; ++r) T::load(m[r], row[r], u + 32 * WG, raw[r]);
     }
     group_reduce<B, R, WG>(acc, ssq, xq.norm != 0);
     if (xq.norm && tid == 0)
