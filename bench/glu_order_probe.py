@@ -11,9 +11,12 @@ puts in the GLU's place, in turn:
 - ``dp4a``: the GLU's inner loop (mmv_block_q8: int8 x loads, dp4a, scales) and SiLU, no epilogue;
 - ``real``: the product's kernel, mmv_glu<TQ4_K, 1, 2, 1, 0, 3> (q8 epilogue included).
 
-each with the repacked planes' order (``row``: a row's quants contiguous, rows 2,048 bytes apart)
-and with a block-contiguous order (``blk``: a block's 16 rows of one round adjacent, 8 KiB of
-quants and 1 KiB of scales per matrix and round; TQ4_KP below). ``/2`` pads shared memory to two
+- ``fixed``: ``dp4a`` with K = 4,096 compiled in, its 4 rounds unrolled (mmv_q8_fixed below);
+
+each with the repacked planes' order (``row``: a row's quants contiguous, rows 2,048 bytes apart),
+a block-contiguous order (``blk``: a block's 16 rows of one round adjacent, 8 KiB of quants and
+1 KiB of scales per matrix and round; TQ4_KP below), or the row order with the 12 scale bytes
+transposed so a unit's scales take two byte permutes to decode (``S``: TQ4_KS below). ``/2`` pads shared memory to two
 blocks per SM (the real kernel's occupancy at 55 registers). The GLU's cost is the chain's layer
 time less the layer time without it. Medians of 7 replays, each variant measured twice.
 
@@ -266,7 +269,9 @@ def main() -> None:
                 ts.append(cp.cuda.get_elapsed_time(ev[0], ev[1]) * 1e3)
         return float(np.median(ts[1:])) / L
 
-    variants = ["bare/2", "loads-row/2", "dp4a-row/2", "real-row", "dp4a-S/2", "real-S", "fixed-row/2", "fixed-S/2"]
+    variants = ["bare", "bare/2", "loads-row", "loads-row/2", "decode-row/2", "dp4a-row/2", "real-row", "loads-blk",
+                "loads-blk/2", "decode-blk/2", "dp4a-blk/2", "real-blk", "dp4a-S/2", "real-S", "fixed-row/2",
+                "fixed-S/2"]
     res: dict[str, list[float]] = {v: [] for v in variants}
     base = []
     for rnd in range(2):
