@@ -130,6 +130,26 @@ __global__ void small_read(const uint4* __restrict__ w, const float* xin, float*
 }
 """
 
+def graph_us(stream: cp.cuda.Stream, launch_all) -> float:
+    """launch_all's launches run once eagerly, then captured on ``stream`` and replayed 8 times: the
+    median of the last 7 replays, in us (CUDA events)."""
+    ev = [cp.cuda.Event() for _ in range(2)]
+    with stream:
+        launch_all()  # warm-up, eager
+        stream.synchronize()
+        stream.begin_capture()
+        launch_all()
+        graph = stream.end_capture()
+        ts = []
+        for _ in range(8):
+            ev[0].record(stream)
+            graph.launch(stream)
+            ev[1].record(stream)
+            ev[1].synchronize()
+            ts.append(cp.cuda.get_elapsed_time(ev[0], ev[1]) * 1e3)
+    return float(np.median(ts[1:]))
+
+
 NAMES = ["ldg_read<4>", "ldg_read<2>", "ldg_read<1>", "bulk_read<4, 32768>", "bulk_read<6, 16384>", "small_read"]
 LAYER_MB = (14.7, None, 9.4, 66.1, 40.6)  # QKV, attention, o-proj, GLU, down (bytes per layer, 8B)
 
@@ -143,7 +163,6 @@ def main() -> None:
     dev = cp.cuda.Device()
     sms = dev.attributes["MultiProcessorCount"]
     stream = cp.cuda.Stream(non_blocking=True)
-    ev = [cp.cuda.Event() for _ in range(2)]
     total = int(sum(mb for mb in LAYER_MB if mb) * 1e6 * a.layers * 1.05)
     weights = cp.random.randint(0, 2**31, size=total // 4, dtype=cp.int32).view(cp.uint8)
     cache = cp.ones(32 * 1024 * 4, cp.uint32)
@@ -207,29 +226,13 @@ def main() -> None:
     def pdl_arg(x):
         return np.uint64(x.data.ptr) if isinstance(x, cp.ndarray) else x
 
-    def timed(graph) -> float:
-        ts = []
-        for _ in range(8):
-            ev[0].record(stream)
-            graph.launch(stream)
-            ev[1].record(stream)
-            ev[1].synchronize()
-            ts.append(cp.cuda.get_elapsed_time(ev[0], ev[1]) * 1e3)
-        return float(np.median(ts[1:]))
-
     rows = []
     for kind, order, pre in [("blocks4", "plain", 0), ("blocks4", "wait", 1), ("blocks2", "wait", 1),
                              ("persist4", "wait", 1), ("persist4", "go", 1), ("persist2", "wait", 1),
                              ("bulk4x32", "wait", 1), ("bulk4x32", "go", 1), ("bulk6x16", "wait", 1),
                              ("bulk4x32", "wait", 0)]:
         launch_all, nbytes = variant(kind, order, pre)
-        with stream:
-            launch_all()  # warm-up, eager
-            stream.synchronize()
-            stream.begin_capture()
-            launch_all()
-            graph = stream.end_capture()
-            t = timed(graph)
+        t = graph_us(stream, launch_all)
         rows.append((kind, order, pre, t, nbytes))
         print(f"{kind:>9} {order:>5} pre={pre}: {t:9.1f} us for {a.layers} layers, {t / a.layers:6.2f} us/layer, "
               f"{nbytes / t / 1e6:5.2f} TB/s", flush=True)
@@ -243,13 +246,7 @@ def main() -> None:
         times = []
         for skip in range(-1, len(LAYER_MB)):
             launch_all, _ = variant(kind, "wait", 1, skip)
-            with stream:
-                launch_all()
-                stream.synchronize()
-                stream.begin_capture()
-                launch_all()
-                graph = stream.end_capture()
-                times.append(timed(graph) / a.layers)
+            times.append(graph_us(stream, launch_all) / a.layers)
         print(f"| {kind} | " + " | ".join(f"{times[0] - t:.2f}" for t in times[1:]) + " |", flush=True)
 
 

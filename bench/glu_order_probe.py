@@ -33,7 +33,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from chain_probe import SRC as BARE_SRC  # noqa: E402
+from chain_probe import SRC as BARE_SRC, graph_us  # noqa: E402
 from gguf_runtime.quant_kernels import pdl  # noqa: E402
 from gguf_runtime.quant_kernels.sources import SRC_DIR  # noqa: E402
 
@@ -183,7 +183,6 @@ def main() -> None:
     for n in GLU_NAMES:
         print(f"{n}: {fns[n].num_regs} registers", flush=True)
     stream = cp.cuda.Stream(non_blocking=True)
-    ev = [cp.cuda.Event() for _ in range(2)]
     other = int(sum(OTHER_MB.values()) * 1e6 * L * 1.02)
     w_other = cp.random.randint(0, 2**31, size=other // 4, dtype=cp.int32).view(cp.uint8)
     qs_b, sc_b = N * K // 2, N * K // 16  # per matrix
@@ -252,21 +251,7 @@ def main() -> None:
         return launch_all
 
     def graph_time(variant) -> float:
-        launch_all = plan(variant)
-        with stream:
-            launch_all()
-            stream.synchronize()
-            stream.begin_capture()
-            launch_all()
-            graph = stream.end_capture()
-            ts = []
-            for _ in range(8):
-                ev[0].record(stream)
-                graph.launch(stream)
-                ev[1].record(stream)
-                ev[1].synchronize()
-                ts.append(cp.cuda.get_elapsed_time(ev[0], ev[1]) * 1e3)
-        return float(np.median(ts[1:])) / L
+        return graph_us(stream, plan(variant)) / L
 
     variants = ["bare", "bare/2", "loads-row", "loads-row/2", "decode-row/2", "dp4a-row/2", "real-row", "loads-blk",
                 "loads-blk/2", "decode-blk/2", "dp4a-blk/2", "real-blk", "dp4a-S/2", "real-S", "fixed-row/2",
