@@ -11,15 +11,19 @@ puts in the GLU's place, in turn:
 - ``dp4a``: the GLU's inner loop (mmv_block_q8: int8 x loads, dp4a, scales) and SiLU, no epilogue;
 - ``real``: the product's kernel, mmv_glu<TQ4_K, 1, 2, 1, 0, 3> (q8 epilogue included);
 - ``fixed``: ``dp4a`` with K = 4,096 compiled in, its 4 rounds unrolled (mmv_q8_fixed below);
+- ``loadsq``: ``loads`` without the scale loads (the quant bytes only);
+- ``gu``: ``dp4a`` with gate and up rows alternating in one matrix (a warp reads two adjacent rows);
 
 each with the repacked planes' order (``row``: a row's quants contiguous, rows 2,048 bytes apart),
 a block-contiguous order (``blk``: a block's 16 rows of one round adjacent, 8 KiB of quants and
 1 KiB of scales per matrix and round; TQ4_KP below), or the row order with the 12 scale bytes
-transposed so a unit's scales take two byte permutes to decode (``S``: TQ4_KS below). ``/2`` pads
-shared memory to two blocks per SM (the real kernel's occupancy at 55 registers). The GLU's cost is the chain's layer
-time less the layer time without it. Medians of 7 replays, each variant measured twice.
+transposed so a unit's scales take two byte permutes to decode (``S``: TQ4_KS below), or the GGUF
+file's own order, each superblock's 16 scale bytes then its 128 quant bytes in one plane (``I``:
+TQ4_KI below). ``/2`` pads shared memory to two blocks per SM (the real kernel's occupancy at 55
+registers). The GLU's cost is the chain's layer time less the layer time without it. Medians of 7
+replays, each variant measured twice.
 
-    python3 bench/glu_order_probe.py [--layers 32]
+    python3 bench/glu_order_probe.py [--layers 32] [--variants bare/2,loads-row/2,real-row,real-I]
 """
 
 from __future__ import annotations
@@ -72,11 +76,34 @@ struct TQ4_KS : TQ4_K {
     }
 };
 template <> struct I8<TQ4_KS> : I8<TQ4_K> {};
+// TQ4_K in the GGUF file's own order: each superblock's 16 bytes of d, dmin and scales, then its
+// 128 quant bytes (144 bytes, 16-byte aligned), all in one plane (qs): a warp's round is one run
+// of 576 bytes per row instead of 512 quant bytes in one plane and 64 scale bytes in another.
+struct TQ4_KI : TQ4_K {
+    static DEV void load(const Mat& m, int row, int u, Raw& r) {
+        const u8* b = m.qs + ((long)row * m.nb + (u >> 3)) * 144;
+        const int g = (u >> 1) & 3;
+        r.q = ld16(b + 16 + 16 * (u & 7));
+        const V16 hv = ld16(b);
+        const float d = h2f((u16)(hv.w[0] & 0xFFFFu)), dmin = h2f((u16)(hv.w[0] >> 16));
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            int sc, mn; k4_scale_min(hv.w[1], hv.w[2], hv.w[3], 2 * g + k, sc, mn);
+            r.d[k] = d * qf((u32)sc); r.m[k] = dmin * qf((u32)mn);
+        }
+    }
+};
+template <> struct I8<TQ4_KI> : I8<TQ4_K> {};
 
 // the bytes TQ4_K(P)::load reads, by the type's order (tag dispatch: NVRTC has no <type_traits>)
 DEV void raw_v16(const TQ4_K*, const Mat& m, int row, int u, V16& q, V16& s) {
     q = ld16(m.qs + ((long)row * m.nb + (u >> 3)) * 128 + 16 * (u & 7));
     s = ld16(m.sc + ((long)row * m.nb + (u >> 3)) * 16);
+}
+DEV void raw_v16(const TQ4_KI*, const Mat& m, int row, int u, V16& q, V16& s) {
+    const u8* b = m.qs + ((long)row * m.nb + (u >> 3)) * 144;
+    q = ld16(b + 16 + 16 * (u & 7));
+    s = ld16(b);
 }
 DEV void raw_v16(const TQ4_KP*, const Mat& m, int row, int u, V16& q, V16& s) {
     const long chunk = ((long)(row >> 4) * (m.nb / 4) + (u >> 5)) * 16 + (row & 15);
@@ -119,15 +146,17 @@ DEV void mmv_q8_fixed(const Mat (&m)[2], const int (&row)[2], const XQ& xq, floa
 }
 
 // MODE 0: loads, xor; 1: TQ4_K::load (scale decode), xor; 2: mmv_block_q8 and SiLU (no epilogue);
-// 3: mmv_q8_fixed (K = 4,096) and SiLU.
+// 3: mmv_q8_fixed (K = 4,096) and SiLU; 4: as 0, the quant loads only (no scales);
+// 5: as 2 with gate and up rows alternating in one matrix (qs0: 2 N rows, gate i = row 2 i).
 template <class T, int MODE>
 __global__ void __launch_bounds__(512) glu_like(const u8* qs0, const u8* sc0, const u8* qs1, const u8* sc1, int K,
                                                 const u8* xq, const float4* xs, float* y) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, row = blockIdx.x * 16 + warp, units = K / 32;
+    if (MODE == 5) { qs1 = qs0; sc1 = sc0; }
     const Mat m[2] = {Mat{qs0, nullptr, sc0, nullptr, K / 256}, Mat{qs1, nullptr, sc1, nullptr, K / 256}};
-    const int rows[2] = {row, row};
+    const int rows[2] = {MODE == 5 ? 2 * row : row, MODE == 5 ? 2 * row + 1 : row};
     float out;
-    if constexpr (MODE >= 2) {
+    if constexpr (MODE == 2 || MODE == 3 || MODE == 5) {
         float acc[2][1];
         if constexpr (MODE == 3) mmv_q8_fixed<T, 128>(m, rows, XQ{xq, K, xs, K / 16, 0, 0.f}, acc);
         else mmv_block_q8<T, 1, 2, 1>(m, rows, K, XQ{xq, K, xs, K / 16, 0, 0.f}, acc);
@@ -139,7 +168,7 @@ __global__ void __launch_bounds__(512) glu_like(const u8* qs0, const u8* sc0, co
         auto ld = [&](int u) {
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                if constexpr (MODE == 0) raw_v16((const T*)nullptr, m[r], row, u, q[r], sc[r]);
+                if constexpr (MODE == 0 || MODE == 4) raw_v16((const T*)nullptr, m[r], row, u, q[r], sc[r]);
                 else T::load(m[r], row, u, raw[r]);
             }
         };
@@ -149,6 +178,7 @@ __global__ void __launch_bounds__(512) glu_like(const u8* qs0, const u8* sc0, co
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 if constexpr (MODE == 0) s ^= q[r].w[0] ^ q[r].w[1] ^ q[r].w[2] ^ q[r].w[3] ^ sc[r].w[lane & 3];
+                else if constexpr (MODE == 4) s ^= q[r].w[0] ^ q[r].w[1] ^ q[r].w[2] ^ q[r].w[3];
                 else s ^= raw[r].q.w[0] ^ raw[r].q.w[1] ^ raw[r].q.w[2] ^ raw[r].q.w[3] ^ __float_as_uint(raw[r].d[0] + raw[r].m[1]);
             }
             if (u + 32 < units) ld(u + 32);
@@ -159,12 +189,25 @@ __global__ void __launch_bounds__(512) glu_like(const u8* qs0, const u8* sc0, co
     if (lane == 0) y[row] = out;
 }
 """
-GLU_NAMES = ["glu_like<TQ4_KS, 2>", "glu_like<TQ4_K, 3>", "glu_like<TQ4_KS, 3>", "mmv_glu<TQ4_KS, 1, 2, 1, 0, 3>", "glu_like<TQ4_K, 0>", "glu_like<TQ4_K, 1>", "glu_like<TQ4_K, 2>", "glu_like<TQ4_KP, 0>",
-             "glu_like<TQ4_KP, 1>", "glu_like<TQ4_KP, 2>", "mmv_glu<TQ4_K, 1, 2, 1, 0, 3>",
-             "mmv_glu<TQ4_KP, 1, 2, 1, 0, 3>"]
 BARE_NAMES = ["ldg_read<4>", "small_read"]
 N, K = 14336, 4096  # the 8B's GLU: 14,336 gate and 14,336 up rows of 4,096 columns (Q4_K)
 OTHER_MB = {"QKV": 14.7, "o-proj": 9.4, "down": 40.6}
+
+
+ORDERS = {"row": "TQ4_K", "blk": "TQ4_KP", "S": "TQ4_KS", "I": "TQ4_KI"}
+MODES = ["loads", "decode", "dp4a", "fixed", "loadsq", "gu"]
+VARIANTS = ("bare,bare/2,loads-row,loads-row/2,decode-row/2,dp4a-row/2,real-row,loads-blk,loads-blk/2,decode-blk/2,"
+            "dp4a-blk/2,real-blk,dp4a-S/2,real-S,fixed-row/2,fixed-S/2")
+
+
+def kernel_of(variant: str) -> str | None:
+    """The GLU stand-in's kernel name (None: the bare reader)."""
+    kind = variant.partition("/")[0]
+    if kind == "bare":
+        return None
+    mode, order = kind.split("-")
+    t = ORDERS[order]
+    return f"mmv_glu<{t}, 1, 2, 1, 0, 3>" if mode == "real" else f"glu_like<{t}, {MODES.index(mode)}>"
 
 
 def u64(x) -> np.uint64:
@@ -174,8 +217,11 @@ def u64(x) -> np.uint64:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--variants", default=VARIANTS, help="comma-separated (default: the seventeenth session's)")
     a = ap.parse_args()
     L = a.layers
+    variants = a.variants.split(",")
+    GLU_NAMES = sorted({k for k in map(kernel_of, variants) if k})
     bare = cp.RawModule(code=BARE_SRC, options=("-std=c++17", "-arch=sm_90"), name_expressions=BARE_NAMES)
     glu = cp.RawModule(code=GLU_SRC, options=("-std=c++17", "-arch=sm_90", f"-I{SRC_DIR}"),
                        name_expressions=GLU_NAMES)
@@ -223,15 +269,12 @@ def main() -> None:
                         launches.append((fns["ldg_read<4>"], grid, 512, (gq, np.int64(n // 16 // grid), xin, xout,
                                                                             np.int32(1), np.int32(0), np.int32(0)), smem))
                     else:
-                        mode, order = kind.split("-")
-                        t = {"row": "TQ4_K", "blk": "TQ4_KP", "S": "TQ4_KS"}[order]
-                        if mode == "real":
-                            name = f"mmv_glu<{t}, 1, 2, 1, 0, 3>"
+                        name = kernel_of(variant)
+                        if name.startswith("mmv_glu"):
                             args = (gq, 0, gs, 0, uq, 0, us, 0, np.int32(N), 0, np.int32(K), np.int32(K), y,
                                     np.int32(N), 0, np.float32(0), xq, np.int32(K), xsc, np.int32(K // 16),
                                     np.int32(0), np.float32(0), oq, np.int32(N), osc, np.int32(N // 16), 0)
                         else:
-                            name = f"glu_like<{t}, {['loads', 'decode', 'dp4a', 'fixed'].index(mode)}>"
                             args = (gq, gs, uq, us, np.int32(K), xq, xsc, y)
                         launches.append((fns[name], N // 16, 512, args, smem))
                     i += 1
@@ -253,9 +296,6 @@ def main() -> None:
     def graph_time(variant) -> float:
         return graph_us(stream, plan(variant)) / L
 
-    variants = ["bare", "bare/2", "loads-row", "loads-row/2", "decode-row/2", "dp4a-row/2", "real-row", "loads-blk",
-                "loads-blk/2", "decode-blk/2", "dp4a-blk/2", "real-blk", "dp4a-S/2", "real-S", "fixed-row/2",
-                "fixed-S/2"]
     res: dict[str, list[float]] = {v: [] for v in variants}
     base = []
     for rnd in range(2):
