@@ -71,8 +71,8 @@ template <> struct RegA<TQ4_K> {
     static constexpr int WROW = 96, CHUNKS = 5;
 
     static DEV const u8* chunk(const Mat& m, int row, int k0, int c) {  // 16-byte piece c of a row's step
-        const u8* b = m.qs + ((long)row * m.nb + (k0 >> 8)) * 144;  // the whole block (quant_types.cuh)
-        return c < 4 ? b + 16 + 64 * ((k0 >> 7) & 1) + 16 * c : b;
+        const long b = (long)row * m.nb + (k0 >> 8);
+        return c < 4 ? m.qs + b * 128 + 64 * ((k0 >> 7) & 1) + 16 * c : m.sc + b * 16;
     }
     static DEV void load_smem(const u8* ws, Raw& raw) {  // ws: row g's staged bytes (row g + 8 at 8 WROW)
         const int tig = threadIdx.x & 3;

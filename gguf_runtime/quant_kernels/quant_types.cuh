@@ -190,16 +190,14 @@ HD void k4_scale_min(u32 w1, u32 w2, u32 w3, int j, int& sc, int& mn) {
 
 // Q4_K / Q5_K units: (superblock sb, 64-group g, slice s), 8 units per superblock; piece 0 is the
 // low nibbles (sub-block 2g), piece 1 the high nibbles (sub-block 2g+1).
-// Q4_K keeps the file's 144-byte blocks whole (repack.py): a superblock's 16 bytes of d, dmin and
-// scales12, then its 128 quant bytes, so a warp's scales come in with its quants.
 struct TQ4_K {
     static constexpr int UE = 32, NP = 2, BLOCK = 256;
     struct Raw { V16 q; float d[2], m[2]; };
     static HD void load(const Mat& m, int row, int u, Raw& r) {
-        const u8* b = m.qs + ((long)row * m.nb + (u >> 3)) * 144;
+        const long sb = (long)row * m.nb + (u >> 3);
         const int g = (u >> 1) & 3, s = u & 1;
-        r.q = ld16(b + 16 + 32 * g + 16 * s);
-        const V16 hv = ld16(b);  // d, dmin, scales12: one 16-byte load
+        r.q = ld16(m.qs + sb * 128 + 32 * g + 16 * s);
+        const V16 hv = ld16(m.sc + sb * 16);  // d, dmin, scales12: one 16-byte load
         const float d = h2f((u16)(hv.w[0] & 0xFFFFu)), dmin = h2f((u16)(hv.w[0] >> 16));
 #pragma unroll
         for (int k = 0; k < 2; ++k) {

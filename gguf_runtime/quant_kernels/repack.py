@@ -5,10 +5,8 @@ block strides like 18, 20, 22, 34 or 210 bytes forbid aligned 16-byte loads. At 
 every block into up to four *planes*, each a [rows, blocks, bytes] array holding the same byte
 range of every block: ``qs`` (low quant bits), ``qh`` (high bits / masks), ``sc`` (packed
 sub-block scales, sometimes with d/dmin) and ``d`` (f16 block scales). Each plane keeps a row
-contiguous, so a warp reading one row reads consecutive 16-byte chunks. Q4_K's 144-byte block is
-already whole 16-byte chunks, so it stays as stored: one plane, a superblock's scales beside its
-quants (a separate scale plane cost the 8B's GLU 1.7 us a layer: bench/RESULTS.md, row 74).
-Nothing is decoded or rounded: ``unrepack`` gives back the exact original bytes.
+contiguous, so a warp reading one row reads consecutive 16-byte chunks. Nothing is decoded or
+rounded: ``unrepack`` gives back the exact original bytes.
 """
 
 from __future__ import annotations
@@ -42,7 +40,7 @@ LAYOUTS: dict[str, tuple[Plane, ...]] = {
     "Q8_0": (Plane("qs", ((2, 34),)), Plane("d", ((0, 2),))),
     "Q2_K": (Plane("qs", ((16, 80),)), Plane("sc", ((0, 16),)), Plane("d", ((80, 84),))),  # d, dmin
     "Q3_K": (Plane("qs", ((32, 96),)), Plane("qh", ((0, 32),)), Plane("sc", ((96, 110),), pad=2)),  # scales12, d
-    "Q4_K": (Plane("qs", ((0, 144),)),),  # whole: d, dmin, scales12, then the quants (9 x 16 bytes)
+    "Q4_K": (Plane("qs", ((16, 144),)), Plane("sc", ((0, 16),))),  # d, dmin, scales12
     "Q5_K": (Plane("qs", ((48, 176),)), Plane("qh", ((16, 48),)), Plane("sc", ((0, 16),))),
     "Q6_K": (Plane("qs", ((0, 128),)), Plane("qh", ((128, 192),)), Plane("sc", ((192, 208),)),
              Plane("d", ((208, 210),))),
