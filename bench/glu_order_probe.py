@@ -13,6 +13,8 @@ puts in the GLU's place, in turn:
 - ``fixed``: ``dp4a`` with K = 4,096 compiled in, its 4 rounds unrolled (mmv_q8_fixed below);
 - ``loadsq``: ``loads`` without the scale loads (the quant bytes only);
 - ``gu``: ``dp4a`` with gate and up rows alternating in one matrix (a warp reads two adjacent rows);
+- ``shfl``: ``dp4a`` with each row's scales loaded once (a lane a superblock), shuffled per round;
+- ``nosc``: ``dp4a`` with no scales at all (constants);
 
 each with the repacked planes' order (``row``: a row's quants contiguous, rows 2,048 bytes apart),
 a block-contiguous order (``blk``: a block's 16 rows of one round adjacent, 8 KiB of quants and
@@ -145,9 +147,75 @@ DEV void mmv_q8_fixed(const Mat (&m)[2], const int (&row)[2], const XQ& xq, floa
     for (int r = 0; r < 2; ++r) acc[r][0] = warp_sum(acc[r][0]);
 }
 
+// dp4a with the scales another way (Q4_K, K <= 8,192: a row's superblocks fit one load per lane):
+// SMODE 0: each lane loads superblock (lane) of each row once, before pdl_enter (one coalesced
+// 16-byte load per lane), and a round takes its superblock's bytes by shuffles; 1: no scales at
+// all (constants: the bound for any scale layout).
+DEV void sc_decode(const TQ4_K*, const V16& hv, int g, float (&d)[2], float (&mo)[2]) {
+    const float dd = h2f((u16)(hv.w[0] & 0xFFFFu)), dmin = h2f((u16)(hv.w[0] >> 16));
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+        int sc, mn; k4_scale_min(hv.w[1], hv.w[2], hv.w[3], 2 * g + k, sc, mn);
+        d[k] = dd * qf((u32)sc); mo[k] = -dmin * qf((u32)mn);
+    }
+}
+DEV void sc_decode(const TQ4_KS*, const V16& hv, int g, float (&d)[2], float (&mo)[2]) {
+    const float dd = h2f((u16)(hv.w[0] & 0xFFFFu)), dmin = h2f((u16)(hv.w[0] >> 16));
+    const u32 f = __byte_perm(__byte_perm(hv.w[1], hv.w[2], g | (g + 4) << 4), hv.w[3], 0x10 | (g + 4) << 8);
+    d[0] = dd * qf(f & 63); d[1] = dd * qf((f >> 6) & 63);
+    mo[0] = -dmin * qf((f >> 12) & 63); mo[1] = -dmin * qf((f >> 18) & 63);
+}
+
+template <class T, int SMODE>
+DEV void mmv_q8_sc(const Mat (&m)[2], const int (&row)[2], int K, const XQ& xq, float (&acc)[2][1]) {
+    const int lane = threadIdx.x & 31, units = K / 32, nb = K / 256;
+    acc[0][0] = acc[1][0] = 0.f;
+    V16 q[2], sv[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        q[r] = ld16(m[r].qs + ((long)row[r] * nb + (lane >> 3)) * 128 + 16 * (lane & 7));
+        if (SMODE == 0) sv[r] = lane < nb ? ld16(m[r].sc + ((long)row[r] * nb + lane) * 16) : V16{{0u, 0u, 0u, 0u}};
+    }
+    pdl_enter();
+    int src = lane >> 3;
+    for (int u = lane; u < units; u += 32, src += 4) {
+        float d[2][2], mo[2][2];
+        const int g = (u >> 1) & 3;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            if (SMODE == 0) {
+                V16 hv;
+#pragma unroll
+                for (int w = 0; w < 4; ++w) hv.w[w] = __shfl_sync(0xffffffffu, sv[r].w[w], src);
+                sc_decode((const T*)nullptr, hv, g, d[r], mo[r]);
+            } else {
+                d[r][0] = d[r][1] = 0.01f; mo[r][0] = mo[r][1] = -0.5f;
+            }
+        }
+#pragma unroll
+        for (int p = 0; p < 2; ++p) {
+            const int off = TQ4_K::xoff(u, p);
+            const uint4 xv = *reinterpret_cast<const uint4*>(xq.q + off);
+            const float4 xs = xq.s[off >> 4];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                u32 w[4]; nib_words(q[r], 4 * p, w);
+                const int s = dp4a(w[3], xv.w, dp4a(w[2], xv.z, dp4a(w[1], xv.y, dp4a(w[0], xv.x, 0))));
+                acc[r][0] = fmaf(d[r][p] * xs.x, i2f_small(s), fmaf(mo[r][p], xs.y, acc[r][0]));
+            }
+        }
+        if (u + 32 < units)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) q[r] = ld16(m[r].qs + ((long)row[r] * nb + ((u + 32) >> 3)) * 128 + 16 * (lane & 7));
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) acc[r][0] = warp_sum(acc[r][0]);
+}
+
 // MODE 0: loads, xor; 1: TQ4_K::load (scale decode), xor; 2: mmv_block_q8 and SiLU (no epilogue);
 // 3: mmv_q8_fixed (K = 4,096) and SiLU; 4: as 0, the quant loads only (no scales);
-// 5: as 2 with gate and up rows alternating in one matrix (qs0: 2 N rows, gate i = row 2 i).
+// 5: as 2 with gate and up rows alternating in one matrix (qs0: 2 N rows, gate i = row 2 i);
+// 6, 7: mmv_q8_sc<0> (scales by shuffles), mmv_q8_sc<1> (no scales) and SiLU.
 template <class T, int MODE>
 __global__ void __launch_bounds__(512) glu_like(const u8* qs0, const u8* sc0, const u8* qs1, const u8* sc1, int K,
                                                 const u8* xq, const float4* xs, float* y) {
@@ -156,9 +224,10 @@ __global__ void __launch_bounds__(512) glu_like(const u8* qs0, const u8* sc0, co
     const Mat m[2] = {Mat{qs0, nullptr, sc0, nullptr, K / 256}, Mat{qs1, nullptr, sc1, nullptr, K / 256}};
     const int rows[2] = {MODE == 5 ? 2 * row : row, MODE == 5 ? 2 * row + 1 : row};
     float out;
-    if constexpr (MODE == 2 || MODE == 3 || MODE == 5) {
+    if constexpr (MODE == 2 || MODE == 3 || MODE >= 5) {
         float acc[2][1];
-        if constexpr (MODE == 3) mmv_q8_fixed<T, 128>(m, rows, XQ{xq, K, xs, K / 16, 0, 0.f}, acc);
+        if constexpr (MODE >= 6) mmv_q8_sc<T, MODE - 6>(m, rows, K, XQ{xq, K, xs, K / 16, 0, 0.f}, acc);
+        else if constexpr (MODE == 3) mmv_q8_fixed<T, 128>(m, rows, XQ{xq, K, xs, K / 16, 0, 0.f}, acc);
         else mmv_block_q8<T, 1, 2, 1>(m, rows, K, XQ{xq, K, xs, K / 16, 0, 0.f}, acc);
         out = silu_f(acc[0][0]) * acc[1][0];
     } else {
@@ -195,7 +264,7 @@ OTHER_MB = {"QKV": 14.7, "o-proj": 9.4, "down": 40.6}
 
 
 ORDERS = {"row": "TQ4_K", "blk": "TQ4_KP", "S": "TQ4_KS", "I": "TQ4_KI"}
-MODES = ["loads", "decode", "dp4a", "fixed", "loadsq", "gu"]
+MODES = ["loads", "decode", "dp4a", "fixed", "loadsq", "gu", "shfl", "nosc"]
 VARIANTS = ("bare,bare/2,loads-row,loads-row/2,decode-row/2,dp4a-row/2,real-row,loads-blk,loads-blk/2,decode-blk/2,"
             "dp4a-blk/2,real-blk,dp4a-S/2,real-S,fixed-row/2,fixed-S/2")
 
