@@ -150,24 +150,6 @@ def test_mmv_q8_every_type(k, name, b):
     assert rel(yd.get(), y0 + xq @ w.T) < 1e-5
 
 
-@pytest.mark.parametrize("config", [(2, 1), (1, 2), (4, 4)])
-@pytest.mark.parametrize("b", [1, 3])
-def test_mmv_q8_q4k_scale_chunks(k, config, b):
-    """Q4_K rows of more superblocks than one chunk of shuffled scales (32 WG superblocks a lane
-    holds per row, matvec_block.cuh), the last round partly past the row's units."""
-    rng = np.random.default_rng()
-    keep = []
-    rows, cols = 48, 256 * 37  # 37 superblocks: two chunks at WG = 1, one at 2 and 4; 296 units
-    m, w = upload("Q4_K", rows, cols, rng, keep)
-    x = rng.standard_normal((b, cols)).astype(np.float32)
-    buf, xq = quantized(k, x, keep)
-    y = cp.full((b, rows + 5), POISON, cp.float32)
-    L.mmv(k, [m], [(y.data.ptr, y.shape[1])], [None], 0, cols, b, 0, q8=buf.vec, config=config)
-    got = y.get()
-    assert rel(got[:, :rows], xq @ w.T) < 1e-5
-    assert np.isnan(got[:, rows:]).all(), "wrote past the rows"
-
-
 @pytest.mark.parametrize("config", [None, (1, 1), (4, 1), (1, 4), (2, 2)])
 def test_mmv_q8_configs_mixed_types(k, config):
     """Three matrices of different types on one x (the 8B's Q4_K/Q4_K/Q6_K QKV), every (R, WG)."""

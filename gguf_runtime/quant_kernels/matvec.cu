@@ -72,13 +72,9 @@ DEV bool group_leader() { return threadIdx.x % (32 * WG) == 0; }
 // IO bit 1: a q8 epilogue also writes the int8 copy of the outputs (QOut; 16 rows per block).
 struct XIn { const float* x; int ldx; const float* nw; float eps; XQ q; };
 
-template <class T> struct IsQ4K { static constexpr bool V = false; };  // (NVRTC has no <type_traits>)
-template <> struct IsQ4K<TQ4_K> { static constexpr bool V = true; };
-
 template <class T, int B, int R, int WG, bool Q8>
 DEV void mmv_any(const Mat (&m)[R], const int (&row)[R], int K, const XIn& xi, float (&acc)[R][B]) {
-    if constexpr (Q8 && IsQ4K<T>::V) mmv_block_q8_k4<B, R, WG>(m, row, K, xi.q, acc);
-    else if constexpr (Q8) mmv_block_q8<T, B, R, WG>(m, row, K, xi.q, acc);
+    if constexpr (Q8) mmv_block_q8<T, B, R, WG>(m, row, K, xi.q, acc);
     else mmv_block<T, B, R, WG>(m, row, K, xi.x, xi.ldx, xi.nw, xi.eps, acc);
 }
 

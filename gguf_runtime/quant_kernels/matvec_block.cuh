@@ -125,19 +125,6 @@ DEV void mmv_block(const Mat (&m)[R], const int (&row)[R], int K, const float* _
 // as mmv_block's fused norm): what a residual matvec's q8 epilogue writes for the next norm.
 struct XQ { const u8* q; int ldq; const float4* s; int lds; int norm; float eps; };
 
-// The row group's sums over its lanes, and the norm's scale where the activations carry one.
-template <int B, int R, int WG>
-DEV void q8_block_finish(int K, const XQ& xq, float (&acc)[R][B], float (&ssq)[B]) {
-    group_reduce<B, R, WG>(acc, ssq, xq.norm != 0);
-    if (xq.norm && threadIdx.x % (32 * WG) == 0)
-#pragma unroll
-        for (int b = 0; b < B; ++b) {
-            const float sc = rsqrtf(ssq[b] / (float)K + xq.eps);
-#pragma unroll
-            for (int r = 0; r < R; ++r) acc[r][b] *= sc;
-        }
-}
-
 template <class T, int B, int R, int WG>
 DEV void mmv_block_q8(const Mat (&m)[R], const int (&row)[R], int K, const XQ& xq, float (&acc)[R][B]) {
     const int tid = threadIdx.x % (32 * WG), units = K / T::UE;
@@ -174,78 +161,14 @@ DEV void mmv_block_q8(const Mat (&m)[R], const int (&row)[R], int K, const XQ& x
 #pragma unroll
             for (int r = 0; r < R; ++r) T::load(m[r], row[r], u + 32 * WG, raw[r]);
     }
-    q8_block_finish<B, R, WG>(K, xq, acc, ssq);
-}
-
-// Q4_K on int8 activations: a superblock's 16 bytes of d, dmin and scales serve the 8 lanes of its
-// units, so instead of each lane loading them every round (T::load), a lane loads one superblock's
-// per row for every 8 rounds (32 WG superblocks in a chunk: one chunk for K up to 8,192 at WG = 1,
-// 16,384 at WG = 2), and each round takes its own by four shuffles from the lane that holds it. Only
-// the quants load per round. (bench/glu_order_probe.py: the 8B's GLU 30.1 -> 29.1 us a layer.)
-// Lane l holds superblock 32 WG c + 4 WG (l / 4) + 4 w + l % 4 of chunk c (w: its warp in the
-// group), which round 8 c + l / 4 needs in the lanes with lane / 8 = l % 4.
-template <int R, int WG>
-DEV void k4_scale_chunk(const Mat (&m)[R], const int (&row)[R], int chunk, V16 (&sv)[R]) {
-    const int lane = threadIdx.x & 31, w = (threadIdx.x % (32 * WG)) >> 5;
-    const int sb = 32 * WG * chunk + 4 * WG * (lane >> 2) + 4 * w + (lane & 3);
+    group_reduce<B, R, WG>(acc, ssq, xq.norm != 0);
+    if (xq.norm && tid == 0)
 #pragma unroll
-    for (int r = 0; r < R; ++r)
-        sv[r] = sb < m[r].nb ? ld16(m[r].sc + ((long)row[r] * m[r].nb + sb) * 16) : V16{{0u, 0u, 0u, 0u}};
-}
-
-DEV V16 shfl16(const V16& v, int src) {
-    V16 o;
+        for (int b = 0; b < B; ++b) {
+            const float sc = rsqrtf(ssq[b] / (float)K + xq.eps);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) o.w[i] = __shfl_sync(0xffffffffu, v.w[i], src);
-    return o;
-}
-
-template <int B, int R, int WG>
-DEV void mmv_block_q8_k4(const Mat (&m)[R], const int (&row)[R], int K, const XQ& xq, float (&acc)[R][B]) {
-    const int tid = threadIdx.x % (32 * WG), lane = threadIdx.x & 31, units = K / TQ4_K::UE;
-    const int rounds = (units + 32 * WG - 1) / (32 * WG);
-    float ssq[B];
-    zero_sums<B, R>(acc, ssq);
-    V16 q[R], sv[R];
-    if (tid < units)
-#pragma unroll
-        for (int r = 0; r < R; ++r) q[r] = TQ4_K::quants(m[r], row[r], tid);
-    k4_scale_chunk<R, WG>(m, row, 0, sv);
-    pdl_enter();
-    for (int i = 0; i < rounds; ++i) {  // every lane runs every round: the shuffles take the whole warp
-        const int u = tid + 32 * WG * i;
-        float d[R][2], mo[R][2];
-#pragma unroll
-        for (int r = 0; r < R; ++r) TQ4_K::scales(shfl16(sv[r], 4 * (i & 7) + (lane >> 3)), (u >> 1) & 3, d[r], mo[r]);
-        if ((i & 7) == 7 && i + 1 < rounds) k4_scale_chunk<R, WG>(m, row, (i + 1) >> 3, sv);
-        if (u < units) {
-#pragma unroll
-            for (int p = 0; p < TQ4_K::NP; ++p) {
-                const int off = TQ4_K::xoff(u, p);
-                uint4 xv[B]; float4 xs[B];
-#pragma unroll
-                for (int b = 0; b < B; ++b) {
-                    xv[b] = *reinterpret_cast<const uint4*>(xq.q + (long)b * xq.ldq + off);
-                    xs[b] = xq.s[(long)b * xq.lds + (off >> 4)];
-                    ssq[b] += xs[b].z;
-                }
-#pragma unroll
-                for (int r = 0; r < R; ++r) {
-                    u32 w[4];
-                    nib_words(q[r], 4 * p, w);
-#pragma unroll
-                    for (int b = 0; b < B; ++b) {
-                        const int s = dp4a(w[3], xv[b].w, dp4a(w[2], xv[b].z, dp4a(w[1], xv[b].y, dp4a(w[0], xv[b].x, 0))));
-                        acc[r][b] = fmaf(d[r][p] * xs[b].x, i2f_small(s), fmaf(-mo[r][p], xs[b].y, acc[r][b]));
-                    }
-                }
-            }
+            for (int r = 0; r < R; ++r) acc[r][b] *= sc;
         }
-        if (u + 32 * WG < units)
-#pragma unroll
-            for (int r = 0; r < R; ++r) q[r] = TQ4_K::quants(m[r], row[r], u + 32 * WG);
-    }
-    q8_block_finish<B, R, WG>(K, xq, acc, ssq);
 }
 
 // The int8 copy of a block's 16 consecutive output rows (the next matvec's input), written by a q8

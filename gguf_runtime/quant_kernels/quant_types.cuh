@@ -193,21 +193,17 @@ HD void k4_scale_min(u32 w1, u32 w2, u32 w3, int j, int& sc, int& mn) {
 struct TQ4_K {
     static constexpr int UE = 32, NP = 2, BLOCK = 256;
     struct Raw { V16 q; float d[2], m[2]; };
-    static HD V16 quants(const Mat& m, int row, int u) {
-        return ld16(m.qs + ((long)row * m.nb + (u >> 3)) * 128 + 16 * (u & 7));  // 32 g + 16 s
-    }
-    // d (scale) and m (min) of 64-group g's sub-blocks 2g, 2g+1 from the superblock's 16 bytes
-    static HD void scales(const V16& hv, int g, float (&d)[2], float (&m)[2]) {
-        const float dd = h2f((u16)(hv.w[0] & 0xFFFFu)), dmin = h2f((u16)(hv.w[0] >> 16));
+    static HD void load(const Mat& m, int row, int u, Raw& r) {
+        const long sb = (long)row * m.nb + (u >> 3);
+        const int g = (u >> 1) & 3, s = u & 1;
+        r.q = ld16(m.qs + sb * 128 + 32 * g + 16 * s);
+        const V16 hv = ld16(m.sc + sb * 16);  // d, dmin, scales12: one 16-byte load
+        const float d = h2f((u16)(hv.w[0] & 0xFFFFu)), dmin = h2f((u16)(hv.w[0] >> 16));
 #pragma unroll
         for (int k = 0; k < 2; ++k) {
             int sc, mn; k4_scale_min(hv.w[1], hv.w[2], hv.w[3], 2 * g + k, sc, mn);
-            d[k] = dd * qf((u32)sc); m[k] = dmin * qf((u32)mn);
+            r.d[k] = d * qf((u32)sc); r.m[k] = dmin * qf((u32)mn);
         }
-    }
-    static HD void load(const Mat& m, int row, int u, Raw& r) {
-        r.q = quants(m, row, u);
-        scales(ld16(m.sc + ((long)row * m.nb + (u >> 3)) * 16), (u >> 1) & 3, r.d, r.m);  // d, dmin, scales12
     }
     static HD int xoff(int u, int p) { return (u >> 3) * 256 + ((u >> 1) & 3) * 64 + 32 * p + 16 * (u & 1); }
     static HD void qpiece(const Raw& r, int p, float* q, float& d, float& m) {
