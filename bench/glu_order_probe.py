@@ -15,6 +15,7 @@ puts in the GLU's place, in turn:
 - ``gu``: ``dp4a`` with gate and up rows alternating in one matrix (a warp reads two adjacent rows);
 - ``shfl``: ``dp4a`` with each row's scales loaded once (a lane a superblock), shuffled per round;
 - ``nosc``: ``dp4a`` with no scales at all (constants);
+- ``smem``: ``dp4a`` with each warp's scale bytes copied to shared memory once (cp.async);
 
 each with the repacked planes' order (``row``: a row's quants contiguous, rows 2,048 bytes apart),
 a block-contiguous order (``blk``: a block's 16 rows of one round adjacent, 8 KiB of quants and
@@ -212,10 +213,55 @@ DEV void mmv_q8_sc(const Mat (&m)[2], const int (&row)[2], int K, const XQ& xq, 
     for (int r = 0; r < 2; ++r) acc[r][0] = warp_sum(acc[r][0]);
 }
 
+// ... or (SMODE 2) the warp's two rows' scale bytes copied to shared memory by cp.async before
+// pdl_enter (K = 4,096: 16 superblocks a row, one 16-byte copy per lane), a round reading its own.
+template <class T>
+DEV void mmv_q8_smem(const Mat (&m)[2], const int (&row)[2], int K, const XQ& xq, float (&acc)[2][1]) {
+    __shared__ __align__(16) V16 hs[16][2][16];  // [warp][row][superblock]
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, units = K / 32, nb = K / 256;
+    acc[0][0] = acc[1][0] = 0.f;
+    V16 q[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) q[r] = ld16(m[r].qs + ((long)row[r] * nb + (lane >> 3)) * 128 + 16 * (lane & 7));
+    {
+        const int r = lane >> 4, sb = lane & 15;
+        u64 dst;
+        asm("cvta.to.shared.u64 %0, %1;" : "=l"(dst) : "l"(&hs[warp][r][sb]));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((u32)dst), "l"(m[r].sc + ((long)row[r] * nb + sb) * 16));
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    }
+    pdl_enter();
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    __syncwarp();
+    for (int u = lane; u < units; u += 32) {
+        float d[2][2], mo[2][2];
+        const int g = (u >> 1) & 3;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) sc_decode((const T*)nullptr, hs[warp][r][u >> 3], g, d[r], mo[r]);
+#pragma unroll
+        for (int p = 0; p < 2; ++p) {
+            const int off = TQ4_K::xoff(u, p);
+            const uint4 xv = *reinterpret_cast<const uint4*>(xq.q + off);
+            const float4 xs = xq.s[off >> 4];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                u32 w[4]; nib_words(q[r], 4 * p, w);
+                const int s = dp4a(w[3], xv.w, dp4a(w[2], xv.z, dp4a(w[1], xv.y, dp4a(w[0], xv.x, 0))));
+                acc[r][0] = fmaf(d[r][p] * xs.x, i2f_small(s), fmaf(mo[r][p], xs.y, acc[r][0]));
+            }
+        }
+        if (u + 32 < units)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) q[r] = ld16(m[r].qs + ((long)row[r] * nb + ((u + 32) >> 3)) * 128 + 16 * (lane & 7));
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) acc[r][0] = warp_sum(acc[r][0]);
+}
+
 // MODE 0: loads, xor; 1: TQ4_K::load (scale decode), xor; 2: mmv_block_q8 and SiLU (no epilogue);
 // 3: mmv_q8_fixed (K = 4,096) and SiLU; 4: as 0, the quant loads only (no scales);
 // 5: as 2 with gate and up rows alternating in one matrix (qs0: 2 N rows, gate i = row 2 i);
-// 6, 7: mmv_q8_sc<0> (scales by shuffles), mmv_q8_sc<1> (no scales) and SiLU.
+// 6, 7: mmv_q8_sc<0> (scales by shuffles), mmv_q8_sc<1> (no scales) and SiLU; 8: mmv_q8_smem.
 template <class T, int MODE>
 __global__ void __launch_bounds__(512) glu_like(const u8* qs0, const u8* sc0, const u8* qs1, const u8* sc1, int K,
                                                 const u8* xq, const float4* xs, float* y) {
@@ -226,7 +272,8 @@ __global__ void __launch_bounds__(512) glu_like(const u8* qs0, const u8* sc0, co
     float out;
     if constexpr (MODE == 2 || MODE == 3 || MODE >= 5) {
         float acc[2][1];
-        if constexpr (MODE >= 6) mmv_q8_sc<T, MODE - 6>(m, rows, K, XQ{xq, K, xs, K / 16, 0, 0.f}, acc);
+        if constexpr (MODE == 8) mmv_q8_smem<T>(m, rows, K, XQ{xq, K, xs, K / 16, 0, 0.f}, acc);
+        else if constexpr (MODE >= 6) mmv_q8_sc<T, MODE - 6>(m, rows, K, XQ{xq, K, xs, K / 16, 0, 0.f}, acc);
         else if constexpr (MODE == 3) mmv_q8_fixed<T, 128>(m, rows, XQ{xq, K, xs, K / 16, 0, 0.f}, acc);
         else mmv_block_q8<T, 1, 2, 1>(m, rows, K, XQ{xq, K, xs, K / 16, 0, 0.f}, acc);
         out = silu_f(acc[0][0]) * acc[1][0];
@@ -264,7 +311,7 @@ OTHER_MB = {"QKV": 14.7, "o-proj": 9.4, "down": 40.6}
 
 
 ORDERS = {"row": "TQ4_K", "blk": "TQ4_KP", "S": "TQ4_KS", "I": "TQ4_KI"}
-MODES = ["loads", "decode", "dp4a", "fixed", "loadsq", "gu", "shfl", "nosc"]
+MODES = ["loads", "decode", "dp4a", "fixed", "loadsq", "gu", "shfl", "nosc", "smem"]
 VARIANTS = ("bare,bare/2,loads-row,loads-row/2,decode-row/2,dp4a-row/2,real-row,loads-blk,loads-blk/2,decode-blk/2,"
             "dp4a-blk/2,real-blk,dp4a-S/2,real-S,fixed-row/2,fixed-S/2")
 

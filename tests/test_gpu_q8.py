@@ -181,7 +181,8 @@ def test_mmv_glu_q8(k, name, b):
 
 
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q4_1"])
-@pytest.mark.parametrize("b,config", [(1, None), (3, None), (8, None), (1, (1, 2)), (2, (2, 2))])
+@pytest.mark.parametrize("b,config", [(1, None), (3, None), (8, None), (1, (1, 2)), (2, (2, 2)), (1, (4, 2)),
+                                      (2, (8, 1))])
 def test_residual_q8_epilogue_then_normed_consumer(k, name, b, config):
     """y += W a with the q8 epilogue writes y * w's int8 copy and y's squares; a matvec fed that
     copy with norm_eps computes V rmsnorm(y) w, as rmsnorm then a q8 matvec would."""
@@ -211,8 +212,9 @@ def test_residual_q8_epilogue_then_normed_consumer(k, name, b, config):
     assert rel(z.get(), (hq @ wv.T) * scale) < 1e-5
 
 
-@pytest.mark.parametrize("b", [1, 2, 5])
-def test_glu_q8_epilogue(k, b):
+@pytest.mark.parametrize("b,config", [(1, None), (2, None), (5, None), (1, (4, 1)), (1, (4, 2)), (2, (8, 1))])
+def test_glu_q8_epilogue(k, b, config):
+    """config: an override's rows per group (R / 2 gate and R / 2 up rows) and warps per group."""
     rng = np.random.default_rng()
     keep = []
     rows, cols = 64, 512
@@ -221,7 +223,7 @@ def test_glu_q8_epilogue(k, b):
     buf, xq = quantized(k, x, keep)
     y = cp.full((b, rows), POISON, cp.float32)
     out = Q8Buf(b, rows)
-    L.mmv_glu(k, g, u, 0, cols, b, "silu", y.data.ptr, rows, q8=buf.vec, q8_out=out.vec)
+    L.mmv_glu(k, g, u, 0, cols, b, "silu", y.data.ptr, rows, q8=buf.vec, q8_out=out.vec, config=config)
     yv = y.get()
     assert rel(yv, silu(xq @ wg.T) * (xq @ wu.T)) < 1e-5
     check_q8(out, yv)
