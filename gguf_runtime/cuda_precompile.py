@@ -56,7 +56,7 @@ def precompile(kernels: Kernels, cfg: ModelConfig, w: DeviceWeights, blocks: Cud
         mm += [L.glu_name(s, b, *L.glu_config(s, n, c, b), act) for b in L.MMV_TOKENS]
         if q8 and s not in L.FLOAT_STRUCTS:
             mm += [L.glu_name(s, b, *L.glu_config(s, n, c, b), act, 1) for b in L.MMV_TOKENS]
-            mm += [L.glu_name(s, b, 2, min(L.glu_config(s, n, c, b)[1], 2), act, 3) for b in L.MMV_TOKENS
+            mm += [L.glu_name(s, b, *L.glu_q8_out_config(s, n, c, b), act, 3) for b in L.MMV_TOKENS
                    if n % L.Q8_OUT_ROWS == 0]
     mma += [LM.mma_glu_name(s, *LM.mma_config([n], b, 0, tall=False)[:2], act) for s, n, _ in glu for b in buckets
             if blocks.decode_mmv_rows < b <= max_batch]

@@ -212,12 +212,14 @@ def test_residual_q8_epilogue_then_normed_consumer(k, name, b, config):
     assert rel(z.get(), (hq @ wv.T) * scale) < 1e-5
 
 
-@pytest.mark.parametrize("b,config", [(1, None), (2, None), (5, None), (1, (4, 1)), (1, (4, 2)), (2, (8, 1))])
-def test_glu_q8_epilogue(k, b, config):
-    """config: an override's rows per group (R / 2 gate and R / 2 up rows) and warps per group."""
+@pytest.mark.parametrize("b,config,cols", [(1, None, 512), (2, None, 512), (5, None, 512), (1, None, 4096),
+                                           (1, (4, 1), 512), (1, (4, 2), 512), (2, (8, 1), 512)])
+def test_glu_q8_epilogue(k, b, config, cols):
+    """config: an override's rows per group (R / 2 gate and R / 2 up rows) and warps per group;
+    at 4,096 columns and one token the default is two gate and two up rows per two warps."""
     rng = np.random.default_rng()
     keep = []
-    rows, cols = 64, 512
+    rows = 64
     (g, wg), (u, wu) = upload("Q4_K", rows, cols, rng, keep), upload("Q4_K", rows, cols, rng, keep)
     x = (rng.standard_normal((b, cols)) * 4).astype(np.float32)
     buf, xq = quantized(k, x, keep)

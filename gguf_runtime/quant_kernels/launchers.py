@@ -79,6 +79,16 @@ def glu_config(struct: str, n: int, cols: int, b: int) -> tuple[int, int]:
     return (2, 1) if n % 4 == 0 else (2, 4)
 
 
+def glu_q8_out_config(struct: str, n: int, cols: int, b: int) -> tuple[int, int]:
+    """(R, WG) of a GLU with the q8 epilogue: one gate and one up row per warp (16 WG warps a block),
+    but for one token and rows of at least 128 units (the 8B's 4,096 columns), two of each per two
+    warps: 8B tg128 444 -> 447 (two calls); SmolLM2 and Gemma-3, one round a row, lost 2% with it
+    (2,360 -> 2,312, 2,177 -> 2,141; H100, bench/RESULTS.md row 75)."""
+    if b == 1 and cols // UNIT_ELEMS[struct] >= 128:
+        return 4, 2
+    return 2, min(glu_config(struct, n, cols, b)[1], 2)
+
+
 MMV_TOKENS = (8, 4, 2, 1)  # compiled token counts; other counts run as a sum of these
 
 
@@ -192,14 +202,14 @@ def mmv_glu(k: Kernels, gate: Mat, up: Mat, x: int, ldx: int, b: int, act: str, 
             config: tuple[int, int] | None = None) -> None:
     """y[t, :] = act(G x'[t]) * (U x'[t]) for t < b <= 8; x' = x, or rmsnorm(x) with ``norm``, or
     the int8 activations ``q8``; ``q8_out`` (rows % 16 == 0): also y's int8 copy. ``config`` =
-    (R, WG) overrides glu_config (to measure)."""
+    (R, WG) overrides glu_config / glu_q8_out_config (to measure)."""
     assert q8 is None or (norm is None and q8_capable([gate, up]))
     assert q8_out is None or (q8 is not None and gate.rows % Q8_OUT_ROWS == 0)
     io = (q8 is not None) | (q8_out is not None) << 1
     for row, n in token_chunks(b):
-        r, wg = config or glu_config(gate.struct, gate.rows, gate.cols, n)
-        if q8_out:  # one gate and one up row per group (16 * WG warps per block), or an override's
-            r, wg = (min(r, 8) if config else 2), min(wg, 2)
+        r, wg = config or (glu_q8_out_config if q8_out else glu_config)(gate.struct, gate.rows, gate.cols, n)
+        if q8_out and config:  # an override: up to 4 gate and 4 up rows per group, 32 warps per block
+            r, wg = min(r, 8), min(wg, 2)
         nw = block_warps(r // 2, wg, io)
         per_block = (r // 2) * nw // wg
         fn = k.fn("matvec.cu", glu_name(gate.struct, n, r, wg, ACT[act], io))
