@@ -43,6 +43,8 @@ Q8_OUT_ROWS = 16  # rows per block of a q8 epilogue (16 * WG / R warps: block_wa
 
 def block_warps(r: int, wg: int, io: int) -> int:
     """matvec.cu's block_warps: 4, or 16 * WG / R with a q8 epilogue (r: rows per group)."""
+    if io & 2 and (Q8_OUT_ROWS * wg) % r:
+        raise ValueError(f"a q8 epilogue needs whole row groups in its 16 rows: {r} rows per group")
     return Q8_OUT_ROWS * wg // r if io & 2 else 4
 
 
