@@ -9,8 +9,9 @@ puts in the GLU's place, in turn:
   4 rounds of a 16-byte quant load and a 16-byte scale load per row), bytes only xor-ed;
 - ``decode``: the same with TQ4_K::load's scale decode;
 - ``dp4a``: the GLU's inner loop (mmv_block_q8: int8 x loads, dp4a, scales) and SiLU, no epilogue;
-- ``real``: the product's kernel, mmv_glu<TQ4_K, 1, 2, 1, 0, 3> (q8 epilogue included);
-- ``fixed``: ``dp4a`` with K = 4,096 compiled in, its 4 rounds unrolled (mmv_q8_fixed below);
+- ``real``: the product's kernel, mmv_glu<TQ4_K, 1, 2, 1, 0, 3> (q8 epilogue included; the 8B's
+  GLU shape before b4812ab, which runs mmv_glu<TQ4_K, 1, 4, 2, 0, 3>);
+- ``fixed``: ``dp4a`` with K = 4,096 compiled in, its 4 rounds unrolled (mmv_q8_fixed);
 - ``loadsq``: ``loads`` without the scale loads (the quant bytes only);
 - ``gu``: ``dp4a`` with gate and up rows alternating in one matrix (a warp reads two adjacent rows);
 - ``shfl``: ``dp4a`` with each row's scales loaded once (a lane a superblock), shuffled per round;
@@ -19,12 +20,12 @@ puts in the GLU's place, in turn:
 
 each with the repacked planes' order (``row``: a row's quants contiguous, rows 2,048 bytes apart),
 a block-contiguous order (``blk``: a block's 16 rows of one round adjacent, 8 KiB of quants and
-1 KiB of scales per matrix and round; TQ4_KP below), or the row order with the 12 scale bytes
-transposed so a unit's scales take two byte permutes to decode (``S``: TQ4_KS below), or the GGUF
-file's own order, each superblock's 16 scale bytes then its 128 quant bytes in one plane (``I``:
-TQ4_KI below). ``/2`` pads shared memory to two blocks per SM (the real kernel's occupancy at 55
-registers). The GLU's cost is the chain's layer time less the layer time without it. Medians of 7
-replays, each variant measured twice.
+1 KiB of scales per matrix and round; TQ4_KP), or the row order with the 12 scale bytes transposed
+so a unit's scales take two byte permutes to decode (``S``: TQ4_KS), or the GGUF file's own order,
+each superblock's 16 scale bytes then its 128 quant bytes in one plane (``I``: TQ4_KI). The
+stand-ins, types and kernels named here are in glu_order_probe.cu. ``/2`` pads shared memory to
+two blocks per SM (the real kernel's occupancy at 55 registers). The GLU's cost is the chain's
+layer time less the layer time without it. Medians of 7 replays, each variant measured twice.
 
     python3 bench/glu_order_probe.py [--layers 32] [--variants bare/2,loads-row/2,real-row,real-I]
 """
