@@ -48,11 +48,10 @@ def block_warps(r: int, wg: int, io: int) -> int:
     return Q8_OUT_ROWS * wg // r if io & 2 else 4
 
 
-def q8_out_config(r: int, wg: int, explicit: bool = False) -> tuple[int, int]:
+def q8_out_config(r: int, wg: int) -> tuple[int, int]:
     """(R, WG) of a residual matvec with the q8 epilogue, from its usual config: at most 2 rows per
-    group (up to 8 where the config is an override, to measure; 16 rows per block), at most 32
-    warps per block."""
-    r = min(r, 8 if explicit else 2)
+    group (16 rows per block), at most 32 warps per block."""
+    r = min(r, 2)
     return r, min(wg, 2 * r)
 
 
@@ -172,8 +171,9 @@ def mmv(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases
     io = (q8 is not None) | (q8_out is not None) << 1
     for row, n in token_chunks(b):
         r, wg = config or mmv_config([m.struct for m in mats], [m.rows for m in mats], cols, n, q8_out is not None)
-        if q8_out:
-            r, wg = q8_out_config(r, wg, config is not None)
+        if q8_out and config:  # an override (mmv_config's own choice fits): up to 8 rows, 32 warps a block
+            r = min(r, 8)
+            wg = min(wg, 2 * r)
         # RoPE in the epilogue: rope pairs in one group (R = 2); the f32 path is tested at one warp
         fused = (rope is not None and mode == 0 and r == 2 and (wg == 1 or q8 is not None) and rope.fusable
                  and len(mats) == 3)
