@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 import cupy as cp
 
@@ -70,6 +71,10 @@ class CudaBlocks:
         # (R, WG) of the one-row-group matvecs by role, overriding launchers.mmv_config (to measure):
         # GGUF_RUN_MMV_QKV, GGUF_RUN_MMV_O, GGUF_RUN_MMV_DOWN, GGUF_RUN_MMV_GLU = "R:WG"
         self.mmv_cfg = {role: mmv_override(role) for role in ("QKV", "O", "DOWN", "GLU")}
+        # Q4_K matvecs of up to MAX_MMV_TOKENS rows with int8 in and the q8 epilogue stage their
+        # block's scales in shared memory, decoded once (launchers.kstage_bytes), in these roles
+        # ("glu", "o", "down", joined by "," or "+"; GGUF_RUN_KSTAGE=none: per unit, to measure)
+        self.kstage = frozenset(re.split(r"[,+]", os.environ.get("GGUF_RUN_KSTAGE", "glu,o,down")))
         # measuring only: the kernels of these roles ("qkv", "attn", "o", "glu", "down") are left out
         # of calls of up to MAX_MMV_TOKENS rows, so a step's time without them can be read off a
         # benchmark (the outputs are then wrong): GGUF_RUN_BENCH_SKIP = "attn,o"
@@ -257,7 +262,8 @@ class CudaBlocks:
             role = "O" if name.endswith("attn_output.weight") else "DOWN"
             if role.lower() not in self.skip:
                 L.mmv(self.k, [w], [(target.data.ptr, target.strides[0] // 4)], [None], a.data.ptr,
-                      a.strides[0] // 4, t, 0 if post_norm else 1, q8=q8, q8_out=out, config=self.mmv_cfg[role])
+                      a.strides[0] // 4, t, 0 if post_norm else 1, q8=q8, q8_out=out, config=self.mmv_cfg[role],
+                      kstage=role.lower() in self.kstage)
         elif self.mma:
             LM.mma(self.k, [self.w.mat(name)], [(target.data.ptr, target.strides[0] // 4)], [None], a16.data.ptr,
                   a16.strides[0] // 2, t, 0 if post_norm else 1, self.ws.split)
@@ -303,7 +309,8 @@ class CudaBlocks:
                 g_q8 = self.ws.q8_plain
             if "glu" not in self.skip:
                 L.mmv_glu(self.k, gate, up, h.data.ptr, h.strides[0] // 4, t, cfg.activation, g.data.ptr,
-                          g.strides[0] // 4, norm=norm, q8=q8, q8_out=g_q8, config=self.mmv_cfg["GLU"])
+                          g.strides[0] // 4, norm=norm, q8=q8, q8_out=g_q8, config=self.mmv_cfg["GLU"],
+                          kstage="glu" in self.kstage)
             return self._project_residual(g, down, x, post, a_q8=g_q8, then=self._after_ffn(layer))
         if big and gate.type_id == up.type_id:
             g16 = ws.g16

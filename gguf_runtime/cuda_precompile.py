@@ -44,8 +44,9 @@ def precompile(kernels: Kernels, cfg: ModelConfig, w: DeviceWeights, blocks: Cud
             mm += [L.mmv_name(structs, b, *L.mmv_config(structs, rows, mats[0].cols, b), mode, io)
                    for b in L.MMV_TOKENS for io in ios]
         if len(ios) > 1 and len(mats) == 1 and rows[0] % L.Q8_OUT_ROWS == 0:  # residual with a q8 epilogue
-            mm += [L.mmv_name(structs, b, *L.mmv_config(structs, rows, mats[0].cols, b, True), 1, 3)
-                   for b in L.MMV_TOKENS]
+            staged = blocks.kstage & {"o", "down"} and L.kstage_bytes(structs[0], mats[0].cols)
+            mm += [L.mmv_name(structs, b, *L.mmv_config(structs, rows, mats[0].cols, b, True), 1, io)
+                   for b in L.MMV_TOKENS for io in ((3, 7) if staged else (3,))]
         if max_batch > blocks.decode_mmv_rows:  # batch decode steps: tensor-core products
             modes = (0, 1) if len(mats) == 1 and mats[0].qs in residuals else (0,)
             configs = [LM.mma_config(rows, b, mats[0].cols) for b in buckets
@@ -56,15 +57,16 @@ def precompile(kernels: Kernels, cfg: ModelConfig, w: DeviceWeights, blocks: Cud
         mm += [L.glu_name(s, b, *L.glu_config(s, n, c, b), act) for b in L.MMV_TOKENS]
         if q8 and s not in L.FLOAT_STRUCTS:
             mm += [L.glu_name(s, b, *L.glu_config(s, n, c, b), act, 1) for b in L.MMV_TOKENS]
-            mm += [L.glu_name(s, b, *L.glu_q8_out_config(s, n, c, b), act, 3) for b in L.MMV_TOKENS
-                   if n % L.Q8_OUT_ROWS == 0]
+            ios = (3, 7) if "glu" in blocks.kstage and L.kstage_bytes(s, c, 2) else (3,)
+            mm += [L.glu_name(s, b, *L.glu_q8_out_config(s, n, c, b), act, io) for b in L.MMV_TOKENS
+                   for io in ios if n % L.Q8_OUT_ROWS == 0]
     mma += [LM.mma_glu_name(s, *LM.mma_config([n], b, 0, tall=False)[:2], act) for s, n, _ in glu for b in buckets
             if blocks.decode_mmv_rows < b <= max_batch]
     mm.append(f"embed_rows<{w.mat('token_embd.weight').struct}>")
     mm += [f"dequant_f16<{s}>" for s in {m.struct for m in w.mats.values()}]
     if blocks.mmv_cfg["GLU"]:  # measuring the GLU's (R, WG)
-        mm += [L.glu_name(s, b, *blocks.mmv_cfg["GLU"], act, io) for s, _, _ in glu for b in L.MMV_TOKENS
-               for io in (1, 3)]
+        mm += [L.glu_name(s, b, *blocks.mmv_cfg["GLU"], act, io) for s, _, c in glu for b in L.MMV_TOKENS
+               for io in (1, 3) + ((7,) if "glu" in blocks.kstage and L.kstage_bytes(s, c, 2) else ())]
     if any(blocks.mmv_cfg[k] for k in ("QKV", "O", "DOWN")):  # measuring (R, WG): every candidate, one module
         for mats in groups:
             structs = [m.struct for m in mats]

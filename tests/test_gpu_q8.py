@@ -231,6 +231,63 @@ def test_glu_q8_epilogue(k, b, config, cols):
     check_q8(out, yv)
 
 
+@pytest.mark.parametrize("b,config,cols", [(1, None, 4096), (1, None, 256), (3, None, 512), (8, None, 6144),
+                                           (1, (2, 1), 1024), (2, (4, 2), 4096), (1, None, 12288)])
+def test_glu_staged_q4k_scales_equal_unstaged(k, b, config, cols):
+    """The Q4_K GLU with its block's scales decoded into shared memory (kstage) writes the same
+    bits as the one decoding them per unit, outputs and int8 copy, and matches numpy (12,288
+    columns: 96 KiB of staged scales, past the default 48)."""
+    assert L.kstage_bytes("TQ4_K", cols, 2)
+    rng = np.random.default_rng()
+    keep = []
+    rows = 96  # six blocks of 16 gate and 16 up rows
+    (g, wg), (u, wu) = upload("Q4_K", rows, cols, rng, keep), upload("Q4_K", rows, cols, rng, keep)
+    x = (rng.standard_normal((b, cols)) * 4).astype(np.float32)
+    buf, xq = quantized(k, x, keep)
+    got = []
+    for kstage in (False, True):
+        y = cp.full((b, rows), POISON, cp.float32)
+        out = Q8Buf(b, rows)
+        L.mmv_glu(k, g, u, 0, cols, b, "silu", y.data.ptr, rows, q8=buf.vec, q8_out=out.vec, config=config,
+                  kstage=kstage)
+        got.append((y.get(), *out.get()))
+    for a, c in zip(*got):
+        np.testing.assert_array_equal(a, c)
+    assert rel(got[1][0], silu(xq @ wg.T) * (xq @ wu.T)) < 1e-5
+
+
+def test_kstage_bytes_only_for_q4k_within_the_limit():
+    assert L.kstage_bytes("TQ4_K", 4096, 2) == 32 * 1024 and L.kstage_bytes("TQ4_K", 14336) == 56 * 1024
+    assert L.kstage_bytes("TQ4_K", 256 * 48, 2) == L.KSTAGE_MAX and not L.kstage_bytes("TQ4_K", 256 * 49, 2)
+    assert not L.kstage_bytes("TQ6_K", 4096) and not L.kstage_bytes("TQ4_1", 4096)
+
+
+@pytest.mark.parametrize("b,config,cols", [(1, None, 14336), (1, None, 4096), (2, None, 512), (8, None, 1024),
+                                           (1, (1, 2), 4096), (3, (4, 2), 2048)])
+def test_residual_staged_q4k_scales_equal_unstaged(k, b, config, cols):
+    """y += W a with the q8 epilogue and the block's Q4_K scales staged (the o-proj and down
+    projection: kstage) writes the same bits as the per-unit decode, y and the int8 copy."""
+    assert L.kstage_bytes("TQ4_K", cols)
+    rng = np.random.default_rng()
+    keep = []
+    rows = 64
+    m, w = upload("Q4_K", rows, cols, rng, keep)
+    a = rng.standard_normal((b, cols)).astype(np.float32)
+    abuf, aq = quantized(k, a, keep)
+    y0 = rng.standard_normal((b, rows)).astype(np.float32)
+    nwd = cp.asarray((1 + 0.3 * rng.standard_normal(rows)).astype(np.float32))
+    got = []
+    for kstage in (False, True):
+        yd = cp.asarray(y0)
+        out = Q8Buf(b, rows)
+        L.mmv(k, [m], [(yd.data.ptr, rows)], [None], 0, cols, b, 1, q8=abuf.vec, q8_out=(out.vec, nwd.data.ptr),
+              config=config, kstage=kstage)
+        got.append((yd.get(), *out.get()))
+    for x, y in zip(*got):
+        np.testing.assert_array_equal(x, y)
+    assert rel(got[1][0], y0 + aq @ w.T) < 1e-5
+
+
 @pytest.mark.parametrize("config", [None, (2, 2)])
 def test_qkv_q8_with_fused_rope_equals_f32_path_on_quantized_x(k, config):
     """QKV with RoPE and the KV write fused, from int8 activations, equals the f32 path fed the

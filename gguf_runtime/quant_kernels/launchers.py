@@ -90,6 +90,16 @@ def glu_q8_out_config(struct: str, n: int, cols: int, b: int) -> tuple[int, int]
     return 2, min(glu_config(struct, n, cols, b)[1], 2)
 
 
+def kstage_bytes(struct: str, cols: int, mats: int = 1) -> int:
+    """Shared memory for a q8-epilogue block's staged Q4_K scales (matvec.cu, IO bit 2: TQ4_KS, a
+    float4 per row, superblock and 64 columns, 16 rows of each of ``mats`` matrices; 0 when the
+    matrix is not Q4_K or the copy would pass KSTAGE_MAX."""
+    size = mats * Q8_OUT_ROWS * (cols // 256) * 4 * 16
+    return size if struct == "TQ4_K" and cols % 256 == 0 and size <= KSTAGE_MAX else 0
+
+
+KSTAGE_MAX = 96 * 1024  # two blocks of it per SM, beside the L1 (the 8B's down: 56 KiB, its GLU 32 KiB)
+
 MMV_TOKENS = (8, 4, 2, 1)  # compiled token counts; other counts run as a sum of these
 
 
@@ -153,7 +163,7 @@ NO_ROPE = (ptr(0), ptr(0), ptr(0), i32(0), i32(0), ptr(0), i32(0), i32(0), i32(0
 def mmv(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases: Sequence[int | None],
         x: int, ldx: int, b: int, mode: int, config: tuple[int, int] | None = None,
         norm: tuple[int, float] | None = None, rope: RopeKV | None = None, q8: Q8Vec | None = None,
-        q8_out: tuple[Q8Vec, int | None] | None = None) -> None:
+        q8_out: tuple[Q8Vec, int | None] | None = None, kstage: bool = False) -> None:
     """y_i[t, :] (=|+=) W_i x[t, :] (+ bias_i) for up to 3 matrices sharing x; t < b <= 8.
     ``norm`` = (weight, eps): x is RMS-normalized first (fused, see matvec.cu).
     ``q8``: the activations are these int8 ones instead of x (dp4a; no fused norm; quantized types).
@@ -162,13 +172,16 @@ def mmv(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases
     ``rope``: the outputs are Q, K, V rows, and RoPE + the KV-cache write follow: fused into the
     epilogue where the row groups are rope pairs (R = 2; one warp on the f32 path: the tested shapes),
     else a rope_kv launch.
-    ``config`` = (R, WG) overrides the automatic choice (bench/matvec_variants.py)."""
+    ``config`` = (R, WG) overrides the automatic choice (bench/matvec_variants.py).
+    ``kstage``: with q8 and q8_out, Q4_K scales staged in shared memory where kstage_bytes allows."""
     assert 1 <= len(mats) <= 3 and 1 <= b <= MAX_MMV_TOKENS
     assert q8 is None or (norm is None and q8_capable(mats))
     assert q8_out is None or (q8 is not None and mode == 1 and len(mats) == 1 and mats[0].rows % Q8_OUT_ROWS == 0)
     cols = mats[0].cols
     total = sum(m.rows for m in mats)
     io = (q8 is not None) | (q8_out is not None) << 1
+    smem = kstage_bytes(mats[0].struct, cols) if kstage and io == 3 else 0
+    io |= bool(smem) << 2
     for row, n in token_chunks(b):
         r, wg = config or mmv_config([m.struct for m in mats], [m.rows for m in mats], cols, n, q8_out is not None)
         if q8_out and config:  # an override (mmv_config's own choice fits): up to 8 rows, 32 warps a block
@@ -178,6 +191,7 @@ def mmv(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases
         fused = (rope is not None and mode == 0 and r == 2 and (wg == 1 or q8 is not None) and rope.fusable
                  and len(mats) == 3)
         fn = k.fn("matvec.cu", mmv_name([m.struct for m in mats], n, r, wg, mode, io))
+        fn.allow_smem(smem)
         args: list = []
         for i in range(3):
             if i < len(mats):
@@ -190,7 +204,7 @@ def mmv(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases
         fn(((total + per_block - 1) // per_block,), (32 * nw,),
            (*args, ptr(x + 4 * row * ldx), i32(ldx), i32(cols), *_norm_args(norm),
             *(q8.args(row) if q8 else NO_Q8), *(q8_out[0].out_args(row, q8_out[1]) if q8_out else NO_QOUT),
-            *(rope.fused_args(row) if fused else NO_ROPE)))
+            *(rope.fused_args(row) if fused else NO_ROPE)), shared_mem=smem)
         if rope is not None and not fused:
             rope.launch(k, row, n)
 
@@ -201,13 +215,16 @@ def _norm_args(norm: tuple[int, float] | None) -> tuple[np.uint64, np.float32]:
 
 def mmv_glu(k: Kernels, gate: Mat, up: Mat, x: int, ldx: int, b: int, act: str, y: int, ldy: int,
             norm: tuple[int, float] | None = None, q8: Q8Vec | None = None, q8_out: Q8Vec | None = None,
-            config: tuple[int, int] | None = None) -> None:
+            config: tuple[int, int] | None = None, kstage: bool = False) -> None:
     """y[t, :] = act(G x'[t]) * (U x'[t]) for t < b <= 8; x' = x, or rmsnorm(x) with ``norm``, or
     the int8 activations ``q8``; ``q8_out`` (rows % 16 == 0): also y's int8 copy. ``config`` =
-    (R, WG) overrides glu_config / glu_q8_out_config (to measure)."""
+    (R, WG) overrides glu_config / glu_q8_out_config (to measure). ``kstage``: with q8 and q8_out,
+    Q4_K scales staged in shared memory where kstage_bytes allows."""
     assert q8 is None or (norm is None and q8_capable([gate, up]))
     assert q8_out is None or (q8 is not None and gate.rows % Q8_OUT_ROWS == 0)
     io = (q8 is not None) | (q8_out is not None) << 1
+    smem = kstage_bytes(gate.struct, gate.cols, 2) if kstage and io == 3 and gate.struct == up.struct else 0
+    io |= bool(smem) << 2
     for row, n in token_chunks(b):
         r, wg = config or (glu_q8_out_config if q8_out else glu_config)(gate.struct, gate.rows, gate.cols, n)
         if q8_out and config:  # an override: up to 4 gate and 4 up rows per group, 32 warps per block
@@ -215,7 +232,8 @@ def mmv_glu(k: Kernels, gate: Mat, up: Mat, x: int, ldx: int, b: int, act: str, 
         nw = block_warps(r // 2, wg, io)
         per_block = (r // 2) * nw // wg
         fn = k.fn("matvec.cu", glu_name(gate.struct, n, r, wg, ACT[act], io))
+        fn.allow_smem(smem)
         fn(((gate.rows + per_block - 1) // per_block,), (32 * nw,),
            (*gate.planes, *up.planes, i32(gate.rows), ptr(x + 4 * row * ldx), i32(ldx), i32(gate.cols),
             ptr(y + 4 * row * ldy), i32(ldy), *_norm_args(norm), *(q8.args(row) if q8 else NO_Q8),
-            *(q8_out.out_args(row, None) if q8_out else NO_QOUT)))
+            *(q8_out.out_args(row, None) if q8_out else NO_QOUT)), shared_mem=smem)

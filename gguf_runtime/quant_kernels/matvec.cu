@@ -72,22 +72,29 @@ DEV bool group_leader() { return threadIdx.x % (32 * WG) == 0; }
 // IO bit 1: a q8 epilogue also writes the int8 copy of the outputs (QOut; 16 rows per block).
 struct XIn { const float* x; int ldx; const float* nw; float eps; XQ q; };
 
-template <class T, int B, int R, int WG, bool Q8>
-DEV void mmv_any(const Mat (&m)[R], const int (&row)[R], int K, const XIn& xi, float (&acc)[R][B]) {
-    if constexpr (Q8) mmv_block_q8<T, B, R, WG>(m, row, K, xi.q, acc);
+template <class T, int B, int R, int WG, bool Q8, class S = NoStage>
+DEV void mmv_any(const Mat (&m)[R], const int (&row)[R], int K, const XIn& xi, float (&acc)[R][B], S stage = S{}) {
+    if constexpr (Q8) mmv_block_q8<T, B, R, WG>(m, row, K, xi.q, acc, stage);
     else mmv_block<T, B, R, WG>(m, row, K, xi.x, xi.ldx, xi.nw, xi.eps, acc);
 }
 
-template <class T, int B, int R, int WG, int MODE, int IO>
+// IO bit 2 (Q4_K, int8 in and out): the block's scales staged in shared memory (KStage), decoded
+// once; its rows then run as TQ4_KS, whose sc plane is the staged copy. Same values.
+template <int T_IS_Q4K, int IO, int MODE>
+DEV void kstage_check() {
+    static_assert(T_IS_Q4K && (IO & 3) == 3 && MODE == 1, "staged scales: Q4_K, int8 in, q8 epilogue");
+}
+
+template <class T, int B, int R, int WG, int MODE, int IO, class S = NoStage>
 DEV void mmv_segment(const Mat& mat, int n, int row0, const XIn& xi, int K, float* y, int ldy,
-                     const float* bias, const RopeArgs& ra, int seg, const QOut& qo) {
+                     const float* bias, const RopeArgs& ra, int seg, const QOut& qo, S stage = S{}) {
     Mat m[R]; int row[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) { m[r] = mat; row[r] = min(row0 + r, n - 1); }
     float acc[R][B], qw = 1.f;
     if constexpr ((IO & 2) != 0)
         if (threadIdx.x < 16 * B) qw = q8_out_weight(qo, row0 - row0 % 16);  // weights only: before pdl_enter
-    mmv_any<T, B, R, WG, (IO & 1) != 0>(m, row, K, xi, acc);
+    mmv_any<T, B, R, WG, (IO & 1) != 0>(m, row, K, xi, acc, stage);
     if constexpr ((IO & 2) != 0) {  // residual add, then the int8 copy of the block's 16 new rows
         static_assert(MODE == 1, "q8 epilogue: residual mode");
         __shared__ float tile[B][16];
@@ -133,7 +140,8 @@ DEV void mmv_segment(const Mat& mat, int n, int row0, const XIn& xi, int K, floa
 // Up to three matrices that multiply the same x (Q, K and V), each of its own type; row groups take
 // R rows of segment 0, then 1, then 2 (each segment's row count is a multiple of R * 4 / WG, so a
 // block never straddles two segments).
-// IO & 1: x and nw unused, XQ_ARGS is the input; IO & 2: QO_ARGS the int8 copy of the outputs.
+// IO & 1: x and nw unused, XQ_ARGS is the input; IO & 2: QO_ARGS the int8 copy of the outputs;
+// IO & 4: one Q4_K matrix, its scales staged (KStage, dynamic shared memory).
 #define XQ_ARGS const u8* xq, int ldq, const float4* xs, int lds, int xnorm, float xeps
 #define QO_ARGS u8* oq, int ldoq, float4* os, int ldos, const float* onw
 template <class T0, class T1, class T2, int B, int R, int WG, int MODE, int IO>
@@ -148,6 +156,15 @@ __global__ void __launch_bounds__(32 * block_warps<R, WG, IO>()) mmv_group(
     const XIn xi{x, ldx, nw, eps, XQ{xq, ldq, xs, lds, xnorm, xeps}};
     const QOut qo{oq, ldoq, os, ldos, onw};
     int row0 = group_row0<R, WG, block_warps<R, WG, IO>()>();
+    if constexpr ((IO & 4) != 0) {  // one Q4_K matrix, 16 rows a block
+        kstage_check<same_t<T0, TQ4_K>::value, IO, MODE>();
+        extern __shared__ float4 ks[];  // 16 rows x 4 nb float4s (the launcher's shared_mem)
+        KStage st{sc0, sc0, (int)blockIdx.x * 16, n0, K / 256, 1, ks, {}};
+        st.issue();
+        mmv_segment<TQ4_KS, B, R, WG, MODE, IO>(Mat{qs0, qh0, reinterpret_cast<const u8*>(ks), d0, K / 256}, n0,
+                                                row0, xi, K, y0, ldy0, bias0, ra, 0, qo, st);
+        return;
+    }
     if (row0 < n0) { mmv_segment<T0, B, R, WG, MODE, IO>(MAT(0, T0), n0, row0, xi, K, y0, ldy0, bias0, ra, 0, qo); return; }
     row0 -= n0;
     if (row0 < n1) { mmv_segment<T1, B, R, WG, MODE, IO>(MAT(1, T1), n1, row0, xi, K, y1, ldy1, bias1, ra, 1, qo); return; }
@@ -173,7 +190,21 @@ __global__ void __launch_bounds__(32 * block_warps<R / 2, WG, IO>()) mmv_glu(PLA
     constexpr bool QO = (IO & 2) != 0;
     if constexpr (QO)
         if (threadIdx.x < 16 * B) qw = q8_out_weight(QOut{oq, ldoq, os, ldos, onw}, row0 - row0 % 16);
-    mmv_any<T, B, R, WG, (IO & 1) != 0>(m, row, K, XIn{x, ldx, nw, eps, XQ{xq, ldq, xs, lds, xnorm, xeps}}, acc);
+    if constexpr ((IO & 4) != 0) {  // staged scales (mmv_segment's note): 16 gate, then 16 up rows
+        kstage_check<same_t<T, TQ4_K>::value, IO, 1>();
+        extern __shared__ float4 ks[];  // 2 x 16 rows x 4 nb float4s (the launcher's shared_mem)
+        const int nb = K / 256;
+        KStage st{sc0, sc1, (int)blockIdx.x * 16, n, nb, 2, ks, {}};
+        st.issue();
+#pragma unroll
+        for (int r = 0; r < H; ++r) {
+            m[r].sc = reinterpret_cast<const u8*>(ks);
+            m[H + r].sc = reinterpret_cast<const u8*>(ks + 64 * nb);
+        }
+        mmv_block_q8<TQ4_KS, B, R, WG>(m, row, K, XQ{xq, ldq, xs, lds, xnorm, xeps}, acc, st);
+    } else {
+        mmv_any<T, B, R, WG, (IO & 1) != 0>(m, row, K, XIn{x, ldx, nw, eps, XQ{xq, ldq, xs, lds, xnorm, xeps}}, acc);
+    }
     __shared__ float tile[QO ? B : 1][16];
     if (group_leader<WG>())
 #pragma unroll
@@ -254,4 +285,5 @@ INST(TF32) INST(TF16) INST(TBF16) INST(TQ4_0) INST(TQ4_1) INST(TQ5_0) INST(TQ5_1
 INST(TQ2_K) INST(TQ3_K) INST(TQ4_K) INST(TQ5_K) INST(TQ6_K)
 INST_Q8(TQ4_0) INST_Q8(TQ4_1) INST_Q8(TQ5_0) INST_Q8(TQ5_1) INST_Q8(TQ8_0)
 INST_Q8(TQ2_K) INST_Q8(TQ3_K) INST_Q8(TQ4_K) INST_Q8(TQ5_K) INST_Q8(TQ6_K)
+GLU(TQ4_K, 1, 4, 2, 0, 7) GROUP(TQ4_K, 1, 2, 2, 1, 7)
 #endif

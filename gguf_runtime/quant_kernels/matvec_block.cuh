@@ -125,8 +125,41 @@ DEV void mmv_block(const Mat (&m)[R], const int (&row)[R], int K, const float* _
 // as mmv_block's fused norm): what a residual matvec's q8 epilogue writes for the next norm.
 struct XQ { const u8* q; int ldq; const float4* s; int lds; int norm; float eps; };
 
-template <class T, int B, int R, int WG>
-DEV void mmv_block_q8(const Mat (&m)[R], const int (&row)[R], int K, const XQ& xq, float (&acc)[R][B]) {
+struct NoStage { DEV void finish() {} };
+
+// A block's Q4_K scales decoded into shared memory ks in TQ4_KS's layout (IO bit 2): its 16 rows of
+// matrix a, then (mats == 2: the GLU's up rows) the same 16 rows of matrix b. issue() loads this
+// thread's first superblock of scale bytes, before the quants of the first units go out; finish(),
+// after them, decodes it and any further ones (16 nb mats in all), then syncs the block.
+struct KStage {
+    const u8* sc_a; const u8* sc_b; int row0, n, nb, mats; float4* ks; V16 hv;
+    DEV const u8* at(int i) const {  // item i: matrix i / 16 nb, row i / nb % 16, superblock i % nb
+        const int j = i % (16 * nb), r = min(row0 + j / nb, n - 1);
+        return (i < 16 * nb ? sc_a : sc_b) + ((long)r * nb + j % nb) * 16;
+    }
+    DEV void issue() { if ((int)threadIdx.x < 16 * nb * mats) hv = ld16(at(threadIdx.x)); }
+    DEV void decode(int i, const V16& v) const {
+        const float d = h2f((u16)(v.w[0] & 0xFFFFu)), dmin = h2f((u16)(v.w[0] >> 16));
+#pragma unroll
+        for (int g = 0; g < 4; ++g) {
+            int s0, m0, s1, m1;
+            k4_scale_min(v.w[1], v.w[2], v.w[3], 2 * g, s0, m0);
+            k4_scale_min(v.w[1], v.w[2], v.w[3], 2 * g + 1, s1, m1);
+            ks[4 * i + g] = make_float4(d * qf((u32)s0), dmin * qf((u32)m0), d * qf((u32)s1), dmin * qf((u32)m1));
+        }
+    }
+    DEV void finish() {
+        const int items = 16 * nb * mats;
+        int i = threadIdx.x;
+        if (i < items) decode(i, hv);
+        for (i += blockDim.x; i < items; i += blockDim.x) decode(i, ld16(at(i)));
+        __syncthreads();
+    }
+};
+
+template <class T, int B, int R, int WG, class S = NoStage>
+DEV void mmv_block_q8(const Mat (&m)[R], const int (&row)[R], int K, const XQ& xq, float (&acc)[R][B],
+                      S stage = S{}) {
     const int tid = threadIdx.x % (32 * WG), units = K / T::UE;
     float ssq[B];
     zero_sums<B, R>(acc, ssq);
@@ -134,6 +167,7 @@ DEV void mmv_block_q8(const Mat (&m)[R], const int (&row)[R], int K, const XQ& x
     if (tid < units)         // measured slower: 8B tg128 385 -> 337 t/s, bench/RESULTS.md)
 #pragma unroll
         for (int r = 0; r < R; ++r) T::load(m[r], row[r], tid, raw[r]);
+    stage.finish();  // staged scales (KStage): decoded and synced before the first products
     pdl_enter();
     for (int u = tid; u < units; u += 32 * WG) {
 #pragma unroll
