@@ -71,7 +71,7 @@ class CudaBlocks:
         # (R, WG) of the one-row-group matvecs by role, overriding launchers.mmv_config (to measure):
         # GGUF_RUN_MMV_QKV, GGUF_RUN_MMV_O, GGUF_RUN_MMV_DOWN, GGUF_RUN_MMV_GLU = "R:WG"
         self.mmv_cfg = {role: mmv_override(role) for role in ("QKV", "O", "DOWN", "GLU")}
-        # Q4_K matvecs of up to MAX_MMV_TOKENS rows with int8 in and the q8 epilogue stage their
+        # Q4_K and Q6_K matvecs of up to MAX_MMV_TOKENS rows with int8 in and the q8 epilogue stage their
         # block's scales in shared memory, decoded once (launchers.kstage_bytes), in these roles
         # ("glu", "o", "down", joined by "," or "+"; GGUF_RUN_KSTAGE=none: per unit, to measure)
         self.kstage = frozenset(re.split(r"[,+]", os.environ.get("GGUF_RUN_KSTAGE", "glu,o,down")))

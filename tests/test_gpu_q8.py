@@ -231,17 +231,18 @@ def test_glu_q8_epilogue(k, b, config, cols):
     check_q8(out, yv)
 
 
-@pytest.mark.parametrize("b,config,cols", [(1, None, 4096), (1, None, 256), (3, None, 512), (8, None, 6144),
-                                           (1, (2, 1), 1024), (2, (4, 2), 4096), (1, None, 12288)])
-def test_glu_staged_q4k_scales_equal_unstaged(k, b, config, cols):
-    """The Q4_K GLU with its block's scales decoded into shared memory (kstage) writes the same
-    bits as the one decoding them per unit, outputs and int8 copy, and matches numpy (12,288
-    columns: 96 KiB of staged scales, past the default 48)."""
-    assert L.kstage_bytes("TQ4_K", cols, 2)
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("b,config,cols", [(1, None, 4096), (3, None, 4096), (8, None, 6144), (1, (2, 1), 4096),
+                                           (2, (4, 2), 4096), (1, None, 12288)])
+def test_glu_staged_scales_equal_unstaged(k, name, b, config, cols):
+    """The GLU with its block's scales decoded into shared memory (kstage) writes the same bits as
+    the one decoding them per unit, outputs and int8 copy, and matches numpy (12,288 columns: 96
+    KiB of staged scales, past the default 48)."""
+    assert L.kstage_bytes("T" + name, cols, 2)
     rng = np.random.default_rng()
     keep = []
     rows = 96  # six blocks of 16 gate and 16 up rows
-    (g, wg), (u, wu) = upload("Q4_K", rows, cols, rng, keep), upload("Q4_K", rows, cols, rng, keep)
+    (g, wg), (u, wu) = upload(name, rows, cols, rng, keep), upload(name, rows, cols, rng, keep)
     x = (rng.standard_normal((b, cols)) * 4).astype(np.float32)
     buf, xq = quantized(k, x, keep)
     got = []
@@ -256,22 +257,24 @@ def test_glu_staged_q4k_scales_equal_unstaged(k, b, config, cols):
     assert rel(got[1][0], silu(xq @ wg.T) * (xq @ wu.T)) < 1e-5
 
 
-def test_kstage_bytes_only_for_q4k_within_the_limit():
-    assert L.kstage_bytes("TQ4_K", 4096, 2) == 32 * 1024 and L.kstage_bytes("TQ4_K", 14336) == 56 * 1024
+def test_kstage_bytes_only_for_k_quants_within_the_limit():
+    assert L.kstage_bytes("TQ4_K", 4096, 2) == 32 * 1024 and L.kstage_bytes("TQ6_K", 14336) == 56 * 1024
     assert L.kstage_bytes("TQ4_K", 256 * 48, 2) == L.KSTAGE_MAX and not L.kstage_bytes("TQ4_K", 256 * 49, 2)
-    assert not L.kstage_bytes("TQ6_K", 4096) and not L.kstage_bytes("TQ4_1", 4096)
+    assert not L.kstage_bytes("TQ5_K", 4096) and not L.kstage_bytes("TQ4_1", 4096)
+    assert not L.kstage_bytes("TQ4_K", L.KSTAGE_MIN_COLS - 256)
 
 
-@pytest.mark.parametrize("b,config,cols", [(1, None, 14336), (1, None, 4096), (2, None, 512), (8, None, 1024),
-                                           (1, (1, 2), 4096), (3, (4, 2), 2048)])
-def test_residual_staged_q4k_scales_equal_unstaged(k, b, config, cols):
-    """y += W a with the q8 epilogue and the block's Q4_K scales staged (the o-proj and down
-    projection: kstage) writes the same bits as the per-unit decode, y and the int8 copy."""
-    assert L.kstage_bytes("TQ4_K", cols)
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("b,config,cols", [(1, None, 14336), (1, None, 4096), (2, None, 4096), (8, None, 4608),
+                                           (1, (1, 2), 4096), (3, (4, 2), 4096)])
+def test_residual_staged_scales_equal_unstaged(k, name, b, config, cols):
+    """y += W a with the q8 epilogue and the block's scales staged (the o-proj and down projection:
+    kstage) writes the same bits as the per-unit decode, y and the int8 copy."""
+    assert L.kstage_bytes("T" + name, cols)
     rng = np.random.default_rng()
     keep = []
     rows = 64
-    m, w = upload("Q4_K", rows, cols, rng, keep)
+    m, w = upload(name, rows, cols, rng, keep)
     a = rng.standard_normal((b, cols)).astype(np.float32)
     abuf, aq = quantized(k, a, keep)
     y0 = rng.standard_normal((b, rows)).astype(np.float32)

@@ -17,9 +17,6 @@ typedef unsigned long long u64;
 #define HD __host__ __device__ __forceinline__
 #define DEV __device__ __forceinline__
 
-template <class A, class B> struct same_t { static constexpr bool value = false; };
-template <class A> struct same_t<A, A> { static constexpr bool value = true; };
-
 // ---- 16-byte vector of raw bytes, and loads -------------------------------------------------
 struct V16 { u32 w[4]; };
 

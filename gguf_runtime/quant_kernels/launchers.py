@@ -91,13 +91,18 @@ def glu_q8_out_config(struct: str, n: int, cols: int, b: int) -> tuple[int, int]
 
 
 def kstage_bytes(struct: str, cols: int, mats: int = 1) -> int:
-    """Shared memory for a q8-epilogue block's staged Q4_K scales (matvec.cu, IO bit 2: TQ4_KS, a
-    float4 per row, superblock and 64 columns, 16 rows of each of ``mats`` matrices; 0 when the
-    matrix is not Q4_K or the copy would pass KSTAGE_MAX."""
+    """Shared memory for a q8-epilogue block's staged scales (matvec.cu, IO bit 2; quant_staged.cuh:
+    four float4s per row and superblock, 16 rows of each of ``mats`` matrices); 0 when the type has
+    no staged twin, the rows are short (under KSTAGE_MIN_COLS) or the copy would pass KSTAGE_MAX."""
     size = mats * Q8_OUT_ROWS * (cols // 256) * 4 * 16
-    return size if struct == "TQ4_K" and cols % 256 == 0 and size <= KSTAGE_MAX else 0
+    fits = cols % 256 == 0 and KSTAGE_MIN_COLS <= cols and size <= KSTAGE_MAX
+    return size if struct in KSTAGE_STRUCTS and fits else 0
 
 
+KSTAGE_STRUCTS = ("TQ4_K", "TQ6_K")
+# The 8B (4,096 and 14,336 columns) gained, tg128 447 -> 460; Gemma-3's o-proj and down (1,024 and
+# 2,048) lost a little, 2,174 -> 2,170 (H100, bench/RESULTS.md row 77)
+KSTAGE_MIN_COLS = 4096
 KSTAGE_MAX = 96 * 1024  # two blocks of it per SM, beside the L1 (the 8B's down: 56 KiB, its GLU 32 KiB)
 
 MMV_TOKENS = (8, 4, 2, 1)  # compiled token counts; other counts run as a sum of these

@@ -60,6 +60,11 @@ DEV void rope_store(const RopeArgs& ra, int seg, int row0, float (&v)[R][B], flo
 template <int R, int WG, int IO>
 __host__ __device__ constexpr int block_warps() { return (IO & 2) ? 16 * WG / R : 4; }
 
+// Blocks per SM the registers must allow: two for staged scales (IO bit 2; their Q6_K kernels took
+// 74 registers, one block of 512 threads per SM), else no bound.
+template <int IO>
+__host__ __device__ constexpr int min_blocks() { return (IO & 4) ? 2 : 0; }
+
 // The first row of this thread's row group, and whether the thread writes its results.
 template <int R, int WG, int NW>
 DEV int group_row0() { return (blockIdx.x * (NW / WG) + threadIdx.x / (32 * WG)) * R; }
@@ -78,11 +83,11 @@ DEV void mmv_any(const Mat (&m)[R], const int (&row)[R], int K, const XIn& xi, f
     else mmv_block<T, B, R, WG>(m, row, K, xi.x, xi.ldx, xi.nw, xi.eps, acc);
 }
 
-// IO bit 2 (Q4_K, int8 in and out): the block's scales staged in shared memory (KStage), decoded
-// once; its rows then run as TQ4_KS, whose sc plane is the staged copy. Same values.
-template <int T_IS_Q4K, int IO, int MODE>
+// IO bit 2 (Q4_K or Q6_K, int8 in, q8 epilogue): the block's scales staged in shared memory
+// (quant_staged.cuh), decoded once; its rows then run as the staged twin of their type. Same values.
+template <int IO, int MODE>
 DEV void kstage_check() {
-    static_assert(T_IS_Q4K && (IO & 3) == 3 && MODE == 1, "staged scales: Q4_K, int8 in, q8 epilogue");
+    static_assert((IO & 3) == 3 && MODE == 1, "staged scales: int8 in, q8 epilogue");
 }
 
 template <class T, int B, int R, int WG, int MODE, int IO, class S = NoStage>
@@ -141,11 +146,11 @@ DEV void mmv_segment(const Mat& mat, int n, int row0, const XIn& xi, int K, floa
 // R rows of segment 0, then 1, then 2 (each segment's row count is a multiple of R * 4 / WG, so a
 // block never straddles two segments).
 // IO & 1: x and nw unused, XQ_ARGS is the input; IO & 2: QO_ARGS the int8 copy of the outputs;
-// IO & 4: one Q4_K matrix, its scales staged (KStage, dynamic shared memory).
+// IO & 4: one Q4_K or Q6_K matrix, its scales staged (KStage, dynamic shared memory).
 #define XQ_ARGS const u8* xq, int ldq, const float4* xs, int lds, int xnorm, float xeps
 #define QO_ARGS u8* oq, int ldoq, float4* os, int ldos, const float* onw
 template <class T0, class T1, class T2, int B, int R, int WG, int MODE, int IO>
-__global__ void __launch_bounds__(32 * block_warps<R, WG, IO>()) mmv_group(
+__global__ void __launch_bounds__(32 * block_warps<R, WG, IO>(), min_blocks<IO>()) mmv_group(
         PLANES(0), int n0, float* y0, int ldy0, const float* bias0,
         PLANES(1), int n1, float* y1, int ldy1, const float* bias1,
         PLANES(2), int n2, float* y2, int ldy2, const float* bias2,
@@ -156,13 +161,14 @@ __global__ void __launch_bounds__(32 * block_warps<R, WG, IO>()) mmv_group(
     const XIn xi{x, ldx, nw, eps, XQ{xq, ldq, xs, lds, xnorm, xeps}};
     const QOut qo{oq, ldoq, os, ldos, onw};
     int row0 = group_row0<R, WG, block_warps<R, WG, IO>()>();
-    if constexpr ((IO & 4) != 0) {  // one Q4_K matrix, 16 rows a block
-        kstage_check<same_t<T0, TQ4_K>::value, IO, MODE>();
+    if constexpr ((IO & 4) != 0) {  // one matrix, 16 rows a block
+        kstage_check<IO, MODE>();
+        using TS = typename Staged<T0>::type;
         extern __shared__ float4 ks[];  // 16 rows x 4 nb float4s (the launcher's shared_mem)
-        KStage st{sc0, sc0, (int)blockIdx.x * 16, n0, K / 256, 1, ks, {}};
+        KStage<TS> st{sc0, d0, sc0, d0, (int)blockIdx.x * 16, n0, K / 256, 1, ks, {}};
         st.issue();
-        mmv_segment<TQ4_KS, B, R, WG, MODE, IO>(Mat{qs0, qh0, reinterpret_cast<const u8*>(ks), d0, K / 256}, n0,
-                                                row0, xi, K, y0, ldy0, bias0, ra, 0, qo, st);
+        mmv_segment<TS, B, R, WG, MODE, IO>(Mat{qs0, qh0, reinterpret_cast<const u8*>(ks), d0, K / 256}, n0, row0,
+                                            xi, K, y0, ldy0, bias0, ra, 0, qo, st);
         return;
     }
     if (row0 < n0) { mmv_segment<T0, B, R, WG, MODE, IO>(MAT(0, T0), n0, row0, xi, K, y0, ldy0, bias0, ra, 0, qo); return; }
@@ -175,7 +181,7 @@ __global__ void __launch_bounds__(32 * block_warps<R, WG, IO>()) mmv_group(
 // Gate and up projections in one pass, y = act(gate x) * (up x); ACT 0 = SiLU, 1 = GELU (tanh).
 // A row group takes R/2 rows of each. IO as mmv_group's.
 template <class T, int B, int R, int WG, int ACT, int IO>
-__global__ void __launch_bounds__(32 * block_warps<R / 2, WG, IO>()) mmv_glu(PLANES(0), PLANES(1), int n, const float* __restrict__ x,
+__global__ void __launch_bounds__(32 * block_warps<R / 2, WG, IO>(), min_blocks<IO>()) mmv_glu(PLANES(0), PLANES(1), int n, const float* __restrict__ x,
                                                int ldx, int K, float* y, int ldy, const float* __restrict__ nw,
                                                float eps, XQ_ARGS, QO_ARGS) {
     constexpr int H = R / 2;
@@ -191,17 +197,18 @@ __global__ void __launch_bounds__(32 * block_warps<R / 2, WG, IO>()) mmv_glu(PLA
     if constexpr (QO)
         if (threadIdx.x < 16 * B) qw = q8_out_weight(QOut{oq, ldoq, os, ldos, onw}, row0 - row0 % 16);
     if constexpr ((IO & 4) != 0) {  // staged scales (mmv_segment's note): 16 gate, then 16 up rows
-        kstage_check<same_t<T, TQ4_K>::value, IO, 1>();
+        kstage_check<IO, 1>();
+        using TS = typename Staged<T>::type;
         extern __shared__ float4 ks[];  // 2 x 16 rows x 4 nb float4s (the launcher's shared_mem)
         const int nb = K / 256;
-        KStage st{sc0, sc1, (int)blockIdx.x * 16, n, nb, 2, ks, {}};
+        KStage<TS> st{sc0, d0, sc1, d1, (int)blockIdx.x * 16, n, nb, 2, ks, {}};
         st.issue();
 #pragma unroll
         for (int r = 0; r < H; ++r) {
             m[r].sc = reinterpret_cast<const u8*>(ks);
             m[H + r].sc = reinterpret_cast<const u8*>(ks + 64 * nb);
         }
-        mmv_block_q8<TQ4_KS, B, R, WG>(m, row, K, XQ{xq, ldq, xs, lds, xnorm, xeps}, acc, st);
+        mmv_block_q8<TS, B, R, WG>(m, row, K, XQ{xq, ldq, xs, lds, xnorm, xeps}, acc, st);
     } else {
         mmv_any<T, B, R, WG, (IO & 1) != 0>(m, row, K, XIn{x, ldx, nw, eps, XQ{xq, ldq, xs, lds, xnorm, xeps}}, acc);
     }
@@ -285,5 +292,5 @@ INST(TF32) INST(TF16) INST(TBF16) INST(TQ4_0) INST(TQ4_1) INST(TQ5_0) INST(TQ5_1
 INST(TQ2_K) INST(TQ3_K) INST(TQ4_K) INST(TQ5_K) INST(TQ6_K)
 INST_Q8(TQ4_0) INST_Q8(TQ4_1) INST_Q8(TQ5_0) INST_Q8(TQ5_1) INST_Q8(TQ8_0)
 INST_Q8(TQ2_K) INST_Q8(TQ3_K) INST_Q8(TQ4_K) INST_Q8(TQ5_K) INST_Q8(TQ6_K)
-GLU(TQ4_K, 1, 4, 2, 0, 7) GROUP(TQ4_K, 1, 2, 2, 1, 7)
+GLU(TQ4_K, 1, 4, 2, 0, 7) GROUP(TQ4_K, 1, 2, 2, 1, 7) GLU(TQ6_K, 2, 2, 1, 0, 7) GROUP(TQ6_K, 3, 2, 2, 1, 7)
 #endif

@@ -1,7 +1,7 @@
 // The inner loop of the matvec kernels (matvec.cu): one row group's dot products over K, for
 // f32 activations (mmv_block, RMSNorm optionally fused) or int8 ones (mmv_block_q8, dp4a).
 #pragma once
-#include "quant_int8.cuh"
+#include "quant_staged.cuh"
 
 // Sum each acc[r][b] (and ssq[b] when has_ssq) over the group's 32 WG lanes: valid in the group leader.
 template <int B, int R, int WG>
@@ -125,37 +125,7 @@ DEV void mmv_block(const Mat (&m)[R], const int (&row)[R], int K, const float* _
 // as mmv_block's fused norm): what a residual matvec's q8 epilogue writes for the next norm.
 struct XQ { const u8* q; int ldq; const float4* s; int lds; int norm; float eps; };
 
-struct NoStage { DEV void finish() {} };
-
-// A block's Q4_K scales decoded into shared memory ks in TQ4_KS's layout (IO bit 2): its 16 rows of
-// matrix a, then (mats == 2: the GLU's up rows) the same 16 rows of matrix b. issue() loads this
-// thread's first superblock of scale bytes, before the quants of the first units go out; finish(),
-// after them, decodes it and any further ones (16 nb mats in all), then syncs the block.
-struct KStage {
-    const u8* sc_a; const u8* sc_b; int row0, n, nb, mats; float4* ks; V16 hv;
-    DEV const u8* at(int i) const {  // item i: matrix i / 16 nb, row i / nb % 16, superblock i % nb
-        const int j = i % (16 * nb), r = min(row0 + j / nb, n - 1);
-        return (i < 16 * nb ? sc_a : sc_b) + ((long)r * nb + j % nb) * 16;
-    }
-    DEV void issue() { if ((int)threadIdx.x < 16 * nb * mats) hv = ld16(at(threadIdx.x)); }
-    DEV void decode(int i, const V16& v) const {
-        const float d = h2f((u16)(v.w[0] & 0xFFFFu)), dmin = h2f((u16)(v.w[0] >> 16));
-#pragma unroll
-        for (int g = 0; g < 4; ++g) {
-            int s0, m0, s1, m1;
-            k4_scale_min(v.w[1], v.w[2], v.w[3], 2 * g, s0, m0);
-            k4_scale_min(v.w[1], v.w[2], v.w[3], 2 * g + 1, s1, m1);
-            ks[4 * i + g] = make_float4(d * qf((u32)s0), dmin * qf((u32)m0), d * qf((u32)s1), dmin * qf((u32)m1));
-        }
-    }
-    DEV void finish() {
-        const int items = 16 * nb * mats;
-        int i = threadIdx.x;
-        if (i < items) decode(i, hv);
-        for (i += blockDim.x; i < items; i += blockDim.x) decode(i, ld16(at(i)));
-        __syncthreads();
-    }
-};
+struct NoStage { DEV void finish() {} };  // no staged scales (else KStage, quant_staged.cuh)
 
 template <class T, int B, int R, int WG, class S = NoStage>
 DEV void mmv_block_q8(const Mat (&m)[R], const int (&row)[R], int K, const XQ& xq, float (&acc)[R][B],

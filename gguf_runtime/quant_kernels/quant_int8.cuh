@@ -159,13 +159,6 @@ template <> struct I8<TQ4_K> {
         nib_words(r.q, 4 * p, q); d = r.d[p]; m = -r.m[p];
     }
 };
-template <> struct I8<TQ4_KS> {
-    static DEV void words(const TQ4_KS::Raw& r, int p, u32 (&q)[4], float& d, float& m) {
-        nib_words(r.q, 4 * p, q);
-        const float4 s = *r.s;
-        d = p ? s.z : s.x; m = -(p ? s.w : s.y);
-    }
-};
 template <> struct I8<TQ5_K> {
     static HD void words(const TQ5_K::Raw& r, int p, u32 (&q)[4], float& d, float& m) {
         const int bit = 2 * r.g + p;

@@ -213,19 +213,6 @@ struct TQ4_K {
     }
 };
 
-// Q4_K with a block's scales decoded beforehand into shared memory (matvec.cu's mmv_glu, IO bit 2):
-// m.sc points at the block's float4s (d sc, dmin m of sub-blocks 2g and 2g + 1), one per (row % 16,
-// superblock, g), so a unit loads only its quants. Same values as TQ4_K's.
-struct TQ4_KS {
-    static constexpr int UE = 32, NP = 2, BLOCK = 256;
-    struct Raw { V16 q; const float4* s; };
-    static DEV void load(const Mat& m, int row, int u, Raw& r) {
-        r.q = ld16(m.qs + ((long)row * m.nb + (u >> 3)) * 128 + 32 * ((u >> 1) & 3) + 16 * (u & 1));
-        r.s = reinterpret_cast<const float4*>(m.sc) + (row & 15) * 4 * m.nb + (u >> 1);
-    }
-    static HD int xoff(int u, int p) { return TQ4_K::xoff(u, p); }
-};
-
 struct TQ5_K {
     static constexpr int UE = 32, NP = 2, BLOCK = 256;
     struct Raw { V16 q, qh; float d[2], m[2]; int g; };
