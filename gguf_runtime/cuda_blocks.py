@@ -39,6 +39,9 @@ FUSE_NORM_MAX_COLS = 2048
 # Batch decode steps with at least this many (KV head, row) blocks take attention_tiles.cu (one
 # block per pair, no splits); fewer take attention.cu's splits, for more blocks than SMs.
 TILES_MIN_BLOCKS = 256
+# Roles whose int8 matvecs stage their K-quant scales (launchers.kstage_bytes). The 8B, tg128 (H100,
+# bench/RESULTS.md row 77): none 447, glu + o + down 461, and qkv 467; the head ("head") lost, 466.
+KSTAGE_ROLES = "qkv,o,glu,down"
 
 
 def mmv_override(role: str) -> tuple[int, int] | None:
@@ -71,10 +74,10 @@ class CudaBlocks:
         # (R, WG) of the one-row-group matvecs by role, overriding launchers.mmv_config (to measure):
         # GGUF_RUN_MMV_QKV, GGUF_RUN_MMV_O, GGUF_RUN_MMV_DOWN, GGUF_RUN_MMV_GLU = "R:WG"
         self.mmv_cfg = {role: mmv_override(role) for role in ("QKV", "O", "DOWN", "GLU")}
-        # Q4_K and Q6_K matvecs of up to MAX_MMV_TOKENS rows with int8 in and the q8 epilogue stage their
-        # block's scales in shared memory, decoded once (launchers.kstage_bytes), in these roles
-        # ("glu", "o", "down", joined by "," or "+"; GGUF_RUN_KSTAGE=none: per unit, to measure)
-        self.kstage = frozenset(re.split(r"[,+]", os.environ.get("GGUF_RUN_KSTAGE", "glu,o,down")))
+        # Q4_K and Q6_K matvecs of up to MAX_MMV_TOKENS rows with int8 in stage their block's scales
+        # in shared memory, decoded once (launchers.kstage_bytes), in these roles ("qkv", "o", "glu",
+        # "down", "head", joined by "," or "+"; GGUF_RUN_KSTAGE=none: per unit, to measure)
+        self.kstage = frozenset(re.split(r"[,+]", os.environ.get("GGUF_RUN_KSTAGE", KSTAGE_ROLES)))
         # measuring only: the kernels of these roles ("qkv", "attn", "o", "glu", "down") are left out
         # of calls of up to MAX_MMV_TOKENS rows, so a step's time without them can be read off a
         # benchmark (the outputs are then wrong): GGUF_RUN_BENCH_SKIP = "attn,o"
@@ -194,7 +197,7 @@ class CudaBlocks:
             if "qkv" not in self.skip:
                 L.mmv(self.k, [self.w.mat(n) for n in names], [(qkv.data.ptr + 4 * c, ld) for c in cols],
                       [self.w.vec(b).data.ptr if b else None for b in biases], h.data.ptr, h.strides[0] // 4, t,
-                      0, norm=norm, rope=rope, q8=q8, config=self.mmv_cfg["QKV"])
+                      0, norm=norm, rope=rope, q8=q8, config=self.mmv_cfg["QKV"], kstage="qkv" in self.kstage)
             return qkv
         if self.mma:
             LM.mma(self.k, [self.w.mat(n) for n in names], [(qkv.data.ptr + 4 * c, ld) for c in cols],
@@ -354,7 +357,7 @@ class CudaBlocks:
             for s in range(0, t, L.MAX_MMV_TOKENS):
                 n = min(L.MAX_MMV_TOKENS, t - s)
                 L.mmv(self.k, [head], [(out[s:].data.ptr, ld)], [None], h[s:].data.ptr, h.strides[0] // 4, n, 0,
-                      norm=norm, q8=q8)  # q8 only when t <= MAX_MMV_TOKENS: one chunk
+                      norm=norm, q8=q8, kstage="head" in self.kstage)  # q8 only when t <= MAX_MMV_TOKENS
         if cfg.final_softcap:
             LL.softcap(self.k, out.data.ptr, ld, cfg.n_vocab, t, cfg.final_softcap)
         return out

@@ -238,7 +238,7 @@ def test_glu_staged_scales_equal_unstaged(k, name, b, config, cols):
     """The GLU with its block's scales decoded into shared memory (kstage) writes the same bits as
     the one decoding them per unit, outputs and int8 copy, and matches numpy (12,288 columns: 96
     KiB of staged scales, past the default 48)."""
-    assert L.kstage_bytes("T" + name, cols, 2)
+    assert L.kstage_bytes("T" + name, cols, 32)
     rng = np.random.default_rng()
     keep = []
     rows = 96  # six blocks of 16 gate and 16 up rows
@@ -258,9 +258,10 @@ def test_glu_staged_scales_equal_unstaged(k, name, b, config, cols):
 
 
 def test_kstage_bytes_only_for_k_quants_within_the_limit():
-    assert L.kstage_bytes("TQ4_K", 4096, 2) == 32 * 1024 and L.kstage_bytes("TQ6_K", 14336) == 56 * 1024
-    assert L.kstage_bytes("TQ4_K", 256 * 48, 2) == L.KSTAGE_MAX and not L.kstage_bytes("TQ4_K", 256 * 49, 2)
-    assert not L.kstage_bytes("TQ5_K", 4096) and not L.kstage_bytes("TQ4_1", 4096)
+    assert L.kstage_bytes("TQ4_K", 4096, 32) == 32 * 1024 and L.kstage_bytes("TQ6_K", 14336) == 56 * 1024
+    assert L.kstage_bytes("TQ4_K", 256 * 48, 32) == L.KSTAGE_MAX and not L.kstage_bytes("TQ4_K", 256 * 49, 32)
+    assert L.kstage_bytes(["TQ4_K", "TQ4_K", "TQ6_K"], 4096, 8) == 8 * 1024
+    assert not L.kstage_bytes(["TQ4_K", "TQ5_0"], 4096, 8) and not L.kstage_bytes("TQ4_1", 4096)
     assert not L.kstage_bytes("TQ4_K", L.KSTAGE_MIN_COLS - 256)
 
 
@@ -289,6 +290,29 @@ def test_residual_staged_scales_equal_unstaged(k, name, b, config, cols):
     for x, y in zip(*got):
         np.testing.assert_array_equal(x, y)
     assert rel(got[1][0], y0 + aq @ w.T) < 1e-5
+
+
+@pytest.mark.parametrize("names,config", [(("Q4_K", "Q4_K", "Q6_K"), None), (("Q6_K", "Q4_K", "Q4_K"), (1, 4)),
+                                          (("Q6_K",), (4, 1)), (("Q4_K",), (2, 2)), (("Q6_K", "Q6_K"), (1, 1))])
+@pytest.mark.parametrize("b", [1, 3, 8])
+def test_mmv_staged_scales_equal_unstaged(k, names, config, b):
+    """Q/K/V-like groups and a head-like matrix (no epilogue; 1 to 16 rows a block) with their
+    blocks' scales staged (kstage) write the same bits as the per-unit decode, and match numpy."""
+    rng = np.random.default_rng()
+    keep = []
+    cols = 4096
+    mats = [upload(name, rows, cols, rng, keep) for name, rows in zip(names, (64, 32, 32))]
+    x = rng.standard_normal((b, cols)).astype(np.float32)
+    buf, xq = quantized(k, x, keep)
+    got = []
+    for kstage in (False, True):
+        ys = [cp.full((b, m.rows), POISON, cp.float32) for m, _ in mats]
+        L.mmv(k, [m for m, _ in mats], [(y.data.ptr, y.shape[1]) for y in ys], [None] * len(mats), 0, cols, b, 0,
+              config=config, q8=buf.vec, kstage=kstage)
+        got.append([y.get() for y in ys])
+    for (m, w), y0, y1 in zip(mats, *got):
+        np.testing.assert_array_equal(y0, y1)
+        assert rel(y1, xq @ w.T) < 1e-5
 
 
 @pytest.mark.parametrize("config", [None, (2, 2)])

@@ -90,13 +90,14 @@ def glu_q8_out_config(struct: str, n: int, cols: int, b: int) -> tuple[int, int]
     return 2, min(glu_config(struct, n, cols, b)[1], 2)
 
 
-def kstage_bytes(struct: str, cols: int, mats: int = 1) -> int:
-    """Shared memory for a q8-epilogue block's staged scales (matvec.cu, IO bit 2; quant_staged.cuh:
-    four float4s per row and superblock, 16 rows of each of ``mats`` matrices); 0 when the type has
-    no staged twin, the rows are short (under KSTAGE_MIN_COLS) or the copy would pass KSTAGE_MAX."""
-    size = mats * Q8_OUT_ROWS * (cols // 256) * 4 * 16
-    fits = cols % 256 == 0 and KSTAGE_MIN_COLS <= cols and size <= KSTAGE_MAX
-    return size if struct in KSTAGE_STRUCTS and fits else 0
+def kstage_bytes(structs: str | Sequence[str], cols: int, rows: int = Q8_OUT_ROWS) -> int:
+    """Shared memory for a block's staged scales (matvec.cu, IO bit 2; quant_staged.cuh: four float4s
+    per row and superblock, for the ``rows`` rows a block stages: the GLU 2 x 16, a q8 epilogue 16);
+    0 unless every matrix's type has a staged twin, the rows are long enough (KSTAGE_MIN_COLS) and
+    the copy fits KSTAGE_MAX."""
+    size = rows * (cols // 256) * 4 * 16
+    ok = all(s in KSTAGE_STRUCTS for s in ([structs] if isinstance(structs, str) else structs))
+    return size if ok and cols % 256 == 0 and KSTAGE_MIN_COLS <= cols and size <= KSTAGE_MAX else 0
 
 
 KSTAGE_STRUCTS = ("TQ4_K", "TQ6_K")
@@ -178,15 +179,13 @@ def mmv(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases
     epilogue where the row groups are rope pairs (R = 2; one warp on the f32 path: the tested shapes),
     else a rope_kv launch.
     ``config`` = (R, WG) overrides the automatic choice (bench/matvec_variants.py).
-    ``kstage``: with q8 and q8_out, Q4_K scales staged in shared memory where kstage_bytes allows."""
+    ``kstage``: with q8, each block's scales staged in shared memory where kstage_bytes allows."""
     assert 1 <= len(mats) <= 3 and 1 <= b <= MAX_MMV_TOKENS
     assert q8 is None or (norm is None and q8_capable(mats))
     assert q8_out is None or (q8 is not None and mode == 1 and len(mats) == 1 and mats[0].rows % Q8_OUT_ROWS == 0)
     cols = mats[0].cols
     total = sum(m.rows for m in mats)
     io = (q8 is not None) | (q8_out is not None) << 1
-    smem = kstage_bytes(mats[0].struct, cols) if kstage and io == 3 else 0
-    io |= bool(smem) << 2
     for row, n in token_chunks(b):
         r, wg = config or mmv_config([m.struct for m in mats], [m.rows for m in mats], cols, n, q8_out is not None)
         if q8_out and config:  # an override (mmv_config's own choice fits): up to 8 rows, 32 warps a block
@@ -195,7 +194,11 @@ def mmv(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases
         # RoPE in the epilogue: rope pairs in one group (R = 2); the f32 path is tested at one warp
         fused = (rope is not None and mode == 0 and r == 2 and (wg == 1 or q8 is not None) and rope.fusable
                  and len(mats) == 3)
-        fn = k.fn("matvec.cu", mmv_name([m.struct for m in mats], n, r, wg, mode, io))
+        nw = block_warps(r, wg, io)
+        per_block = r * nw // wg
+        staged = kstage and io & 1 and per_block & (per_block - 1) == 0  # the kernel's rows: row % P
+        smem = kstage_bytes([m.struct for m in mats], cols, per_block) if staged else 0
+        fn = k.fn("matvec.cu", mmv_name([m.struct for m in mats], n, r, wg, mode, io | bool(smem) << 2))
         fn.allow_smem(smem)
         args: list = []
         for i in range(3):
@@ -204,8 +207,6 @@ def mmv(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases
                 args += [*m.planes, i32(m.rows), ptr(y + 4 * row * ldy), i32(ldy), ptr(bias)]
             else:
                 args += [ptr(0)] * 4 + [i32(0), ptr(0), i32(0), ptr(0)]
-        nw = block_warps(r, wg, io)
-        per_block = r * nw // wg
         fn(((total + per_block - 1) // per_block,), (32 * nw,),
            (*args, ptr(x + 4 * row * ldx), i32(ldx), i32(cols), *_norm_args(norm),
             *(q8.args(row) if q8 else NO_Q8), *(q8_out[0].out_args(row, q8_out[1]) if q8_out else NO_QOUT),
@@ -224,11 +225,11 @@ def mmv_glu(k: Kernels, gate: Mat, up: Mat, x: int, ldx: int, b: int, act: str, 
     """y[t, :] = act(G x'[t]) * (U x'[t]) for t < b <= 8; x' = x, or rmsnorm(x) with ``norm``, or
     the int8 activations ``q8``; ``q8_out`` (rows % 16 == 0): also y's int8 copy. ``config`` =
     (R, WG) overrides glu_config / glu_q8_out_config (to measure). ``kstage``: with q8 and q8_out,
-    Q4_K scales staged in shared memory where kstage_bytes allows."""
+    each block's scales staged in shared memory where kstage_bytes allows."""
     assert q8 is None or (norm is None and q8_capable([gate, up]))
     assert q8_out is None or (q8 is not None and gate.rows % Q8_OUT_ROWS == 0)
     io = (q8 is not None) | (q8_out is not None) << 1
-    smem = kstage_bytes(gate.struct, gate.cols, 2) if kstage and io == 3 and gate.struct == up.struct else 0
+    smem = kstage_bytes([gate.struct, up.struct], gate.cols, 2 * Q8_OUT_ROWS) if kstage and io == 3 else 0
     io |= bool(smem) << 2
     for row, n in token_chunks(b):
         r, wg = config or (glu_q8_out_config if q8_out else glu_config)(gate.struct, gate.rows, gate.cols, n)

@@ -60,10 +60,14 @@ DEV void rope_store(const RopeArgs& ra, int seg, int row0, float (&v)[R][B], flo
 template <int R, int WG, int IO>
 __host__ __device__ constexpr int block_warps() { return (IO & 2) ? 16 * WG / R : 4; }
 
-// Blocks per SM the registers must allow: two for staged scales (IO bit 2; their Q6_K kernels took
-// 74 registers, one block of 512 threads per SM), else no bound.
-template <int IO>
-__host__ __device__ constexpr int min_blocks() { return (IO & 4) ? 2 : 0; }
+// Blocks per SM the registers must allow with staged scales (IO bit 2): two of 16 warps (a Q6_K
+// kernel took 74 registers unbounded: one block per SM), five of 4 warps with up to 2 rows per
+// group (the unstaged QKV's 95 registers allow five; staged it took 120). Else no bound (0: as if
+// not given; the lm_head's 4 rows per group take 168 registers either way).
+template <int R, int WG, int IO>
+__host__ __device__ constexpr int min_blocks() {
+    return (IO & 4) ? (block_warps<R, WG, IO>() >= 16 ? 2 : (R <= 2 ? 5 : 0)) : 0;
+}
 
 // The first row of this thread's row group, and whether the thread writes its results.
 template <int R, int WG, int NW>
@@ -81,13 +85,6 @@ template <class T, int B, int R, int WG, bool Q8, class S = NoStage>
 DEV void mmv_any(const Mat (&m)[R], const int (&row)[R], int K, const XIn& xi, float (&acc)[R][B], S stage = S{}) {
     if constexpr (Q8) mmv_block_q8<T, B, R, WG>(m, row, K, xi.q, acc, stage);
     else mmv_block<T, B, R, WG>(m, row, K, xi.x, xi.ldx, xi.nw, xi.eps, acc);
-}
-
-// IO bit 2 (Q4_K or Q6_K, int8 in, q8 epilogue): the block's scales staged in shared memory
-// (quant_staged.cuh), decoded once; its rows then run as the staged twin of their type. Same values.
-template <int IO, int MODE>
-DEV void kstage_check() {
-    static_assert((IO & 3) == 3 && MODE == 1, "staged scales: int8 in, q8 epilogue");
 }
 
 template <class T, int B, int R, int WG, int MODE, int IO, class S = NoStage>
@@ -142,15 +139,30 @@ DEV void mmv_segment(const Mat& mat, int n, int row0, const XIn& xi, int K, floa
     }
 }
 
+// IO bit 2 (Q4_K or Q6_K, int8 in): the block's P rows of one matrix (rows blk0 ..) have their
+// scales staged in shared memory (quant_staged.cuh), decoded once, and run as the type's staged
+// twin. Same values.
+template <class T, int P, int B, int R, int WG, int MODE, int IO>
+DEV void staged_segment(const Mat& mat, int n, int blk0, int row0, const XIn& xi, int K, float* y, int ldy,
+                        const float* bias, const RopeArgs& ra, int seg, const QOut& qo) {
+    static_assert((IO & 5) == 5, "staged scales: int8 in");
+    using TS = typename Staged<T, P>::type;
+    extern __shared__ float4 ks[];  // P rows x 4 nb float4s (the launcher's shared_mem)
+    KStage<TS, P> st{mat.sc, mat.d, mat.sc, mat.d, blk0, n, mat.nb, 1, ks, {}};
+    st.issue();
+    mmv_segment<TS, B, R, WG, MODE, IO>(Mat{mat.qs, mat.qh, reinterpret_cast<const u8*>(ks), mat.d, mat.nb}, n,
+                                        row0, xi, K, y, ldy, bias, ra, seg, qo, st);
+}
+
 // Up to three matrices that multiply the same x (Q, K and V), each of its own type; row groups take
 // R rows of segment 0, then 1, then 2 (each segment's row count is a multiple of R * 4 / WG, so a
 // block never straddles two segments).
 // IO & 1: x and nw unused, XQ_ARGS is the input; IO & 2: QO_ARGS the int8 copy of the outputs;
-// IO & 4: one Q4_K or Q6_K matrix, its scales staged (KStage, dynamic shared memory).
+// IO & 4: Q4_K or Q6_K matrices with int8 in, each block's scales staged (staged_segment).
 #define XQ_ARGS const u8* xq, int ldq, const float4* xs, int lds, int xnorm, float xeps
 #define QO_ARGS u8* oq, int ldoq, float4* os, int ldos, const float* onw
 template <class T0, class T1, class T2, int B, int R, int WG, int MODE, int IO>
-__global__ void __launch_bounds__(32 * block_warps<R, WG, IO>(), min_blocks<IO>()) mmv_group(
+__global__ void __launch_bounds__(32 * block_warps<R, WG, IO>(), min_blocks<R, WG, IO>()) mmv_group(
         PLANES(0), int n0, float* y0, int ldy0, const float* bias0,
         PLANES(1), int n1, float* y1, int ldy1, const float* bias1,
         PLANES(2), int n2, float* y2, int ldy2, const float* bias2,
@@ -161,14 +173,21 @@ __global__ void __launch_bounds__(32 * block_warps<R, WG, IO>(), min_blocks<IO>(
     const XIn xi{x, ldx, nw, eps, XQ{xq, ldq, xs, lds, xnorm, xeps}};
     const QOut qo{oq, ldoq, os, ldos, onw};
     int row0 = group_row0<R, WG, block_warps<R, WG, IO>()>();
-    if constexpr ((IO & 4) != 0) {  // one matrix, 16 rows a block
-        kstage_check<IO, MODE>();
-        using TS = typename Staged<T0>::type;
-        extern __shared__ float4 ks[];  // 16 rows x 4 nb float4s (the launcher's shared_mem)
-        KStage<TS> st{sc0, d0, sc0, d0, (int)blockIdx.x * 16, n0, K / 256, 1, ks, {}};
-        st.issue();
-        mmv_segment<TS, B, R, WG, MODE, IO>(Mat{qs0, qh0, reinterpret_cast<const u8*>(ks), d0, K / 256}, n0, row0,
-                                            xi, K, y0, ldy0, bias0, ra, 0, qo, st);
+    if constexpr ((IO & 4) != 0) {  // staged scales: the block's P rows (staged_segment)
+        constexpr int P = R * block_warps<R, WG, IO>() / WG;
+        int blk0 = blockIdx.x * P;
+        if (blk0 < n0 || (IO & 2) != 0) {  // a q8 epilogue: one matrix
+            staged_segment<T0, P, B, R, WG, MODE, IO>(MAT(0, T0), n0, blk0, row0, xi, K, y0, ldy0, bias0, ra, 0, qo);
+            return;
+        }
+        blk0 -= n0; row0 -= n0;
+        if (blk0 < n1) {
+            staged_segment<T1, P, B, R, WG, MODE, IO>(MAT(1, T1), n1, blk0, row0, xi, K, y1, ldy1, bias1, ra, 1, qo);
+            return;
+        }
+        blk0 -= n1; row0 -= n1;
+        if (blk0 < n2)
+            staged_segment<T2, P, B, R, WG, MODE, IO>(MAT(2, T2), n2, blk0, row0, xi, K, y2, ldy2, bias2, ra, 2, qo);
         return;
     }
     if (row0 < n0) { mmv_segment<T0, B, R, WG, MODE, IO>(MAT(0, T0), n0, row0, xi, K, y0, ldy0, bias0, ra, 0, qo); return; }
@@ -181,7 +200,7 @@ __global__ void __launch_bounds__(32 * block_warps<R, WG, IO>(), min_blocks<IO>(
 // Gate and up projections in one pass, y = act(gate x) * (up x); ACT 0 = SiLU, 1 = GELU (tanh).
 // A row group takes R/2 rows of each. IO as mmv_group's.
 template <class T, int B, int R, int WG, int ACT, int IO>
-__global__ void __launch_bounds__(32 * block_warps<R / 2, WG, IO>(), min_blocks<IO>()) mmv_glu(PLANES(0), PLANES(1), int n, const float* __restrict__ x,
+__global__ void __launch_bounds__(32 * block_warps<R / 2, WG, IO>(), min_blocks<R / 2, WG, IO>()) mmv_glu(PLANES(0), PLANES(1), int n, const float* __restrict__ x,
                                                int ldx, int K, float* y, int ldy, const float* __restrict__ nw,
                                                float eps, XQ_ARGS, QO_ARGS) {
     constexpr int H = R / 2;
@@ -197,11 +216,11 @@ __global__ void __launch_bounds__(32 * block_warps<R / 2, WG, IO>(), min_blocks<
     if constexpr (QO)
         if (threadIdx.x < 16 * B) qw = q8_out_weight(QOut{oq, ldoq, os, ldos, onw}, row0 - row0 % 16);
     if constexpr ((IO & 4) != 0) {  // staged scales (mmv_segment's note): 16 gate, then 16 up rows
-        kstage_check<IO, 1>();
-        using TS = typename Staged<T>::type;
+        static_assert((IO & 7) == 7, "staged scales in the GLU: int8 in and out");
+        using TS = typename Staged<T, 16>::type;
         extern __shared__ float4 ks[];  // 2 x 16 rows x 4 nb float4s (the launcher's shared_mem)
         const int nb = K / 256;
-        KStage<TS> st{sc0, d0, sc1, d1, (int)blockIdx.x * 16, n, nb, 2, ks, {}};
+        KStage<TS, 16> st{sc0, d0, sc1, d1, (int)blockIdx.x * 16, n, nb, 2, ks, {}};
         st.issue();
 #pragma unroll
         for (int r = 0; r < H; ++r) {
@@ -293,4 +312,5 @@ INST(TQ2_K) INST(TQ3_K) INST(TQ4_K) INST(TQ5_K) INST(TQ6_K)
 INST_Q8(TQ4_0) INST_Q8(TQ4_1) INST_Q8(TQ5_0) INST_Q8(TQ5_1) INST_Q8(TQ8_0)
 INST_Q8(TQ2_K) INST_Q8(TQ3_K) INST_Q8(TQ4_K) INST_Q8(TQ5_K) INST_Q8(TQ6_K)
 GLU(TQ4_K, 1, 4, 2, 0, 7) GROUP(TQ4_K, 1, 2, 2, 1, 7) GLU(TQ6_K, 2, 2, 1, 0, 7) GROUP(TQ6_K, 3, 2, 2, 1, 7)
+GROUP(TQ4_K, 1, 2, 1, 0, 5) GROUP(TQ6_K, 2, 4, 1, 0, 5)
 #endif

@@ -1,24 +1,27 @@
-// Staged scales (matvec.cu, IO bit 2): a q8-epilogue block of 16 rows decodes its rows' K-quant
-// scales once into shared memory, then runs them as the staged twin of the type (TQ4_KS, TQ6_KS),
-// whose units load only their quants and read their scales from there. Same values as the type's.
+// Staged scales (matvec.cu, IO bit 2): a block of P rows (P consecutive rows of one matrix, P a
+// power of two, the first a multiple of P) decodes its rows' K-quant scales once into shared
+// memory, then runs them as the staged twin of the type (TQ4_KS<P>, TQ6_KS<P>), whose units load only
+// their quants and read their scales from there. Same values as the type's.
 //
-// Layout: per (row % 16, superblock) four float4s, in unit order: for Q4_K float4 g holds (d sc,
+// Layout: per (row % P, superblock) four float4s, in unit order: for Q4_K float4 g holds (d sc,
 // dmin m) of sub-blocks 2g and 2g + 1 (unit u reads float4 u / 2 of its row); for Q6_K float4 u % 4
 // holds the four d sc of unit u's pieces (unit u reads float4 u). The staged Mat's sc plane points
 // at the block's copy (the GLU: 16 gate rows, then 16 up rows).
 #pragma once
 #include "quant_int8.cuh"
 
+template <int P>
 DEV const float4* staged_row(const Mat& m, int row) {
-    return reinterpret_cast<const float4*>(m.sc) + (row & 15) * 4 * m.nb;
+    return reinterpret_cast<const float4*>(m.sc) + (row & (P - 1)) * 4 * m.nb;
 }
 
+template <int P>
 struct TQ4_KS {
     static constexpr int UE = 32, NP = 2, BLOCK = 256;
     struct Raw { V16 q; const float4* s; };
     static DEV void load(const Mat& m, int row, int u, Raw& r) {
         r.q = ld16(m.qs + ((long)row * m.nb + (u >> 3)) * 128 + 32 * ((u >> 1) & 3) + 16 * (u & 1));
-        r.s = staged_row(m, row) + (u >> 1);
+        r.s = staged_row<P>(m, row) + (u >> 1);
     }
     static HD int xoff(int u, int p) { return TQ4_K::xoff(u, p); }
     struct Item { V16 v; };  // one superblock's scale bytes: d, dmin, scales12
@@ -35,14 +38,15 @@ struct TQ4_KS {
         }
     }
 };
-template <> struct I8<TQ4_KS> {
-    static DEV void words(const TQ4_KS::Raw& r, int p, u32 (&q)[4], float& d, float& m) {
+template <int P> struct I8<TQ4_KS<P>> {
+    static DEV void words(const typename TQ4_KS<P>::Raw& r, int p, u32 (&q)[4], float& d, float& m) {
         nib_words(r.q, 4 * p, q);
         const float4 s = *r.s;
         d = p ? s.z : s.x; m = -(p ? s.w : s.y);
     }
 };
 
+template <int P>
 struct TQ6_KS {
     static constexpr int UE = 64, NP = 4, BLOCK = 256;
     struct Raw { V16 la, lb, qh; const float4* s; };
@@ -53,11 +57,13 @@ struct TQ6_KS {
         r.la = ld16(ql);
         r.lb = ld16(ql + 32);
         r.qh = ld16(m.qh + sb * 64 + 32 * h + 16 * s);
-        r.s = staged_row(m, row) + u;
+        r.s = staged_row<P>(m, row) + u;
     }
     static HD int xoff(int u, int p) { return TQ6_K::xoff(u, p); }
     struct Item { V16 v; u32 d; };  // one superblock's 16 int8 scales and its f16 d
-    static DEV Item stage_load(const u8* sc, const u8* d, long blk) { return Item{ld16(sc + blk * 16), ld16bits(d + blk * 2)}; }
+    static DEV Item stage_load(const u8* sc, const u8* d, long blk) {
+        return Item{ld16(sc + blk * 16), ld16bits(d + blk * 2)};
+    }
     static DEV void stage_decode(const Item& it, float4* o) {
         const float d = h2f((u16)it.d);
 #pragma unroll
@@ -68,8 +74,8 @@ struct TQ6_KS {
         }
     }
 };
-template <> struct I8<TQ6_KS> {
-    static DEV void words(const TQ6_KS::Raw& r, int p, u32 (&q)[4], float& d, float& m) {
+template <int P> struct I8<TQ6_KS<P>> {
+    static DEV void words(const typename TQ6_KS<P>::Raw& r, int p, u32 (&q)[4], float& d, float& m) {
         const V16& l = (p & 1) ? r.lb : r.la;
 #pragma unroll
         for (int j = 0; j < 4; ++j)
@@ -79,25 +85,25 @@ template <> struct I8<TQ6_KS> {
     }
 };
 
-template <class T> struct Staged;  // the staged twin of a type that has one
-template <> struct Staged<TQ4_K> { using type = TQ4_KS; };
-template <> struct Staged<TQ6_K> { using type = TQ6_KS; };
+template <class T, int P> struct Staged;  // the staged twin of a type that has one
+template <int P> struct Staged<TQ4_K, P> { using type = TQ4_KS<P>; };
+template <int P> struct Staged<TQ6_K, P> { using type = TQ6_KS<P>; };
 
 // The staging: issue() loads this thread's first superblock of scale bytes, before the quants of
-// the block's first units go out; finish(), after them, decodes it and any further ones (16 nb mats
-// in all: 16 rows of matrix a, then of b), then syncs the block.
-template <class TS>
+// the block's first units go out; finish(), after them, decodes it and any further ones (P nb mats
+// in all: the P rows from row0 of matrix a, then of b), then syncs the block.
+template <class TS, int P>
 struct KStage {
     const u8* sc_a; const u8* d_a; const u8* sc_b; const u8* d_b; int row0, n, nb, mats; float4* ks;
     typename TS::Item it;
-    DEV typename TS::Item at(int i) const {  // item i: matrix i / 16 nb, row i / nb % 16, superblock i % nb
-        const int j = i % (16 * nb), r = min(row0 + j / nb, n - 1);
-        const bool a = i < 16 * nb;
+    DEV typename TS::Item at(int i) const {  // item i: matrix i / P nb, row i / nb % P, superblock i % nb
+        const int j = i % (P * nb), r = min(row0 + j / nb, n - 1);
+        const bool a = i < P * nb;
         return TS::stage_load(a ? sc_a : sc_b, a ? d_a : d_b, (long)r * nb + j % nb);
     }
-    DEV void issue() { if ((int)threadIdx.x < 16 * nb * mats) it = at(threadIdx.x); }
+    DEV void issue() { if ((int)threadIdx.x < P * nb * mats) it = at(threadIdx.x); }
     DEV void finish() {
-        const int items = 16 * nb * mats;
+        const int items = P * nb * mats;
         int i = threadIdx.x;
         if (i < items) TS::stage_decode(it, ks + 4 * i);
         for (i += blockDim.x; i < items; i += blockDim.x) TS::stage_decode(at(i), ks + 4 * i);
