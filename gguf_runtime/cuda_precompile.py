@@ -40,19 +40,19 @@ def precompile(kernels: Kernels, cfg: ModelConfig, w: DeviceWeights, blocks: Cud
     for mats in groups:
         structs, rows = [m.struct for m in mats], [m.rows for m in mats]
         ios = [0] + ([1] if q8 and L.q8_capable(mats) else [])
-        # staged scales (launchers.mmv's rule): roles qkv and head here, o and down with the epilogue
+        # staged scales (launchers.mmv_kstage_bytes): roles qkv and head here, o and down with the epilogue
         stage = bool(blocks.kstage & ({"qkv"} if len(mats) == 3 else {"head"} if mats is groups[-1] else set()))
         for mode in (0, 1):
             for b in L.MMV_TOKENS:
                 r, wg = L.mmv_config(structs, rows, mats[0].cols, b)
-                per_block = r * 4 // wg
-                staged = (stage and len(ios) > 1 and per_block & (per_block - 1) == 0
-                          and L.kstage_bytes(structs, mats[0].cols, per_block))
+                staged = stage and len(ios) > 1 and L.mmv_kstage_bytes(structs, mats[0].cols, r, wg, 1)
                 mm += [L.mmv_name(structs, b, r, wg, mode, io) for io in ios + ([5] if staged else [])]
         if len(ios) > 1 and len(mats) == 1 and rows[0] % L.Q8_OUT_ROWS == 0:  # residual with a q8 epilogue
-            staged = blocks.kstage & {"o", "down"} and L.kstage_bytes(structs[0], mats[0].cols)
-            mm += [L.mmv_name(structs, b, *L.mmv_config(structs, rows, mats[0].cols, b, True), 1, io)
-                   for b in L.MMV_TOKENS for io in ((3, 7) if staged else (3,))]
+            staged = bool(blocks.kstage & {"o", "down"})
+            for b in L.MMV_TOKENS:
+                r, wg = L.mmv_config(structs, rows, mats[0].cols, b, True)
+                mm += [L.mmv_name(structs, b, r, wg, 1, io)
+                       for io in ((3, 7) if staged and L.mmv_kstage_bytes(structs, mats[0].cols, r, wg, 3) else (3,))]
         if max_batch > blocks.decode_mmv_rows:  # batch decode steps: tensor-core products
             modes = (0, 1) if len(mats) == 1 and mats[0].qs in residuals else (0,)
             configs = [LM.mma_config(rows, b, mats[0].cols) for b in buckets
@@ -63,7 +63,7 @@ def precompile(kernels: Kernels, cfg: ModelConfig, w: DeviceWeights, blocks: Cud
         mm += [L.glu_name(s, b, *L.glu_config(s, n, c, b), act) for b in L.MMV_TOKENS]
         if q8 and s not in L.FLOAT_STRUCTS:
             mm += [L.glu_name(s, b, *L.glu_config(s, n, c, b), act, 1) for b in L.MMV_TOKENS]
-            ios = (3, 7) if "glu" in blocks.kstage and L.kstage_bytes(s, c, 2 * L.Q8_OUT_ROWS) else (3,)
+            ios = (3, 7) if "glu" in blocks.kstage and L.glu_kstage_bytes(s, c) else (3,)
             mm += [L.glu_name(s, b, *L.glu_q8_out_config(s, n, c, b), act, io) for b in L.MMV_TOKENS
                    for io in ios if n % L.Q8_OUT_ROWS == 0]
     mma += [LM.mma_glu_name(s, *LM.mma_config([n], b, 0, tall=False)[:2], act) for s, n, _ in glu for b in buckets
@@ -72,7 +72,7 @@ def precompile(kernels: Kernels, cfg: ModelConfig, w: DeviceWeights, blocks: Cud
     mm += [f"dequant_f16<{s}>" for s in {m.struct for m in w.mats.values()}]
     if blocks.mmv_cfg["GLU"]:  # measuring the GLU's (R, WG)
         mm += [L.glu_name(s, b, *blocks.mmv_cfg["GLU"], act, io) for s, _, c in glu for b in L.MMV_TOKENS
-               for io in (1, 3) + ((7,) if "glu" in blocks.kstage and L.kstage_bytes(s, c, 2 * L.Q8_OUT_ROWS) else ())]
+               for io in (1, 3) + ((7,) if "glu" in blocks.kstage and L.glu_kstage_bytes(s, c) else ())]
     if any(blocks.mmv_cfg[k] for k in ("QKV", "O", "DOWN")):  # measuring (R, WG): every candidate, one module
         for mats in groups:
             structs = [m.struct for m in mats]

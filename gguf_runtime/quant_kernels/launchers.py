@@ -100,6 +100,18 @@ def kstage_bytes(structs: str | Sequence[str], cols: int, rows: int = Q8_OUT_ROW
     return size if ok and cols % 256 == 0 and KSTAGE_MIN_COLS <= cols and size <= KSTAGE_MAX else 0
 
 
+def mmv_kstage_bytes(structs: Sequence[str], cols: int, r: int, wg: int, io: int) -> int:
+    """kstage_bytes for an int8 (io bit 0) mmv_group launch of (R, WG) = (r, wg): its blocks' rows,
+    which the kernel needs a power of two (it finds a row's slot as row % P); 0 for f32 input."""
+    per_block = r * block_warps(r, wg, io) // wg
+    return kstage_bytes(structs, cols, per_block) if io & 1 and per_block & (per_block - 1) == 0 else 0
+
+
+def glu_kstage_bytes(structs: Sequence[str], cols: int) -> int:
+    """kstage_bytes for a GLU with the q8 epilogue: 16 gate and 16 up rows a block."""
+    return kstage_bytes(structs, cols, 2 * Q8_OUT_ROWS)
+
+
 KSTAGE_STRUCTS = ("TQ4_K", "TQ6_K")
 # The 8B (4,096 and 14,336 columns) gained, tg128 447 -> 460; Gemma-3's o-proj and down (1,024 and
 # 2,048) lost a little, 2,174 -> 2,170 (H100, bench/RESULTS.md row 77)
@@ -196,8 +208,7 @@ def mmv(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases
                  and len(mats) == 3)
         nw = block_warps(r, wg, io)
         per_block = r * nw // wg
-        staged = kstage and io & 1 and per_block & (per_block - 1) == 0  # the kernel's rows: row % P
-        smem = kstage_bytes([m.struct for m in mats], cols, per_block) if staged else 0
+        smem = mmv_kstage_bytes([m.struct for m in mats], cols, r, wg, io) if kstage else 0
         fn = k.fn("matvec.cu", mmv_name([m.struct for m in mats], n, r, wg, mode, io | bool(smem) << 2))
         fn.allow_smem(smem)
         args: list = []
@@ -229,7 +240,7 @@ def mmv_glu(k: Kernels, gate: Mat, up: Mat, x: int, ldx: int, b: int, act: str, 
     assert q8 is None or (norm is None and q8_capable([gate, up]))
     assert q8_out is None or (q8 is not None and gate.rows % Q8_OUT_ROWS == 0)
     io = (q8 is not None) | (q8_out is not None) << 1
-    smem = kstage_bytes([gate.struct, up.struct], gate.cols, 2 * Q8_OUT_ROWS) if kstage and io == 3 else 0
+    smem = glu_kstage_bytes([gate.struct, up.struct], gate.cols) if kstage and io == 3 else 0
     io |= bool(smem) << 2
     for row, n in token_chunks(b):
         r, wg = config or (glu_q8_out_config if q8_out else glu_config)(gate.struct, gate.rows, gate.cols, n)

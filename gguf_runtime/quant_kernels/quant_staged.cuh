@@ -20,7 +20,7 @@ struct TQ4_KS {
     static constexpr int UE = 32, NP = 2, BLOCK = 256;
     struct Raw { V16 q; const float4* s; };
     static DEV void load(const Mat& m, int row, int u, Raw& r) {
-        r.q = ld16(m.qs + ((long)row * m.nb + (u >> 3)) * 128 + 32 * ((u >> 1) & 3) + 16 * (u & 1));
+        r.q = TQ4_K::load_q(m, (long)row * m.nb + (u >> 3), (u >> 1) & 3, u & 1);
         r.s = staged_row<P>(m, row) + (u >> 1);
     }
     static HD int xoff(int u, int p) { return TQ4_K::xoff(u, p); }
@@ -51,12 +51,7 @@ struct TQ6_KS {
     static constexpr int UE = 64, NP = 4, BLOCK = 256;
     struct Raw { V16 la, lb, qh; const float4* s; };
     static DEV void load(const Mat& m, int row, int u, Raw& r) {
-        const long sb = (long)row * m.nb + (u >> 2);
-        const int h = (u >> 1) & 1, s = u & 1;
-        const u8* ql = m.qs + sb * 128 + 64 * h + 16 * s;
-        r.la = ld16(ql);
-        r.lb = ld16(ql + 32);
-        r.qh = ld16(m.qh + sb * 64 + 32 * h + 16 * s);
+        TQ6_K::load_q(m, (long)row * m.nb + (u >> 2), u, r.la, r.lb, r.qh);
         r.s = staged_row<P>(m, row) + u;
     }
     static HD int xoff(int u, int p) { return TQ6_K::xoff(u, p); }

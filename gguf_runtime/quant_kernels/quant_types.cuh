@@ -193,10 +193,13 @@ HD void k4_scale_min(u32 w1, u32 w2, u32 w3, int j, int& sc, int& mn) {
 struct TQ4_K {
     static constexpr int UE = 32, NP = 2, BLOCK = 256;
     struct Raw { V16 q; float d[2], m[2]; };
+    static HD V16 load_q(const Mat& m, long sb, int g, int s) {  // unit (sb, g, s)'s 16 quant bytes
+        return ld16(m.qs + sb * 128 + 32 * g + 16 * s);
+    }
     static HD void load(const Mat& m, int row, int u, Raw& r) {
         const long sb = (long)row * m.nb + (u >> 3);
         const int g = (u >> 1) & 3, s = u & 1;
-        r.q = ld16(m.qs + sb * 128 + 32 * g + 16 * s);
+        r.q = load_q(m, sb, g, s);
         const V16 hv = ld16(m.sc + sb * 16);  // d, dmin, scales12: one 16-byte load
         const float d = h2f((u16)(hv.w[0] & 0xFFFFu)), dmin = h2f((u16)(hv.w[0] >> 16));
 #pragma unroll
@@ -243,13 +246,18 @@ struct TQ5_K {
 struct TQ6_K {
     static constexpr int UE = 64, NP = 4, BLOCK = 256;
     struct Raw { V16 la, lb, qh; float dl[4]; };
+    // unit u's quants: low nibbles of pieces 0 / 2 (la) and 1 / 3 (lb), high bits (qh); superblock sb
+    static HD void load_q(const Mat& m, long sb, int u, V16& la, V16& lb, V16& qh) {
+        const int h = (u >> 1) & 1, s = u & 1;
+        const u8* ql = m.qs + sb * 128 + 64 * h + 16 * s;
+        la = ld16(ql);
+        lb = ld16(ql + 32);
+        qh = ld16(m.qh + sb * 64 + 32 * h + 16 * s);
+    }
     static HD void load(const Mat& m, int row, int u, Raw& r) {
         const long sb = (long)row * m.nb + (u >> 2);
         const int h = (u >> 1) & 1, s = u & 1;
-        const u8* ql = m.qs + sb * 128 + 64 * h + 16 * s;
-        r.la = ld16(ql);
-        r.lb = ld16(ql + 32);
-        r.qh = ld16(m.qh + sb * 64 + 32 * h + 16 * s);
+        load_q(m, sb, u, r.la, r.lb, r.qh);
         const V16 scv = ld16(m.sc + sb * 16);
         const float d = h2f(ld16bits(m.d + sb * 2));
 #pragma unroll
