@@ -60,7 +60,6 @@ class CudaBlocks:
         # backend sets it by model size: backend_cuda.DECODE_MMV_ROWS_BIG)
         self.mmv_rows = self.decode_mmv_rows = L.MAX_MMV_TOKENS
         self.decode = False  # every row one token of its own sequence (a decode step), else prefill
-        self.attn_shapes = (attn_shape(cfg, 1), attn_shape(cfg, L.MAX_MMV_TOKENS + 1))  # small, big calls
         # keys before a decode row's position loaded before waiting for the QKV kernel (attention.cu)
         self.attn_early = os.environ.get("GGUF_RUN_ATTN_EARLY", "1") != "0"
         # batch decode steps' attention kernel: "auto" (TILES_MIN_BLOCKS), "1" tiles, "0" splits (to measure)
@@ -71,21 +70,28 @@ class CudaBlocks:
         # a post-norm's kernel also writes the next pre-norm's int8 input (GGUF_RUN_POST_Q8=0: a
         # norm kernel of its own, to measure)
         self.fuse_post_norm = os.environ.get("GGUF_RUN_POST_Q8", "1") != "0"
-        # (R, WG) of the one-row-group matvecs by role, overriding launchers.mmv_config (to measure):
-        # GGUF_RUN_MMV_QKV, GGUF_RUN_MMV_O, GGUF_RUN_MMV_DOWN, GGUF_RUN_MMV_GLU = "R:WG"
-        self.mmv_cfg = {role: mmv_override(role) for role in ("QKV", "O", "DOWN", "GLU")}
-        # Q4_K and Q6_K matvecs of up to MAX_MMV_TOKENS rows with int8 in stage their block's scales
-        # in shared memory, decoded once (launchers.kstage_bytes), in these roles ("qkv", "o", "glu",
-        # "down", "head", joined by "," or "+"; GGUF_RUN_KSTAGE=none: per unit, to measure)
-        self.kstage = frozenset(re.split(r"[,+]", os.environ.get("GGUF_RUN_KSTAGE", KSTAGE_ROLES)))
-        # measuring only: the kernels of these roles ("qkv", "attn", "o", "glu", "down") are left out
-        # of calls of up to MAX_MMV_TOKENS rows, so a step's time without them can be read off a
-        # benchmark (the outputs are then wrong): GGUF_RUN_BENCH_SKIP = "attn,o"
-        self.skip = frozenset(filter(None, os.environ.get("GGUF_RUN_BENCH_SKIP", "").split(",")))
+        self.read_knobs()
         self.f16: F16Weights | None = None  # made by load_f16, after the kernels are compiled
         self.gemm: CublasGemm | None = None  # made by load_f16 (the cuBLAS prefill path)
         self._q8_ready: tuple[str, int] | None = None  # (norm, rows) that q8_norm holds from an epilogue
         self._att_q8: L.Q8Vec | None = None  # q8_plain when the last attend wrote its output's int8 copy
+
+    def read_knobs(self) -> None:
+        """The matvec knobs read from the environment (measuring: bench/inproc_variants.py sets the
+        variables and calls this again between variants, with the captured graphs dropped)."""
+        # (R, WG) of the one-row-group matvecs by role, overriding launchers.mmv_config (to measure):
+        # GGUF_RUN_MMV_QKV, GGUF_RUN_MMV_O, GGUF_RUN_MMV_DOWN, GGUF_RUN_MMV_GLU, GGUF_RUN_MMV_HEAD = "R:WG"
+        self.mmv_cfg = {role: mmv_override(role) for role in ("QKV", "O", "DOWN", "GLU", "HEAD")}
+        # the attention kernel's block shapes of small and big calls (GGUF_RUN_ATTN_WARPS, ..._ROUNDS, ..._BIG)
+        self.attn_shapes = (attn_shape(self.cfg, 1), attn_shape(self.cfg, L.MAX_MMV_TOKENS + 1))
+        # Q4_K and Q6_K matvecs of up to MAX_MMV_TOKENS rows with int8 in stage their block's scales
+        # in shared memory, decoded once (launchers.kstage_bytes), in these roles ("qkv", "o", "glu",
+        # "down", "head", joined by "," or "+"; GGUF_RUN_KSTAGE=none: per unit, to measure)
+        self.kstage = frozenset(re.split(r"[,+]", os.environ.get("GGUF_RUN_KSTAGE", KSTAGE_ROLES)))
+        # measuring only: the kernels of these roles ("qkv", "attn", "o", "glu", "down", "head") are left out
+        # of calls of up to MAX_MMV_TOKENS rows, so a step's time without them can be read off a
+        # benchmark (the outputs are then wrong): GGUF_RUN_BENCH_SKIP = "attn,o"
+        self.skip = frozenset(filter(None, os.environ.get("GGUF_RUN_BENCH_SKIP", "").split(",")))
 
     def load_f16(self) -> None:
         """The f16 weights of the cuBLAS prefill path (resident copies or scratch)."""
@@ -353,11 +359,12 @@ class CudaBlocks:
         if self._big_mma(t):
             LM.mma(self.k, [head], [(out.data.ptr, ld)], [None], self.ws.x16.data.ptr, self.ws.x16.strides[0] // 2,
                   t, 0, self.ws.split)
-        else:
+        elif not ("head" in self.skip and self._small(t)):
             for s in range(0, t, L.MAX_MMV_TOKENS):
                 n = min(L.MAX_MMV_TOKENS, t - s)
                 L.mmv(self.k, [head], [(out[s:].data.ptr, ld)], [None], h[s:].data.ptr, h.strides[0] // 4, n, 0,
-                      norm=norm, q8=q8, kstage="head" in self.kstage)  # q8 only when t <= MAX_MMV_TOKENS
+                      norm=norm, q8=q8, config=self.mmv_cfg["HEAD"],
+                      kstage="head" in self.kstage)  # q8 only when t <= MAX_MMV_TOKENS
         if cfg.final_softcap:
             LL.softcap(self.k, out.data.ptr, ld, cfg.n_vocab, t, cfg.final_softcap)
         return out

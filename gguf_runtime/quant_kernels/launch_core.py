@@ -77,6 +77,15 @@ class Kernels:
         # launch with programmatic dependent launch (pdl.py), set around graph capture: True, or a
         # tuple of kernel-name prefixes (only those kernels)
         self.pdl: bool | tuple[str, ...] = False
+        self.src_dir = SRC_DIR  # where the .cu sources and headers are read from (use_sources)
+
+    def use_sources(self, src_dir: str) -> None:
+        """Compile from another copy of this folder from now on, dropping every kernel compiled so
+        far (measuring only: bench/inproc_variants.py compares two trees' kernels in one process)."""
+        if src_dir != self.src_dir:
+            self.src_dir = src_dir
+            self._modules.clear()
+            self._fns.clear()
 
     def prepare(self, filename: str, names: Sequence[str]) -> None:
         """Compile ``names`` of ``filename`` in one NVRTC pass (templates need their names)."""
@@ -84,7 +93,8 @@ class Kernels:
         if not todo:
             return
         templates = tuple(n for n in todo if "<" in n)
-        mod = cp.RawModule(code=source(filename), options=OPTIONS, name_expressions=templates or None)
+        options = OPTIONS if self.src_dir == SRC_DIR else ("-std=c++17", f"-I{self.src_dir}")
+        mod = cp.RawModule(code=source(filename, self.src_dir), options=options, name_expressions=templates or None)
         mod.compile()
         self._modules[(filename, todo)] = mod
         for n in todo:
