@@ -25,6 +25,7 @@ from .cuda_weights import DeviceWeights
 from .cuda_workspace import Workspace, attn_shape, n_splits
 from .kv_cache import PagedKVCache
 from .model import lm_head_name
+from .quant_kernels.formats import FORMATS
 from .model_config import ROPE_NEOX, ModelConfig
 from .quant_kernels import launch_attention as LA
 from .quant_kernels import launch_layers as LL
@@ -80,8 +81,11 @@ class CudaBlocks:
         """The matvec knobs read from the environment (measuring: bench/inproc_variants.py sets the
         variables and calls this again between variants, with the captured graphs dropped)."""
         # (R, WG) of the one-row-group matvecs by role, overriding launchers.mmv_config (to measure):
-        # GGUF_RUN_MMV_QKV, GGUF_RUN_MMV_O, GGUF_RUN_MMV_DOWN, GGUF_RUN_MMV_GLU, GGUF_RUN_MMV_HEAD = "R:WG"
+        # GGUF_RUN_MMV_QKV, GGUF_RUN_MMV_O, GGUF_RUN_MMV_DOWN, GGUF_RUN_MMV_GLU, GGUF_RUN_MMV_HEAD = "R:WG";
+        # the o-proj and down of one weight type only: GGUF_RUN_MMV_DOWN_Q6_K (role, then GGUF type)
         self.mmv_cfg = {role: mmv_override(role) for role in ("QKV", "O", "DOWN", "GLU", "HEAD")}
+        self.mmv_cfg.update({k[13:]: mmv_override(k[13:]) for k in os.environ
+                             if re.fullmatch(r"GGUF_RUN_MMV_(O|DOWN)_\w+", k)})
         # the attention kernel's block shapes of small and big calls (GGUF_RUN_ATTN_WARPS, ..._ROUNDS, ..._BIG)
         self.attn_shapes = (attn_shape(self.cfg, 1), attn_shape(self.cfg, L.MAX_MMV_TOKENS + 1))
         # Q4_K and Q6_K matvecs of up to MAX_MMV_TOKENS rows with int8 in stage their block's scales
@@ -269,9 +273,10 @@ class CudaBlocks:
                 out = (self.ws.q8_norm, self.w.vec(then[0]).data.ptr)
                 self._q8_ready = (then[0], t)
             role = "O" if name.endswith("attn_output.weight") else "DOWN"
+            config = self.mmv_cfg.get(f"{role}_{FORMATS[w.type_id].name}") or self.mmv_cfg[role]
             if role.lower() not in self.skip:
                 L.mmv(self.k, [w], [(target.data.ptr, target.strides[0] // 4)], [None], a.data.ptr,
-                      a.strides[0] // 4, t, 0 if post_norm else 1, q8=q8, q8_out=out, config=self.mmv_cfg[role],
+                      a.strides[0] // 4, t, 0 if post_norm else 1, q8=q8, q8_out=out, config=config,
                       kstage=role.lower() in self.kstage)
         elif self.mma:
             LM.mma(self.k, [self.w.mat(name)], [(target.data.ptr, target.strides[0] // 4)], [None], a16.data.ptr,

@@ -64,9 +64,11 @@ def mmv_config(structs: Sequence[str], rows: Sequence[int], cols: int, b: int,
     bench/mmv_configs.py in graphs with PDL). Every segment must hold whole blocks.
     q8_out (a residual matvec with the q8 epilogue): two warps per group of two rows (8B tg128
     405 -> 431 t/s; one row per group, or one or two warps per row: 388-395; H100, 2026-11-21);
-    for one token and rows of at least 128 units whose scales can be staged (kstage_bytes: the 8B's
-    o-proj and down), two warps per group of four rows, 8 warps a block (8B tg128 473 -> 477; with
-    per-unit scales this shape had lost, 444 -> 438; H100, bench/RESULTS.md rows 75 and 80)."""
+    for one token and rows of 128-256 units whose scales can be staged (kstage_bytes: the 8B's
+    o-proj, 128 units, and Q6_K down, 224), two warps per group of four rows, 8 warps a block (8B
+    tg128 473 -> 477; with per-unit scales this shape had lost, 444 -> 438). Its Q4_K down (448
+    units: 7 rounds a warp either way) keeps two rows per two warps: 477 -> 484 against four (H100,
+    bench/RESULTS.md rows 75, 80 and 82)."""
     want = 4 if sum(rows) >= 32768 else (1 if len(rows) == 1 and rows[0] < 2048 else 2)
     fits = [r for r in (4, 2, 1) if r <= want and r * b <= 8 and all(n % (4 * r) == 0 for n in rows)]
     r, wg = (fits[0], 1) if fits else (1, 4)
@@ -74,7 +76,7 @@ def mmv_config(structs: Sequence[str], rows: Sequence[int], cols: int, b: int,
         # two warps per row where one warp would take two rounds of loads: every lane's weights are
         # then loaded before pdl_enter (SmolLM2's down, 1,536 columns: tg128 2,204 -> 2,353; the 8B's
         # down at four warps per two rows lost, 445 -> 426; H100, 2026-11-21)
-        if b == 1 and r == 2 and cols // UNIT_ELEMS[structs[0]] >= 128 and kstage_bytes(structs, cols):
+        if b == 1 and r == 2 and 128 <= cols // UNIT_ELEMS[structs[0]] <= 256 and kstage_bytes(structs, cols):
             return 4, 2
         return q8_out_config(r, 2 if r >= 2 or cols // UNIT_ELEMS[structs[0]] > 32 else 1)
     return r, wg
