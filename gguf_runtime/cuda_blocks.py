@@ -25,12 +25,12 @@ from .cuda_weights import DeviceWeights
 from .cuda_workspace import Workspace, attn_shape, n_splits
 from .kv_cache import PagedKVCache
 from .model import lm_head_name
-from .quant_kernels.formats import FORMATS
 from .model_config import ROPE_NEOX, ModelConfig
 from .quant_kernels import launch_attention as LA
 from .quant_kernels import launch_layers as LL
 from .quant_kernels import launch_mma as LM
 from .quant_kernels import launchers as L
+from .quant_kernels.formats import FORMATS
 
 # RMSNorm fused into the f32 matvec (GGUF_RUN_Q8=0, or matrices without integer weights) for hidden
 # sizes up to this: it adds ~2 instructions per element of x to every row group. Latency-bound
@@ -45,8 +45,11 @@ TILES_MIN_BLOCKS = 256
 KSTAGE_ROLES = "qkv,o,glu,down"
 
 
+MMV_ENV = "GGUF_RUN_MMV_"  # + role (+ "_" + GGUF type): an (R, WG) override, "R:WG"
+
+
 def mmv_override(role: str) -> tuple[int, int] | None:
-    v = os.environ.get(f"GGUF_RUN_MMV_{role}")
+    v = os.environ.get(MMV_ENV + role)
     return tuple(int(x) for x in v.split(":")) if v else None  # type: ignore[return-value]
 
 
@@ -78,14 +81,15 @@ class CudaBlocks:
         self._att_q8: L.Q8Vec | None = None  # q8_plain when the last attend wrote its output's int8 copy
 
     def read_knobs(self) -> None:
-        """The matvec knobs read from the environment (measuring: bench/inproc_variants.py sets the
-        variables and calls this again between variants, with the captured graphs dropped)."""
+        """The knobs read from the environment that choose kernel shapes, roles and skips (measuring:
+        bench/inproc_variants.py sets the variables and calls this again between variants, with the
+        captured graphs dropped)."""
         # (R, WG) of the one-row-group matvecs by role, overriding launchers.mmv_config (to measure):
         # GGUF_RUN_MMV_QKV, GGUF_RUN_MMV_O, GGUF_RUN_MMV_DOWN, GGUF_RUN_MMV_GLU, GGUF_RUN_MMV_HEAD = "R:WG";
         # the o-proj and down of one weight type only: GGUF_RUN_MMV_DOWN_Q6_K (role, then GGUF type)
         self.mmv_cfg = {role: mmv_override(role) for role in ("QKV", "O", "DOWN", "GLU", "HEAD")}
-        self.mmv_cfg.update({k[13:]: mmv_override(k[13:]) for k in os.environ
-                             if re.fullmatch(r"GGUF_RUN_MMV_(O|DOWN)_\w+", k)})
+        self.mmv_cfg.update({k[len(MMV_ENV):]: mmv_override(k[len(MMV_ENV):]) for k in os.environ
+                             if re.fullmatch(MMV_ENV + r"(O|DOWN)_\w+", k)})
         # the attention kernel's block shapes of small and big calls (GGUF_RUN_ATTN_WARPS, ..._ROUNDS, ..._BIG)
         self.attn_shapes = (attn_shape(self.cfg, 1), attn_shape(self.cfg, L.MAX_MMV_TOKENS + 1))
         # Q4_K and Q6_K matvecs of up to MAX_MMV_TOKENS rows with int8 in stage their block's scales

@@ -68,7 +68,7 @@ def mmv_config(structs: Sequence[str], rows: Sequence[int], cols: int, b: int,
     o-proj, 128 units, and Q6_K down, 224), two warps per group of four rows, 8 warps a block (8B
     tg128 473 -> 477; with per-unit scales this shape had lost, 444 -> 438). Its Q4_K down (448
     units: 7 rounds a warp either way) keeps two rows per two warps: 477 -> 484 against four (H100,
-    bench/RESULTS.md rows 75, 80 and 82)."""
+    bench/RESULTS.md rows 75, 80 and 83)."""
     want = 4 if sum(rows) >= 32768 else (1 if len(rows) == 1 and rows[0] < 2048 else 2)
     fits = [r for r in (4, 2, 1) if r <= want and r * b <= 8 and all(n % (4 * r) == 0 for n in rows)]
     r, wg = (fits[0], 1) if fits else (1, 4)
