@@ -18,7 +18,12 @@ from . import pdl
 from .formats import FORMATS
 from .sources import SRC_DIR, source
 
-OPTIONS = ("-std=c++17", f"-I{SRC_DIR}")
+
+def nvrtc_options(src_dir: str = SRC_DIR) -> tuple[str, ...]:
+    return ("-std=c++17", f"-I{src_dir}")
+
+
+OPTIONS = nvrtc_options()
 TYPE_STRUCT = {"F32": "TF32", "F16": "TF16", "BF16": "TBF16", "Q4_0": "TQ4_0", "Q4_1": "TQ4_1",
                "Q5_0": "TQ5_0", "Q5_1": "TQ5_1", "Q8_0": "TQ8_0", "Q2_K": "TQ2_K", "Q3_K": "TQ3_K",
                "Q4_K": "TQ4_K", "Q5_K": "TQ5_K", "Q6_K": "TQ6_K"}
@@ -93,8 +98,8 @@ class Kernels:
         if not todo:
             return
         templates = tuple(n for n in todo if "<" in n)
-        options = OPTIONS if self.src_dir == SRC_DIR else ("-std=c++17", f"-I{self.src_dir}")
-        mod = cp.RawModule(code=source(filename, self.src_dir), options=options, name_expressions=templates or None)
+        mod = cp.RawModule(code=source(filename, self.src_dir), options=nvrtc_options(self.src_dir),
+                           name_expressions=templates or None)
         mod.compile()
         self._modules[(filename, todo)] = mod
         for n in todo:
