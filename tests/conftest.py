@@ -1,11 +1,55 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures (the default model file, seeded random inputs) and the skip policy.
+
+Random inputs come from the ``rng`` fixture: a generator seeded from the test's id (so a failure
+reruns with the same inputs), offset by ``GGUF_TEST_SEED`` (to try other inputs); a failing test
+prints its seed. Hypothesis runs derandomized (its examples follow from the test) unless
+``GGUF_TEST_SEED`` is set.
+
+With ``GGUF_STRICT_SKIPS=1`` (``make test``, ``make test-gpu``, so CI) a skipped test fails the run
+unless its reason matches ALLOWED_SKIPS, which says why each one may skip: a test that skips where
+it should run checks nothing and reports nothing.
+"""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
+import zlib
 
+import numpy as np
 import pytest
+
+try:  # a profile per run mode; pytest -p no:hypothesispytest leaves it out
+    from hypothesis import settings as _hyp_settings
+
+    _hyp_settings.register_profile("derandomized", derandomize=True)
+    _hyp_settings.load_profile("default" if os.environ.get("GGUF_TEST_SEED") else "derandomized")
+except ImportError:  # pragma: no cover - hypothesis is a test dependency
+    pass
+
+
+def seed_of(nodeid: str) -> int:
+    """The seed of a test's random inputs: its id's CRC-32, plus GGUF_TEST_SEED."""
+    return (zlib.crc32(nodeid.encode()) + int(os.environ.get("GGUF_TEST_SEED", "0"))) % 2**32
+
+
+@pytest.fixture
+def rng(request) -> np.random.Generator:
+    """A numpy generator seeded from the test id; the seed is printed if the test fails."""
+    seed = seed_of(request.node.nodeid)
+    request.node.user_properties.append(("seed", seed))
+    return np.random.default_rng(seed)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    seed = dict(item.user_properties).get("seed")
+    if report.failed and seed is not None:
+        report.sections.append(("random inputs", f"rng seed {seed} (the test id's CRC-32 + GGUF_TEST_SEED="
+                                                 f"{os.environ.get('GGUF_TEST_SEED', '0')})"))
 
 
 @pytest.fixture(scope="session")
@@ -31,3 +75,39 @@ def pytest_ignore_collect(collection_path, config):
     if collection_path.name.startswith("test_gpu_") and not _has_cupy():
         return True
     return None
+
+
+# reason pattern -> why that skip is not a hole in the suite
+ALLOWED_SKIPS = {
+    r"this machine may have CuPy": "test_cli's no-GPU message is for machines without CuPy; the GPU machine has it",
+    r"this filesystem does not make sparse files": "a property of the machine's disk (the test needs a hole)",
+}
+_skipped: list[tuple[str, str]] = []
+
+
+def _skip_reason(report) -> str:
+    lr = report.longrepr
+    return str(lr[2] if isinstance(lr, tuple) and len(lr) == 3 else lr)
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and not hasattr(report, "wasxfail"):
+        _skipped.append((report.nodeid, _skip_reason(report)))
+
+
+def pytest_collectreport(report):
+    if report.skipped:
+        _skipped.append((report.nodeid, _skip_reason(report)))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    if os.environ.get("GGUF_STRICT_SKIPS", "0") in ("", "0"):
+        return
+    bad = [(n, r) for n, r in _skipped if not any(re.search(p, r) for p in ALLOWED_SKIPS)]
+    if bad:
+        tw = session.config.get_terminal_writer()
+        tw.line(f"\nGGUF_STRICT_SKIPS: {len(bad)} skip(s) not in conftest.ALLOWED_SKIPS:", red=True)
+        for nodeid, reason in bad:
+            tw.line(f"  {nodeid}: {reason}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -17,7 +17,6 @@ import contextlib
 import signal
 import struct
 import threading
-import time
 import tracemalloc
 from dataclasses import dataclass
 from pathlib import Path
@@ -317,14 +316,19 @@ def exercise(f: GGUFFile, check_data: bool) -> None:
                 raise AssertionError(f"raw({name!r}) handed out data past the end of the file")
 
 
-def probe(path: Path, check_data: bool = True, *, seconds: float = 2.0,
+# A guard against a reader that never returns (a loop over a count read from the file), not a
+# timing claim: opening any of these files takes milliseconds, and the guard is generous enough that
+# a busy machine never trips it. Work bounds are checked by memory (max_memory), not by time.
+HANG_GUARD_S = 30.0
+
+
+def probe(path: Path, check_data: bool = True, *, seconds: float = HANG_GUARD_S,
           max_memory: int | None = None) -> str | None:
     """Open ``path``: ``None`` if it opened (and everything in it was read), else the GGUFError message.
 
-    Any other exception propagates; so does ``Hang``. With ``max_memory`` the open runs under
-    ``tracemalloc`` and its peak allocation must stay below that many bytes.
+    Any other exception propagates; so does ``Hang`` (after ``seconds``). With ``max_memory`` the
+    open runs under ``tracemalloc`` and its peak allocation must stay below that many bytes.
     """
-    t0 = time.perf_counter()
     if max_memory is not None:
         tracemalloc.start()
     msg: str | None = None
@@ -343,8 +347,6 @@ def probe(path: Path, check_data: bool = True, *, seconds: float = 2.0,
     finally:
         if max_memory is not None:
             tracemalloc.stop()
-    elapsed = time.perf_counter() - t0
-    assert elapsed < seconds, f"{path}: opening it took {elapsed:.2f} s"
     if msg is not None:
         assert "\n" not in msg and "\r" not in msg, f"message is not one line: {msg!r}"
         assert msg.startswith(f"{path}: "), f"message does not start with the path: {msg!r}"

@@ -13,7 +13,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -197,7 +196,6 @@ def test_piped_commands_and_errors(smollm2_path):
 def test_terminal_session(smollm2_path):
     pexpect = pytest.importorskip("pexpect")
     env = dict(os.environ, TERM="dumb", PYTHONUNBUFFERED="1")
-    t0 = time.monotonic()
     child = pexpect.spawn(CMD[0], CMD[1:] + ["-n", "24"], cwd=REPO, env=env, encoding="utf-8",
                           timeout=60, dimensions=(40, 200))
     transcript = []
@@ -255,7 +253,6 @@ def test_terminal_session(smollm2_path):
     out = "".join(transcript)
     assert child.exitstatus == 0, out
     assert "Traceback" not in out and "error:" not in out, out
-    assert time.monotonic() - t0 < 90
 
 
 def test_ctrl_c_cancels_a_block_and_ctrl_d_exits(smollm2_path):

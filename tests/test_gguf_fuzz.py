@@ -153,7 +153,7 @@ def test_fuzz_structured_headers(workdir, case):
     data, check_data = case
     p = workdir / "structured.gguf"
     p.write_bytes(data)
-    event(outcome(probe(p, check_data, seconds=2.0, max_memory=MAX_MEMORY)))
+    event(outcome(probe(p, check_data, max_memory=MAX_MEMORY)))
 
 
 def outcome(msg: str | None) -> str:
@@ -210,4 +210,4 @@ def test_fuzz_mutated_files(workdir, samples, case):
     data, spans = samples[which]
     p = workdir / "mutated.gguf"
     p.write_bytes(mutate(data, ops, spans))
-    event(outcome(probe(p, check_data, seconds=2.0, max_memory=MAX_MEMORY)))
+    event(outcome(probe(p, check_data, max_memory=MAX_MEMORY)))

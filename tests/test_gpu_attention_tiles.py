@@ -27,8 +27,7 @@ def k():
                                                  (128, 32, 8, 0.0, 0), (128, 32, 4, 0.0, 100), (64, 3, 3, 0.0, 0)])
 @pytest.mark.parametrize("config,kv16", [(None, False), ((16, 4), False), ((8, 3), False), (None, True),
                                          ((8, 3), True)], ids=["default", "16:4", "8:3", "default-f16", "8:3-f16"])
-def test_attention_tiles(k, d, hq, hkv, cap, window, config, kv16):
-    rng = np.random.default_rng()
+def test_attention_tiles(k, d, hq, hkv, cap, window, config, kv16, rng):
     kv_dtype = np.float16 if kv16 else np.float32
     page, n_ctx, n_seq = 16, 400, 3
     max_pages = n_ctx // page
@@ -75,12 +74,11 @@ def test_attention_tiles(k, d, hq, hkv, cap, window, config, kv16):
 @pytest.mark.parametrize("d,hq,hkv,n_rot,neox,window", [(128, 32, 8, 128, False, 0), (64, 9, 3, 64, True, 0),
                                                         (128, 8, 2, 64, False, 50), (256, 4, 1, 256, True, 0)])
 @pytest.mark.parametrize("kv16", [False, True], ids=["f32", "f16"])
-def test_attention_tiles_with_rope(k, d, hq, hkv, n_rot, neox, window, kv16):
+def test_attention_tiles_with_rope(k, d, hq, hkv, n_rot, neox, window, kv16, rng):
     """With n_rot > 0 the kernel takes raw QKV rows (one row per sequence, as a decode step): RoPE on
     q and on the row's own key, that key and value written into the cache (whose slot holds NaN
     before: the kernel must not read it), against rope_kv's numpy reference and float64 attention.
     With an f16 cache the new key and value are rounded as the cache holds them, for this step too."""
-    rng = np.random.default_rng()
     kv_dtype = np.float16 if kv16 else np.float32
     as_cache = lambda a: a.astype(kv_dtype).astype(np.float32)  # noqa: E731
     page, n_ctx = 16, 320

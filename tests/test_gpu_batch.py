@@ -13,7 +13,7 @@ from gguf_runtime.gguf_file import open_gguf  # noqa: E402
 from gguf_runtime.model_config import config_from_gguf  # noqa: E402
 from gguf_runtime.sampling import SamplingParams  # noqa: E402
 
-from test_gpu_backend import TWINS, twin_path  # noqa: E402
+from twin_files import TWINS, twin_path  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -11,7 +11,7 @@ from gguf_runtime.gguf_file import open_gguf  # noqa: E402
 from gguf_runtime.model_config import config_from_gguf  # noqa: E402
 from gguf_runtime.sampling import SamplingParams  # noqa: E402
 
-from test_gpu_backend import TWINS, twin_path  # noqa: E402
+from twin_files import TWINS, twin_path  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=TWINS)
@@ -63,13 +63,12 @@ def test_one_graph_launch_per_token_and_no_allocation(backend):
     assert (pool.used_bytes(), pool.total_bytes()) == mem0
 
 
-def test_prefill_graph_equals_eager(backend):
+def test_prefill_graph_equals_eager(backend, rng):
     """Prompt chunks over MAX_MMV_TOKENS rows run padded in front to a multiple of 64 rows; a
     padded size is captured on its second use and replayed after. The graph's logits and KV cache
     are the eager run's, bit for bit, and the padding rows write no keys or values."""
     from gguf_runtime.cuda_prefill import PREFILL_QUANTUM
 
-    rng = np.random.default_rng()
     first, more = (rng.integers(0, backend.cfg.n_vocab, n).tolist() for n in (40, 100))  # 64 and 128 rows
     kv = backend.kv
     backend.use_graph = True

@@ -41,8 +41,7 @@ def ptr(a):
 
 
 @pytest.mark.parametrize("name", SUPPORTED)
-def test_host_decoder_matches_reference(lib, name):
-    rng = np.random.default_rng()
+def test_host_decoder_matches_reference(lib, name, rng):
     t = BY_NAME[name]
     fmt = FORMATS[t]
     rows = 5
@@ -62,9 +61,8 @@ INT_TYPES = [n for n in SUPPORTED if n not in ("F32", "F16", "BF16")]
 
 
 @pytest.mark.parametrize("name", INT_TYPES)
-def test_int8_words_match_reference(lib, name):
+def test_int8_words_match_reference(lib, name, rng):
     """The q8 path's decoding (I8<T>::words: signed bytes q, weight = d q + m) gives the weights."""
-    rng = np.random.default_rng()
     t = BY_NAME[name]
     rows = 4
     K = 512 if FORMATS[t].block_elems == 256 else 96
@@ -78,8 +76,7 @@ def test_int8_words_match_reference(lib, name):
     np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
 
 
-def test_quant16_matches_numpy_bit_for_bit(lib):
-    rng = np.random.default_rng()
+def test_quant16_matches_numpy_bit_for_bit(lib, rng):
     n = 16 * 64
     x = (rng.standard_normal(n) * rng.choice([1e-3, 1.0, 40.0], n // 16).repeat(16)).astype(np.float32)
     x[:16] = 0  # an all-zero piece quantizes to zeros with d = 0
@@ -99,8 +96,7 @@ def test_quant16_matches_numpy_bit_for_bit(lib):
     assert (err <= bound).all()
 
 
-def test_dp4a_is_a_signed_byte_dot(lib):
-    rng = np.random.default_rng()
+def test_dp4a_is_a_signed_byte_dot(lib, rng):
     for _ in range(50):
         a, b = rng.integers(-128, 128, 4, dtype=np.int8), rng.integers(-128, 128, 4, dtype=np.int8)
         c = int(rng.integers(-1000, 1000))

@@ -10,8 +10,7 @@ from gguf_runtime.quant_kernels.reference import random_blocks
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 @pytest.mark.parametrize("rows,blocks", [(1, 1), (3, 5), (17, 2)])
-def test_repack_roundtrip(name, rows, blocks):
-    rng = np.random.default_rng()
+def test_repack_roundtrip(name, rows, blocks, rng):
     t = BY_NAME[name]
     fmt = FORMATS[t]
     cols = blocks * fmt.block_elems * (16 if fmt.block_elems == 1 else 1)
