@@ -33,6 +33,10 @@ from gguf_runtime.model_config import config_from_gguf
 from gguf_runtime.quant_kernels.reference import random_blocks
 
 VOCAB_DIR = Path(__file__).resolve().parent / "data" / "tokenizer"
+# Token embeddings at a real checkpoint's scale (SmolLM2-135M: RMS 0.136; initialisers use 0.02), so the
+# residual stream entering the first RMSNorm has a mean square (~2.5e-3) a few hundred times eps, as in
+# real models: where eps is added, and how, shows in the logits. Matrices keep unit gain (1/sqrt(cols)).
+EMBED_STD = 0.05
 _ARRAY_ITEM = {"int32": VT.INT32, "uint32": VT.UINT32, "float32": VT.FLOAT32}
 
 
@@ -122,7 +126,8 @@ def _tensors(m: Micro, n_vocab: int, rng: np.random.Generator) -> dict[str, np.n
     def norm(n: int) -> np.ndarray:  # also right for Gemma's stored 1 + w
         return (1.0 + 0.2 * rng.standard_normal(n)).astype(np.float32)
 
-    t = {"token_embd.weight": rng.standard_normal((n_vocab, d)).astype(np.float32), "output_norm.weight": norm(d)}
+    t = {"token_embd.weight": (EMBED_STD * rng.standard_normal((n_vocab, d))).astype(np.float32),
+         "output_norm.weight": norm(d)}
     if not m.tied:
         t["output.weight"] = mat(n_vocab, d)
     if m.rope_freqs is not None:

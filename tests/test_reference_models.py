@@ -1,7 +1,8 @@
 """The numpy backend on the real model files against independent references.
 
 1. transformers' GGUF loader (it dequantizes the same file to float32): logits at every position
-   of a 32-token prompt, cosine >= 0.999 and the same argmax at >= 31 of 32 positions.
+   of a 32-token prompt, to float32 rounding (MAX_COS_GAP, MAX_REL) and the same argmax at >= 31
+   of 32 positions.
 2. Greedy generations recorded from transformers and from llama.cpp (tests/data/reference, copied
    from shared/reference): our tokens equal transformers' over its confident steps (the leading
    steps whose logit margin is large enough that a float32 path must agree). llama.cpp quantizes
@@ -46,6 +47,11 @@ def gemma3_file():
 
 
 MODELS = {"smollm2": smollm2_file, "gemma3": gemma3_file}
+# Both sides run float32 on the same dequantized weights: they differ by rounding and summation
+# order only, measured (2026-11-25, 32 positions) at 1 - cos <= 5.0e-12 (SmolLM2) / 1.0e-12
+# (Gemma-3) and max |diff| / max |ref| <= 2.3e-6 / 1.4e-6. The bars sit ~10-20x above that.
+MAX_COS_GAP = 1e-10
+MAX_REL = 3e-5
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
@@ -66,8 +72,13 @@ def test_logits_match_transformers(model):
     hf = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].numpy()
-    cos = (ours * ref).sum(-1) / np.linalg.norm(ours, axis=-1) / np.linalg.norm(ref, axis=-1)
-    assert cos.min() >= 0.999, cos
+    a, b = ours.astype(np.float64), ref.astype(np.float64)
+    gap = 1 - (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
+    rel = np.abs(a - b).max(-1) / np.abs(b).max(-1)
+    if os.environ.get("GGUF_TEST_REPORT_ERRORS"):
+        print(f"\n{key}: 1-cos max {gap.max():.3g}, max rel {rel.max():.3g}")
+    assert gap.max() < MAX_COS_GAP, (gap.max(), gap)
+    assert rel.max() < MAX_REL, (rel.max(), rel)
     assert (ours.argmax(-1) == ref.argmax(-1)).sum() >= 31
 
 
