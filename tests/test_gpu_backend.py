@@ -1,10 +1,20 @@
 """The CUDA backend against the numpy backend on shape twins (real headers, random weights).
 
-Twins come from GGUF_TWIN_DIR (made on the GPU machine by bench/gpu_session.sh with
-`gguf-run synth --fill`): smollm2.gguf and gemma3.gguf.
-"""
+Twins come from GGUF_TWIN_DIR, else build/twins (`make twins`): smollm2.gguf and gemma3.gguf.
 
-import os
+Bars, from the errors measured on these twins (bench/logit_error.py, H100, 2026-11-25: three seeded
+prompts of 7 or 40 tokens, then 3 decode steps, each path against float32 numpy):
+
+* the f32 matvec path (GGUF_RUN_Q8=0, up to 8 rows): 1 - cos <= 4.8e-12, max |diff| / max |ref| <=
+  3.4e-6. Both compute in float32 from the same dequantized weights: summation order only. Held to
+  1e-10 and 3e-5: a RoPE frequency 1e-5 off or an eps in the wrong place fails it.
+* the f16 prefill path (cuBLAS, f16 operands, more than 8 rows): 1 - cos <= 1.8e-6, max rel <= 2.3e-3
+  (Gemma-3); held to 5e-6 and 5e-3.
+* int8 activations (the default matvec path): 1 - cos <= 6.2e-4, max rel <= 3.7%, the size of the
+  int8 rounding itself; held to 1e-3 and 6%. No reference does better on 18-30 layers: the
+  numpy model of the same rounding (path_model.py) is as far (rounding flips are chaotic, see
+  there); tests/test_gpu_micro.py holds these paths to that model on micro models, where it is tight.
+"""
 
 import numpy as np
 import pytest
@@ -17,16 +27,12 @@ from gguf_runtime.backend_numpy import NumpyBackend  # noqa: E402
 from gguf_runtime.gguf_file import open_gguf  # noqa: E402
 from gguf_runtime.model_config import config_from_gguf  # noqa: E402
 from gguf_runtime.sampling import SamplingParams  # noqa: E402
+from path_model import assert_all_rows  # noqa: E402
+from twin_files import TWINS, twin_path  # noqa: E402
 
-TWINS = ("smollm2", "gemma3")
-
-
-def twin_path(name):
-    d = os.environ.get("GGUF_TWIN_DIR")
-    path = os.path.join(d, f"{name}.gguf") if d else None
-    if not path or not os.path.isfile(path):
-        pytest.skip(f"no {name} twin: set GGUF_TWIN_DIR (bench/gpu_session.sh makes them)")
-    return path
+F32 = dict(cos_gap=1e-10, max_rel=3e-5)
+F16 = dict(cos_gap=5e-6, max_rel=5e-3)
+Q8 = dict(cos_gap=1e-3, max_rel=6e-2)
 
 
 @pytest.fixture(scope="module", params=TWINS)
@@ -36,9 +42,24 @@ def pair(request):
     return f, cfg, NumpyBackend(f, cfg, 256), CudaBackend(f, cfg, 256)
 
 
-def cosines(a, b):
-    a, b = a.astype(np.float64), b.astype(np.float64)
-    return (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
+@pytest.fixture(scope="module")
+def f32_backend(pair):
+    """The same twin with f32 activations (GGUF_RUN_Q8=0: the norm fused into the matvecs)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("GGUF_RUN_Q8", "0")
+    try:
+        be = CudaBackend(pair[0], pair[1], 256)
+    finally:
+        mp.undo()
+    assert be.ws.q8_norm is None
+    return be
+
+
+def run(be, ids, more=()):
+    """Logits of every prompt row, then of each token of ``more`` (decode steps), from position 0."""
+    be.truncate(0)
+    out = [be.eval(ids, all_logits=True)] + [be.eval([t]).reshape(1, -1) for t in more]
+    return np.concatenate(out)
 
 
 # The int8 activations of the matvec path (the default) put the logits within 1.6-2.6% (relative
@@ -56,25 +77,31 @@ def assert_argmax_agrees(got, ref, min_share):
     assert same.mean() >= min_share, same
 
 
+def test_f32_path_matches_numpy_to_rounding(pair, f32_backend, rng):
+    """7 prompt rows and 3 decode steps on the f32 matvec path: float32 agreement on every row."""
+    f, cfg, npb, _ = pair
+    ids, more = rng.integers(0, cfg.n_vocab, 7).tolist(), rng.integers(0, cfg.n_vocab, 3).tolist()
+    got, ref = run(f32_backend, ids, more), run(npb, ids, more)
+    assert_all_rows(got, ref, what=f"{cfg.arch} f32 matvec", **F32)
+    assert_argmax_agrees(got, ref, 0.9)
+
+
 @pytest.mark.parametrize("n", [7, 40])  # 7: matvec kernels; 40: the cuBLAS prefill path
-def test_logits_match_numpy(pair, n):
+def test_logits_match_numpy(pair, f32_backend, n, rng):
+    """The default paths: int8 activations (7 rows, decode steps), f16 operands (40 rows); the
+    prefill rows of the f16 path without int8 anywhere (GGUF_RUN_Q8=0) to the f16 bars."""
     f, cfg, npb, cub = pair
-    rng = np.random.default_rng()
     ids = rng.integers(0, cfg.n_vocab, n).tolist()
-    npb.truncate(0)
-    cub.truncate(0)
-    ref = npb.eval(ids, all_logits=True)
-    got = cub.eval(ids, all_logits=True)
-    c = cosines(got, ref)
-    assert c.min() >= 0.999, c
+    ref = run(npb, ids, [5])
+    got = run(cub, ids, [5])
+    assert_all_rows(got, ref, what=f"{cfg.arch} {n} rows + 1, int8" + (" / f16" if n > 8 else ""), **Q8)
     assert_argmax_agrees(got, ref, 0.7 if n <= 8 else 0.9)
-    # one decode step on top of the prompt
-    ref1 = npb.eval([5])
-    got1 = cub.eval([5])
-    assert cosines(got1, ref1).min() >= 0.999
+    if n > 8:
+        f16 = run(f32_backend, ids)
+        assert_all_rows(f16, ref[:n], what=f"{cfg.arch} {n} rows, f16 prefill", **F16)
 
 
-def test_f16_kv_cache_matches_numpy(pair):
+def test_f16_kv_cache_matches_numpy(pair, rng):
     """The twins are under KV_F16_BYTES, so "auto" keeps float32 keys and values; with f16 ones
     (the 8B's default) prefill and graph decode steps stay as close to numpy's logits."""
     f, cfg, npb, cub = pair
@@ -82,15 +109,10 @@ def test_f16_kv_cache_matches_numpy(pair):
     be = CudaBackend(f, cfg, 256, kv_type="f16")
     assert be.kv.k.dtype == cp.float16 and be.kv.kv16
     assert be.kv_page_bytes == cub.kv_page_bytes // 2
-    rng = np.random.default_rng()
     ids = rng.integers(0, cfg.n_vocab, 40).tolist()
-    npb.truncate(0)
-    ref = npb.eval(ids, all_logits=True)
-    got = be.eval(ids, all_logits=True)
-    assert cosines(got, ref).min() >= 0.999
+    got, ref = run(be, ids, (5, 17, 300)), run(npb, ids, (5, 17, 300))  # decode: the fused KV write
+    assert_all_rows(got, ref, what=f"{cfg.arch} f16 KV cache", **Q8)
     assert_argmax_agrees(got, ref, 0.9)
-    for tok in (5, 17, 300):  # decode steps: the matvec path's fused KV write, graphs
-        assert cosines(be.eval([tok]), npb.eval([tok])).min() >= 0.999
     assert be.kv.k.get().astype(np.float32)[:, :3].any()  # pages hold keys
 
 
@@ -110,7 +132,7 @@ def test_kv_type_from_the_environment(pair, monkeypatch):
         CudaBackend(f, cfg, 32)
 
 
-def test_prefill_f16_weights_resident_or_scratch(pair, monkeypatch):
+def test_prefill_f16_weights_resident_or_scratch(pair, monkeypatch, rng):
     """The cuBLAS prefill (Q/K/V and gate/up stacked): the twins keep resident f16 copies; with
     the budget at 0 every group is dequantized into the scratch buffer instead (the 8B's path).
     Both give the numpy backend's logits."""
@@ -121,13 +143,13 @@ def test_prefill_f16_weights_resident_or_scratch(pair, monkeypatch):
     monkeypatch.setattr(cuda_f16, "RESIDENT_MAX_BYTES", 0)
     scratch = CudaBackend(f, cfg, 256)
     assert not scratch.blocks.f16.resident
-    ids = np.random.default_rng().integers(0, cfg.n_vocab, 60).tolist()
+    ids = rng.integers(0, cfg.n_vocab, 60).tolist()
     npb.truncate(0)
     ref = npb.eval(ids, all_logits=True)
     for be in (cub, scratch):
         be.truncate(0)
         got = be.eval(ids, all_logits=True)
-        assert cosines(got, ref).min() >= 0.999
+        assert_all_rows(got, ref, what=f"{cfg.arch} f16 prefill", **F16)
         assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
 
 

@@ -56,8 +56,7 @@ def cols_for(name, mult=3):
 
 @pytest.mark.parametrize("name", SUPPORTED)
 @pytest.mark.parametrize("b", [1, 3, 8])
-def test_mmv_every_type(k, name, b):
-    rng = np.random.default_rng()
+def test_mmv_every_type(k, name, b, rng):
     keep = []
     rows, cols = 70, cols_for(name)
     m, w = upload(name, rows, cols, rng, keep)
@@ -76,19 +75,46 @@ def test_mmv_every_type(k, name, b):
     assert rel(yd.get(), y0 + x.astype(np.float64) @ w.T) < 1e-5
 
 
-def test_rmsnorm_f16_copy_and_attention_f16_copy(k):
-    rng = np.random.default_rng()
-    x = rng.standard_normal((3, 640)).astype(np.float32)
+def test_rmsnorm_f16_copy_and_attention_f16_copy(k, rng):
+    """The f16 copies the cuBLAS prefill multiplies: RMSNorm's and attention's, each against the
+    float64 reference (f16 rounding: 2^-11 relative at most), beside their f32 outputs (1e-5)."""
+    x = (rng.standard_normal((3, 640)) * np.array([[2.0], [0.05], [1e-3]])).astype(np.float32)
     w = rng.standard_normal(640).astype(np.float32)
     xd, wd = cp.asarray(x), cp.asarray(w)
     y = cp.full((3, 640), POISON, cp.float32)
     y16 = cp.full((3, 648), np.nan, cp.float16)
     LL.rmsnorm(k, xd.data.ptr, 640, wd.data.ptr, y.data.ptr, 640, 3, 640, 1e-6, y16=y16.data.ptr, ld16=648)
-    assert rel(y16.get()[:, :640].astype(np.float32), y.get()) < 1e-3
+    ref = rmsnorm_ref(x, w, 1e-6)
+    assert rel(y.get(), ref) < 1e-5
+    assert rel(y16.get()[:, :640].astype(np.float32), ref) < 1e-3
+    assert np.isnan(y16.get()[:, 640:]).all(), "wrote past the columns"
+    # attention with an f16 copy of its output (a prefill call's), three rows over a paged cache
+    d, hq, hkv, page, n_ctx = 64, 4, 2, 16, 64
+    K, V = (rng.standard_normal((n_ctx, hkv, d)).astype(np.float32) for _ in range(2))
+    table = rng.permutation(n_ctx // page).astype(np.int32)[None]
+    kc, vc = (np.zeros((n_ctx // page, hkv, page, d), np.float32) for _ in range(2))
+    for p_ in range(n_ctx):
+        kc[table[0, p_ // page], :, p_ % page], vc[table[0, p_ // page], :, p_ % page] = K[p_], V[p_]
+    pos = np.array([3, 20, 63], np.int32)
+    q = rng.standard_normal((3, hq, d)).astype(np.float32)
+    out = cp.full((3, hq * d), POISON, cp.float32)
+    out16 = cp.full((3, hq * d + 8), np.nan, cp.float16)
+    n_split = 4
+    part_o = cp.full(3 * hq * n_split * d, POISON, cp.float32)
+    part_ml = cp.full(3 * hq * n_split * 2, POISON, cp.float32)
+    counter = cp.zeros(3 * hkv, cp.uint32)
+    qd, kd, vd, posd, seqd, tabd = (cp.asarray(a) for a in (q.reshape(3, -1), kc, vc, pos, np.zeros(3, np.int32),
+                                                             table))
+    LA.attention(k, qd.data.ptr, hq * d, 3, kd.data.ptr, vd.data.ptr, posd.data.ptr, seqd.data.ptr, tabd.data.ptr,
+                 n_ctx // page, page, hq, hkv, d, 1 / math.sqrt(d), 0.0, 0, n_split, part_o.data.ptr,
+                 part_ml.data.ptr, counter.data.ptr, out.data.ptr, hq * d, out16.data.ptr, hq * d + 8)
+    aref = attention_ref(q, K, V, pos, 1 / math.sqrt(d), 0.0, 0).reshape(3, -1)
+    assert rel(out.get(), aref) < 1e-5
+    assert rel(out16.get()[:, :hq * d].astype(np.float32), aref) < 1e-3
+    assert np.isnan(out16.get()[:, hq * d:]).all(), "wrote past the columns"
 
 
-def test_mmv_group_mixed_types_odd_rows(k):
-    rng = np.random.default_rng()
+def test_mmv_group_mixed_types_odd_rows(k, rng):
     keep = []
     cols = 512
     specs = [("Q5_0", 96), ("Q4_K", 33), ("Q8_0", 17)]  # odd rows: one row per block
@@ -103,8 +129,7 @@ def test_mmv_group_mixed_types_odd_rows(k):
 
 @pytest.mark.parametrize("name,act", [("Q4_1", "silu"), ("Q5_0", "gelu_tanh"), ("Q4_K", "silu"), ("Q6_K", "gelu_tanh")])
 @pytest.mark.parametrize("b", [1, 4])
-def test_mmv_glu(k, name, act, b):
-    rng = np.random.default_rng()
+def test_mmv_glu(k, name, act, b, rng):
     keep = []
     rows, cols = 90, cols_for(name, 2)
     (g, wg), (u, wu) = upload(name, rows, cols, rng, keep), upload(name, rows, cols, rng, keep)
@@ -125,10 +150,9 @@ def rmsnorm_ref(x, w, eps):
 @pytest.mark.parametrize("name", ["Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q5_0", "F32"])
 @pytest.mark.parametrize("b", [1, 3, 8])
 @pytest.mark.parametrize("config", [None, (1, 4), (2, 2)])
-def test_mmv_fused_rmsnorm(k, name, b, config):
+def test_mmv_fused_rmsnorm(k, name, b, config, rng):
     """W rmsnorm(x) with the norm inside the matvec, one warp or several per row group; the glu
     kernel too (gate and up share the scale)."""
-    rng = np.random.default_rng()
     keep = []
     rows, cols = 64, cols_for(name)
     m, w = upload(name, rows, cols, rng, keep)
@@ -148,8 +172,7 @@ def test_mmv_fused_rmsnorm(k, name, b, config):
 
 
 @pytest.mark.parametrize("name", SUPPORTED)
-def test_embed_and_dequant_f16(k, name):
-    rng = np.random.default_rng()
+def test_embed_and_dequant_f16(k, name, rng):
     keep = []
     rows, cols = 50, cols_for(name, 2)
     m, w = upload(name, rows, cols, rng, keep)
@@ -163,28 +186,31 @@ def test_embed_and_dequant_f16(k, name):
     assert rel(out.get().reshape(rows, cols), w) < 1e-3
 
 
-def test_rmsnorm_with_residual(k):
-    rng = np.random.default_rng()
-    x = rng.standard_normal((5, 576)).astype(np.float32) * 3
+@pytest.mark.parametrize("eps", [1e-6, 1e-5])
+def test_rmsnorm_with_residual(k, eps, rng):
+    """Rows from 3 down to 3e-4 RMS: where mean(x^2) nears eps, where eps goes (inside the sqrt)
+    moves the output by percents, so a kernel with eps elsewhere fails here."""
+    scale = np.array([[3.0], [1.0], [0.03], [1e-3], [3e-4]])
+    x = (rng.standard_normal((5, 576)) * scale).astype(np.float32)
     w = rng.standard_normal(576).astype(np.float32)
     res = rng.standard_normal((5, 576)).astype(np.float32)
     xd, wd, rd = cp.asarray(x), cp.asarray(w), cp.asarray(res)
     y = cp.full((5, 576), POISON, cp.float32)
-    LL.rmsnorm(k, xd.data.ptr, 576, wd.data.ptr, y.data.ptr, 576, 5, 576, 1e-6)
-    x64 = x.astype(np.float64)
-    ref = x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-6) * w
-    assert rel(y.get(), ref) < 1e-5
-    LL.rmsnorm(k, xd.data.ptr, 576, wd.data.ptr, rd.data.ptr, 576, 5, 576, 1e-6, rd.data.ptr, 576)
-    assert rel(rd.get(), res + ref) < 1e-5
+    LL.rmsnorm(k, xd.data.ptr, 576, wd.data.ptr, y.data.ptr, 576, 5, 576, eps)
+    ref = rmsnorm_ref(x, w, eps)
+    for r in range(5):  # row by row: the small rows must not hide under the big ones
+        assert rel(y.get()[r], ref[r]) < 1e-5, r
+    LL.rmsnorm(k, xd.data.ptr, 576, wd.data.ptr, rd.data.ptr, 576, 5, 576, eps, rd.data.ptr, 576)
+    for r in range(5):
+        assert rel(rd.get()[r], res[r] + ref[r]) < 1e-5, r
 
 
 @pytest.mark.parametrize("t", [1, 3, 4, 8])
 @pytest.mark.parametrize("d,n_rot,hq,hkv,name", [(64, 64, 9, 3, "Q4_1"), (128, 64, 8, 2, "Q4_K")])
-def test_qkv_matvec_with_fused_rope_kv(k, t, d, n_rot, hq, hkv, name):
+def test_qkv_matvec_with_fused_rope_kv(k, t, d, n_rot, hq, hkv, name, rng):
     """mmv with rope= (RoPE and the KV write in the epilogue where row groups are rope pairs, a
     rope_kv launch for the other token chunks) equals mmv followed by rope_kv: Q in place, K and V
     in the paged cache; a padding row (seq < 0) writes nothing; with a bias and the fused norm."""
-    rng = np.random.default_rng()
     keep = []
     cols, page, max_pages = cols_for(name, 2), 16, 4
     mats = [upload(name, n * d, cols, rng, keep) for n in (hq, hkv, hkv)]
@@ -232,8 +258,7 @@ def rms(v, w, eps):
 @pytest.mark.parametrize("neox,qk_norm,d,n_rot,hq,hkv", [(False, False, 64, 64, 9, 3), (True, True, 256, 256, 4, 1),
                                                          (True, False, 128, 64, 8, 2)])
 @pytest.mark.parametrize("kv16", [False, True], ids=["f32", "f16"])
-def test_rope_kv(k, neox, qk_norm, d, n_rot, hq, hkv, kv16):
-    rng = np.random.default_rng()
+def test_rope_kv(k, neox, qk_norm, d, n_rot, hq, hkv, kv16, rng):
     t, page, max_pages = 6, 16, 4
     width = (hq + 2 * hkv) * d
     qkv = rng.standard_normal((t, width)).astype(np.float32)
@@ -286,10 +311,9 @@ ATTN_SHAPES = [(64, 9, 3, 0.0, 0), (256, 4, 1, 0.0, 7), (128, 8, 2, 30.0, 0), (1
 @pytest.mark.parametrize("d,hq,hkv,cap,window", ATTN_SHAPES)
 @pytest.mark.parametrize("n_split", [1, 4, 32])
 @pytest.mark.parametrize("warps,rounds", [(4, 1), (0, 2), (0, 1)])
-def test_attention(k, d, hq, hkv, cap, window, n_split, warps, rounds, kv16=False):
+def test_attention(k, d, hq, hkv, cap, window, n_split, warps, rounds, rng, kv16=False):
     """Against float64 numpy for every row (one split to 32, each block shape: the old 4-warp one
     and the default), and bit for bit the same with the decode flag (keys loaded before the wait)."""
-    rng = np.random.default_rng()
     page, n_ctx = 16, 640  # up to 640 keys: rows using 1 split and up to 32
     max_pages = n_ctx // page
     kv_dtype = np.float16 if kv16 else np.float32  # the reference takes the cache's values
@@ -328,10 +352,10 @@ def test_attention(k, d, hq, hkv, cap, window, n_split, warps, rounds, kv16=Fals
 
 @pytest.mark.parametrize("d,hq,hkv,cap,window", ATTN_SHAPES)
 @pytest.mark.parametrize("n_split", [1, 32])
-def test_attention_f16_cache(k, d, hq, hkv, cap, window, n_split):
+def test_attention_f16_cache(k, d, hq, hkv, cap, window, n_split, rng):
     """The same with f16 keys and values (the default block shape): f32 arithmetic on the cache's
     values, so the float64 reference of those values holds to the same 1e-5."""
-    test_attention(k, d, hq, hkv, cap, window, n_split, 0, 2, kv16=True)
+    test_attention(k, d, hq, hkv, cap, window, n_split, 0, 2, rng, kv16=True)
 
 
 def sampler_state(n_vocab, rows=1, top_k=40, top_p=1.0, min_p=0.0, temp=0.0, seed=0, penalty=1.0, last_n=64):
@@ -351,8 +375,7 @@ def sampler_state(n_vocab, rows=1, top_k=40, top_p=1.0, min_p=0.0, temp=0.0, see
     return st, keep, ring, ring_mem
 
 
-def test_argmax_sample_commits_state(k):
-    rng = np.random.default_rng()
+def test_argmax_sample_commits_state(k, rng):
     n = 262144
     st, keep, ring, _mem = sampler_state(n, rows=2)
     for step in range(3):
@@ -367,8 +390,7 @@ def test_argmax_sample_commits_state(k):
         assert keep["counter"].get().tolist() == [0, 0]
 
 
-def test_repeat_penalty_matches_numpy(k):
-    rng = np.random.default_rng()
+def test_repeat_penalty_matches_numpy(k, rng):
     n = 5000
     st, keep, _ring, _mem = sampler_state(n, penalty=1.3, last_n=32)
     hist = rng.integers(0, 100, 40).astype(np.int32)  # with repeats
@@ -384,9 +406,8 @@ def test_repeat_penalty_matches_numpy(k):
 
 
 @pytest.mark.parametrize("top_k,top_p,min_p,temp", [(40, 0.95, 0.05, 0.8), (5, 1.0, 0.0, 1.5), (1000, 0.9, 0.0, 1.0)])
-def test_topk_sample_distribution(k, top_k, top_p, min_p, temp):
+def test_topk_sample_distribution(k, top_k, top_p, min_p, temp, rng):
     """Every draw lies in the numpy sampler's candidate set, with matching frequencies."""
-    rng = np.random.default_rng()
     n = 32000
     logits = (rng.standard_normal(n) * 3).astype(np.float32)
     params = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=1)
@@ -419,11 +440,10 @@ def test_topk_sample_distribution(k, top_k, top_p, min_p, temp):
     assert int(keep["tokens"].get()[0]) == int(np.argmax(logits))
 
 
-def test_topk_sample_rows_vocab_and_ties(k):
+def test_topk_sample_rows_vocab_and_ties(k, rng):
     """Several rows with their own settings over a 262,144-token vocabulary (32 blocks a row):
     greedy rows and top_k=1 take the argmax, a sampled row draws from numpy's candidate set; with
     every logit equal the top-k keeps the lowest ids (ties inside one block and across blocks)."""
-    rng = np.random.default_rng()
     n, rows = 262144, 4
     st, keep, ring, _mem = sampler_state(n, rows=rows, top_k=40, top_p=0.95, min_p=0.05, temp=0.8, seed=5)
     keep["temp"].set(np.array([0.0, 0.8, 0.7, 1.0], np.float32))  # row 0 greedy
@@ -449,11 +469,10 @@ def test_topk_sample_rows_vocab_and_ties(k):
     assert keep["pos"].get().tolist() == [64] * rows
 
 
-def test_topk_sample_top1_ties_and_edges(k):
+def test_topk_sample_top1_ties_and_edges(k, rng):
     """The top-1 path (greedy rows and top_k = 1: a max reduction, not the radix select): ties go
     to the lowest id inside a thread, across threads and across blocks; an odd vocabulary's last
     id; -inf everywhere but one id; the candidates written are the block maxima."""
-    rng = np.random.default_rng()
     n, rows = 262145, 5  # 33 blocks of 7,944 logits (the last 7,937)
     per = -(-n // LS.topk_blocks(n))
     st, keep, ring, _mem = sampler_state(n, rows=rows, top_k=1, temp=0.0)
@@ -492,10 +511,9 @@ def split_scratch(rows, n_tok, keep):
 
 @pytest.mark.parametrize("name", SUPPORTED)
 @pytest.mark.parametrize("n_tok", [9, 20, 50, 70])
-def test_mma_every_type(k, name, n_tok):
+def test_mma_every_type(k, name, n_tok, rng):
     """Tensor-core product (f16 operands, f32 accumulate): rows not a multiple of 32, K not a
     multiple of 128 where the type allows, tokens across 1..2 token tiles of 16/32/64."""
-    rng = np.random.default_rng()
     keep = []
     rows, cols = 45, cols_for(name)
     m, w = upload(name, rows, cols, rng, keep)
@@ -518,11 +536,10 @@ def test_mma_every_type(k, name, n_tok):
 
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q4_1"])
 @pytest.mark.parametrize("n_tok", [64, 50])
-def test_mma_split_k_and_wide_tiles(k, name, n_tok):
+def test_mma_split_k_and_wide_tiles(k, name, n_tok, rng):
     """The 8B's shapes in small: 64-row tiles with K split over 4 blocks (18 k steps: uneven runs),
     merged in a fixed order (bit-identical reruns), in both modes; an output head in tall blocks
     (two 64-row tiles); the 64-row GLU tiles. The last two need the 48 KiB shared-memory opt-in."""
-    rng = np.random.default_rng()
     keep = []
     rows, cols = 2200, 2304
     c = LM.mma_config([rows], n_tok, cols)
@@ -566,11 +583,10 @@ def test_mma_split_k_and_wide_tiles(k, name, n_tok):
 
 
 @pytest.mark.parametrize("n_tok", [64, 50])
-def test_mma_split_floor_half_token_tiles(k, n_tok):
+def test_mma_split_floor_half_token_tiles(k, n_tok, rng):
     """The 8B's o-proj (Q4_K 4096 x 4096, y +=) and QKV (Q4_K, Q4_K, Q6_K over 4096 columns) at
     more than 32 tokens: 2 K splits over 32-token tiles (the split floor), against numpy; the
     counters are reset and a rerun gives the same bits."""
-    rng = np.random.default_rng()
     keep = []
     cols = 4096
     o = upload("Q4_K", 4096, cols, rng, keep)
@@ -600,8 +616,7 @@ def test_mma_split_floor_half_token_tiles(k, n_tok):
 
 @pytest.mark.parametrize("specs", [(("Q5_0", 96), ("Q5_0", 33), ("Q8_0", 50)),
                                    (("Q4_K", 96), ("Q4_K", 33), ("Q6_K", 50))])  # the 8B's QKV: register fragments
-def test_mma_group_and_glu(k, specs):
-    rng = np.random.default_rng()
+def test_mma_group_and_glu(k, specs, rng):
     keep = []
     cols = 640 if specs[0][0] == "Q5_0" else 768
     mats = [upload(n, r, cols, rng, keep) for n, r in specs]
@@ -621,10 +636,9 @@ def test_mma_group_and_glu(k, specs):
 
 
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
-def test_mma_register_fragments_and_dequantizing_tiles_agree(k, name, monkeypatch):
+def test_mma_register_fragments_and_dequantizing_tiles_agree(k, name, monkeypatch, rng):
     """Q4_K / Q6_K build their A fragments in registers (mma_regs.cuh); GGUF_RUN_MMA_REGA=0 takes
     the dequantizing tiles. Both match numpy, and each other, on the same inputs."""
-    rng = np.random.default_rng()
     keep = []
     rows, cols, n_tok = 200, 1024, 64
     m, w = upload(name, rows, cols, rng, keep)
@@ -642,13 +656,12 @@ def test_mma_register_fragments_and_dequantizing_tiles_agree(k, name, monkeypatc
 
 
 @pytest.mark.parametrize("n_tok", [64, 32])
-def test_mma_staged_pipeline_depths(k, n_tok, monkeypatch):
+def test_mma_staged_pipeline_depths(k, n_tok, monkeypatch, rng):
     """Q4_K's tensor-core products stage x and the raw weights ST steps deep (GGUF_RUN_MMA_STAGES
     "single:GLU"). Every depth matches numpy and gives the two-stage pipeline's bits (the same
     MMAs in the same order), also with fewer k steps per block than stages: 2 k steps, and a K
     split 4 ways over 18 steps (4 or 5 each). At 32 tokens and 3 stages the split product asks for
     exactly 48 KiB of dynamic shared memory, which with its static 16 bytes needs the opt-in."""
-    rng = np.random.default_rng()
     keep = []
     cases = []
     for rows, cols, split in ((200, 256, False), (2200, 2304, True)):
