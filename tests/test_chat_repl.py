@@ -273,3 +273,45 @@ def test_ctrl_c_cancels_a_block_and_ctrl_d_exits(smollm2_path):
     finally:
         child.close(force=True)
     assert child.exitstatus == 0
+
+
+# ---- `gguf-run` outside `chat`: a bare call in a terminal, Ctrl-C in `run` ---------------------------
+
+RUN = [sys.executable, "-m", "gguf_runtime", "--backend", "numpy", "-c", "1024"]
+
+
+def test_bare_gguf_run_in_a_terminal_starts_a_chat(smollm2_path):
+    """No prompt and stdin a terminal: a conversation, as `ollama run MODEL` starts one."""
+    pexpect = pytest.importorskip("pexpect")
+    child = pexpect.spawn(RUN[0], RUN[1:] + ["--quiet", "--temp", "0", "-n", "8"], cwd=REPO,
+                          env=dict(os.environ, TERM="dumb"), encoding="utf-8", timeout=90)
+    try:
+        child.expect_exact(PROMPT)
+        child.sendline("Hi")
+        child.expect_exact("Hi\r\n")
+        child.expect_exact(PROMPT)
+        assert child.before.strip()  # a reply
+        child.sendline("/bye")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0
+
+
+def test_ctrl_c_in_run_exits_130_with_the_stats(smollm2_path):
+    """Ctrl-C while `gguf-run -p` streams: what was written stays, --verbose prints its figures, exit 130."""
+    pexpect = pytest.importorskip("pexpect")
+    child = pexpect.spawn(RUN[0], RUN[1:] + ["-p", "Tell me a long story about a dragon.", "-n", "600", "--verbose",
+                                             "--quiet"], cwd=REPO, env=dict(os.environ, TERM="dumb"),
+                          encoding="utf-8", timeout=90)
+    try:
+        child.expect(r"\w+\W+\w+\W+\w+")  # a few words of the reply
+        child.sendintr()
+        child.expect(r"eval count:\s+(\d+) token")
+        assert int(child.match.group(1)) >= 3
+        child.expect(pexpect.EOF)
+        out = child.before
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 130, (child.exitstatus, out)
+    assert "Traceback" not in out and "eval rate:" in out

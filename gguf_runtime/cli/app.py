@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gguf-run {__version__}")
         return 0
     try:
-        app(args=args, prog_name="gguf-run", standalone_mode=False)
+        # without standalone mode typer returns click's exit code for an abort (Ctrl-C: 130)
+        code = app(args=args, prog_name="gguf-run", standalone_mode=False)
     except _EXITS as e:
         return e.exit_code
     except _ABORTS:
@@ -93,4 +94,4 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:  # `gguf-run ... | head`
         return 0
-    return 0
+    return code if isinstance(code, int) else 0

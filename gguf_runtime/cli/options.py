@@ -12,7 +12,8 @@ from ..sampling import SamplingParams
 
 ModelArg = typer.Argument(None, metavar="[MODEL]", show_default=False,
                           help="GGUF model file (default: the embedded SmolLM2-135M-Instruct Q4_1)")
-NPredict = typer.Option(256, "-n", "--n-predict", help="tokens to generate at most (-1: until the context is full)")
+N_PREDICT_DEFAULT = 256
+NPredict = typer.Option(N_PREDICT_DEFAULT, "-n", "--n-predict", help="tokens to generate at most (-1: until the context is full)")
 Temp = typer.Option(0.8, "--temp", min=0.0, help="temperature; 0 = greedy")
 TopK = typer.Option(40, "--top-k", min=0, help="keep the k most likely tokens; 0 = off")
 TopP = typer.Option(0.95, "--top-p", min=0.0, max=1.0, help="nucleus sampling threshold; 1 = off")

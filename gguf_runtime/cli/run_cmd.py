@@ -9,8 +9,8 @@ import typer
 
 from ..engine import Engine, GenerationStats
 from .app import app
-from .options import (Backend, CtxSize, MinP, ModelArg, NPredict, NoGraph, Quiet, RepeatPenalty, Seed, Temp,
-                      TopK, TopP, check_n_predict, note_printer, resolve_model, sampling_params)
+from .options import (N_PREDICT_DEFAULT, Backend, CtxSize, MinP, ModelArg, NoGraph, NPredict, Quiet, RepeatPenalty,
+                      Seed, Temp, TopK, TopP, check_n_predict, note_printer, resolve_model, sampling_params)
 from .progress import progress_bars
 
 
@@ -61,13 +61,18 @@ def run(
     verbose: bool = typer.Option(False, "--verbose", help="print timings like `ollama run --verbose`"),
     quiet: bool = Quiet,
 ) -> None:
-    """Stream a completion of PROMPT (default model when MODEL is omitted)."""
+    """Stream a completion of PROMPT (default model when MODEL is omitted); with no prompt in a
+    terminal, start a chat (`gguf-run chat`)."""
     check_n_predict(n_predict)
     params = sampling_params(temp, top_k, top_p, min_p, repeat_penalty, seed)
+    if prompt is None and sys.stdin.isatty():  # nothing to complete: a conversation, as `ollama run` starts
+        from .chat_cmd import chat as chat_repl  # (chat_cmd imports this module); run's default -n becomes chat's
+
+        return chat_repl(model=model, n_predict=-1 if n_predict == N_PREDICT_DEFAULT else n_predict, temp=temp,
+                         top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed,
+                         ctx_size=ctx_size, system=system, backend=backend, no_graph=no_graph, verbose=verbose,
+                         quiet=quiet)
     if prompt is None:
-        if sys.stdin.isatty():
-            raise typer.BadParameter("give --prompt TEXT (or pipe text in); for a conversation use `gguf-run chat`",
-                                     param_hint="'--prompt'")
         prompt = sys.stdin.read()
     path = resolve_model(model)
     note = note_printer(quiet)
@@ -83,9 +88,16 @@ def run(
         ids = eng.encode_raw(prompt)
     gen = eng.generate(ids, n_predict=n_predict, params=params)
     out = sys.stdout
-    for piece in gen:
-        out.write(piece)
+    try:
+        for piece in gen:
+            out.write(piece)
+            out.flush()
+    except KeyboardInterrupt:  # what was generated stays; the stats cover it; exit 130
+        out.write("\n")
         out.flush()
+        if verbose:
+            print_stats(gen.stats)
+        raise
     out.write("\n")
     out.flush()
     if verbose:
