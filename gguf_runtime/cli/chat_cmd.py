@@ -28,7 +28,7 @@ from .app import app
 from .options import (Backend, CtxSize, MinP, ModelArg, NoGraph, Quiet, RepeatPenalty, Seed, Temp, TopK,
                       TopP, check_n_predict, note_printer, resolve_model, sampling_params)
 from .progress import progress_bars
-from .run_cmd import print_stats
+from .stats import print_stats
 
 PROMPT = ">>> "
 CONTINUATION = "... "

@@ -7,35 +7,13 @@ from typing import Optional
 
 import typer
 
-from ..engine import Engine, GenerationStats
+from ..engine import Engine
+from . import chat_cmd  # the module: its `chat` may not be defined yet while typer registers commands
 from .app import app
 from .options import (N_PREDICT_DEFAULT, Backend, CtxSize, MinP, ModelArg, NoGraph, NPredict, Quiet, RepeatPenalty,
                       Seed, Temp, TopK, TopP, check_n_predict, note_printer, resolve_model, sampling_params)
 from .progress import progress_bars
-
-
-def fmt_duration(s: float) -> str:
-    """Like Go's time.Duration as `ollama run --verbose` prints it."""
-    if s >= 1:
-        return f"{s:.6f}".rstrip("0").rstrip(".") + "s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.6f}".rstrip("0").rstrip(".") + "ms"
-    return f"{s * 1e6:.3f}".rstrip("0").rstrip(".") + "µs"
-
-
-def print_stats(st: GenerationStats, out=sys.stderr) -> None:
-    rows = [
-        ("total duration", fmt_duration(st.total_s)),
-        ("load duration", fmt_duration(st.load_s)),
-        ("prompt eval count", f"{st.prompt_tokens} token(s)"),
-        ("prompt eval duration", fmt_duration(st.prompt_s)),
-        ("prompt eval rate", f"{st.prompt_rate:.2f} tokens/s"),
-        ("eval count", f"{st.eval_tokens} token(s)"),
-        ("eval duration", fmt_duration(st.eval_s)),
-        ("eval rate", f"{st.eval_rate:.2f} tokens/s"),
-    ]
-    for k, v in rows:
-        print(f"{k + ':':<22}{v}", file=out)
+from .stats import print_stats
 
 
 @app.command("run", epilog="Examples:\n\n  gguf-run --prompt 'Write a haiku about GPUs'\n\n"
@@ -65,10 +43,9 @@ def run(
     terminal, start a chat (`gguf-run chat`)."""
     check_n_predict(n_predict)
     params = sampling_params(temp, top_k, top_p, min_p, repeat_penalty, seed)
-    if prompt is None and sys.stdin.isatty():  # nothing to complete: a conversation, as `ollama run` starts
-        from .chat_cmd import chat as chat_repl  # (chat_cmd imports this module); run's default -n becomes chat's
+    if prompt is None and sys.stdin.isatty():  # a conversation, as `ollama run` starts; run's default -n -> chat's
 
-        return chat_repl(model=model, n_predict=-1 if n_predict == N_PREDICT_DEFAULT else n_predict, temp=temp,
+        return chat_cmd.chat(model=model, n_predict=-1 if n_predict == N_PREDICT_DEFAULT else n_predict, temp=temp,
                          top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed,
                          ctx_size=ctx_size, system=system, backend=backend, no_graph=no_graph, verbose=verbose,
                          quiet=quiet)
