@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from typing import Callable, Iterator
 
-from .errors import BackendError
+import numpy as np
+
+from .errors import BackendError, GGUFError
 from .gguf_file import GGUFFile
 from .model_config import ModelConfig
 from .sampling import Sampler, SamplingParams
 
 BACKENDS = ("auto", "cuda", "numpy")
+NOT_FINITE = "the model's logits are not finite (NaN or infinity): the file's weights are damaged; re-download it"
 
 
 def cuda_available() -> tuple[bool, str]:
@@ -61,6 +64,8 @@ def host_sample_loop(backend, n: int, params: SamplingParams, history: list[int]
     hist = list(history)
     logits = backend.last_logits if logits is None else logits
     for i in range(n):
+        if not np.isfinite(logits).all():  # (no stage makes a logit infinite: the weights did)
+            raise GGUFError(NOT_FINITE)
         tok = sampler.sample(logits, hist)
         yield tok
         if tok in stop or i == n - 1:

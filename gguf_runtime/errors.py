@@ -7,11 +7,26 @@ prints that line and exits with code 2; anything else is a bug and keeps its tra
 
 from __future__ import annotations
 
+import re
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters (newlines, escape sequences, bidi overrides) escaped: what a
+    model file or a client wrote must not drive a terminal or break a one-line message."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 256 else f"\\u{ord(m.group()):04x}",
+                        text)
+
 
 class GGUFRunError(Exception):
-    """Base class of every error caused by input rather than by a bug."""
+    """Base class of every error caused by input rather than by a bug; its message is always one
+    printable line (control characters from the input are escaped)."""
 
     exit_code = 2
+
+    def __init__(self, message: object = "", *args: object) -> None:
+        super().__init__(printable(str(message)), *args)
 
 
 class GGUFError(GGUFRunError):

@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from .errors import GGUFError, UnsupportedModelError
 from .gguf_file import GGUFFile
 from .quant_kernels.formats import SUPPORTED, SUPPORTED_IDS
@@ -80,36 +82,78 @@ class ModelConfig:
         return self.rope_base(layer), self.rope_scale(layer)
 
 
-def _int(meta: dict[str, Any], key: str, default: int | None = None) -> int:
+def _show(v: Any) -> str:
+    text = repr(v.tolist() if hasattr(v, "tolist") else v)
+    return text[:60] + "..." if len(text) > 63 else text
+
+
+def _int(meta: dict[str, Any], key: str, default: int | None = None, lo: int = 0, hi: int = 1 << 40) -> int:
+    """An integer field in [lo, hi] (a per-layer array of one value counts as that value)."""
     v = meta.get(key, default)
     if v is None:
         raise UnsupportedModelError(f"model metadata lacks '{key}'; the file is incomplete or not a supported model")
     if isinstance(v, (list, tuple)) or hasattr(v, "shape"):
+        if not len(v) or not all(_is_int(x) for x in v):
+            raise GGUFError(f"metadata '{key}' = {_show(v)} is not an integer; the file is damaged")
         vals = {int(x) for x in v}
         if len(vals) != 1:
-            raise UnsupportedModelError(f"'{key}' varies per layer ({sorted(vals)}); per-layer sizes are not supported")
+            raise UnsupportedModelError(f"'{key}' varies per layer ({sorted(vals)[:8]}); per-layer sizes are "
+                                        "not supported")
         v = vals.pop()
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or int(v) != v:
-        raise GGUFError(f"metadata '{key}' = {v!r} is not a non-negative integer; the file is damaged")
+    if not _is_int(v) or not lo <= int(v) <= hi:
+        raise GGUFError(f"metadata '{key}' = {_show(v)} is not an integer from {lo} to {hi}; the file is damaged")
     return int(v)
 
 
-def _float(meta: dict[str, Any], key: str, default: float | None = None) -> float | None:
+def _is_int(v: Any) -> bool:
+    if isinstance(v, (bool, np.bool_)):
+        return False
+    if isinstance(v, (int, np.integer)):
+        return True
+    return isinstance(v, (float, np.floating)) and math.isfinite(v) and float(v).is_integer()
+
+
+def _float(meta: dict[str, Any], key: str, default: float | None = None, lo: float = -math.inf,
+           hi: float = math.inf, above: bool = False) -> float | None:
+    """A finite number in [lo, hi] (above: strictly greater than lo)."""
     v = meta.get(key, default)
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise GGUFError(f"metadata '{key}' = {v!r} is not a finite number; the file is damaged")
+    ok = not isinstance(v, (bool, np.bool_)) and isinstance(v, (int, float, np.integer, np.floating))
+    if not ok or not math.isfinite(v) or not (v > lo if above else v >= lo) or v > hi:
+        rng = f"{'above' if above else 'at least'} {lo:g}" + (f" and at most {hi:g}" if hi < math.inf else "")
+        raise GGUFError(f"metadata '{key}' = {_show(v)} is not a finite number {rng}; the file is damaged")
     return float(v)
 
 
+def _layers_in_file(f: GGUFFile) -> int:
+    """1 + the highest N of the file's blk.N.* tensors (0 without any)."""
+    top = -1
+    for name in f.tensors:
+        if name.startswith("blk."):
+            n = name[4:].split(".", 1)[0]
+            if n.isdigit():
+                top = max(top, int(n))
+    return top + 1
+
+
 def config_from_gguf(f: GGUFFile) -> ModelConfig:
-    """Read the architecture's hyper-parameters; refuse anything this runtime can't run."""
+    """Read the architecture's hyper-parameters; refuse anything this runtime can't run. Every field is
+    checked for type, range and agreement with the tensors before anything is sized from it."""
+    try:
+        return _config(f)
+    except GGUFError as e:  # name the file in every line
+        if str(e).startswith(f"{f.path}: "):
+            raise
+        raise GGUFError(f"{f.path}: {e}") from None
+
+
+def _config(f: GGUFFile) -> ModelConfig:
     meta = f.metadata
     arch = f.architecture
     if arch not in SUPPORTED_ARCHS:
         raise UnsupportedModelError(
-            f"{f.path}: architecture '{arch}' is not supported; supported: {ARCH_EXAMPLES}")
+            f"{f.path}: architecture {arch!r} is not supported; supported: {ARCH_EXAMPLES}")
     a = arch + "."
     n_embd = _int(meta, a + "embedding_length")
     n_head = _int(meta, a + "attention.head_count")
@@ -120,26 +164,42 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
     if min(n_embd, n_head, n_head_kv, head_dim, n_layer) <= 0 or n_head % n_head_kv:
         raise GGUFError(f"{f.path}: inconsistent sizes (embedding {n_embd}, heads {n_head}, kv heads "
                         f"{n_head_kv}, head size {head_dim}, layers {n_layer}); the file is damaged")
+    # against the tensors, before anything is sized from these numbers
+    if n_layer != (held := _layers_in_file(f)):
+        raise GGUFError(f"{f.path}: metadata '{a}block_count' = {n_layer}, but the file holds tensors of {held} "
+                        "layers; the file is damaged")
     tokens = meta.get("tokenizer.ggml.tokens")
-    n_vocab = _int(meta, a + "vocab_size", len(tokens) if isinstance(tokens, list) else None)
+    if tokens is not None and not (isinstance(tokens, list) and all(isinstance(t, str) for t in tokens)):
+        raise GGUFError(f"{f.path}: metadata 'tokenizer.ggml.tokens' = {_show(tokens)} is not an array of "
+                        "strings; the file is damaged")
+    n_vocab = _int(meta, a + "vocab_size", len(tokens) if isinstance(tokens, list) else None, lo=1)
+    if isinstance(tokens, list) and n_vocab != len(tokens):
+        raise GGUFError(f"{f.path}: metadata '{a}vocab_size' = {n_vocab}, but tokenizer.ggml.tokens holds "
+                        f"{len(tokens)} tokens; the file is damaged")
+    embd = f.tensors.get("token_embd.weight")
+    if embd is not None and tuple(embd.shape) != (n_vocab, n_embd):
+        raise GGUFError(f"{f.path}: tensor 'token_embd.weight' has shape {list(embd.shape)}, expected "
+                        f"{[n_vocab, n_embd]} from '{a}vocab_size' and '{a}embedding_length'; the file is damaged")
 
     gemma = arch == "gemma3"
     neox = arch in ("gemma3", "qwen2", "qwen3")
     rope_scale = 1.0
     scaling = meta.get(a + "rope.scaling.type")
-    factor = _float(meta, a + "rope.scaling.factor", None)
+    if scaling is not None and not isinstance(scaling, str):
+        raise GGUFError(f"metadata '{a}rope.scaling.type' = {_show(scaling)} is not a string; the file is damaged")
+    factor = _float(meta, a + "rope.scaling.factor", None, lo=0.0)
     if scaling in (None, "none") or (scaling == "linear" and not factor):
         pass
     elif scaling == "linear":
         rope_scale = 1.0 / factor
     else:
         raise UnsupportedModelError(f"{f.path}: RoPE scaling '{scaling}' is not supported (none and linear are)")
-    if (sc := _float(meta, a + "rope.scale_linear", None)) and sc > 0:
+    if sc := _float(meta, a + "rope.scale_linear", None, lo=0.0):
         rope_scale = 1.0 / sc
     rope = RopeConfig(
         style=ROPE_NEOX if neox else ROPE_NORM,
         n_dims=_int(meta, a + "rope.dimension_count", head_dim),
-        base=_float(meta, a + "rope.freq_base", 10000.0),
+        base=_float(meta, a + "rope.freq_base", 10000.0, lo=0.0, above=True),
         scale=rope_scale,
         base_local=10000.0 if gemma else None,
         freq_factors="rope_freqs.weight" if "rope_freqs.weight" in f.tensors else None,
@@ -157,8 +217,8 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
             period = _int(meta, a + "attention.sliding_window_pattern", 6) if pattern is not None else 6
             windows = [0 if (i + 1) % max(period, 1) == 0 else window for i in range(n_layer)]
 
-    attn_softcap = _float(meta, a + "attn_logit_softcapping", None)
-    final_softcap = _float(meta, a + "final_logit_softcapping", None)
+    attn_softcap = _float(meta, a + "attn_logit_softcapping", None, lo=0.0)
+    final_softcap = _float(meta, a + "final_logit_softcapping", None, lo=0.0)
     cfg = ModelConfig(
         arch=arch,
         name=str(meta.get("general.name", arch)),
@@ -170,8 +230,8 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
         n_head_kv=n_head_kv,
         head_dim=head_dim,
         head_dim_v=head_dim_v,
-        n_ctx_train=_int(meta, a + "context_length", 2048),
-        rms_eps=_float(meta, a + "attention.layer_norm_rms_epsilon", 1e-5),
+        n_ctx_train=_int(meta, a + "context_length", 2048, lo=1),
+        rms_eps=_float(meta, a + "attention.layer_norm_rms_epsilon", 1e-5, lo=0.0, hi=1.0),
         rope=rope,
         activation="gelu_tanh" if gemma else "silu",
         tied_embeddings="output.weight" not in f.tensors,

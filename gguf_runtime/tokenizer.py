@@ -17,7 +17,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from .errors import UnsupportedModelError
+from .errors import GGUFError, UnsupportedModelError
 from .tokenizer_bpe import BPE, SUPPORTED_PRE, byte_decode, pre_tokenizer_spec
 from .tokenizer_spm import SPACE, SPM
 
@@ -48,6 +48,42 @@ MODELS = "supported tokenizers: llama (SentencePiece), gpt2 (byte-level BPE)"
 _bad = UnsupportedModelError
 
 
+def _damaged(key: str, value: Any, expected: str) -> GGUFError:
+    return GGUFError(f"metadata '{K}{key}' = {_show(value)} is not {expected}; the file is damaged")
+
+
+def _show(value: Any) -> str:
+    """A short, printable rendering of a metadata value (control characters escaped)."""
+    text = repr(value if not isinstance(value, np.ndarray) else value.tolist())
+    return (text[:60] + "...") if len(text) > 63 else text
+
+
+def _checked(meta: dict[str, Any]) -> None:
+    """Type (and, for ids, integrality) of every tokenizer field read below, before any is used."""
+    v = meta.get(K + "pre")
+    if v is not None and not isinstance(v, str):
+        raise _damaged("pre", v, "a string")
+    for key, kinds, what in (("token_type", "iu", "an integer array"), ("scores", "iuf", "a number array")):
+        v = meta.get(K + key)
+        if v is None:
+            continue
+        if not isinstance(v, np.ndarray) or v.dtype.kind not in kinds:
+            raise _damaged(key, v, what)
+        if v.dtype.kind == "f" and not np.isfinite(v).all():
+            raise _damaged(key, v[~np.isfinite(v)][:3], "finite")
+    merges = meta.get(K + "merges")
+    if merges is not None and not (isinstance(merges, list) and all(isinstance(m, str) for m in merges)):
+        raise _damaged("merges", merges, "an array of strings")
+    for key, v in meta.items():
+        if not key.startswith(K):
+            continue
+        name = key[len(K):]
+        if name.endswith("_token_id") and (isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer))):
+            raise _damaged(name, v, "an integer token id")
+        if name.startswith("add_") and not isinstance(v, (bool, int, np.bool_, np.integer)):
+            raise _damaged(name, v, "a boolean")
+
+
 def _trie_pattern(words: set[str]) -> str:
     """A regex matching wherever one of ``words`` starts (a trie, so re skips fast)."""
     trie: dict = {}
@@ -72,12 +108,17 @@ class Tokenizer:
 
     def __init__(self, meta: dict[str, Any]):
         model = meta.get(K + "model")
+        if model is not None and not isinstance(model, str):
+            raise _damaged("model", model, "a string")
         if model not in ("llama", "gpt2"):
             what = "has no tokenizer.ggml.model" if model is None else f"uses tokenizer {model!r}"
             raise _bad(f"this model {what}; {MODELS}")
         tokens = meta.get(K + "tokens")
         if not isinstance(tokens, list) or not tokens or not isinstance(tokens[0], str):
             raise _bad(f"the GGUF has no tokenizer.ggml.tokens string array ({MODELS}, each needs it)")
+        if not all(isinstance(t, str) for t in tokens):
+            raise _damaged("tokens", tokens, "an array of strings")
+        _checked(meta)
         self.model = model
         n = len(tokens)
         self.tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]

@@ -11,7 +11,7 @@ import sys
 
 import typer
 
-from ..errors import GGUFRunError
+from ..errors import GGUFRunError, printable
 
 app = typer.Typer(
     name="gguf-run",
@@ -67,7 +67,7 @@ _USAGE_ERRORS, _EXITS, _ABORTS = _exception_classes()
 
 
 def err(msg: str) -> None:
-    print(f"error: {msg}", file=sys.stderr, flush=True)
+    print(f"error: {printable(msg)}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

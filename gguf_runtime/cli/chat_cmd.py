@@ -22,7 +22,7 @@ import typer
 
 from ..chat_session import PARAMETERS, ChatSession, Reply
 from ..engine import Engine
-from ..errors import GGUFRunError
+from ..errors import GGUFRunError, printable
 from ..model_info import human_count, quant_histogram
 from .app import app
 from .options import (Backend, CtxSize, MinP, ModelArg, NoGraph, Quiet, RepeatPenalty, Seed, Temp, TopK,
@@ -190,7 +190,7 @@ class Repl:
             print(msg, file=self.errout, flush=True)
 
     def error(self, msg: str) -> None:
-        print(f"error: {msg}", file=self.errout, flush=True)
+        print(f"error: {printable(msg)}", file=self.errout, flush=True)
 
     # ---- the loop ----------------------------------------------------------------------------
     def run(self) -> int:

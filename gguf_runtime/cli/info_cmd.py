@@ -10,12 +10,18 @@ import typer
 from ..gguf_file import open_gguf
 from ..model_info import human_bytes, human_count, model_info
 from ..tokenizer import Tokenizer
+from ..errors import printable
 from .app import app
 from .options import ModelArg, resolve_model
 
 ARCH_FIELDS = ("arch", "name", "n_layer", "n_embd", "n_ff", "n_head", "n_head_kv", "head_dim", "n_vocab",
                "n_ctx_train", "rope", "activation", "tied_embeddings", "embed_scale", "qk_norm", "attn_bias",
                "post_norms", "attn_softcap", "final_softcap", "layer_window")
+
+
+def out(*parts: object) -> None:
+    """print() with control characters escaped: a model file's strings must not drive the terminal."""
+    print(*("\n".join(printable(line) for line in str(p).split("\n")) for p in parts))
 
 
 @app.command("info", epilog="Examples:\n\n  gguf-run info\n\n  gguf-run info model.gguf --metadata")
@@ -26,14 +32,14 @@ def info(
     """Print a model's metadata, architecture summary, quant type histogram and sizes."""
     with open_gguf(resolve_model(model)) as f:
         i = model_info(f)
-    print(f"file        {i['path']}")
-    print(f"size        {human_bytes(i['file_bytes'])} (GGUF v{i['gguf_version']}, {i['n_tensors']} tensors)")
-    print(f"parameters  {human_count(i['params'])} ({i['params']:,}), {human_bytes(i['weight_bytes'])} of "
+    out(f"file        {i['path']}")
+    out(f"size        {human_bytes(i['file_bytes'])} (GGUF v{i['gguf_version']}, {i['n_tensors']} tensors)")
+    out(f"parameters  {human_count(i['params'])} ({i['params']:,}), {human_bytes(i['weight_bytes'])} of "
           f"weights, {i['bits_per_weight']:.2f} bits/weight")
-    print("\narchitecture")
+    out("\narchitecture")
     arch = i["architecture"]
     if isinstance(arch, str):
-        print(f"  cannot run: {arch}")
+        out(f"  cannot run: {arch}")
     else:
         for k in ARCH_FIELDS:
             v = arch[k]
@@ -41,16 +47,16 @@ def info(
                 v = "none" if not any(v) else f"{sum(1 for w in v if w)} of {len(v)} layers local, window {max(v)}"
             elif k == "rope":
                 v = ", ".join(f"{a}={b}" for a, b in v.items() if b is not None)
-            print(f"  {k:<16}{v}")
-    print("\nquant types")
-    print(f"  {'type':<8}{'tensors':>8}{'params':>12}{'size':>12}{'share':>8}")
+            out(f"  {k:<16}{v}")
+    out("\nquant types")
+    out(f"  {'type':<8}{'tensors':>8}{'params':>12}{'size':>12}{'share':>8}")
     for r in i["quant"]:
         share = 100 * r.bytes / i["weight_bytes"] if i["weight_bytes"] else 0
-        print(f"  {r.type_name:<8}{r.tensors:>8}{human_count(r.params):>12}{human_bytes(r.bytes):>12}{share:>7.1f}%")
+        out(f"  {r.type_name:<8}{r.tensors:>8}{human_count(r.params):>12}{human_bytes(r.bytes):>12}{share:>7.1f}%")
     if metadata:
-        print("\nmetadata")
+        out("\nmetadata")
         for k, v in i["metadata"].items():
-            print(f"  {k} = {v}")
+            out(f"  {k} = {v}")
 
 
 @app.command("tokenize", epilog="Examples:\n\n  gguf-run tokenize model.gguf 'Hello world'\n\n"
