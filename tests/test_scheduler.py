@@ -463,3 +463,40 @@ def test_cuda_adapter_clamps_top_k():
     a, be = cuda_adapter(depth=2)
     p = a._params(SamplingParams(top_k=0))
     assert p.top_k == 1024 and a._params(SamplingParams(temperature=0, top_k=0)).top_k == 0
+
+
+def test_a_request_whose_tokens_fail_fails_alone():
+    """An exception while turning one request's tokens into text (a token id its vocabulary lacks,
+    say) fails that request; the others and later ones are served."""
+    a = FakeAdapter(slots=2)
+    s = make(a)
+    bad, good = job(1, 6), job(2, 6)
+    broken = SimpleNamespace(push=lambda tok: (_ for _ in ()).throw(ValueError("token 99999 out of range")),
+                             flush=lambda: "")
+    run(s, good)
+    s.submit(bad)
+    s.submit(good2 := job(3, 6))
+    s._pump()
+    s._state[bad] = (broken, s._state[bad][1])
+    for _ in range(20):
+        s._pump()
+    assert isinstance(bad.emit.error, ValueError) and bad.state == "failed"
+    assert good.reason == "length" and good2.reason == "length" and "".join(good2.emit.text) == expected(3, 6)
+    assert a.seqs == {}
+
+
+def test_a_dying_loop_calls_on_fatal():
+    """A bug in the loop itself (not in one request) ends the scheduler through on_fatal (the server
+    exits), failing what waited, instead of leaving a thread-less server that looks alive."""
+    died = threading.Event()
+    seen = []
+    adapter = FakeAdapter(slots=1)
+    s = Scheduler(lambda: adapter, on_fatal=lambda e: (seen.append(e), died.set()))
+    s.start()
+    s._admit = lambda: (_ for _ in ()).throw(RuntimeError("bug in the loop"))
+    j = job(1, 5)
+    s.submit(j)
+    assert died.wait(5)
+    assert isinstance(seen[0], RuntimeError) and isinstance(j.emit.error, ShuttingDown)
+    with pytest.raises(ShuttingDown):
+        s.submit(job(2))

@@ -87,9 +87,13 @@ class Job:
 
 
 class Scheduler:
-    def __init__(self, factory: Callable[[], Any], admit_tokens: int = 4096, max_queue: int = 1024) -> None:
-        """``factory`` builds the adapter (loads the model) on the scheduler's thread."""
+    def __init__(self, factory: Callable[[], Any], admit_tokens: int = 4096, max_queue: int = 1024,
+                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
+        """``factory`` builds the adapter (loads the model) on the scheduler's thread. ``on_fatal`` is
+        called (on that thread) if the loop itself dies after start: the server exits then, rather
+        than answer as if alive while nothing generates."""
         self._factory = factory
+        self._on_fatal = on_fatal
         self.admit_tokens, self.max_queue = admit_tokens, max_queue
         self.adapter: Any = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -168,8 +172,14 @@ class Scheduler:
         try:
             while self._pump():
                 pass
-        finally:
+        except BaseException as e:  # noqa: BLE001 - a bug in the loop itself: nothing will generate
+            log.exception("the scheduler loop died")
+            self._error = e
             self._close_all()
+            if self._on_fatal is not None:
+                self._on_fatal(e)
+            return
+        self._close_all()
 
     def _setup(self) -> None:
         self.adapter = self._factory()
@@ -206,7 +216,11 @@ class Scheduler:
             for slot, toks in out.items():
                 job = self.active.get(slot)
                 if job is not None:
-                    self._feed(job, toks)
+                    try:
+                        self._feed(job, toks)
+                    except Exception as e:  # noqa: BLE001 - this request's tokens or text: fail it alone
+                        log.exception("finishing a step of a request failed")
+                        self._end(job, "failed", e)
         return True
 
     def _enqueue(self, job: Job) -> None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +24,7 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..errors import GGUFRunError
+from ..errors import GGUFRunError, printable
 from . import schemas as S
 from .scheduler import Job, Scheduler, ServerBusy, ShuttingDown
 
@@ -51,12 +53,21 @@ class _Mailbox:
             q.put_nowait(item)
 
 
+def exit_process(e: BaseException) -> None:
+    """The scheduler loop died: say why in one line and end the process (exit 70), so no server stays
+    up that answers /api/version but generates nothing."""
+    print(f"error: the scheduler stopped ({type(e).__name__}: {printable(str(e))[:300]}); the server exits",
+          file=sys.stderr, flush=True)
+    os._exit(70)
+
+
 class Service:
     """The scheduler, the model's card and the request limits, shared by every route."""
 
     def __init__(self, factory: Callable[[], Any], name: str | None = None, max_body: int = MAX_BODY,
-                 max_queue: int = 1024, admit_tokens: int = 4096) -> None:
-        self.scheduler = Scheduler(factory, admit_tokens=admit_tokens, max_queue=max_queue)
+                 max_queue: int = 1024, admit_tokens: int = 4096,
+                 on_fatal: Callable[[BaseException], None] | None = exit_process) -> None:
+        self.scheduler = Scheduler(factory, admit_tokens=admit_tokens, max_queue=max_queue, on_fatal=on_fatal)
         self.name, self.max_body = name, max_body
         self.prep = ThreadPoolExecutor(1, thread_name_prefix="gguf-prep")
         self._mail: dict[asyncio.AbstractEventLoop, _Mailbox] = {}
