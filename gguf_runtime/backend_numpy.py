@@ -6,18 +6,28 @@ budget, otherwise dequantized at each use); the KV cache is a float32 array per 
 
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 import numpy as np
 
 from .backends import host_sample_loop
-from .errors import ContextOverflowError
+from .errors import BackendError, ContextOverflowError
 from .gguf_file import GGUFFile
 from .model import ComposedBlocks, forward, lm_head_name
 from .model_config import ROPE_NEOX, ModelConfig
 from .quant_kernels.reference import dequantize, dequantize_rows
 
 DEFAULT_WEIGHT_BUDGET = 8 << 30  # bytes of float32 weights kept dequantized
+
+
+def _physical_memory() -> float:
+    """Bytes of RAM (inf where the platform does not say): a cache larger than that cannot work,
+    whatever the allocator's overcommit promises."""
+    try:
+        return float(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, OSError, ValueError):
+        return float("inf")
 
 
 def rope_inv_freq(cfg: ModelConfig, base: float, scale: float,
@@ -70,8 +80,15 @@ class NumpyBackend:
         self._inv_freq = {}
         for key in {cfg.rope_key(i) for i in range(cfg.n_layer)}:
             self._inv_freq[key] = rope_inv_freq(cfg, *key, ff)
-        self.k_cache = np.zeros((cfg.n_layer, n_ctx, cfg.n_head_kv, cfg.head_dim), np.float32)
-        self.v_cache = np.zeros((cfg.n_layer, n_ctx, cfg.n_head_kv, cfg.head_dim_v), np.float32)
+        need = 4 * cfg.n_layer * n_ctx * cfg.n_head_kv * (cfg.head_dim + cfg.head_dim_v)
+        try:
+            if need > _physical_memory():
+                raise MemoryError
+            self.k_cache = np.zeros((cfg.n_layer, n_ctx, cfg.n_head_kv, cfg.head_dim), np.float32)
+            self.v_cache = np.zeros((cfg.n_layer, n_ctx, cfg.n_head_kv, cfg.head_dim_v), np.float32)
+        except MemoryError:
+            raise BackendError(f"a context of {n_ctx:,} tokens needs {need / 2**30:.1f} GiB of KV cache, more than "
+                               "this machine can give; lower --ctx-size") from None
         self.n_past = 0
         self.blocks = ComposedBlocks(self, cfg)
 

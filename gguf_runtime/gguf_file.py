@@ -189,7 +189,11 @@ class GGUFFile:
         try:
             size = os.fstat(self._fh.fileno()).st_size
             if size < 24:  # too short to map usefully: parse the bytes so the error names the missing field
-                buf: Any = self._fh.read(24)
+                try:
+                    buf: Any = self._fh.read(24)
+                except OSError as e:  # /proc/self/mem and other files that stat as regular but can't be read
+                    raise GGUFError(f"{self.path}: cannot be read ({e.strerror}); pass the .gguf model file "
+                                    "itself") from None
             else:
                 try:
                     self._mm = buf = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_READ)

@@ -121,6 +121,19 @@ def test_missing_path():
     assert_one_line_error(run("/no/such/model.gguf", "-p", "hi"), "no such file")
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/mem"), reason="Linux /proc")
+def test_unreadable_regular_file():
+    """/proc/self/mem stats as a regular file and fails every read (EIO)."""
+    assert_one_line_error(run("/proc/self/mem", "-p", "hi"), "cannot be read")
+    assert_one_line_error(run("info", "/proc/self/mem"), "cannot be read")
+
+
+def test_context_beyond_memory():
+    """-c 10,000,000 asks the numpy backend for a 429 GiB KV cache: one line, not a MemoryError."""
+    assert_one_line_error(run("-p", "hi", "-c", "10000000", "--backend", "numpy", "-n", "2", "-q"),
+                          "--ctx-size", "GiB of KV cache")
+
+
 def test_not_a_gguf_and_truncated(tmp_path):
     txt = tmp_path / "notes.txt"
     txt.write_text("hello, not a model\n" * 10)
