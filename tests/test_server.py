@@ -262,12 +262,12 @@ def test_wrong_method_is_json(url):
 
 
 # ---- disconnects -------------------------------------------------------------------------------------
-def open_stream(url: str, body: dict) -> socket.socket:
+def open_stream(url: str, body: dict, host_header: str | None = None) -> socket.socket:
     host, port = url.removeprefix("http://").split(":")
     s = socket.create_connection((host, int(port)))
     data = json.dumps(body).encode()
-    s.sendall(b"POST /api/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+    s.sendall(b"POST /api/generate HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n%s" % ((host_header or f"{host}:{port}").encode(), len(data), data))
     return s
 
 
@@ -311,6 +311,10 @@ def test_cli_serve_and_ctrl_c(model_path, reference):
         host = m.group(1)
         r = ollama.Client(host=host).chat(model="tiny", messages=HI, options=GREEDY)
         assert r.message.content == reference
+        # bound to 127.0.0.1: a rebound attacker's name as Host is refused before any work
+        bad = open_stream(host, {"model": "tiny", "prompt": "hi"}, host_header="evil.example:11434")
+        assert read_until(bad, b"DNS rebinding").startswith(b"HTTP/1.1 403")
+        bad.close()
         s = open_stream(host, {"model": "tiny", **COUNTING})
         read_until(s, b'"done":false')
         p.send_signal(signal.SIGINT)

@@ -49,6 +49,9 @@ def serve(
     max_queue: int = typer.Option(1024, "--max-queue", min=1, help="requests in progress at most (503 above)"),
     lookahead: int = typer.Option(2, "--lookahead", min=1, max=8, help="cuda: decode steps in flight ahead of "
                                   "the tokens being read (hides host time; each costs a token of context)"),
+    allow_origin: Optional[list[str]] = typer.Option(None, "--allow-origin", metavar="ORIGIN",
+                                                     help="a browser origin allowed besides localhost ones "
+                                                          "(repeatable; '*': any), like Ollama's OLLAMA_ORIGINS"),
     log_level: str = typer.Option("warning", "--log-level", help="uvicorn's: critical|error|warning|info|debug "
                                   "(info logs every request)"),
     quiet: bool = Quiet,
@@ -65,6 +68,7 @@ def serve(
         import uvicorn
         from ..server.adapters import make_adapter
         from ..server.app import Service, build_app
+        from ..server.guard import is_loopback
     except ImportError as e:
         raise GGUFRunError(f"the server needs {e.name}: pip install 'gguf-run[serve]'") from None
     if max_batch not in BATCHES:
@@ -97,7 +101,8 @@ def serve(
                 self.should_exit = True
             svc.scheduler.shutdown(wait=False)  # running streams end now, so connections close
 
-    config = uvicorn.Config(build_app(svc), log_level=log_level, timeout_graceful_shutdown=10,
+    config = uvicorn.Config(build_app(svc, check_host=is_loopback(host), allow_origins=tuple(allow_origin or ())),
+                            log_level=log_level, timeout_graceful_shutdown=10,
                             access_log=log_level in ("info", "debug"))
     a = svc.scheduler.adapter
     bound = sock.getsockname()

@@ -21,6 +21,7 @@ from .. import __version__
 from ..errors import GGUFRunError
 from . import schemas as S
 from .formats import FORMATS
+from .guard import Guard
 from .service import MAX_BODY, Service, error_response, read_json, run_job, status_of
 
 __all__ = ["MAX_BODY", "Service", "build_app"]
@@ -191,7 +192,9 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
     return error_response(e, request.url.path.startswith("/v1/"))
 
 
-def build_app(service: Service) -> Starlette:
+def build_app(service: Service, check_host: bool = False, allow_origins: tuple[str, ...] = ()) -> Any:
+    """The ASGI app: routes behind the Host/Origin guard (guard.py). ``check_host``: the server is
+    bound to a loopback address (serve sets it from --host)."""
     routes = [
         Route("/", root, methods=["GET", "HEAD"]),
         Route("/api/generate", api_generate, methods=["POST"]),
@@ -208,4 +211,4 @@ def build_app(service: Service) -> Starlette:
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
     app.state.service = service
-    return app
+    return Guard(app, check_host, allow_origins)
