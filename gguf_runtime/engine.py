@@ -92,15 +92,28 @@ class Engine:
         return not self.template.is_fallback
 
     def encode_raw(self, text: str) -> list[int]:
+        self.check_text_fits(text)
         return self.tokenizer.encode(text, add_special=True, parse_special=False)
 
     def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
         text = self.template.render(list(messages), add_generation_prompt=add_generation_prompt)
+        self.check_text_fits(text)
         ids = self.tokenizer.encode(text, add_special=True, parse_special=True)
         bos = self.tokenizer.bos_id
         if len(ids) >= 2 and ids[0] == bos and ids[1] == bos:  # template wrote BOS itself
             ids = ids[1:]
         return ids
+
+    def check_text_fits(self, text: str) -> None:
+        """Refuse, before tokenizing, a text that cannot fit the context whatever its tokens: no token
+        covers more bytes than the vocabulary's longest one (a 10 MB prompt ends here in
+        milliseconds instead of after a minute and gigabytes of BPE)."""
+        n = len(text)  # characters <= bytes: the exact byte count only when it can matter
+        longest = self.tokenizer.max_token_bytes
+        if n > longest * self.n_ctx and (n := len(text.encode("utf-8", "surrogatepass"))) > longest * self.n_ctx:
+            raise ContextOverflowError(
+                f"the prompt is {n:,} bytes, more than {self.n_ctx} tokens of this vocabulary can hold (its "
+                f"longest token is {longest} bytes); raise --ctx-size or shorten the prompt")
 
     # ---- generation --------------------------------------------------------------------------
     def check_fits(self, n_prompt: int) -> None:

@@ -174,6 +174,7 @@ class Tokenizer:
             self._impl = SPM(self.tokens, self.token_to_id, score, self.unk_id)
         self._pieces: dict[int, bytes] = {}
         self._special: dict[bool, tuple] = {}
+        self._max_token_bytes: int | None = None
 
     @classmethod
     def from_metadata(cls, meta: dict[str, Any]) -> "Tokenizer":
@@ -237,6 +238,13 @@ class Tokenizer:
     @property
     def n_vocab(self) -> int:
         return len(self.tokens)
+
+    @property
+    def max_token_bytes(self) -> int:
+        """The UTF-8 length of the longest token's text: no token stands for more bytes of input."""
+        if self._max_token_bytes is None:
+            self._max_token_bytes = max(len(t.encode("utf-8", "surrogatepass")) for t in self.tokens)
+        return self._max_token_bytes
 
     def encode(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
         """llama_tokenize(text, add_special, parse_special)."""

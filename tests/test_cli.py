@@ -134,6 +134,13 @@ def test_context_beyond_memory():
                           "--ctx-size", "GiB of KV cache")
 
 
+def test_prompt_beyond_any_context_is_refused_before_tokenizing():
+    """10 MB of one 'word' on stdin: more bytes than the context could hold at the vocabulary's
+    longest token, refused from its length alone (it took 34-55 s and ~4 GB of BPE before)."""
+    assert_one_line_error(run("--backend", "numpy", "-q", "-n", "2", stdin="a" * 10_000_000),
+                          "bytes", "longest token", "--ctx-size")
+
+
 def test_not_a_gguf_and_truncated(tmp_path):
     txt = tmp_path / "notes.txt"
     txt.write_text("hello, not a model\n" * 10)
