@@ -187,6 +187,13 @@ _NEW_SET = frozenset(chr(c) for r in _AFTER_15_1.split()
                      for c in range(int(r.split("-")[0], 16), int(r.split("-")[-1], 16) + 1))
 
 
+# Words are cached, up to CACHED_WORDS of up to CACHED_WORD_CHARS characters each (a few tens of MB
+# at most): a longer "word" (a run of one letter, base64) is merged afresh, so no prompt can grow
+# the cache by its own size.
+CACHED_WORDS = 1 << 17
+CACHED_WORD_CHARS = 64
+
+
 @functools.lru_cache(maxsize=None)
 def _compiled(kind: str, exact: bool) -> tuple[regex.Pattern, ...]:
     if exact:  # set operations make these about 3x slower: used only when a newer character occurs
@@ -225,13 +232,13 @@ class BPE:
             keys.append((m[:pos], m[pos + 1:]) if pos >= 0 else ("", ""))
         # first occurrence wins, as std::unordered_map::emplace
         self.ranks: dict[tuple[str, str], int] = dict(zip(reversed(keys), range(len(keys) - 1, -1, -1)))
-        self._word = functools.lru_cache(maxsize=1 << 17)(self._encode_word)
+        self._word = functools.lru_cache(maxsize=CACHED_WORDS)(self._encode_word)
 
     def encode(self, text: str) -> list[int]:
         out: list[int] = []
-        word = self._word
+        cached, fresh = self._word, self._encode_word
         for piece in pre_tokenize(text, self.kind):
-            out.extend(word(piece))
+            out.extend(cached(piece) if len(piece) <= CACHED_WORD_CHARS else fresh(piece))
         return out
 
     def _encode_word(self, piece: str) -> tuple[int, ...]:

@@ -21,6 +21,10 @@ import heapq
 import re
 
 SPACE = "\u2581"
+# segments cached: as many as this, of up to this many characters (longer ones are merged afresh, so
+# a giant input cannot grow the cache by its own size)
+CACHED_SEGMENTS = 1 << 17
+CACHED_SEGMENT_CHARS = 64
 
 
 class SPM:
@@ -46,15 +50,15 @@ class SPM:
             self._cut = re.compile(f"(?<=[^{cls}])(?={SPACE})")
         else:
             self._cut = re.compile(f"(?<=.)(?={SPACE})", re.S)
-        self._segment = functools.lru_cache(maxsize=1 << 17)(self._encode_segment)
+        self._segment = functools.lru_cache(maxsize=CACHED_SEGMENTS)(self._encode_segment)
 
     def encode(self, text: str) -> list[int]:
         """Ids of ``text`` (spaces not yet escaped)."""
         out: list[int] = []
-        seg = self._segment
+        cached, fresh = self._segment, self._encode_segment
         for s in self._cut.split(text.replace(" ", SPACE)):
             if s:
-                out.extend(seg(s))
+                out.extend(cached(s) if len(s) <= CACHED_SEGMENT_CHARS else fresh(s))
         return out
 
     def _encode_segment(self, text: str) -> tuple[int, ...]:

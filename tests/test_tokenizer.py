@@ -345,3 +345,22 @@ def test_gemma_eog_and_turns() -> None:
     dec = tok.stream()
     assert "".join(dec.push(i) for i in ids) + dec.flush() == tok.decode(ids) == text
     assert tok.token_attr(106) & CONTROL
+
+
+def test_long_words_do_not_grow_the_cache():
+    """Words longer than the cache's limit are merged afresh: 50 unique 20,000-character words leave
+    the word cache as it was, and tokenize as before."""
+    from gguf_runtime.tokenizer_bpe import CACHED_WORD_CHARS
+
+    tok = model_tok(SMOLLM2)
+    bpe = tok._impl
+    before = bpe._word.cache_info().currsize
+    words = ["".join("abcdefghij"[(i * 7 + j * j) % 10] for j in range(20_000)) for i in range(50)]
+    for w in words[:3]:
+        assert tok.encode(w) == tok.encode(w)  # deterministic, uncached
+    for w in words:
+        tok.encode(w)
+    assert bpe._word.cache_info().currsize == before
+    short = "hello world"
+    tok.encode(short)
+    assert bpe._word.cache_info().currsize > before and len(short) <= CACHED_WORD_CHARS
