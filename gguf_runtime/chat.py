@@ -30,6 +30,7 @@ import jinja2.utils
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from . import template_limits as TL
 from .errors import TemplateError
 
 __all__ = ["ChatTemplate", "chatml_render"]
@@ -68,8 +69,23 @@ class _StrictSandbox(ImmutableSandboxedEnvironment):
     still give the normal, lenient ``Undefined`` that templates rely on.
     """
 
+    # every operator, call and ``~`` that can build a big string or list is checked first
+    # (template_limits.py); so are time and the output
+    intercepted_binops = frozenset(["*", "+", "**", "%"])
+    code_generator_class = TL.LimitedCodeGenerator
+
     def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
         raise _UnsafeAccess(str(attribute), type(obj).__name__)
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        return TL.binop(operator, left, right)
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 - Jinja's
+        TL.check_call(__obj, args, kwargs)
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def limited_concat(self, items: Any) -> str:
+        return TL.concat(items)
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -138,6 +154,9 @@ def _make_env() -> _StrictSandbox:
     env.globals["strftime_now"] = _strftime_now
     env.globals["dict"] = _TemplateDict()
     env.globals["namespace"] = _TemplateNamespace
+    env.globals["range"] = TL.LimitedRange
+    env.globals["lipsum"] = TL.lipsum
+    TL.limit_filters(env.filters)
     return env
 
 
@@ -262,7 +281,11 @@ class ChatTemplate:
         if self._compiled is None:
             assert self.source is not None
             try:
-                self._compiled = _make_env().from_string(self.source)
+                with TL.Budget.render():  # constant folding runs filters at compile time
+                    self._compiled = _make_env().from_string(self.source)
+            except TL.TemplateLimit as e:
+                raise TemplateError(f"the model's chat template went past a limit while compiling ({e}); "
+                                    f"{_ADVICE_BROKEN}") from None
             except jinja2.TemplateSyntaxError as e:
                 raise TemplateError(
                     f"the model's chat template has a syntax error at line {e.lineno}: "
@@ -291,8 +314,13 @@ class ChatTemplate:
         context.update(_plain(extra))
         context["messages"] = msgs
         context["add_generation_prompt"] = bool(add_generation_prompt)
+        size = sum(len(str(v)) for m in msgs for v in m.values())
         try:
-            return tpl.render(**context)
+            with TL.Budget.render(input_chars=size):
+                return TL.collect(tpl.generate(**context))
+        except TL.TemplateLimit as e:
+            raise TemplateError(f"the model's chat template went past a limit ({e or 'time'}); "
+                                f"{_ADVICE_BROKEN}") from None
         except _UnsafeAccess as e:
             raise TemplateError(
                 f"the model's chat template tried to access unsafe attribute {e.attribute!r} "

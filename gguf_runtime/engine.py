@@ -96,6 +96,7 @@ class Engine:
         return self.tokenizer.encode(text, add_special=True, parse_special=False)
 
     def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
+        self.check_text_fits("".join(str(m.get("content") or "") for m in messages if isinstance(m, dict)))
         text = self.template.render(list(messages), add_generation_prompt=add_generation_prompt)
         self.check_text_fits(text)
         ids = self.tokenizer.encode(text, add_special=True, parse_special=True)

@@ -239,7 +239,7 @@ def test_syntax_error(source):
 @pytest.mark.parametrize("source, fragment", [
     ("{{ messages[0].content + 1 }}", "TypeError"),
     ("{{ nothing.at_all }}", "UndefinedError"),
-    ("{{ range(10**9) | list }}", "OverflowError"),
+    ("{{ range(10**9) | list }}", "limit"),
     ("{{ 1 / 0 }}", "ZeroDivisionError"),
     ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "recursed"),
 ])
@@ -285,3 +285,54 @@ def test_from_metadata_token_lookup():
     t = ChatTemplate.from_metadata({"tokenizer.chat_template": "x", "tokenizer.ggml.tokens": ["a"],
                                     "tokenizer.ggml.bos_token_id": 7})
     assert (t.bos_token, t.eos_token, t.is_fallback) == ("", "", False)
+
+
+# ---- limits: time and size (template_limits.py) -------------------------------------------------
+
+BOMBS = [
+    ("nested ranges", "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"),
+    ("nested loops over a list", "{% set xs = range(100000)|list %}{% for a in xs %}{% for b in xs %}"
+                                 "{% endfor %}{% endfor %}"),
+    ("lipsum", "{{ lipsum(10**7) }}"),
+    ("format width", "{{ '%0999999999d'|format(1) }}"),
+    ("percent width", "{{ '%0999999999d' % 1 }}"),
+    ("str.format width", "{{ '{:>999999999}'.format(1) }}"),
+    ("string repeat", "{{ 'a' * 10**8 }}"),
+    ("list repeat", "{% set x = [0] * 10**8 %}"),
+    ("power", "{{ 10 ** (10 ** 8) }}"),
+    ("doubling with ~", "{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}"
+                        "{% endfor %}{{ ns.s|length }}"),
+    ("doubling with +", "{% set ns = namespace(s=[1]) %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}"
+                        "{% endfor %}"),
+    ("center", "{{ 'x'.center(10**9) }}"),
+    ("center filter", "{{ 'x'|center(10**9) }}"),
+    ("replace growth", "{% set ns = namespace(s='aa') %}{% for i in range(40) %}"
+                       "{% set ns.s = ns.s|replace('a', 'aaaa') %}{% endfor %}"),
+    ("join growth", "{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = [ns.s, ns.s]|join %}"
+                    "{% endfor %}"),
+    ("output", "{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}"),
+    ("recursive macro", "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}"),
+    ("indent", "{{ ('a\n' * 100000)|indent(1000) }}"),
+]
+
+
+@pytest.mark.parametrize("name,source", BOMBS, ids=[b[0] for b in BOMBS])
+def test_template_bombs_end_in_one_line(name, source):
+    """Each would hang or take gigabytes unbounded; each ends in one TemplateError line. (The
+    time_limit is a hang guard far above the 2 s render limit, not a timing claim.)"""
+    from gguf_samples import time_limit
+
+    with time_limit(60):
+        with pytest.raises(TemplateError) as ei:
+            ChatTemplate(source).render([{"role": "user", "content": "hi"}])
+    msg = str(ei.value)
+    assert "\n" not in msg and ("limit" in msg or "recursed" in msg), msg
+
+
+def test_limits_leave_real_templates_alone():
+    """A template doing ordinary work well inside the limits renders as before."""
+    t = ChatTemplate("{% for m in messages %}{{ m.role|upper }}: {{ m.content|trim }}\n{% endfor %}"
+                     "{{ '%-5s|' % 'ab' }}{{ '{:>4}'.format(7) }}{{ 'x'.center(9) }}{{ range(3)|list|join(',') }}"
+                     "{{ ['a', 'b']|join('-') }}{{ 2 ** 10 }}{{ [1] * 3 }}{{ 'ab' ~ 'cd' }}")
+    out = t.render([{"role": "user", "content": " hi "}] * 3)
+    assert out == "USER: hi\n" * 3 + "ab   |   7    x    0,1,2a-b1024[1, 1, 1]abcd"
