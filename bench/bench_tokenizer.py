@@ -20,7 +20,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from gguf_runtime.tokenizer import Tokenizer  # noqa: E402
+from gguf_runtime.format.tokenizer import Tokenizer  # noqa: E402
 
 PARAGRAPH = """
 The old lighthouse stood at the edge of the harbour, where fishing boats came home each evening

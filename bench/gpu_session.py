@@ -60,7 +60,7 @@ def make_twins(skip_8b: bool, only: str | None) -> list[str]:
 def bench(names: list[str], reps: int, batches: list[int]) -> list[dict]:
     """`gguf-run bench TWIN --json` per twin: a short first run (NVRTC compile, graph capture: its
     load time is the fresh-machine figure), then the recorded one; tables printed from the JSON."""
-    from gguf_runtime.bench_report import render_table
+    from gguf_runtime.tools.bench_report import render_table
 
     batch = ["--batch", ",".join(map(str, batches))] if batches else []
     try:

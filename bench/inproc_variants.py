@@ -1,14 +1,17 @@
-"""tg128 of one twin under several knob variants in ONE process (the model loads once), alternating
-over rounds: a variant is a comma-joined list of GGUF_RUN_* pairs ("NONE" = the defaults) that
-CudaBlocks.read_knobs reads; between variants the captured graphs are dropped and recaptured.
-One pseudo-pair, KDIR=PATH, compiles the kernels from another copy of quant_kernels/ (e.g. an older
-tree's: .old_tree/gguf_runtime/quant_kernels) for that variant: kernel sources A/B in one process.
+"""tg128 of one twin under several variants in ONE process (the model loads once), alternating
+over rounds: a variant is a comma-joined list of tuning-table overrides (field=value, as
+GGUF_RUN_TUNE spells them; "NONE" = the table's own choices), applied with CudaBackend.retune;
+between variants the captured graphs are dropped and recaptured. Two pseudo-pairs: KDIR=PATH
+compiles the kernels from another copy of quant_kernels/ (e.g. an older tree's:
+.old_tree/gguf_runtime/quant_kernels), for kernel sources A/B in one process; skip=attn+o leaves
+those roles' kernels out (bench/skip_roles.py: where the step's time goes).
 
   python3 bench/inproc_variants.py /tmp/twins/llama3-8b.gguf --rounds 3 \
-      NONE GGUF_RUN_MMV_O=4:2 GGUF_RUN_BENCH_SKIP=glu [--json $OUT/inproc.json]
+      NONE mmv.O=4:2 skip=glu kstage=none,post_q8=0 [--json $OUT/inproc.json]
 
 Prints one line per measurement as it goes and a table of medians (t/s, and us per token against
-the first variant) last. Only knobs that CudaBlocks.read_knobs reads take effect here.
+the first variant) last. Only fields that size nothing take effect here (not q8, kv_type,
+prefill_chunk, attn_parts: those need a new backend).
 """
 
 from __future__ import annotations
@@ -20,29 +23,29 @@ import statistics
 import sys
 import time
 
-from gguf_runtime.backend_cuda import CudaBackend
-from gguf_runtime.bench import decode_rate
-from gguf_runtime.gguf_file import open_gguf
-from gguf_runtime.model_config import config_from_gguf
+from skip_roles import skip
+
+from gguf_runtime.backends.cuda import tuning
+from gguf_runtime.backends.cuda.backend import CudaBackend
+from gguf_runtime.tools.bench import decode_rate
+from gguf_runtime.format.gguf_file import open_gguf
+from gguf_runtime.format.model_config import config_from_gguf
 from gguf_runtime.quant_kernels.sources import SRC_DIR
 
 
-def apply(variant: str, base: dict[str, str | None]) -> str:
-    """Set the variant's environment; returns the kernel source folder it names (KDIR) or ""."""
-    kdir = ""
-    for k, v in base.items():  # back to the process's own environment
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+def parse(variant: str) -> tuple[dict[str, str], str, set[str]]:
+    """(tuning overrides, kernel source folder or "", roles to skip)."""
+    over, kdir, roles = {}, "", set()
     if variant != "NONE":
         for pair in variant.split(","):
             k, v = pair.split("=", 1)
             if k == "KDIR":
                 kdir = os.path.abspath(v)
+            elif k == "skip":
+                roles = set(filter(None, v.split("+")))
             else:
-                os.environ[k] = v
-    return kdir
+                over[k] = v
+    return over, kdir, roles
 
 
 def main() -> None:
@@ -54,22 +57,20 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json")
     a = ap.parse_args()
-    keys = {p.split("=", 1)[0] for v in a.variants if v != "NONE" for p in v.split(",")} - {"KDIR"}
-    base = {k: os.environ.get(k) for k in keys}
     f = open_gguf(a.model)
     be = CudaBackend(f, config_from_gguf(f), 512)
+    weight_bytes = sum(t.nbytes for t in f.tensors.values())
     res: dict[str, list[float]] = {v: [] for v in a.variants}
     for r in range(a.rounds):
         for v in a.variants:
-            kdir = apply(v, base)
+            over, kdir, roles = parse(v)
             be.kernels.use_sources(kdir or SRC_DIR)
-            be.blocks.read_knobs()
-            be.graphs.clear()
+            be.retune(tuning.choose(weight_bytes, overrides=over))
+            skip(be, roles)
             t0 = time.perf_counter()
             rate = decode_rate(be, a.n, a.reps, graph=True)
             res[v].append(rate.median)
             print(f"round {r} {v:<44} {rate.median:8.1f} t/s  ({time.perf_counter() - t0:.1f} s)", flush=True)
-    apply("NONE", base)
     ref = statistics.median(res[a.variants[0]])
     print(f"\n{'variant':<44} {'median t/s':>10} {'rounds':>22} {'us/token vs first':>18}")
     for v, xs in res.items():

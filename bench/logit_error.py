@@ -13,6 +13,7 @@ model's own logits move by as much as the rounding itself when the embeddings mo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -22,9 +23,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from path_model import PathModel  # noqa: E402
 
-from gguf_runtime.backend_numpy import NumpyBackend  # noqa: E402
-from gguf_runtime.gguf_file import open_gguf  # noqa: E402
-from gguf_runtime.model_config import config_from_gguf  # noqa: E402
+from gguf_runtime.backends.numpy.backend import NumpyBackend  # noqa: E402
+from gguf_runtime.format.gguf_file import open_gguf  # noqa: E402
+from gguf_runtime.format.model_config import config_from_gguf  # noqa: E402
 
 
 def errors(got: np.ndarray, ref: np.ndarray) -> dict[str, float]:
@@ -73,18 +74,15 @@ def main() -> None:
         for path in args.models:
             chaos(path)
         return
-    from gguf_runtime.backend_cuda import CudaBackend
+    from gguf_runtime.backends.cuda.backend import CudaBackend
 
     for path in args.models:
         f = open_gguf(path)
         cfg = config_from_gguf(f)
         name = os.path.basename(path)
-        os.environ.pop("GGUF_RUN_Q8", None)
         cub = CudaBackend(f, cfg, 256)
         cub16 = CudaBackend(f, cfg, 256, kv_type="f16")
-        os.environ["GGUF_RUN_Q8"] = "0"
-        cuf = CudaBackend(f, cfg, 256)
-        os.environ.pop("GGUF_RUN_Q8")
+        cuf = CudaBackend(f, cfg, 256, tune=dataclasses.replace(cub.tune, q8=False))
         f32 = NumpyBackend(f, cfg, 256)
         models = {"q8": PathModel(f, cfg, 256), "f32": PathModel(f, cfg, 256, q8=False),
                   "q8kv16": PathModel(f, cfg, 256, kv16=True)}

@@ -16,9 +16,9 @@ import time
 import cupy as cp
 import numpy as np
 
-from gguf_runtime.backend_cuda import CudaBackend
-from gguf_runtime.gguf_file import open_gguf
-from gguf_runtime.model_config import config_from_gguf
+from gguf_runtime.backends.cuda.backend import CudaBackend
+from gguf_runtime.format.gguf_file import open_gguf
+from gguf_runtime.format.model_config import config_from_gguf
 from profile_step import SPIN  # bench/: this script's folder is on sys.path
 
 

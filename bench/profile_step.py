@@ -16,9 +16,9 @@ from collections import defaultdict
 
 import cupy as cp
 
-from gguf_runtime.backend_cuda import CudaBackend
-from gguf_runtime.gguf_file import open_gguf
-from gguf_runtime.model_config import config_from_gguf
+from gguf_runtime.backends.cuda.backend import CudaBackend
+from gguf_runtime.format.gguf_file import open_gguf
+from gguf_runtime.format.model_config import config_from_gguf
 from gguf_runtime.sampling import SamplingParams
 
 SPIN = cp.RawKernel(r"""

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from typing import Any, Protocol, Sequence
 
-from .model_config import ModelConfig
+import numpy as np
+
+from .format.model_config import ModelConfig
 
 
 class Blocks(Protocol):
@@ -105,3 +107,13 @@ class ComposedBlocks:
         if self.cfg.final_softcap:
             out = self.p.softcap(out, self.cfg.final_softcap)
         return out
+
+
+def rope_inv_freq(cfg: ModelConfig, base: float, scale: float,
+                  freq_factors: np.ndarray | None = None) -> np.ndarray:
+    """theta_j = scale * pos * base^(-2j/n_dims) / factor_j, for j < n_dims/2 (float64)."""
+    n = cfg.rope.n_dims
+    inv = base ** (-np.arange(0, n, 2, dtype=np.float64) / n) * scale
+    if freq_factors is not None:
+        inv = inv / freq_factors.astype(np.float64)
+    return inv

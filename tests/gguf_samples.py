@@ -28,7 +28,7 @@ from gguf import GGUFValueType as VT
 from gguf import GGUFWriter
 
 from gguf_runtime.errors import GGUFError
-from gguf_runtime.gguf_file import GGUFFile, open_gguf
+from gguf_runtime.format.gguf_file import GGUFFile, open_gguf
 
 U64_MAX = (1 << 64) - 1
 

@@ -14,8 +14,8 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFValueType as V
 
-from gguf_runtime.gguf_file import open_gguf
-from gguf_runtime.synth_presets import pack_header
+from gguf_runtime.format.gguf_file import open_gguf
+from gguf_runtime.tools.synth_presets import pack_header
 from micro_models import Micro, write_micro
 
 BASE = Micro(quant={".weight": QT.Q8_0})  # llama, 2 layers, 4,096 tokens of the Llama-3 vocabulary

@@ -27,9 +27,9 @@ from gguf import GGUFValueType as VT
 from gguf import GGUFWriter
 from gguf.quants import quantize
 
-from gguf_runtime.backend_numpy import NumpyBackend
-from gguf_runtime.gguf_file import open_gguf
-from gguf_runtime.model_config import config_from_gguf
+from gguf_runtime.backends.numpy.backend import NumpyBackend
+from gguf_runtime.format.gguf_file import open_gguf
+from gguf_runtime.format.model_config import config_from_gguf
 from gguf_runtime.quant_kernels.reference import random_blocks
 
 VOCAB_DIR = Path(__file__).resolve().parent / "data" / "tokenizer"

@@ -3,7 +3,7 @@
 The CUDA backend rounds in three places that float32 numpy does not, each a documented property of
 a path (cuda_blocks.py), not an error:
 
-* **int8 activations** (the matvec path of up to ``mmv_rows`` rows, integer weights, GGUF_RUN_Q8 on):
+* **int8 activations** (the matvec path of up to ``mmv_rows`` rows, integer weights, q8 on in the tuning table):
   every product's input is ``quantize_q8`` per 16 values (reference_q8.py, the kernels' quantizer
   bit for bit), then multiplied exactly in f32. Wherever the kernels quantize (after RMSNorm, in the
   residual epilogue of the previous product with the norm applied after the product, in the
@@ -30,7 +30,7 @@ import os
 
 import numpy as np
 
-from gguf_runtime.backend_numpy import NumpyBackend
+from gguf_runtime.backends.numpy.backend import NumpyBackend
 from gguf_runtime.model import lm_head_name
 from gguf_runtime.quant_kernels.reference_q8 import dequantize_q8, quantize_q8
 

@@ -202,9 +202,9 @@ class FakeCuda:
 
 @pytest.fixture(scope="module")
 def model():
-    from gguf_runtime.default_model import default_model_path
-    from gguf_runtime.gguf_file import open_gguf
-    from gguf_runtime.model_config import config_from_gguf
+    from gguf_runtime.cli.default_model import default_model_path
+    from gguf_runtime.format.gguf_file import open_gguf
+    from gguf_runtime.format.model_config import config_from_gguf
 
     f = open_gguf(default_model_path())
     yield f, config_from_gguf(f)
@@ -214,7 +214,7 @@ def model():
 def test_prefill_graph_rows_say_what_ran(model):
     """pp rows say graph only when the prefill graphs ran; a failed capture (the backend turns them
     off) labels the row eager and keeps them off; the eager row leaves them as they were."""
-    from gguf_runtime.bench import prefill_rate
+    from gguf_runtime.tools.bench import prefill_rate
 
     f, cfg = model
     be = FakeCuda(cfg)
@@ -232,8 +232,8 @@ def test_prefill_graph_rows_say_what_ran(model):
 
 
 def test_suite_graph_and_eager_rows_with_batches(model, tmp_path):
-    from gguf_runtime.bench import Suite, kv_bytes_read, run_suite, weight_bytes_read
-    from gguf_runtime.bench_report import render_table, result
+    from gguf_runtime.tools.bench import Suite, kv_bytes_read, run_suite, weight_bytes_read
+    from gguf_runtime.tools.bench_report import render_table, result
 
     f, cfg = model
     be = FakeCuda(cfg)
@@ -263,7 +263,7 @@ def test_suite_graph_and_eager_rows_with_batches(model, tmp_path):
     head, table = table_rows(out)
     assert ("graph", "B=4 tg4") in table and ("eager", "tg4") in table and table[("graph", "tg4")]["share"]
     if importlib.util.find_spec("matplotlib"):  # both lines, batch sizes on the x axis
-        from gguf_runtime.bench_report import plot
+        from gguf_runtime.tools.bench_report import plot
 
         plot(res, str(tmp_path / "b.png"))
         assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from gguf_runtime.chat import ChatTemplate, chatml_render
+from gguf_runtime.format.chat_template import ChatTemplate, chatml_render
 from gguf_runtime.errors import TemplateError
 
 SMOL_DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"

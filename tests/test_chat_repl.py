@@ -16,9 +16,9 @@ import sys
 
 import pytest
 
-from gguf_runtime.chat_session import ChatSession
+from gguf_runtime.engine.chat_session import ChatSession
 from gguf_runtime.cli.chat_cmd import CONTINUATION, EXIT_HINT, PROMPT, Message, MessageReader, Repl
-from gguf_runtime.engine import Generation
+from gguf_runtime.engine.engine import Generation
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CMD = [sys.executable, "-m", "gguf_runtime", "chat", "--backend", "numpy", "--temp", "0", "-c", "1024"]

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from gguf_runtime.chat_session import ChatSession, SettingError
-from gguf_runtime.engine import Engine, Generation
+from gguf_runtime.engine.chat_session import ChatSession, SettingError
+from gguf_runtime.engine.engine import Engine, Generation
 from gguf_runtime.errors import ContextOverflowError, GGUFRunError
 from gguf_runtime.sampling import SamplingParams
 

@@ -12,8 +12,8 @@ import sys
 import pytest
 from gguf.constants import GGUFValueType as V
 
-from gguf_runtime.quant_kernels.formats import BY_NAME
-from gguf_runtime.synth_presets import pack_header, tokenizer_kvs
+from gguf_runtime.format.blocks import BY_NAME
+from gguf_runtime.tools.synth_presets import pack_header, tokenizer_kvs
 
 from gguf_samples import write_sample  # noqa: F401  (tests/ is on sys.path)
 
@@ -62,7 +62,7 @@ def tiny_llama(path, smollm2_path, template=None, types=None, arch="llama"):
                   (p + "ffn_down.weight", (n_ff, d), q8)]
     table = [(n, ne, (types or {}).get(n, t)) for n, ne, t in table]
     header = pack_header(kvs, table)
-    from gguf_runtime.gguf_file import open_gguf
+    from gguf_runtime.format.gguf_file import open_gguf
     with open(path, "wb") as fh:
         fh.write(header)
     with open_gguf(path, check_data=False) as f:
@@ -103,7 +103,7 @@ def test_info_and_tokenize():
     assert rc == 0, err
     for word in ("architecture", "llama", "Q4_1", "Q8_0", "quant types", "tokenizer.ggml.pre"):
         assert word in out
-    from gguf_runtime.default_model import default_model_path
+    from gguf_runtime.cli.default_model import default_model_path
     rc, out, err = run("tokenize", default_model_path(), "The capital of France is")
     assert (rc, out.strip()) == (0, "504 3575 282 4649 314")
     rc, out, err = run("tokenize", default_model_path(), "<|im_start|>user", "--parse-special", "--pieces")
@@ -145,7 +145,7 @@ def test_not_a_gguf_and_truncated(tmp_path):
     txt = tmp_path / "notes.txt"
     txt.write_text("hello, not a model\n" * 10)
     assert_one_line_error(run(str(txt), "-p", "hi"), "not a GGUF")
-    from gguf_runtime.default_model import default_model_path
+    from gguf_runtime.cli.default_model import default_model_path
     cut = tmp_path / "cut.gguf"
     with open(default_model_path(), "rb") as src:
         cut.write_bytes(src.read(3_000_000))

@@ -17,8 +17,8 @@ from gguf import GGUFReader
 from gguf import GGUFValueType as VT
 
 from gguf_runtime.errors import GGUFError
-from gguf_runtime.gguf_file import open_gguf
-from gguf_runtime.quant_kernels.formats import FORMATS
+from gguf_runtime.format.gguf_file import open_gguf
+from gguf_runtime.format.blocks import FORMATS
 
 try:
     from gguf_samples import (U64_MAX, arr_payload, build, flip_bit, kv, kv_arr, kv_str, kv_u32, layout,

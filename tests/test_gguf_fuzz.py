@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from gguf_runtime.quant_kernels.formats import FORMATS
+from gguf_runtime.format.blocks import FORMATS
 
 try:
     from gguf_samples import U64_MAX, build, layout, p_u32, p_u64, probe, write_sample

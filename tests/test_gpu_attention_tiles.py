@@ -11,16 +11,17 @@ import pytest
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
-from gguf_runtime.backend_numpy import apply_rope  # noqa: E402
+from gguf_runtime.backends.numpy.backend import apply_rope  # noqa: E402
 from gguf_runtime.quant_kernels import launch_attention as LA  # noqa: E402
 from gguf_runtime.quant_kernels import launchers as L  # noqa: E402
+from gguf_runtime.backends.cuda.tuning import Tuning  # noqa: E402
 
 from test_gpu_kernels import POISON, attention_ref, rel  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def k():
-    return L.Kernels()
+    return L.Kernels(Tuning().knobs())  # the launch choices the backend makes
 
 
 @pytest.mark.parametrize("d,hq,hkv,cap,window", [(64, 9, 3, 0.0, 0), (256, 4, 1, 0.0, 7), (128, 8, 2, 30.0, 0),

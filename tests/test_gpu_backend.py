@@ -5,7 +5,7 @@ Twins come from GGUF_TWIN_DIR, else build/twins (`make twins`): smollm2.gguf and
 Bars, from the errors measured on these twins (bench/logit_error.py, H100, 2026-11-25: three seeded
 prompts of 7 or 40 tokens, then 3 decode steps, each path against float32 numpy):
 
-* the f32 matvec path (GGUF_RUN_Q8=0, up to 8 rows): 1 - cos <= 4.8e-12, max |diff| / max |ref| <=
+* the f32 matvec path (q8=0, up to 8 rows): 1 - cos <= 4.8e-12, max |diff| / max |ref| <=
   3.4e-6. Both compute in float32 from the same dequantized weights: summation order only. Held to
   1e-10 and 3e-5: a RoPE frequency 1e-5 off or an eps in the wrong place fails it.
 * the f16 prefill path (cuBLAS, f16 operands, more than 8 rows): 1 - cos <= 1.8e-6, max rel <= 2.3e-3
@@ -22,10 +22,11 @@ import pytest
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
-from gguf_runtime.backend_cuda import CudaBackend  # noqa: E402
-from gguf_runtime.backend_numpy import NumpyBackend  # noqa: E402
-from gguf_runtime.gguf_file import open_gguf  # noqa: E402
-from gguf_runtime.model_config import config_from_gguf  # noqa: E402
+from gguf_runtime.engine.decode_loop import sample_loop  # noqa: E402
+from gguf_runtime.backends.cuda.backend import CudaBackend  # noqa: E402
+from gguf_runtime.backends.numpy.backend import NumpyBackend  # noqa: E402
+from gguf_runtime.format.gguf_file import open_gguf  # noqa: E402
+from gguf_runtime.format.model_config import config_from_gguf  # noqa: E402
 from gguf_runtime.sampling import SamplingParams  # noqa: E402
 from path_model import assert_all_rows  # noqa: E402
 from twin_files import TWINS, twin_path  # noqa: E402
@@ -44,9 +45,9 @@ def pair(request):
 
 @pytest.fixture(scope="module")
 def f32_backend(pair):
-    """The same twin with f32 activations (GGUF_RUN_Q8=0: the norm fused into the matvecs)."""
+    """The same twin with f32 activations (GGUF_RUN_TUNE q8=0: the norm fused into the matvecs)."""
     mp = pytest.MonkeyPatch()
-    mp.setenv("GGUF_RUN_Q8", "0")
+    mp.setenv("GGUF_RUN_TUNE", "q8=0")
     try:
         be = CudaBackend(pair[0], pair[1], 256)
     finally:
@@ -89,7 +90,7 @@ def test_f32_path_matches_numpy_to_rounding(pair, f32_backend, rng):
 @pytest.mark.parametrize("n", [7, 40])  # 7: matvec kernels; 40: the cuBLAS prefill path
 def test_logits_match_numpy(pair, f32_backend, n, rng):
     """The default paths: int8 activations (7 rows, decode steps), f16 operands (40 rows); the
-    prefill rows of the f16 path without int8 anywhere (GGUF_RUN_Q8=0) to the f16 bars."""
+    prefill rows of the f16 path without int8 anywhere (q8=0) to the f16 bars."""
     f, cfg, npb, cub = pair
     ids = rng.integers(0, cfg.n_vocab, n).tolist()
     ref = run(npb, ids, [5])
@@ -102,7 +103,7 @@ def test_logits_match_numpy(pair, f32_backend, n, rng):
 
 
 def test_f16_kv_cache_matches_numpy(pair, rng):
-    """The twins are under KV_F16_BYTES, so "auto" keeps float32 keys and values; with f16 ones
+    """The twins are under tuning.BIG_MODEL_BYTES, so "auto" keeps float32 keys and values; with f16 ones
     (the 8B's default) prefill and graph decode steps stay as close to numpy's logits."""
     f, cfg, npb, cub = pair
     assert cub.kv.k.dtype == cp.float32 and not cub.kv.kv16
@@ -116,32 +117,26 @@ def test_f16_kv_cache_matches_numpy(pair, rng):
     assert be.kv.k.get().astype(np.float32)[:, :3].any()  # pages hold keys
 
 
-def test_kv_type_from_the_environment(pair, monkeypatch):
-    from gguf_runtime.kv_cache import KV_F16_BYTES, choose_kv_type
+def test_kv_type_from_the_tuning_override(pair, monkeypatch):
     from gguf_runtime.errors import BackendError
 
-    monkeypatch.delenv("GGUF_RUN_KV_TYPE", raising=False)
-    assert choose_kv_type(None, KV_F16_BYTES + 1) == "f16"  # the 8B's 4.6 GiB
-    assert choose_kv_type(None, KV_F16_BYTES) == "f32"
-    assert choose_kv_type("f32", 5 << 30) == "f32"
     f, cfg, _, _ = pair
-    monkeypatch.setenv("GGUF_RUN_KV_TYPE", "f16")
+    monkeypatch.setenv("GGUF_RUN_TUNE", "kv_type=f16")
     assert CudaBackend(f, cfg, 32).kv.kv16
-    monkeypatch.setenv("GGUF_RUN_KV_TYPE", "q8")
-    with pytest.raises(BackendError, match="KV cache type 'q8'"):
+    monkeypatch.setenv("GGUF_RUN_TUNE", "kv_type=q8")
+    with pytest.raises(BackendError, match="kv_type='q8'"):
         CudaBackend(f, cfg, 32)
 
 
-def test_prefill_f16_weights_resident_or_scratch(pair, monkeypatch, rng):
+def test_prefill_f16_weights_resident_or_scratch(pair, rng):
     """The cuBLAS prefill (Q/K/V and gate/up stacked): the twins keep resident f16 copies; with
     the budget at 0 every group is dequantized into the scratch buffer instead (the 8B's path).
     Both give the numpy backend's logits."""
-    from gguf_runtime import cuda_f16
+    import dataclasses
 
     f, cfg, npb, cub = pair
     assert cub.blocks.f16.resident
-    monkeypatch.setattr(cuda_f16, "RESIDENT_MAX_BYTES", 0)
-    scratch = CudaBackend(f, cfg, 256)
+    scratch = CudaBackend(f, cfg, 256, tune=dataclasses.replace(cub.tune, f16_resident_max_bytes=0))
     assert not scratch.blocks.f16.resident
     ids = rng.integers(0, cfg.n_vocab, 60).tolist()
     npb.truncate(0)
@@ -159,7 +154,7 @@ def test_greedy_tokens_match_numpy(pair):
     params = SamplingParams(temperature=0.0)
     cub.truncate(0)
     cub.prefill(prompt)
-    got = list(cub.sample_loop(32, params, prompt, frozenset()))
+    got = list(sample_loop(cub, 32, params, prompt, frozenset()))
     # every GPU token is numpy's greedy choice given the GPU's own history, or (int8 activations,
     # see assert_argmax_agrees) within 0.15 logit std of it, three times the widest flip measured
     npb.truncate(0)
@@ -175,12 +170,12 @@ def test_no_allocation_while_decoding(pair):
     params = SamplingParams(temperature=0.7, top_k=40, seed=3)
     cub.truncate(0)
     cub.prefill([1, 2, 3])
-    list(cub.sample_loop(4, params, [1, 2, 3], frozenset()))  # warm up every kernel
+    list(sample_loop(cub, 4, params, [1, 2, 3], frozenset()))  # warm up every kernel
     cub.stream.synchronize()
     before = (pool.used_bytes(), pool.total_bytes())
     cub.truncate(0)
     cub.prefill([1, 2, 3])
-    out = list(cub.sample_loop(100, params, [1, 2, 3], frozenset()))
+    out = list(sample_loop(cub, 100, params, [1, 2, 3], frozenset()))
     cub.stream.synchronize()
     assert len(out) == 100
     assert (pool.used_bytes(), pool.total_bytes()) == before
@@ -191,7 +186,7 @@ def test_unsupported_shapes_are_refused(pair):
     config of a real twin passes."""
     import dataclasses
 
-    from gguf_runtime.backend_cuda import check_supported
+    from gguf_runtime.backends.cuda.backend import check_supported
     from gguf_runtime.errors import UnsupportedModelError
     cfg = pair[1]
     check_supported(cfg)

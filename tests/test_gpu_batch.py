@@ -6,11 +6,12 @@ import pytest
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
-from gguf_runtime.backend_cuda import CudaBackend  # noqa: E402
-from gguf_runtime.batch import generate_batch  # noqa: E402
+from gguf_runtime.engine.decode_loop import sample_loop  # noqa: E402
+from gguf_runtime.backends.cuda.backend import CudaBackend  # noqa: E402
+from gguf_runtime.engine.batch import generate_batch  # noqa: E402
 from gguf_runtime.errors import BackendError  # noqa: E402
-from gguf_runtime.gguf_file import open_gguf  # noqa: E402
-from gguf_runtime.model_config import config_from_gguf  # noqa: E402
+from gguf_runtime.format.gguf_file import open_gguf  # noqa: E402
+from gguf_runtime.format.model_config import config_from_gguf  # noqa: E402
 from gguf_runtime.sampling import SamplingParams  # noqa: E402
 
 from twin_files import TWINS, twin_path  # noqa: E402
@@ -45,7 +46,7 @@ def test_small_batch_equals_each_sequence_alone(pair):
     for p, got in zip(ps, batched):
         single.truncate(0)
         single.prefill(p)
-        assert got == list(single.sample_loop(40, GREEDY, p, frozenset()))
+        assert got == list(sample_loop(single, 40, GREEDY, p, frozenset()))
 
 
 def test_tensor_core_bucket_equals_alone_in_the_same_bucket(backend):
@@ -60,10 +61,12 @@ def test_tensor_core_bucket_equals_alone_in_the_same_bucket(backend):
 
 @pytest.mark.parametrize("name", TWINS)
 def test_tensor_core_small_buckets(name, monkeypatch):
-    """GGUF_RUN_MMV_ROWS=2 (the default of models over 1 GiB, backend_cuda.DECODE_MMV_ROWS_BIG):
-    decode steps of 4 and 8 rows run the tensor-core products, and each sequence gets the tokens it
-    gets alone in that bucket; a 2-row step keeps the matvecs. The rule by size, and bad values."""
-    monkeypatch.setenv("GGUF_RUN_MMV_ROWS", "2")
+    """decode_mmv_rows 2 (the tuning table's choice for models over 1 GiB): decode steps of 4 and 8
+    rows run the tensor-core products, and each sequence gets the tokens it gets alone in that
+    bucket; a 2-row step keeps the matvecs. The rule by size, and bad values."""
+    from gguf_runtime.backends.cuda import tuning
+
+    monkeypatch.setenv("GGUF_RUN_TUNE", "decode_mmv_rows=2")
     f = open_gguf(twin_path(name))
     be = CudaBackend(f, config_from_gguf(f), 256, max_batch=8)
     assert be.blocks.decode_mmv_rows == 2
@@ -84,12 +87,11 @@ def test_tensor_core_small_buckets(name, monkeypatch):
         assert any(n.startswith("mmv_") for n in names) != mma
         for s in range(rows):
             be.seq_release(s)
-    monkeypatch.delenv("GGUF_RUN_MMV_ROWS")
-    assert be._decode_mmv_rows(2 << 30) == 2 and be._decode_mmv_rows(1 << 29) == 8
+    monkeypatch.delenv("GGUF_RUN_TUNE")
+    assert tuning.choose(2 << 30).decode_mmv_rows == 2 and tuning.choose(1 << 29).decode_mmv_rows == 8
     for bad in ("0", "9", "two"):
-        monkeypatch.setenv("GGUF_RUN_MMV_ROWS", bad)
-        with pytest.raises(BackendError, match="GGUF_RUN_MMV_ROWS"):
-            be._decode_mmv_rows(1 << 20)
+        with pytest.raises(BackendError, match="decode_mmv_rows"):
+            tuning.choose(1 << 20, overrides=f"decode_mmv_rows={bad}")
 
 
 def test_sampled_batch_is_reproducible_and_pages_return(backend):

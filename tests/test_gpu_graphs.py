@@ -6,9 +6,10 @@ import pytest
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
-from gguf_runtime.backend_cuda import CudaBackend  # noqa: E402
-from gguf_runtime.gguf_file import open_gguf  # noqa: E402
-from gguf_runtime.model_config import config_from_gguf  # noqa: E402
+from gguf_runtime.engine.decode_loop import sample_loop  # noqa: E402
+from gguf_runtime.backends.cuda.backend import CudaBackend  # noqa: E402
+from gguf_runtime.format.gguf_file import open_gguf  # noqa: E402
+from gguf_runtime.format.model_config import config_from_gguf  # noqa: E402
 from gguf_runtime.sampling import SamplingParams  # noqa: E402
 
 from twin_files import TWINS, twin_path  # noqa: E402
@@ -24,7 +25,7 @@ def generate(be, prompt, n, params, graph):
     be.use_graph = graph
     be.truncate(0)
     be.prefill(prompt)
-    return list(be.sample_loop(n, params, prompt, frozenset()))
+    return list(sample_loop(be, n, params, prompt, frozenset()))
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.0),
@@ -55,7 +56,7 @@ def test_one_graph_launch_per_token_and_no_allocation(backend):
     backend.stream.synchronize()
     kernels0, graphs0 = backend.kernels.launches, backend.graphs.launches
     mem0 = (pool.used_bytes(), pool.total_bytes())
-    toks = list(backend.sample_loop(201, p, [1, 2, 3], frozenset()))
+    toks = list(sample_loop(backend, 201, p, [1, 2, 3], frozenset()))
     assert len(toks) == 201
     # the first token is sampled from the prompt's logits (one eager kernel); then 1 graph per token
     assert backend.kernels.launches - kernels0 == 1
@@ -67,8 +68,6 @@ def test_prefill_graph_equals_eager(backend, rng):
     """Prompt chunks over MAX_MMV_TOKENS rows run padded in front to a multiple of 64 rows; a
     padded size is captured on its second use and replayed after. The graph's logits and KV cache
     are the eager run's, bit for bit, and the padding rows write no keys or values."""
-    from gguf_runtime.cuda_prefill import PREFILL_QUANTUM
-
     first, more = (rng.integers(0, backend.cfg.n_vocab, n).tolist() for n in (40, 100))  # 64 and 128 rows
     kv = backend.kv
     backend.use_graph = True
@@ -83,7 +82,8 @@ def test_prefill_graph_equals_eager(backend, rng):
         backend.stream.synchronize()
         return a, b, cp.asnumpy(kv.k), cp.asnumpy(kv.v)
 
-    sizes = [(-(-n // PREFILL_QUANTUM) * PREFILL_QUANTUM, a) for n, a in ((40, True), (100, False))]
+    q = backend.tune.prefill_quantum
+    sizes = [(-(-n // q) * q, a) for n, a in ((40, True), (100, False))]
     backend._prefill_runs.clear()
     for key in [("prefill", *s) for s in sizes]:
         backend.graphs.graphs.pop(key, None)

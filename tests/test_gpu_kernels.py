@@ -12,10 +12,11 @@ import pytest
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
-from gguf_runtime.backend_numpy import apply_rope, gelu_tanh, silu  # noqa: E402
+from gguf_runtime.backends.numpy.backend import apply_rope, gelu_tanh, silu  # noqa: E402
 from gguf_runtime.quant_kernels import launch_attention as LA  # noqa: E402
 from gguf_runtime.quant_kernels import launch_mma as LM  # noqa: E402
 from gguf_runtime.quant_kernels import launchers as L  # noqa: E402
+from gguf_runtime.backends.cuda.tuning import Tuning  # noqa: E402
 from gguf_runtime.quant_kernels import launch_layers as LL  # noqa: E402
 from gguf_runtime.quant_kernels import launch_sampling as LS  # noqa: E402
 from gguf_runtime.quant_kernels.formats import BY_NAME, FORMATS, SUPPORTED  # noqa: E402
@@ -28,7 +29,7 @@ POISON = np.float32(np.nan)
 
 @pytest.fixture(scope="module")
 def k():
-    return L.Kernels()
+    return L.Kernels(Tuning().knobs())  # the launch choices the backend makes
 
 
 def rel(out, ref):
@@ -528,7 +529,7 @@ def test_mma_every_type(k, name, n_tok, rng):
     y0 = rng.standard_normal((n_tok, rows)).astype(np.float32)
     yd = cp.asarray(y0)
     sc, counter = split_scratch(rows, n_tok, keep)  # K split 2..4 ways (2..6 k steps)
-    assert LM.mma_config([rows], n_tok, cols)[2] > 1
+    assert LM.mma_config([rows], n_tok, cols, floor=k.knobs.mma_split_min_steps)[2] > 1
     LM.mma(k, [m], [(yd.data.ptr, rows)], [None], xd.data.ptr, cols, n_tok, 1, sc)
     assert rel(yd.get(), y0 + x.astype(np.float64) @ w.T) < 2e-3
     assert not counter.any(), "split counters not reset"
@@ -546,8 +547,10 @@ def test_mma_split_k_and_wide_tiles(k, name, n_tok, rng):
     assert (c.wr, c.h, c.split) == (4, 1, 4)
     # the 8B's o-proj at 64 tokens: 2 splits of 16 k steps over 32-token tiles, not 4 splits of 8
     # over one 64-token tile (the split floor); its down (112 k steps) keeps 4; 32 tokens: as before
-    assert LM.mma_config([4096], 64, 4096) == (4, 4, 2, 1) and LM.mma_config([4096], 64, 14336) == (4, 8, 4, 1)
-    assert LM.mma_config([4096], 32, 4096) == (4, 4, 4, 1)
+    fl = Tuning().mma_split_min_steps
+    assert LM.mma_config([4096], 64, 4096, floor=fl) == (4, 4, 2, 1)
+    assert LM.mma_config([4096], 64, 14336, floor=fl) == (4, 8, 4, 1)
+    assert LM.mma_config([4096], 32, 4096, floor=fl) == (4, 4, 4, 1)
     m, w = upload(name, rows, cols, rng, keep)
     x = rng.standard_normal((n_tok, cols)).astype(np.float16).astype(np.float32)
     xd = cp.asarray(x.astype(np.float16))
@@ -594,8 +597,9 @@ def test_mma_split_floor_half_token_tiles(k, n_tok, rng):
     x = rng.standard_normal((n_tok, cols)).astype(np.float16).astype(np.float32)
     xd = cp.asarray(x.astype(np.float16))
     sc, counter = split_scratch(6144, n_tok, keep)
-    assert LM.mma_config([4096], n_tok, cols) == (4, 4, 2, 1)
-    assert LM.mma_config([4096, 1024, 1024], n_tok, cols) == (4, 4, 2, 1)
+    fl = k.knobs.mma_split_min_steps
+    assert LM.mma_config([4096], n_tok, cols, floor=fl) == (4, 4, 2, 1)
+    assert LM.mma_config([4096, 1024, 1024], n_tok, cols, floor=fl) == (4, 4, 2, 1)
     y0 = rng.standard_normal((n_tok, 4096)).astype(np.float32)
     yd = cp.asarray(y0)
     LM.mma(k, [o[0]], [(yd.data.ptr, 4096)], [None], xd.data.ptr, cols, n_tok, 1, sc)
@@ -636,8 +640,8 @@ def test_mma_group_and_glu(k, specs, rng):
 
 
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
-def test_mma_register_fragments_and_dequantizing_tiles_agree(k, name, monkeypatch, rng):
-    """Q4_K / Q6_K build their A fragments in registers (mma_regs.cuh); GGUF_RUN_MMA_REGA=0 takes
+def test_mma_register_fragments_and_dequantizing_tiles_agree(k, name, rng):
+    """Q4_K / Q6_K build their A fragments in registers (mma_regs.cuh); mma_reg_a off takes
     the dequantizing tiles. Both match numpy, and each other, on the same inputs."""
     keep = []
     rows, cols, n_tok = 200, 1024, 64
@@ -647,18 +651,19 @@ def test_mma_register_fragments_and_dequantizing_tiles_agree(k, name, monkeypatc
     ref = x.astype(np.float64) @ w.T
     got = {}
     for ra in ("1", "0"):
-        monkeypatch.setenv("GGUF_RUN_MMA_REGA", ra)
+        k.knobs = k.knobs._replace(mma_reg_a=ra == "1")
         y = cp.full((n_tok, rows), POISON, cp.float32)
         LM.mma(k, [m], [(y.data.ptr, rows)], [None], xd.data.ptr, cols, n_tok, 0)
         got[ra] = y.get()
         assert rel(got[ra], ref) < 2e-3
     assert rel(got["1"], got["0"]) < 2e-3
+    k.knobs = Tuning().knobs()
 
 
 @pytest.mark.parametrize("n_tok", [64, 32])
-def test_mma_staged_pipeline_depths(k, n_tok, monkeypatch, rng):
-    """Q4_K's tensor-core products stage x and the raw weights ST steps deep (GGUF_RUN_MMA_STAGES
-    "single:GLU"). Every depth matches numpy and gives the two-stage pipeline's bits (the same
+def test_mma_staged_pipeline_depths(k, n_tok, rng):
+    """Q4_K's tensor-core products stage x and the raw weights ST steps deep (KernelKnobs.mma_stages
+    (single, GLU)). Every depth matches numpy and gives the two-stage pipeline's bits (the same
     MMAs in the same order), also with fewer k steps per block than stages: 2 k steps, and a K
     split 4 ways over 18 steps (4 or 5 each). At 32 tokens and 3 stages the split product asks for
     exactly 48 KiB of dynamic shared memory, which with its static 16 bytes needs the opt-in."""
@@ -669,7 +674,7 @@ def test_mma_staged_pipeline_depths(k, n_tok, monkeypatch, rng):
         x = rng.standard_normal((n_tok, cols)).astype(np.float16).astype(np.float32)
         y0 = rng.standard_normal((n_tok, rows)).astype(np.float32)
         sc = split_scratch(rows, n_tok, keep)[0] if split else None
-        assert (LM.mma_config([rows], n_tok, cols if split else 0).split > 1) == split
+        assert (LM.mma_config([rows], n_tok, cols if split else 0, floor=k.knobs.mma_split_min_steps).split > 1) == split
         cases.append((m, w, x, cp.asarray(x.astype(np.float16)), y0, sc))
     (g, wg), (u, wu) = upload("Q4_K", 140, 512, rng, keep), upload("Q4_K", 140, 512, rng, keep)
     x2 = rng.standard_normal((n_tok, 512)).astype(np.float16).astype(np.float32)
@@ -677,7 +682,7 @@ def test_mma_staged_pipeline_depths(k, n_tok, monkeypatch, rng):
     glu_ref = silu(x2.astype(np.float64) @ wg.T) * (x2.astype(np.float64) @ wu.T)
     first = None
     for stages in ("2:2", "3:3", "4:3", "4:4"):
-        monkeypatch.setenv("GGUF_RUN_MMA_STAGES", stages)
+        k.knobs = k.knobs._replace(mma_stages=tuple(int(v) for v in stages.split(":")))
         got = []
         for m, w, x, xd, y0, sc in cases:
             yd = cp.asarray(y0)
@@ -692,3 +697,4 @@ def test_mma_staged_pipeline_depths(k, n_tok, monkeypatch, rng):
             first = got
         for a, b in zip(got, first):
             assert np.array_equal(a, b), stages
+    k.knobs = Tuning().knobs()

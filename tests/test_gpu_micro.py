@@ -6,7 +6,7 @@ with Q/K/V biases, Qwen3 with QK-norm and head size 128, Gemma-3 with post norms
 head size 256, a sliding window of 4 and final soft-capping. Two or three layers keep the rounding
 paths out of their chaotic regime (path_model.py), so each is held to its numpy model:
 
-* f32 activations (GGUF_RUN_Q8=0, up to 8 rows): every row to float32 order;
+* f32 activations (q8=0, up to 8 rows): every row to float32 order;
 * int8 activations (the default): a quarter of the rows or more to float32 order (a real bug moves
   every row), and the rest, downstream of a value that rounded the other way, within the int8
   noise;
@@ -23,9 +23,9 @@ from gguf import GGMLQuantizationType as QT
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
-from gguf_runtime.backend_cuda import CudaBackend  # noqa: E402
-from gguf_runtime.gguf_file import open_gguf  # noqa: E402
-from gguf_runtime.model_config import config_from_gguf  # noqa: E402
+from gguf_runtime.backends.cuda.backend import CudaBackend  # noqa: E402
+from gguf_runtime.format.gguf_file import open_gguf  # noqa: E402
+from gguf_runtime.format.model_config import config_from_gguf  # noqa: E402
 from micro_models import Micro, write_micro  # noqa: E402
 from path_model import PathModel, assert_all_rows, assert_most_rows  # noqa: E402
 
@@ -75,7 +75,7 @@ def prompts(rng, n_vocab, n, count, more=3):
 
 def test_f32_path_every_row(micro, monkeypatch, rng):
     name, f, cfg = micro
-    monkeypatch.setenv("GGUF_RUN_Q8", "0")
+    monkeypatch.setenv("GGUF_RUN_TUNE", "q8=0")
     be = CudaBackend(f, cfg, N_CTX)
     model = PathModel(f, cfg, N_CTX, q8=False)
     for ids, more in prompts(rng, cfg.n_vocab, 7, 2):
@@ -97,3 +97,4 @@ def test_f16_prefill_most_rows(micro, rng):
     model = PathModel(f, cfg, N_CTX)
     for ids, _ in prompts(rng, cfg.n_vocab, 24, 2):
         assert_all_rows(run(be, ids), run(model, ids), what=f"micro {name} f16 prefill", **F16)
+

@@ -13,9 +13,11 @@ import pytest
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
-from gguf_runtime.backend_numpy import silu  # noqa: E402
+from gguf_runtime.engine.decode_loop import sample_loop  # noqa: E402
+from gguf_runtime.backends.numpy.backend import silu  # noqa: E402
 from gguf_runtime.quant_kernels import launch_attention as LA  # noqa: E402
 from gguf_runtime.quant_kernels import launchers as L  # noqa: E402
+from gguf_runtime.backends.cuda.tuning import Tuning  # noqa: E402
 from gguf_runtime.quant_kernels import launch_layers as LL  # noqa: E402
 from gguf_runtime.quant_kernels.formats import BY_NAME, FORMATS, SUPPORTED  # noqa: E402
 from gguf_runtime.quant_kernels.reference_q8 import dequantize_q8, quantize_q8  # noqa: E402
@@ -29,7 +31,7 @@ INT_TYPES = [n for n in SUPPORTED if n not in ("F32", "F16", "BF16")]
 
 @pytest.fixture(scope="module")
 def k():
-    return L.Kernels()
+    return L.Kernels(Tuning().knobs())  # the launch choices the backend makes
 
 
 class Q8Buf:
@@ -356,22 +358,22 @@ def test_qkv_q8_with_fused_rope_equals_f32_path_on_quantized_x(k, config, rng):
 @pytest.mark.parametrize("q8", ["1", "0"])
 def test_model_matches_numpy_and_graph_matches_eager(monkeypatch, q8, rng):
     """SmolLM2's twin with int8 activations (the default) and with f32 ones and the norm fused
-    (GGUF_RUN_Q8=0): logits as close to the numpy backend's as each path allows (test_gpu_backend's
+    (q8=0): logits as close to the numpy backend's as each path allows (test_gpu_backend's
     bars), and graph decoding gives the eager tokens exactly."""
-    from gguf_runtime.backend_cuda import CudaBackend
-    from gguf_runtime.backend_numpy import NumpyBackend
-    from gguf_runtime.gguf_file import open_gguf
-    from gguf_runtime.model_config import config_from_gguf
+    from gguf_runtime.backends.cuda.backend import CudaBackend
+    from gguf_runtime.backends.numpy.backend import NumpyBackend
+    from gguf_runtime.format.gguf_file import open_gguf
+    from gguf_runtime.format.model_config import config_from_gguf
     from gguf_runtime.sampling import SamplingParams
 
-    monkeypatch.setenv("GGUF_RUN_Q8", q8)
+    monkeypatch.setenv("GGUF_RUN_TUNE", f"q8={q8}")
     f = open_gguf(twin_path("smollm2"))
     cfg = config_from_gguf(f)
     npb, cub = NumpyBackend(f, cfg, 256), CudaBackend(f, cfg, 256)
     assert (cub.ws.q8_norm is not None) == (q8 == "1")
     ids = rng.integers(0, cfg.n_vocab, 7).tolist()
     ref, got = npb.eval(ids, all_logits=True), cub.eval(ids, all_logits=True)
-    assert_all_rows(got, ref, what=f"smollm2 7 rows, GGUF_RUN_Q8={q8}", **(Q8 if q8 == "1" else F32))
+    assert_all_rows(got, ref, what=f"smollm2 7 rows, q8={q8}", **(Q8 if q8 == "1" else F32))
     prompt = [1, 17, 300, 4000, 9, 52]
     params = SamplingParams(temperature=0.0)
     runs = []
@@ -379,7 +381,7 @@ def test_model_matches_numpy_and_graph_matches_eager(monkeypatch, q8, rng):
         cub.use_graph = graph
         cub.truncate(0)
         cub.prefill(prompt)
-        runs.append(list(cub.sample_loop(24, params, prompt, frozenset())))
+        runs.append(list(sample_loop(cub, 24, params, prompt, frozenset())))
     assert runs[0] == runs[1]
 
 

@@ -17,6 +17,7 @@ pytestmark = pytest.mark.gpu
 
 from gguf_runtime.quant_kernels import launch_sampling as LS  # noqa: E402
 from gguf_runtime.quant_kernels import launchers as L  # noqa: E402
+from gguf_runtime.backends.cuda.tuning import Tuning  # noqa: E402
 from gguf_runtime.sampling import Sampler, SamplingParams  # noqa: E402
 from test_gpu_kernels import sampler_state  # noqa: E402
 
@@ -39,7 +40,7 @@ def gpu_uniform(seed: int, step: int) -> float:
 
 @pytest.fixture(scope="module")
 def k():
-    return L.Kernels()
+    return L.Kernels(Tuning().knobs())  # the launch choices the backend makes
 
 
 def gpu_draws(k, logits: np.ndarray, n: int, top_k: int, top_p: float, min_p: float, temp: float,

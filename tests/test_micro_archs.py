@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from gguf_runtime.backend_numpy import NumpyBackend
-from gguf_runtime.gguf_file import open_gguf
-from gguf_runtime.model_config import config_from_gguf
+from gguf_runtime.backends.numpy.backend import NumpyBackend
+from gguf_runtime.format.gguf_file import open_gguf
+from gguf_runtime.format.model_config import config_from_gguf
 from micro_models import Micro, hf_logits, hf_model, llama3_freq_factors, numpy_logits, prompt_ids, write_micro
 
 pytest.importorskip("torch")

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from gguf import GGUFValueType as V
 
-from gguf_runtime.chat import ChatTemplate
+from gguf_runtime.format.chat_template import ChatTemplate
 from gguf_runtime.cli.app import main
 from gguf_runtime.errors import GGUFRunError
-from gguf_runtime.gguf_file import open_gguf
-from gguf_runtime.model_config import config_from_gguf
-from gguf_runtime.tokenizer import Tokenizer
+from gguf_runtime.format.gguf_file import open_gguf
+from gguf_runtime.format.model_config import config_from_gguf
+from gguf_runtime.format.tokenizer import Tokenizer
 from hostile_models import METADATA_CASES, base_file, rewrite
 from micro_models import Micro, write_micro
 

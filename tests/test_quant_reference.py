@@ -19,7 +19,7 @@ import pytest
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from gguf_runtime.quant_kernels import formats
-from gguf_runtime.quant_kernels.formats import BY_NAME, FORMATS, SUPPORTED, nbytes
+from gguf_runtime.format.blocks import BY_NAME, FORMATS, SUPPORTED, nbytes
 from gguf_runtime.quant_kernels.reference import dequantize, dequantize_rows, random_blocks
 
 # Byte offsets of the f16 scale / min fields inside one block (ggml-common.h block structs).
@@ -141,7 +141,7 @@ def test_random_blocks_deterministic_and_errors():
             random_blocks(t, 2048, np.random.default_rng(0), bad_scale)
     with pytest.raises(ValueError):
         random_blocks(t, 100, np.random.default_rng(0))
-    with pytest.raises(ValueError, match="Q8_1"):
+    with pytest.raises(ValueError, match="type id 9 is not supported"):  # Q8_1: no kernels
         random_blocks(BY_NAME["Q8_1"], 32, np.random.default_rng(0))
 
 
@@ -177,6 +177,13 @@ def test_formats_table_matches_gguf():
     assert {BY_NAME[n] for n in SUPPORTED} == formats.SUPPORTED_IDS
 
 
+def test_kernel_table_is_the_file_formats_rows():
+    """quant_kernels keeps its own rows (it imports nothing of the runtime): the same ids, names
+    and block sizes as format.blocks, for exactly the supported types."""
+    assert formats.SUPPORTED == SUPPORTED
+    assert formats.FORMATS == {i: FORMATS[i] for i in formats.SUPPORTED_IDS}
+
+
 def test_errors():
     q4k = BY_NAME["Q4_K"]
     raw = np.zeros(nbytes(q4k, 512), np.uint8)
@@ -190,8 +197,8 @@ def test_errors():
         dequantize(raw, q4k, (1, 256))
     with pytest.raises(ValueError, match="uint8"):
         dequantize(raw.view(np.int8), q4k, (2, 256))
-    for name in ("Q8_1", "IQ2_XXS", "Q8_K", "I32", "F64", "MXFP4"):
-        with pytest.raises(ValueError, match=name):
+    for name in ("Q8_1", "IQ2_XXS", "Q8_K", "I32", "F64", "MXFP4"):  # (the kernels know supported types only)
+        with pytest.raises(ValueError, match=f"type id {BY_NAME[name]} is not supported"):
             dequantize(np.zeros(nbytes(BY_NAME[name], 256), np.uint8), BY_NAME[name], (256,))
     with pytest.raises(ValueError, match="99"):
         dequantize(raw, 99, (2, 256))

@@ -18,12 +18,12 @@ import os
 import numpy as np
 import pytest
 
-from gguf_runtime.backend_numpy import NumpyBackend
-from gguf_runtime.backends import host_sample_loop
-from gguf_runtime.gguf_file import open_gguf
-from gguf_runtime.model_config import config_from_gguf
+from gguf_runtime.backends.numpy.backend import NumpyBackend
+from gguf_runtime.backends.host_loop import host_sample_loop
+from gguf_runtime.format.gguf_file import open_gguf
+from gguf_runtime.format.model_config import config_from_gguf
 from gguf_runtime.sampling import SamplingParams
-from gguf_runtime.tokenizer import Tokenizer
+from gguf_runtime.format.tokenizer import Tokenizer
 
 REF = os.path.join(os.path.dirname(__file__), "data", "reference")
 PROMPT_32 = ("The old lighthouse keeper climbed the spiral stairs every evening, lit the great lamp, "

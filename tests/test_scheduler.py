@@ -424,7 +424,7 @@ def test_cuda_adapter_many_jobs(depth):
         assert j.state == "done", (uid, j.emit.error)
         assert "".join(j.emit.text) == expected(uid, j.max_new)
         assert j.reason == ("stop" if uid // 1000 and uid // 1000 < j.max_new else "length")
-    assert be.kv.free_pages() == be.kv.n_pages and a._seqs == {}
+    assert be.kv.free_pages() == be.kv.n_pages and a.loop._seqs == {}
 
 
 def test_cuda_adapter_cancel_and_reuse_with_steps_in_flight():

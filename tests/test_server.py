@@ -21,8 +21,8 @@ ollama = pytest.importorskip("ollama")
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-from gguf_runtime.default_model import default_model_path  # noqa: E402
-from gguf_runtime.engine import Engine  # noqa: E402
+from gguf_runtime.cli.default_model import default_model_path  # noqa: E402
+from gguf_runtime.engine.engine import Engine  # noqa: E402
 from gguf_runtime.errors import GGUFRunError  # noqa: E402
 from gguf_runtime.sampling import SamplingParams  # noqa: E402
 from gguf_runtime.server.adapters import make_adapter  # noqa: E402

@@ -13,14 +13,14 @@ import pytest
 from gguf import GGUFReader
 from gguf.constants import GGUFValueType as VT
 
-from gguf_runtime import synth, synth_presets
+from gguf_runtime.tools import synth, synth_presets
 from gguf_runtime.errors import GGUFError, GGUFRunError
-from gguf_runtime.gguf_file import open_gguf
-from gguf_runtime.model_config import config_from_gguf, model_tensors
-from gguf_runtime.quant_kernels.formats import BY_NAME
+from gguf_runtime.format.gguf_file import open_gguf
+from gguf_runtime.format.model_config import config_from_gguf, model_tensors
+from gguf_runtime.format.blocks import BY_NAME
 from gguf_runtime.quant_kernels.reference import dequantize
-from gguf_runtime.synth import SynthError, build_preset_header, layout_of, write_header, write_twin
-from gguf_runtime.synth_presets import LLAMA3_VOCAB, LlamaSpec, llama_header, pack_header, repack_header
+from gguf_runtime.tools.synth import SynthError, build_preset_header, layout_of, write_header, write_twin
+from gguf_runtime.tools.synth_presets import LLAMA3_VOCAB, LlamaSpec, llama_header, pack_header, repack_header
 
 GIB = 1 << 30
 LLAMA3_8B_Q4_K_M_GIB = 4.58  # llama.cpp's Meta-Llama-3-8B Q4_K_M
@@ -77,7 +77,7 @@ def test_like_smollm2(smollm2_path, smol_twin):
             assert abs(x.mean() - 1) < 0.02 and 0.035 < x.std() < 0.065, (t.name, x.mean(), x.std())
     cfg = config_from_gguf(twin)
     assert cfg == config_from_gguf(real)
-    from gguf_runtime.backend_numpy import NumpyBackend
+    from gguf_runtime.backends.numpy.backend import NumpyBackend
 
     logits = NumpyBackend(twin, cfg, n_ctx=64).eval([1, 2, 3])
     assert np.isfinite(logits).all() and logits.shape[-1] == cfg.n_vocab
@@ -165,7 +165,7 @@ def test_tiny_llama_twin_reads_with_gguf_package(tmp_path):
     assert r.fields["tokenizer.chat_template"].contents() == "{{ messages }}"
     assert ours.size == layout_of(out).size
     cfg = config_from_gguf(ours)
-    from gguf_runtime.backend_numpy import NumpyBackend
+    from gguf_runtime.backends.numpy.backend import NumpyBackend
 
     assert np.isfinite(NumpyBackend(ours, cfg, n_ctx=16).eval([1, 2, 3, 4])).all()
 

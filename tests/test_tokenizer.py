@@ -16,10 +16,10 @@ import sysconfig
 import pytest
 
 from gguf_runtime.errors import UnsupportedModelError
-from gguf_runtime.gguf_file import open_gguf
-from gguf_runtime.tokenizer import CONTROL, Tokenizer
-from gguf_runtime.tokenizer_bpe import BPE
-from gguf_runtime.tokenizer_spm import SPM
+from gguf_runtime.format.gguf_file import open_gguf
+from gguf_runtime.format.tokenizer import CONTROL, Tokenizer
+from gguf_runtime.format.tokenizer_bpe import BPE
+from gguf_runtime.format.tokenizer_spm import SPM
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "tokenizer")
 VOCABS = ["gpt-2", "llama-bpe", "llama-spm", "phi-3", "qwen2"]
@@ -350,7 +350,7 @@ def test_gemma_eog_and_turns() -> None:
 def test_long_words_do_not_grow_the_cache():
     """Words longer than the cache's limit are merged afresh: 50 unique 20,000-character words leave
     the word cache as it was, and tokenize as before."""
-    from gguf_runtime.tokenizer_bpe import CACHED_WORD_CHARS
+    from gguf_runtime.format.tokenizer_bpe import CACHED_WORD_CHARS
 
     tok = model_tok(SMOLLM2)
     bpe = tok._impl

@@ -15,11 +15,11 @@ from typing import Optional
 
 import typer
 
-from ..backends import BACKENDS, cuda_available
-from ..bench import BATCH_PROMPT, Suite, device_bandwidth, device_name, prompt_gen_rates, run_suite, weight_bytes_read
-from ..bench_ollama import DEFAULT_URL, Ollama, bench_prompts
-from ..bench_report import plot, render_table, result
-from ..engine import Engine
+from ..engine.backend_choice import BACKENDS, cuda_available
+from ..tools.bench import BATCH_PROMPT, Suite, device_bandwidth, device_name, prompt_gen_rates, run_suite, weight_bytes_read
+from ..tools.bench_ollama import DEFAULT_URL, Ollama, bench_prompts
+from ..tools.bench_report import plot, render_table, result
+from ..engine.engine import Engine
 from ..errors import BackendError, GGUFRunError
 from .app import app
 from .options import Backend, ModelArg, Quiet, note_printer, resolve_model

@@ -20,10 +20,10 @@ from typing import Callable, Iterator, Optional, TextIO
 
 import typer
 
-from ..chat_session import PARAMETERS, ChatSession, Reply
-from ..engine import Engine
+from ..engine.chat_session import PARAMETERS, ChatSession, Reply
+from ..engine.engine import Engine
 from ..errors import GGUFRunError, printable
-from ..model_info import human_count, quant_histogram
+from ..format.model_info import human_count, quant_histogram
 from .app import app
 from .options import (Backend, CtxSize, MinP, ModelArg, NoGraph, Quiet, RepeatPenalty, Seed, Temp, TopK,
                       TopP, check_n_predict, note_printer, resolve_model, sampling_params)

@@ -7,9 +7,9 @@ from typing import Optional
 
 import typer
 
-from ..gguf_file import open_gguf
-from ..model_info import human_bytes, human_count, model_info
-from ..tokenizer import Tokenizer
+from ..format.gguf_file import open_gguf
+from ..format.model_info import human_bytes, human_count, model_info
+from ..format.tokenizer import Tokenizer
 from ..errors import printable
 from .app import app
 from .options import ModelArg, resolve_model

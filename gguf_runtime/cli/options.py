@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from ..default_model import default_model_path
+from .default_model import default_model_path
 from ..sampling import SamplingParams
 
 ModelArg = typer.Argument(None, metavar="[MODEL]", show_default=False,

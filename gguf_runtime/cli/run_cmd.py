@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from ..engine import Engine
+from ..engine.engine import Engine
 from . import chat_cmd  # the module: its `chat` may not be defined yet while typer registers commands
 from .app import app
 from .options import (N_PREDICT_DEFAULT, Backend, CtxSize, MinP, ModelArg, NoGraph, NPredict, Quiet, RepeatPenalty,

@@ -80,7 +80,7 @@ def serve(
     sock = _bind(host, port)
 
     def factory():
-        from ..engine import Engine
+        from ..engine.engine import Engine
 
         with progress_bars(quiet) as progress:
             eng = Engine(path, backend=backend, n_ctx=ctx_size, progress=progress, note=note,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from ..engine import GenerationStats
+from ..engine.engine import GenerationStats
 
 
 def fmt_duration(s: float) -> str:

@@ -6,8 +6,8 @@ from typing import Optional
 
 import typer
 
-from ..model_info import human_bytes
-from ..synth import PRESETS, WEIGHT_SCALE, SynthError, build_preset_header, layout_of, write_header, write_twin
+from ..format.model_info import human_bytes
+from ..tools.synth import PRESETS, WEIGHT_SCALE, SynthError, build_preset_header, layout_of, write_header, write_twin
 from .app import app
 from .options import Quiet
 from .progress import progress_bars

@@ -103,7 +103,7 @@ DEV void store16_f16(u16* dst, const float* w) {
 // reads only weights (never written). pdl_enter waits for the previous kernel to complete (its
 // writes visible), then lets the next kernel launch: at most two kernels overlap, and the next
 // one's weight loads run under this one's work. (Letting the next kernel launch before the wait
-// measured slower: SmolLM2 tg128 1,624 -> 1,325 t/s, bench/RESULTS.md.)
+// was slower, by a wide margin on SmolLM2's decode; measured: see bench/RESULTS.md.)
 DEV void pdl_enter() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");

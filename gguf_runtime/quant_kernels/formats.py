@@ -1,8 +1,9 @@
-"""The one table of ggml tensor types: block size in elements and bytes per block.
+"""The tensor types these kernels and their numpy references compute with: ggml type id, block
+size in elements and bytes per block.
 
-Every part of the runtime that needs the size of a tensor (the GGUF reader's validation, the
-numpy dequantizers, the CUDA loaders) reads it from here. Ids and sizes follow ggml's
-``ggml_type`` enum; a test checks them against the ``gguf`` package's table.
+The file format's table of every ggml type is ``format/blocks.py``; this package keeps its own
+rows so that it imports nothing of the runtime (``tests/test_quant_reference.py`` holds the two
+equal).
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ class Format(NamedTuple):
     block_bytes: int  # bytes per block
 
 
-# id -> format, for every type ggml defines (so the reader can validate any file),
-# whether or not this runtime can compute with it.
+# id -> format, for the types with kernels
 FORMATS: dict[int, Format] = {
     0: Format("F32", 1, 4),
     1: Format("F16", 1, 2),
@@ -26,33 +26,12 @@ FORMATS: dict[int, Format] = {
     6: Format("Q5_0", 32, 22),
     7: Format("Q5_1", 32, 24),
     8: Format("Q8_0", 32, 34),
-    9: Format("Q8_1", 32, 40),
     10: Format("Q2_K", 256, 84),
     11: Format("Q3_K", 256, 110),
     12: Format("Q4_K", 256, 144),
     13: Format("Q5_K", 256, 176),
     14: Format("Q6_K", 256, 210),
-    15: Format("Q8_K", 256, 292),
-    16: Format("IQ2_XXS", 256, 66),
-    17: Format("IQ2_XS", 256, 74),
-    18: Format("IQ3_XXS", 256, 98),
-    19: Format("IQ1_S", 256, 50),
-    20: Format("IQ4_NL", 32, 18),
-    21: Format("IQ3_S", 256, 110),
-    22: Format("IQ2_S", 256, 82),
-    23: Format("IQ4_XS", 256, 136),
-    24: Format("I8", 1, 1),
-    25: Format("I16", 1, 2),
-    26: Format("I32", 1, 4),
-    27: Format("I64", 1, 8),
-    28: Format("F64", 1, 8),
-    29: Format("IQ1_M", 256, 56),
     30: Format("BF16", 1, 2),
-    34: Format("TQ1_0", 256, 54),
-    35: Format("TQ2_0", 256, 66),
-    39: Format("MXFP4", 32, 17),
-    40: Format("NVFP4", 64, 36),
-    41: Format("Q1_0", 128, 18),
 }
 
 BY_NAME: dict[str, int] = {f.name: i for i, f in FORMATS.items()}

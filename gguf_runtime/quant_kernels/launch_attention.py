@@ -9,7 +9,6 @@ Both read float32 or f16 caches (kv16), compiled apart.
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 from .launch_core import NO_PTRS, Kernels, Q8Vec, f32, i32, ptr
@@ -64,13 +63,7 @@ def attention(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache: int,
 
 # ---- attention_tiles.cu: batch decode steps, one block per (KV head, row) ---------------------------
 TILE_HEAD_DIMS = (64, 128, 256)
-# head_dim -> (keys per tile, stages): about 34 KB of shared memory, six blocks per SM, so the 8B's 512
-# blocks at B = 64 run in one wave (three per SM, as 32:2 and 16:4 take, measured 47-62% slower;
-# bench/RESULTS.md row 57)
-TILES_CONFIG = {64: (32, 2), 128: (16, 2), 256: (8, 2)}
-# f16 caches: twice the keys per tile in the same bytes. The 8B at B = 64, context 192: 32:2 32.3 us,
-# 16:2 42.2, 16:4 38.7, 64:2 44.9 (two waves); bench/RESULTS.md row 60
-TILES_CONFIG_F16 = {64: (64, 2), 128: (32, 2), 256: (16, 2)}
+TILE_BYTES = 8192  # keys of one tile: 8 KiB in the cache's type (tiles_config)
 
 
 def tiles_ok(head_dim: int, head_dim_v: int) -> bool:
@@ -82,12 +75,12 @@ def tiles_warps(head_dim: int, group: int) -> int:
     return min(8, max(2, group * head_dim // 128))
 
 
-def tiles_config(head_dim: int, kv16: bool = False) -> tuple[int, int]:
-    """(keys per tile, stages): TILES_CONFIG(_F16), or GGUF_RUN_ATTN_TILES_CFG="KT:ST" (to measure)."""
-    env = os.environ.get("GGUF_RUN_ATTN_TILES_CFG")
-    if env:
-        return tuple(int(v) for v in env.split(":"))  # type: ignore[return-value]
-    return (TILES_CONFIG_F16 if kv16 else TILES_CONFIG)[head_dim]
+def tiles_config(head_dim: int, kv16: bool = False, knobs: tuple[int, int] | None = None) -> tuple[int, int]:
+    """(keys per tile, stages): ``knobs`` (KernelKnobs.tiles) where given, else tiles of TILE_BYTES
+    of keys, two stages (f32 64/128/256: 32, 16, 8 keys; f16 twice as many)."""
+    if knobs:
+        return knobs
+    return TILE_BYTES // (head_dim * (2 if kv16 else 4)), 2
 
 
 def tiles_kernel_name(head_dim: int, group: int, config: tuple[int, int] | None = None, kv16: bool = False) -> str:
@@ -119,7 +112,7 @@ def attention_tiles(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache
     assert n_rot == 0 or early
     g = n_head // n_head_kv
     assert tiles_ok(head_dim, head_dim)
-    config = config or tiles_config(head_dim, kv16)
+    config = config or tiles_config(head_dim, kv16, k.knobs.tiles)
     fn = k.fn("attention_tiles.cu", tiles_kernel_name(head_dim, g, config, kv16))
     smem = tiles_smem(head_dim, g, config, kv16)
     fn.allow_smem(smem)

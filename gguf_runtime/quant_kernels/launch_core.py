@@ -16,6 +16,7 @@ import numpy as np
 
 from . import pdl
 from .formats import FORMATS
+from .knobs import KernelKnobs
 from .sources import SRC_DIR, source
 
 
@@ -74,7 +75,8 @@ class Mat:
 class Kernels:
     """Compiled kernels; names are C++ name expressions, e.g. ``embed_rows<TQ8_0>``."""
 
-    def __init__(self) -> None:
+    def __init__(self, knobs: KernelKnobs = KernelKnobs()) -> None:
+        self.knobs = knobs
         self._modules: dict[tuple[str, tuple[str, ...]], cp.RawModule] = {}
         self._fns: dict[tuple[str, str], "_Counted"] = {}
         self.launches = 0  # kernel launches issued from the host so far
@@ -83,6 +85,18 @@ class Kernels:
         # tuple of kernel-name prefixes (only those kernels)
         self.pdl: bool | tuple[str, ...] = False
         self.src_dir = SRC_DIR  # where the .cu sources and headers are read from (use_sources)
+        self.recorded: set[tuple[str, str]] | None = None  # see record()
+
+    def record(self) -> None:
+        """From now on launches only note (source file, kernel name) in ``recorded``: a forward
+        pass run this way lists the kernels it would launch (backends/cuda/precompile.py)."""
+        self.recorded = set()
+
+    def compile_recorded(self) -> None:
+        """Stop recording; compile what was recorded, one NVRTC pass per source file."""
+        rec, self.recorded = self.recorded or set(), None
+        for filename in sorted({f for f, _ in rec}):
+            self.prepare(filename, [n for f, n in rec if f == filename])
 
     def use_sources(self, src_dir: str) -> None:
         """Compile from another copy of this folder from now on, dropping every kernel compiled so
@@ -106,6 +120,9 @@ class Kernels:
             self._fns[(filename, n)] = _Counted(mod.get_function(n), self, n)
 
     def fn(self, filename: str, name: str) -> "_Counted":
+        if self.recorded is not None:
+            self.recorded.add((filename, name))
+            return _RECORDED  # type: ignore[return-value]
         f = self._fns.get((filename, name))
         if f is None:
             self.prepare(filename, [name])
@@ -144,6 +161,21 @@ class _Counted:
         self.kernel(grid, block, args, shared_mem=shared_mem)
         end.record()
         tl.append((self.name, start, end))
+
+
+class _Recorded:
+    """What ``Kernels.fn`` returns while recording: a kernel that launches nothing."""
+
+    smem_max = 1 << 30
+
+    def allow_smem(self, size: int) -> None:
+        pass
+
+    def __call__(self, grid, block, args, shared_mem: int = 0) -> None:
+        pass
+
+
+_RECORDED = _Recorded()
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,6 @@ Products of more than MAX_MMV_TOKENS rows in the batch decode steps; see matmul_
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
@@ -16,40 +15,19 @@ MMA_SPLIT_BLOCKS = 264  # K splits aim at two blocks per SM (the 64-row tiles' r
 MMA_TK = 128  # columns per k step (matmul_mma.cu TK)
 MMA_TALL_MIN_COLS = 1024
 MMA_MAX_SPLIT = 4  # K splits of a product (partials merged in split order by the tile's last block)
-# k steps a split block keeps at least where token tiles can be halved instead (mma_config; 0: no
-# floor; GGUF_RUN_MMA_SPLIT_STEPS): the 8B's o-proj and QKV at B=64 split 2 ways (16 k steps each),
-# not 4 and 3, over 32-token tiles. Graph-timed alone (H100): o 30.4 -> 25.3 us, QKV 34.2 -> 32.7.
-MMA_SPLIT_MIN_STEPS = 12
 # Types whose A fragments are built in registers (mma_regs.cuh): x tile row stride in halves.
 # x goes through shared memory in two buffers, and for the REG_A_WROW types each k step's raw
 # weights too (bytes per weight row, two buffers).
 REG_A_LDX = {"TQ4_K": 160, "TQ6_K": 144}
 REG_A_WROW = {"TQ4_K": 96}
-# Stages of the staged types' x tiles and raw weights (the others keep two x buffers), by W tiles
-# per block: 1 (single products) or 2 (GLU; tall blocks). Deeper measured slower on the H100 (the
-# 8B at B=64: 4 and 3 stages 5,156 t/s against 5,431 with 2; bench/RESULTS.md row 46).
-MMA_STAGES = {1: 2, 2: 2}
 
 
-def reg_a() -> int:
-    """1: register fragments for the REG_A_LDX types (the default); GGUF_RUN_MMA_REGA=0 keeps
-    every type on the dequantizing tiles (to measure one against the other)."""
-    return 0 if os.environ.get("GGUF_RUN_MMA_REGA", "1") == "0" else 1
-
-
-def split_min_steps() -> int:
-    """MMA_SPLIT_MIN_STEPS, or GGUF_RUN_MMA_SPLIT_STEPS (to measure)."""
-    return int(os.environ.get("GGUF_RUN_MMA_SPLIT_STEPS", MMA_SPLIT_MIN_STEPS))
-
-
-def mma_stages(structs: Sequence[str], n_mats: int, ra: int) -> int:
-    """The ST template argument: MMA_STAGES where a segment is staged (GGUF_RUN_MMA_STAGES="S1:S2"
-    overrides, to measure), else 2."""
+def mma_stages(structs: Sequence[str], n_mats: int, ra: int, stages: tuple[int, int] = (2, 2)) -> int:
+    """The ST template argument: stages[n_mats - 1] (KernelKnobs.mma_stages) where a segment is
+    staged, else 2."""
     if not ra or not any(s in REG_A_WROW for s in structs):
         return 2
-    env = os.environ.get("GGUF_RUN_MMA_STAGES")
-    table = dict(zip((1, 2), (int(v) for v in env.split(":")))) if env else {}
-    return table.get(n_mats, MMA_STAGES[n_mats])
+    return stages[n_mats - 1]
 
 
 class MmaConfig(NamedTuple):
@@ -59,17 +37,17 @@ class MmaConfig(NamedTuple):
     h: int = 1  # row tiles stacked in a block (2: x read half as often)
 
 
-def mma_config(rows: Sequence[int], n_tok: int, cols: int = 0, tall: bool = True) -> MmaConfig:
+def mma_config(rows: Sequence[int], n_tok: int, cols: int = 0, tall: bool = True, floor: int = 0) -> MmaConfig:
     """The largest block (x is read once per row tile: large tiles read it least) that fills a wave
     with at most MMA_MAX_SPLIT K splits; cols = 0: no split. tall: blocks of two stacked 64-row
-    tiles where they fill the GPU unsplit and K is long (output heads: the 8B's 698 -> 531 us at
-    B=64, but SmolLM2's, K = 576, 49 -> 66 us); split tall blocks measured slower than split
-    64-row ones (H100: the 8B's o-proj 80 -> 89 us). Where that split leaves a block fewer than
-    split_min_steps() k steps and the token tile is wider than 32, the split is lowered to keep
-    them and the token tiles are halved to keep the blocks (the 8B's o-proj at B=64: 4 splits of
-    64-token tiles 30.4 us, 2 splits of 32-token tiles 25.3; RESULTS row 65)."""
+    tiles where they fill the GPU unsplit and K is long (output heads: faster for the 8B's at B=64,
+    slower for SmolLM2's, K = 576: hence MMA_TALL_MIN_COLS); split tall blocks were slower than
+    split 64-row ones (the 8B's o-proj). Where that split leaves a block fewer than ``floor`` k
+    steps (KernelKnobs.mma_split_min_steps) and the token tile is wider than 32, the split is
+    lowered to keep them and the token tiles are halved to keep the blocks (the 8B's o-proj at
+    B=64: 2 splits of 32-token tiles beat 4 splits of 64-token tiles; measured: see
+    bench/RESULTS.md)."""
     steps = -(-cols // MMA_TK)
-    floor = split_min_steps()
 
     def plan(wr: int, nt: int, h: int) -> tuple[int, int]:  # (tiles, split before the floor)
         tiles = sum(-(-n // (16 * wr * h)) for n in rows) * -(-n_tok // (8 * nt * (4 // wr)))
@@ -103,26 +81,26 @@ def _mma_smem(fn: "_Counted", wr: int, nt: int, n_mats: int, structs: Sequence[s
     return size
 
 
-def mma_name(structs: Sequence[str], wr: int, nt: int, mode: int, h: int = 1, ra: int | None = None) -> str:
+def mma_name(structs: Sequence[str], wr: int, nt: int, mode: int, h: int = 1, ra: int = 1,
+             stages: tuple[int, int] = (2, 2)) -> str:
     s = list(structs) + [structs[0]] * (3 - len(structs))
-    ra = reg_a() if ra is None else ra
-    return f"mma_group<{s[0]}, {s[1]}, {s[2]}, {wr}, {nt}, {mode}, {h}, {ra}, {mma_stages(s, h, ra)}>"
+    return f"mma_group<{s[0]}, {s[1]}, {s[2]}, {wr}, {nt}, {mode}, {h}, {ra}, {mma_stages(s, h, ra, stages)}>"
 
 
-def mma_glu_name(struct: str, wr: int, nt: int, act: int, ra: int | None = None) -> str:
-    ra = reg_a() if ra is None else ra
-    return f"mma_glu<{struct}, {wr}, {nt}, {act}, {ra}, {mma_stages([struct], 2, ra)}>"
+def mma_glu_name(struct: str, wr: int, nt: int, act: int, ra: int = 1, stages: tuple[int, int] = (2, 2)) -> str:
+    return f"mma_glu<{struct}, {wr}, {nt}, {act}, {ra}, {mma_stages([struct], 2, ra, stages)}>"
 
 
-def _mma_plan(rows: Sequence[int], n_tok: int, cols: int, n_mats: int, scratch: "SplitScratch | None",
+def _mma_plan(k: Kernels, rows: Sequence[int], n_tok: int, cols: int, n_mats: int, scratch: "SplitScratch | None",
               tall: bool = True) -> MmaConfig:
-    """mma_config, without a split where the scratch cannot hold its partials (n_mats: W tiles
-    per block besides the tall stacking)."""
-    c = mma_config(rows, n_tok, cols if scratch else 0, tall)
+    """mma_config (with the knobs' split floor), without a split where the scratch cannot hold its
+    partials (n_mats: W tiles per block besides the tall stacking)."""
+    floor = k.knobs.mma_split_min_steps
+    c = mma_config(rows, n_tok, cols if scratch else 0, tall, floor)
     if c.split > 1:
         tiles = sum(-(-n // (16 * c.wr * c.h)) for n in rows) * -(-n_tok // (8 * c.nt * (4 // c.wr)))
         if tiles > scratch.counters or tiles * c.split * n_mats * c.h * 512 * c.nt > scratch.part_floats:
-            return mma_config(rows, n_tok, 0, tall)
+            return mma_config(rows, n_tok, 0, tall, floor)
     return c
 
 
@@ -145,10 +123,10 @@ def mma(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases
     """Tensor-core version of ``mmv`` for any number of tokens: x in f16, y f32 (f32 accumulate).
     K is split over several blocks when ``scratch`` holds their partials."""
     assert 1 <= len(mats) <= 3
-    wr, nt, split, h = _mma_plan([m.rows for m in mats], n_tok, mats[0].cols, 1, scratch)
+    wr, nt, split, h = _mma_plan(k, [m.rows for m in mats], n_tok, mats[0].cols, 1, scratch)
     tb = 8 * nt * (4 // wr)
-    ra, structs = reg_a(), [m.struct for m in mats]
-    fn = k.fn("matmul_mma.cu", mma_name(structs, wr, nt, mode, h, ra))
+    ra, st, structs = int(k.knobs.mma_reg_a), k.knobs.mma_stages, [m.struct for m in mats]
+    fn = k.fn("matmul_mma.cu", mma_name(structs, wr, nt, mode, h, ra, st))
     args: list = []
     for i in range(3):
         if i < len(mats):
@@ -160,19 +138,19 @@ def mma(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases
     part, counter = (scratch.part, scratch.counter) if split > 1 else (0, 0)
     fn((row_tiles, -(-n_tok // tb), split), (128,),
        (*args, ptr(x16), i32(ldx16), i32(n_tok), i32(mats[0].cols), ptr(part), ptr(counter)),
-       shared_mem=_mma_smem(fn, wr, nt, h, structs, ra, mma_stages(structs, h, ra)))
+       shared_mem=_mma_smem(fn, wr, nt, h, structs, ra, mma_stages(structs, h, ra, st)))
 
 
 def mma_glu(k: Kernels, gate: Mat, up: Mat, x16: int, ldx16: int, n_tok: int, act: str, y16: int, ldy16: int,
             scratch: SplitScratch | None = None) -> None:
     """y16[t, :] = f16(act(G x[t]) * (U x[t])), x in f16. Not split: with two W tiles per block
-    the 8B's GLU fills the GPU, and SmolLM2's lost 39% split (H100, 2c8440d + splits)."""
-    wr, nt, split, _ = _mma_plan([gate.rows], n_tok, 0, 2, scratch, tall=False)
-    ra = reg_a()
-    fn = k.fn("matmul_mma.cu", mma_glu_name(gate.struct, wr, nt, ACT[act], ra))
+    the 8B's GLU fills the GPU unsplit, and splitting SmolLM2's made it much slower."""
+    wr, nt, split, _ = _mma_plan(k, [gate.rows], n_tok, 0, 2, scratch, tall=False)
+    ra, st = int(k.knobs.mma_reg_a), k.knobs.mma_stages
+    fn = k.fn("matmul_mma.cu", mma_glu_name(gate.struct, wr, nt, ACT[act], ra, st))
     tb = 8 * nt * (4 // wr)
     part, counter = (scratch.part, scratch.counter) if split > 1 else (0, 0)
     fn((-(-gate.rows // (16 * wr)), -(-n_tok // tb), split), (128,),
        (*gate.planes, *up.planes, i32(gate.rows), ptr(x16), i32(ldx16), i32(n_tok), i32(gate.cols), ptr(y16),
         i32(ldy16), ptr(part), ptr(counter)),
-       shared_mem=_mma_smem(fn, wr, nt, 2, [gate.struct], ra, mma_stages([gate.struct], 2, ra)))
+       shared_mem=_mma_smem(fn, wr, nt, 2, [gate.struct], ra, mma_stages([gate.struct], 2, ra, st)))

@@ -57,25 +57,25 @@ def q8_out_config(r: int, wg: int) -> tuple[int, int]:
 
 def mmv_config(structs: Sequence[str], rows: Sequence[int], cols: int, b: int,
                q8_out: bool = False) -> tuple[int, int]:
-    """(R, WG): weight rows per row group and warps per group. One warp per group measured best or
-    tied on every shape swept (bench/matvec_variants.py, H100, 2026-11-21); 4 rows per group won on
-    the large output heads (32K+ rows), 2 elsewhere, except one row for a lone matrix of under
-    2,048 rows (the small models' o-proj and down: Gemma-3 tg128 1,450 -> 1,507, SmolLM2 even,
-    bench/mmv_configs.py in graphs with PDL). Every segment must hold whole blocks.
-    q8_out (a residual matvec with the q8 epilogue): two warps per group of two rows (8B tg128
-    405 -> 431 t/s; one row per group, or one or two warps per row: 388-395; H100, 2026-11-21);
+    """(R, WG): weight rows per row group and warps per group. One warp per group was best or
+    tied on every shape tried; 4 rows per group won on the large output heads (32K+ rows), 2
+    elsewhere, except one row for a lone matrix of under 2,048 rows (the small models' o-proj and
+    down: faster for Gemma-3, even for SmolLM2, in graphs with PDL). Every segment must hold whole
+    blocks.
+    q8_out (a residual matvec with the q8 epilogue): two warps per group of two rows (faster for
+    the 8B's residual matvecs; one row per group, or one or two warps per row, were slower);
     for one token and rows of 128-256 units whose scales can be staged (kstage_bytes: the 8B's
-    o-proj, 128 units, and Q6_K down, 224), two warps per group of four rows, 8 warps a block (8B
-    tg128 473 -> 477; with per-unit scales this shape had lost, 444 -> 438). Its Q4_K down (448
-    units: 7 rounds a warp either way) keeps two rows per two warps: 477 -> 484 against four (H100,
-    bench/RESULTS.md rows 75, 80 and 83)."""
+    o-proj, 128 units, and Q6_K down, 224), two warps per group of four rows, 8 warps a block (a
+    small gain for the 8B; with per-unit scales this shape had been slower). Its Q4_K down (448
+    units: 7 rounds a warp either way) keeps two rows per two warps, faster there than four.
+    Measured: see bench/RESULTS.md."""
     want = 4 if sum(rows) >= 32768 else (1 if len(rows) == 1 and rows[0] < 2048 else 2)
     fits = [r for r in (4, 2, 1) if r <= want and r * b <= 8 and all(n % (4 * r) == 0 for n in rows)]
     r, wg = (fits[0], 1) if fits else (1, 4)
     if q8_out:
         # two warps per row where one warp would take two rounds of loads: every lane's weights are
-        # then loaded before pdl_enter (SmolLM2's down, 1,536 columns: tg128 2,204 -> 2,353; the 8B's
-        # down at four warps per two rows lost, 445 -> 426; H100, 2026-11-21)
+        # then loaded before pdl_enter (faster for SmolLM2's down, 1,536 columns; the 8B's down was
+        # slower at four warps per two rows)
         if b == 1 and r == 2 and 128 <= cols // UNIT_ELEMS[structs[0]] <= 256 and kstage_bytes(structs, cols):
             return 4, 2
         return q8_out_config(r, 2 if r >= 2 or cols // UNIT_ELEMS[structs[0]] > 32 else 1)
@@ -90,8 +90,7 @@ def glu_config(struct: str, n: int, cols: int, b: int) -> tuple[int, int]:
 def glu_q8_out_config(struct: str, n: int, cols: int, b: int) -> tuple[int, int]:
     """(R, WG) of a GLU with the q8 epilogue: one gate and one up row per warp (16 WG warps a block),
     but for one token and rows of at least 128 units (the 8B's 4,096 columns), two of each per two
-    warps: 8B tg128 444 -> 447 (two calls); SmolLM2 and Gemma-3, one round a row, lost 2% with it
-    (2,360 -> 2,312, 2,177 -> 2,141; H100, bench/RESULTS.md row 75)."""
+    warps: a small gain for the 8B; SmolLM2 and Gemma-3, one round a row, were slower with it."""
     if b == 1 and cols // UNIT_ELEMS[struct] >= 128:
         return 4, 2
     return 2, min(glu_config(struct, n, cols, b)[1], 2)
@@ -120,8 +119,8 @@ def glu_kstage_bytes(structs: Sequence[str], cols: int) -> int:
 
 
 KSTAGE_STRUCTS = ("TQ4_K", "TQ6_K")
-# The 8B (4,096 and 14,336 columns) gained, tg128 447 -> 460; Gemma-3's o-proj and down (1,024 and
-# 2,048) lost a little, 2,174 -> 2,170 (H100, bench/RESULTS.md row 77)
+# Staging pays on long rows: the 8B's (4,096 and 14,336 columns) gained; Gemma-3's o-proj and down
+# (1,024 and 2,048 columns) were slightly slower with it
 KSTAGE_MIN_COLS = 4096
 KSTAGE_MAX = 96 * 1024  # two blocks of it per SM, beside the L1 (the 8B's down: 56 KiB, its GLU 32 KiB)
 
@@ -197,7 +196,7 @@ def mmv(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases
     ``rope``: the outputs are Q, K, V rows, and RoPE + the KV-cache write follow: fused into the
     epilogue where the row groups are rope pairs (R = 2; one warp on the f32 path: the tested shapes),
     else a rope_kv launch.
-    ``config`` = (R, WG) overrides the automatic choice (bench/matvec_variants.py).
+    ``config`` = (R, WG) overrides the automatic choice (the tuning table's ``mmv``, to measure).
     ``kstage``: with q8, each block's scales staged in shared memory where kstage_bytes allows."""
     assert 1 <= len(mats) <= 3 and 1 <= b <= MAX_MMV_TOKENS
     assert q8 is None or (norm is None and q8_capable(mats))

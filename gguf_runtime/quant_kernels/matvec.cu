@@ -64,8 +64,8 @@ __host__ __device__ constexpr int block_warps() { return (IO & 2) ? 16 * WG / R 
 // kernel took 74 registers unbounded: one block per SM), six of 4 warps with up to 2 rows per
 // group: the 8B's QKV (768 blocks of 8 rows) then runs in one wave of 792. Its Q4_K/Q4_K/Q6_K
 // form took 120 registers unbounded and 96 at five blocks (660: 1.16 waves); at six, 79 with no
-// spill (8B tg128 466 -> 473, H100, bench/RESULTS.md row 80). Else no bound (0: as if not given;
-// the lm_head's 4 rows per group take 168 registers either way).
+// spill, and the single wave is faster. Else no bound (0: as if not given; the lm_head's 4 rows
+// per group take 168 registers either way).
 template <int R, int WG, int IO>
 __host__ __device__ constexpr int min_blocks() {
     return (IO & 4) ? (block_warps<R, WG, IO>() >= 16 ? 2 : (R <= 2 ? 6 : 0)) : 0;

@@ -134,7 +134,7 @@ DEV void mmv_block_q8(const Mat (&m)[R], const int (&row)[R], int K, const XQ& x
     float ssq[B];
     zero_sums<B, R>(acc, ssq);
     typename T::Raw raw[R];  // loaded before pdl_enter, as in mmv_block (loading more units ahead
-    if (tid < units)         // measured slower: 8B tg128 385 -> 337 t/s, bench/RESULTS.md)
+    if (tid < units)         // was much slower on the 8B)
 #pragma unroll
         for (int r = 0; r < R; ++r) T::load(m[r], row[r], tid, raw[r]);
     stage.finish();  // staged scales (KStage): decoded and synced before the first products

@@ -121,7 +121,7 @@ template <> struct RegA<TQ4_K> {
                     mn[m][i] = ((s.w[3] >> 4) & 0x0F0F0F0Fu) | ((s.w[2] >> 2) & 0x30303030u);
                 }
             }
-        // Straight-line code (as an `unroll 1` loop: the 8B's GLU at B=64 95.5 -> 88.3 us, H100).
+        // Straight-line code (faster than an `unroll 1` loop: the 8B's GLU at B=64).
         // The B loads are volatile (lds_b16), so they stay between the MMAs instead of all 32
         // being hoisted (spills in the GLU).
 #pragma unroll
@@ -239,9 +239,9 @@ DEV void x_tile_async(const u16* __restrict__ x, int ldx, int n_tok, int t0, int
 // Staged types (WROW > 0) copy each k step's raw quants and scales of the block's rows to shared
 // memory by cp.async, ST - 1 steps ahead, beside the x tiles (ST stages each), and each lane reads
 // its own from there: loaded into registers one step ahead instead (the others, two x stages),
-// every warp waited about a memory latency per step at their first use (ncu, the 8B's GLU: 35% of
-// its cycles, long scoreboard) and they took two register copies of the raw data. ST > 2 keeps
-// more steps' loads in flight (launch_mma.MMA_STAGES: two, the fastest measured).
+// every warp waited about a memory latency per step at their first use (the 8B's GLU: a large
+// share of its cycles were long-scoreboard stalls) and they took two register copies of the raw
+// data. ST > 2 keeps more steps' loads in flight (KernelKnobs.mma_stages: two, as deeper was slower).
 template <class T, int WR, int NT, int NM, int ST>
 DEV void mma_tiles_reg(const Mat (&ms)[NM], int n_rows, int row0, int jstride, const u16* x, int ldx, int n_tok,
                        int t0, int kb, int ke, int K, u16* smem, float (&acc)[NM][NT][4]) {

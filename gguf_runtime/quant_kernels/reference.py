@@ -27,7 +27,7 @@ import math
 
 import numpy as np
 
-from .formats import FORMATS, SUPPORTED, SUPPORTED_IDS, Format, nbytes, type_name
+from .formats import FORMATS, SUPPORTED, SUPPORTED_IDS, Format, nbytes
 from .reference_k import KERNELS as _K_KERNELS
 from .reference_k import f16_field
 
@@ -84,7 +84,7 @@ assert set(_KERNELS) | {"F32", "F16", "BF16"} == set(SUPPORTED)
 
 def _check_type(type_id: int) -> Format:
     if type_id not in SUPPORTED_IDS:
-        raise ValueError(f"{type_name(type_id)} (type id {type_id}) is not supported by the reference "
+        raise ValueError(f"ggml type id {type_id} is not supported by the reference "
                          f"dequantizer; supported: {', '.join(SUPPORTED)}")
     return FORMATS[type_id]
 

@@ -14,14 +14,13 @@ needs past its budget), and four calls, all made from the scheduler's thread:
 from __future__ import annotations
 
 import dataclasses
-from collections import deque
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from ..errors import BackendError, KVCacheFullError
+from ..engine.decode_loop import LaunchAhead
 from ..sampling import SamplingParams
 
-MAX_GPU_TOP_K = 1024  # the CUDA sampler's top-k limit (backend_cuda.MAX_GPU_TOP_K)
+MAX_GPU_TOP_K = 1024  # the CUDA sampler's top-k limit (backends/cuda/backend.MAX_GPU_TOP_K)
 
 
 class NoRoom(Exception):
@@ -98,26 +97,6 @@ class NumpyAdapter:
         self.be.truncate(n)
 
 
-@dataclass
-class _Seq:
-    gen: int  # admission number: tells a sequence from an earlier one in the same slot
-    launched: int  # tokens whose sampling has been enqueued (token 0 by seq_add)
-    budget: int
-
-
-@dataclass
-class _Mark:
-    event: object
-    is_step: bool
-    marks: list[tuple[int, int, int]]  # (slot, gen, token index) this launch produces
-
-
-def _cupy_event():
-    import cupy
-
-    return cupy.cuda.Event(disable_timing=True)
-
-
 class CudaAdapter:
     """Every admitted sequence in its own slot of the CUDA backend's batch graphs.
 
@@ -135,20 +114,13 @@ class CudaAdapter:
     def __init__(self, engine, depth: int = 2, new_event: Callable[[], object] | None = None,
                  capture: bool = True, progress: Callable[[str, int, int], None] | None = None) -> None:
         be = engine.backend
-        try:
-            from ..backend_cuda import RING
-        except ImportError:  # a stand-in backend (tests)
-            RING = 64
+        ring = getattr(be, "ring", None)
+        ring_len = len(ring) if ring is not None else 64  # tokens a slot the pinned ring holds
         self.engine, self.be, self.tokenizer = engine, be, engine.tokenizer
         self.n_ctx, self.max_slots = be.n_ctx, be.max_batch
-        self.depth = max(1, min(int(depth), RING // 2))
+        self.depth = max(1, min(int(depth), ring_len // 2))
         self.margin = self.depth
-        self._new_event = new_event or _cupy_event
-        self._pool: list[object] = []
-        self._fifo: deque[_Mark] = deque()  # launches in stream order, not yet read
-        self._steps = 0  # decode steps among them
-        self._seqs: dict[int, _Seq] = {}
-        self._gen = 0
+        self.loop = LaunchAhead(be, self.depth, margin=self.margin, new_event=new_event)
         if capture and getattr(be, "use_graph", False) and hasattr(be, "capture_buckets"):
             be.capture_buckets(progress=progress)  # before serving: no capture pause mid-stream
 
@@ -174,49 +146,12 @@ class CudaAdapter:
         except BaseException:
             be.seq_release(slot)
             raise
-        self._gen += 1
-        self._seqs[slot] = _Seq(self._gen, 1, max_new)
-        self._record(False, [(slot, self._gen, 0)])
+        self.loop.admit(slot, max_new)
         return len(prompt)
 
-    def _record(self, is_step: bool, marks: list[tuple[int, int, int]]) -> None:
-        ev = self._pool.pop() if self._pool else self._new_event()
-        ev.record(self.be.stream)
-        self._fifo.append(_Mark(ev, is_step, marks))
-        self._steps += is_step
-
-    def _may_launch(self) -> bool:
-        seqs = self._seqs.values()
-        # some sequence still needs a token, and no sequence would write past its pages
-        return any(q.launched < q.budget for q in seqs) and all(q.launched <= q.budget + self.margin
-                                                                for q in seqs)
-
     def step(self) -> dict[int, list[int]]:
-        while self._steps < self.depth and self._seqs and self._may_launch():
-            self.be.batch_step(max(self._seqs) + 1)
-            marks = []
-            for s, q in self._seqs.items():
-                marks.append((s, q.gen, q.launched))
-                q.launched += 1
-            self._record(True, marks)
-        if not self._fifo:
-            return {}
-        k = next((i for i, m in enumerate(self._fifo) if m.is_step), len(self._fifo) - 1)
-        self._fifo[k].event.synchronize()  # the oldest step: all before it is done too
-        k += 1
-        while k < len(self._fifo) and self._fifo[k].event.done:
-            k += 1
-        out: dict[int, list[int]] = {}
-        for _ in range(k):
-            m = self._fifo.popleft()
-            self._steps -= m.is_step
-            self._pool.append(m.event)
-            for s, gen, i in m.marks:
-                q = self._seqs.get(s)
-                if q is not None and q.gen == gen:
-                    out.setdefault(s, []).append(self.be.seq_token(s, i))
-        return out
+        return self.loop.step()
 
     def release(self, slot: int) -> None:
-        self._seqs.pop(slot, None)
+        self.loop.drop(slot)
         self.be.seq_release(slot)

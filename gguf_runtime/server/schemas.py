@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ..model_info import quant_histogram
+from ..format.model_info import quant_histogram
 from ..sampling import SamplingParams
 
 

@@ -1,0 +1,360 @@
+"""The CUDA backend: GPU-resident weights, preallocated buffers, sampling on the GPU, graphs.
+
+Everything is allocated at load: weights, the paged KV cache, activations for the largest call,
+and per-slot decode state (next token, position, sequence id, sampling parameters and history).
+A decode step reads each slot's token and position from device memory and leaves the next token
+there, so it is captured once per batch bucket (1, 2, 4, ... max_batch) and replayed; the host
+reads tokens from a ring in pinned memory after an event, and never writes between tokens.
+
+The single-sequence API (``prefill``/``eval``/``truncate``, ``start_single``/``end_single``
+for engine.decode_loop) runs on slot 0; ``seq_add``/``batch_step``/``seq_token``/``seq_release``
+run many slots at once. Prompt evaluation (chunks, padding, prefill graphs) is
+``prefill.PrefillMixin``; the measured choices are the tuning table's (``tuning.py``).
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Callable, Iterator, Sequence
+
+import cupy as cp
+import numpy as np
+
+from ...model import rope_inv_freq
+from .blocks import CudaBlocks
+from .workspace import Workspace
+from .precompile import precompile
+from .prefill import PrefillMixin
+from .weights import DeviceWeights
+from ...errors import BackendError, UnsupportedModelError
+from ...format.gguf_file import GGUFFile
+from ...graphs import GraphManager
+from ...graphs.manager import CaptureError
+from .kv_cache import PAGE_SIZE, PagedKVCache
+from . import tuning
+from .tuning import Tuning
+from ...model import forward
+from ...format.model_config import ModelConfig
+from ...quant_kernels import launch_layers as LL
+from ...quant_kernels import launchers as L
+from ...quant_kernels import launch_sampling as LS
+from ...quant_kernels import pdl
+from ...quant_kernels.reference import dequantize
+from ..host_loop import host_sample_loop
+from ...sampling import SamplingParams
+
+RING = 64  # tokens per slot the pinned ring holds
+HIST = 64
+MAX_GPU_TOP_K = 1024
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def check_supported(cfg: ModelConfig) -> None:
+    g = cfg.n_head // cfg.n_head_kv
+    if cfg.head_dim not in (64, 128, 256) or cfg.head_dim_v != cfg.head_dim or g > 8:
+        raise UnsupportedModelError(
+            f"the CUDA attention kernels support head sizes 64/128/256 and up to 8 query heads per KV head "
+            f"(this model: {cfg.head_dim}, {g}); use --backend numpy")
+    if cfg.n_embd % 4 or cfg.n_embd > LL.RMSNORM_MAX_COLS:
+        raise UnsupportedModelError(
+            f"the CUDA RMSNorm kernel supports hidden sizes that are multiples of 4 up to {LL.RMSNORM_MAX_COLS} "
+            f"(this model: {cfg.n_embd}); use --backend numpy")
+
+
+def bucket_for(n: int, max_batch: int) -> int:
+    return next(b for b in BUCKETS if b >= n or b >= max_batch)
+
+
+class CudaBackend(PrefillMixin):
+    name = "cuda"
+
+    def __init__(self, f: GGUFFile, cfg: ModelConfig, n_ctx: int,
+                 progress: Callable[[str, int, int], None] | None = None, max_rows: int | None = None,
+                 use_graph: bool = True, note: Callable[[str], None] | None = None, max_batch: int = 1,
+                 kv_tokens: int | None = None, kv_type: str | None = None, tune: Tuning | None = None) -> None:
+        check_supported(cfg)
+        if max_batch not in BUCKETS:
+            raise BackendError(f"--max-batch {max_batch} is not one of {', '.join(map(str, BUCKETS))}")
+        self.f, self.cfg, self.n_ctx, self.max_batch = f, cfg, n_ctx, max_batch
+        self.use_graph, self.note = use_graph, note
+        weight_bytes = sum(t.nbytes for t in f.tensors.values())
+        self.tune = tune or tuning.choose(weight_bytes, kv_type, max_rows, max_batch)
+        self.prefill_graph = use_graph and self.tune.prefill_graph  # prefill chunks as graphs, one per padded size
+        self._prefill_runs: dict[tuple, int] = {}
+        self.pdl = pdl.supported(cp.cuda.Device()) and self.tune.pdl != "off"
+        try:
+            self.stream = cp.cuda.Stream(non_blocking=True)
+            self.kernels = L.Kernels(self.tune.knobs())
+            self.weights = DeviceWeights(f, cfg, progress)
+            kv_type = self.tune.kv_type
+            page = PagedKVCache.page_bytes(cfg, kv_type=kv_type)
+            self.kv = PagedKVCache(cfg, n_ctx, n_seqs=max_batch, n_pages=self._kv_pages(n_ctx, kv_tokens, page),
+                                   kv_type=kv_type)
+            self.ws = Workspace(cfg, max(max_rows or self.tune.prefill_chunk, max_batch), max(max_batch, 64),
+                                self.tune)
+            ff = None
+            if cfg.rope.freq_factors:
+                t = f.tensors[cfg.rope.freq_factors]
+                ff = dequantize(f.raw(t.name), t.type_id, t.shape)
+            self.inv_freq = {key: cp.asarray(rope_inv_freq(cfg, *key, ff))
+                             for key in {cfg.rope_key(i) for i in range(cfg.n_layer)}}
+            self.blocks = CudaBlocks(cfg, self.weights, self.kv, self.ws, self.kernels, self.inv_freq, self.tune)
+            self._set_pdl_rows()
+            self._init_slots()
+            precompile(self, BUCKETS)
+        except cp.cuda.memory.OutOfMemoryError as e:
+            raise BackendError(f"the GPU ran out of memory loading the model ({e}); "
+                               "lower --ctx-size or --max-batch, or use a smaller model") from None
+        self.kv_page_bytes = page
+        self.graphs = GraphManager(self.stream)
+        self.last_logits: cp.ndarray | None = None
+        if max_batch == 1:
+            self.kv.reserve(0, n_ctx)
+
+    # ---- setup ----------------------------------------------------------------------------------
+    def _kv_pages(self, n_ctx: int, kv_tokens: int | None, page_bytes: int) -> int:
+        """Pages in the KV pool: kv_tokens if given; else a full context per slot, capped for
+        several slots at half the free GPU memory (at least one full context)."""
+        per_seq = -(-n_ctx // PAGE_SIZE)
+        if kv_tokens is not None:
+            return max(1, -(-kv_tokens // PAGE_SIZE))
+        want = per_seq * self.max_batch
+        if self.max_batch > 1:
+            free, _ = cp.cuda.runtime.memGetInfo()
+            cap = max(per_seq, int(0.5 * free) // page_bytes)
+            if want > cap:
+                want = cap
+                if self.note:
+                    self.note(f"note: the KV cache holds {want * PAGE_SIZE} tokens for {self.max_batch} "
+                              "sequences (half the free GPU memory); sequences wait for pages when it is full")
+        return want
+
+    def _init_slots(self) -> None:
+        n = self.max_batch
+        z = lambda k, t=cp.int32: cp.zeros(k, t)  # noqa: E731
+        self.tokens, self.pos = z(n), z(n)  # each slot's next input token and its position
+        self.seq = cp.full(n, -1, cp.int32)  # slot id when active, -1 when free
+        self.hist, self.hist_n, self.step = z(HIST * n), z(n), z(n)
+        self.pval, self.pidx = z(LS.ARGMAX_BLOCKS * n, cp.float32), z(LS.ARGMAX_BLOCKS * n)
+        self.counter = z(n, cp.uint32)
+        nb = LS.topk_blocks(self.cfg.n_vocab)
+        self.cand_v, self.cand_i = z(n * nb * LS.TOPK_MAX, cp.float32), z(n * nb * LS.TOPK_MAX)
+        self.cand_n = z(n * nb)
+        self.p_top_k, self.p_last_n = z(n), z(n)
+        self.p_top_p, self.p_min_p, self.p_temp, self.p_penalty = (z(n, cp.float32) for _ in range(4))
+        self.p_seed = z(n, cp.uint64)
+        self._ring_mem = cp.cuda.alloc_pinned_memory(RING * n * 4)
+        self.ring = np.frombuffer(self._ring_mem, np.int32, RING * n).reshape(RING, n)
+        self._state = [self.tokens, self.pos, self.hist, self.hist_n, self.step, self.counter]
+        self._saved = [cp.empty_like(a) for a in self._state]
+        self.sampler_state = LS.SamplerState(
+            tokens=self.tokens.data.ptr, pos=self.pos.data.ptr, hist=self.hist.data.ptr,
+            hist_n=self.hist_n.data.ptr, step=self.step.data.ptr, ring=self._ring_mem.ptr, ring_len=RING,
+            n_seq=n, pval=self.pval.data.ptr, pidx=self.pidx.data.ptr, counter=self.counter.data.ptr,
+            cand_v=self.cand_v.data.ptr, cand_i=self.cand_i.data.ptr, cand_n=self.cand_n.data.ptr,
+            top_k=self.p_top_k.data.ptr, top_p=self.p_top_p.data.ptr, min_p=self.p_min_p.data.ptr,
+            temp=self.p_temp.data.ptr, seed=self.p_seed.data.ptr, penalty=self.p_penalty.data.ptr,
+            last_n=self.p_last_n.data.ptr, seq=self.seq.data.ptr)
+        self.slot_len = [0] * n  # tokens whose K/V sit in the slot's pages
+
+    # ---- sampling -------------------------------------------------------------------------------
+    @staticmethod
+    def _mode(params: SamplingParams) -> tuple[bool, bool]:
+        """(greedy, penalty): which sampling kernels a step launches."""
+        return params.greedy, params.repeat_penalty != 1.0 and params.repeat_last_n != 0
+
+    def _sample(self, greedy: bool, penalty: bool, rows: int, slot0: int = 0) -> None:
+        """Sample the next token of slots slot0.. from the first ``rows`` rows of ws.logits."""
+        st, k, cfg, logits = self.sampler_state, self.kernels, self.cfg, self.ws.logits
+        ld = logits.strides[0] // 4
+        if penalty:
+            LS.repeat_penalty(k, logits.data.ptr, ld, cfg.n_vocab, st, rows, slot0)
+        if greedy:
+            LS.argmax_sample(k, logits.data.ptr, ld, cfg.n_vocab, st, rows, slot0)
+        else:
+            LS.topk_sample(k, logits.data.ptr, ld, cfg.n_vocab, st, rows, slot0)
+
+    def gpu_sampling(self, params: SamplingParams) -> bool:
+        """Whether the GPU sampler covers these parameters (else the host samples)."""
+        return params.greedy or 0 < params.top_k <= MAX_GPU_TOP_K
+
+    def _prime(self, slot: int, history: Sequence[int], params: SamplingParams, seed: int) -> None:
+        """Host writes that start a slot's decoding (at admission, never between tokens)."""
+        s = self.stream
+        one = lambda a, v, t: a[slot:slot + 1].set(np.array([v], t), stream=s)  # noqa: E731
+        tail = np.asarray(list(history)[-HIST:], np.int32)
+        hist = np.zeros(HIST, np.int32)
+        hist[:tail.shape[0]] = tail
+        self.hist[slot * HIST:(slot + 1) * HIST].set(hist, stream=s)
+        one(self.hist_n, tail.shape[0], np.int32)
+        one(self.step, 0, np.int32)
+        one(self.counter, 0, np.uint32)
+        one(self.pos, self.slot_len[slot] - 1, np.int32)
+        one(self.seq, slot, np.int32)
+        one(self.p_top_k, params.top_k if 0 < params.top_k <= MAX_GPU_TOP_K else MAX_GPU_TOP_K, np.int32)
+        one(self.p_last_n, HIST if params.repeat_last_n < 0 else min(HIST, params.repeat_last_n), np.int32)
+        one(self.p_top_p, params.top_p, np.float32)
+        one(self.p_min_p, params.min_p, np.float32)
+        one(self.p_temp, 0.0 if params.greedy else params.temperature, np.float32)
+        one(self.p_penalty, params.repeat_penalty, np.float32)
+        one(self.p_seed, seed, np.uint64)
+
+    # ---- the decode step and its graphs ---------------------------------------------------------
+    def _set_pdl_rows(self) -> None:
+        """Graphs of up to pdl_max_rows rows launch every kernel with programmatic dependent launch
+        (tuning: pdl_any_rows, or decode steps on the matvecs only); larger ones only the kernels
+        named in pdl_only."""
+        t = self.tune
+        self.pdl_max_rows = 1 << 30 if t.pdl == "all" or t.pdl_any_rows else t.decode_mmv_rows
+        self.pdl_only = t.pdl_big_graph_kernels or False
+
+    def retune(self, tune: Tuning) -> None:
+        """Measuring (bench/inproc_variants.py): other choices of the tuning table, for the
+        choices that size nothing (kernel shapes, roles, PDL); captured graphs are dropped."""
+        self.tune = tune
+        self.blocks.retune(tune)
+        self._set_pdl_rows()
+        self.pdl = pdl.supported(cp.cuda.Device()) and tune.pdl != "off"
+        self.graphs.clear()
+
+    def _step(self, rows: int, mode: tuple[bool, bool]) -> None:
+        """Every active slot < rows: embed its token, run the model at its position, sample."""
+        b = self.blocks
+        b.seq, b.mma, b.decode = self.seq, rows > b.decode_mmv_rows, True
+        b.mmv_rows = b.decode_mmv_rows
+        forward(b, self.cfg, self.tokens[:rows], self.pos[:rows], all_logits=True)
+        self._sample(*mode, rows=rows)
+
+    def _save_state(self) -> None:
+        for src, dst in zip(self._state, self._saved):
+            cp.copyto(dst, src)
+
+    def _restore_state(self) -> None:
+        for src, dst in zip(self._saved, self._state):
+            cp.copyto(dst, src)
+
+    def _graph_for(self, rows: int, mode: tuple[bool, bool]):
+        """The captured step for this bucket and sampling mode, or None (eager). Parameters and
+        seeds live in device memory, so one graph serves every setting of the mode."""
+        if not self.use_graph:
+            return None
+        key = ("decode", rows, *mode)
+        if not self.graphs.has(key):
+            try:
+                self.graphs.capture(key, self._graph_step(rows, mode),
+                                    before_warmup=self._save_state, after_warmup=self._restore_state)
+            except CaptureError as e:
+                self.use_graph = False
+                if self.note:
+                    self.note(f"warning: CUDA graph capture failed ({e}); decoding eagerly")
+                return None
+        return key
+
+    def _with_pdl(self, fn: Callable[[], None], rows: int) -> Callable[[], None]:
+        """fn (a call of ``rows`` rows) as a step to capture: where pdl_max_rows allows it (and the
+        GPU has it, quant_kernels/pdl.py) its kernels launched with programmatic dependent launch
+        (else only pdl_only's), so each one's launch and weight loads overlap the end of the kernel
+        before it in the replayed graph."""
+        def step() -> None:
+            self.kernels.pdl = self.pdl and (rows <= self.pdl_max_rows or self.pdl_only)
+            try:
+                fn()
+            finally:
+                self.kernels.pdl = False
+        return step
+
+    def _graph_step(self, rows: int, mode: tuple[bool, bool]) -> Callable[[], None]:
+        return self._with_pdl(lambda: self._step(rows, mode), rows)
+
+    def capture_buckets(self, mode: tuple[bool, bool] = (False, True),
+                        progress: Callable[[str, int, int], None] | None = None) -> None:
+        """Capture the batch graphs of every bucket up to max_batch, largest first; ``progress``
+        is called once per bucket as ("capturing graphs", done, total)."""
+        buckets = sorted((b for b in BUCKETS if b <= self.max_batch), reverse=True)
+        for i, rows in enumerate(buckets):
+            self._graph_for(rows, mode)
+            if progress:
+                progress("capturing graphs", i + 1, len(buckets))
+
+    def _launch(self, key, rows: int, mode: tuple[bool, bool]) -> None:
+        if key is not None:
+            self.graphs.replay(key)
+        else:
+            with self.stream:
+                self._step(rows, mode)
+
+    # ---- one sequence (slot 0) ------------------------------------------------------------------
+    def start_single(self, history: list[int], params: SamplingParams, seed: int) -> Callable[[], None]:
+        """Start decoding slot 0 after its prompt (engine.decode_loop.sample_loop drives it):
+        sample token 0 on the stream; returns the launch of one decode step (the graph of this
+        sampling mode), which also counts the token it evaluates into the slot's length."""
+        mode = self._mode(params)
+        self._prime(0, history, params, seed)
+        with self.stream:
+            self._sample(*mode, rows=1)  # token 0, from the prompt's logits
+        key = self._graph_for(1, mode)
+
+        def launch() -> None:
+            self._launch(key, 1, mode)
+            self.slot_len[0] += 1
+        return launch
+
+    def end_single(self) -> None:
+        """After slot 0's last step: wait for the stream, mark the slot free for the sampler."""
+        self.stream.synchronize()
+        with self.stream:
+            self.seq[0:1].fill(-1)
+
+    def run_steps(self, n: int, params: SamplingParams, graph: bool = False) -> None:
+        """Launch n single-sequence decode steps back to back (no host sync)."""
+        mode = self._mode(params)
+        key = self._graph_for(1, mode) if graph else None
+        for _ in range(n):
+            self._launch(key, 1, mode)
+        self.slot_len[0] += n
+
+    def start_decode(self, prompt: Sequence[int], params: SamplingParams, seed: int = 0) -> None:
+        """Prefill the prompt into slot 0 and sample its first token on the device (benchmarks)."""
+        self.truncate(0)
+        self.prefill(prompt)
+        self._prime(0, list(prompt), params, seed)
+        with self.stream:
+            self._sample(*self._mode(params), rows=1)
+
+    def host_sample_loop(self, n: int, params: SamplingParams, history: list[int],
+                         stop: frozenset[int]) -> Iterator[int]:
+        """Sampling on the host, for parameters the GPU sampler lacks (top-k off or over 1024)."""
+        first = cp.asnumpy(self.last_logits[-1], stream=self.stream)
+        return host_sample_loop(self, n, params, history, stop, logits=first)
+
+    # ---- many sequences --------------------------------------------------------------------------
+    def seq_add(self, slot: int, prompt: Sequence[int], params: SamplingParams, max_new: int,
+                seed: int | None = None) -> None:
+        """Admit a sequence into a free slot: reserve pages, prefill, sample its first token."""
+        if not self.gpu_sampling(params):
+            raise BackendError("batched decoding samples on the GPU: use top-k between 1 and 1024")
+        self.kv.reserve(slot, min(self.n_ctx, len(prompt) + max_new), stream=self.stream)
+        self.slot_len[slot] = 0
+        self._eval(slot, prompt, all_logits=False)
+        seed = int(seed) if seed is not None else secrets.randbits(63)
+        self._prime(slot, prompt, params, seed)
+        with self.stream:
+            self._sample(*self._mode(params), rows=1, slot0=slot)
+
+    def batch_step(self, n_slots: int) -> None:
+        """One decode step for every active slot below n_slots (the bucket's graph)."""
+        rows = bucket_for(n_slots, self.max_batch)
+        mode = (False, True)  # the general sampler: greedy and sampled rows, with penalties
+        self._launch(self._graph_for(rows, mode), rows, mode)
+        for s in range(rows):
+            self.slot_len[s] += 1
+
+    def seq_token(self, slot: int, i: int) -> int:
+        """The i-th token sampled for the slot (after the step that made it has completed)."""
+        return int(self.ring[i % RING, slot])
+
+    def seq_release(self, slot: int) -> None:
+        with self.stream:
+            self.seq[slot:slot + 1].fill(-1)
+        self.kv.release(slot, stream=self.stream)
+        self.slot_len[slot] = 0

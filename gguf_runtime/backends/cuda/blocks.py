@@ -1,0 +1,334 @@
+"""``model.Blocks`` on the GPU: each block is a short, fixed sequence of kernel launches.
+
+Matrix products by row count: up to ``mmv_rows`` rows (MAX_MMV_TOKENS; in the decode steps of
+big models, 2: the tuning table) run the dequantizing matvec kernels (f32 or int8 activations: single-sequence
+decode, small batches, short prompts). More rows run either the
+tensor-core kernels (``mma = True``: batch decode steps) or, for prefill, cuBLAS on f16 copies of
+the matrices (``f16_weights``: Q/K/V and gate/up stacked, one product each; f16 inputs written by the
+kernel before, f32 accumulate and output; the residual add is its beta = 1; ``cublas_gemm``: it
+can be captured, so prefill chunks run as graphs too). ``seq`` maps the rows of the current call
+to KV-cache sequence slots (< 0: a padding row that writes nothing). Every array returned is a view of the
+preallocated ``Workspace``: nothing is allocated per call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import cupy as cp
+
+from .cublas_gemm import CublasGemm
+from .f16_weights import F16Weights
+from .weights import DeviceWeights
+from .tuning import Tuning
+from .workspace import Workspace, attn_shape, n_splits
+from .kv_cache import PagedKVCache
+from ...model import lm_head_name
+from ...format.model_config import ROPE_NEOX, ModelConfig
+from ...quant_kernels import launch_attention as LA
+from ...quant_kernels import launch_layers as LL
+from ...quant_kernels import launch_mma as LM
+from ...quant_kernels import launchers as L
+from ...quant_kernels.formats import FORMATS
+
+class CudaBlocks:
+    def __init__(self, cfg: ModelConfig, w: DeviceWeights, kv: PagedKVCache, ws: Workspace,
+                 kernels: L.Kernels, inv_freq: dict[tuple[float, float], cp.ndarray], tune: Tuning) -> None:
+        self.cfg, self.w, self.kv, self.ws, self.k = cfg, w, kv, ws, kernels
+        self.inv_freq = inv_freq
+        self.seq = ws.seq  # row -> sequence slot, for the rows of the current call
+        self.mma = False  # tensor-core kernels for > mmv_rows rows (capturable) instead of cuBLAS
+        # the current call's matvec rows: MAX_MMV_TOKENS, or for decode steps tune.decode_mmv_rows
+        self.mmv_rows = L.MAX_MMV_TOKENS
+        self.decode = False  # every row one token of its own sequence (a decode step), else prefill
+        self._rope: L.RopeKV | None = None  # the RoPE + KV write attn_in left to attend's kernel
+        self.retune(tune)
+        self.f16: F16Weights | None = None  # made by load_f16
+        self.gemm: CublasGemm | None = None  # made by load_f16 (the cuBLAS prefill path)
+        self._q8_ready: tuple[str, int] | None = None  # (norm, rows) that q8_norm holds from an epilogue
+        self._att_q8: L.Q8Vec | None = None  # q8_plain when the last attend wrote its output's int8 copy
+
+    def retune(self, tune: Tuning) -> None:
+        """Take the tuning table's choices (at load; bench/inproc_variants.py again between
+        variants, with the captured graphs dropped)."""
+        self.tune = tune
+        self.decode_mmv_rows = tune.decode_mmv_rows
+        self.k.knobs = tune.knobs()
+        # the attention kernel's block shapes of small and big calls
+        self.attn_shapes = (attn_shape(self.cfg, tune.attn_small), attn_shape(self.cfg, tune.attn_big))
+
+    def load_f16(self) -> None:
+        """The f16 weights of the cuBLAS prefill path (resident copies or scratch), allocated;
+        F16Weights.fill makes the resident copies."""
+        if self.ws.max_rows > L.MAX_MMV_TOKENS and self.f16 is None:
+            self.f16 = F16Weights(self.cfg, self.w, self.k, self.tune.f16_resident_max_bytes)
+            self.gemm = CublasGemm()
+
+    # ---- helpers -------------------------------------------------------------------------------
+    def _small(self, rows: int) -> bool:
+        return rows <= self.mmv_rows
+
+    def _gemm16(self, x16: cp.ndarray, t: int, names: tuple[str, ...], y: cp.ndarray, accumulate: bool) -> None:
+        """y[:t, :N] (+)= x16[:t, :K] @ W.T, W = the matrices ``names`` stacked by rows (f16)."""
+        assert self.f16 is not None and self.gemm is not None
+        w16 = self.f16.get(names)
+        self.gemm.wt_x(w16.rows, t, w16.cols, w16.ptr, x16.data.ptr, x16.strides[0] // 2, y.data.ptr,
+                       y.strides[0] // 4, accumulate)
+
+    def _norm(self, x: cp.ndarray, name: str, y: cp.ndarray, res: cp.ndarray | None = None,
+              f16: bool = False, q8: L.Q8Vec | None = None, w2: str | None = None) -> None:
+        """y = rmsnorm(x) (+ res); f16: also into ws.x16 (the next tensor-core matmul's input); q8:
+        also the int8 copy (of y times RMSNorm w2's weight, for a matvec that applies that norm)."""
+        x16 = self.ws.x16 if f16 else None
+        LL.rmsnorm(self.k, x.data.ptr, x.strides[0] // 4, self.w.vec(name).data.ptr, y.data.ptr, y.strides[0] // 4,
+                   x.shape[0], x.shape[1], self.cfg.rms_eps,
+                   res.data.ptr if res is not None else None, res.strides[0] // 4 if res is not None else 0,
+                   x16.data.ptr if x16 is not None else None, x16.strides[0] // 2 if x16 is not None else 0, q8=q8,
+                   w2=self.w.vec(w2).data.ptr if w2 else None)
+
+    def _q8_for(self, t: int, mats: list[L.Mat], buf: L.Q8Vec | None) -> L.Q8Vec | None:
+        """buf (an int8 activation buffer) when the matvec of these matrices over t rows takes it."""
+        return buf if buf is not None and self._small(t) and L.q8_capable(mats) else None
+
+    def _quantized(self, a: cp.ndarray, mats: list[L.Mat]) -> L.Q8Vec | None:
+        """a's int8 copy (quantize_q8, into q8_plain) when the matvec of mats takes int8 activations."""
+        q8 = self._q8_for(a.shape[0], mats, self.ws.q8_plain)
+        if q8 is not None:
+            LL.quantize_q8(self.k, a.data.ptr, a.strides[0] // 4, a.shape[1], a.shape[0], q8)
+        return q8
+
+    def _epilogue_rows(self, x: cp.ndarray, name: str) -> int | None:
+        """The first row of x in q8_norm when the last residual epilogue left x's rows there,
+        multiplied by RMSNorm ``name``'s weight (x: rows of ws.x, as forward passes them)."""
+        if self._q8_ready is None or self._q8_ready[0] != name:
+            return None
+        base, stride = self.ws.x.data.ptr, self.ws.x.strides[0]
+        off = x.data.ptr - base
+        if off < 0 or off % stride or x.strides[0] != stride or off // stride + x.shape[0] > self._q8_ready[1]:
+            return None
+        return off // stride
+
+    def tiles(self, t: int, decode: bool | None = None) -> bool:
+        """Whether a call of t rows (a decode step: ``decode``, else the current call's kind) takes
+        attention_tiles.cu: batch decode steps, by shape only."""
+        cfg = self.cfg
+        decode = self.decode if decode is None else decode
+        mode = self.tune.tiles
+        if not decode or self._small(t) or mode == "off" or not LA.tiles_ok(cfg.head_dim, cfg.head_dim_v):
+            return False
+        return mode == "on" or t * cfg.n_head_kv >= self.tune.tiles_min_blocks
+
+    def _big_mma(self, t: int) -> bool:
+        return self.mma and not self._small(t)
+
+    def _normed(self, x: cp.ndarray, name: str, mats: list[L.Mat]
+                ) -> tuple[cp.ndarray, tuple[int, float] | None, L.Q8Vec | None]:
+        """The input of the products with ``mats`` after RMSNorm ``name``: on the matvec path (x, the
+        norm for the matvec to fuse, None); otherwise (ws.h, None, q8) with ws.h (and ws.x16 on the
+        tensor-core and cuBLAS paths, and the int8 copy q8 where the matvec takes it) written by a
+        norm kernel."""
+        t = x.shape[0]
+        q8 = self._q8_for(t, mats, self.ws.q8_norm)
+        if q8 is None and self._small(t) and x.shape[1] <= self.tune.fuse_norm_max_cols:
+            return x, (self.w.vec(name).data.ptr, self.cfg.rms_eps), None
+        row = self._epilogue_rows(x, name) if q8 is not None else None
+        if row is not None:  # no norm kernel: the matvec normalizes (matvec_block.cuh)
+            return x, None, dataclasses.replace(q8.rows_from(row), norm_eps=self.cfg.rms_eps)
+        h = self.ws.h[:t]
+        self._norm(x, name, h, f16=True, q8=q8)
+        self._q8_ready = None
+        return h, None, q8
+
+    # ---- blocks --------------------------------------------------------------------------------
+    def embed(self, tokens: cp.ndarray) -> cp.ndarray:
+        t = tokens.shape[0]
+        x = self.ws.x[:t]
+        self._q8_ready = None
+        LL.embed(self.k, self.w.mat("token_embd.weight"), tokens.data.ptr, t, x.data.ptr, x.strides[0] // 4,
+                 self.cfg.embed_scale)
+        return x
+
+    def attn_in(self, x: cp.ndarray, layer: int, positions: cp.ndarray) -> cp.ndarray:
+        cfg, ws, p = self.cfg, self.ws, f"blk.{layer}."
+        t = x.shape[0]
+        qkv = ws.qkv[:t]
+        hq, hk, d = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim, cfg.head_dim
+        names = [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]
+        h, norm, q8 = self._normed(x, p + "attn_norm.weight", [self.w.mat(n) for n in names])
+        cols = [0, hq, hq + hk]
+        biases = [p + "attn_q.bias", p + "attn_k.bias", p + "attn_v.bias"] if cfg.attn_bias else [None] * 3
+        ld = qkv.strides[0] // 4
+        kc, vc = self.kv.layer(layer)
+        qn = self.w.vec(p + "attn_q_norm.weight").data.ptr if cfg.qk_norm else None
+        kn = self.w.vec(p + "attn_k_norm.weight").data.ptr if cfg.qk_norm else None
+        rope = L.RopeKV(qkv.data.ptr, ld, cfg.n_head, cfg.n_head_kv, d, cfg.head_dim_v, cfg.rope.n_dims,
+                        cfg.rope.style == ROPE_NEOX, qn, kn, cfg.rms_eps, self.inv_freq[cfg.rope_key(layer)].data.ptr,
+                        positions.data.ptr, self.seq.data.ptr, self.kv.table.data.ptr, self.kv.max_pages,
+                        self.kv.page_size, kc, vc, self.kv.kv16)
+        if self._small(t):  # RoPE + KV write in the matvec's epilogue where it can (else a rope_kv launch)
+            L.mmv(self.k, [self.w.mat(n) for n in names], [(qkv.data.ptr + 4 * c, ld) for c in cols],
+                  [self.w.vec(b).data.ptr if b else None for b in biases], h.data.ptr, h.strides[0] // 4, t,
+                  0, norm=norm, rope=rope, q8=q8, config=self.tune.mmv_override("QKV"),
+                  kstage="qkv" in self.tune.kstage)
+            return qkv
+        if self.mma:
+            LM.mma(self.k, [self.w.mat(n) for n in names], [(qkv.data.ptr + 4 * c, ld) for c in cols],
+                  [self.w.vec(b).data.ptr if b else None for b in biases], ws.x16.data.ptr, ws.x16.strides[0] // 2,
+                  t, 0, ws.split)
+        else:
+            self._gemm16(ws.x16, t, tuple(names), qkv, accumulate=False)
+            for n, c, b in zip(names, cols, biases):
+                if b:
+                    LL.add_bias(self.k, qkv.data.ptr + 4 * c, ld, self.w.vec(b).data.ptr, self.w.mat(n).rows, t)
+        if (self.tiles(t) and self.tune.attn_early and self.tune.tiles_rope and rope.qnw is None and rope.knw is None
+                and rope.n_rot % 2 == 0):
+            self._rope = rope  # attend's kernel applies it (attention_tiles.cu)
+        else:
+            rope.launch(self.k, 0, t)
+        return qkv
+
+    def attend(self, layer: int, q: cp.ndarray, positions: cp.ndarray) -> cp.ndarray:
+        cfg, ws = self.cfg, self.ws
+        t = q.shape[0]
+        out = ws.att[:t]
+        kc, vc = self.kv.layer(layer)
+        # the int8 copy for the O projection, written by the attention kernel itself (attn_out takes it)
+        q8 = self._q8_for(t, [self.w.mat(f"blk.{layer}.attn_output.weight")], ws.q8_plain)
+        self._att_q8 = q8 if q8 is not None and cfg.head_dim % 16 == 0 else None
+        if self.tiles(t):
+            rope, self._rope = self._rope, None
+            LA.attention_tiles(self.k, q.data.ptr, q.strides[0] // 4, t, kc, vc, positions.data.ptr,
+                               self.seq.data.ptr, self.kv.table.data.ptr, self.kv.max_pages, self.kv.page_size,
+                               cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.attn_scale, cfg.attn_softcap or 0.0,
+                               cfg.layer_window[layer], out.data.ptr, out.strides[0] // 4, ws.x16.data.ptr,
+                               ws.x16.strides[0] // 2, early=self.tune.attn_early,
+                               inv_freq=rope.inv_freq if rope else 0, n_rot=rope.n_rot if rope else 0,
+                               neox=rope.neox if rope else False, kv16=self.kv.kv16)
+            return out
+        LA.attention(self.k, q.data.ptr, q.strides[0] // 4, t, kc, vc, positions.data.ptr, self.seq.data.ptr,
+                    self.kv.table.data.ptr, self.kv.max_pages, self.kv.page_size, cfg.n_head, cfg.n_head_kv,
+                    cfg.head_dim, cfg.attn_scale, cfg.attn_softcap or 0.0, cfg.layer_window[layer],
+                    n_splits(self.tune, t, self.mmv_rows), ws.part_o.data.ptr, ws.part_ml.data.ptr,
+                    ws.attn_counter.data.ptr,
+                    out.data.ptr, out.strides[0] // 4, None if self._small(t) else ws.x16.data.ptr,
+                    0 if self._small(t) else ws.x16.strides[0] // 2, q8=self._att_q8,
+                    shape=self.attn_shapes[not self._small(t)],
+                    early=self.decode and self.tune.attn_early, kv16=self.kv.kv16)
+        return out
+
+    def _project_residual(self, a: cp.ndarray, name: str, x: cp.ndarray, post_norm: str | None,
+                          a16: cp.ndarray | None = None, a_q8: L.Q8Vec | None = None,
+                          then: tuple[str, list[L.Mat]] | None = None) -> cp.ndarray:
+        """x += post_norm(W a) (no norm: straight into x). a16: a's f16 copy (over MAX_MMV_TOKENS
+        rows); a_q8: a's int8 copy when already written; then = (the next RMSNorm, the matrices it
+        feeds): on the int8 path the epilogue also writes x * its weight into q8_norm."""
+        t = a.shape[0]
+        target = self.ws.o[:t] if post_norm else x
+        self._q8_ready = None
+        if self._small(t):
+            w = self.w.mat(name)
+            q8 = a_q8 or self._quantized(a, [w])
+            out = None
+            if (q8 is not None and then is not None and not post_norm and x.data.ptr == self.ws.x.data.ptr
+                    and w.rows % L.Q8_OUT_ROWS == 0 and L.q8_capable(then[1])):
+                out = (self.ws.q8_norm, self.w.vec(then[0]).data.ptr)
+                self._q8_ready = (then[0], t)
+            role = "O" if name.endswith("attn_output.weight") else "DOWN"
+            L.mmv(self.k, [w], [(target.data.ptr, target.strides[0] // 4)], [None], a.data.ptr,
+                  a.strides[0] // 4, t, 0 if post_norm else 1, q8=q8, q8_out=out,
+                  config=self.tune.mmv_override(role, FORMATS[w.type_id].name),
+                  kstage=role.lower() in self.tune.kstage)
+        elif self.mma:
+            LM.mma(self.k, [self.w.mat(name)], [(target.data.ptr, target.strides[0] // 4)], [None], a16.data.ptr,
+                  a16.strides[0] // 2, t, 0 if post_norm else 1, self.ws.split)
+        else:
+            self._gemm16(a16, t, (name,), target, accumulate=not post_norm)
+        if post_norm:  # x += post_norm(target); on the int8 path also the next norm's input, as above
+            q8 = None
+            if (then is not None and self.tune.post_q8 and self._small(t) and x.data.ptr == self.ws.x.data.ptr
+                    and self._q8_for(t, then[1], self.ws.q8_norm) is not None and x.shape[1] % 16 == 0):
+                q8 = self.ws.q8_norm
+                self._q8_ready = (then[0], t)
+            self._norm(target, post_norm, x, res=x, q8=q8, w2=then[0] if q8 is not None else None)
+        return x
+
+    def attn_out(self, x: cp.ndarray, a: cp.ndarray, layer: int) -> cp.ndarray:
+        p = f"blk.{layer}."
+        then = (p + "ffn_norm.weight", [self.w.mat(p + "ffn_gate.weight"), self.w.mat(p + "ffn_up.weight")])
+        a_q8, self._att_q8 = self._att_q8, None  # attend's int8 copy of a (this layer's, just written)
+        return self._project_residual(a, p + "attn_output.weight", x,
+                                      p + "post_attention_norm.weight" if self.cfg.post_norms else None,
+                                      a16=None if self._small(a.shape[0]) else self.ws.x16, a_q8=a_q8, then=then)
+
+    def _after_ffn(self, layer: int) -> tuple[str, list[L.Mat]]:
+        """The RMSNorm after layer's FFN and the matrices it feeds."""
+        if layer + 1 == self.cfg.n_layer:
+            return "output_norm.weight", [self.w.mat(lm_head_name(self.cfg))]
+        p = f"blk.{layer + 1}."
+        return p + "attn_norm.weight", [self.w.mat(p + n) for n in ("attn_q.weight", "attn_k.weight", "attn_v.weight")]
+
+    def ffn(self, x: cp.ndarray, layer: int) -> cp.ndarray:
+        cfg, ws, p = self.cfg, self.ws, f"blk.{layer}."
+        t = x.shape[0]
+        g = ws.g[:t]
+        gate_name, up_name = p + "ffn_gate.weight", p + "ffn_up.weight"
+        gate, up = self.w.mat(gate_name), self.w.mat(up_name)
+        post = p + "post_ffw_norm.weight" if cfg.post_norms else None
+        big = self._big_mma(t)
+        h, norm, q8 = self._normed(x, p + "ffn_norm.weight", [gate, up])
+        down = p + "ffn_down.weight"
+        if self._small(t) and gate.type_id == up.type_id:
+            g_q8 = None  # the GLU's epilogue writes the int8 input of the down projection
+            if q8 is not None and gate.rows % L.Q8_OUT_ROWS == 0 and L.q8_capable([self.w.mat(down)]):
+                g_q8 = self.ws.q8_plain
+            L.mmv_glu(self.k, gate, up, h.data.ptr, h.strides[0] // 4, t, cfg.activation, g.data.ptr,
+                      g.strides[0] // 4, norm=norm, q8=q8, q8_out=g_q8, config=self.tune.mmv_override("GLU"),
+                      kstage="glu" in self.tune.kstage)
+            return self._project_residual(g, down, x, post, a_q8=g_q8, then=self._after_ffn(layer))
+        if big and gate.type_id == up.type_id:
+            g16 = ws.g16
+            LM.mma_glu(self.k, gate, up, ws.x16.data.ptr, ws.x16.strides[0] // 2, t, cfg.activation, g16.data.ptr,
+                      g16.strides[0] // 2, ws.split)
+            return self._project_residual(g, down, x, post, a16=g16, then=self._after_ffn(layer))
+        if self._small(t) or big:
+            u = ws.u[:t]
+            if big:
+                x16, ld16 = ws.x16.data.ptr, ws.x16.strides[0] // 2
+                LM.mma(self.k, [gate], [(g.data.ptr, g.strides[0] // 4)], [None], x16, ld16, t, 0, ws.split)
+                LM.mma(self.k, [up], [(u.data.ptr, u.strides[0] // 4)], [None], x16, ld16, t, 0, ws.split)
+            else:
+                L.mmv(self.k, [gate], [(g.data.ptr, g.strides[0] // 4)], [None], h.data.ptr, h.strides[0] // 4, t, 0,
+                      norm=norm, q8=q8)
+                L.mmv(self.k, [up], [(u.data.ptr, u.strides[0] // 4)], [None], h.data.ptr, h.strides[0] // 4, t, 0,
+                      norm=norm, q8=q8)
+            g16 = ws.g16 if big else None
+            LL.glu(self.k, g.data.ptr, u.data.ptr, g.strides[0] // 4, cfg.n_ff, t, cfg.activation, g.data.ptr,
+                   g.strides[0] // 4, g16.data.ptr if big else None, g16.strides[0] // 2 if big else 0)
+            return self._project_residual(g, down, x, post, a16=g16, then=self._after_ffn(layer))
+        u = ws.u[:t]
+        self._gemm16(ws.x16, t, (gate_name, up_name), g, accumulate=False)  # g | u: adjacent halves
+        LL.glu(self.k, g.data.ptr, u.data.ptr, g.strides[0] // 4, cfg.n_ff, t, cfg.activation, None, 0,
+               ws.x16.data.ptr, ws.x16.strides[0] // 2)
+        return self._project_residual(g, down, x, post, a16=ws.x16)
+
+    def logits(self, x: cp.ndarray) -> cp.ndarray:
+        cfg, ws = self.cfg, self.ws
+        t = x.shape[0]
+        if t > ws.logits.shape[0]:
+            raise ValueError(f"logits for {t} rows requested; the workspace holds {ws.logits.shape[0]}")
+        head = self.w.mat(lm_head_name(cfg))
+        out = ws.logits[:t]
+        ld = out.strides[0] // 4
+        h, norm, q8 = self._normed(x, "output_norm.weight", [head])
+        if self._big_mma(t):
+            LM.mma(self.k, [head], [(out.data.ptr, ld)], [None], self.ws.x16.data.ptr, self.ws.x16.strides[0] // 2,
+                  t, 0, self.ws.split)
+        else:
+            for s in range(0, t, L.MAX_MMV_TOKENS):
+                n = min(L.MAX_MMV_TOKENS, t - s)
+                L.mmv(self.k, [head], [(out[s:].data.ptr, ld)], [None], h[s:].data.ptr, h.strides[0] // 4, n, 0,
+                      norm=norm, q8=q8, config=self.tune.mmv_override("HEAD"),
+                      kstage="head" in self.tune.kstage)  # q8 only when t <= MAX_MMV_TOKENS
+        if cfg.final_softcap:
+            LL.softcap(self.k, out.data.ptr, ld, cfg.n_vocab, t, cfg.final_softcap)
+        return out

@@ -1,0 +1,98 @@
+"""Prompt evaluation on the CUDA backend, in chunks of up to the workspace's rows.
+
+A chunk of more than MAX_MMV_TOKENS rows runs padded in front to a multiple of the tuning table's prefill_quantum rows
+(padding rows belong to sequence -1 and write nothing), so a padded size always launches the same
+kernels. Its first run is eager and doubles as the warm-up; from its second run on it is a CUDA
+graph (one per padded size and logits mode), which takes the host's launch cost out of prefill:
+hundreds of Python launches per chunk for a small model's 30 layers.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import cupy as cp
+import numpy as np
+
+from ...errors import ContextOverflowError
+from ...graphs.manager import CaptureError
+from ...model import forward
+from ...quant_kernels import launchers as L
+
+class PrefillMixin:
+    """``eval``/``prefill``/``truncate`` of CudaBackend (its attributes: ws, kv, blocks, graphs,
+    stream, use_graph, prefill_graph, slot_len, note; its ``_with_pdl`` for the captured step)."""
+
+    @property
+    def n_past(self) -> int:
+        return self.slot_len[0]
+
+    @n_past.setter
+    def n_past(self, n: int) -> None:
+        self.slot_len[0] = n
+
+    def truncate(self, n: int) -> None:
+        self.slot_len[0] = min(self.slot_len[0], n)
+
+    def eval(self, tokens: Sequence[int], all_logits: bool = False) -> np.ndarray:
+        """Append tokens to slot 0; host copy of the last (or every) token's logits."""
+        out = self._eval(0, tokens, all_logits)
+        return cp.asnumpy(out, stream=self.stream)
+
+    def _eval(self, slot: int, tokens: Sequence[int], all_logits: bool) -> cp.ndarray:
+        n, past = len(tokens), self.slot_len[slot]
+        if past + n > self.kv.capacity(slot):
+            raise ContextOverflowError(f"{past + n} tokens do not fit the context of {self.kv.capacity(slot)}; "
+                                       "raise --ctx-size or shorten the input")
+        if all_logits and n > self.ws.logits.shape[0]:
+            raise ValueError(f"all_logits is limited to {self.ws.logits.shape[0]} tokens per call on the GPU")
+        ids = np.asarray(tokens, np.int32)
+        with self.stream:
+            for s in range(0, n, self.ws.max_rows):
+                part = ids[s:s + self.ws.max_rows]
+                logits = self._chunk(slot, part, past, all_logits and s + part.shape[0] >= n)
+                past += part.shape[0]
+                self.slot_len[slot] = past
+        self.last_logits = logits
+        return logits
+
+    def _chunk(self, slot: int, part: np.ndarray, past: int, all_logits: bool) -> cp.ndarray:
+        """Run one chunk of a prompt at positions past, past + 1, ...; its logits (the last row's,
+        or every row's), padded and graphed as the module says."""
+        t, ws = part.shape[0], self.ws
+        q = self.tune.prefill_quantum
+        rows = t if t <= L.MAX_MMV_TOKENS else min(-(-t // q) * q, ws.max_rows)
+        if all_logits:  # (t fits, _eval checked)
+            rows = min(rows, ws.logits.shape[0])
+        pad = rows - t
+        i32 = lambda a: np.asarray(a, np.int32)  # noqa: E731
+        ws.tokens[:rows].set(i32(np.concatenate([np.zeros(pad, np.int32), part])), stream=self.stream)
+        ws.pos[:rows].set(i32(np.concatenate([np.full(pad, past + t), np.arange(past, past + t)])), stream=self.stream)
+        ws.seq[:rows].set(i32(np.concatenate([np.full(pad, -1), np.full(t, slot)])), stream=self.stream)
+        key = ("prefill", rows, all_logits)
+        seen = self._prefill_runs.get(key, 0)
+        self._prefill_runs[key] = seen + 1
+        graph = rows > L.MAX_MMV_TOKENS and self.use_graph and self.prefill_graph and seen > 0
+        if graph and not self.graphs.has(key):
+            try:  # the eager first run was its warm-up
+                self.graphs.capture(key, self._with_pdl(lambda: self._prefill_rows(rows, all_logits), rows),
+                                    warmup=0)
+            except CaptureError as e:
+                self.prefill_graph = graph = False
+                if self.note:
+                    self.note(f"warning: CUDA graph capture of the prefill failed ({e}); prefilling eagerly")
+        if graph:
+            self.graphs.replay(key)
+        else:
+            self._prefill_rows(rows, all_logits)
+        return ws.logits[pad:rows] if all_logits else ws.logits[:1]
+
+    def _prefill_rows(self, rows: int, all_logits: bool) -> None:
+        """The model over ws.tokens/pos/seq[:rows] (logits into ws.logits)."""
+        b = self.blocks
+        b.seq, b.mma, b.decode = self.ws.seq, False, False
+        b.mmv_rows = L.MAX_MMV_TOKENS
+        forward(b, self.cfg, self.ws.tokens[:rows], self.ws.pos[:rows], all_logits=all_logits)
+
+    def prefill(self, tokens: Sequence[int]) -> None:
+        self._eval(0, tokens, all_logits=False)

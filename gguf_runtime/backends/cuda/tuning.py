@@ -1,0 +1,171 @@
+"""The CUDA backend's tuning table: every measured choice, in one frozen object chosen at load.
+
+``choose(cfg, weight_bytes, overrides)`` picks the values for a model (by its size) on this GPU and
+the backend passes the object down (blocks, workspace, KV cache, prefill, and the kernel launchers
+through ``KernelKnobs``). Each field says in one line why it has its value; the measurements
+behind them are in bench/RESULTS.md. Nothing else in the product reads the environment: the one
+override, for measuring, is ``GGUF_RUN_TUNE="field=value;field=value"`` (``help()`` lists the
+fields and their values' spelling), read here at load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+from ...errors import BackendError
+from ...quant_kernels.knobs import KernelKnobs
+
+ENV = "GGUF_RUN_TUNE"
+MMV_ROLES = ("QKV", "O", "DOWN", "GLU", "HEAD")
+BIG_MODEL_BYTES = 1 << 30  # "big": the 8B (4.6 GiB) and up; the 135M-270M models are under it
+
+
+@dataclass(frozen=True)
+class Tuning:
+    # -- prefill
+    prefill_chunk: int = 512  # rows per prefill call: the workspace's height (pp512 in one call)
+    prefill_quantum: int = 64  # chunks pad to multiples of this: few graph sizes, mma-friendly rows
+    prefill_graph: bool = True  # chunks replay as graphs from their second run (small models' prefill is host-bound)
+    f16_resident_max_bytes: int = 1 << 30  # f16 prefill copies kept up to this; above, dequantized per group
+    # -- the matvec path (decode, short prompts)
+    q8: bool = True  # int8 activations + dp4a for integer weights: faster on every reference model
+    decode_mmv_rows: int = 8  # decode rows on the matvecs; big models 2 (tensor cores win from 4 rows)
+    fuse_norm_max_cols: int = 2048  # RMSNorm fused into f32 matvecs up to this width (the 8B's lose)
+    post_q8: bool = True  # a post-norm's kernel writes the next pre-norm's int8 input (one launch less)
+    kstage: frozenset[str] = frozenset({"qkv", "o", "glu", "down"})  # K-quant scales staged (the head lost)
+    mmv: tuple[tuple[str, tuple[int, int]], ...] = ()  # (role[_TYPE], (R, WG)) over mmv_config: measuring
+    # -- attention
+    attn_early: bool = True  # decode rows load keys before waiting for the QKV kernel
+    attn_small: tuple[int, int] = (0, 1)  # (warps, rounds) up to 8 rows: widest block, one round
+    attn_big: tuple[int, int] = (4, 1)  # (warps, rounds) of larger calls: 4 warps, one round a split
+    attn_parts: int = 2048  # splits x rows budget of the attention partials (workspace)
+    decode_splits: int = 32  # splits a row up to 8 rows: results never depend on B
+    batch_split_budget: int = 256  # splits x rows of tensor-core steps: rows fill the GPU
+    tiles: str = "auto"  # batch decode steps on attention_tiles.cu: "auto" (tiles_min_blocks), "on", "off"
+    tiles_min_blocks: int = 256  # (KV head, row) blocks from which tiles beat splits
+    tiles_rope: bool = True  # attention_tiles also does rope_kv's work (one launch less per layer)
+    tiles_shape: tuple[int, int] | None = None  # (keys, stages); None: 8 KiB tiles, 2 stages (6 blocks/SM)
+    # -- tensor cores (batch steps)
+    mma_reg_a: bool = True  # Q4_K / Q6_K A fragments built in registers
+    mma_split_min_steps: int = 12  # K-split floor: fewer, longer splits over halved token tiles
+    mma_stages: tuple[int, int] = (2, 2)  # staged tiles' depth, products / GLU (deeper pipelines were slower)
+    # -- graphs
+    pdl: str = "auto"  # programmatic dependent launch: "auto" (pdl_any_rows), "off", "all" graphs
+    pdl_any_rows: bool = True  # PDL in every graph (small models); big: matvec steps only
+    pdl_big_graph_kernels: tuple[str, ...] = ("rmsnorm",)  # ... in larger graphs these only (products lose)
+    lookahead: int = 4  # decode steps enqueued ahead of the token the host reads (one sequence, batches)
+    # -- KV cache
+    kv_type: str = "f32"  # f16 for big models (half the bytes read); small ones lose to conversions
+
+    def knobs(self) -> KernelKnobs:
+        """The kernel launchers' share of the table."""
+        return KernelKnobs(mma_reg_a=self.mma_reg_a, mma_split_min_steps=self.mma_split_min_steps,
+                           mma_stages=self.mma_stages, tiles=self.tiles_shape)
+
+    def mmv_override(self, role: str, type_name: str | None = None) -> tuple[int, int] | None:
+        """(R, WG) for a role's matvec (and one weight type: "DOWN_Q6_K"), where measuring sets one."""
+        table = dict(self.mmv)
+        return (table.get(f"{role}_{type_name}") if type_name else None) or table.get(role)
+
+
+def _size_defaults(weight_bytes: int, kv_type: str | None) -> dict:
+    big = weight_bytes > BIG_MODEL_BYTES
+    return {"decode_mmv_rows": 2 if big else 8, "pdl_any_rows": not big,
+            "kv_type": kv_type if kv_type not in (None, "auto") else ("f16" if big else "f32")}
+
+
+def choose(weight_bytes: int, kv_type: str | None = None, max_rows: int | None = None, max_batch: int = 1,
+           overrides: str | Mapping[str, str] | None = None) -> Tuning:
+    """The table for a model of ``weight_bytes`` (kv_type: the user's choice, "auto" or None;
+    max_rows: the rows of the largest call, default prefill_chunk), ``overrides`` (default:
+    $GGUF_RUN_TUNE) applied last. Without calls of more than 8 rows there are no tensor-core
+    inputs, so decode steps stay on the matvecs."""
+    values = _size_defaults(weight_bytes, kv_type)
+    if overrides is None:
+        overrides = os.environ.get(ENV, "")
+    items = overrides.items() if isinstance(overrides, Mapping) else _pairs(overrides)
+    mmv: dict[str, tuple[int, int]] = {}
+    given = set()
+    for name, text in items:
+        if name.startswith("mmv."):
+            role, pair = _parse(name, text)[1]
+            mmv[role] = pair
+        else:
+            values[name] = _parse(name, text)
+            given.add(name)
+    values["mmv"] = tuple(sorted(mmv.items()))
+    rows = max(max_rows or values.get("prefill_chunk", Tuning.prefill_chunk), max_batch)
+    if rows <= 8 and "decode_mmv_rows" not in given:
+        values["decode_mmv_rows"] = 8
+    t = Tuning(**values)
+    _check(t)
+    return t
+
+
+def _pairs(text: str) -> list[tuple[str, str]]:
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        name, sep, value = part.partition("=")
+        if not sep:
+            raise BackendError(f"{ENV}: {part!r} is not field=value; {help()}")
+        out.append((name.strip(), value.strip()))
+    return out
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(Tuning)}
+
+
+def _parse(name: str, text: str):
+    """A field's value from its spelling: numbers, on/off (1/0), A:B pairs, a+b role sets, and
+    mmv.ROLE[_TYPE]=R:WG for the matvec overrides."""
+    if name.startswith("mmv."):
+        role = name[4:]
+        if role.split("_", 1)[0] not in MMV_ROLES:
+            raise BackendError(f"{ENV}: {name}: the roles are {', '.join(MMV_ROLES)}")
+        return ("mmv", (role, _pair(name, text)))
+    f = FIELDS.get(name)
+    if f is None:
+        raise BackendError(f"{ENV}: no field {name!r}; {help()}")
+    default = getattr(Tuning(), name)
+    try:
+        if isinstance(default, bool):
+            if text not in ("0", "1", "on", "off"):
+                raise ValueError
+            return text in ("1", "on")
+        if isinstance(default, int):
+            return int(text)
+        if isinstance(default, frozenset):
+            return frozenset() if text in ("", "none") else frozenset(text.split("+"))
+        if name == "pdl_big_graph_kernels":
+            return tuple(p for p in text.split("+") if p)
+        if name in ("attn_small", "attn_big", "mma_stages", "tiles_shape"):
+            return None if text == "none" else _pair(name, text)
+        return text
+    except ValueError:
+        raise BackendError(f"{ENV}: {name}={text!r} is not a value of that field; {help()}") from None
+
+
+def _pair(name: str, text: str) -> tuple[int, int]:
+    a, sep, b = text.partition(":")
+    if not sep or not a.isdigit() or not b.isdigit():
+        raise BackendError(f"{ENV}: {name}={text!r}: give two numbers as A:B")
+    return int(a), int(b)
+
+
+def _check(t: Tuning) -> None:
+    if not 1 <= t.lookahead <= 32:  # (the pinned ring holds 64 tokens a slot)
+        raise BackendError(f"{ENV}: lookahead={t.lookahead}: give a number of steps from 1 to 32")
+    if not 1 <= t.decode_mmv_rows <= 8:
+        raise BackendError(f"{ENV}: decode_mmv_rows={t.decode_mmv_rows}: give a number of rows from 1 to 8")
+    for name, allowed in (("tiles", ("auto", "on", "off")), ("pdl", ("auto", "off", "all")),
+                          ("kv_type", ("f32", "f16"))):
+        if getattr(t, name) not in allowed:
+            raise BackendError(f"{ENV}: {name}={getattr(t, name)!r} is not one of {', '.join(allowed)}")
+
+
+def help() -> str:  # noqa: A001
+    return ("fields: " + ", ".join(FIELDS) + " (bools 0/1, pairs A:B, role sets a+b, matvec shapes mmv.ROLE=R:WG "
+            f"with ROLE one of {', '.join(MMV_ROLES)} or ROLE_TYPE, e.g. mmv.DOWN_Q6_K=4:2)")

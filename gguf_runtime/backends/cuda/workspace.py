@@ -1,0 +1,74 @@
+"""The CUDA backend's preallocated activation buffers (``Workspace``: every array a forward call
+uses, sized at load for the largest call), and the attention kernel's block shape and key splits
+as the tuning table sets them.
+"""
+
+from __future__ import annotations
+
+import cupy as cp
+
+from ...format.model_config import ModelConfig
+from ...quant_kernels import launch_attention as LA
+from ...quant_kernels import launch_mma as LM
+from ...quant_kernels import launchers as L
+from .tuning import Tuning
+
+
+def attn_shape(cfg: ModelConfig, warps_rounds: tuple[int, int]) -> LA.AttnShape:
+    """The attention kernel's block shape (launch_attention.attn_shape) for (warps, rounds): the
+    tuning table's attn_small for calls of up to MAX_MMV_TOKENS rows, attn_big above."""
+    return LA.attn_shape(cfg.head_dim, cfg.n_head // cfg.n_head_kv, *warps_rounds)
+
+
+def n_splits(tune: Tuning, rows: int, mmv_rows: int = L.MAX_MMV_TOKENS) -> int:
+    """Attention splits per row: calls of more than mmv_rows rows (the tensor-core path) share
+    tune.batch_split_budget, the others tune.attn_parts, at most tune.decode_splits each."""
+    budget = tune.batch_split_budget if mmv_rows < rows <= 64 else tune.attn_parts
+    return max(1, min(tune.decode_splits, budget // rows))
+
+
+class Workspace:
+    """Every activation buffer, sized at load for ``max_rows`` tokens per forward call."""
+
+    def __init__(self, cfg: ModelConfig, max_rows: int, logits_rows: int, tune: Tuning) -> None:
+        f32 = cp.float32
+        self.max_rows = max_rows
+        self.qkv_width = (cfg.n_head + 2 * cfg.n_head_kv) * cfg.head_dim
+        self.x = cp.zeros((max_rows, cfg.n_embd), f32)
+        self.h = cp.zeros((max_rows, cfg.n_embd), f32)
+        self.o = cp.zeros((max_rows, cfg.n_embd), f32)
+        self.qkv = cp.zeros((max_rows, self.qkv_width), f32)
+        self.att = cp.zeros((max_rows, cfg.n_head * cfg.head_dim_v), f32)
+        gu = cp.zeros((max_rows, 2 * cfg.n_ff), f32)  # gate | up side by side: one stacked product fills both
+        self.g, self.u = gu[:, :cfg.n_ff], gu[:, cfg.n_ff:]
+        self.logits = cp.zeros((logits_rows, cfg.n_vocab), f32)
+        parts = max(tune.attn_parts, max_rows) * cfg.n_head
+        self.part_o = cp.zeros(parts * cfg.head_dim_v, f32)
+        self.part_ml = cp.zeros(parts * 2, f32)
+        self.attn_counter = cp.zeros(max_rows * cfg.n_head_kv, cp.uint32)
+        self.tokens = cp.zeros(max_rows, cp.int32)
+        self.pos = cp.zeros(max_rows, cp.int32)
+        self.seq = cp.zeros(max_rows, cp.int32)
+        # f16 inputs of the cuBLAS and tensor-core paths
+        widest = max(cfg.n_embd, cfg.n_ff, cfg.n_head * cfg.head_dim_v)
+        big = max_rows > L.MAX_MMV_TOKENS
+        self.x16 = cp.zeros((max_rows, widest), cp.float16) if big else None  # f16 inputs of big matmuls
+        self.g16 = cp.zeros((max_rows, cfg.n_ff), cp.float16) if big else None  # GLU output, f16
+        # K-split tensor-core products of batch steps (<= logits_rows rows): QKV and the residual ones
+        out = max(cfg.n_embd, self.qkv_width)
+        # int8 activations of the matvecs (tune.q8): q8_norm holds the inputs after a norm (QKV, GLU,
+        # lm_head), q8_plain the others (attention and GLU outputs): a residual matvec reads the one
+        # and its epilogue writes the other
+        self.q8_norm = self.q8_plain = None
+        if tune.q8:
+            self.xq = cp.zeros((2, L.MAX_MMV_TOKENS, widest), cp.int8)
+            self.xs = cp.zeros((2, L.MAX_MMV_TOKENS, widest // 16, 4), f32)
+            self.q8_norm, self.q8_plain = (L.Q8Vec(self.xq[i].data.ptr, widest, self.xs[i].data.ptr, widest // 16)
+                                           for i in range(2))
+        self.mma_part = cp.zeros(LM.split_part_floats(out, logits_rows) if big else 1, f32)
+        self.mma_counter = cp.zeros(-(-out // 16) * -(-logits_rows // 16) if big else 1, cp.uint32)
+        self.split = LM.SplitScratch(self.mma_part.data.ptr, self.mma_part.size, self.mma_counter.data.ptr,
+                                    self.mma_counter.size)
+
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in vars(self).values() if isinstance(a, cp.ndarray))

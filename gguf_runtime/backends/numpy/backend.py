@@ -1,0 +1,188 @@
+"""The numpy reference backend: runs anywhere, and is the oracle for the CUDA backend.
+
+Weights are dequantized to float32 with the formats' numpy code (cached while they fit a memory
+budget, otherwise dequantized at each use); the KV cache is a float32 array per layer.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import numpy as np
+
+from ..host_loop import host_sample_loop
+from ...errors import BackendError, ContextOverflowError
+from ...format.gguf_file import GGUFFile
+from ...model import ComposedBlocks, forward, lm_head_name, rope_inv_freq
+from ...format.model_config import ROPE_NEOX, ModelConfig
+from ...quant_kernels.reference import dequantize, dequantize_rows
+
+DEFAULT_WEIGHT_BUDGET = 8 << 30  # bytes of float32 weights kept dequantized
+
+
+def _physical_memory() -> float:
+    """Bytes of RAM (inf where the platform does not say): a cache larger than that cannot work,
+    whatever the allocator's overcommit promises."""
+    try:
+        return float(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, OSError, ValueError):
+        return float("inf")
+
+
+def apply_rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, style: str) -> np.ndarray:
+    """Rotate the first 2*len(inv_freq) dims of x [T, H, D] by angle pos * inv_freq."""
+    half = inv_freq.shape[0]
+    ang = positions.astype(np.float64)[:, None] * inv_freq[None, :]  # [T, half]
+    cos = np.cos(ang).astype(np.float32)[:, None, :]
+    sin = np.sin(ang).astype(np.float32)[:, None, :]
+    out = x.copy()
+    if style == ROPE_NEOX:
+        a, b = x[..., :half], x[..., half:2 * half]
+        out[..., :half] = a * cos - b * sin
+        out[..., half:2 * half] = a * sin + b * cos
+    else:
+        a, b = x[..., 0:2 * half:2], x[..., 1:2 * half:2]
+        out[..., 0:2 * half:2] = a * cos - b * sin
+        out[..., 1:2 * half:2] = a * sin + b * cos
+    return out
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    return 0.5 * x * (1.0 + np.tanh(np.float32(0.7978845608028654) * (x + np.float32(0.044715) * x * x * x)))
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+class NumpyBackend:
+    """``model.Primitives`` in numpy, run through ``ComposedBlocks``; one sequence."""
+
+    name = "numpy"
+
+    def __init__(self, gguf: GGUFFile, cfg: ModelConfig, n_ctx: int,
+                 weight_budget: int = DEFAULT_WEIGHT_BUDGET) -> None:
+        self.f, self.cfg, self.n_ctx = gguf, cfg, n_ctx
+        self._weights: dict[str, np.ndarray] = {}
+        self._budget = weight_budget
+        ff = self.weight(cfg.rope.freq_factors) if cfg.rope.freq_factors else None
+        self._inv_freq = {}
+        for key in {cfg.rope_key(i) for i in range(cfg.n_layer)}:
+            self._inv_freq[key] = rope_inv_freq(cfg, *key, ff)
+        need = 4 * cfg.n_layer * n_ctx * cfg.n_head_kv * (cfg.head_dim + cfg.head_dim_v)
+        try:
+            if need > _physical_memory():
+                raise MemoryError
+            self.k_cache = np.zeros((cfg.n_layer, n_ctx, cfg.n_head_kv, cfg.head_dim), np.float32)
+            self.v_cache = np.zeros((cfg.n_layer, n_ctx, cfg.n_head_kv, cfg.head_dim_v), np.float32)
+        except MemoryError:
+            raise BackendError(f"a context of {n_ctx:,} tokens needs {need / 2**30:.1f} GiB of KV cache, more than "
+                               "this machine can give; lower --ctx-size") from None
+        self.n_past = 0
+        self.blocks = ComposedBlocks(self, cfg)
+
+    # ---- weights ----------------------------------------------------------------------------
+    def weight(self, name: str) -> np.ndarray:
+        w = self._weights.get(name)
+        if w is None:
+            t = self.f.tensors[name]
+            w = dequantize(self.f.raw(name), t.type_id, t.shape)
+            if w.nbytes <= self._budget:
+                self._budget -= w.nbytes
+                self._weights[name] = w
+        return w
+
+    def preload(self, progress=None) -> None:
+        """Dequantize every weight now (within the budget) instead of at first use."""
+        names = list(self.f.tensors)
+        for i, name in enumerate(names):
+            if name != "token_embd.weight" or lm_head_name(self.cfg) == name:
+                self.weight(name)
+            if progress:
+                progress(i + 1, len(names))
+
+    # ---- ops ---------------------------------------------------------------------------------
+    def embed(self, tokens: Sequence[int]) -> np.ndarray:
+        t = self.f.tensors["token_embd.weight"]
+        ids = np.asarray(tokens, dtype=np.int64)
+        if "token_embd.weight" in self._weights:
+            x = self._weights["token_embd.weight"][ids]
+        else:
+            x = dequantize_rows(self.f.raw(t.name), t.type_id, t.ne[0], ids)
+        if self.cfg.embed_scale != 1.0:
+            x = x * np.float32(self.cfg.embed_scale)
+        return x.astype(np.float32, copy=False)
+
+    def rms_norm(self, x: np.ndarray, weight: str) -> np.ndarray:
+        ms = np.mean(np.square(x, dtype=np.float32), axis=-1, keepdims=True)
+        return (x / np.sqrt(ms + np.float32(self.cfg.rms_eps))) * self.weight(weight)
+
+    def linear(self, x: np.ndarray, weight: str, bias: str | None = None) -> np.ndarray:
+        y = x @ self.weight(weight).T
+        return y + self.weight(bias) if bias else y
+
+    def rope(self, x: np.ndarray, positions: np.ndarray, layer: int) -> np.ndarray:
+        return apply_rope(x, positions, self._inv_freq[self.cfg.rope_key(layer)], self.cfg.rope.style)
+
+    def store_kv(self, layer: int, k: np.ndarray, v: np.ndarray, positions: np.ndarray) -> None:
+        self.k_cache[layer, positions] = k
+        self.v_cache[layer, positions] = v
+
+    def attention(self, layer: int, q: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        cfg = self.cfg
+        n_kv = int(positions.max()) + 1
+        keys = self.k_cache[layer, :n_kv]  # [S, Hkv, D]
+        vals = self.v_cache[layer, :n_kv]
+        t = q.shape[0]
+        qg = q.reshape(t, cfg.n_head_kv, cfg.n_gqa, cfg.head_dim)
+        s = np.einsum("thgd,shd->hgts", qg, keys) * np.float32(cfg.attn_scale)  # [Hkv, G, T, S]
+        if cfg.attn_softcap:
+            s = np.float32(cfg.attn_softcap) * np.tanh(s / np.float32(cfg.attn_softcap))
+        kpos = np.arange(n_kv)
+        dist = positions[:, None] - kpos[None, :]  # [T, S]
+        mask = dist < 0
+        if cfg.layer_window[layer]:
+            mask |= dist >= cfg.layer_window[layer]
+        s = np.where(mask[None, None], np.float32(-np.inf), s)
+        s = s - s.max(axis=-1, keepdims=True)
+        p = np.exp(s)
+        p /= p.sum(axis=-1, keepdims=True)
+        out = np.einsum("hgts,shd->thgd", p, vals)
+        return out.astype(np.float32, copy=False).reshape(t, cfg.n_head, cfg.head_dim_v)
+
+    def glu(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+        act = gelu_tanh(gate) if self.cfg.activation == "gelu_tanh" else silu(gate)
+        return act * up
+
+    def softcap(self, x: np.ndarray, cap: float) -> np.ndarray:
+        return np.float32(cap) * np.tanh(x / np.float32(cap))
+
+    # ---- sequence ----------------------------------------------------------------------------
+    def truncate(self, n: int) -> None:
+        """Forget cached positions >= n (a chat rolling back, or dropping a reply)."""
+        self.n_past = min(self.n_past, n)
+
+    def eval(self, tokens: Sequence[int], all_logits: bool = False, chunk: int = 256) -> np.ndarray:
+        """Append tokens to the sequence; returns logits of the last (or every) token."""
+        if self.n_past + len(tokens) > self.n_ctx:
+            raise ContextOverflowError(
+                f"{self.n_past + len(tokens)} tokens do not fit the context of {self.n_ctx}; "
+                "raise --ctx-size or shorten the input")
+        outs = []
+        for s in range(0, len(tokens), chunk):
+            part = list(tokens[s:s + chunk])
+            pos = np.arange(self.n_past, self.n_past + len(part))
+            last = s + chunk >= len(tokens)
+            logits = forward(self.blocks, self.cfg, part, pos, all_logits=all_logits)
+            if all_logits or last:
+                outs.append(logits)
+            self.n_past += len(part)
+        self.last_logits = outs[-1][-1]
+        return np.concatenate(outs, axis=0).astype(np.float32, copy=False)
+
+    def prefill(self, tokens: Sequence[int]) -> None:
+        self.eval(tokens)
+
+    def sample_loop(self, n: int, params, history: list[int], stop: frozenset[int]):
+        return host_sample_loop(self, n, params, history, stop)

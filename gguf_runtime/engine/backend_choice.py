@@ -1,0 +1,47 @@
+"""Choosing a backend: CUDA where CuPy finds a GPU (``auto``), else numpy, or the one asked for."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from ..errors import BackendError
+from ..format.gguf_file import GGUFFile
+from ..format.model_config import ModelConfig
+
+BACKENDS = ("auto", "cuda", "numpy")
+def cuda_available() -> tuple[bool, str]:
+    """(usable, reason if not)."""
+    try:
+        import cupy  # noqa: F401
+    except Exception:  # ImportError, or a CuPy that finds no CUDA libraries
+        return False, "CuPy is not installed (pip install 'gguf-run[cuda]')"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # no driver, no device
+        return False, f"no usable NVIDIA GPU ({str(e).splitlines()[0][:120]})"
+    if n < 1:
+        return False, "no NVIDIA GPU found"
+    return True, ""
+
+
+def select_backend(name: str, f: GGUFFile, cfg: ModelConfig, n_ctx: int,
+                   progress: Callable[[str, int, int], None] | None = None,
+                   note: Callable[[str], None] | None = None, use_graph: bool = True, max_batch: int = 1,
+                   kv_tokens: int | None = None):
+    if name not in BACKENDS:
+        raise BackendError(f"unknown backend '{name}'; choose one of {', '.join(BACKENDS)}")
+    if name in ("auto", "cuda"):
+        ok, why = cuda_available()
+        if ok:
+            from ..backends.cuda import CudaBackend  # deferred: imports cupy
+            return CudaBackend(f, cfg, n_ctx, progress=progress, note=note, use_graph=use_graph,
+                               max_batch=max_batch, kv_tokens=kv_tokens)
+        if name == "cuda":
+            raise BackendError(f"the cuda backend cannot run here: {why}; use --backend numpy")
+        if note:
+            note(f"note: running on the CPU with the numpy backend ({why})")
+    from ..backends.numpy import NumpyBackend
+
+    be = NumpyBackend(f, cfg, n_ctx)
+    be.preload(progress=(lambda i, n: progress("loading weights", i, n)) if progress else None)
+    return be

@@ -1,0 +1,291 @@
+"""An interactive conversation with a model: its messages, its turns, and the context they must fit.
+
+This is the core of `gguf-run chat`, with no terminal in it (the REPL in ``cli/chat_cmd.py`` reads,
+prints and handles keys). A :class:`ChatSession` keeps the messages (an optional system message,
+then user/assistant pairs), renders them with the model's chat template and hands them to the
+:class:`~gguf_runtime.engine.Engine`, which keeps the previous turn's tokens in the KV cache and
+evaluates only the tokens after the longest common prefix: a turn prefills just the end of the
+last reply, the new user message and the assistant header.
+
+Context: before a turn, the conversation plus the new message plus room for a reply
+(``reply_reserve``, by default ``min(256, n_ctx // 4)`` tokens) must fit ``n_ctx``. When it does
+not, the oldest user/assistant pairs are dropped (the system message stays). Dropping old turns
+changes the start of the prompt, so the whole conversation is evaluated again; to make that rare,
+trimming goes on until the prompt takes at most ``trim_to`` of the context (half, as llama.cpp's
+and Ollama's context shift discards half). A message that does not fit even alone raises a
+one-line :class:`~gguf_runtime.errors.ContextOverflowError` and leaves the conversation as it was.
+
+Interruption: a reply is an iterator; whatever has streamed is already in the history, so an
+interrupted reply (Ctrl-C inside the generation, or the caller stopping the iteration and calling
+:meth:`Reply.close`) keeps its partial text and the next turn works from there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Iterator, Optional
+
+from ..errors import ContextOverflowError, GGUFRunError
+from ..sampling import SamplingParams
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .engine import Engine, Generation, GenerationStats
+
+__all__ = ["ChatSession", "Reply", "SettingError", "PARAMETERS"]
+
+
+class SettingError(GGUFRunError):
+    """A `/set` with an unknown name or a bad value (one line)."""
+
+
+# name -> (type, what it is); names as Ollama's `/set parameter` spells them
+PARAMETERS: dict[str, tuple[type, str]] = {
+    "temperature": (float, "temperature; 0 = greedy"),
+    "top_k": (int, "keep the k most likely tokens; 0 = off"),
+    "top_p": (float, "nucleus sampling threshold; 1 = off"),
+    "min_p": (float, "drop tokens below min_p x the top probability; 0 = off"),
+    "repeat_penalty": (float, "penalize recent tokens; 1 = off"),
+    "repeat_last_n": (int, "tokens of history penalized; 0 = off, -1 = all"),
+    "seed": (int, "random seed; 'none' = a new one each reply"),
+    "num_predict": (int, "tokens per reply at most; -1 = until the end of the turn or of the context"),
+}
+_ALIASES = {"temp": "temperature", "n_predict": "num_predict", "top-k": "top_k", "top-p": "top_p",
+            "min-p": "min_p", "repeat-penalty": "repeat_penalty", "repeat-last-n": "repeat_last_n",
+            "num-predict": "num_predict", "n-predict": "num_predict"}
+
+
+class Reply:
+    """One assistant reply, streamed: iterate for its text pieces.
+
+    Every piece is appended to the history as it arrives, so stopping early (an exception inside the
+    generation, or :meth:`close`) keeps the partial reply. ``dropped`` is the number of old turns
+    dropped to make room, known before the first piece.
+    """
+
+    def __init__(self, session: "ChatSession", generation: "Generation", message: dict, dropped: int,
+                 n_prompt: int) -> None:
+        self.session = session
+        self.generation = generation
+        self.message = message  # the assistant message in session history; its content grows
+        self.dropped = dropped
+        self.n_prompt = n_prompt  # tokens of the whole rendered conversation
+        self.finished = False  # True once the generation ended on its own (stop, length, context)
+        self.closed = False
+        self._started = False
+        self._it = self._stream()
+
+    def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        self._started = True
+        return next(self._it)
+
+    @property
+    def text(self) -> str:
+        return self.message["content"]
+
+    @property
+    def stats(self) -> "GenerationStats":
+        return self.generation.stats
+
+    @property
+    def stop_reason(self) -> str:
+        """One of: stop (end-of-turn token), length (num_predict), context (context full), interrupted."""
+        return self.generation.stats.stop_reason
+
+    @property
+    def interrupted(self) -> bool:
+        return self.stop_reason == "interrupted"
+
+    def _stream(self) -> Iterator[str]:
+        pieces = iter(self.generation)
+        try:
+            for piece in pieces:
+                self.message["content"] += piece
+                yield piece
+            self.finished = True
+        finally:
+            if not self.finished:
+                self.generation.close()  # the engine's clean-up: the cache keeps what was evaluated
+                self.generation.stats.stop_reason = "interrupted"
+            self.closed = True
+            self.session._reply_done(self)
+
+    def close(self) -> None:
+        """Stop the reply now (the partial text stays in the history)."""
+        if self.closed:
+            return
+        if not self._started:  # never iterated: nothing ran, nothing to clean up in the engine
+            self.generation.stats.stop_reason = "interrupted"
+            self.closed = True
+            self._it.close()
+            self.session._reply_done(self)
+            return
+        self._it.close()
+
+    def read(self) -> str:
+        """Run the reply to its end and return its text."""
+        for _ in self:
+            pass
+        return self.text
+
+
+class ChatSession:
+    """A conversation with ``engine``: ``send(text)`` streams the reply; the history stays in the cache."""
+
+    def __init__(self, engine: "Engine", params: Optional[SamplingParams] = None, system: Optional[str] = None,
+                 n_predict: int = -1, reply_reserve: Optional[int] = None, trim_to: float = 0.5) -> None:
+        self.engine = engine
+        self.params = dataclasses.replace(params) if params is not None else SamplingParams()
+        self.params.validate()
+        if n_predict < -1:
+            raise SettingError(f"num_predict must be -1 (no limit) or more, got {n_predict}")
+        self.n_predict = n_predict
+        self.system: Optional[str] = system or None
+        n_ctx = engine.n_ctx
+        self.reply_reserve = max(1, min(256, n_ctx // 4)) if reply_reserve is None else max(1, reply_reserve)
+        self.trim_to = trim_to
+        self.turns: list[dict] = []  # user, assistant, user, assistant... (always whole pairs)
+        self.last: Optional[Reply] = None  # the latest reply
+        self.n_replies = 0
+        self.dropped_total = 0
+        self._active: Optional[Reply] = None
+
+    # ---- the conversation ----------------------------------------------------------------------
+    @property
+    def messages(self) -> list[dict]:
+        """The conversation as the template sees it (copies): system message first, if any."""
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + [dict(m) for m in self.turns]
+
+    @property
+    def n_turns(self) -> int:
+        return len(self.turns) // 2
+
+    @property
+    def n_ctx(self) -> int:
+        return self.engine.n_ctx
+
+    @property
+    def n_cached(self) -> int:
+        """Tokens of the conversation now in the KV cache."""
+        return len(self.engine.cached)
+
+    def _render(self, turns: list[dict]) -> list[int]:
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return self.engine.encode_chat(head + turns)
+
+    def send(self, text: str) -> Reply:
+        """Add a user message and start the reply (iterate it for the pieces).
+
+        Raises a one-line ``GGUFRunError`` (and changes nothing) when the message is empty, the
+        template refuses the conversation, or the message does not fit the context even alone.
+        """
+        if not isinstance(text, str) or not text.strip():
+            raise GGUFRunError("the message is empty")
+        self._stop_active()
+        user = {"role": "user", "content": text}
+        n_ctx, reserve = self.n_ctx, self.reply_reserve
+        turns = list(self.turns)
+        ids = self._render(turns + [user])
+        dropped = 0
+        if len(ids) + reserve > n_ctx:
+            target = min(n_ctx - reserve, int(n_ctx * self.trim_to))
+            while turns and len(ids) > target:
+                del turns[:2]
+                dropped += 1
+                ids = self._render(turns + [user])
+            if len(ids) + reserve > n_ctx:
+                raise ContextOverflowError(
+                    f"the message needs {len(ids)} tokens (with the template"
+                    f"{' and the system message' if self.system else ''}) but the context holds {n_ctx} "
+                    f"and must keep {reserve} for the reply; shorten it or raise --ctx-size")
+        generation = self.engine.generate(ids, n_predict=self.n_predict, params=dataclasses.replace(self.params))
+        reply_msg = {"role": "assistant", "content": ""}
+        self.turns = turns + [user, reply_msg]
+        self.dropped_total += dropped
+        reply = Reply(self, generation, reply_msg, dropped, len(ids))
+        self._active = reply
+        self.last = reply
+        self.n_replies += 1
+        return reply
+
+    def chat(self, text: str) -> str:
+        """Send ``text`` and return the whole reply."""
+        return self.send(text).read()
+
+    def _stop_active(self) -> None:
+        if self._active is not None:
+            self._active.close()
+            self._active = None
+
+    def _reply_done(self, reply: Reply) -> None:
+        if self._active is reply:
+            self._active = None
+
+    def clear(self) -> None:
+        """Forget the conversation (the system message stays) and empty the KV cache."""
+        self._stop_active()
+        self.turns = []
+        self.last = None
+        self.engine.reset()
+
+    def set_system(self, text: Optional[str]) -> None:
+        """Set (or with ``None``/empty, remove) the system message; the conversation stays."""
+        self._stop_active()
+        self.system = text if text and text.strip() else None
+
+    # ---- settings ------------------------------------------------------------------------------
+    @staticmethod
+    def parameter_name(name: str) -> str:
+        key = name.strip().lower()
+        key = _ALIASES.get(key, key)
+        if key == "num_ctx":
+            raise SettingError("num_ctx is fixed when the model loads; restart with -c/--ctx-size N")
+        if key not in PARAMETERS:
+            raise SettingError(f"unknown parameter '{name}'; one of: {', '.join(PARAMETERS)}")
+        return key
+
+    def set(self, name: str, value: str | int | float | None) -> Any:
+        """Set a sampling parameter (or ``num_predict``) from text as typed; returns the new value.
+
+        Raises :class:`SettingError` (one line) for an unknown name or a bad value; nothing changes then.
+        """
+        key = self.parameter_name(name)
+        kind = PARAMETERS[key][0]
+        raw = value.strip() if isinstance(value, str) else value
+        if raw is None or raw == "":
+            raise SettingError(f"give a value: /set {key} VALUE")
+        if key == "seed" and isinstance(raw, str) and raw.lower() in ("none", "random", "-1"):
+            parsed: Any = None
+        else:
+            try:
+                if kind is int:
+                    if isinstance(raw, float) and not raw.is_integer():
+                        raise ValueError
+                    parsed = int(raw) if not isinstance(raw, str) else int(raw, 10)
+                else:
+                    parsed = float(raw)
+            except (TypeError, ValueError):
+                what = "an integer" if kind is int else "a number"
+                raise SettingError(f"{key} must be {what}, got '{value}'") from None
+        if key == "num_predict":
+            if parsed < -1:
+                raise SettingError(f"num_predict must be -1 (no limit) or more, got {parsed}")
+            self.n_predict = parsed
+            return parsed
+        trial = dataclasses.replace(self.params, **{key: parsed})
+        try:
+            trial.validate()
+        except ValueError as e:
+            raise SettingError(str(e)) from None
+        self.params = trial
+        return parsed
+
+    def get(self, name: str) -> Any:
+        key = self.parameter_name(name)
+        return self.n_predict if key == "num_predict" else getattr(self.params, key)
+
+    def settings(self) -> dict[str, Any]:
+        return {k: self.get(k) for k in PARAMETERS}

@@ -1,0 +1,148 @@
+"""The one launch-ahead decode loop: decode steps run ahead of the host, which reads tokens later.
+
+A backend that decodes on the device (the CUDA backend: ``stream``, ``seq_token``, and a step to
+launch) leaves each step's sampled tokens in a pinned ring. ``LaunchAhead`` keeps up to ``depth``
+steps enqueued on the backend's stream, records an event after each launch, and on ``step()``
+waits for the oldest step's event and returns the tokens that became readable, per slot, in order.
+Every sequence is admitted after its prompt's first token was sampled on the stream; each has a
+budget of tokens, and no step is launched once some sequence would run more than ``margin``
+tokens past its budget (its KV pages end there). A sequence dropped while steps are in flight is
+safe: its slot can take a new sequence at once (everything is ordered on one stream), and tokens
+of the old one are told apart by their admission number and discarded.
+
+Three users, one loop: ``sample_loop`` (one sequence in slot 0: the engine's generation),
+``engine.batch.generate_batch`` (several prompts at once), and the server's CUDA adapter
+(continuous batching).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from ..sampling import SamplingParams
+
+
+@dataclass
+class _Seq:
+    gen: int  # admission number: tells a sequence from an earlier one in the same slot
+    launched: int  # tokens whose sampling has been enqueued (token 0 before admission)
+    budget: int
+
+
+@dataclass
+class _Mark:
+    event: object
+    is_step: bool
+    marks: list[tuple[int, int, int]]  # (slot, gen, token index) this launch produces
+
+
+def _cupy_event():
+    import cupy
+
+    return cupy.cuda.Event(disable_timing=True)
+
+
+class LaunchAhead:
+    """Up to ``depth`` decode steps in flight for the admitted sequences (see the module).
+
+    ``launch()`` enqueues one decode step of every admitted slot (default: the backend's batch
+    step over slots below the highest admitted one).
+    """
+
+    def __init__(self, backend, depth: int, margin: int = 0, launch: Callable[[], None] | None = None,
+                 new_event: Callable[[], object] | None = None) -> None:
+        self.be, self.depth, self.margin = backend, max(1, int(depth)), margin
+        self._launch = launch or (lambda: backend.batch_step(max(self._seqs) + 1))
+        self._new_event = new_event or getattr(backend, "new_event", None) or _cupy_event
+        self._pool: list[object] = []
+        self._fifo: deque[_Mark] = deque()  # launches in stream order, not yet read
+        self._steps = 0  # decode steps among them
+        self._seqs: dict[int, _Seq] = {}
+        self._gen = 0
+        self.launched_steps = 0
+
+    def admit(self, slot: int, budget: int) -> None:
+        """A sequence whose token 0 has just been sampled (enqueued) into ``slot``."""
+        self._gen += 1
+        self._seqs[slot] = _Seq(self._gen, 1, budget)
+        self._record(False, [(slot, self._gen, 0)])
+
+    def drop(self, slot: int) -> None:
+        """Forget the slot's sequence; tokens of it still in flight are discarded."""
+        self._seqs.pop(slot, None)
+
+    @property
+    def active(self) -> bool:
+        return bool(self._seqs)
+
+    def pending(self) -> bool:
+        """Whether ``step`` has anything left to read or launch."""
+        return bool(self._fifo) or (bool(self._seqs) and self._may_launch())
+
+    def _record(self, is_step: bool, marks: list[tuple[int, int, int]]) -> None:
+        ev = self._pool.pop() if self._pool else self._new_event()
+        ev.record(self.be.stream)
+        self._fifo.append(_Mark(ev, is_step, marks))
+        self._steps += is_step
+
+    def _may_launch(self) -> bool:
+        seqs = self._seqs.values()
+        # some sequence still needs a token, and no sequence would write past its pages
+        return any(q.launched < q.budget for q in seqs) and all(q.launched <= q.budget + self.margin
+                                                                for q in seqs)
+
+    def step(self) -> dict[int, list[int]]:
+        """Launch up to ``depth`` steps ahead, wait for the oldest, return the readable tokens."""
+        while self._steps < self.depth and self._seqs and self._may_launch():
+            self._launch()
+            self.launched_steps += 1
+            marks = []
+            for s, q in self._seqs.items():
+                marks.append((s, q.gen, q.launched))
+                q.launched += 1
+            self._record(True, marks)
+        if not self._fifo:
+            return {}
+        k = next((i for i, m in enumerate(self._fifo) if m.is_step), len(self._fifo) - 1)
+        self._fifo[k].event.synchronize()  # the oldest step: all before it is done too
+        k += 1
+        while k < len(self._fifo) and self._fifo[k].event.done:
+            k += 1
+        out: dict[int, list[int]] = {}
+        for _ in range(k):
+            m = self._fifo.popleft()
+            self._steps -= m.is_step
+            self._pool.append(m.event)
+            for s, gen, i in m.marks:
+                q = self._seqs.get(s)
+                if q is not None and q.gen == gen:
+                    out.setdefault(s, []).append(self.be.seq_token(s, i))
+        return out
+
+
+def sample_loop(backend, n: int, params: SamplingParams, history: list[int],
+                stop: frozenset[int]) -> Iterator[int]:
+    """Up to n tokens of the sequence in the backend's slot 0 (its prompt already evaluated),
+    until a stop token (yielded) or the budget. Device-decoding backends run the launch-ahead
+    loop; the others, and samplers the device lacks, sample on the host."""
+    if not hasattr(backend, "start_single"):
+        yield from backend.sample_loop(n, params, history, stop)
+        return
+    if not backend.gpu_sampling(params):
+        yield from backend.host_sample_loop(n, params, history, stop)
+        return
+    seed = int(params.seed) if params.seed is not None else secrets.randbits(63)
+    launch = backend.start_single(history, params, seed)  # token 0 sampled on the stream
+    loop = LaunchAhead(backend, backend.tune.lookahead, launch=launch)
+    loop.admit(0, n)
+    try:
+        while loop.pending():
+            for tok in loop.step().get(0, ()):
+                yield tok
+                if tok in stop:
+                    return
+    finally:
+        backend.end_single()

@@ -1,0 +1,202 @@
+"""The engine: a loaded model (weights on a backend, tokenizer, chat template) that generates.
+
+It owns the token history that sits in the backend's KV cache, so a chat turn evaluates only
+the tokens after the longest common prefix with what is already cached.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+from .backend_choice import select_backend
+from .decode_loop import sample_loop
+from ..format.chat_template import ChatTemplate
+from ..errors import ContextOverflowError, GGUFRunError
+from ..format.gguf_file import GGUFFile, open_gguf
+from ..format.model_config import ModelConfig, config_from_gguf
+from ..sampling import SamplingParams
+from ..format.tokenizer import Tokenizer
+
+DEFAULT_CTX = 4096
+
+
+@dataclass
+class GenerationStats:
+    """The figures ``ollama run --verbose`` prints, in seconds and tokens."""
+
+    load_s: float = 0.0
+    prompt_tokens: int = 0
+    prompt_s: float = 0.0
+    eval_tokens: int = 0
+    eval_s: float = 0.0
+    total_s: float = 0.0
+    stop_reason: str = ""  # "stop" (end-of-generation token), "length" (n_predict), "context", "interrupted"
+
+    @property
+    def prompt_rate(self) -> float:
+        return self.prompt_tokens / self.prompt_s if self.prompt_s > 0 else 0.0
+
+    @property
+    def eval_rate(self) -> float:
+        return self.eval_tokens / self.eval_s if self.eval_s > 0 else 0.0
+
+
+@dataclass
+class Generation:
+    """Iterate to stream text pieces; ``ids`` and ``stats`` fill in as it runs."""
+
+    _pieces: Iterator[str]
+    ids: list[int] = field(default_factory=list)
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+    def __iter__(self) -> Iterator[str]:
+        return self._pieces
+
+    def text(self) -> str:
+        return "".join(self)
+
+    def close(self) -> None:
+        """Stop early (the KV cache keeps what was evaluated; stop_reason becomes "interrupted")."""
+        close = getattr(self._pieces, "close", None)
+        if close:
+            close()
+
+
+class Engine:
+    def __init__(self, path: str | os.PathLike, backend: str = "auto", n_ctx: int | None = None,
+                 progress: Callable[[str, int, int], None] | None = None,
+                 note: Callable[[str], None] | None = None, use_graph: bool = True, max_batch: int = 1,
+                 kv_tokens: int | None = None) -> None:
+        t0 = time.perf_counter()
+        self.path = os.fspath(path)
+        self.gguf: GGUFFile = open_gguf(self.path)
+        self.cfg: ModelConfig = config_from_gguf(self.gguf)
+        self.tokenizer = Tokenizer.from_metadata(self.gguf.metadata)
+        self.template = ChatTemplate.from_metadata(self.gguf.metadata)
+        if n_ctx is None:
+            n_ctx = min(DEFAULT_CTX, self.cfg.n_ctx_train)
+        if n_ctx < 8:
+            raise GGUFRunError(f"context size {n_ctx} is too small; use --ctx-size 8 or more")
+        self.n_ctx = n_ctx
+        self.backend = select_backend(backend, self.gguf, self.cfg, n_ctx, progress=progress, note=note,
+                                      use_graph=use_graph, max_batch=max_batch, kv_tokens=kv_tokens)
+        self.cached: list[int] = []  # tokens whose K/V sit in the backend's cache, in order
+        self.load_s = time.perf_counter() - t0
+        self._load_reported = False  # the load time counts in the first generation's stats only
+
+    # ---- prompts -----------------------------------------------------------------------------
+    @property
+    def has_template(self) -> bool:
+        return not self.template.is_fallback
+
+    def encode_raw(self, text: str) -> list[int]:
+        self.check_text_fits(text)
+        return self.tokenizer.encode(text, add_special=True, parse_special=False)
+
+    def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
+        self.check_text_fits("".join(str(m.get("content") or "") for m in messages if isinstance(m, dict)))
+        text = self.template.render(list(messages), add_generation_prompt=add_generation_prompt)
+        self.check_text_fits(text)
+        ids = self.tokenizer.encode(text, add_special=True, parse_special=True)
+        bos = self.tokenizer.bos_id
+        if len(ids) >= 2 and ids[0] == bos and ids[1] == bos:  # template wrote BOS itself
+            ids = ids[1:]
+        return ids
+
+    def check_text_fits(self, text: str) -> None:
+        """Refuse, before tokenizing, a text that cannot fit the context whatever its tokens: no token
+        covers more bytes than the vocabulary's longest one (a 10 MB prompt ends here in
+        milliseconds instead of after a minute and gigabytes of BPE)."""
+        n = len(text)  # characters <= bytes: the exact byte count only when it can matter
+        longest = self.tokenizer.max_token_bytes
+        if n > longest * self.n_ctx and (n := len(text.encode("utf-8", "surrogatepass"))) > longest * self.n_ctx:
+            raise ContextOverflowError(
+                f"the prompt is {n:,} bytes, more than {self.n_ctx} tokens of this vocabulary can hold (its "
+                f"longest token is {longest} bytes); raise --ctx-size or shorten the prompt")
+
+    # ---- generation --------------------------------------------------------------------------
+    def check_fits(self, n_prompt: int) -> None:
+        if n_prompt >= self.n_ctx:
+            raise ContextOverflowError(
+                f"the prompt is {n_prompt} tokens but the context holds {self.n_ctx}; "
+                "raise --ctx-size or shorten the prompt")
+
+    def generate(self, prompt_ids: Sequence[int], n_predict: int = 128,
+                 params: SamplingParams | None = None, stop_ids: frozenset[int] | None = None) -> Generation:
+        """Stream the continuation of ``prompt_ids`` (evaluating only what isn't cached)."""
+        params = params or SamplingParams()
+        params.validate()
+        prompt_ids = list(prompt_ids)
+        if not prompt_ids:
+            raise GGUFRunError("the prompt is empty after tokenization; give some text")
+        self.check_fits(len(prompt_ids))
+        stop = self.tokenizer.eog_ids if stop_ids is None else stop_ids
+        gen = Generation(iter(()))
+        gen._pieces = self._run(prompt_ids, n_predict, params, stop, gen)
+        return gen
+
+    def _run(self, prompt_ids: list[int], n_predict: int, params: SamplingParams,
+             stop: frozenset[int], gen: Generation) -> Iterator[str]:
+        st = gen.stats
+        if not self._load_reported:
+            st.load_s, self._load_reported = self.load_s, True
+        t0 = t1 = time.perf_counter()
+        keep = _common_prefix(self.cached, prompt_ids)
+        if keep == len(prompt_ids):  # the whole prompt is cached: re-evaluate its last token
+            keep -= 1
+        self.backend.truncate(keep)
+        del self.cached[keep:]
+        new = prompt_ids[keep:]
+        st.prompt_tokens = len(new)
+        self.cached.extend(new)  # trimmed back in `finally` to what the backend really evaluated
+        decoder = self.tokenizer.stream(skip_special=True)
+        history = list(prompt_ids)
+        try:
+            self.backend.prefill(new)
+            t1 = time.perf_counter()
+            st.prompt_s = t1 - t0
+            budget = min(n_predict if n_predict >= 0 else self.n_ctx, self.n_ctx - len(self.cached))
+            st.stop_reason = "length" if budget == n_predict else "context"
+            for tok in sample_loop(self.backend, budget, params, history, stop):
+                if tok in stop:
+                    st.stop_reason = "stop"
+                    break
+                gen.ids.append(tok)
+                history.append(tok)
+                self.cached.append(tok)
+                st.eval_tokens += 1
+                piece = decoder.push(tok)
+                if piece:
+                    yield piece
+        except (KeyboardInterrupt, GeneratorExit):
+            st.stop_reason = "interrupted"
+            raise
+        finally:
+            # keep exactly the tokens whose K/V the backend holds (a prefill cut short, a backend
+            # that ran ahead, or the last accepted token not yet evaluated)
+            n = min(self.backend.n_past, len(self.cached))
+            del self.cached[n:]
+            self.backend.truncate(n)
+            now = time.perf_counter()
+            if not st.prompt_s:
+                st.prompt_s = now - t0
+            st.eval_s = now - t1 if st.prompt_s and t1 > t0 else 0.0
+            st.total_s = now - t0 + st.load_s
+        tail = decoder.flush()
+        if tail:
+            yield tail
+
+    def reset(self) -> None:
+        self.backend.truncate(0)
+        self.cached.clear()
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

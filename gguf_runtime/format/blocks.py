@@ -1,0 +1,80 @@
+"""The file format's table of ggml tensor types: block size in elements and bytes per block.
+
+The reader validates every tensor's size with it, for every type ggml defines; ``SUPPORTED``
+names the types this runtime computes with (``quant_kernels.formats`` is the kernels' own copy of
+those rows; a test holds the two equal). Ids and sizes follow ggml's ``ggml_type`` enum; a test
+checks them against the ``gguf`` package's table.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Format(NamedTuple):
+    name: str
+    block_elems: int  # elements per block
+    block_bytes: int  # bytes per block
+
+
+# id -> format, for every type ggml defines (so the reader can validate any file),
+# whether or not this runtime can compute with it.
+FORMATS: dict[int, Format] = {
+    0: Format("F32", 1, 4),
+    1: Format("F16", 1, 2),
+    2: Format("Q4_0", 32, 18),
+    3: Format("Q4_1", 32, 20),
+    6: Format("Q5_0", 32, 22),
+    7: Format("Q5_1", 32, 24),
+    8: Format("Q8_0", 32, 34),
+    9: Format("Q8_1", 32, 40),
+    10: Format("Q2_K", 256, 84),
+    11: Format("Q3_K", 256, 110),
+    12: Format("Q4_K", 256, 144),
+    13: Format("Q5_K", 256, 176),
+    14: Format("Q6_K", 256, 210),
+    15: Format("Q8_K", 256, 292),
+    16: Format("IQ2_XXS", 256, 66),
+    17: Format("IQ2_XS", 256, 74),
+    18: Format("IQ3_XXS", 256, 98),
+    19: Format("IQ1_S", 256, 50),
+    20: Format("IQ4_NL", 32, 18),
+    21: Format("IQ3_S", 256, 110),
+    22: Format("IQ2_S", 256, 82),
+    23: Format("IQ4_XS", 256, 136),
+    24: Format("I8", 1, 1),
+    25: Format("I16", 1, 2),
+    26: Format("I32", 1, 4),
+    27: Format("I64", 1, 8),
+    28: Format("F64", 1, 8),
+    29: Format("IQ1_M", 256, 56),
+    30: Format("BF16", 1, 2),
+    34: Format("TQ1_0", 256, 54),
+    35: Format("TQ2_0", 256, 66),
+    39: Format("MXFP4", 32, 17),
+    40: Format("NVFP4", 64, 36),
+    41: Format("Q1_0", 128, 18),
+}
+
+BY_NAME: dict[str, int] = {f.name: i for i, f in FORMATS.items()}
+
+# The types this runtime dequantizes and computes with (numpy reference and CUDA kernels).
+SUPPORTED: tuple[str, ...] = (
+    "F32", "F16", "BF16",
+    "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+)
+SUPPORTED_IDS: frozenset[int] = frozenset(BY_NAME[n] for n in SUPPORTED)
+
+
+def type_name(type_id: int) -> str:
+    f = FORMATS.get(type_id)
+    return f.name if f else f"unknown type {type_id}"
+
+
+def nbytes(type_id: int, n_elems: int) -> int:
+    """Bytes that ``n_elems`` elements of ``type_id`` occupy; n_elems must be whole blocks."""
+    f = FORMATS[type_id]
+    if n_elems % f.block_elems:
+        raise ValueError(f"{f.name}: {n_elems} elements is not a whole number of {f.block_elems}-element blocks")
+    return n_elems // f.block_elems * f.block_bytes

@@ -1,0 +1,16 @@
+"""The launch choices these kernels take from outside (no CuPy here: the tuning table imports it)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class KernelKnobs(NamedTuple):
+    """Launch choices the backend's tuning table makes for these kernels (backends/cuda/tuning.py).
+    The defaults are neutral (no split floor, double buffering, the tile rule of tiles_config),
+    for kernel tests and tools that launch without a backend."""
+
+    mma_reg_a: bool = True  # Q4_K / Q6_K tensor-core tiles build A fragments in registers
+    mma_split_min_steps: int = 0  # k steps a K-split block keeps where token tiles can halve (0: none)
+    mma_stages: tuple[int, int] = (2, 2)  # staged tiles' depth: single products, GLU
+    tiles: tuple[int, int] | None = None  # attention_tiles (keys per tile, stages); None: tiles_config

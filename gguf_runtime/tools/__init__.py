@@ -1,0 +1,1 @@
+"""User tools behind the CLI: benchmarks, the Ollama comparison, reports, shape twins (synth)."""

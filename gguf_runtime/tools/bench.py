@@ -1,0 +1,354 @@
+"""Throughput measurements: prompt processing (pp), token generation (tg), batched generation.
+
+Times are taken around synchronized device work (time.perf_counter after a stream sync), after a
+warm-up run; each row keeps every repetition (mean, median and standard deviation are derived).
+
+The functions take any backend by duck typing: the CUDA backend (``start_decode``/``run_steps``
+decode on the device, ``seq_add``/``batch_step`` decode many sequences, graphs or eager) and the
+numpy backend (``prefill``/``truncate``, tokens through the host sampling loop ``sample_loop``).
+``run_suite`` measures the rows `gguf-run bench` prints; ``bench_report`` renders them.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ..errors import BackendError
+from ..format.model_config import ModelConfig, model_tensors
+from ..sampling import SamplingParams
+
+BATCH_PROMPT = 128  # prompt tokens of each sequence in the batched rows (as llama-batched-bench -npp)
+ProgressFn = Callable[[str, int, int], None]
+
+
+@dataclass
+class Rate:
+    test: str  # "pp512", "tg128", "B=8 tg128"
+    mode: str  # "eager" or "graph"
+    tokens: int  # tokens per repetition (all sequences together for batched rows)
+    runs: list[float]  # tokens per second, one per repetition
+    batch: int = 0  # sequences decoded together (batched rows), 0 for single-sequence rows
+    step_bytes: float = 0.0  # bytes read per decode step (weights + KV at the mean context); 0 for pp
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.runs)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.runs)
+
+    @property
+    def stdev(self) -> float:
+        return statistics.stdev(self.runs) if len(self.runs) > 1 else 0.0
+
+    @property
+    def gbs(self) -> float | None:
+        """Bytes read per decode step x decode steps per second (mean), in GB/s; None for pp."""
+        if not self.step_bytes:
+            return None
+        return self.step_bytes * self.mean / max(self.batch, 1) / 1e9
+
+    def as_dict(self, bandwidth: float | None = None) -> dict:
+        gbs = self.gbs
+        return {"test": self.test, "mode": self.mode, "batch": self.batch, "tokens": self.tokens,
+                "mean": self.mean, "median": self.median, "stdev": self.stdev, "runs": list(self.runs),
+                "step_bytes": self.step_bytes or None, "gbs": gbs,
+                "share": gbs / bandwidth if gbs is not None and bandwidth else None}
+
+
+def _sync(backend) -> None:
+    stream = getattr(backend, "stream", None)
+    if stream is not None:
+        stream.synchronize()
+
+
+def _on_device(backend) -> bool:
+    """Whether the backend decodes on the device (CUDA: run_steps) or through the host loop."""
+    return hasattr(backend, "run_steps")
+
+
+def _graphed(backend, graph: bool) -> str:
+    return "graph" if graph and getattr(backend, "use_graph", False) else "eager"
+
+
+def single_slot(backend, n_tokens: int) -> None:
+    """Pages for n_tokens in slot 0 of a paged KV cache (a CUDA backend built for many sequences
+    reserves none at load, and batched rows release them); a no-op elsewhere."""
+    kv = getattr(backend, "kv", None)
+    if kv is not None:
+        kv.reserve(0, n_tokens, stream=backend.stream)
+
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+class _PrefillGraphs:
+    """Prefill graphs on or off while a block runs (backends without them: a no-op); ``mode`` is
+    the row's label afterwards ("eager" when the backend has none, or a capture failed)."""
+
+    def __init__(self, backend, on: bool) -> None:
+        self.backend, self.on = backend, on
+
+    def __enter__(self) -> "_PrefillGraphs":
+        self.saved = getattr(self.backend, "prefill_graph", None)
+        self.set_to = self.on and bool(getattr(self.backend, "use_graph", False))
+        if self.saved is not None:
+            self.backend.prefill_graph = self.set_to
+        return self
+
+    @property
+    def mode(self) -> str:
+        return "graph" if getattr(self.backend, "prefill_graph", False) else "eager"
+
+    def __exit__(self, *exc) -> None:
+        if self.saved is not None:  # a failed capture (set_to, now off) turns them off for good
+            failed = self.set_to and not self.backend.prefill_graph
+            self.backend.prefill_graph = False if failed else self.saved
+
+
+def prefill_rate(backend, n: int = 512, reps: int = 5, seed: int = 0, graph: bool = False) -> Rate:
+    """Prompt processing of n random tokens from an empty cache. With graph: the first run is
+    eager and the second captures the graph (a padded size's second use), so both are warm-up."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(10, backend.cfg.n_vocab, n).tolist()
+    runs = []
+    with _PrefillGraphs(backend, graph) as pg:
+        warm = 2 if pg.mode == "graph" else 1
+        for r in range(reps + warm):
+            backend.truncate(0)
+            _sync(backend)
+            t0 = time.perf_counter()
+            backend.prefill(ids)
+            _sync(backend)
+            if r >= warm:
+                runs.append(n / (time.perf_counter() - t0))
+        mode = pg.mode
+    return Rate(f"pp{n}", mode, n, runs)
+
+
+def _decode(backend, n: int, history: list[int], graph: bool, params: SamplingParams = GREEDY) -> None:
+    """n decode steps after a prefill (each evaluates one token and samples the next)."""
+    if _on_device(backend):
+        backend.run_steps(n, params, graph=graph)
+    else:
+        for _ in backend.sample_loop(n + 1, params, history, frozenset()):  # n + 1 tokens, n evals
+            pass
+
+
+def _start(backend, prompt: list[int], params: SamplingParams = GREEDY) -> None:
+    """Prefill the prompt from an empty cache (CUDA: and sample the first token on the device)."""
+    if _on_device(backend):
+        backend.start_decode(prompt, params, seed=params.seed or 0)
+    else:
+        backend.truncate(0)
+        backend.prefill(prompt)
+
+
+def decode_rate(backend, n: int = 128, reps: int = 5, graph: bool = False, params: SamplingParams = GREEDY) -> Rate:
+    """Generation of n tokens after a one-token prompt (CUDA: sampling on the device); greedy
+    unless ``params`` says otherwise (the mode then reads "graph, sampled")."""
+    runs = []
+    for r in range(reps + 1):
+        _start(backend, [1], params)
+        _sync(backend)
+        t0 = time.perf_counter()
+        _decode(backend, n, [1], graph, params)
+        _sync(backend)
+        if r:
+            runs.append(n / (time.perf_counter() - t0))
+    return Rate(f"tg{n}", _graphed(backend, graph) + ("" if params.greedy else ", sampled"), n, runs)
+
+
+def prompt_gen_rates(backend, prompts: Sequence[list[int]], n_gen: int, graph: bool = True,
+                     n_prompt: int | None = None) -> tuple[Rate, Rate]:
+    """As a server answers a request: prefill each prompt from an empty cache, then generate n_gen
+    tokens greedily; prompts[0] warms up. (prompt eval, eval) rates, like Ollama's two figures."""
+    single_slot(backend, max(len(p) for p in prompts) + n_gen + 1)
+    pp, tg = [], []
+    with _PrefillGraphs(backend, graph) as pg:
+        for r, ids in enumerate(prompts):
+            _sync(backend)
+            t0 = time.perf_counter()
+            _start(backend, list(ids))
+            _sync(backend)
+            t1 = time.perf_counter()
+            _decode(backend, n_gen, list(ids), graph)
+            _sync(backend)
+            if r:
+                pp.append(len(ids) / (t1 - t0))
+                tg.append(n_gen / (time.perf_counter() - t1))
+        mode = pg.mode
+    n = n_prompt or len(prompts[-1])
+    return Rate(f"pp{n}", mode, n, pp), Rate(f"tg{n_gen}", _graphed(backend, graph), n_gen, tg)
+
+
+def batch_rate(backend, batch: int, prompt: int = BATCH_PROMPT, gen: int = 128, reps: int = 3, seed: int = 0,
+               graph: bool | None = None) -> Rate:
+    """Generated tokens per second over all sequences, as llama-batched-bench's S_TG: ``batch``
+    sequences of ``prompt`` random tokens are admitted (prefill, not timed), then ``gen`` batch
+    decode steps are timed (the bucket's graph, or eager launches with graph=False)."""
+    ring = len(getattr(backend, "ring", ())) or 64  # the pinned token ring's length
+    rng = np.random.default_rng(seed)
+    params = SamplingParams(temperature=0.0)
+    saved = backend.use_graph
+    if graph is False:
+        backend.use_graph = False
+    try:
+        runs = []
+        for r in range(reps + 1):
+            prompts = [rng.integers(10, backend.cfg.n_vocab, prompt).tolist() for _ in range(batch)]
+            for s, p in enumerate(prompts):
+                backend.seq_add(s, p, params, gen + 1)
+            _sync(backend)
+            t0 = time.perf_counter()
+            for i in range(gen):
+                backend.batch_step(batch)
+                if i % (ring // 2) == ring // 2 - 1:  # keep the ring from lapping (as a server would read it)
+                    _sync(backend)
+            _sync(backend)
+            dt = time.perf_counter() - t0
+            for s in range(batch):
+                backend.seq_release(s)
+            if r:
+                runs.append(batch * gen / dt)
+        mode = "graph" if backend.use_graph else "eager"
+    finally:
+        if graph is False:  # (a failed capture turns graphs off for good: that is kept)
+            backend.use_graph = saved
+    return Rate(f"B={batch} tg{gen}", mode, batch * gen, runs, batch=batch)
+
+
+# ---- bytes and bandwidth ------------------------------------------------------------------------
+def weight_bytes_read(f, cfg: ModelConfig, backend_name: str) -> int:
+    """Weight bytes one decode step reads: every tensor the model uses, as the backend holds it
+    (GGUF's quantized bytes on cuda, float32 on numpy), less the embedding table when the output
+    head is another tensor (a step reads one of its rows)."""
+    total = 0
+    for name in model_tensors(cfg):
+        if name == "token_embd.weight" and not cfg.tied_embeddings:
+            continue
+        t = f.tensors[name]
+        total += t.n_elems * 4 if backend_name == "numpy" else t.nbytes
+    return total
+
+
+def kv_bytes_read(cfg: ModelConfig, ctx: float, elem: int = 4) -> float:
+    """K and V bytes attention reads at context ``ctx`` (caches of ``elem``-byte elements;
+    windowed layers capped)."""
+    per_layer = cfg.n_head_kv * (cfg.head_dim + cfg.head_dim_v) * elem
+    windows = cfg.layer_window or (0,) * cfg.n_layer
+    return sum(per_layer * (min(ctx, w) if w else ctx) for w in windows)
+
+
+def device_bandwidth(backend_name: str) -> tuple[float, str]:
+    """(GB/s, how it was measured): a copy's bytes read + written per second, best of a few."""
+    if backend_name == "cuda":
+        import cupy as cp
+
+        a = cp.empty(512 << 20, cp.uint8)
+        b = cp.empty_like(a)
+        cp.copyto(b, a)
+        cp.cuda.runtime.deviceSynchronize()
+        ev0, ev1 = cp.cuda.Event(), cp.cuda.Event()
+        ev0.record()
+        for _ in range(10):
+            cp.copyto(b, a)
+        ev1.record()
+        ev1.synchronize()
+        gbs = 2 * 10 * a.nbytes / (cp.cuda.get_elapsed_time(ev0, ev1) / 1e3) / 1e9
+        del a, b
+        cp.get_default_memory_pool().free_all_blocks()
+        return gbs, "device-to-device copy (cupy)"
+    a = np.ones(128 << 20, np.uint8)
+    b = np.empty_like(a)
+    best = float("inf")
+    for _ in range(4):
+        t0 = time.perf_counter()
+        np.copyto(b, a)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * a.nbytes / best / 1e9, "host memcpy (numpy)"
+
+
+def device_name(backend_name: str) -> str:
+    if backend_name == "cuda":
+        import cupy as cp
+
+        props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+        name = props["name"]
+        return name.decode() if isinstance(name, bytes) else str(name)
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} CPU threads"
+
+
+# ---- the suite `gguf-run bench` runs --------------------------------------------------------------
+@dataclass
+class Suite:
+    n_prompt: int = 512
+    n_gen: int = 128
+    reps: int = 5
+    modes: tuple[str, ...] = ("graph", "eager")  # of the pp, tg and batched rows
+    batches: tuple[int, ...] = ()
+    seed: int = 0
+    sampled: bool = True  # with graphs on a GPU: one more tg row with the CLI's default sampling
+
+    def n_rows(self) -> int:
+        pp = len(self.modes) if self.n_prompt > 0 else 0
+        tg = len(self.modes) * (1 + len(self.batches)) if self.n_gen > 0 else 0
+        return pp + tg + (self.sampled and self.n_gen > 0 and "graph" in self.modes)
+
+
+def run_suite(backend, f, cfg: ModelConfig, suite: Suite, progress: ProgressFn | None = None) -> list[Rate]:
+    """pp and tg per mode, then batched tg per mode and batch size; rows carry the bytes one
+    decode step reads, for GB/s."""
+    name = getattr(backend, "name", "numpy")
+    weights = weight_bytes_read(f, cfg, name)
+    keys = getattr(getattr(backend, "kv", None), "k", None)
+    elem = keys.itemsize if keys is not None else 4  # the CUDA cache's type; numpy's caches are float32
+    rows: list[Rate] = []
+    total = suite.n_rows()
+
+    def done(rate: Rate) -> None:
+        rows.append(rate)
+        if progress:
+            progress("benchmarking", len(rows), total)
+
+    if suite.n_prompt > 0 or suite.n_gen > 0:
+        single_slot(backend, max(suite.n_prompt, suite.n_gen + 1))
+    if suite.n_prompt > 0:
+        for mode in suite.modes:
+            done(prefill_rate(backend, suite.n_prompt, suite.reps, suite.seed, graph=mode == "graph"))
+    if suite.n_gen > 0:
+        step = weights + kv_bytes_read(cfg, 1 + (suite.n_gen + 1) / 2, elem)
+        for mode in suite.modes:
+            r = decode_rate(backend, suite.n_gen, suite.reps, graph=mode == "graph")
+            r.step_bytes = step
+            done(r)
+        if suite.sampled and "graph" in suite.modes and _on_device(backend):
+            # temperature 0.8, top-k 40, top-p 0.95, min-p 0.05 on the device: the sampler's cost
+            r = decode_rate(backend, suite.n_gen, suite.reps, graph=True, params=SamplingParams(seed=suite.seed))
+            r.step_bytes = step
+            done(r)
+    if suite.batches and suite.n_gen > 0:
+        if not hasattr(backend, "seq_add"):
+            raise BackendError("batched generation (--batch) needs the cuda backend")
+        backend.seq_release(0)  # slot 0's pages go back to the pool
+        ctx = BATCH_PROMPT + (suite.n_gen + 1) / 2
+        for mode in suite.modes:
+            for b in suite.batches:
+                r = batch_rate(backend, b, BATCH_PROMPT, suite.n_gen, suite.reps, suite.seed, graph=mode == "graph")
+                r.step_bytes = weights + b * kv_bytes_read(cfg, ctx, elem)
+                done(r)
+    return rows

@@ -1,0 +1,65 @@
+"""The CUDA backend's tuning table (backends/cuda/tuning.py): choices by model size, the one
+environment override and its errors. No GPU needed: the table imports no CuPy."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from gguf_runtime.backends.cuda import tuning
+from gguf_runtime.backends.cuda.tuning import Tuning
+from gguf_runtime.errors import BackendError
+
+BIG = tuning.BIG_MODEL_BYTES
+
+
+def test_choices_by_model_size(monkeypatch):
+    monkeypatch.delenv(tuning.ENV, raising=False)
+    small, big = tuning.choose(BIG), tuning.choose(BIG + 1)
+    assert (small.kv_type, small.decode_mmv_rows, small.pdl_any_rows) == ("f32", 8, True)
+    assert (big.kv_type, big.decode_mmv_rows, big.pdl_any_rows) == ("f16", 2, False)
+    assert tuning.choose(BIG + 1, kv_type="f32").kv_type == "f32"
+    assert tuning.choose(BIG + 1, kv_type="auto").kv_type == "f16"
+    # no call of more than 8 rows: no tensor-core inputs, so decode stays on the matvecs
+    assert tuning.choose(BIG + 1, max_rows=8, max_batch=8).decode_mmv_rows == 8
+    assert tuning.choose(BIG + 1, max_rows=8, max_batch=16).decode_mmv_rows == 2
+
+
+def test_override_spellings():
+    t = tuning.choose(BIG, overrides="q8=0; kstage=qkv+o ;mmv.DOWN_Q6_K=4:2;mmv.GLU=2:1;attn_big=8:2;"
+                                     "tiles=on;pdl_big_graph_kernels=;mma_split_min_steps=0")
+    assert t.q8 is False and t.kstage == {"qkv", "o"} and t.attn_big == (8, 2) and t.tiles == "on"
+    assert t.mmv_override("DOWN", "Q6_K") == (4, 2) and t.mmv_override("DOWN", "Q4_K") is None
+    assert t.mmv_override("GLU") == (2, 1) and t.mmv_override("QKV") is None
+    assert t.pdl_big_graph_kernels == () and t.mma_split_min_steps == 0
+    assert tuning.choose(BIG, overrides="kstage=none").kstage == frozenset()
+    assert tuning.choose(BIG, overrides={"tiles_shape": "16:4"}).knobs().tiles == (16, 4)
+
+
+def test_environment_is_the_default_override(monkeypatch):
+    monkeypatch.setenv(tuning.ENV, "decode_mmv_rows=4;post_q8=off")
+    t = tuning.choose(BIG + 1)
+    assert t.decode_mmv_rows == 4 and t.post_q8 is False
+    assert tuning.choose(BIG + 1, overrides="").decode_mmv_rows == 2  # an explicit override wins
+
+
+@pytest.mark.parametrize("text, match", [
+    ("bogus=1", "no field 'bogus'"), ("q8", "not field=value"), ("q8=maybe", "q8='maybe'"),
+    ("decode_mmv_rows=9", "decode_mmv_rows=9"), ("decode_mmv_rows=two", "decode_mmv_rows='two'"),
+    ("kv_type=q8", "kv_type='q8'"), ("tiles=sometimes", "tiles='sometimes'"), ("pdl=2", "pdl='2'"),
+    ("mmv.ATTN=1:1", "the roles are"), ("mmv.QKV=2", "two numbers"), ("attn_big=4", "two numbers"),
+])
+def test_bad_overrides_name_the_field(text, match):
+    with pytest.raises(BackendError, match=match) as e:
+        tuning.choose(BIG, overrides=text)
+    assert tuning.ENV in str(e.value)
+
+
+def test_frozen_and_every_field_has_a_reason():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Tuning().q8 = False  # type: ignore[misc]
+    src = open(tuning.__file__).read()
+    for f in dataclasses.fields(Tuning):
+        line = next(ln for ln in src.splitlines() if ln.strip().startswith(f"{f.name}:"))
+        assert "#" in line, f"{f.name} has no reason"
