@@ -1,8 +1,11 @@
-"""Well-formed GGUF files with nonsense in their metadata: a micro model with fields rewritten.
+"""The hostile corpus: well-formed GGUF files with nonsense in them, and giant inputs.
 
 ``rewrite`` copies a file with some metadata values replaced (or removed), keeping its tensor table
 and data byte for byte; ``METADATA_CASES`` are the rewrites a model check must refuse, each with
-the words its one-line error must hold (the field's name, at least).
+the words its one-line error must hold (the field's name, at least); ``BOMBS`` are chat templates
+that would hang or take gigabytes without limits; ``write_corpus`` writes all of them as files,
+with the giant prompts beside them (tests/test_hostile_corpus.py runs each through the CLI and
+the server).
 """
 
 from __future__ import annotations
@@ -86,3 +89,48 @@ METADATA_CASES = [
     ("add_bos as string", {T + "add_bos_token": (V.STRING, "yes")}, ["add_bos_token"]),
     ("escape in name", {"general.architecture": (V.STRING, "lla\x1b[31mma")}, ["\\x1b"]),
 ]
+
+BOMBS = [
+    ("nested ranges", "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"),
+    ("nested loops over a list", "{% set xs = range(100000)|list %}{% for a in xs %}{% for b in xs %}"
+                                 "{% endfor %}{% endfor %}"),
+    ("lipsum", "{{ lipsum(10**7) }}"),
+    ("format width", "{{ '%0999999999d'|format(1) }}"),
+    ("percent width", "{{ '%0999999999d' % 1 }}"),
+    ("str.format width", "{{ '{:>999999999}'.format(1) }}"),
+    ("string repeat", "{{ 'a' * 10**8 }}"),
+    ("list repeat", "{% set x = [0] * 10**8 %}"),
+    ("power", "{{ 10 ** (10 ** 8) }}"),
+    ("doubling with ~", "{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}"
+                        "{% endfor %}{{ ns.s|length }}"),
+    ("doubling with +", "{% set ns = namespace(s=[1]) %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}"
+                        "{% endfor %}"),
+    ("center", "{{ 'x'.center(10**9) }}"),
+    ("center filter", "{{ 'x'|center(10**9) }}"),
+    ("replace growth", "{% set ns = namespace(s='aa') %}{% for i in range(40) %}"
+                       "{% set ns.s = ns.s|replace('a', 'aaaa') %}{% endfor %}"),
+    ("join growth", "{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = [ns.s, ns.s]|join %}"
+                    "{% endfor %}"),
+    ("output", "{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}"),
+    ("recursive macro", "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}"),
+    ("indent", "{{ ('a\n' * 100000)|indent(1000) }}"),
+]
+
+# prompts: one giant "word" (a run of one letter: one BPE word of a million symbols), and a megabyte
+# of distinct words (no cache helps)
+GIANT_WORD = "a" * 1_000_000
+GIANT_WORDS = " ".join(f"w{i:x}q" for i in range(150_000))[:1_000_000]
+
+
+def write_corpus(folder: Path) -> list[tuple[str, Path, str]]:
+    """Every hostile file: (name, path, kind), kind "metadata" (the model check must refuse it) or
+    "template" (it loads; its chat template must end in one line when rendered)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    base = base_file(folder)
+    out = []
+    for i, (name, changes, _) in enumerate(METADATA_CASES):
+        out.append((name, rewrite(base, folder / f"meta{i:02d}.gguf", changes), "metadata"))
+    for i, (name, source) in enumerate(BOMBS):
+        out.append((f"template: {name}", rewrite(base, folder / f"bomb{i:02d}.gguf",
+                                                 {"tokenizer.chat_template": (V.STRING, source)}), "template"))
+    return out

@@ -289,31 +289,7 @@ def test_from_metadata_token_lookup():
 
 # ---- limits: time and size (template_limits.py) -------------------------------------------------
 
-BOMBS = [
-    ("nested ranges", "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"),
-    ("nested loops over a list", "{% set xs = range(100000)|list %}{% for a in xs %}{% for b in xs %}"
-                                 "{% endfor %}{% endfor %}"),
-    ("lipsum", "{{ lipsum(10**7) }}"),
-    ("format width", "{{ '%0999999999d'|format(1) }}"),
-    ("percent width", "{{ '%0999999999d' % 1 }}"),
-    ("str.format width", "{{ '{:>999999999}'.format(1) }}"),
-    ("string repeat", "{{ 'a' * 10**8 }}"),
-    ("list repeat", "{% set x = [0] * 10**8 %}"),
-    ("power", "{{ 10 ** (10 ** 8) }}"),
-    ("doubling with ~", "{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}"
-                        "{% endfor %}{{ ns.s|length }}"),
-    ("doubling with +", "{% set ns = namespace(s=[1]) %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}"
-                        "{% endfor %}"),
-    ("center", "{{ 'x'.center(10**9) }}"),
-    ("center filter", "{{ 'x'|center(10**9) }}"),
-    ("replace growth", "{% set ns = namespace(s='aa') %}{% for i in range(40) %}"
-                       "{% set ns.s = ns.s|replace('a', 'aaaa') %}{% endfor %}"),
-    ("join growth", "{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = [ns.s, ns.s]|join %}"
-                    "{% endfor %}"),
-    ("output", "{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}"),
-    ("recursive macro", "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}"),
-    ("indent", "{{ ('a\n' * 100000)|indent(1000) }}"),
-]
+from hostile_models import BOMBS  # noqa: E402
 
 
 @pytest.mark.parametrize("name,source", BOMBS, ids=[b[0] for b in BOMBS])

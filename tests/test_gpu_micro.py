@@ -98,3 +98,53 @@ def test_f16_prefill_most_rows(micro, rng):
     for ids, _ in prompts(rng, cfg.n_vocab, 24, 2):
         assert_all_rows(run(be, ids), run(model, ids), what=f"micro {name} f16 prefill", **F16)
 
+
+@pytest.mark.parametrize("where", ["output_norm.weight", "blk.0.ffn_down.weight"])
+def test_non_finite_weights_are_refused_at_load(tmp_path, where):
+    """A NaN in a vector or in a quantized block's f16 scale: one line naming the tensor at load
+    (the int8 path would otherwise turn it into finite garbage: its absmax ignores NaN)."""
+    from gguf_runtime.errors import GGUFError
+    from gguf_runtime.quant_kernels.reference import F16_FIELDS
+
+    path = write_micro(CASES["llama"], tmp_path / "nan.gguf")
+    with open_gguf(path) as f:
+        t = f.tensors[where]
+        at = t.offset + (F16_FIELDS[t.type_name][0] if t.type_name in F16_FIELDS else 0)
+        size = 2 if t.type_name in F16_FIELDS else 4
+    data = bytearray(path.read_bytes())
+    data[at:at + size] = (np.float16 if size == 2 else np.float32)(np.nan).tobytes()
+    path.write_bytes(bytes(data))
+    f = open_gguf(path)
+    with pytest.raises(GGUFError, match=f"'{where}' holds NaN or infinite values"):
+        CudaBackend(f, config_from_gguf(f), N_CTX)
+
+
+@pytest.mark.parametrize("temp", [0.0, 0.8])
+def test_non_finite_prompt_logits_are_one_line(micro, temp):
+    """Non-finite logits of a prompt (an overflow of finite weights): the GPU sampler would pick
+    token 0 from them for ever; one line instead, for one sequence and for a batch slot."""
+    from gguf_runtime.engine.batch import generate_batch
+    from gguf_runtime.engine.decode_loop import sample_loop
+    from gguf_runtime.errors import GGUFError
+    from gguf_runtime.sampling import SamplingParams
+
+    name, f, cfg = micro
+    params = SamplingParams(temperature=temp, seed=1)
+    one = CudaBackend(f, cfg, N_CTX)
+    one.prefill([1, 2, 3])
+    with one.stream:  # (the backend's stream does not wait for the default one)
+        one.last_logits[-1, 5] = cp.nan
+    with pytest.raises(GGUFError, match="damaged"):
+        list(sample_loop(one, 4, params, [1, 2, 3], frozenset()))
+    two = CudaBackend(f, cfg, N_CTX, max_batch=2)
+    real = two._eval
+
+    def poisoned(slot, tokens, all_logits):
+        out = real(slot, tokens, all_logits)
+        with two.stream:
+            out[-1, 3] = cp.inf
+        return out
+    two._eval = poisoned
+    with pytest.raises(GGUFError, match="damaged"):
+        generate_batch(two, [[1, 2, 3], [4, 5]], 4, params)
+    assert two.kv.free_pages() == two.kv.n_pages  # the slots were released

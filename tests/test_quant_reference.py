@@ -23,10 +23,7 @@ from gguf_runtime.format.blocks import BY_NAME, FORMATS, SUPPORTED, nbytes
 from gguf_runtime.quant_kernels.reference import dequantize, dequantize_rows, random_blocks
 
 # Byte offsets of the f16 scale / min fields inside one block (ggml-common.h block structs).
-F16_FIELDS = {
-    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
-    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
-}
+from gguf_runtime.quant_kernels.reference import F16_FIELDS, all_finite  # noqa: E402
 FLOATS = ("F32", "F16", "BF16")
 QUANTS = tuple(n for n in SUPPORTED if n not in FLOATS)
 assert set(F16_FIELDS) == set(QUANTS)
@@ -208,3 +205,29 @@ def test_errors():
         dequantize_rows(raw, BY_NAME["Q8_1"], 256, np.array([0]))
     # zero-size tensors are fine
     assert dequantize(np.zeros(0, np.uint8), q4k, (0, 256)).shape == (0, 256)
+
+
+@pytest.mark.parametrize("name", SUPPORTED)
+def test_all_finite_finds_a_damaged_value(name, rng):
+    """all_finite: random well-formed blocks pass; one NaN or infinity in any f16 field of any
+    block (or any element of a float tensor) fails."""
+    t = BY_NAME[name]
+    n = 4 * FORMATS[t].block_elems * (8 if FORMATS[t].block_elems == 1 else 1)
+    raw = random_blocks(t, n, rng)
+    assert all_finite(raw, t)
+    bb = FORMATS[t].block_bytes
+    offsets = [o for o in F16_FIELDS.get(name, ())]
+    for bad in (np.nan, np.inf, -np.inf):
+        hit = raw.copy()
+        block = int(rng.integers(0, raw.size // bb))
+        if name == "F32":
+            hit.view("<f4")[block] = bad
+        elif name == "F16":
+            hit.view("<f2")[block] = bad
+        elif name == "BF16":
+            hit.view("<u2")[block] = np.float32(bad).view("<u4") >> 16
+        else:
+            o = block * bb + offsets[int(rng.integers(0, len(offsets)))]
+            hit[o:o + 2] = np.frombuffer(np.float16(bad).tobytes(), np.uint8)
+        assert not all_finite(hit, t), (name, bad)
+

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from typing import Optional
 
 import typer
@@ -63,7 +64,7 @@ def info(
              "  gguf-run tokenize model.gguf '<|im_start|>user' --pieces --parse-special")
 def tokenize(
     model: str = typer.Argument(..., help="GGUF model (or vocabulary) file"),
-    text: str = typer.Argument(..., help="text to tokenize"),
+    text: str = typer.Argument(..., help="text to tokenize ('-': read standard input)"),
     pieces: bool = typer.Option(False, "--pieces", help="print each id with its text piece"),
     bos: bool = typer.Option(True, "--bos/--no-bos", help="add BOS/EOS as the file asks"),
     parse_special: bool = typer.Option(False, "--parse-special", help="turn special-token text into its id"),
@@ -72,6 +73,8 @@ def tokenize(
     """Print the token ids of TEXT under MODEL's tokenizer."""
     with open_gguf(model, check_data=False) as f:
         tok = Tokenizer.from_metadata(f.metadata)
+    if text == "-":
+        text = sys.stdin.read()
     ids = tok.encode(text, add_special=bos, parse_special=parse_special)
     if as_json:
         print(json.dumps(ids))

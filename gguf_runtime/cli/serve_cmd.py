@@ -102,7 +102,7 @@ def serve(
             svc.scheduler.shutdown(wait=False)  # running streams end now, so connections close
 
     config = uvicorn.Config(build_app(svc, check_host=is_loopback(host), allow_origins=tuple(allow_origin or ())),
-                            log_level=log_level, timeout_graceful_shutdown=10,
+                            log_level=log_level, timeout_graceful_shutdown=3,
                             access_log=log_level in ("info", "debug"))
     a = svc.scheduler.adapter
     bound = sock.getsockname()

@@ -187,10 +187,10 @@ _NEW_SET = frozenset(chr(c) for r in _AFTER_15_1.split()
                      for c in range(int(r.split("-")[0], 16), int(r.split("-")[-1], 16) + 1))
 
 
-# Words are cached, up to CACHED_WORDS of up to CACHED_WORD_CHARS characters each (a few tens of MB
+# Words are cached, up to CACHED_WORDS of up to CACHED_WORD_CHARS characters each (about 15 MB
 # at most): a longer "word" (a run of one letter, base64) is merged afresh, so no prompt can grow
 # the cache by its own size.
-CACHED_WORDS = 1 << 17
+CACHED_WORDS = 1 << 15
 CACHED_WORD_CHARS = 64
 
 

@@ -23,7 +23,7 @@ import re
 SPACE = "\u2581"
 # segments cached: as many as this, of up to this many characters (longer ones are merged afresh, so
 # a giant input cannot grow the cache by its own size)
-CACHED_SEGMENTS = 1 << 17
+CACHED_SEGMENTS = 1 << 15
 CACHED_SEGMENT_CHARS = 64
 
 

@@ -96,6 +96,27 @@ def _as_bytes(raw: np.ndarray) -> np.ndarray:
     return raw.reshape(-1)
 
 
+# byte offsets of each block's f16 fields (scales, minimums): the only values of a quantized
+# block that can be NaN or infinite
+F16_FIELDS = {
+    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+}
+
+
+def all_finite(raw: np.ndarray, type_id: int) -> bool:
+    """Whether every value the blocks of ``raw`` encode is finite: the f16 fields of quantized
+    blocks, every element of float tensors (BF16: exponent bits not all set)."""
+    fmt = _check_type(type_id)
+    if fmt.name == "BF16":
+        return not ((raw.view("<u2") & 0x7F80) == 0x7F80).any()
+    if fmt.name in ("F32", "F16"):
+        return bool(np.isfinite(raw.view("<f4" if fmt.name == "F32" else "<f2")).all())
+    blocks = raw.reshape(-1, fmt.block_bytes)
+    # an f16 is NaN or infinite when its exponent bits (0x7C of the high byte) are all set
+    return not any(((blocks[:, o + 1] & 0x7C) == 0x7C).any() for o in F16_FIELDS[fmt.name])
+
+
 def dequantize(raw: np.ndarray, type_id: int, shape: tuple[int, ...]) -> np.ndarray:
     """Decode ``raw`` (uint8, exactly ``nbytes(type_id, prod(shape))`` bytes) into float32 ``shape``.
 

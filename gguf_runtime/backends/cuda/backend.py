@@ -26,7 +26,7 @@ from .workspace import Workspace
 from .precompile import precompile
 from .prefill import PrefillMixin
 from .weights import DeviceWeights
-from ...errors import BackendError, UnsupportedModelError
+from ...errors import BackendError, GGUFError, UnsupportedModelError
 from ...format.gguf_file import GGUFFile
 from ...graphs import GraphManager
 from ...graphs.manager import CaptureError
@@ -40,7 +40,7 @@ from ...quant_kernels import launchers as L
 from ...quant_kernels import launch_sampling as LS
 from ...quant_kernels import pdl
 from ...quant_kernels.reference import dequantize
-from ..host_loop import host_sample_loop
+from ..host_loop import NOT_FINITE, host_sample_loop
 from ...sampling import SamplingParams
 
 RING = 64  # tokens per slot the pinned ring holds
@@ -174,6 +174,14 @@ class CudaBackend(PrefillMixin):
         else:
             LS.topk_sample(k, logits.data.ptr, ld, cfg.n_vocab, st, rows, slot0)
 
+    def _check_finite(self, logits: cp.ndarray) -> None:
+        """Damaged weights show in a prompt's logits: one line, where the GPU sampler would pick
+        token 0 from NaNs for ever (one reduction and a wait per prompt)."""
+        with self.stream:
+            ok = bool(cp.isfinite(logits).all())
+        if not ok:
+            raise GGUFError(NOT_FINITE)
+
     def gpu_sampling(self, params: SamplingParams) -> bool:
         """Whether the GPU sampler covers these parameters (else the host samples)."""
         return params.greedy or 0 < params.top_k <= MAX_GPU_TOP_K
@@ -289,6 +297,7 @@ class CudaBackend(PrefillMixin):
         sample token 0 on the stream; returns the launch of one decode step (the graph of this
         sampling mode), which also counts the token it evaluates into the slot's length."""
         mode = self._mode(params)
+        self._check_finite(self.last_logits[-1:])
         self._prime(0, history, params, seed)
         with self.stream:
             self._sample(*mode, rows=1)  # token 0, from the prompt's logits
@@ -335,7 +344,7 @@ class CudaBackend(PrefillMixin):
             raise BackendError("batched decoding samples on the GPU: use top-k between 1 and 1024")
         self.kv.reserve(slot, min(self.n_ctx, len(prompt) + max_new), stream=self.stream)
         self.slot_len[slot] = 0
-        self._eval(slot, prompt, all_logits=False)
+        self._check_finite(self._eval(slot, prompt, all_logits=False))
         seed = int(seed) if seed is not None else secrets.randbits(63)
         self._prime(slot, prompt, params, seed)
         with self.stream:

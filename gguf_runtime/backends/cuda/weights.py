@@ -10,12 +10,24 @@ from typing import Callable
 import cupy as cp
 import numpy as np
 
-from ...errors import UnsupportedModelError
+from ...errors import GGUFError, UnsupportedModelError
 from ...format.gguf_file import GGUFFile
 from ...format.model_config import ModelConfig, model_tensors
 from ...quant_kernels.launch_core import Mat
-from ...quant_kernels.reference import dequantize
+from ...quant_kernels.reference import all_finite, dequantize
 from ...quant_kernels.repack import repack
+
+
+def damaged(name: str) -> str:
+    return f"tensor '{name}' holds NaN or infinite values: the file's weights are damaged; re-download it"
+
+
+def _finite_on_device(buf: cp.ndarray, type_name: str, n: int) -> bool:
+    """The n elements of a float matrix's buffer (before its alignment padding) all finite."""
+    buf = buf[:n * (4 if type_name == "F32" else 2)]
+    if type_name == "BF16":
+        return not bool(((buf.view(cp.uint16) & 0x7F80) == 0x7F80).any())
+    return bool(cp.isfinite(buf.view(cp.float32 if type_name == "F32" else cp.float16)).all())
 
 
 class DeviceWeights:
@@ -31,7 +43,10 @@ class DeviceWeights:
         for name in names:
             t = f.tensors[name]
             if len(t.shape) == 1:
-                v = cp.asarray(dequantize(f.raw(name), t.type_id, t.shape).astype(np.float32))
+                host = dequantize(f.raw(name), t.type_id, t.shape).astype(np.float32)
+                if not np.isfinite(host).all():
+                    raise GGUFError(damaged(name))
+                v = cp.asarray(host)
                 self.vecs[name] = v
                 self.nbytes += v.nbytes
             else:
@@ -39,8 +54,13 @@ class DeviceWeights:
                 if t.type_name in ("F32", "F16", "BF16") and cols % 16:
                     raise UnsupportedModelError(f"tensor '{name}': {cols} columns is not a multiple of 16, "
                                                 "which the CUDA kernels need; use --backend numpy")
+                floats = t.type_name in ("F32", "F16", "BF16")
+                if not floats and not all_finite(f.raw(name), t.type_id):  # (the blocks' f16 scales)
+                    raise GGUFError(damaged(name))
                 packed = repack(f.raw(name), t.type_id, rows, cols)
                 dev = cp.asarray(packed.buffer)
+                if floats and not _finite_on_device(dev, t.type_name, rows * cols):  # every element: on the GPU
+                    raise GGUFError(damaged(name))
                 self._buffers.append(dev)
                 self.nbytes += dev.nbytes
                 base = dev.data.ptr
