@@ -330,11 +330,11 @@ def test_cli_serve_and_ctrl_c(model_path, reference):
             p.kill()
 
 
-def spawn_serve(*args: str) -> tuple[subprocess.Popen, str]:
+def spawn_serve(ctx: int = 256) -> tuple[subprocess.Popen, str]:
     """`gguf-run serve` (numpy, the default model) on a free port; (process, base URL) once it
     accepts connections."""
     p = subprocess.Popen([sys.executable, "-m", "gguf_runtime", "serve", "--backend", "numpy", "--port", "0",
-                          "--name", "tiny", "-c", "256", *args], stderr=subprocess.PIPE, text=True,
+                          "--name", "tiny", "-c", str(ctx)], stderr=subprocess.PIPE, text=True,
                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
     line = ""
     for _ in range(20):
@@ -419,3 +419,37 @@ def test_rejected_giant_prompts_do_not_grow_memory(model_path):
         finally:
             if p.poll() is None:
                 p.kill()
+
+
+def test_a_slow_prompt_does_not_hold_up_the_others(model_path):
+    """A 300 KB one-word prompt (it fits the byte check at context 4,096, and its BPE takes
+    seconds) is tokenized while a short request is rendered, tokenized and answered: prompts are
+    prepared on several threads. (The giant one is then refused: 37,500 tokens.)"""
+    p, url = spawn_serve(4096)
+    try:
+        result = {}
+
+        def giant():
+            r = httpx.post(url + "/api/generate", json={"model": "tiny", "prompt": "a" * 300_000, "stream": False},
+                           timeout=120)
+            result["giant"] = (time.monotonic(), r.status_code, r.text[:200])
+
+        t = threading.Thread(target=giant)
+        t.start()
+        time.sleep(0.5)  # the giant prompt is being tokenized
+        r = httpx.post(url + "/api/generate", json={"model": "tiny", "prompt": "Hi", "raw": True, "stream": False,
+                                                    "options": {"num_predict": 1, "temperature": 0}}, timeout=120)
+        small_done = time.monotonic()
+        assert r.status_code == 200 and r.json()["done"] is True
+        t.join(120)
+        done_at, status, text = result["giant"]
+        assert status == 400 and "tokens" in text, (status, text)
+        assert small_done < done_at, "the short request waited for the giant one"
+    finally:
+        p.send_signal(signal.SIGINT)
+        try:
+            p.wait(30)
+        finally:
+            if p.poll() is None:
+                p.kill()
+

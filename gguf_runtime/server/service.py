@@ -1,8 +1,9 @@
 """The service behind the routes: the scheduler, the model's card, the limits, and running one
 job for one HTTP request (disconnect watching, streaming, errors as JSON).
 
-A request's prompt is rendered and tokenized on one helper thread (off the event loop and off the
-model's thread), then submitted to the scheduler; its events come back through a mailbox (one
+A request's prompt is rendered and tokenized on a few helper threads (off the event loop and off
+the model's thread; several, so one slow prompt cannot hold up the others), then submitted to the
+scheduler; its events come back through a mailbox (one
 ``call_soon_threadsafe`` per batch of events) into the request's ``asyncio.Queue``. The response
 starts when the first event arrives, so an error at admission still gets its 4xx/5xx status; a
 client that disconnects, while waiting or while streaming, cancels its job (its slot and KV pages
@@ -61,6 +62,9 @@ def exit_process(e: BaseException) -> None:
     os._exit(70)
 
 
+PREP_THREADS = 4  # prompts rendered and tokenized at once (templates stop at 2 s; a 1 MB word takes seconds)
+
+
 class Service:
     """The scheduler, the model's card and the request limits, shared by every route."""
 
@@ -69,7 +73,7 @@ class Service:
                  on_fatal: Callable[[BaseException], None] | None = exit_process) -> None:
         self.scheduler = Scheduler(factory, admit_tokens=admit_tokens, max_queue=max_queue, on_fatal=on_fatal)
         self.name, self.max_body = name, max_body
-        self.prep = ThreadPoolExecutor(1, thread_name_prefix="gguf-prep")
+        self.prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="gguf-prep")
         self._mail: dict[asyncio.AbstractEventLoop, _Mailbox] = {}
 
     def mailbox(self) -> _Mailbox:
