@@ -178,7 +178,7 @@ class FakeCuda:
         self.prefills.append(self.prefill_graph)
         self._work()
 
-    def start_decode(self, prompt, params, seed=0):
+    def start_decode(self, prompt, params, seed=0, keep=0):
         self.params = params
         self._work()
 
@@ -385,3 +385,40 @@ def test_not_an_ollama_server_is_one_line(ollama, capsys):
     url, log = ollama
     assert_one_line_error(cli(capsys, *TINY, "--ollama", url + "/v1", "--ollama-model", "smollm2:135m"),
                           "does not answer like Ollama")
+
+
+def test_depth_rows(capsys):
+    """-d (llama-bench's depth): the pp and tg rows again after that many tokens in the cache; the
+    KV bytes of the tg rows count them; bad lists are refused in one line."""
+    rc, out, err = cli(capsys, *TINY, "-d", "0,40", "--json")
+    assert rc == 0, err
+    res = json.loads(out)
+    rows = {(r["test"], r["depth"]): r for r in res["rows"]}
+    assert set(rows) == {("pp16", 0), ("tg4", 0), ("pp16 @ d40", 40), ("tg4 @ d40", 40)}
+    assert res["settings"]["depth"] == [0, 40] and res["settings"]["n_ctx"] >= 40 + 16
+    assert rows[("tg4 @ d40", 40)]["step_bytes"] > rows[("tg4", 0)]["step_bytes"]
+    for bad in ("4096,x", "-1", "8,8"):
+        rc, out, err = cli(capsys, *TINY, "-d", bad)
+        assert rc == 2 and "'-d'" in err, (bad, err)
+
+
+def test_depth_rows_keep_the_cache(capsys, monkeypatch):
+    """At depth d each repetition truncates to d and prefills (or decodes) from there: the depth's
+    tokens are prefilled once, not per repetition."""
+    from gguf_runtime.tools import bench as B
+
+    calls = []
+
+    class Spy:
+        cfg = type("C", (), {"n_vocab": 100})()
+
+        def truncate(self, n):
+            calls.append(("truncate", n))
+
+        def prefill(self, ids):
+            calls.append(("prefill", len(ids)))
+
+    be = Spy()
+    B.fill_depth(be, 30)
+    B.prefill_rate(be, 8, reps=2, depth=30)
+    assert calls == [("truncate", 0), ("prefill", 30)] + [("truncate", 30), ("prefill", 8)] * 3

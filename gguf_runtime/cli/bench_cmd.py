@@ -41,6 +41,20 @@ def parse_batches(text: Optional[str]) -> tuple[int, ...]:
     return tuple(sizes)
 
 
+def parse_depths(text: Optional[str]) -> tuple[int, ...]:
+    """-d "0,4096": whole numbers of tokens, in the order given (default: 0)."""
+    if text is None:
+        return (0,)
+    try:
+        depths = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise typer.BadParameter(f"{text!r} is not a comma-separated list of token counts, e.g. 0,4096",
+                                 param_hint="'-d'") from None
+    if any(d < 0 for d in depths) or len(set(depths)) != len(depths):
+        raise typer.BadParameter(f"{text!r}: give distinct token counts of 0 or more", param_hint="'-d'")
+    return depths
+
+
 def check_plot(path: str) -> None:
     try:
         import matplotlib  # noqa: F401
@@ -69,6 +83,9 @@ def bench(
                                        help="tg and batched rows with CUDA graph replay, eager launches, or both "
                                             "(default: both on cuda; numpy: eager)"),
     backend: str = Backend,
+    depth: Optional[str] = typer.Option(None, "-d", "--n-depth", metavar="LIST",
+                                        help="tokens already in the cache before the pp and tg rows, e.g. "
+                                             "0,4096,16384 (llama-bench's depth; default 0)"),
     ctx_size: Optional[int] = typer.Option(None, "-c", "--ctx-size", min=8,
                                            help="context size (default: what the rows need)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object (device, model, every run) instead"),
@@ -89,6 +106,7 @@ def bench(
     times steps per second, and share its part of the bandwidth measured in the same run.
     """
     batches = parse_batches(batch)
+    depths = parse_depths(depth)
     if mode is not None and mode not in MODES:
         raise typer.BadParameter(f"{mode!r} is not one of both, graph, eager", param_hint="'--mode'")
     if n_prompt == 0 and n_gen == 0:
@@ -126,7 +144,7 @@ def bench(
             skipped.append(f"batched generation (--batch {','.join(map(str, batches))}) needs the cuda backend")
             print(f"note: {skipped[-1]}; those rows are skipped", file=sys.stderr, flush=True)
             batches = ()
-    need = max(16, n_prompt, n_gen + 2, BATCH_PROMPT + n_gen + 1 if batches else 0,
+    need = max(16, max(depths) + max(n_prompt, n_gen + 2), BATCH_PROMPT + n_gen + 1 if batches else 0,
                n_prompt + n_gen + 1 if client else 0)
     if ctx_size is not None and ctx_size < need:
         raise typer.BadParameter(f"{ctx_size} is too small for these rows: they need {need} tokens",
@@ -136,7 +154,7 @@ def bench(
         client.check()
     bandwidth, method = device_bandwidth(name)
     max_batch = next(b for b in (1, 2, 4, 8, 16, 32, 64) if b >= max(batches or (1,)))
-    suite = Suite(n_prompt, n_gen, reps, modes, batches, seed)
+    suite = Suite(n_prompt, n_gen, reps, modes, batches, seed, depths=depths)
     ollama = None
     with progress_bars(quiet) as progress:
         eng = Engine(path, backend=backend, n_ctx=ctx, progress=progress, note=note, use_graph="graph" in modes,
@@ -158,6 +176,7 @@ def bench(
                       "ollama_eval_tokens": int(statistics.median(a["eval_count"] for a in answers[1:])),
                       "load_s": {"gguf_run": eng.load_s, "ollama": load}, "answers": answers}
     settings = {"n_prompt": n_prompt, "n_gen": n_gen, "repetitions": reps, "batch": list(batches),
+                "depth": list(depths),
                 "batch_prompt": BATCH_PROMPT if batches else None, "modes": list(modes), "n_ctx": ctx, "seed": seed}
     res = result(f=eng.gguf, cfg=eng.cfg, path=path, backend=name, device=device_name(name), bandwidth=bandwidth,
                  bandwidth_method=method, weights_read=weight_bytes_read(eng.gguf, eng.cfg, name), rows=rows,

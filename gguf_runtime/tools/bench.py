@@ -30,12 +30,13 @@ ProgressFn = Callable[[str, int, int], None]
 
 @dataclass
 class Rate:
-    test: str  # "pp512", "tg128", "B=8 tg128"
+    test: str  # "pp512", "tg128", "B=8 tg128", "pp512 @ d4096" (llama-bench's depth)
     mode: str  # "eager" or "graph"
     tokens: int  # tokens per repetition (all sequences together for batched rows)
     runs: list[float]  # tokens per second, one per repetition
     batch: int = 0  # sequences decoded together (batched rows), 0 for single-sequence rows
     step_bytes: float = 0.0  # bytes read per decode step (weights + KV at the mean context); 0 for pp
+    depth: int = 0  # tokens already in the cache when the row's prefill or decoding starts
 
     @property
     def mean(self) -> float:
@@ -58,7 +59,7 @@ class Rate:
 
     def as_dict(self, bandwidth: float | None = None) -> dict:
         gbs = self.gbs
-        return {"test": self.test, "mode": self.mode, "batch": self.batch, "tokens": self.tokens,
+        return {"test": self.test, "mode": self.mode, "batch": self.batch, "depth": self.depth, "tokens": self.tokens,
                 "mean": self.mean, "median": self.median, "stdev": self.stdev, "runs": list(self.runs),
                 "step_bytes": self.step_bytes or None, "gbs": gbs,
                 "share": gbs / bandwidth if gbs is not None and bandwidth else None}
@@ -114,16 +115,30 @@ class _PrefillGraphs:
             self.backend.prefill_graph = False if failed else self.saved
 
 
-def prefill_rate(backend, n: int = 512, reps: int = 5, seed: int = 0, graph: bool = False) -> Rate:
-    """Prompt processing of n random tokens from an empty cache. With graph: the first run is
-    eager and the second captures the graph (a padded size's second use), so both are warm-up."""
+def fill_depth(backend, depth: int, seed: int = 0) -> None:
+    """``depth`` random tokens into slot 0's cache (not timed): what the depth rows start from."""
+    backend.truncate(0)
+    if depth:
+        rng = np.random.default_rng(seed + 1)
+        backend.prefill(rng.integers(10, backend.cfg.n_vocab, depth).tolist())
+        _sync(backend)
+
+
+def _at(test: str, depth: int) -> str:
+    return f"{test} @ d{depth}" if depth else test
+
+
+def prefill_rate(backend, n: int = 512, reps: int = 5, seed: int = 0, graph: bool = False, depth: int = 0) -> Rate:
+    """Prompt processing of n random tokens after ``depth`` tokens of cache (fill_depth first).
+    With graph: the first run is eager and the second captures the graph (a padded size's second
+    use), so both are warm-up."""
     rng = np.random.default_rng(seed)
     ids = rng.integers(10, backend.cfg.n_vocab, n).tolist()
     runs = []
     with _PrefillGraphs(backend, graph) as pg:
         warm = 2 if pg.mode == "graph" else 1
         for r in range(reps + warm):
-            backend.truncate(0)
+            backend.truncate(depth)
             _sync(backend)
             t0 = time.perf_counter()
             backend.prefill(ids)
@@ -131,7 +146,7 @@ def prefill_rate(backend, n: int = 512, reps: int = 5, seed: int = 0, graph: boo
             if r >= warm:
                 runs.append(n / (time.perf_counter() - t0))
         mode = pg.mode
-    return Rate(f"pp{n}", mode, n, runs)
+    return Rate(_at(f"pp{n}", depth), mode, n, runs, depth=depth)
 
 
 def _decode(backend, n: int, history: list[int], graph: bool, params: SamplingParams = GREEDY) -> None:
@@ -143,28 +158,31 @@ def _decode(backend, n: int, history: list[int], graph: bool, params: SamplingPa
             pass
 
 
-def _start(backend, prompt: list[int], params: SamplingParams = GREEDY) -> None:
-    """Prefill the prompt from an empty cache (CUDA: and sample the first token on the device)."""
+def _start(backend, prompt: list[int], params: SamplingParams = GREEDY, keep: int = 0) -> None:
+    """Prefill the prompt after the cache's first ``keep`` tokens (CUDA: and sample the first
+    token on the device)."""
     if _on_device(backend):
-        backend.start_decode(prompt, params, seed=params.seed or 0)
+        backend.start_decode(prompt, params, seed=params.seed or 0, keep=keep)
     else:
-        backend.truncate(0)
+        backend.truncate(keep)
         backend.prefill(prompt)
 
 
-def decode_rate(backend, n: int = 128, reps: int = 5, graph: bool = False, params: SamplingParams = GREEDY) -> Rate:
-    """Generation of n tokens after a one-token prompt (CUDA: sampling on the device); greedy
-    unless ``params`` says otherwise (the mode then reads "graph, sampled")."""
+def decode_rate(backend, n: int = 128, reps: int = 5, graph: bool = False, params: SamplingParams = GREEDY,
+                depth: int = 0) -> Rate:
+    """Generation of n tokens after a one-token prompt at ``depth`` (fill_depth first; CUDA:
+    sampling on the device); greedy unless ``params`` says otherwise (mode "graph, sampled")."""
     runs = []
     for r in range(reps + 1):
-        _start(backend, [1], params)
+        _start(backend, [1], params, keep=depth)
         _sync(backend)
         t0 = time.perf_counter()
         _decode(backend, n, [1], graph, params)
         _sync(backend)
         if r:
             runs.append(n / (time.perf_counter() - t0))
-    return Rate(f"tg{n}", _graphed(backend, graph) + ("" if params.greedy else ", sampled"), n, runs)
+    return Rate(_at(f"tg{n}", depth), _graphed(backend, graph) + ("" if params.greedy else ", sampled"), n, runs,
+                depth=depth)
 
 
 def prompt_gen_rates(backend, prompts: Sequence[list[int]], n_gen: int, graph: bool = True,
@@ -303,11 +321,13 @@ class Suite:
     batches: tuple[int, ...] = ()
     seed: int = 0
     sampled: bool = True  # with graphs on a GPU: one more tg row with the CLI's default sampling
+    depths: tuple[int, ...] = (0,)  # tokens in the cache before the pp and tg rows (llama-bench -d)
 
     def n_rows(self) -> int:
         pp = len(self.modes) if self.n_prompt > 0 else 0
-        tg = len(self.modes) * (1 + len(self.batches)) if self.n_gen > 0 else 0
-        return pp + tg + (self.sampled and self.n_gen > 0 and "graph" in self.modes)
+        tg = len(self.modes) + (self.sampled and "graph" in self.modes) if self.n_gen > 0 else 0
+        batched = len(self.modes) * len(self.batches) if self.n_gen > 0 else 0
+        return (pp + tg) * len(self.depths) + batched
 
 
 def run_suite(backend, f, cfg: ModelConfig, suite: Suite, progress: ProgressFn | None = None) -> list[Rate]:
@@ -326,21 +346,24 @@ def run_suite(backend, f, cfg: ModelConfig, suite: Suite, progress: ProgressFn |
             progress("benchmarking", len(rows), total)
 
     if suite.n_prompt > 0 or suite.n_gen > 0:
-        single_slot(backend, max(suite.n_prompt, suite.n_gen + 1))
-    if suite.n_prompt > 0:
-        for mode in suite.modes:
-            done(prefill_rate(backend, suite.n_prompt, suite.reps, suite.seed, graph=mode == "graph"))
-    if suite.n_gen > 0:
-        step = weights + kv_bytes_read(cfg, 1 + (suite.n_gen + 1) / 2, elem)
-        for mode in suite.modes:
-            r = decode_rate(backend, suite.n_gen, suite.reps, graph=mode == "graph")
-            r.step_bytes = step
-            done(r)
-        if suite.sampled and "graph" in suite.modes and _on_device(backend):
-            # temperature 0.8, top-k 40, top-p 0.95, min-p 0.05 on the device: the sampler's cost
-            r = decode_rate(backend, suite.n_gen, suite.reps, graph=True, params=SamplingParams(seed=suite.seed))
-            r.step_bytes = step
-            done(r)
+        single_slot(backend, max(suite.depths) + max(suite.n_prompt, suite.n_gen + 1))
+    for depth in suite.depths:
+        fill_depth(backend, depth, suite.seed)
+        if suite.n_prompt > 0:
+            for mode in suite.modes:
+                done(prefill_rate(backend, suite.n_prompt, suite.reps, suite.seed, graph=mode == "graph", depth=depth))
+        if suite.n_gen > 0:
+            step = weights + kv_bytes_read(cfg, depth + 1 + (suite.n_gen + 1) / 2, elem)
+            for mode in suite.modes:
+                r = decode_rate(backend, suite.n_gen, suite.reps, graph=mode == "graph", depth=depth)
+                r.step_bytes = step
+                done(r)
+            if suite.sampled and "graph" in suite.modes and _on_device(backend):
+                # temperature 0.8, top-k 40, top-p 0.95, min-p 0.05 on the device: the sampler's cost
+                r = decode_rate(backend, suite.n_gen, suite.reps, graph=True, params=SamplingParams(seed=suite.seed),
+                                depth=depth)
+                r.step_bytes = step
+                done(r)
     if suite.batches and suite.n_gen > 0:
         if not hasattr(backend, "seq_add"):
             raise BackendError("batched generation (--batch) needs the cuda backend")

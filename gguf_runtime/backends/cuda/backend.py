@@ -322,9 +322,10 @@ class CudaBackend(PrefillMixin):
             self._launch(key, 1, mode)
         self.slot_len[0] += n
 
-    def start_decode(self, prompt: Sequence[int], params: SamplingParams, seed: int = 0) -> None:
-        """Prefill the prompt into slot 0 and sample its first token on the device (benchmarks)."""
-        self.truncate(0)
+    def start_decode(self, prompt: Sequence[int], params: SamplingParams, seed: int = 0, keep: int = 0) -> None:
+        """Prefill the prompt into slot 0 after its first ``keep`` cached tokens and sample its
+        first token on the device (benchmarks)."""
+        self.truncate(keep)
         self.prefill(prompt)
         self._prime(0, list(prompt), params, seed)
         with self.stream:
