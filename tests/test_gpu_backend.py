@@ -193,3 +193,22 @@ def test_unsupported_shapes_are_refused(pair):
     for change, words in (({"n_embd": 4098}, "hidden sizes"), ({"head_dim": 96}, "head sizes")):
         with pytest.raises(UnsupportedModelError, match=words):
             check_supported(dataclasses.replace(cfg, **change))
+
+
+def test_a_context_too_large_for_the_gpu_names_the_largest_that_fits(pair):
+    """-c far past the GPU's memory: one line with the KV bytes it needs and the largest context
+    that fits, before any allocation fails; that context then loads."""
+    import re
+
+    from gguf_runtime.errors import BackendError
+
+    f, cfg, _, _ = pair
+    with pytest.raises(BackendError, match="largest context that fits is about") as e:
+        CudaBackend(f, cfg, 100_000_000)
+    msg = str(e.value)
+    assert "\n" not in msg and "lower --ctx-size" in msg, msg
+    largest = int(re.search(r"about ([\d,]+) tokens", msg).group(1).replace(",", ""))
+    assert largest > 100_000
+    be = CudaBackend(f, cfg, 65_536, use_graph=False)  # (not the largest: other tests share the GPU)
+    assert be.kv.max_pages * be.kv.page_size == 65_536
+

@@ -47,6 +47,7 @@ RING = 64  # tokens per slot the pinned ring holds
 HIST = 64
 MAX_GPU_TOP_K = 1024
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+KV_RESERVE = 1 << 30  # GPU memory kept beside the KV cache: workspace, f16 prefill copies, cuBLAS, graphs
 
 
 def check_supported(cfg: ModelConfig) -> None:
@@ -88,8 +89,9 @@ class CudaBackend(PrefillMixin):
             self.weights = DeviceWeights(f, cfg, progress)
             kv_type = self.tune.kv_type
             page = PagedKVCache.page_bytes(cfg, kv_type=kv_type)
-            self.kv = PagedKVCache(cfg, n_ctx, n_seqs=max_batch, n_pages=self._kv_pages(n_ctx, kv_tokens, page),
-                                   kv_type=kv_type)
+            n_pages = self._kv_pages(n_ctx, kv_tokens, page)
+            self._check_kv_fits(n_ctx, n_pages, page, kv_type)
+            self.kv = PagedKVCache(cfg, n_ctx, n_seqs=max_batch, n_pages=n_pages, kv_type=kv_type)
             self.ws = Workspace(cfg, max(max_rows or self.tune.prefill_chunk, max_batch), max(max_batch, 64),
                                 self.tune)
             ff = None
@@ -128,6 +130,20 @@ class CudaBackend(PrefillMixin):
                     self.note(f"note: the KV cache holds {want * PAGE_SIZE} tokens for {self.max_batch} "
                               "sequences (half the free GPU memory); sequences wait for pages when it is full")
         return want
+
+    def _check_kv_fits(self, n_ctx: int, n_pages: int, page_bytes: int, kv_type: str) -> None:
+        """One line naming the largest context that fits, where the KV cache asked for cannot:
+        what is free after the weights, less KV_RESERVE for the workspace, f16 copies and graphs."""
+        free, _ = cp.cuda.runtime.memGetInfo()
+        if n_pages * page_bytes <= free - KV_RESERVE:
+            return
+        pages = max(0, (free - KV_RESERVE) // page_bytes) // self.max_batch
+        largest = pages * PAGE_SIZE
+        raise BackendError(
+            f"a context of {n_ctx:,} tokens needs {n_pages * page_bytes / 2**30:.1f} GiB of {kv_type} KV cache"
+            f"{f' for {self.max_batch} sequences' if self.max_batch > 1 else ''}; {free / 2**30:.1f} GiB of GPU "
+            f"memory is free after the weights, so the largest context that fits is about {largest:,} tokens: "
+            "lower --ctx-size" + (" or --max-batch" if self.max_batch > 1 else ""))
 
     def _init_slots(self) -> None:
         n = self.max_batch
