@@ -23,11 +23,12 @@ import statistics
 import sys
 import time
 
+import cupy as cp
 from skip_roles import skip
 
 from gguf_runtime.backends.cuda import tuning
 from gguf_runtime.backends.cuda.backend import CudaBackend
-from gguf_runtime.tools.bench import decode_rate
+from gguf_runtime.tools.bench import decode_rate, fill_depth
 from gguf_runtime.format.gguf_file import open_gguf
 from gguf_runtime.format.model_config import config_from_gguf
 from gguf_runtime.quant_kernels.sources import SRC_DIR
@@ -55,20 +56,23 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--n", type=int, default=128)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--depth", type=int, default=0, help="tokens in the cache before each tg run (bench -d)")
     ap.add_argument("--json")
     a = ap.parse_args()
     f = open_gguf(a.model)
-    be = CudaBackend(f, config_from_gguf(f), 512)
+    be = CudaBackend(f, config_from_gguf(f), max(512, a.depth + a.n + 16))
     weight_bytes = sum(t.nbytes for t in f.tensors.values())
     res: dict[str, list[float]] = {v: [] for v in a.variants}
     for r in range(a.rounds):
         for v in a.variants:
             over, kdir, roles = parse(v)
             be.kernels.use_sources(kdir or SRC_DIR)
-            be.retune(tuning.choose(weight_bytes, overrides=over))
+            be.retune(tuning.choose(weight_bytes, overrides=over, n_head_kv=be.cfg.n_head_kv,
+                                    sm_count=cp.cuda.Device().attributes["MultiProcessorCount"]))
             skip(be, roles)
             t0 = time.perf_counter()
-            rate = decode_rate(be, a.n, a.reps, graph=True)
+            fill_depth(be, a.depth)
+            rate = decode_rate(be, a.n, a.reps, graph=True, depth=a.depth)
             res[v].append(rate.median)
             print(f"round {r} {v:<44} {rate.median:8.1f} t/s  ({time.perf_counter() - t0:.1f} s)", flush=True)
     ref = statistics.median(res[a.variants[0]])

@@ -26,6 +26,16 @@ def test_choices_by_model_size(monkeypatch):
     assert tuning.choose(BIG + 1, max_rows=8, max_batch=16).decode_mmv_rows == 2
 
 
+def test_decode_splits_fill_one_wave():
+    """(KV head, split) blocks of decode attention in one wave: 132 SMs, 8 KV heads: 16 splits;
+    3 or 1 KV heads: the kernel's most, 32; unknown device: 32; an override wins."""
+    assert tuning.choose(BIG + 1, n_head_kv=8, sm_count=132).decode_splits == 16
+    assert tuning.choose(BIG, n_head_kv=3, sm_count=132).decode_splits == 32
+    assert tuning.choose(BIG, n_head_kv=1, sm_count=132).decode_splits == 32
+    assert tuning.choose(BIG, n_head_kv=8).decode_splits == 32
+    assert tuning.choose(BIG, n_head_kv=8, sm_count=132, overrides="decode_splits=32").decode_splits == 32
+
+
 def test_override_spellings():
     t = tuning.choose(BIG, overrides="q8=0; kstage=qkv+o ;mmv.DOWN_Q6_K=4:2;mmv.GLU=2:1;attn_big=8:2;"
                                      "tiles=on;pdl_big_graph_kernels=;mma_split_min_steps=0")
@@ -47,7 +57,7 @@ def test_environment_is_the_default_override(monkeypatch):
 @pytest.mark.parametrize("text, match", [
     ("bogus=1", "no field 'bogus'"), ("q8", "not field=value"), ("q8=maybe", "q8='maybe'"),
     ("decode_mmv_rows=9", "decode_mmv_rows=9"), ("decode_mmv_rows=two", "decode_mmv_rows='two'"),
-    ("kv_type=q8", "kv_type='q8'"), ("tiles=sometimes", "tiles='sometimes'"), ("pdl=2", "pdl='2'"),
+    ("kv_type=q8", "kv_type='q8'"), ("decode_splits=64", "decode_splits=64"), ("decode_splits=0", "1 to 32"), ("tiles=sometimes", "tiles='sometimes'"), ("pdl=2", "pdl='2'"),
     ("mmv.ATTN=1:1", "the roles are"), ("mmv.QKV=2", "two numbers"), ("attn_big=4", "two numbers"),
 ])
 def test_bad_overrides_name_the_field(text, match):

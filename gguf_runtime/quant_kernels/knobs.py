@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+ATTN_MAX_SPLITS = 32  # attention.cu merges a row's splits in one warp: lane k holds split k
+
 
 class KernelKnobs(NamedTuple):
     """Launch choices the backend's tuning table makes for these kernels (backends/cuda/tuning.py).

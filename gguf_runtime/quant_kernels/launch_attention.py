@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from .knobs import ATTN_MAX_SPLITS
 from .launch_core import NO_PTRS, Kernels, Q8Vec, f32, i32, ptr
 
 ATTN_WARPS = (4, 8, 16)  # the compiled block sizes
@@ -53,6 +54,7 @@ def attention(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache: int,
     g = n_head // n_head_kv
     assert q8 is None or head_dim % 16 == 0
     shape = shape or attn_shape(head_dim, g)
+    assert 1 <= n_split <= ATTN_MAX_SPLITS, n_split
     k.fn("attention.cu", kernel_name(head_dim, g, shape, kv16))(
         (n_head_kv, n_split, rows), (32 * shape.warps,),
         (ptr(q), i32(ldq), ptr(kcache), ptr(vcache), ptr(pos), ptr(seq), ptr(table), i32(max_pages),

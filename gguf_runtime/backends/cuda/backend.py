@@ -79,7 +79,9 @@ class CudaBackend(PrefillMixin):
         self.f, self.cfg, self.n_ctx, self.max_batch = f, cfg, n_ctx, max_batch
         self.use_graph, self.note = use_graph, note
         weight_bytes = sum(t.nbytes for t in f.tensors.values())
-        self.tune = tune or tuning.choose(weight_bytes, kv_type, max_rows, max_batch)
+        sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+        self.tune = tune or tuning.choose(weight_bytes, kv_type, max_rows, max_batch, n_head_kv=cfg.n_head_kv,
+                                          sm_count=sms)
         self.prefill_graph = use_graph and self.tune.prefill_graph  # prefill chunks as graphs, one per padded size
         self._prefill_runs: dict[tuple, int] = {}
         self.pdl = pdl.supported(cp.cuda.Device()) and self.tune.pdl != "off"

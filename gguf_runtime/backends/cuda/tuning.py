@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from ...errors import BackendError
-from ...quant_kernels.knobs import KernelKnobs
+from ...quant_kernels.knobs import ATTN_MAX_SPLITS, KernelKnobs
 
 ENV = "GGUF_RUN_TUNE"
 MMV_ROLES = ("QKV", "O", "DOWN", "GLU", "HEAD")
@@ -42,7 +42,7 @@ class Tuning:
     attn_small: tuple[int, int] = (0, 1)  # (warps, rounds) up to 8 rows: widest block, one round
     attn_big: tuple[int, int] = (4, 1)  # (warps, rounds) of larger calls: 4 warps, one round a split
     attn_parts: int = 2048  # splits x rows budget of the attention partials (workspace)
-    decode_splits: int = 32  # splits a row up to 8 rows: results never depend on B
+    decode_splits: int = 32  # splits a row up to 8 rows (any B); choose(): (KV head, split) blocks in one wave
     batch_split_budget: int = 256  # splits x rows of tensor-core steps: rows fill the GPU
     tiles: str = "auto"  # batch decode steps on attention_tiles.cu: "auto" (tiles_min_blocks), "on", "off"
     tiles_min_blocks: int = 256  # (KV head, row) blocks from which tiles beat splits
@@ -71,19 +71,26 @@ class Tuning:
         return (table.get(f"{role}_{type_name}") if type_name else None) or table.get(role)
 
 
-def _size_defaults(weight_bytes: int, kv_type: str | None) -> dict:
+def _size_defaults(weight_bytes: int, kv_type: str | None, n_head_kv: int | None, sm_count: int | None) -> dict:
     big = weight_bytes > BIG_MODEL_BYTES
-    return {"decode_mmv_rows": 2 if big else 8, "pdl_any_rows": not big,
-            "kv_type": kv_type if kv_type not in (None, "auto") else ("f16" if big else "f32")}
+    out = {"decode_mmv_rows": 2 if big else 8, "pdl_any_rows": not big,
+           "kv_type": kv_type if kv_type not in (None, "auto") else ("f16" if big else "f32")}
+    if n_head_kv and sm_count:
+        # decode attention's (KV head, split) blocks in one wave of the SMs: the 8B (8 KV heads) at
+        # depth 4096 ran 16 splits 8% faster than 32 (24: slower); SmolLM2 (3) and Gemma-3 (1) keep 32
+        out["decode_splits"] = max(1, min(ATTN_MAX_SPLITS, sm_count // n_head_kv))
+    return out
 
 
 def choose(weight_bytes: int, kv_type: str | None = None, max_rows: int | None = None, max_batch: int = 1,
-           overrides: str | Mapping[str, str] | None = None) -> Tuning:
-    """The table for a model of ``weight_bytes`` (kv_type: the user's choice, "auto" or None;
-    max_rows: the rows of the largest call, default prefill_chunk), ``overrides`` (default:
+           overrides: str | Mapping[str, str] | None = None, n_head_kv: int | None = None,
+           sm_count: int | None = None) -> Tuning:
+    """The table for a model of ``weight_bytes`` with ``n_head_kv`` KV heads on a GPU of ``sm_count``
+    SMs (kv_type: the user's choice, "auto" or None; max_rows: the rows of the largest call,
+    default prefill_chunk), ``overrides`` (default:
     $GGUF_RUN_TUNE) applied last. Without calls of more than 8 rows there are no tensor-core
     inputs, so decode steps stay on the matvecs."""
-    values = _size_defaults(weight_bytes, kv_type)
+    values = _size_defaults(weight_bytes, kv_type, n_head_kv, sm_count)
     if overrides is None:
         overrides = os.environ.get(ENV, "")
     items = overrides.items() if isinstance(overrides, Mapping) else _pairs(overrides)
@@ -158,6 +165,9 @@ def _pair(name: str, text: str) -> tuple[int, int]:
 def _check(t: Tuning) -> None:
     if not 1 <= t.lookahead <= 32:  # (the pinned ring holds 64 tokens a slot)
         raise BackendError(f"{ENV}: lookahead={t.lookahead}: give a number of steps from 1 to 32")
+    if not 1 <= t.decode_splits <= ATTN_MAX_SPLITS:
+        raise BackendError(f"{ENV}: decode_splits={t.decode_splits}: the attention kernel merges 1 to "
+                           f"{ATTN_MAX_SPLITS} splits a row")
     if not 1 <= t.decode_mmv_rows <= 8:
         raise BackendError(f"{ENV}: decode_mmv_rows={t.decode_mmv_rows}: give a number of rows from 1 to 8")
     for name, allowed in (("tiles", ("auto", "on", "off")), ("pdl", ("auto", "off", "all")),
