@@ -20,7 +20,8 @@ TopP = typer.Option(0.95, "--top-p", min=0.0, max=1.0, help="nucleus sampling th
 MinP = typer.Option(0.05, "--min-p", min=0.0, max=1.0, help="drop tokens below min-p x the top probability; 0 = off")
 RepeatPenalty = typer.Option(1.0, "--repeat-penalty", min=0.0, help="penalize the last 64 tokens; 1 = off")
 Seed = typer.Option(None, "--seed", min=0, help="random seed (same seed, same text)")
-CtxSize = typer.Option(None, "-c", "--ctx-size", min=8, help="context size in tokens (default: min(4096, the model's))")
+CtxSize = typer.Option(None, "-c", "--ctx-size", min=0,
+                       help="context size in tokens (default: min(4096, the model's); 0: the model's own)")
 Backend = typer.Option("auto", "--backend", help="auto | cuda | numpy (auto: cuda when a GPU and CuPy are there)")
 Quiet = typer.Option(False, "--quiet", "-q", help="no progress bars or notes")
 NoGraph = typer.Option(False, "--no-graph", help="cuda: launch kernels one by one instead of replaying CUDA graphs")

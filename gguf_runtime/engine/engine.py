@@ -78,6 +78,8 @@ class Engine:
         self.template = ChatTemplate.from_metadata(self.gguf.metadata)
         if n_ctx is None:
             n_ctx = min(DEFAULT_CTX, self.cfg.n_ctx_train)
+        elif n_ctx == 0:  # as llama.cpp's -c 0: the context the model was trained for
+            n_ctx = self.cfg.n_ctx_train
         if n_ctx < 8:
             raise GGUFRunError(f"context size {n_ctx} is too small; use --ctx-size 8 or more")
         self.n_ctx = n_ctx
