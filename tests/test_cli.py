@@ -103,6 +103,8 @@ def test_info_and_tokenize():
     assert rc == 0, err
     for word in ("architecture", "llama", "Q4_1", "Q8_0", "quant types", "tokenizer.ggml.pre"):
         assert word in out
+    # K and V of 30 layers x 3 KV heads x 64 dims: 11,520 elements a token
+    assert "kv_cache        22.50 KiB a token in f16, 45.00 KiB in f32 (180.00 MiB / 360.00 MiB at 8,192" in out
     from gguf_runtime.cli.default_model import default_model_path
     rc, out, err = run("tokenize", default_model_path(), "The capital of France is")
     assert (rc, out.strip()) == (0, "504 3575 282 4649 314")
@@ -111,7 +113,7 @@ def test_info_and_tokenize():
 
 
 def test_help_shows_examples_for_every_command():
-    for cmd in ([], ["run"], ["info"], ["tokenize"], ["synth"], ["chat"], ["bench"], ["serve"]):
+    for cmd in ([], ["run"], ["info"], ["tokenize"], ["synth"], ["chat"], ["bench"], ["serve"], ["perplexity"]):
         rc, out, err = run(*cmd, "--help")
         assert rc == 0 and "Examples" in out, (cmd, out)
 

@@ -49,6 +49,10 @@ def info(
             elif k == "rope":
                 v = ", ".join(f"{a}={b}" for a, b in v.items() if b is not None)
             out(f"  {k:<16}{v}")
+        per_token = arch["n_layer"] * arch["n_head_kv"] * (arch["head_dim"] + arch["head_dim_v"])  # K and V elements
+        train = arch["n_ctx_train"]
+        out(f"  {'kv_cache':<16}{human_bytes(2 * per_token)} a token in f16, {human_bytes(4 * per_token)} in f32 "
+            f"({human_bytes(2 * per_token * train)} / {human_bytes(4 * per_token * train)} at {train:,} tokens)")
     out("\nquant types")
     out(f"  {'type':<8}{'tensors':>8}{'params':>12}{'size':>12}{'share':>8}")
     for r in i["quant"]:
