@@ -297,15 +297,8 @@ def test_disconnect_cancels_running_and_waiting(url):
 
 # ---- the command line --------------------------------------------------------------------------------
 def test_cli_serve_and_ctrl_c(model_path, reference):
-    p = subprocess.Popen([sys.executable, "-m", "gguf_runtime", "serve", "--backend", "numpy", "--port", "0",
-                          "--name", "tiny", "-c", "256"], stderr=subprocess.PIPE, text=True,
-                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    p, _, line = spawn_serve()
     try:
-        line = ""
-        for _ in range(20):
-            line = p.stderr.readline()
-            if line.startswith("serving") or not line:
-                break
         m = re.search(r"serving tiny:latest \(numpy, one request at a time, context 256\) on (http://\S+)", line)
         assert m, line
         host = m.group(1)
@@ -330,9 +323,9 @@ def test_cli_serve_and_ctrl_c(model_path, reference):
             p.kill()
 
 
-def spawn_serve(ctx: int = 256) -> tuple[subprocess.Popen, str]:
-    """`gguf-run serve` (numpy, the default model) on a free port; (process, base URL) once it
-    accepts connections."""
+def spawn_serve(ctx: int = 256) -> tuple[subprocess.Popen, str, str]:
+    """`gguf-run serve` (numpy, the default model) on a free port; (process, base URL, its
+    "serving" line) once it accepts connections."""
     p = subprocess.Popen([sys.executable, "-m", "gguf_runtime", "serve", "--backend", "numpy", "--port", "0",
                           "--name", "tiny", "-c", str(ctx)], stderr=subprocess.PIPE, text=True,
                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -351,7 +344,7 @@ def spawn_serve(ctx: int = 256) -> tuple[subprocess.Popen, str]:
             break
         except OSError:
             time.sleep(0.05)
-    return p, url
+    return p, url, line
 
 
 @pytest.mark.parametrize("signals", [(signal.SIGTERM,), (signal.SIGINT, signal.SIGINT)], ids=["term", "int-int"])
@@ -359,7 +352,7 @@ def test_signals_stop_the_server_with_streams_and_stalled_clients(model_path, si
     """SIGTERM, or Ctrl-C twice in a row, ends the server (exit 0) with a stream running and a
     client that never finishes its headers: graceful shutdown is bounded (3 s), not held open
     by a connection. (p.wait's limit is a hang guard; the issue's bar is 5 s, measured 0.5 s.)"""
-    p, url = spawn_serve()
+    p, url, _ = spawn_serve()
     try:
         s = open_stream(url, {"model": "tiny", **COUNTING})
         read_until(s, b'"done":false')
@@ -392,7 +385,7 @@ def test_rejected_giant_prompts_do_not_grow_memory(model_path):
         with open(f"/proc/{pid}/status") as fh:
             return int(re.search(r"VmRSS:\s+(\d+)", fh.read()).group(1)) / 1024
 
-    p, url = spawn_serve()
+    p, url, _ = spawn_serve()
     host, port = url.removeprefix("http://").split(":")
     body = ("lorem ipsum dolor sit amet " * 34000)[:899_990]
     try:
@@ -425,7 +418,7 @@ def test_a_slow_prompt_does_not_hold_up_the_others(model_path):
     """A 300 KB one-word prompt (it fits the byte check at context 4,096, and its BPE takes
     seconds) is tokenized while a short request is rendered, tokenized and answered: prompts are
     prepared on several threads. (The giant one is then refused: 37,500 tokens.)"""
-    p, url = spawn_serve(4096)
+    p, url, _ = spawn_serve(4096)
     try:
         result = {}
 

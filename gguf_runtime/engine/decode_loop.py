@@ -62,7 +62,6 @@ class LaunchAhead:
         self._steps = 0  # decode steps among them
         self._seqs: dict[int, _Seq] = {}
         self._gen = 0
-        self.launched_steps = 0
 
     def admit(self, slot: int, budget: int) -> None:
         """A sequence whose token 0 has just been sampled (enqueued) into ``slot``."""
@@ -73,10 +72,6 @@ class LaunchAhead:
     def drop(self, slot: int) -> None:
         """Forget the slot's sequence; tokens of it still in flight are discarded."""
         self._seqs.pop(slot, None)
-
-    @property
-    def active(self) -> bool:
-        return bool(self._seqs)
 
     def pending(self) -> bool:
         """Whether ``step`` has anything left to read or launch."""
@@ -98,7 +93,6 @@ class LaunchAhead:
         """Launch up to ``depth`` steps ahead, wait for the oldest, return the readable tokens."""
         while self._steps < self.depth and self._seqs and self._may_launch():
             self._launch()
-            self.launched_steps += 1
             marks = []
             for s, q in self._seqs.items():
                 marks.append((s, q.gen, q.launched))

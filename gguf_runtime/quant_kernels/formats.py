@@ -45,11 +45,6 @@ SUPPORTED: tuple[str, ...] = (
 SUPPORTED_IDS: frozenset[int] = frozenset(BY_NAME[n] for n in SUPPORTED)
 
 
-def type_name(type_id: int) -> str:
-    f = FORMATS.get(type_id)
-    return f.name if f else f"unknown type {type_id}"
-
-
 def nbytes(type_id: int, n_elems: int) -> int:
     """Bytes that ``n_elems`` elements of ``type_id`` occupy; n_elems must be whole blocks."""
     f = FORMATS[type_id]

@@ -76,8 +76,8 @@ def _size_defaults(weight_bytes: int, kv_type: str | None, n_head_kv: int | None
     out = {"decode_mmv_rows": 2 if big else 8, "pdl_any_rows": not big,
            "kv_type": kv_type if kv_type not in (None, "auto") else ("f16" if big else "f32")}
     if n_head_kv and sm_count:
-        # decode attention's (KV head, split) blocks in one wave of the SMs: the 8B (8 KV heads) at
-        # depth 4096 ran 16 splits 8% faster than 32 (24: slower); SmolLM2 (3) and Gemma-3 (1) keep 32
+        # decode attention's (KV head, split) blocks in one wave of the SMs: more waste a tail wave,
+        # fewer leave SMs idle at depth (bench/RESULTS.md rows 85-86)
         out["decode_splits"] = max(1, min(ATTN_MAX_SPLITS, sm_count // n_head_kv))
     return out
 
