@@ -13,6 +13,8 @@ a path (cuda_blocks.py), not an error:
   layer product takes f16 inputs and f16 weights with f32 accumulation; the lm_head there is an f32
   matvec on the f32 normed rows.
 * **an f16 KV cache** (``kv_type="f16"``): keys and values are stored rounded to f16.
+* **flash attention** (the same prefill chunks): q (scaled), K, V and the softmax numerators are
+  f16 operands of the tensor cores.
 
 What is left between this model and the GPU is f32 summation order (~1e-7 relative per product) and
 the value that lands within that noise of a rounding boundary of the int8 or f16 grid and rounds
@@ -51,9 +53,9 @@ class PathModel(NumpyBackend):
     """NumpyBackend whose products and KV cache round as one CUDA path does (see the module)."""
 
     def __init__(self, f, cfg, n_ctx: int, *, q8: bool = True, kv16: bool = False,
-                 mmv_rows: int = MAX_MMV_TOKENS) -> None:
+                 mmv_rows: int = MAX_MMV_TOKENS, flash: bool = True) -> None:
         super().__init__(f, cfg, n_ctx)
-        self.q8, self.kv16, self.mmv_rows = q8, kv16, mmv_rows
+        self.q8, self.kv16, self.mmv_rows, self.flash = q8, kv16, mmv_rows, flash
         self._head = lm_head_name(cfg)
         self._w16: dict[str, np.ndarray] = {}
 
@@ -77,6 +79,31 @@ class PathModel(NumpyBackend):
 
     def store_kv(self, layer: int, k: np.ndarray, v: np.ndarray, positions: np.ndarray) -> None:
         super().store_kv(layer, f16(k) if self.kv16 else k, f16(v) if self.kv16 else v, positions)
+
+    def attention(self, layer: int, q: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Prompt chunks (over mmv_rows rows) run flash_attn.cu: f16 operands (q times the scale, K,
+        V, and the softmax numerators P), f32 sums; the denominator sums P before its rounding.
+        With one key tile per row (up to 32-64 keys) the running maximum is the row's maximum, so
+        this is the kernel's arithmetic up to summation order."""
+        if q.shape[0] <= self.mmv_rows or not self.flash:
+            return super().attention(layer, q, positions)
+        cfg = self.cfg
+        n_kv = int(positions.max()) + 1
+        keys, vals = f16(self.k_cache[layer, :n_kv]), f16(self.v_cache[layer, :n_kv])
+        t = q.shape[0]
+        qg = f16(q * np.float32(cfg.attn_scale)).reshape(t, cfg.n_head_kv, cfg.n_gqa, cfg.head_dim)
+        s = np.einsum("thgd,shd->hgts", qg, keys)
+        if cfg.attn_softcap:
+            s = np.float32(cfg.attn_softcap) * np.tanh(s / np.float32(cfg.attn_softcap))
+        s = s * np.float32(np.log2(np.e))
+        dist = positions[:, None] - np.arange(n_kv)[None, :]
+        mask = dist < 0
+        if cfg.layer_window[layer]:
+            mask |= dist >= cfg.layer_window[layer]
+        s = np.where(mask[None, None], np.float32(-np.inf), s)
+        p = np.exp2(s - s.max(axis=-1, keepdims=True))
+        out = np.einsum("hgts,shd->thgd", f16(p), vals) / p.sum(axis=-1)[..., None].transpose(2, 0, 1, 3)
+        return out.astype(np.float32, copy=False).reshape(t, cfg.n_head, cfg.head_dim_v)
 
 
 # ---- comparing logits ---------------------------------------------------------------------------

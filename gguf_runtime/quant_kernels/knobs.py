@@ -16,3 +16,4 @@ class KernelKnobs(NamedTuple):
     mma_split_min_steps: int = 0  # k steps a K-split block keeps where token tiles can halve (0: none)
     mma_stages: tuple[int, int] = (2, 2)  # staged tiles' depth: single products, GLU
     tiles: tuple[int, int] | None = None  # attention_tiles (keys per tile, stages); None: tiles_config
+    flash: tuple[int, int] | None = None  # flash_attn (rows per block, keys per tile); None: flash_config

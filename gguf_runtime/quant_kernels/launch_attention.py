@@ -4,7 +4,8 @@ attention.cu (decode of one or a few sequences, prefill): a block of W warps tak
 warp per round; a split covers at least ``rounds`` rounds (min_keys = 4 W rounds keys), so short
 contexts run one block per KV head and merge their warps in shared memory, not across blocks.
 attention_tiles.cu (batch decode steps): one block per (KV head, row), keys streamed in tiles.
-Both read float32 or f16 caches (kv16), compiled apart.
+flash_attn.cu (prompt chunks): tensor-core flash attention, a block per (KV head, 16 WT rows).
+All read float32 or f16 caches (kv16), compiled apart.
 """
 
 from __future__ import annotations
@@ -122,3 +123,55 @@ def attention_tiles(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache
        (ptr(q), i32(ldq), ptr(kcache), ptr(vcache), ptr(pos), ptr(seq), ptr(table), i32(max_pages), i32(page_size),
         i32(n_head_kv), f32(scale), f32(cap), i32(window), i32(1 if early else 0), ptr(inv_freq), i32(n_rot),
         i32(1 if neox else 0), ptr(out), i32(ldo), ptr(out16), i32(ld16)), shared_mem=smem)
+
+
+# ---- flash_attn.cu: prompt chunks (prefill) on the tensor cores ----------------------------------
+FLASH_HEAD_DIMS = (64, 128, 256)
+
+
+def flash_ok(head_dim: int, head_dim_v: int, group: int) -> bool:
+    return head_dim == head_dim_v and head_dim in FLASH_HEAD_DIMS and 1 <= group <= 8
+
+
+def flash_config(head_dim: int, group: int, kv16: bool, knobs: tuple[int, int] | None = None) -> tuple[int, int, int]:
+    """(WT, KT, ST): 16 WT rows a block (G WT warps: up to 8), KT keys a tile, ST stages. ``knobs``
+    (KernelKnobs.flash: rows, keys) where given; else 32 rows up to 4 heads a group (16 from 5), and
+    tiles of 64 keys where a key row is at most 256 bytes in the cache (32 above)."""
+    rows, kt = knobs or (32 if group <= 4 else 16, 64 if head_dim * (2 if kv16 else 4) <= 256 else 32)
+    if group == 1 and not knobs:
+        rows = 64
+    return max(1, rows // 16), kt, 2
+
+
+def flash_kernel_name(head_dim: int, group: int, config: tuple[int, int, int], kv16: bool) -> str:
+    wt, kt, st = config
+    return f"flash_prefill<{head_dim}, {group}, {wt}, {kt}, {st}, {kv_ctype(kv16)}>"
+
+
+def flash_smem(head_dim: int, group: int, config: tuple[int, int, int], kv16: bool) -> int:
+    """Bytes of dynamic shared memory (flash_attn.cu's Flash::BYTES)."""
+    wt, kt, st = config
+    ldh = head_dim + 8  # f16 tile rows, padded
+    q_frags = group * wt * (head_dim // 16) * 32 * 16 if head_dim > 128 else 0  # uint4 per (warp, k step, lane)
+    if kv16:  # the stages are the tiles
+        return 2 * st * kt * ldh * 2 + q_frags
+    return 2 * st * kt * head_dim * 4 + 2 * kt * ldh * 2 + q_frags
+
+
+def flash_prefill(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache: int, pos: int, seq: int,
+                  table: int, max_pages: int, page_size: int, n_head: int, n_head_kv: int, head_dim: int,
+                  scale: float, cap: float, window: int, out: int, ldo: int, out16: int | None = None,
+                  ld16: int = 0, kv16: bool = False, config: tuple[int, int, int] | None = None) -> None:
+    """Attention of ``rows`` rows (the non-padding ones: one sequence, as a prompt chunk) over the
+    paged cache on the tensor cores (flash_attn.cu); out16: also an f16 copy."""
+    g = n_head // n_head_kv
+    assert flash_ok(head_dim, head_dim, g)
+    config = config or flash_config(head_dim, g, kv16, k.knobs.flash)
+    fn = k.fn("flash_attn.cu", flash_kernel_name(head_dim, g, config, kv16))
+    smem = flash_smem(head_dim, g, config, kv16)
+    fn.allow_smem(smem)
+    bq = 16 * config[0]
+    fn((n_head_kv, -(-rows // bq)), (32 * g * config[0],),
+       (ptr(q), i32(ldq), ptr(kcache), ptr(vcache), ptr(pos), ptr(seq), ptr(table), i32(max_pages), i32(page_size),
+        i32(n_head_kv), i32(rows), f32(scale), f32(cap), i32(window), ptr(out), i32(ldo), ptr(out16), i32(ld16)),
+       shared_mem=smem)

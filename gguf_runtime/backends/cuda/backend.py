@@ -242,6 +242,7 @@ class CudaBackend(PrefillMixin):
         self._set_pdl_rows()
         self.pdl = pdl.supported(cp.cuda.Device()) and tune.pdl != "off"
         self.graphs.clear()
+        self._prefill_runs.clear()  # each chunk size runs eagerly once more (its warm-up) before its capture
 
     def _step(self, rows: int, mode: tuple[bool, bool]) -> None:
         """Every active slot < rows: embed its token, run the model at its position, sample."""

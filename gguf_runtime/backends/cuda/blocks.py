@@ -118,6 +118,13 @@ class CudaBlocks:
             return False
         return mode == "on" or t * cfg.n_head_kv >= self.tune.tiles_min_blocks
 
+    def flash(self, t: int) -> bool:
+        """Whether a call of t rows takes flash_attn.cu: prompt chunks over MAX_MMV_TOKENS rows (their
+        rows are one sequence), by shape and the tuning table."""
+        cfg = self.cfg
+        return (not self.decode and not self._small(t) and self.tune.flash
+                and LA.flash_ok(cfg.head_dim, cfg.head_dim_v, cfg.n_head // cfg.n_head_kv))
+
     def _big_mma(self, t: int) -> bool:
         return self.mma and not self._small(t)
 
@@ -204,6 +211,13 @@ class CudaBlocks:
                                ws.x16.strides[0] // 2, early=self.tune.attn_early,
                                inv_freq=rope.inv_freq if rope else 0, n_rot=rope.n_rot if rope else 0,
                                neox=rope.neox if rope else False, kv16=self.kv.kv16)
+            return out
+        if self.flash(t):  # a prompt chunk: one sequence (prefill.py), tensor-core flash attention
+            LA.flash_prefill(self.k, q.data.ptr, q.strides[0] // 4, t, kc, vc, positions.data.ptr, self.seq.data.ptr,
+                             self.kv.table.data.ptr, self.kv.max_pages, self.kv.page_size, cfg.n_head, cfg.n_head_kv,
+                             cfg.head_dim, cfg.attn_scale, cfg.attn_softcap or 0.0, cfg.layer_window[layer],
+                             out.data.ptr, out.strides[0] // 4, ws.x16.data.ptr, ws.x16.strides[0] // 2,
+                             kv16=self.kv.kv16)
             return out
         LA.attention(self.k, q.data.ptr, q.strides[0] // 4, t, kc, vc, positions.data.ptr, self.seq.data.ptr,
                     self.kv.table.data.ptr, self.kv.max_pages, self.kv.page_size, cfg.n_head, cfg.n_head_kv,

@@ -48,6 +48,8 @@ class Tuning:
     tiles_min_blocks: int = 256  # (KV head, row) blocks from which tiles beat splits
     tiles_rope: bool = True  # attention_tiles also does rope_kv's work (one launch less per layer)
     tiles_shape: tuple[int, int] | None = None  # (keys, stages); None: 8 KiB tiles, 2 stages (6 blocks/SM)
+    flash: bool = True  # prompt chunks' attention on flash_attn.cu (tensor cores); off: the split kernel
+    flash_shape: tuple[int, int] | None = None  # (rows a block, keys a tile); None: flash_config's rule
     # -- tensor cores (batch steps)
     mma_reg_a: bool = True  # Q4_K / Q6_K A fragments built in registers
     mma_split_min_steps: int = 12  # K-split floor: fewer, longer splits over halved token tiles
@@ -63,7 +65,7 @@ class Tuning:
     def knobs(self) -> KernelKnobs:
         """The kernel launchers' share of the table."""
         return KernelKnobs(mma_reg_a=self.mma_reg_a, mma_split_min_steps=self.mma_split_min_steps,
-                           mma_stages=self.mma_stages, tiles=self.tiles_shape)
+                           mma_stages=self.mma_stages, tiles=self.tiles_shape, flash=self.flash_shape)
 
     def mmv_override(self, role: str, type_name: str | None = None) -> tuple[int, int] | None:
         """(R, WG) for a role's matvec (and one weight type: "DOWN_Q6_K"), where measuring sets one."""
@@ -148,7 +150,7 @@ def _parse(name: str, text: str):
             return frozenset() if text in ("", "none") else frozenset(text.split("+"))
         if name == "pdl_big_graph_kernels":
             return tuple(p for p in text.split("+") if p)
-        if name in ("attn_small", "attn_big", "mma_stages", "tiles_shape"):
+        if name in ("attn_small", "attn_big", "mma_stages", "tiles_shape", "flash_shape"):
             return None if text == "none" else _pair(name, text)
         return text
     except ValueError:
