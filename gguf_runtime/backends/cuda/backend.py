@@ -47,7 +47,7 @@ RING = 64  # tokens per slot the pinned ring holds
 HIST = 64
 MAX_GPU_TOP_K = 1024
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-KV_RESERVE = 1 << 30  # GPU memory kept beside the KV cache: workspace, f16 prefill copies, cuBLAS, graphs
+KV_RESERVE = 1 << 30  # GPU memory kept beside the KV cache (the workspace is already allocated): f16 prefill copies, cuBLAS, graphs
 
 
 def check_supported(cfg: ModelConfig) -> None:
@@ -89,13 +89,14 @@ class CudaBackend(PrefillMixin):
             self.stream = cp.cuda.Stream(non_blocking=True)
             self.kernels = L.Kernels(self.tune.knobs())
             self.weights = DeviceWeights(f, cfg, progress)
+            # the workspace first: the KV check below sees the memory it leaves
+            self.ws = Workspace(cfg, max(max_rows or self.tune.prefill_chunk, max_batch), max(max_batch, 64),
+                                self.tune)
             kv_type = self.tune.kv_type
             page = PagedKVCache.page_bytes(cfg, kv_type=kv_type)
             n_pages = self._kv_pages(n_ctx, kv_tokens, page)
             self._check_kv_fits(n_ctx, n_pages, page, kv_type)
             self.kv = PagedKVCache(cfg, n_ctx, n_seqs=max_batch, n_pages=n_pages, kv_type=kv_type)
-            self.ws = Workspace(cfg, max(max_rows or self.tune.prefill_chunk, max_batch), max(max_batch, 64),
-                                self.tune)
             ff = None
             if cfg.rope.freq_factors:
                 t = f.tensors[cfg.rope.freq_factors]
@@ -135,7 +136,7 @@ class CudaBackend(PrefillMixin):
 
     def _check_kv_fits(self, n_ctx: int, n_pages: int, page_bytes: int, kv_type: str) -> None:
         """One line naming the largest context that fits, where the KV cache asked for cannot:
-        what is free after the weights, less KV_RESERVE for the workspace, f16 copies and graphs."""
+        what is free after the weights and the workspace, less KV_RESERVE for the f16 copies and graphs."""
         free, _ = cp.cuda.runtime.memGetInfo()
         if n_pages * page_bytes <= free - KV_RESERVE:
             return

@@ -26,7 +26,7 @@ BIG_MODEL_BYTES = 1 << 30  # "big": the 8B (4.6 GiB) and up; the 135M-270M model
 @dataclass(frozen=True)
 class Tuning:
     # -- prefill
-    prefill_chunk: int = 512  # rows per prefill call: the workspace's height (pp512 in one call)
+    prefill_chunk: int = 2048  # rows per prefill call (the workspace's height): weights dequantized once per 2048 rows
     prefill_quantum: int = 64  # chunks pad to multiples of this: few graph sizes, mma-friendly rows
     prefill_graph: bool = True  # chunks replay as graphs from their second run (small models' prefill is host-bound)
     f16_resident_max_bytes: int = 1 << 30  # f16 prefill copies kept up to this; above, dequantized per group
