@@ -148,3 +148,35 @@ def test_non_finite_prompt_logits_are_one_line(micro, temp):
     with pytest.raises(GGUFError, match="damaged"):
         generate_batch(two, [[1, 2, 3], [4, 5]], 4, params)
     assert two.kv.free_pages() == two.kv.n_pages  # the slots were released
+
+
+LONG = 8000  # prompt tokens: four prefill chunks (flash attention over the cached ones), then a decode step
+# against float32 numpy at position ~8,000 (measured on the H100: 1 - cos 1.3e-5, max rel 4.4e-3 / 1.6e-2
+# for Llama / Gemma-3, whose soft-capped logits stay under 1): f16 noise, as at short prompts
+LONG_NUMPY = dict(cos_gap=5e-5, max_rel=4e-2)
+# against the path model (measured: 1 - cos 1.3e-6 / 1.8e-6, max rel 1.2e-3 / 4.5e-3): 3-4x the short
+# prompts' gap, as the model rounds P against each row's final maximum, the kernel against each tile's
+LONG_MODEL = dict(cos_gap=5e-6, max_rel=1e-2)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_long_prompt_against_numpy(name, tmp_path, rng):
+    """The cuda backend's logits after an 8,000-token prompt (prefill chunks with every cached key
+    in view; Gemma-3's sliding window of 4 and soft-capping) and one decode step after it: against
+    the path model (f16 prefill operands and flash attention's roundings, int8 decode), and against
+    float32 numpy within f16's noise."""
+    from gguf_runtime.backends.numpy.backend import NumpyBackend
+
+    path = write_micro(CASES[name], tmp_path / f"{name}.gguf")
+    f = open_gguf(path)
+    cfg = config_from_gguf(f)
+    ids = rng.integers(0, cfg.n_vocab, LONG + 1).tolist()
+
+    def logits(be):
+        return np.concatenate([be.eval(ids[:LONG]).reshape(1, -1), be.eval(ids[LONG:]).reshape(1, -1)])
+    got = logits(CudaBackend(f, cfg, LONG + 8))
+    model = logits(PathModel(f, cfg, LONG + 8))
+    ref = logits(NumpyBackend(f, cfg, LONG + 8))
+    assert_all_rows(got[:1], model[:1], what=f"micro {name} prefill at {LONG} vs path model", **LONG_MODEL)
+    assert_all_rows(got[:1], ref[:1], what=f"micro {name} prefill at {LONG} vs numpy", **LONG_NUMPY)
+    assert_most_rows(got[1:], model[1:], TIGHT, 0.0, LOOSE_Q8, what=f"micro {name} decode at {LONG}")
