@@ -415,23 +415,28 @@ def test_rejected_giant_prompts_do_not_grow_memory(model_path):
 
 
 def test_a_slow_prompt_does_not_hold_up_the_others(model_path):
-    """A 300 KB one-word prompt (it fits the byte check at context 4,096, and its BPE takes
+    """A 600 KB one-word prompt (it fits the byte check at context 8,192, and its BPE takes
     seconds) is tokenized while a short request is rendered, tokenized and answered: prompts are
-    prepared on several threads. (The giant one is then refused: 37,500 tokens.)"""
-    p, url, _ = spawn_serve(4096)
+    prepared on several threads. (The giant one is then refused: 150,030 tokens.) The threads share
+    the GIL, so the short request is slowed while the giant one is tokenized (0.06 s alone, 0.5 s
+    beside it on a fast 2-core machine): the giant prompt is long enough to take several times that."""
+    p, url, _ = spawn_serve(8192)
+    small = {"model": "tiny", "prompt": "Hi", "raw": True, "stream": False, "options": {"num_predict": 1, "temperature": 0}}
     try:
+        # a first request warms the server up (its first answer costs as much as a third of the giant's
+        # tokenization on a fast machine), so the race below times only the preparation of prompts
+        assert httpx.post(url + "/api/generate", json=small, timeout=120).status_code == 200
         result = {}
 
         def giant():
-            r = httpx.post(url + "/api/generate", json={"model": "tiny", "prompt": "a" * 300_000, "stream": False},
+            r = httpx.post(url + "/api/generate", json={"model": "tiny", "prompt": "a" * 600_000, "stream": False},
                            timeout=120)
             result["giant"] = (time.monotonic(), r.status_code, r.text[:200])
 
         t = threading.Thread(target=giant)
         t.start()
         time.sleep(0.5)  # the giant prompt is being tokenized
-        r = httpx.post(url + "/api/generate", json={"model": "tiny", "prompt": "Hi", "raw": True, "stream": False,
-                                                    "options": {"num_predict": 1, "temperature": 0}}, timeout=120)
+        r = httpx.post(url + "/api/generate", json=small, timeout=120)
         small_done = time.monotonic()
         assert r.status_code == 200 and r.json()["done"] is True
         t.join(120)
