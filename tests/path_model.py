@@ -53,9 +53,9 @@ class PathModel(NumpyBackend):
     """NumpyBackend whose products and KV cache round as one CUDA path does (see the module)."""
 
     def __init__(self, f, cfg, n_ctx: int, *, q8: bool = True, kv16: bool = False,
-                 mmv_rows: int = MAX_MMV_TOKENS, flash: bool = True) -> None:
+                 mmv_rows: int = MAX_MMV_TOKENS) -> None:
         super().__init__(f, cfg, n_ctx)
-        self.q8, self.kv16, self.mmv_rows, self.flash = q8, kv16, mmv_rows, flash
+        self.q8, self.kv16, self.mmv_rows = q8, kv16, mmv_rows
         self._head = lm_head_name(cfg)
         self._w16: dict[str, np.ndarray] = {}
 
@@ -85,7 +85,7 @@ class PathModel(NumpyBackend):
         V, and the softmax numerators P), f32 sums; the denominator sums P before its rounding.
         With one key tile per row (up to 32-64 keys) the running maximum is the row's maximum, so
         this is the kernel's arithmetic up to summation order."""
-        if q.shape[0] <= self.mmv_rows or not self.flash:
+        if q.shape[0] <= self.mmv_rows:
             return super().attention(layer, q, positions)
         cfg = self.cfg
         n_kv = int(positions.max()) + 1
@@ -96,11 +96,7 @@ class PathModel(NumpyBackend):
         if cfg.attn_softcap:
             s = np.float32(cfg.attn_softcap) * np.tanh(s / np.float32(cfg.attn_softcap))
         s = s * np.float32(np.log2(np.e))
-        dist = positions[:, None] - np.arange(n_kv)[None, :]
-        mask = dist < 0
-        if cfg.layer_window[layer]:
-            mask |= dist >= cfg.layer_window[layer]
-        s = np.where(mask[None, None], np.float32(-np.inf), s)
+        s = np.where(self.attention_mask(layer, positions, n_kv)[None, None], np.float32(-np.inf), s)
         p = np.exp2(s - s.max(axis=-1, keepdims=True))
         out = np.einsum("hgts,shd->thgd", f16(p), vals) / p.sum(axis=-1)[..., None].transpose(2, 0, 1, 3)
         return out.astype(np.float32, copy=False).reshape(t, cfg.n_head, cfg.head_dim_v)

@@ -421,7 +421,8 @@ def test_a_slow_prompt_does_not_hold_up_the_others(model_path):
     the GIL, so the short request is slowed while the giant one is tokenized (0.06 s alone, 0.5 s
     beside it on a fast 2-core machine): the giant prompt is long enough to take several times that."""
     p, url, _ = spawn_serve(8192)
-    small = {"model": "tiny", "prompt": "Hi", "raw": True, "stream": False, "options": {"num_predict": 1, "temperature": 0}}
+    small = {"model": "tiny", "prompt": "Hi", "raw": True, "stream": False,
+             "options": {"num_predict": 1, "temperature": 0}}
     try:
         # a first request warms the server up (its first answer costs as much as a third of the giant's
         # tokenization on a fast machine), so the race below times only the preparation of prompts

@@ -135,11 +135,10 @@ def flash_ok(head_dim: int, head_dim_v: int, group: int) -> bool:
 
 def flash_config(head_dim: int, group: int, kv16: bool, knobs: tuple[int, int] | None = None) -> tuple[int, int, int]:
     """(WT, KT, ST): 16 WT rows a block (G WT warps: up to 8), KT keys a tile, ST stages. ``knobs``
-    (KernelKnobs.flash: rows, keys) where given; else 32 rows up to 4 heads a group (16 from 5), and
+    (KernelKnobs.flash: rows, keys) where given; else 64 rows for one head a group, 32 up to 4 (16 from 5), and
     tiles of 64 keys where a key row is at most 256 bytes in the cache (32 above)."""
-    rows, kt = knobs or (32 if group <= 4 else 16, 64 if head_dim * (2 if kv16 else 4) <= 256 else 32)
-    if group == 1 and not knobs:
-        rows = 64
+    rows, kt = knobs or (64 if group == 1 else 32 if group <= 4 else 16,
+                         64 if head_dim * (2 if kv16 else 4) <= 256 else 32)
     return max(1, rows // 16), kt, 2
 
 

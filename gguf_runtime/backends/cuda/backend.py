@@ -47,7 +47,7 @@ RING = 64  # tokens per slot the pinned ring holds
 HIST = 64
 MAX_GPU_TOP_K = 1024
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-KV_RESERVE = 1 << 30  # GPU memory kept beside the KV cache (the workspace is already allocated): f16 prefill copies, cuBLAS, graphs
+KV_RESERVE = 1 << 30  # GPU memory kept beside the KV cache and the workspace: f16 prefill copies, cuBLAS, graphs
 
 
 def check_supported(cfg: ModelConfig) -> None:

@@ -139,17 +139,21 @@ class NumpyBackend:
         s = np.einsum("thgd,shd->hgts", qg, keys) * np.float32(cfg.attn_scale)  # [Hkv, G, T, S]
         if cfg.attn_softcap:
             s = np.float32(cfg.attn_softcap) * np.tanh(s / np.float32(cfg.attn_softcap))
-        kpos = np.arange(n_kv)
-        dist = positions[:, None] - kpos[None, :]  # [T, S]
-        mask = dist < 0
-        if cfg.layer_window[layer]:
-            mask |= dist >= cfg.layer_window[layer]
-        s = np.where(mask[None, None], np.float32(-np.inf), s)
+        s = np.where(self.attention_mask(layer, positions, n_kv)[None, None], np.float32(-np.inf), s)
         s = s - s.max(axis=-1, keepdims=True)
         p = np.exp(s)
         p /= p.sum(axis=-1, keepdims=True)
         out = np.einsum("hgts,shd->thgd", p, vals)
         return out.astype(np.float32, copy=False).reshape(t, cfg.n_head, cfg.head_dim_v)
+
+    def attention_mask(self, layer: int, positions: np.ndarray, n_kv: int) -> np.ndarray:
+        """[T, S]: True where query row t must not see key s (a later key, or one outside the
+        layer's sliding window)."""
+        dist = positions[:, None] - np.arange(n_kv)[None, :]
+        mask = dist < 0
+        if self.cfg.layer_window[layer]:
+            mask |= dist >= self.cfg.layer_window[layer]
+        return mask
 
     def glu(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         act = gelu_tanh(gate) if self.cfg.activation == "gelu_tanh" else silu(gate)
