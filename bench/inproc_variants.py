@@ -68,7 +68,8 @@ def main() -> None:
             over, kdir, roles = parse(v)
             be.kernels.use_sources(kdir or SRC_DIR)
             be.retune(tuning.choose(weight_bytes, overrides=over, n_head_kv=be.cfg.n_head_kv,
-                                    sm_count=cp.cuda.Device().attributes["MultiProcessorCount"]))
+                                    sm_count=cp.cuda.Device().attributes["MultiProcessorCount"],
+                                    head_dim=be.cfg.head_dim))
             skip(be, roles)
             t0 = time.perf_counter()
             fill_depth(be, a.depth)

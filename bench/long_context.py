@@ -65,7 +65,8 @@ def main() -> None:
         for v in a.variants:
             over = parse(v)
             sizing = {k: x for k, x in over.items() if k in SIZING}
-            tune = tuning.choose(weight_bytes, overrides=over, n_head_kv=cfg.n_head_kv, sm_count=sms)
+            tune = tuning.choose(weight_bytes, overrides=over, n_head_kv=cfg.n_head_kv, sm_count=sms,
+                                 head_dim=cfg.head_dim)
             if sizing:
                 be = CudaBackend(f, cfg, n_ctx, tune=tune)
             else:

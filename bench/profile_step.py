@@ -81,7 +81,7 @@ def main() -> None:
     f = open_gguf(args.model)
     cfg = config_from_gguf(f)
     batches = args.batch or [1]
-    be = CudaBackend(f, cfg, 512, max_batch=max(batches))
+    be = CudaBackend(f, cfg, max(512, args.prompt + 64), max_batch=max(batches))
     weight_bytes = sum(t.nbytes for t in f.tensors.values())
     out = []
     for rows in batches:

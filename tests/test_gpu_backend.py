@@ -45,9 +45,10 @@ def pair(request):
 
 @pytest.fixture(scope="module")
 def f32_backend(pair):
-    """The same twin with f32 activations (GGUF_RUN_TUNE q8=0: the norm fused into the matvecs)."""
+    """The same twin with f32 activations and an f32 KV cache (GGUF_RUN_TUNE q8=0: the norm fused into
+    the matvecs; kv_type=f32: SmolLM2's default cache is f16)."""
     mp = pytest.MonkeyPatch()
-    mp.setenv("GGUF_RUN_TUNE", "q8=0")
+    mp.setenv("GGUF_RUN_TUNE", "q8=0;kv_type=f32")
     try:
         be = CudaBackend(pair[0], pair[1], 256)
     finally:
@@ -103,18 +104,23 @@ def test_logits_match_numpy(pair, f32_backend, n, rng):
 
 
 def test_f16_kv_cache_matches_numpy(pair, rng):
-    """The twins are under tuning.BIG_MODEL_BYTES, so "auto" keeps float32 keys and values; with f16 ones
-    (the 8B's default) prefill and graph decode steps stay as close to numpy's logits."""
+    """"auto" gives f16 keys and values to heads up to 128 wide (SmolLM2's 64: decode steps then run
+    flash_decode.cu) and float32 to Gemma-3's 256; with either type prefill and graph decode steps
+    stay as close to numpy's logits."""
     f, cfg, npb, cub = pair
-    assert cub.kv.k.dtype == cp.float32 and not cub.kv.kv16
-    be = CudaBackend(f, cfg, 256, kv_type="f16")
-    assert be.kv.k.dtype == cp.float16 and be.kv.kv16
-    assert be.kv_page_bytes == cub.kv_page_bytes // 2
+    assert cub.kv.kv16 == (cfg.head_dim <= 128)
+    be16 = cub if cub.kv.kv16 else CudaBackend(f, cfg, 256, kv_type="f16")
+    be32 = CudaBackend(f, cfg, 256, kv_type="f32") if cub.kv.kv16 else cub
+    assert be16.kv.k.dtype == cp.float16 and be32.kv.k.dtype == cp.float32
+    assert be16.kv_page_bytes == be32.kv_page_bytes // 2
     ids = rng.integers(0, cfg.n_vocab, 40).tolist()
-    got, ref = run(be, ids, (5, 17, 300)), run(npb, ids, (5, 17, 300))  # decode: the fused KV write
-    assert_all_rows(got, ref, what=f"{cfg.arch} f16 KV cache", **Q8)
-    assert_argmax_agrees(got, ref, 0.9)
-    assert be.kv.k.get().astype(np.float32)[:, :3].any()  # pages hold keys
+    ref = run(npb, ids, (5, 17, 300))
+    for be in (be16, be32):
+        be.truncate(0)
+        got = run(be, ids, (5, 17, 300))  # decode: the fused KV write
+        assert_all_rows(got, ref, what=f"{cfg.arch} {'f16' if be.kv.kv16 else 'f32'} KV cache", **Q8)
+        assert_argmax_agrees(got, ref, 0.9)
+    assert be16.kv.k.get().astype(np.float32)[:, :3].any()  # pages hold keys
 
 
 def test_kv_type_from_the_tuning_override(pair, monkeypatch):

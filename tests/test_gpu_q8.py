@@ -366,7 +366,7 @@ def test_model_matches_numpy_and_graph_matches_eager(monkeypatch, q8, rng):
     from gguf_runtime.format.model_config import config_from_gguf
     from gguf_runtime.sampling import SamplingParams
 
-    monkeypatch.setenv("GGUF_RUN_TUNE", f"q8={q8}")
+    monkeypatch.setenv("GGUF_RUN_TUNE", f"q8={q8}" + (";kv_type=f32" if q8 == "0" else ""))  # 0: float32 throughout
     f = open_gguf(twin_path("smollm2"))
     cfg = config_from_gguf(f)
     npb, cub = NumpyBackend(f, cfg, 256), CudaBackend(f, cfg, 256)
@@ -386,7 +386,8 @@ def test_model_matches_numpy_and_graph_matches_eager(monkeypatch, q8, rng):
 
 
 @pytest.mark.parametrize("d,hq,hkv", [(128, 32, 8), (64, 9, 3)])
-def test_attention_int8_copy(k, d, hq, hkv, rng):
+@pytest.mark.parametrize("kernel", [LA.attention, LA.flash_decode], ids=["split", "flash_decode"])
+def test_attention_int8_copy(k, d, hq, hkv, kernel, rng):
     """attention with q8 writes the same output and, from the block that writes it (one split or
     the merging block), its int8 copy: quantize_q8 of the output bit for bit."""
     page, n_ctx, n_split = 16, 320, 32
@@ -404,9 +405,9 @@ def test_attention_int8_copy(k, d, hq, hkv, rng):
     buf = Q8Buf(t, hq * d)
     for q8 in (None, buf.vec):
         out = cp.full((t, hq * d), POISON, cp.float32)
-        LA.attention(k, qd.data.ptr, hq * d, t, kd.data.ptr, vd.data.ptr, posd.data.ptr, seqd.data.ptr,
-                     tabd.data.ptr, max_pages, page, hq, hkv, d, 1 / np.sqrt(d), 0.0, 0, n_split, part_o.data.ptr,
-                     part_ml.data.ptr, counter.data.ptr, out.data.ptr, hq * d, q8=q8)
+        kernel(k, qd.data.ptr, hq * d, t, kd.data.ptr, vd.data.ptr, posd.data.ptr, seqd.data.ptr,
+               tabd.data.ptr, max_pages, page, hq, hkv, d, 1 / np.sqrt(d), 0.0, 0, n_split, part_o.data.ptr,
+               part_ml.data.ptr, counter.data.ptr, out.data.ptr, hq * d, q8=q8)
         outs.append(out.get())
     assert np.isfinite(outs[1]).all() and (outs[0] == outs[1]).all()
     check_q8(buf, outs[1])

@@ -21,6 +21,10 @@ def test_choices_by_model_size(monkeypatch):
     assert (big.kv_type, big.decode_mmv_rows, big.pdl_any_rows) == ("f16", 2, False)
     assert tuning.choose(BIG + 1, kv_type="f32").kv_type == "f32"
     assert tuning.choose(BIG + 1, kv_type="auto").kv_type == "f16"
+    # small models: f16 up to 128-dim heads (SmolLM2's 64), f32 for Gemma-3's 256
+    assert tuning.choose(BIG, head_dim=64).kv_type == "f16"
+    assert tuning.choose(BIG, head_dim=256).kv_type == "f32"
+    assert tuning.choose(BIG + 1, head_dim=256).kv_type == "f16"
     # no call of more than 8 rows: no tensor-core inputs, so decode stays on the matvecs
     assert tuning.choose(BIG + 1, max_rows=8, max_batch=8).decode_mmv_rows == 8
     assert tuning.choose(BIG + 1, max_rows=8, max_batch=16).decode_mmv_rows == 2

@@ -17,31 +17,7 @@
 // ([page][n_head_kv][page_size][D], float or u16 = f16): an f16 cache goes straight into the
 // tiles; a float one is staged raw and converted to f16 tiles after it lands. Query tiles run
 // last-first: the longest rows start first. Rows past the call or padding write zeros.
-#include "common.cuh"
-
-DEV u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-DEV u32 dynamic_smem() { u32 r; asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r)); return r; }
-DEV void fa_cp16(void* dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(dst)), "l"(src),
-                 "r"(valid ? 16 : 0));
-}
-DEV void fa_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N> DEV void fa_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
-
-DEV void fa_mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-DEV void ldsm4(u32 (&r)[4], const u16* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
-}
-DEV void ldsm4t(u32 (&r)[4], const u16* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
-}
+#include "attn_parts.cuh"
 
 template <int D, int G, int WT, int KT, int ST, class KV> struct Flash {
     static constexpr int NW = G * WT, NT = 32 * NW, BQ = 16 * WT, KTILE = KT;

@@ -17,3 +17,5 @@ class KernelKnobs(NamedTuple):
     mma_stages: tuple[int, int] = (2, 2)  # staged tiles' depth: single products, GLU
     tiles: tuple[int, int] | None = None  # attention_tiles (keys per tile, stages); None: tiles_config
     flash: tuple[int, int] | None = None  # flash_attn (rows per block, keys per tile); None: flash_config
+    decode: tuple[int, int, int] | None = None  # flash_decode (warps, keys per tile, stages; 0: the rule's)
+    decode_min_keys: int = 0  # flash_decode: keys a split at least (0: one tile a warp)

@@ -5,7 +5,8 @@ warp per round; a split covers at least ``rounds`` rounds (min_keys = 4 W rounds
 contexts run one block per KV head and merge their warps in shared memory, not across blocks.
 attention_tiles.cu (batch decode steps): one block per (KV head, row), keys streamed in tiles.
 flash_attn.cu (prompt chunks): tensor-core flash attention, a block per (KV head, 16 WT rows).
-All read float32 or f16 caches (kv16), compiled apart.
+flash_decode.cu (decode steps up to 8 rows): attention.cu's splits on the tensor cores, per-warp
+cp.async rings. All read float32 or f16 caches (kv16), compiled apart.
 """
 
 from __future__ import annotations
@@ -174,3 +175,60 @@ def flash_prefill(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache: 
        (ptr(q), i32(ldq), ptr(kcache), ptr(vcache), ptr(pos), ptr(seq), ptr(table), i32(max_pages), i32(page_size),
         i32(n_head_kv), i32(rows), f32(scale), f32(cap), i32(window), ptr(out), i32(ldo), ptr(out16), i32(ld16)),
        shared_mem=smem)
+
+
+# ---- flash_decode.cu: decode steps on the tensor cores, keys split as attention.cu's -------------
+DECODE_WARPS = 8
+DECODE_SMEM_MAX = 200 * 1024  # the rings of a block at most (an H100 block takes up to 227 KiB)
+
+
+def decode_ok(head_dim: int, head_dim_v: int, group: int) -> bool:
+    return flash_ok(head_dim, head_dim_v, group)
+
+
+def decode_config(head_dim: int, kv16: bool, knobs: tuple[int, int, int] | None = None) -> tuple[int, int, int]:
+    """(NW, KT, ST): NW warps a block, each with a ring of ST stages of KT keys. ``knobs``
+    (KernelKnobs.decode: warps, keys, stages; 0 for the rule's) where given; else 16 keys, 2 stages,
+    and 8 warps (one block an SM for 128-dim heads; bench/RESULTS.md), fewer where the rings do not
+    fit."""
+    w0, kt, st = knobs or (0, 0, 0)
+    kt, st = kt or 16, st or 2
+    nw = w0 or next((w for w in (DECODE_WARPS, 4, 2, 1)
+                     if decode_smem(head_dim, (w, kt, st), kv16) <= DECODE_SMEM_MAX), 1)
+    return nw, kt, st
+
+
+def decode_kernel_name(head_dim: int, group: int, config: tuple[int, int, int], kv16: bool) -> str:
+    nw, kt, st = config
+    return f"flash_decode<{head_dim}, {group}, {nw}, {kt}, {st}, {kv_ctype(kv16)}>"
+
+
+def decode_smem(head_dim: int, config: tuple[int, int, int], kv16: bool) -> int:
+    """Bytes of dynamic shared memory (flash_decode.cu's Dec::BYTES)."""
+    nw, kt, st = config
+    ldh = head_dim + 8
+    ring = 2 * st * kt * ldh * 2 if kv16 else 2 * st * kt * head_dim * 4 + 2 * kt * ldh * 2
+    return nw * ring
+
+
+def flash_decode(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache: int, pos: int, seq: int, table: int,
+                 max_pages: int, page_size: int, n_head: int, n_head_kv: int, head_dim: int, scale: float,
+                 cap: float, window: int, n_split: int, part_o: int, part_ml: int, counter: int, out: int, ldo: int,
+                 out16: int | None = None, ld16: int = 0, q8: Q8Vec | None = None, early: bool = False,
+                 kv16: bool = False, config: tuple[int, int, int] | None = None) -> None:
+    """attention()'s contract (rows: each one token of its own sequence, or of one sequence without
+    ``early``) on the tensor cores: f16 operands (q scaled, K, V, P), f32 accumulation. A split
+    covers at least one tile per warp: short contexts run one block per KV head, no merge of splits."""
+    g = n_head // n_head_kv
+    assert decode_ok(head_dim, head_dim, g) and (q8 is None or head_dim % 16 == 0)
+    assert 1 <= n_split <= ATTN_MAX_SPLITS, n_split
+    config = config or decode_config(head_dim, kv16, k.knobs.decode)
+    fn = k.fn("flash_decode.cu", decode_kernel_name(head_dim, g, config, kv16))
+    smem = decode_smem(head_dim, config, kv16)
+    fn.allow_smem(smem)
+    fn((n_head_kv, n_split, rows), (32 * config[0],),
+       (ptr(q), i32(ldq), ptr(kcache), ptr(vcache), ptr(pos), ptr(seq), ptr(table), i32(max_pages),
+        i32(page_size), i32(n_head_kv), f32(scale), f32(cap), i32(window), i32(n_split),
+        i32(k.knobs.decode_min_keys or config[0] * config[1]),
+        i32(1 if early else 0), ptr(part_o), ptr(part_ml), ptr(counter), ptr(out), i32(ldo), ptr(out16), i32(ld16),
+        *(q8.ptrs() if q8 else NO_PTRS)), shared_mem=smem)

@@ -81,7 +81,7 @@ class CudaBackend(PrefillMixin):
         weight_bytes = sum(t.nbytes for t in f.tensors.values())
         sms = cp.cuda.Device().attributes["MultiProcessorCount"]
         self.tune = tune or tuning.choose(weight_bytes, kv_type, max_rows, max_batch, n_head_kv=cfg.n_head_kv,
-                                          sm_count=sms)
+                                          sm_count=sms, head_dim=cfg.head_dim)
         self.prefill_graph = use_graph and self.tune.prefill_graph  # prefill chunks as graphs, one per padded size
         self._prefill_runs: dict[tuple, int] = {}
         self.pdl = pdl.supported(cp.cuda.Device()) and self.tune.pdl != "off"
@@ -111,6 +111,10 @@ class CudaBackend(PrefillMixin):
             raise BackendError(f"the GPU ran out of memory loading the model ({e}); "
                                "lower --ctx-size or --max-batch, or use a smaller model") from None
         self.kv_page_bytes = page
+        if note:
+            per_token = page // PAGE_SIZE
+            note(f"note: KV cache {kv_type} (keys and values), {per_token / 1024:g} KiB a token of context, "
+                 f"{n_pages * PAGE_SIZE:,} tokens ({n_pages * page / 2**20:,.0f} MiB)")
         self.graphs = GraphManager(self.stream)
         self.last_logits: cp.ndarray | None = None
         if max_batch == 1:

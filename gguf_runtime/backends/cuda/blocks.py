@@ -125,6 +125,13 @@ class CudaBlocks:
         return (not self.decode and not self._small(t) and self.tune.flash
                 and LA.flash_ok(cfg.head_dim, cfg.head_dim_v, cfg.n_head // cfg.n_head_kv))
 
+    def decode_flash(self, t: int) -> bool:
+        """Whether a decode step of t rows takes flash_decode.cu: steps on the matvecs (up to
+        MAX_MMV_TOKENS rows), by shape and the tuning table."""
+        cfg = self.cfg
+        return (self.decode and self._small(t) and self.tune.flash_decode and self.kv.kv16
+                and LA.decode_ok(cfg.head_dim, cfg.head_dim_v, cfg.n_head // cfg.n_head_kv))
+
     def _big_mma(self, t: int) -> bool:
         return self.mma and not self._small(t)
 
@@ -218,6 +225,14 @@ class CudaBlocks:
                              cfg.head_dim, cfg.attn_scale, cfg.attn_softcap or 0.0, cfg.layer_window[layer],
                              out.data.ptr, out.strides[0] // 4, ws.x16.data.ptr, ws.x16.strides[0] // 2,
                              kv16=self.kv.kv16)
+            return out
+        if self.decode_flash(t):  # a decode step on the matvecs: tensor-core attention, keys split
+            LA.flash_decode(self.k, q.data.ptr, q.strides[0] // 4, t, kc, vc, positions.data.ptr, self.seq.data.ptr,
+                            self.kv.table.data.ptr, self.kv.max_pages, self.kv.page_size, cfg.n_head, cfg.n_head_kv,
+                            cfg.head_dim, cfg.attn_scale, cfg.attn_softcap or 0.0, cfg.layer_window[layer],
+                            n_splits(self.tune, t, self.mmv_rows), ws.part_o.data.ptr, ws.part_ml.data.ptr,
+                            ws.attn_counter.data.ptr, out.data.ptr, out.strides[0] // 4, q8=self._att_q8,
+                            early=self.tune.attn_early, kv16=self.kv.kv16)
             return out
         LA.attention(self.k, q.data.ptr, q.strides[0] // 4, t, kc, vc, positions.data.ptr, self.seq.data.ptr,
                     self.kv.table.data.ptr, self.kv.max_pages, self.kv.page_size, cfg.n_head, cfg.n_head_kv,

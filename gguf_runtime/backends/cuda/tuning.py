@@ -21,6 +21,7 @@ from ...quant_kernels.knobs import ATTN_MAX_SPLITS, KernelKnobs
 ENV = "GGUF_RUN_TUNE"
 MMV_ROLES = ("QKV", "O", "DOWN", "GLU", "HEAD")
 BIG_MODEL_BYTES = 1 << 30  # "big": the 8B (4.6 GiB) and up; the 135M-270M models are under it
+KV16_MAX_HEAD_DIM = 128  # small models' f16 KV cache up to this head size (Gemma-3's 256 keeps f32: faster)
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,10 @@ class Tuning:
     tiles_shape: tuple[int, int] | None = None  # (keys, stages); None: 8 KiB tiles, 2 stages (6 blocks/SM)
     flash: bool = True  # prompt chunks' attention on flash_attn.cu (tensor cores); off: the split kernel
     flash_shape: tuple[int, int] | None = None  # (rows a block, keys a tile); None: flash_config's rule
+    flash_decode: bool = True  # decode steps (up to 8 rows) of f16 caches on flash_decode.cu; off: attention.cu
+    decode_shape: tuple[int, int] | None = None  # flash_decode (keys a tile, stages); None: decode_config's 16:2
+    decode_warps: int = 0  # flash_decode's warps a block; 0: decode_config's (8, fewer where rings do not fit)
+    decode_min_keys: int = 0  # flash_decode's keys a split at least; 0: one tile a warp (128 keys at 8 warps)
     # -- tensor cores (batch steps)
     mma_reg_a: bool = True  # Q4_K / Q6_K A fragments built in registers
     mma_split_min_steps: int = 12  # K-split floor: fewer, longer splits over halved token tiles
@@ -60,12 +65,15 @@ class Tuning:
     pdl_big_graph_kernels: tuple[str, ...] = ("rmsnorm",)  # ... in larger graphs these only (products lose)
     lookahead: int = 4  # decode steps enqueued ahead of the token the host reads (one sequence, batches)
     # -- KV cache
-    kv_type: str = "f32"  # f16 for big models (half the bytes read); small ones lose to conversions
+    kv_type: str = "f32"  # f16 up to 128-dim heads (half the bytes; flash_decode reads it); 256-dim: f32 (faster)
 
     def knobs(self) -> KernelKnobs:
         """The kernel launchers' share of the table."""
         return KernelKnobs(mma_reg_a=self.mma_reg_a, mma_split_min_steps=self.mma_split_min_steps,
-                           mma_stages=self.mma_stages, tiles=self.tiles_shape, flash=self.flash_shape)
+                           mma_stages=self.mma_stages, tiles=self.tiles_shape, flash=self.flash_shape,
+                           decode=((self.decode_warps, *self.decode_shape) if self.decode_shape
+                                   else (self.decode_warps, 0, 0) if self.decode_warps else None),
+                           decode_min_keys=self.decode_min_keys)
 
     def mmv_override(self, role: str, type_name: str | None = None) -> tuple[int, int] | None:
         """(R, WG) for a role's matvec (and one weight type: "DOWN_Q6_K"), where measuring sets one."""
@@ -73,10 +81,12 @@ class Tuning:
         return (table.get(f"{role}_{type_name}") if type_name else None) or table.get(role)
 
 
-def _size_defaults(weight_bytes: int, kv_type: str | None, n_head_kv: int | None, sm_count: int | None) -> dict:
+def _size_defaults(weight_bytes: int, kv_type: str | None, n_head_kv: int | None, sm_count: int | None,
+                   head_dim: int | None) -> dict:
     big = weight_bytes > BIG_MODEL_BYTES
+    f16 = big or (head_dim is not None and head_dim <= KV16_MAX_HEAD_DIM)
     out = {"decode_mmv_rows": 2 if big else 8, "pdl_any_rows": not big,
-           "kv_type": kv_type if kv_type not in (None, "auto") else ("f16" if big else "f32")}
+           "kv_type": kv_type if kv_type not in (None, "auto") else ("f16" if f16 else "f32")}
     if n_head_kv and sm_count:
         # decode attention's (KV head, split) blocks in one wave of the SMs: more waste a tail wave,
         # fewer leave SMs idle at depth (bench/RESULTS.md rows 85-86)
@@ -86,13 +96,13 @@ def _size_defaults(weight_bytes: int, kv_type: str | None, n_head_kv: int | None
 
 def choose(weight_bytes: int, kv_type: str | None = None, max_rows: int | None = None, max_batch: int = 1,
            overrides: str | Mapping[str, str] | None = None, n_head_kv: int | None = None,
-           sm_count: int | None = None) -> Tuning:
-    """The table for a model of ``weight_bytes`` with ``n_head_kv`` KV heads on a GPU of ``sm_count``
-    SMs (kv_type: the user's choice, "auto" or None; max_rows: the rows of the largest call,
+           sm_count: int | None = None, head_dim: int | None = None) -> Tuning:
+    """The table for a model of ``weight_bytes`` with ``n_head_kv`` KV heads of ``head_dim`` (None: a
+    small model's f16 cache is not chosen) on a GPU of ``sm_count`` SMs (kv_type: the user's choice, "auto" or None; max_rows: the rows of the largest call,
     default prefill_chunk), ``overrides`` (default:
     $GGUF_RUN_TUNE) applied last. Without calls of more than 8 rows there are no tensor-core
     inputs, so decode steps stay on the matvecs."""
-    values = _size_defaults(weight_bytes, kv_type, n_head_kv, sm_count)
+    values = _size_defaults(weight_bytes, kv_type, n_head_kv, sm_count, head_dim)
     if overrides is None:
         overrides = os.environ.get(ENV, "")
     items = overrides.items() if isinstance(overrides, Mapping) else _pairs(overrides)
@@ -150,7 +160,8 @@ def _parse(name: str, text: str):
             return frozenset() if text in ("", "none") else frozenset(text.split("+"))
         if name == "pdl_big_graph_kernels":
             return tuple(p for p in text.split("+") if p)
-        if name in ("attn_small", "attn_big", "mma_stages", "tiles_shape", "flash_shape"):
+        if name in ("attn_small", "attn_big", "mma_stages", "tiles_shape", "flash_shape",
+                    "decode_shape"):
             return None if text == "none" else _pair(name, text)
         return text
     except ValueError:

@@ -1,0 +1,269 @@
+// Decode attention on the tensor cores: each row is one token of its own sequence, its keys split
+// over a fixed grid (kv head, split, row) as attention.cu splits them, and each block streams its
+// share through per-warp cp.async rings deep enough to keep the cache's bytes in flight at depth.
+//
+// A block takes the G query heads of one KV head for row t and keys [start, end) of the row's
+// range cut into ns = min(n_split, ceil(n / min_keys)) chunks (blocks past ns exit). Its NW warps
+// take the chunk's KT-key tiles in turn (tile i: warp i % NW), each warp with its own ring of ST
+// stages, so no warp waits on another inside the loop. Per tile, as flash_attn.cu does for a
+// prompt's rows: S = Q K^T by mma.sync m16n8k16 (the A rows are the G heads, f16, scaled; rows G
+// to 15 zero), mask (keys past end) and soft-cap, an online softmax in the exp2 domain, O += P V
+// with V by ldmatrix.trans. The warps merge in shared memory (the stages' space), and the row's
+// splits merge in attn_parts.cuh's merge_splits. early != 0: the keys before the row's own
+// position come from earlier steps, so their tiles are requested before pdl_enter; the row's own
+// key (written by the kernel before) is requested after it.
+#include "attn_parts.cuh"
+
+template <int D, int G, int NW, int KT, int ST, class KV> struct Dec {
+    static constexpr int KTILE = KT, LDH = D + 8;  // f16 tile row (halves), padded as flash_attn.cu's
+    static constexpr bool F32 = sizeof(KV) == 4;
+    static constexpr int LDR = F32 ? D : LDH;  // a staged row (elements): f16 stages are the tiles
+    static constexpr int VE = 16 / sizeof(KV), CC = D / VE;  // elements per cp.async; cp.asyncs per key row
+    static constexpr int STAGE = KT * LDR;  // elements of one stage of K (or V)
+    // a warp's ring (bytes): K and V stages, and (f32) the f16 tiles they convert into
+    static constexpr int WARP_BYTES = 2 * ST * STAGE * (int)sizeof(KV) + (F32 ? 2 * KT * LDH * 2 : 0);
+    static constexpr int BYTES = NW * WARP_BYTES;
+    static_assert(KT % 16 == 0 && D % 32 == 0 && ST >= 2 && G <= 8, "tile shapes");
+    static_assert(WARP_BYTES >= G * D * 4 + 2 * G * 4, "the merge reuses a warp's ring");
+};
+
+// One warp's cp.async of keys [k0, k0 + KT) into a stage; keys at or past end or without a page are
+// zero-filled (masked later); the key ``skip`` is left alone (its row is requested later: two
+// copies in flight to one address would land in either order).
+template <class F, int D, class KV>
+DEV void dec_load(int k0, int end, int skip, const int* tab, int max_pages, int page_size, int n_head_kv, int hk,
+                  int lane, const KV* kcache, const KV* vcache, KV* Ks, KV* Vs) {
+#pragma unroll
+    for (int i = lane; i < F::KTILE * F::CC; i += 32) {
+        const int j = i / F::CC, c = i % F::CC, key = k0 + j;
+        if (key == skip) continue;
+        const int page = key < end && key / page_size < max_pages ? tab[key / page_size] : -1;
+        const bool ok = page >= 0;
+        const long base = ok ? (((long)page * n_head_kv + hk) * page_size + key % page_size) * D + F::VE * c : 0;
+        fa_cp16(Ks + j * F::LDR + F::VE * c, kcache + base, ok);
+        fa_cp16(Vs + j * F::LDR + F::VE * c, vcache + base, ok);
+    }
+}
+
+template <int D, int G, int NW, int KT, int ST, class KV>
+__global__ void __launch_bounds__(32 * NW) flash_decode(
+        const float* __restrict__ q, int ldq, const KV* __restrict__ kcache, const KV* __restrict__ vcache,
+        const int* __restrict__ pos, const int* __restrict__ seq, const int* __restrict__ table, int max_pages,
+        int page_size, int n_head_kv, float scale, float cap, int window, int n_split, int min_keys, int early,
+        float* __restrict__ part_o, float* __restrict__ part_ml, unsigned* __restrict__ counter,
+        float* __restrict__ out, int ldo, u16* __restrict__ out16, int ld16, u8* oq, int ldoq, float4* os,
+        int ldos) {
+    using F = Dec<D, G, NW, KT, ST, KV>;
+    constexpr int KS = D / 16, NS = KT / 8, ND = D / 8, LDH = F::LDH;
+    constexpr float LOG2E = 1.4426950408889634f;
+    extern __shared__ float4 fd_smem[];
+    if (dynamic_smem() < (u32)F::BYTES) __trap();  // the launcher's size (launch_attention.decode_smem) is short
+    if (!early) pdl_enter();
+    const int hk = blockIdx.x, s = blockIdx.y, t = blockIdx.z;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, grp = lane >> 2, tig = lane & 3;
+    const bool pad = seq[t] < 0;  // a padding row of a batch bucket: no keys
+    const int p = pad ? 0 : pos[t];
+    const int lo = window > 0 ? max(0, p - window + 1) : 0;
+    const int n = p + 1 - lo, ns = min(n_split, (n + min_keys - 1) / min_keys);
+    if (s >= ns) return;  // every block of the row computes the same ns
+    const int chunk = (n + ns - 1) / ns;
+    const int start = lo + s * chunk, end = pad ? start : min(p + 1, start + chunk);
+    const int* tab = table + (long)(pad ? 0 : seq[t]) * max_pages;
+
+    char* ring = reinterpret_cast<char*>(fd_smem) + warp * F::WARP_BYTES;
+    KV* Kst = reinterpret_cast<KV*>(ring);
+    KV* Vst = Kst + ST * F::STAGE;
+    u16* Kh = reinterpret_cast<u16*>(Vst + ST * F::STAGE);  // float cache: the converted f16 tiles
+    u16* Vh = Kh + (F::F32 ? KT * LDH : 0);
+    const int n_tiles = end > start ? (end - start + KT - 1) / KT : 0;
+    const int mine = n_tiles > warp ? (n_tiles - 1 - warp) / NW + 1 : 0;  // this warp's tiles: warp + NW i
+    const int skip = early ? p : -1;
+    // early: this warp's tile holding the row's own key, if the prologue requests it (else -1)
+    const int ot = (p - start) / KT;
+    const int own = early && end == p + 1 && ot % NW == warp && ot / NW < ST - 1 ? ot / NW : -1;
+#pragma unroll
+    for (int i = 0; i < ST - 1; ++i) {  // one commit group per tile (empty past the last)
+        if (i < mine)
+            dec_load<F, D, KV>(start + (warp + NW * i) * KT, end, skip, tab, max_pages, page_size, n_head_kv, hk,
+                               lane, kcache, vcache, Kst + i * F::STAGE, Vst + i * F::STAGE);
+        fa_commit();
+    }
+    if (early) {
+        pdl_enter();
+        if (own >= 0) {  // the own key's row into its prologue tile: a group of its own
+            const int j = p - (start + (warp + NW * own) * KT);
+            const long base = (((long)tab[p / page_size] * n_head_kv + hk) * page_size + p % page_size) * D;
+            for (int c = lane; c < F::CC; c += 32) {
+                fa_cp16(Kst + own * F::STAGE + j * F::LDR + F::VE * c, kcache + base + F::VE * c, true);
+                fa_cp16(Vst + own * F::STAGE + j * F::LDR + F::VE * c, vcache + base + F::VE * c, true);
+            }
+        }
+        fa_commit();
+    }
+    // Q's A fragments: row grp is head grp (< G), rows grp + 8 are zero (a[1], a[3])
+    u32 qa[KS][2];
+    {
+        const float* qh = q + (long)t * ldq + (hk * G + min(grp, G - 1)) * D + 2 * tig;
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+            const float2 x0 = grp < G ? *reinterpret_cast<const float2*>(qh + 16 * ks) : make_float2(0.f, 0.f);
+            const float2 x2 = grp < G ? *reinterpret_cast<const float2*>(qh + 16 * ks + 8) : make_float2(0.f, 0.f);
+            qa[ks][0] = pack_h2(x0.x * scale, x0.y * scale);
+            qa[ks][1] = pack_h2(x2.x * scale, x2.y * scale);
+        }
+    }
+    float o[ND][4], m = -INFINITY, l = 0.f;
+#pragma unroll
+    for (int d = 0; d < ND; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
+
+    for (int i = 0; i < mine; ++i) {
+        const int k0 = start + (warp + NW * i) * KT, st = i % ST;
+        if (i == own) fa_wait<0>();  // the own key's group came after the prologue's
+        else fa_wait<ST - 2>();      // this tile's group has landed (later ones may be in flight)
+        __syncwarp();                // ... for every lane; the stage computed last iteration is free
+        if (i + ST - 1 < mine) {
+            const int sn = (i + ST - 1) % ST;
+            dec_load<F, D, KV>(start + (warp + NW * (i + ST - 1)) * KT, end, -1, tab, max_pages, page_size,
+                               n_head_kv, hk, lane, kcache, vcache, Kst + sn * F::STAGE, Vst + sn * F::STAGE);
+        }
+        fa_commit();
+        const u16* Kt;
+        const u16* Vt;
+        if constexpr (F::F32) {  // float stage -> f16 tiles
+            const float* Kr = reinterpret_cast<const float*>(Kst + st * F::STAGE);
+            const float* Vr = reinterpret_cast<const float*>(Vst + st * F::STAGE);
+#pragma unroll 4
+            for (int idx = lane; idx < KT * D / 4; idx += 32) {
+                const int j = idx / (D / 4), c = 4 * (idx % (D / 4));
+                const float4 kf = *reinterpret_cast<const float4*>(Kr + j * D + c);
+                const float4 vf = *reinterpret_cast<const float4*>(Vr + j * D + c);
+                *reinterpret_cast<uint2*>(Kh + j * LDH + c) = make_uint2(pack_h2(kf.x, kf.y), pack_h2(kf.z, kf.w));
+                *reinterpret_cast<uint2*>(Vh + j * LDH + c) = make_uint2(pack_h2(vf.x, vf.y), pack_h2(vf.z, vf.w));
+            }
+            __syncwarp();
+            Kt = Kh;
+            Vt = Vh;
+        } else {
+            Kt = reinterpret_cast<const u16*>(Kst + st * F::STAGE);
+            Vt = reinterpret_cast<const u16*>(Vst + st * F::STAGE);
+        }
+        // S = Q K^T, two k steps per ldmatrix.x4, into two accumulators (even and odd k steps): the
+        // dependent chain of mma is half as long
+        float sc[NS][4], sd[NS][4];
+#pragma unroll
+        for (int nn = 0; nn < NS; ++nn)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) sc[nn][e] = sd[nn][e] = 0.f;
+#pragma unroll
+        for (int kp = 0; kp < KS; kp += 2) {
+            const u32 a0[4] = {qa[kp][0], 0u, qa[kp][1], 0u}, a1[4] = {qa[kp + 1][0], 0u, qa[kp + 1][1], 0u};
+#pragma unroll
+            for (int nn = 0; nn < NS; ++nn) {
+                u32 b[4];
+                ldsm4(b, Kt + (8 * nn + (lane & 7)) * LDH + 16 * kp + 8 * (lane >> 3));
+                fa_mma(sc[nn], a0, b[0], b[1]);
+                fa_mma(sd[nn], a1, b[2], b[3]);
+            }
+        }
+#pragma unroll
+        for (int nn = 0; nn < NS; ++nn) { sc[nn][0] += sd[nn][0]; sc[nn][1] += sd[nn][1]; }
+        float x = -INFINITY;  // mask, soft-cap, the row's maximum (log2 domain)
+#pragma unroll
+        for (int nn = 0; nn < NS; ++nn)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                float v = sc[nn][e];
+                if (cap > 0.f) v = cap * tanhf(v / cap);
+                v = k0 + 8 * nn + 2 * tig + e < end ? v * LOG2E : -INFINITY;
+                sc[nn][e] = v;
+                x = fmaxf(x, v);
+            }
+        x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+        x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+        const float mn = fmaxf(m, x);  // finite: every tile holds at least one key below end
+        const float c = exp2f(m - mn);
+        m = mn;
+        float ts = 0.f;
+#pragma unroll
+        for (int nn = 0; nn < NS; ++nn) {
+            sc[nn][0] = exp2f(sc[nn][0] - mn);
+            sc[nn][1] = exp2f(sc[nn][1] - mn);
+            ts += sc[nn][0] + sc[nn][1];
+        }
+        l = l * c + ts;  // this lane's share of the row's sum (the quad adds them at the end)
+#pragma unroll
+        for (int d = 0; d < ND; ++d) { o[d][0] *= c; o[d][1] *= c; }
+#pragma unroll
+        for (int kk = 0; kk < KT / 16; ++kk) {  // O += P V: P's C fragments are the A fragments of k step kk
+            const u32 pa[4] = {pack_h2(sc[2 * kk][0], sc[2 * kk][1]), 0u,
+                               pack_h2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]), 0u};
+#pragma unroll
+            for (int d = 0; d < ND; d += 2) {
+                u32 b[4];
+                ldsm4t(b, Vt + (16 * kk + 8 * ((lane >> 3) & 1) + (lane & 7)) * LDH + 8 * d + 8 * (lane >> 4));
+                fa_mma(o[d], pa, b[0], b[1]);
+                fa_mma(o[d + 1], pa, b[2], b[3]);
+            }
+        }
+    }
+    fa_wait<0>();
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    // the warps' merge: each warp's (max, sum, O) per head into its own ring, then per head the
+    // weights exp2(m_w - M) and the weighted sums
+    float* wo = reinterpret_cast<float*>(ring);  // [G][D] of this warp, then m[G], l[G]
+    __syncwarp();
+    if (grp < G) {
+#pragma unroll
+        for (int d = 0; d < ND; ++d)
+            *reinterpret_cast<float2*>(wo + grp * D + 8 * d + 2 * tig) = make_float2(o[d][0], o[d][1]);
+        if (tig == 0) { wo[G * D + grp] = m; wo[G * D + G + grp] = l; }
+    }
+    __syncthreads();
+    __shared__ float fw[NW][G], sML[G][2];
+    if (threadIdx.x < G) {
+        const int g = threadIdx.x;
+        float M = -INFINITY, L = 0.f;
+#pragma unroll
+        for (int w = 0; w < NW; ++w)
+            M = fmaxf(M, reinterpret_cast<const float*>(fd_smem)[w * (F::WARP_BYTES / 4) + G * D + g]);
+#pragma unroll
+        for (int w = 0; w < NW; ++w) {
+            const float* r = reinterpret_cast<const float*>(fd_smem) + w * (F::WARP_BYTES / 4) + G * D;
+            const float f = M > -INFINITY ? exp2f(r[g] - M) : 0.f;
+            fw[w][g] = f;
+            L += r[G + g] * f;
+        }
+        sML[g][0] = M / LOG2E;  // natural-log domain, as merge_splits and attention.cu keep it
+        sML[g][1] = L;
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
+        const int g = idx / D, e = idx % D;
+        float O = 0.f;
+#pragma unroll
+        for (int w = 0; w < NW; ++w) O = fmaf(reinterpret_cast<const float*>(fd_smem)[w * (F::WARP_BYTES / 4) + idx],
+                                             fw[w][g], O);
+        const float L = sML[g][1];
+        if (ns == 1) {  // the row's only block: the output directly
+            const float v = L > 0.f ? O / L : 0.f;
+            out[(long)t * ldo + (hk * G + g) * D + e] = v;
+            if (out16) out16[(long)t * ld16 + (hk * G + g) * D + e] = f2h(v);
+            continue;
+        }
+        const long slot = ((long)t * n_head_kv * G + hk * G + g) * n_split + s;
+        part_o[slot * D + e] = O;
+        if (e == 0) { part_ml[2 * slot] = sML[g][0]; part_ml[2 * slot + 1] = L; }
+    }
+    merge_splits<D, G>(t, hk, ns, n_split, n_head_kv, part_o, part_ml, counter, out, ldo, out16, ld16, oq, ldoq, os,
+                       ldos);
+}
+
+#ifdef GGUF_INSTANTIATE_ALL
+#define INST1(D, G, NW, KT, ST, KV) template __global__ void flash_decode<D, G, NW, KT, ST, KV>(const float*, int, \
+    const KV*, const KV*, const int*, const int*, const int*, int, int, int, float, float, int, int, int, int, \
+    float*, float*, unsigned*, float*, int, u16*, int, u8*, int, float4*, int);
+#define INST(D, G, NW, KT, ST) INST1(D, G, NW, KT, ST, float) INST1(D, G, NW, KT, ST, u16)
+INST(64, 1, 4, 16, 3) INST(64, 3, 4, 16, 3) INST(128, 4, 4, 16, 3) INST(128, 4, 4, 16, 4) INST(128, 4, 4, 32, 3)
+INST(128, 8, 4, 16, 3) INST(256, 4, 4, 16, 3) INST(256, 8, 4, 16, 3) INST(128, 4, 2, 16, 4) INST(128, 4, 8, 16, 2)
+#endif
