@@ -25,8 +25,8 @@ from ..engine.engine import Engine
 from ..errors import GGUFRunError, printable
 from ..format.model_info import human_count, quant_histogram
 from .app import app
-from .options import (Backend, CtxSize, MinP, ModelArg, NoGraph, Quiet, RepeatPenalty, Seed, Temp, TopK,
-                      TopP, check_n_predict, note_printer, resolve_model, sampling_params)
+from .options import (Backend, CacheTypeK, CacheTypeV, CtxSize, MinP, ModelArg, NoGraph, Quiet, RepeatPenalty, Seed,
+                      Temp, TopK, TopP, check_n_predict, kv_type, note_printer, resolve_model, sampling_params)
 from .progress import progress_bars
 from .stats import print_stats
 
@@ -403,6 +403,8 @@ def chat(
     ctx_size: Optional[int] = CtxSize,
     system: Optional[str] = typer.Option(None, "--system", help="system message"),
     backend: str = Backend,
+    cache_type_k: str = CacheTypeK,
+    cache_type_v: str = CacheTypeV,
     no_graph: bool = NoGraph,
     verbose: bool = typer.Option(False, "--verbose", help="print timings after each reply, like `ollama run --verbose`"),
     quiet: bool = Quiet,
@@ -410,10 +412,12 @@ def chat(
     """Chat with a model in the terminal, as `ollama run` does (default model when MODEL is omitted)."""
     check_n_predict(n_predict)
     params = sampling_params(temp, top_k, top_p, min_p, repeat_penalty, seed)
+    kv = kv_type(cache_type_k, cache_type_v)
     path = resolve_model(model)
     note = note_printer(quiet)
     with progress_bars(quiet) as progress:
-        eng = Engine(path, backend=backend, n_ctx=ctx_size, progress=progress, note=note, use_graph=not no_graph)
+        eng = Engine(path, backend=backend, n_ctx=ctx_size, progress=progress, note=note, use_graph=not no_graph,
+                     kv_type=kv)
     if not eng.has_template and note:
         note("note: the model has no chat template; using a plain ChatML layout")
     session = ChatSession(eng, params=params, system=system, n_predict=n_predict)

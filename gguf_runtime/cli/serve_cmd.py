@@ -11,7 +11,8 @@ import typer
 
 from ..errors import GGUFRunError
 from .app import app
-from .options import Backend, CtxSize, ModelArg, NoGraph, Quiet, note_printer, resolve_model
+from .options import (Backend, CacheTypeK, CacheTypeV, CtxSize, ModelArg, NoGraph, Quiet, kv_type, note_printer,
+                      resolve_model)
 from .progress import progress_bars
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -44,6 +45,8 @@ def serve(
                                        "name without .gguf; ':latest' is implied)"),
     ctx_size: Optional[int] = CtxSize,
     backend: str = Backend,
+    cache_type_k: str = CacheTypeK,
+    cache_type_v: str = CacheTypeV,
     no_graph: bool = NoGraph,
     max_body: int = typer.Option(1 << 20, "--max-body", min=1024, help="largest request body in bytes (413 above)"),
     max_queue: int = typer.Option(1024, "--max-queue", min=1, help="requests in progress at most (503 above)"),
@@ -75,6 +78,7 @@ def serve(
         raise typer.BadParameter(f"must be one of {', '.join(map(str, BATCHES))}", param_hint="'--max-batch'")
     if log_level not in ("critical", "error", "warning", "info", "debug"):
         raise typer.BadParameter("must be critical, error, warning, info or debug", param_hint="'--log-level'")
+    kv = kv_type(cache_type_k, cache_type_v)
     path = resolve_model(model)
     note = note_printer(quiet)
     sock = _bind(host, port)
@@ -84,7 +88,7 @@ def serve(
 
         with progress_bars(quiet) as progress:
             eng = Engine(path, backend=backend, n_ctx=ctx_size, progress=progress, note=note,
-                         use_graph=not no_graph, max_batch=max_batch)
+                         use_graph=not no_graph, max_batch=max_batch, kv_type=kv)
             return make_adapter(eng, depth=lookahead, progress=progress)
 
     try:

@@ -27,7 +27,7 @@ def cuda_available() -> tuple[bool, str]:
 def select_backend(name: str, f: GGUFFile, cfg: ModelConfig, n_ctx: int,
                    progress: Callable[[str, int, int], None] | None = None,
                    note: Callable[[str], None] | None = None, use_graph: bool = True, max_batch: int = 1,
-                   kv_tokens: int | None = None):
+                   kv_tokens: int | None = None, kv_type: str = "auto"):
     if name not in BACKENDS:
         raise BackendError(f"unknown backend '{name}'; choose one of {', '.join(BACKENDS)}")
     if name in ("auto", "cuda"):
@@ -35,12 +35,15 @@ def select_backend(name: str, f: GGUFFile, cfg: ModelConfig, n_ctx: int,
         if ok:
             from ..backends.cuda import CudaBackend  # deferred: imports cupy
             return CudaBackend(f, cfg, n_ctx, progress=progress, note=note, use_graph=use_graph,
-                               max_batch=max_batch, kv_tokens=kv_tokens)
+                               max_batch=max_batch, kv_tokens=kv_tokens, kv_type=kv_type)
         if name == "cuda":
             raise BackendError(f"the cuda backend cannot run here: {why}; use --backend numpy")
         if note:
             note(f"note: running on the CPU with the numpy backend ({why})")
     from ..backends.numpy import NumpyBackend
+
+    if kv_type not in ("auto", "f32") and note:
+        note(f"note: the numpy backend keeps its KV cache in float32 (not {kv_type})")
 
     be = NumpyBackend(f, cfg, n_ctx)
     be.preload(progress=(lambda i, n: progress("loading weights", i, n)) if progress else None)
