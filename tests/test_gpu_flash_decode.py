@@ -118,3 +118,22 @@ def test_flash_decode_smem_fits():
     for d in LA.FLASH_HEAD_DIMS:
         for kv16 in (False, True):
             assert LA.decode_smem(d, LA.decode_config(d, kv16), kv16) <= SMEM_MAX
+
+
+@pytest.mark.parametrize("kv16", [False, True], ids=["f32", "f16"])
+def test_flash_decode_work_split(kv16, rng):
+    """Splits from the step's total keys for 132 SMs (the tuning table's choice): one long row
+    among short ones takes many blocks, the short ones one each; the same attention."""
+    import dataclasses
+
+    kw = L.Kernels(dataclasses.replace(Tuning(), sm_count=132).knobs())
+    d, hq, hkv = 128, 32, 8
+    depths = [9000, 3, 40, 700, 129, 2000]
+    KV, kc, vc, table, max_pages = sequences(rng, depths, hkv, d, np.float16 if kv16 else np.float32)
+    pos = np.array(depths, np.int32)
+    q = rng.standard_normal((len(depths), hq, d)).astype(np.float32)
+    scale = 1 / math.sqrt(d)
+    o = run_decode(kw, q, kc, vc, pos, np.arange(len(depths), dtype=np.int32), table, max_pages, hq, hkv, d, scale,
+                   0.0, 0, 32, kv16, early=True).reshape(len(depths), hq, d)
+    for i, (K, V) in enumerate(KV):
+        assert rel(o[i], attention_ref(q[i:i + 1], K, V, pos[i:i + 1], scale, 0.0, 0)[0]) < BAR

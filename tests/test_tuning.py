@@ -38,6 +38,9 @@ def test_decode_splits_fill_one_wave():
     assert tuning.choose(BIG, n_head_kv=1, sm_count=132).decode_splits == 32
     assert tuning.choose(BIG, n_head_kv=8).decode_splits == 32
     assert tuning.choose(BIG, n_head_kv=8, sm_count=132, overrides="decode_splits=32").decode_splits == 32
+    # flash_decode's batch splits follow the step's keys for the SMs (off: the split counts alone)
+    assert tuning.choose(BIG, n_head_kv=8, sm_count=132).knobs().sm_count == 132
+    assert tuning.choose(BIG, n_head_kv=8, sm_count=132, overrides="decode_work_split=0").knobs().sm_count == 0
 
 
 def test_override_spellings():

@@ -28,7 +28,8 @@ NoGraph = typer.Option(False, "--no-graph", help="cuda: launch kernels one by on
 CACHE_TYPES = ("auto", "f16", "f32")
 QUANT_CACHE_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "bf16")  # llama.cpp's, not here yet
 CacheTypeK = typer.Option("auto", "-ctk", "--cache-type-k",
-                          help="cuda: KV cache type of the keys, auto | f16 | f32 (auto: f16, f32 for heads over 128 wide)")
+                          help="cuda: KV cache type of the keys, auto | f16 | f32 (auto: f16; f32 for heads "
+                               "over 128 wide)")
 CacheTypeV = typer.Option("auto", "-ctv", "--cache-type-v", help="cuda: KV cache type of the values (as -ctk)")
 
 

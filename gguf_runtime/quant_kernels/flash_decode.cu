@@ -3,7 +3,10 @@
 // share through per-warp cp.async rings deep enough to keep the cache's bytes in flight at depth.
 //
 // A block takes the G query heads of one KV head for row t and keys [start, end) of the row's
-// range cut into ns = min(n_split, ceil(n / min_keys)) chunks (blocks past ns exit). Its NW warps
+// range cut into ns = min(n_split, ceil(n / min_keys)) chunks (blocks past ns exit). target > 0:
+// the splits follow the work of the whole step instead, about ``target`` blocks in all (the SMs'
+// share): a split covers at least total keys x n_head_kv / target keys, so one long row among
+// short ones takes many blocks and each short one a single block. Its NW warps
 // take the chunk's KT-key tiles in turn (tile i: warp i % NW), each warp with its own ring of ST
 // stages, so no warp waits on another inside the loop. Per tile, as flash_attn.cu does for a
 // prompt's rows: S = Q K^T by mma.sync m16n8k16 (the A rows are the G heads, f16, scaled; rows G
@@ -49,8 +52,8 @@ template <int D, int G, int NW, int KT, int ST, class KV>
 __global__ void __launch_bounds__(32 * NW) flash_decode(
         const float* __restrict__ q, int ldq, const KV* __restrict__ kcache, const KV* __restrict__ vcache,
         const int* __restrict__ pos, const int* __restrict__ seq, const int* __restrict__ table, int max_pages,
-        int page_size, int n_head_kv, float scale, float cap, int window, int n_split, int min_keys, int early,
-        float* __restrict__ part_o, float* __restrict__ part_ml, unsigned* __restrict__ counter,
+        int page_size, int n_head_kv, float scale, float cap, int window, int n_split, int min_keys, int target,
+        int early, float* __restrict__ part_o, float* __restrict__ part_ml, unsigned* __restrict__ counter,
         float* __restrict__ out, int ldo, u16* __restrict__ out16, int ld16, u8* oq, int ldoq, float4* os,
         int ldos) {
     using F = Dec<D, G, NW, KT, ST, KV>;
@@ -64,7 +67,15 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
     const bool pad = seq[t] < 0;  // a padding row of a batch bucket: no keys
     const int p = pad ? 0 : pos[t];
     const int lo = window > 0 ? max(0, p - window + 1) : 0;
-    const int n = p + 1 - lo, ns = min(n_split, (n + min_keys - 1) / min_keys);
+    const int n = p + 1 - lo;
+    int ns = min(n_split, (n + min_keys - 1) / min_keys);
+    if (target > 0) {  // keys a split from the step's total (every block of the step computes the same)
+        long total = 0;
+        for (int r = 0; r < (int)gridDim.z; ++r)
+            if (seq[r] >= 0) total += min(pos[r] + 1, window > 0 ? window : pos[r] + 1);
+        const int kps = max(min_keys, (int)((total * n_head_kv + target - 1) / target));
+        ns = max(1, min(n_split, n / kps));
+    }
     if (s >= ns) return;  // every block of the row computes the same ns
     const int chunk = (n + ns - 1) / ns;
     const int start = lo + s * chunk, end = pad ? start : min(p + 1, start + chunk);
@@ -262,7 +273,7 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
 #ifdef GGUF_INSTANTIATE_ALL
 #define INST1(D, G, NW, KT, ST, KV) template __global__ void flash_decode<D, G, NW, KT, ST, KV>(const float*, int, \
     const KV*, const KV*, const int*, const int*, const int*, int, int, int, float, float, int, int, int, int, \
-    float*, float*, unsigned*, float*, int, u16*, int, u8*, int, float4*, int);
+    int, float*, float*, unsigned*, float*, int, u16*, int, u8*, int, float4*, int);
 #define INST(D, G, NW, KT, ST) INST1(D, G, NW, KT, ST, float) INST1(D, G, NW, KT, ST, u16)
 INST(64, 1, 4, 16, 3) INST(64, 3, 4, 16, 3) INST(128, 4, 4, 16, 3) INST(128, 4, 4, 16, 4) INST(128, 4, 4, 32, 3)
 INST(128, 8, 4, 16, 3) INST(256, 4, 4, 16, 3) INST(256, 8, 4, 16, 3) INST(128, 4, 2, 16, 4) INST(128, 4, 8, 16, 2)

@@ -19,3 +19,4 @@ class KernelKnobs(NamedTuple):
     flash: tuple[int, int] | None = None  # flash_attn (rows per block, keys per tile); None: flash_config
     decode: tuple[int, int, int] | None = None  # flash_decode (warps, keys per tile, stages; 0: the rule's)
     decode_min_keys: int = 0  # flash_decode: keys a split at least (0: one tile a warp)
+    sm_count: int = 0  # flash_decode splits by the step's work for this many SMs (0: by n_split alone)

@@ -180,6 +180,7 @@ def flash_prefill(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache: 
 # ---- flash_decode.cu: decode steps on the tensor cores, keys split as attention.cu's -------------
 DECODE_WARPS = 8
 DECODE_SMEM_MAX = 200 * 1024  # the rings of a block at most (an H100 block takes up to 227 KiB)
+SM_SMEM = 228 * 1024  # shared memory of an H100 SM (blocks an SM holds: this over a block's share)
 
 
 def decode_ok(head_dim: int, head_dim_v: int, group: int) -> bool:
@@ -226,9 +227,12 @@ def flash_decode(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache: i
     fn = k.fn("flash_decode.cu", decode_kernel_name(head_dim, g, config, kv16))
     smem = decode_smem(head_dim, config, kv16)
     fn.allow_smem(smem)
+    # batches: the step's blocks in one wave, SMs x the blocks an SM holds (shared memory); one row
+    # (or no SM count): n_split alone (the totals' loop cost SmolLM2 1.5-3% at one row)
+    per_sm = max(1, SM_SMEM // (smem + 2048))
+    target = k.knobs.sm_count * per_sm if k.knobs.sm_count and rows > 1 else 0
     fn((n_head_kv, n_split, rows), (32 * config[0],),
        (ptr(q), i32(ldq), ptr(kcache), ptr(vcache), ptr(pos), ptr(seq), ptr(table), i32(max_pages),
         i32(page_size), i32(n_head_kv), f32(scale), f32(cap), i32(window), i32(n_split),
-        i32(k.knobs.decode_min_keys or config[0] * config[1]),
-        i32(1 if early else 0), ptr(part_o), ptr(part_ml), ptr(counter), ptr(out), i32(ldo), ptr(out16), i32(ld16),
+        i32(k.knobs.decode_min_keys or config[0] * config[1]), i32(target), i32(1 if early else 0), ptr(part_o), ptr(part_ml), ptr(counter), ptr(out), i32(ldo), ptr(out16), i32(ld16),
         *(q8.ptrs() if q8 else NO_PTRS)), shared_mem=smem)

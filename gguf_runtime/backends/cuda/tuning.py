@@ -55,6 +55,9 @@ class Tuning:
     decode_shape: tuple[int, int] | None = None  # flash_decode (keys a tile, stages); None: decode_config's 16:2
     decode_warps: int = 0  # flash_decode's warps a block; 0: decode_config's (8, fewer where rings do not fit)
     decode_min_keys: int = 0  # flash_decode's keys a split at least; 0: one tile a warp (128 keys at 8 warps)
+    flash_decode_batch: bool = True  # ... and tensor-core steps attention_tiles does not take (8B B=4-16: +6-8%)
+    decode_work_split: bool = True  # flash_decode splits a batch's rows by its total keys (uneven depths: +30%)
+    sm_count: int = 0  # the GPU's SMs (choose() fills it in)
     # -- tensor cores (batch steps)
     mma_reg_a: bool = True  # Q4_K / Q6_K A fragments built in registers
     mma_split_min_steps: int = 12  # K-split floor: fewer, longer splits over halved token tiles
@@ -73,7 +76,8 @@ class Tuning:
                            mma_stages=self.mma_stages, tiles=self.tiles_shape, flash=self.flash_shape,
                            decode=((self.decode_warps, *self.decode_shape) if self.decode_shape
                                    else (self.decode_warps, 0, 0) if self.decode_warps else None),
-                           decode_min_keys=self.decode_min_keys)
+                           decode_min_keys=self.decode_min_keys,
+                           sm_count=self.sm_count if self.decode_work_split else 0)
 
     def mmv_override(self, role: str, type_name: str | None = None) -> tuple[int, int] | None:
         """(R, WG) for a role's matvec (and one weight type: "DOWN_Q6_K"), where measuring sets one."""
@@ -87,6 +91,8 @@ def _size_defaults(weight_bytes: int, kv_type: str | None, n_head_kv: int | None
     f16 = big or (head_dim is not None and head_dim <= KV16_MAX_HEAD_DIM)
     out = {"decode_mmv_rows": 2 if big else 8, "pdl_any_rows": not big,
            "kv_type": kv_type if kv_type not in (None, "auto") else ("f16" if f16 else "f32")}
+    if sm_count:
+        out["sm_count"] = sm_count
     if n_head_kv and sm_count:
         # decode attention's (KV head, split) blocks in one wave of the SMs: more waste a tail wave,
         # fewer leave SMs idle at depth (bench/RESULTS.md rows 85-86)
@@ -98,7 +104,8 @@ def choose(weight_bytes: int, kv_type: str | None = None, max_rows: int | None =
            overrides: str | Mapping[str, str] | None = None, n_head_kv: int | None = None,
            sm_count: int | None = None, head_dim: int | None = None) -> Tuning:
     """The table for a model of ``weight_bytes`` with ``n_head_kv`` KV heads of ``head_dim`` (None: a
-    small model's f16 cache is not chosen) on a GPU of ``sm_count`` SMs (kv_type: the user's choice, "auto" or None; max_rows: the rows of the largest call,
+    small model's f16 cache is not chosen) on a GPU of ``sm_count`` SMs (kv_type: the user's choice,
+    "auto" or None; max_rows: the rows of the largest call,
     default prefill_chunk), ``overrides`` (default:
     $GGUF_RUN_TUNE) applied last. Without calls of more than 8 rows there are no tensor-core
     inputs, so decode steps stay on the matvecs."""
