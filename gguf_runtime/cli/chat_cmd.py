@@ -26,7 +26,7 @@ from ..errors import GGUFRunError, printable
 from ..format.model_info import human_count, quant_histogram
 from .app import app
 from .options import (Backend, CacheTypeK, CacheTypeV, CtxSize, MinP, ModelArg, NoGraph, Quiet, RepeatPenalty, Seed,
-                      Temp, TopK, TopP, check_n_predict, kv_type, note_printer, resolve_model, sampling_params)
+                      Temp, TopK, TopP, check_n_predict, kv_types, note_printer, resolve_model, sampling_params)
 from .progress import progress_bars
 from .stats import print_stats
 
@@ -412,12 +412,12 @@ def chat(
     """Chat with a model in the terminal, as `ollama run` does (default model when MODEL is omitted)."""
     check_n_predict(n_predict)
     params = sampling_params(temp, top_k, top_p, min_p, repeat_penalty, seed)
-    kv = kv_type(cache_type_k, cache_type_v)
+    kv = kv_types(cache_type_k, cache_type_v)
     path = resolve_model(model)
     note = note_printer(quiet)
     with progress_bars(quiet) as progress:
         eng = Engine(path, backend=backend, n_ctx=ctx_size, progress=progress, note=note, use_graph=not no_graph,
-                     kv_type=kv)
+                     kv_types=kv)
     if not eng.has_template and note:
         note("note: the model has no chat template; using a plain ChatML layout")
     session = ChatSession(eng, params=params, system=system, n_predict=n_predict)

@@ -25,11 +25,11 @@ CtxSize = typer.Option(None, "-c", "--ctx-size", min=0,
 Backend = typer.Option("auto", "--backend", help="auto | cuda | numpy (auto: cuda when a GPU and CuPy are there)")
 Quiet = typer.Option(False, "--quiet", "-q", help="no progress bars or notes")
 NoGraph = typer.Option(False, "--no-graph", help="cuda: launch kernels one by one instead of replaying CUDA graphs")
-CACHE_TYPES = ("auto", "f16", "f32")
-QUANT_CACHE_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "bf16")  # llama.cpp's, not here yet
+CACHE_TYPES = ("auto", "f16", "f32", "q8_0", "q4_0")
+OTHER_CACHE_TYPES = ("q4_1", "q5_0", "q5_1", "iq4_nl", "bf16")  # llama.cpp's, not here
 CacheTypeK = typer.Option("auto", "-ctk", "--cache-type-k",
-                          help="cuda: KV cache type of the keys, auto | f16 | f32 (auto: f16; f32 for heads "
-                               "over 128 wide)")
+                          help="KV cache type of the keys, auto | f16 | f32 | q8_0 | q4_0 (auto: f16; f32 for "
+                               "heads over 128 wide; q8_0 / q4_0: numpy backend only for now)")
 CacheTypeV = typer.Option("auto", "-ctv", "--cache-type-v", help="cuda: KV cache type of the values (as -ctk)")
 
 
@@ -37,17 +37,14 @@ def resolve_model(model: Optional[str]) -> str:
     return model if model else default_model_path()
 
 
-def kv_type(cache_type_k: str, cache_type_v: str) -> str:
-    """The backend's kv_type from llama.cpp-style -ctk / -ctv: "auto", "f16" or "f32"."""
+def kv_types(cache_type_k: str, cache_type_v: str) -> tuple[str, str]:
+    """(keys, values) cache types from llama.cpp-style -ctk / -ctv; the backend says what it takes."""
     for hint, v in (("'-ctk' / '--cache-type-k'", cache_type_k), ("'-ctv' / '--cache-type-v'", cache_type_v)):
-        if v in QUANT_CACHE_TYPES:
-            raise typer.BadParameter(f"{v} KV caches are not supported yet; use f16 or f32", param_hint=hint)
+        if v in OTHER_CACHE_TYPES:
+            raise typer.BadParameter(f"{v} KV caches are not supported; use f16, f32, q8_0 or q4_0", param_hint=hint)
         if v not in CACHE_TYPES:
-            raise typer.BadParameter(f"{v!r} is not a KV cache type: auto, f16 or f32", param_hint=hint)
-    if "auto" not in (cache_type_k, cache_type_v) and cache_type_k != cache_type_v:
-        raise typer.BadParameter("keys and values of different types are not supported yet; give both the same type",
-                                 param_hint="'-ctv' / '--cache-type-v'")
-    return cache_type_v if cache_type_k == "auto" else cache_type_k
+            raise typer.BadParameter(f"{v!r} is not a KV cache type: {', '.join(CACHE_TYPES)}", param_hint=hint)
+    return cache_type_k, cache_type_v
 
 
 def check_n_predict(n_predict: int) -> None:

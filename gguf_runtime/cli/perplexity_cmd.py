@@ -12,7 +12,7 @@ from ..engine.engine import Engine
 from ..errors import GGUFRunError
 from ..tools.perplexity import PATHS, perplexity
 from .app import app
-from .options import Backend, CacheTypeK, CacheTypeV, ModelArg, Quiet, kv_type, note_printer, resolve_model
+from .options import Backend, CacheTypeK, CacheTypeV, ModelArg, Quiet, kv_types, note_printer, resolve_model
 from .progress import progress_bars
 
 
@@ -34,7 +34,7 @@ def perplexity_cmd(
 ) -> None:
     """Perplexity of MODEL over a text, as llama-perplexity computes it: chunks of -c tokens from an
     empty cache, BOS first, the second half of each scored."""
-    kv = kv_type(cache_type_k, cache_type_v)
+    kv = kv_types(cache_type_k, cache_type_v)
     paths = PATHS if path == "both" else (path,)
     if path != "both" and path not in PATHS:
         raise typer.BadParameter(f"{path!r} is not one of prefill, decode, both", param_hint="'--path'")
@@ -48,7 +48,7 @@ def perplexity_cmd(
             raise GGUFRunError(f"{text_file}: cannot be read ({e.strerror or e})") from None
     note = note_printer(quiet)
     with progress_bars(quiet) as progress:
-        eng = Engine(resolve_model(model), backend=backend, n_ctx=ctx, progress=progress, note=note, kv_type=kv)
+        eng = Engine(resolve_model(model), backend=backend, n_ctx=ctx, progress=progress, note=note, kv_types=kv)
     tok = eng.tokenizer
     ids = tok.encode(text, add_special=False)
     bos = tok.bos_id if tok.add_bos and tok.bos_id is not None and tok.bos_id >= 0 else None

@@ -11,7 +11,7 @@ from ..engine.engine import Engine
 from . import chat_cmd  # the module: its `chat` may not be defined yet while typer registers commands
 from .app import app
 from .options import (N_PREDICT_DEFAULT, Backend, CacheTypeK, CacheTypeV, CtxSize, MinP, ModelArg, NoGraph, NPredict,
-                      Quiet, RepeatPenalty, Seed, Temp, TopK, TopP, check_n_predict, kv_type, note_printer,
+                      Quiet, RepeatPenalty, Seed, Temp, TopK, TopP, check_n_predict, kv_types, note_printer,
                       resolve_model, sampling_params)
 from .progress import progress_bars
 from .stats import print_stats
@@ -46,7 +46,7 @@ def run(
     terminal, start a chat (`gguf-run chat`)."""
     check_n_predict(n_predict)
     params = sampling_params(temp, top_k, top_p, min_p, repeat_penalty, seed)
-    kv = kv_type(cache_type_k, cache_type_v)
+    kv = kv_types(cache_type_k, cache_type_v)
     if prompt is None and sys.stdin.isatty():  # a conversation, as `ollama run` starts; run's default -n -> chat's
 
         return chat_cmd.chat(model=model, n_predict=-1 if n_predict == N_PREDICT_DEFAULT else n_predict, temp=temp,
@@ -59,7 +59,7 @@ def run(
     note = note_printer(quiet)
     with progress_bars(quiet) as progress:
         eng = Engine(path, backend=backend, n_ctx=ctx_size, progress=progress, note=note, use_graph=not no_graph,
-                     kv_type=kv)
+                     kv_types=kv)
     use_chat = eng.has_template if chat is None else chat
     if use_chat and not eng.has_template and note:
         note("note: the model has no chat template; using a plain ChatML layout")

@@ -11,7 +11,7 @@ import typer
 
 from ..errors import GGUFRunError
 from .app import app
-from .options import (Backend, CacheTypeK, CacheTypeV, CtxSize, ModelArg, NoGraph, Quiet, kv_type, note_printer,
+from .options import (Backend, CacheTypeK, CacheTypeV, CtxSize, ModelArg, NoGraph, Quiet, kv_types, note_printer,
                       resolve_model)
 from .progress import progress_bars
 
@@ -78,7 +78,7 @@ def serve(
         raise typer.BadParameter(f"must be one of {', '.join(map(str, BATCHES))}", param_hint="'--max-batch'")
     if log_level not in ("critical", "error", "warning", "info", "debug"):
         raise typer.BadParameter("must be critical, error, warning, info or debug", param_hint="'--log-level'")
-    kv = kv_type(cache_type_k, cache_type_v)
+    kv = kv_types(cache_type_k, cache_type_v)
     path = resolve_model(model)
     note = note_printer(quiet)
     sock = _bind(host, port)
@@ -88,7 +88,7 @@ def serve(
 
         with progress_bars(quiet) as progress:
             eng = Engine(path, backend=backend, n_ctx=ctx_size, progress=progress, note=note,
-                         use_graph=not no_graph, max_batch=max_batch, kv_type=kv)
+                         use_graph=not no_graph, max_batch=max_batch, kv_types=kv)
             return make_adapter(eng, depth=lookahead, progress=progress)
 
     try:

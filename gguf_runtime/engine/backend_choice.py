@@ -9,6 +9,7 @@ from ..format.gguf_file import GGUFFile
 from ..format.model_config import ModelConfig
 
 BACKENDS = ("auto", "cuda", "numpy")
+QUANTIZED = ("q8_0", "q4_0")
 def cuda_available() -> tuple[bool, str]:
     """(usable, reason if not)."""
     try:
@@ -24,10 +25,20 @@ def cuda_available() -> tuple[bool, str]:
     return True, ""
 
 
+def cuda_kv_type(k: str, v: str) -> str:
+    """The cuda backend's one type for keys and values ("auto", "f16", "f32") from -ctk / -ctv."""
+    if k in QUANTIZED or v in QUANTIZED:
+        raise BackendError(f"the cuda backend does not keep {k if k in QUANTIZED else v} KV caches yet: use f16 or "
+                           "f32 (the numpy backend, --backend numpy, has q8_0 and q4_0)")
+    if "auto" not in (k, v) and k != v:
+        raise BackendError("the cuda backend keeps keys and values in one type for now: give -ctk and -ctv the same")
+    return v if k == "auto" else k
+
+
 def select_backend(name: str, f: GGUFFile, cfg: ModelConfig, n_ctx: int,
                    progress: Callable[[str, int, int], None] | None = None,
                    note: Callable[[str], None] | None = None, use_graph: bool = True, max_batch: int = 1,
-                   kv_tokens: int | None = None, kv_type: str = "auto"):
+                   kv_tokens: int | None = None, kv_types: tuple[str, str] = ("auto", "auto")):
     if name not in BACKENDS:
         raise BackendError(f"unknown backend '{name}'; choose one of {', '.join(BACKENDS)}")
     if name in ("auto", "cuda"):
@@ -35,16 +46,14 @@ def select_backend(name: str, f: GGUFFile, cfg: ModelConfig, n_ctx: int,
         if ok:
             from ..backends.cuda import CudaBackend  # deferred: imports cupy
             return CudaBackend(f, cfg, n_ctx, progress=progress, note=note, use_graph=use_graph,
-                               max_batch=max_batch, kv_tokens=kv_tokens, kv_type=kv_type)
+                               max_batch=max_batch, kv_tokens=kv_tokens, kv_type=cuda_kv_type(*kv_types))
         if name == "cuda":
             raise BackendError(f"the cuda backend cannot run here: {why}; use --backend numpy")
         if note:
             note(f"note: running on the CPU with the numpy backend ({why})")
     from ..backends.numpy import NumpyBackend
 
-    if kv_type not in ("auto", "f32") and note:
-        note(f"note: the numpy backend keeps its KV cache in float32 (not {kv_type})")
 
-    be = NumpyBackend(f, cfg, n_ctx)
+    be = NumpyBackend(f, cfg, n_ctx, kv_types=tuple("f32" if t == "auto" else t for t in kv_types))
     be.preload(progress=(lambda i, n: progress("loading weights", i, n)) if progress else None)
     return be

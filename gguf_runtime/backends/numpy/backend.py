@@ -16,6 +16,7 @@ from ...errors import BackendError, ContextOverflowError
 from ...format.gguf_file import GGUFFile
 from ...model import ComposedBlocks, forward, lm_head_name, rope_inv_freq
 from ...format.model_config import ROPE_NEOX, ModelConfig
+from ...quant_kernels import reference_kv
 from ...quant_kernels.reference import dequantize, dequantize_rows
 
 DEFAULT_WEIGHT_BUDGET = 8 << 30  # bytes of float32 weights kept dequantized
@@ -62,8 +63,14 @@ class NumpyBackend:
     name = "numpy"
 
     def __init__(self, gguf: GGUFFile, cfg: ModelConfig, n_ctx: int,
-                 weight_budget: int = DEFAULT_WEIGHT_BUDGET) -> None:
+                 weight_budget: int = DEFAULT_WEIGHT_BUDGET, kv_types: tuple[str, str] = ("f32", "f32")) -> None:
         self.f, self.cfg, self.n_ctx = gguf, cfg, n_ctx
+        # the cache's element types (keys, values): stored values round as reference_kv says
+        try:
+            self.kv_types = (reference_kv.check(kv_types[0], cfg.head_dim),
+                             reference_kv.check(kv_types[1], cfg.head_dim_v))
+        except ValueError as e:
+            raise BackendError(str(e)) from None
         self._weights: dict[str, np.ndarray] = {}
         self._budget = weight_budget
         ff = self.weight(cfg.rope.freq_factors) if cfg.rope.freq_factors else None
@@ -126,8 +133,8 @@ class NumpyBackend:
         return apply_rope(x, positions, self._inv_freq[self.cfg.rope_key(layer)], self.cfg.rope.style)
 
     def store_kv(self, layer: int, k: np.ndarray, v: np.ndarray, positions: np.ndarray) -> None:
-        self.k_cache[layer, positions] = k
-        self.v_cache[layer, positions] = v
+        self.k_cache[layer, positions] = reference_kv.roundtrip(k, self.kv_types[0])
+        self.v_cache[layer, positions] = reference_kv.roundtrip(v, self.kv_types[1])
 
     def attention(self, layer: int, q: np.ndarray, positions: np.ndarray) -> np.ndarray:
         cfg = self.cfg
