@@ -30,7 +30,7 @@ OTHER_CACHE_TYPES = ("q4_1", "q5_0", "q5_1", "iq4_nl", "bf16")  # llama.cpp's, n
 CacheTypeK = typer.Option("auto", "-ctk", "--cache-type-k",
                           help="KV cache type of the keys, auto | f16 | f32 | q8_0 | q4_0 (auto: f16; f32 for "
                                "heads over 128 wide; q8_0 / q4_0: numpy backend only for now)")
-CacheTypeV = typer.Option("auto", "-ctv", "--cache-type-v", help="cuda: KV cache type of the values (as -ctk)")
+CacheTypeV = typer.Option("auto", "-ctv", "--cache-type-v", help="KV cache type of the values (as -ctk)")
 
 
 def resolve_model(model: Optional[str]) -> str:

@@ -53,7 +53,6 @@ def select_backend(name: str, f: GGUFFile, cfg: ModelConfig, n_ctx: int,
             note(f"note: running on the CPU with the numpy backend ({why})")
     from ..backends.numpy import NumpyBackend
 
-
     be = NumpyBackend(f, cfg, n_ctx, kv_types=tuple("f32" if t == "auto" else t for t in kv_types))
     be.preload(progress=(lambda i, n: progress("loading weights", i, n)) if progress else None)
     return be

@@ -17,6 +17,6 @@ class KernelKnobs(NamedTuple):
     mma_stages: tuple[int, int] = (2, 2)  # staged tiles' depth: single products, GLU
     tiles: tuple[int, int] | None = None  # attention_tiles (keys per tile, stages); None: tiles_config
     flash: tuple[int, int] | None = None  # flash_attn (rows per block, keys per tile); None: flash_config
-    decode: tuple[int, int, int] | None = None  # flash_decode (warps, keys per tile, stages; 0: the rule's)
+    decode: tuple[int, int, int] = (0, 0, 0)  # flash_decode (warps, keys per tile, stages); 0: decode_config's rule
     decode_min_keys: int = 0  # flash_decode: keys a split at least (0: one tile a warp)
     sm_count: int = 0  # flash_decode splits by the step's work for this many SMs (0: by n_split alone)

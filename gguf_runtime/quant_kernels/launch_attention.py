@@ -183,17 +183,13 @@ DECODE_SMEM_MAX = 200 * 1024  # the rings of a block at most (an H100 block take
 SM_SMEM = 228 * 1024  # shared memory of an H100 SM (blocks an SM holds: this over a block's share)
 
 
-def decode_ok(head_dim: int, head_dim_v: int, group: int) -> bool:
-    return flash_ok(head_dim, head_dim_v, group)
-
-
 def decode_config(head_dim: int, kv16: bool, knobs: tuple[int, int, int] | None = None) -> tuple[int, int, int]:
     """(NW, KT, ST): NW warps a block, each with a ring of ST stages of KT keys. ``knobs``
     (KernelKnobs.decode: warps, keys, stages; 0 for the rule's) where given; else 16 keys, 2 stages,
     and 8 warps (one block an SM for 128-dim heads; bench/RESULTS.md), fewer where the rings do not
     fit."""
     w0, kt, st = knobs or (0, 0, 0)
-    kt, st = kt or 16, st or 2
+    kt, st = kt or 16, st or 2  # 0: the rule's
     nw = w0 or next((w for w in (DECODE_WARPS, 4, 2, 1)
                      if decode_smem(head_dim, (w, kt, st), kv16) <= DECODE_SMEM_MAX), 1)
     return nw, kt, st
@@ -221,7 +217,7 @@ def flash_decode(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache: i
     ``early``) on the tensor cores: f16 operands (q scaled, K, V, P), f32 accumulation. A split
     covers at least one tile per warp: short contexts run one block per KV head, no merge of splits."""
     g = n_head // n_head_kv
-    assert decode_ok(head_dim, head_dim, g) and (q8 is None or head_dim % 16 == 0)
+    assert flash_ok(head_dim, head_dim, g) and (q8 is None or head_dim % 16 == 0)
     assert 1 <= n_split <= ATTN_MAX_SPLITS, n_split
     config = config or decode_config(head_dim, kv16, k.knobs.decode)
     fn = k.fn("flash_decode.cu", decode_kernel_name(head_dim, g, config, kv16))
@@ -234,5 +230,6 @@ def flash_decode(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache: i
     fn((n_head_kv, n_split, rows), (32 * config[0],),
        (ptr(q), i32(ldq), ptr(kcache), ptr(vcache), ptr(pos), ptr(seq), ptr(table), i32(max_pages),
         i32(page_size), i32(n_head_kv), f32(scale), f32(cap), i32(window), i32(n_split),
-        i32(k.knobs.decode_min_keys or config[0] * config[1]), i32(target), i32(1 if early else 0), ptr(part_o), ptr(part_ml), ptr(counter), ptr(out), i32(ldo), ptr(out16), i32(ld16),
-        *(q8.ptrs() if q8 else NO_PTRS)), shared_mem=smem)
+        i32(k.knobs.decode_min_keys or config[0] * config[1]), i32(target), i32(1 if early else 0), ptr(part_o),
+        ptr(part_ml), ptr(counter), ptr(out), i32(ldo), ptr(out16), i32(ld16), *(q8.ptrs() if q8 else NO_PTRS)),
+       shared_mem=smem)

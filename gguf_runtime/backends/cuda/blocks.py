@@ -132,7 +132,7 @@ class CudaBlocks:
         cfg = self.cfg
         return (self.decode and self.tune.flash_decode and self.kv.kv16
                 and (self._small(t) or self.tune.flash_decode_batch)
-                and LA.decode_ok(cfg.head_dim, cfg.head_dim_v, cfg.n_head // cfg.n_head_kv))
+                and LA.flash_ok(cfg.head_dim, cfg.head_dim_v, cfg.n_head // cfg.n_head_kv))
 
     def _big_mma(self, t: int) -> bool:
         return self.mma and not self._small(t)
@@ -235,7 +235,8 @@ class CudaBlocks:
                             n_splits(self.tune, t, self.mmv_rows), ws.part_o.data.ptr, ws.part_ml.data.ptr,
                             ws.attn_counter.data.ptr, out.data.ptr, out.strides[0] // 4,
                             None if self._small(t) else ws.x16.data.ptr,
-                            0 if self._small(t) else ws.x16.strides[0] // 2, q8=self._att_q8, early=self.tune.attn_early, kv16=self.kv.kv16)
+                            0 if self._small(t) else ws.x16.strides[0] // 2, q8=self._att_q8,
+                            early=self.tune.attn_early, kv16=self.kv.kv16)
             return out
         LA.attention(self.k, q.data.ptr, q.strides[0] // 4, t, kc, vc, positions.data.ptr, self.seq.data.ptr,
                     self.kv.table.data.ptr, self.kv.max_pages, self.kv.page_size, cfg.n_head, cfg.n_head_kv,

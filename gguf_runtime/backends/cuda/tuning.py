@@ -74,8 +74,7 @@ class Tuning:
         """The kernel launchers' share of the table."""
         return KernelKnobs(mma_reg_a=self.mma_reg_a, mma_split_min_steps=self.mma_split_min_steps,
                            mma_stages=self.mma_stages, tiles=self.tiles_shape, flash=self.flash_shape,
-                           decode=((self.decode_warps, *self.decode_shape) if self.decode_shape
-                                   else (self.decode_warps, 0, 0) if self.decode_warps else None),
+                           decode=(self.decode_warps, *(self.decode_shape or (0, 0))),
                            decode_min_keys=self.decode_min_keys,
                            sm_count=self.sm_count if self.decode_work_split else 0)
 
