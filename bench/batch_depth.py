@@ -55,7 +55,7 @@ def main() -> None:
     def tune(v: str) -> tuning.Tuning:
         return tuning.choose(weight_bytes, max_batch=max_batch, overrides="" if v == "NONE" else v,
                              n_head_kv=cfg.n_head_kv, sm_count=sms, head_dim=cfg.head_dim)
-    steps = (a.rounds * len(a.variants) + 4) * (a.gen + 1)  # every row's tokens to generate at most
+    steps = (a.rounds * len(a.variants) + 1) * (a.gen + 1)  # every row's tokens to generate at most
     n_ctx = max(max(ls) for _, ls in cases) + steps + 16
     be = CudaBackend(f, cfg, n_ctx, max_batch=max_batch, tune=tune(a.variants[0]))
     rng = np.random.default_rng(0)

