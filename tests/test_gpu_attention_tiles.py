@@ -62,7 +62,7 @@ def test_attention_tiles(k, d, hq, hkv, cap, window, config, kv16, rng):
         out.fill(POISON)
         LA.attention_tiles(k, qd.data.ptr, hq * d, t, kd.data.ptr, vd.data.ptr, posd.data.ptr, seqd.data.ptr,
                            tabd.data.ptr, max_pages, page, hq, hkv, d, scale, cap, window, out.data.ptr, hq * d,
-                           out16.data.ptr, hq * d, early=early, config=config, kv16=kv16)
+                           out16.data.ptr, hq * d, early=early, config=config, kv="f16" if kv16 else "f32")
         o = out.get()
         outs.append(o)
         assert rel(o.reshape(t, hq, d), ref) < 1e-5
@@ -118,7 +118,7 @@ def test_attention_tiles_with_rope(k, d, hq, hkv, n_rot, neox, window, kv16, rng
     qd, kd, vd, posd, seqd, tabd, invd = dev
     LA.attention_tiles(k, qd.data.ptr, width, t, kd.data.ptr, vd.data.ptr, posd.data.ptr, seqd.data.ptr,
                        tabd.data.ptr, max_pages, page, hq, hkv, d, scale, 0.0, window, out.data.ptr, hq * d,
-                       early=True, inv_freq=invd.data.ptr, n_rot=n_rot, neox=neox, kv16=kv16)
+                       early=True, inv_freq=invd.data.ptr, n_rot=n_rot, neox=neox, kv="f16" if kv16 else "f32")
     assert rel(out.get().reshape(t, hq, d), ref) < (1e-4 if kv16 else 1e-5)
     kcache, vcache = kd.get(), vd.get()
     for i, (s, p) in enumerate(zip(seq, pos)):

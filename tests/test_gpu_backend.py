@@ -108,19 +108,45 @@ def test_f16_kv_cache_matches_numpy(pair, rng):
     flash_decode.cu) and float32 to Gemma-3's 256; with either type prefill and graph decode steps
     stay as close to numpy's logits."""
     f, cfg, npb, cub = pair
-    assert cub.kv.kv16 == (cfg.head_dim <= 128)
-    be16 = cub if cub.kv.kv16 else CudaBackend(f, cfg, 256, kv_type="f16")
-    be32 = CudaBackend(f, cfg, 256, kv_type="f32") if cub.kv.kv16 else cub
-    assert be16.kv.k.dtype == cp.float16 and be32.kv.k.dtype == cp.float32
+    assert (cub.kv.kv_type == "f16") == (cfg.head_dim <= 128)
+    be16 = cub if (cub.kv.kv_type == "f16") else CudaBackend(f, cfg, 256, kv_type="f16")
+    be32 = CudaBackend(f, cfg, 256, kv_type="f32") if (cub.kv.kv_type == "f16") else cub
+    assert be16.kv.kv_type == "f16" and be32.kv.kv_type == "f32"
     assert be16.kv_page_bytes == be32.kv_page_bytes // 2
     ids = rng.integers(0, cfg.n_vocab, 40).tolist()
     ref = run(npb, ids, (5, 17, 300))
     for be in (be16, be32):
         be.truncate(0)
         got = run(be, ids, (5, 17, 300))  # decode: the fused KV write
-        assert_all_rows(got, ref, what=f"{cfg.arch} {'f16' if be.kv.kv16 else 'f32'} KV cache", **Q8)
+        assert_all_rows(got, ref, what=f"{cfg.arch} {be.kv.kv_type} KV cache", **Q8)
         assert_argmax_agrees(got, ref, 0.9)
-    assert be16.kv.k.get().astype(np.float32)[:, :3].any()  # pages hold keys
+    assert be16.kv.values(0)[:3].any()  # pages hold keys
+
+
+@pytest.mark.parametrize("n", [7, 40])  # 7: flash_decode takes the prompt rows too; 40: flash_prefill
+def test_quantized_kv_cache_matches_numpy(pair, n, rng, monkeypatch):
+    """-ctk/-ctv q8_0 and q4_0 end to end (rope_kv quantizes, the flash kernels read: prompt rows and
+    decode steps) against the numpy backend keeping the same types, f32 activations (q8=0) on both
+    sides. The kernel tests hold each piece to the reference bit for bit; here the twins amplify
+    the last ulps: keys and values that agree to 1e-4 land on the other side of a few rounding
+    edges, a whole step away. On the numpy model itself (SmolLM2 twin, 7 rows + 3, 2026-11-26)
+    K and V times (1 + 1e-4 N(0, 1)) move the logits by 0.057% (f16 cache), 1.3% (q8_0: as far
+    as the type's whole effect, 1.3%) and 16.5% (q4_0; effect 22%). Measured here: f16 0.03-0.2%,
+    q8_0 0.9-1.3%, q4_0 6.7-17%. So: the f16 path tight, q8_0 at the int8 activations' bars, q4_0
+    a smoke bar, and the cache holding q4_0 blocks (at most 16 values in each 32)."""
+    f, cfg, _, _ = pair
+    monkeypatch.setenv("GGUF_RUN_TUNE", "q8=0")
+    ids, more = rng.integers(0, cfg.n_vocab, n).tolist(), (5, 17, 300)
+    bars = {"f16": dict(cos_gap=2e-5, max_rel=5e-3), "q8_0": Q8, "q4_0": dict(cos_gap=5e-2, max_rel=0.5)}
+    for kv in ("f16", "q8_0", "q4_0"):
+        be = CudaBackend(f, cfg, 320, kv_type=kv)
+        got, ref = run(be, ids, more), run(NumpyBackend(f, cfg, 320, kv_types=(kv, kv)), ids, more)
+        assert_all_rows(got, ref, what=f"{cfg.arch} {kv} KV cache, {n} rows + 3, f32 activations", **bars[kv])
+        if kv == "q4_0":
+            held = be.kv.values(0)[be.kv.table[0].get()[0], 0, 1]  # position 1's key, head 0 (kv_layout.unpack)
+            blocks = [np.unique(b).size for b in held.reshape(-1, 32)]
+            assert np.isfinite(held).all() and max(blocks) <= 16 and min(blocks) > 4, blocks
+        del be
 
 
 def test_kv_type_from_the_tuning_override(pair, monkeypatch):
@@ -128,7 +154,7 @@ def test_kv_type_from_the_tuning_override(pair, monkeypatch):
 
     f, cfg, _, _ = pair
     monkeypatch.setenv("GGUF_RUN_TUNE", "kv_type=f16")
-    assert CudaBackend(f, cfg, 32).kv.kv16
+    assert CudaBackend(f, cfg, 32).kv.kv_type == "f16"
     monkeypatch.setenv("GGUF_RUN_TUNE", "kv_type=q8")
     with pytest.raises(BackendError, match="kv_type='q8'"):
         CudaBackend(f, cfg, 32)

@@ -1,7 +1,7 @@
 """flash_decode.cu (decode steps' attention on the tensor cores, keys split over the grid) against
 float64 numpy: every head dim, GQA ratio, sliding window, soft-cap; rows of their own sequences at
 uneven depths (pages in shuffled order among noise pages) and a padding row; one split to 32;
-float32 and f16 caches; each ring shape; the early-load flag bit for bit. Operands are f16 (q
+float32, f16, q8_0 and q4_0 caches; each ring shape; the early-load flag bit for bit. Operands are f16 (q
 scaled, K, V, P) with f32 accumulation: flash_attn.cu's bar."""
 
 import math
@@ -12,12 +12,13 @@ import pytest
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
+from gguf_runtime.quant_kernels import kv_layout as KL  # noqa: E402
 from gguf_runtime.quant_kernels import launch_attention as LA  # noqa: E402
 from gguf_runtime.quant_kernels import launchers as L  # noqa: E402
 from gguf_runtime.backends.cuda.tuning import Tuning  # noqa: E402
 
 from test_gpu_kernels import POISON, attention_ref, rel  # noqa: E402
-from test_gpu_flash import BAR, SHAPES, SMEM_MAX  # noqa: E402
+from test_gpu_flash import BAR, SHAPES, SMEM_MAX, as_cache  # noqa: E402
 
 PAGE = 16
 
@@ -27,30 +28,33 @@ def k():
     return L.Kernels(Tuning().knobs())
 
 
-def sequences(rng, depths, hkv, d, kv_dtype, extra=5):
-    """One sequence per depth (keys 0 .. depth), each with its own K, V and pages scattered through
-    one cache among pages of noise that must never be read."""
+def sequences(rng, depths, hkv, d, kv, extra=5):
+    """One sequence per depth (keys 0 .. depth), each with its own K, V (as the cache of type kv
+    holds them) and pages scattered through one cache (packed) among pages of noise that must
+    never be read."""
     need = [depth // PAGE + 1 for depth in depths]
     max_pages = max(need)
     n_pages = sum(need) + extra
     order = rng.permutation(n_pages).astype(np.int32)
-    kc = (rng.standard_normal((n_pages, hkv, PAGE, d)) * 100).astype(kv_dtype)
-    vc = (rng.standard_normal((n_pages, hkv, PAGE, d)) * 100).astype(kv_dtype)
+    kc = (rng.standard_normal((n_pages, hkv, PAGE, d)) * 100).astype(np.float32)
+    vc = (rng.standard_normal((n_pages, hkv, PAGE, d)) * 100).astype(np.float32)
     table = np.full((len(depths), max_pages), -1, np.int32)
-    KV, at = [], 0
+    at = 0
     for s, depth in enumerate(depths):
         table[s, :need[s]] = order[at:at + need[s]]
         at += need[s]
-        K = rng.standard_normal((depth + 1, hkv, d)).astype(kv_dtype)
-        V = rng.standard_normal((depth + 1, hkv, d)).astype(kv_dtype)
         for p in range(depth + 1):
-            kc[table[s, p // PAGE], :, p % PAGE] = K[p]
-            vc[table[s, p // PAGE], :, p % PAGE] = V[p]
-        KV.append((K.astype(np.float32), V.astype(np.float32)))
+            kc[table[s, p // PAGE], :, p % PAGE] = rng.standard_normal((hkv, d))
+            vc[table[s, p // PAGE], :, p % PAGE] = rng.standard_normal((hkv, d))
+    (kc, kvals), (vc, vvals) = as_cache(kc, kv, PAGE), as_cache(vc, kv, PAGE)
+    KV = []
+    for s, depth in enumerate(depths):
+        rows = [(table[s, p // PAGE], p % PAGE) for p in range(depth + 1)]
+        KV.append((np.stack([kvals[pg, :, sl] for pg, sl in rows]), np.stack([vvals[pg, :, sl] for pg, sl in rows])))
     return KV, kc, vc, table, max_pages
 
 
-def run_decode(k, q, kc, vc, pos, seq, table, max_pages, hq, hkv, d, scale, cap, window, n_split, kv16,
+def run_decode(k, q, kc, vc, pos, seq, table, max_pages, hq, hkv, d, scale, cap, window, n_split, kv,
                early=False, config=None):
     t = q.shape[0]
     out = cp.full((t, hq * d), POISON, cp.float32)
@@ -60,7 +64,7 @@ def run_decode(k, q, kc, vc, pos, seq, table, max_pages, hq, hkv, d, scale, cap,
     qd, kd, vd, posd, seqd, tabd = (cp.asarray(a) for a in (q.reshape(t, -1), kc, vc, pos, seq, table))
     LA.flash_decode(k, qd.data.ptr, hq * d, t, kd.data.ptr, vd.data.ptr, posd.data.ptr, seqd.data.ptr,
                     tabd.data.ptr, max_pages, PAGE, hq, hkv, d, scale, cap, window, n_split, part_o.data.ptr,
-                    part_ml.data.ptr, counter.data.ptr, out.data.ptr, hq * d, early=early, kv16=kv16, config=config)
+                    part_ml.data.ptr, counter.data.ptr, out.data.ptr, hq * d, early=early, kv=kv, config=config)
     assert not counter.get().any(), "the merging blocks leave the counters at zero"
     return out.get()
 
@@ -69,13 +73,12 @@ DEPTHS = [0, 5, 16, 33, 79, 300, 1000, 2500]
 
 
 @pytest.mark.parametrize("d,hq,hkv,cap,window", SHAPES)
-@pytest.mark.parametrize("kv16", [False, True], ids=["f32", "f16"])
+@pytest.mark.parametrize("kv", KL.KV_TYPES)
 @pytest.mark.parametrize("n_split", [1, 4, 32])
-def test_flash_decode(k, d, hq, hkv, cap, window, kv16, n_split, rng):
+def test_flash_decode(k, d, hq, hkv, cap, window, kv, n_split, rng):
     """Rows at uneven depths, each its own sequence, and a padding row (zeros); early on and off
     give the same bits."""
-    kv_dtype = np.float16 if kv16 else np.float32
-    KV, kc, vc, table, max_pages = sequences(rng, DEPTHS, hkv, d, kv_dtype)
+    KV, kc, vc, table, max_pages = sequences(rng, DEPTHS, hkv, d, kv)
     rows = len(DEPTHS) + 1
     pos = np.array(DEPTHS + [7], np.int32)
     seq = np.array(list(range(len(DEPTHS))) + [-1], np.int32)
@@ -84,7 +87,7 @@ def test_flash_decode(k, d, hq, hkv, cap, window, kv16, n_split, rng):
     ref = np.zeros((rows, hq, d))
     for i, (K, V) in enumerate(KV):
         ref[i] = attention_ref(q[i:i + 1], K, V, pos[i:i + 1], scale, cap, window)[0]
-    outs = [run_decode(k, q, kc, vc, pos, seq, table, max_pages, hq, hkv, d, scale, cap, window, n_split, kv16,
+    outs = [run_decode(k, q, kc, vc, pos, seq, table, max_pages, hq, hkv, d, scale, cap, window, n_split, kv,
                        early=early) for early in (False, True)]
     assert (outs[0] == outs[1]).all()
     o = outs[0].reshape(rows, hq, d)
@@ -94,34 +97,33 @@ def test_flash_decode(k, d, hq, hkv, cap, window, kv16, n_split, rng):
 
 
 CONFIGS = [(4, 16, 2), (4, 16, 3), (4, 16, 4), (4, 32, 3), (2, 16, 4), (8, 16, 2)]
-SHAPE_CASES = [(d, hq, hkv, config, kv16) for d, hq, hkv in [(64, 9, 3), (128, 32, 8), (256, 4, 1)]
-               for config in CONFIGS for kv16 in (False, True)
-               if LA.decode_smem(d, config, kv16) <= SMEM_MAX - 4096]  # the merge's static arrays: up to 2.3 KiB
+SHAPE_CASES = [(d, hq, hkv, config, kv) for d, hq, hkv in [(64, 9, 3), (128, 32, 8), (256, 4, 1)]
+               for config in CONFIGS for kv in KL.KV_TYPES
+               if LA.decode_smem(d, config, kv) <= SMEM_MAX - 4096]  # the merge's static arrays: up to 2.3 KiB
 
 
-@pytest.mark.parametrize("d,hq,hkv,config,kv16", SHAPE_CASES, ids=str)
-def test_flash_decode_shapes(k, d, hq, hkv, config, kv16, rng):
+@pytest.mark.parametrize("d,hq,hkv,config,kv", SHAPE_CASES, ids=str)
+def test_flash_decode_shapes(k, d, hq, hkv, config, kv, rng):
     """Every ring shape (NW warps, KT keys, ST stages) that fits computes the same attention."""
-    kv_dtype = np.float16 if kv16 else np.float32
     depths = [3, 200, 1234]
-    KV, kc, vc, table, max_pages = sequences(rng, depths, hkv, d, kv_dtype)
+    KV, kc, vc, table, max_pages = sequences(rng, depths, hkv, d, kv)
     pos = np.array(depths, np.int32)
     q = rng.standard_normal((len(depths), hq, d)).astype(np.float32)
     scale = 1 / math.sqrt(d)
     o = run_decode(k, q, kc, vc, pos, np.arange(len(depths), dtype=np.int32), table, max_pages, hq, hkv, d, scale,
-                   0.0, 0, 8, kv16, early=True, config=config).reshape(len(depths), hq, d)
+                   0.0, 0, 8, kv, early=True, config=config).reshape(len(depths), hq, d)
     for i, (K, V) in enumerate(KV):
         assert rel(o[i], attention_ref(q[i:i + 1], K, V, pos[i:i + 1], scale, 0.0, 0)[0]) < BAR
 
 
 def test_flash_decode_smem_fits():
     for d in LA.FLASH_HEAD_DIMS:
-        for kv16 in (False, True):
-            assert LA.decode_smem(d, LA.decode_config(d, kv16), kv16) <= SMEM_MAX
+        for kv in KL.KV_TYPES:
+            assert LA.decode_smem(d, LA.decode_config(d, kv), kv) <= SMEM_MAX
 
 
-@pytest.mark.parametrize("kv16", [False, True], ids=["f32", "f16"])
-def test_flash_decode_work_split(kv16, rng):
+@pytest.mark.parametrize("kv", KL.KV_TYPES)
+def test_flash_decode_work_split(kv, rng):
     """Splits from the step's total keys for 132 SMs (the tuning table's choice): one long row
     among short ones takes many blocks, the short ones one each; the same attention."""
     import dataclasses
@@ -129,11 +131,11 @@ def test_flash_decode_work_split(kv16, rng):
     kw = L.Kernels(dataclasses.replace(Tuning(), sm_count=132).knobs())
     d, hq, hkv = 128, 32, 8
     depths = [9000, 3, 40, 700, 129, 2000]
-    KV, kc, vc, table, max_pages = sequences(rng, depths, hkv, d, np.float16 if kv16 else np.float32)
+    KV, kc, vc, table, max_pages = sequences(rng, depths, hkv, d, kv)
     pos = np.array(depths, np.int32)
     q = rng.standard_normal((len(depths), hq, d)).astype(np.float32)
     scale = 1 / math.sqrt(d)
     o = run_decode(kw, q, kc, vc, pos, np.arange(len(depths), dtype=np.int32), table, max_pages, hq, hkv, d, scale,
-                   0.0, 0, 32, kv16, early=True).reshape(len(depths), hq, d)
+                   0.0, 0, 32, kv, early=True).reshape(len(depths), hq, d)
     for i, (K, V) in enumerate(KV):
         assert rel(o[i], attention_ref(q[i:i + 1], K, V, pos[i:i + 1], scale, 0.0, 0)[0]) < BAR

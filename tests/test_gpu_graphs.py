@@ -10,6 +10,7 @@ from gguf_runtime.engine.decode_loop import sample_loop  # noqa: E402
 from gguf_runtime.backends.cuda.backend import CudaBackend  # noqa: E402
 from gguf_runtime.format.gguf_file import open_gguf  # noqa: E402
 from gguf_runtime.format.model_config import config_from_gguf  # noqa: E402
+from gguf_runtime.quant_kernels import kv_layout as KL  # noqa: E402
 from gguf_runtime.sampling import SamplingParams  # noqa: E402
 
 from twin_files import TWINS, twin_path  # noqa: E402
@@ -74,8 +75,8 @@ def test_prefill_graph_equals_eager(backend, rng):
 
     def run(graph):
         backend.prefill_graph = graph
-        kv.k.fill(7.0)  # poison: positions no run writes keep it
-        kv.v.fill(-7.0)
+        kv.k.fill(0x47)  # poison bytes, finite in f32 and f16: positions no run writes keep them
+        kv.v.fill(0xC7)
         backend.truncate(0)
         a = backend.eval(first, all_logits=True)
         b = backend.eval(more)
@@ -106,6 +107,10 @@ def test_prefill_graph_equals_eager(backend, rng):
     written = np.zeros((kv.n_pages, kv.page_size), bool)
     for p in range(140):
         written[table[p // kv.page_size], p % kv.page_size] = True
-    k, v = (np.moveaxis(a, 3, 2) for a in ref[2:])  # [layer, page, slot, head, dim]
-    assert (k[:, written] != 7.0).all() and (v[:, written] != -7.0).all()
-    assert (k[:, ~written] == 7.0).all() and (v[:, ~written] == -7.0).all()
+    cfg = backend.cfg
+    k, v = (np.moveaxis(np.stack([KL.unpack(x, kv.kv_type, kv.page_size, d) for x in raw]), 3, 2)
+            for raw, d in zip(ref[2:], (cfg.head_dim, cfg.head_dim_v)))  # [layer, page, slot, head, dim]
+    pk, pv = (KL.unpack(np.full(a.shape[-1], b, np.uint8), kv.kv_type, kv.page_size, d).flat[0]
+              for a, b, d in ((kv.k, 0x47, cfg.head_dim), (kv.v, 0xC7, cfg.head_dim_v)))
+    assert (k[:, written] != pk).all() and (v[:, written] != pv).all()
+    assert (k[:, ~written] == pk).all() and (v[:, ~written] == pv).all()

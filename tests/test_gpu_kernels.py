@@ -13,7 +13,9 @@ cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
 from gguf_runtime.backends.numpy.backend import apply_rope, gelu_tanh, silu  # noqa: E402
+from gguf_runtime.quant_kernels import kv_layout as KL  # noqa: E402
 from gguf_runtime.quant_kernels import launch_attention as LA  # noqa: E402
+from gguf_runtime.quant_kernels import reference_kv as RK  # noqa: E402
 from gguf_runtime.quant_kernels import launch_mma as LM  # noqa: E402
 from gguf_runtime.quant_kernels import launchers as L  # noqa: E402
 from gguf_runtime.backends.cuda.tuning import Tuning  # noqa: E402
@@ -258,38 +260,51 @@ def rms(v, w, eps):
 
 @pytest.mark.parametrize("neox,qk_norm,d,n_rot,hq,hkv", [(False, False, 64, 64, 9, 3), (True, True, 256, 256, 4, 1),
                                                          (True, False, 128, 64, 8, 2)])
-@pytest.mark.parametrize("kv16", [False, True], ids=["f32", "f16"])
-def test_rope_kv(k, neox, qk_norm, d, n_rot, hq, hkv, kv16, rng):
+@pytest.mark.parametrize("kv", KL.KV_TYPES)
+def test_rope_kv(k, neox, qk_norm, d, n_rot, hq, hkv, kv, rng):
+    """Q rotated in place; K rotated and V copied into the cache slot of each position, as the
+    cache's type holds them: f16 rounded, q8_0 / q4_0 blocks as reference_kv.py quantizes (V bit
+    for bit; K, computed apart, within one step of the reference's rounding); untouched slots
+    keep their poison (all-ones bytes: NaN in every type's scales or values)."""
     t, page, max_pages = 6, 16, 4
     width = (hq + 2 * hkv) * d
     qkv = rng.standard_normal((t, width)).astype(np.float32)
+    qkv[:, (hq + hkv) * d:][1, :32] *= 1000  # an outlier block among the values
     pos = np.array([0, 1, 15, 16, 17, 40], np.int32)  # crosses page boundaries
     inv = 10000.0 ** (-np.arange(0, n_rot, 2) / n_rot)
     qn = rng.standard_normal(d).astype(np.float32) if qk_norm else None
     kn = rng.standard_normal(d).astype(np.float32) if qk_norm else None
     table = np.array([[3, 0, 2, 1]], np.int32)  # pages out of order
-    kv_dtype = cp.float16 if kv16 else cp.float32
-    kc = cp.full((4, hkv, page, d), POISON, kv_dtype)
-    vc = cp.full((4, hkv, page, d), POISON, kv_dtype)
+    kc = cp.full((4, hkv, KL.block_bytes(kv, page, d)), 0xFF, cp.uint8)
+    vc = cp.full((4, hkv, KL.block_bytes(kv, page, d)), 0xFF, cp.uint8)
     dq = cp.asarray(qkv)
     keep = [cp.asarray(a) if a is not None else None for a in (qn, kn)]
     invd, posd, seqd, tabd = cp.asarray(inv), cp.asarray(pos), cp.zeros(t, cp.int32), cp.asarray(table)
     LL.rope_kv(k, dq.data.ptr, width, t, hq, hkv, d, d, n_rot, neox, keep[0].data.ptr if qk_norm else None,
                keep[1].data.ptr if qk_norm else None, 1e-6, invd.data.ptr, posd.data.ptr,
-               seqd.data.ptr, tabd.data.ptr, max_pages, page, kc.data.ptr, vc.data.ptr, kv16)
+               seqd.data.ptr, tabd.data.ptr, max_pages, page, kc.data.ptr, vc.data.ptr, kv)
     q = qkv[:, :hq * d].reshape(t, hq, d)
     kk = qkv[:, hq * d:(hq + hkv) * d].reshape(t, hkv, d)
     vv = qkv[:, (hq + hkv) * d:].reshape(t, hkv, d)
     if qk_norm:
         q, kk = rms(q, qn, 1e-6).astype(np.float32), rms(kk, kn, 1e-6).astype(np.float32)
     style = "neox" if neox else "norm"
-    qr, kr = apply_rope(q, pos, inv, style), apply_rope(kk, pos, inv, style)
+    qr, kr = apply_rope(q, pos, inv, style), apply_rope(kk, pos, inv, style).astype(np.float32)
     assert rel(dq.get()[:, :hq * d].reshape(t, hq, d), qr) < 1e-5
-    kcache, vcache = kc.get(), vc.get()
+    kcache, vcache = KL.unpack(kc.get(), kv, page, d), KL.unpack(vc.get(), kv, page, d)
+    written = np.zeros(kcache.shape[:3], bool)
     for i, p in enumerate(pos):
         pg, sl = table[0, p // page], p % page
-        assert rel(kcache[pg, :, sl], kr[i]) < (1e-3 if kv16 else 1e-5)  # f16: 2^-11 relative rounding
-        assert np.array_equal(vcache[pg, :, sl], vv[i].astype(kv_dtype))
+        written[pg, :, sl] = True
+        assert np.array_equal(vcache[pg, :, sl], RK.roundtrip(vv[i], kv))
+        want = RK.roundtrip(kr[i], kv)
+        if kv in KL.QUANT:  # a key within one quantization step of the reference's, nearly all equal
+            step = np.abs(kr[i]).reshape(hkv, -1, 32).max(-1, keepdims=True) / (127 if kv == "q8_0" else 8)
+            diff = np.abs(kcache[pg, :, sl] - want).reshape(hkv, -1, 32)
+            assert (diff <= step * 1.01).all() and (diff == 0).mean() > 0.95
+        else:
+            assert rel(kcache[pg, :, sl], kr[i]) < (1e-3 if kv == "f16" else 1e-5)  # f16: 2^-11 relative
+    assert np.isnan(kcache[~written]).all() and np.isnan(vcache[~written]).all()
 
 
 def attention_ref(q, K, V, pos, scale, cap, window):
@@ -344,7 +359,7 @@ def test_attention(k, d, hq, hkv, cap, window, n_split, warps, rounds, rng, kv16
         LA.attention(k, qd.data.ptr, hq * d, t, kd.data.ptr, vd.data.ptr, posd.data.ptr, seqd.data.ptr,
                      tabd.data.ptr, max_pages, page, hq, hkv, d, scale, cap, window, n_split, part_o.data.ptr,
                      part_ml.data.ptr, counter.data.ptr, out.data.ptr, hq * d, shape=shape, early=early,
-                     kv16=kv16)
+                     kv="f16" if kv16 else "f32")
         outs.append(out.get())
         assert rel(outs[-1].reshape(t, hq, d), ref) < 1e-5
         assert not counter.get().any()

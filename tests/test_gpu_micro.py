@@ -77,7 +77,7 @@ def test_f32_path_every_row(micro, monkeypatch, rng):
     name, f, cfg = micro
     monkeypatch.setenv("GGUF_RUN_TUNE", "q8=0;kv_type=f32")  # the float32 path end to end
     be = CudaBackend(f, cfg, N_CTX)
-    model = PathModel(f, cfg, N_CTX, q8=False, kv16=be.kv.kv16)
+    model = PathModel(f, cfg, N_CTX, q8=False, kv16=be.kv.kv_type == "f16")
     for ids, more in prompts(rng, cfg.n_vocab, 7, 2):
         assert_all_rows(run(be, ids, more), run(model, ids, more), what=f"micro {name} f32", **F32)
 
@@ -86,7 +86,7 @@ def test_int8_path_most_rows(micro, rng):
     name, f, cfg = micro
     be = CudaBackend(f, cfg, N_CTX)
     assert be.ws.q8_norm is not None
-    model = PathModel(f, cfg, N_CTX, kv16=be.kv.kv16)
+    model = PathModel(f, cfg, N_CTX, kv16=be.kv.kv_type == "f16")
     got, ref = zip(*[(run(be, ids, more), run(model, ids, more)) for ids, more in prompts(rng, cfg.n_vocab, 7, 4)])
     assert_most_rows(np.concatenate(got), np.concatenate(ref), TIGHT, SHARE, LOOSE_Q8, what=f"micro {name} int8")
 
@@ -94,7 +94,7 @@ def test_int8_path_most_rows(micro, rng):
 def test_f16_prefill_most_rows(micro, rng):
     name, f, cfg = micro
     be = CudaBackend(f, cfg, N_CTX)
-    model = PathModel(f, cfg, N_CTX, kv16=be.kv.kv16)
+    model = PathModel(f, cfg, N_CTX, kv16=be.kv.kv_type == "f16")
     for ids, _ in prompts(rng, cfg.n_vocab, 24, 2):
         assert_all_rows(run(be, ids), run(model, ids), what=f"micro {name} f16 prefill", **F16)
 
@@ -176,7 +176,7 @@ def test_long_prompt_against_numpy(name, tmp_path, rng):
         return np.concatenate([be.eval(ids[:LONG]).reshape(1, -1), be.eval(ids[LONG:]).reshape(1, -1)])
     be = CudaBackend(f, cfg, LONG + 8)
     got = logits(be)
-    model = logits(PathModel(f, cfg, LONG + 8, kv16=be.kv.kv16))
+    model = logits(PathModel(f, cfg, LONG + 8, kv16=be.kv.kv_type == "f16"))
     ref = logits(NumpyBackend(f, cfg, LONG + 8))
     assert_all_rows(got[:1], model[:1], what=f"micro {name} prefill at {LONG} vs path model", **LONG_MODEL)
     assert_all_rows(got[:1], ref[:1], what=f"micro {name} prefill at {LONG} vs numpy", **LONG_NUMPY)

@@ -334,7 +334,8 @@ def test_qkv_q8_with_fused_rope_equals_f32_path_on_quantized_x(k, config, rng):
             qkv = cp.full((t, width), POISON, cp.float32)
             kc, vc = (cp.full((2, hkv, page, d), POISON, cp.float16 if kv16 else cp.float32) for _ in range(2))
             rope = L.RopeKV(qkv.data.ptr, width, hq, hkv, d, d, d, False, None, None, 1e-6, inv.data.ptr,
-                            pos.data.ptr, seq.data.ptr, table.data.ptr, 2, page, kc.data.ptr, vc.data.ptr, kv16)
+                            pos.data.ptr, seq.data.ptr, table.data.ptr, 2, page, kc.data.ptr, vc.data.ptr,
+                            "f16" if kv16 else "f32")
             L.mmv(k, [m for m, _ in mats], [(qkv.data.ptr + 4 * c, width) for c in (0, hq * d, (hq + hkv) * d)],
                   [None] * 3, xqd.data.ptr, cols, t, 0, rope=rope, q8=buf.vec if use_q8 else None, config=config)
             cp.cuda.runtime.deviceSynchronize()

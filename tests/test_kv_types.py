@@ -1,7 +1,8 @@
 """The KV-cache element types' numpy reference (quant_kernels/reference_kv.py) and the numpy backend
 that keeps its cache in them: q8_0 and q4_0 as llama.cpp's reference quantizers (the gguf package's
 numpy ones, bit for bit), f16 rounding, bytes per element; the backend's logits with each type on a
-micro model; the cuda backend's refusal of the types it does not keep yet. No GPU needed."""
+micro model; the CUDA cache's page layout of each type (kv_layout.py) against the reference; the
+cuda backend's one type for keys and values. No GPU needed."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from gguf_runtime.engine.backend_choice import cuda_kv_type
 from gguf_runtime.errors import BackendError
 from gguf_runtime.format.gguf_file import open_gguf
 from gguf_runtime.format.model_config import config_from_gguf
-from gguf_runtime.quant_kernels import reference_kv
+from gguf_runtime.quant_kernels import kv_layout, reference_kv
 from micro_models import Micro, prompt_ids, write_micro
 
 
@@ -89,10 +90,34 @@ def test_numpy_backend_refuses_a_head_the_blocks_do_not_divide(tmp_path):
         NumpyBackend(f, config_from_gguf(f), 32, kv_types=("q4_0", "f32"))
 
 
-def test_cuda_takes_one_float_type():
+def test_cuda_takes_one_type():
     assert cuda_kv_type("auto", "auto") == "auto"
     assert cuda_kv_type("f16", "auto") == "f16" and cuda_kv_type("auto", "f32") == "f32"
-    with pytest.raises(BackendError, match="q8_0 KV caches yet"):
-        cuda_kv_type("q8_0", "q8_0")
+    assert cuda_kv_type("q8_0", "q8_0") == "q8_0" and cuda_kv_type("auto", "q4_0") == "q4_0"
     with pytest.raises(BackendError, match="one type"):
         cuda_kv_type("f16", "f32")
+    with pytest.raises(BackendError, match="-ctk q8_0 -ctv f16 differ"):
+        cuda_kv_type("q8_0", "f16")
+
+
+@pytest.mark.parametrize("kv_type", kv_layout.KV_TYPES)
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_page_layout_holds_the_references_values(kv_type, d, rng):
+    """Blocks of (pages, heads, 16 rows, d) packed as the CUDA cache keeps them unpack to the
+    reference's roundtrip bit for bit; their size is block_bytes (16-byte rows, scales after)."""
+    x = (rng.standard_normal((3, 2, 16, d)) * np.array([1e-3, 1.0, 40.0])[:, None, None, None]).astype(np.float32)
+    x[0, 0, 3, :32] = 0  # an all-zero block
+    raw = kv_layout.pack(x, kv_type)
+    assert raw.shape == (3, 2, kv_layout.block_bytes(kv_type, 16, d)) and raw.dtype == np.uint8
+    back = kv_layout.unpack(raw, kv_type, 16, d)
+    assert np.array_equal(back, reference_kv.roundtrip(x, kv_type))
+    vb, sb = kv_layout.row_bytes(kv_type, d)
+    assert vb % 16 == 0 and (vb + sb) * 32 == d * reference_kv.BYTES_PER_BLOCK[kv_type]
+
+
+def test_q4_0_nibble_order(rng):
+    """Value 2i in the low nibble of byte i, stored as q + 8 (kv_cache.cuh's kv_store writes them so)."""
+    x = np.zeros((16, 32), np.float32)
+    x[0, :4] = [8.0, -8.0, 1.0, 3.0]  # d = 8 / -8 = -1: q = -8, 8 -> clamped 7, -1, -3
+    raw = kv_layout.pack(x, "q4_0")
+    assert list(raw[:2]) == [0 | (15 << 4), 7 | (5 << 4)]

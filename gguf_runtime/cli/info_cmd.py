@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 
+from ..format.blocks import BY_NAME, FORMATS
 from ..format.gguf_file import open_gguf
 from ..format.model_info import human_bytes, human_count, model_info
 from ..format.tokenizer import Tokenizer
@@ -53,6 +54,10 @@ def info(
         train = arch["n_ctx_train"]
         out(f"  {'kv_cache':<16}{human_bytes(2 * per_token)} a token in f16, {human_bytes(4 * per_token)} in f32 "
             f"({human_bytes(2 * per_token * train)} / {human_bytes(4 * per_token * train)} at {train:,} tokens)")
+        quant = [(n, FORMATS[BY_NAME[n.upper()]]) for n in ("q8_0", "q4_0")]  # -ctk / -ctv: blocks of 32
+        out(" " * 18 + ", ".join(f"{human_bytes(per_token * f.block_bytes / f.block_elems)} in {n}" for n, f in quant)
+            + " (" + " / ".join(human_bytes(per_token * f.block_bytes / f.block_elems * train) for _, f in quant)
+            + f" at {train:,} tokens)")
     out("\nquant types")
     out(f"  {'type':<8}{'tensors':>8}{'params':>12}{'size':>12}{'share':>8}")
     for r in i["quant"]:

@@ -29,7 +29,7 @@ CACHE_TYPES = ("auto", "f16", "f32", "q8_0", "q4_0")
 OTHER_CACHE_TYPES = ("q4_1", "q5_0", "q5_1", "iq4_nl", "bf16")  # llama.cpp's, not here
 CacheTypeK = typer.Option("auto", "-ctk", "--cache-type-k",
                           help="KV cache type of the keys, auto | f16 | f32 | q8_0 | q4_0 (auto: f16; f32 for "
-                               "heads over 128 wide; q8_0 / q4_0: numpy backend only for now)")
+                               "heads over 128 wide; the cuda backend keeps keys and values in one type)")
 CacheTypeV = typer.Option("auto", "-ctv", "--cache-type-v", help="KV cache type of the values (as -ctk)")
 
 

@@ -9,7 +9,6 @@ from ..format.gguf_file import GGUFFile
 from ..format.model_config import ModelConfig
 
 BACKENDS = ("auto", "cuda", "numpy")
-QUANTIZED = ("q8_0", "q4_0")
 def cuda_available() -> tuple[bool, str]:
     """(usable, reason if not)."""
     try:
@@ -26,12 +25,11 @@ def cuda_available() -> tuple[bool, str]:
 
 
 def cuda_kv_type(k: str, v: str) -> str:
-    """The cuda backend's one type for keys and values ("auto", "f16", "f32") from -ctk / -ctv."""
-    if k in QUANTIZED or v in QUANTIZED:
-        raise BackendError(f"the cuda backend does not keep {k if k in QUANTIZED else v} KV caches yet: use f16 or "
-                           "f32 (the numpy backend, --backend numpy, has q8_0 and q4_0)")
+    """The cuda backend's one type for keys and values ("auto", "f16", "f32", "q8_0", "q4_0") from
+    -ctk / -ctv (one of them "auto": the other's)."""
     if "auto" not in (k, v) and k != v:
-        raise BackendError("the cuda backend keeps keys and values in one type for now: give -ctk and -ctv the same")
+        raise BackendError(f"the cuda backend keeps keys and values in one type (-ctk {k} -ctv {v} differ): give "
+                           "-ctk and -ctv the same type, or use --backend numpy, which keeps them apart")
     return v if k == "auto" else k
 
 

@@ -23,9 +23,9 @@ DEV void load_keys(int k0, int end, int fresh, const int* tab, int max_pages, in
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
         const int key = k0 + W * j;
-        const int page = key < end && key / page_size < max_pages ? tab[key / page_size] : -1;
+        const int page = key < end && kv_page(key, page_size) < max_pages ? tab[kv_page(key, page_size)] : -1;
         ok[j] = page >= 0;  // < 0: past the chunk, or past the sequence's pages (never written)
-        base[j] = ok[j] ? (((long)page * n_head_kv + hk) * page_size + key % page_size) * (32 * E) : 0;
+        base[j] = ok[j] ? (((long)page * n_head_kv + hk) * page_size + kv_slot(key, page_size)) * (32 * E) : 0;
         const bool now = ok[j] && key != fresh;
 #pragma unroll
         for (int e = 0; e < E; ++e) {

@@ -55,10 +55,12 @@ DEV void load_tile(int k0, int lo, int p, int fresh, const int* tab, int max_pag
     for (int r = 0; r < (T::KT * T::CC + T::NT - 1) / T::NT; ++r) {
         const int i = threadIdx.x + r * T::NT, j = i / T::CC, c = i % T::CC, key = k0 + j;
         if (T::KT * T::CC % T::NT && i >= T::KT * T::CC) break;
-        const int page = key >= lo && key <= p && key / page_size < max_pages ? tab[key / page_size] : -1;
+        const int pg = kv_page(key, page_size);
+        const int page = key >= lo && key <= p && pg < max_pages ? tab[pg] : -1;
         if (key == fresh) continue;  // held in Fk, Fv
         const bool ok = page >= 0;
-        const long base = ok ? (((long)page * n_head_kv + hk) * page_size + key % page_size) * D + T::VE * c : 0;
+        const long base = ok ? (((long)page * n_head_kv + hk) * page_size + kv_slot(key, page_size)) * D + T::VE * c
+                             : 0;
         tile_cp16(Ks + j * T::LD + T::VE * c, kcache + base, ok);
         tile_cp16(Vs + j * D + T::VE * c, vcache + base, ok);
     }
@@ -116,8 +118,8 @@ __global__ void __launch_bounds__(32 * W) attn_tiles(
     const float* qr = q + (long)t * ldq + hk * G * D;
     if (early) pdl_enter();
     if (fresh >= 0) {  // the row's own key and value (no page: zeros, masked)
-        const int page = p / page_size < max_pages ? tab[p / page_size] : -1;
-        const long base = (((long)max(page, 0) * n_head_kv + hk) * page_size + p % page_size) * D;
+        const int page = kv_page(p, page_size) < max_pages ? tab[kv_page(p, page_size)] : -1;
+        const long base = (((long)max(page, 0) * n_head_kv + hk) * page_size + kv_slot(p, page_size)) * D;
         if (n_rot > 0) {  // raw rows: k and v of this KV head, RoPE angles of position p
             const float* kr = q + (long)t * ldq + (n_head_kv * G + hk) * D;
             float* Rk = Qs;  // the raw key (Qs is free until q's turn below)
@@ -203,7 +205,8 @@ __global__ void __launch_bounds__(32 * W) attn_tiles(
 #pragma unroll
             for (int o = SP / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
             if (cap > 0.f) s = cap * tanhf(s / cap);
-            const bool ok = key >= lo && key <= p && key / page_size < max_pages && tab[key / page_size] >= 0;
+            const int pg = kv_page(key, page_size);
+            const bool ok = key >= lo && key <= p && pg < max_pages && tab[pg] >= 0;
             if (part == 0) Ps[g * KT + j] = ok ? s : -INFINITY;
         }
         __syncthreads();

@@ -89,6 +89,28 @@ DEV u32 pack_h2(float a, float b) {  // a in the low half; one conversion instru
     u32 h; asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(h) : "f"(b), "f"(a)); return h;
 }
 
+// The KV cache's page of a key and its slot there: a page holds a power of two of keys (the
+// attention launchers check), so shifts, not runtime divisions, which cost ~20 instructions each
+// and ran for every 16 bytes the attention kernels stage (bench/RESULTS.md row 104).
+DEV int kv_page(int key, int page_size) { return key >> (31 - __clz(page_size)); }
+DEV int kv_slot(int key, int page_size) { return key & (page_size - 1); }
+
+// f16x2 arithmetic on packed pairs (low half first), and bytes into f16 pairs by PRMT: quant byte
+// b -> f16 0x64bb = 1024 + b, exact, so (h - 1024 - offset) * d rounds once (mma_regs.cuh,
+// kv_cache.cuh).
+DEV u32 prmt(u32 a, u32 b, u32 sel) {
+    u32 d; asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel)); return d;
+}
+DEV u32 hsub2(u32 a, u32 b) { u32 d; asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b)); return d; }
+DEV u32 hmul2(u32 a, u32 b) { u32 d; asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b)); return d; }
+DEV u32 hfma2(u32 a, u32 b, u32 c) {
+    u32 d; asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c)); return d;
+}
+constexpr u32 H_MAGIC = 0x64646464u;  // PRMT filler: f16 0x64bb = 1024 + b
+constexpr u32 H1024 = 0x64006400u;    // (1024, 1024)
+// Bytes (0, 1) / (2, 3) of w as the f16 pair (1024 + b0, 1024 + b1) / (1024 + b2, 1024 + b3)
+constexpr u32 SEL01 = 0x4140u, SEL23 = 0x4342u;
+
 // 16 floats to 16 f16 at a 16-byte aligned address (two 16-byte stores).
 DEV void store16_f16(u16* dst, const float* w) {
     uint4* d = reinterpret_cast<uint4*>(dst);

@@ -14,38 +14,38 @@
 // Contract (prefill): the rows of a call that are not padding (seq < 0) belong to one sequence.
 // A block walks the key tiles from its rows' lowest window start to their highest position; a
 // warp skips the arithmetic of tiles outside its own rows' range. The KV cache is paged
-// ([page][n_head_kv][page_size][D], float or u16 = f16): an f16 cache goes straight into the
-// tiles; a float one is staged raw and converted to f16 tiles after it lands. Query tiles run
+// ([page][n_head_kv][page_size] rows of kv_cache.cuh's types: float, u16 = f16, q8_0, q4_0): an
+// f16 cache goes straight into the tiles; the others are staged raw and converted to f16 tiles
+// after they land. Query tiles run
 // last-first: the longest rows start first. Rows past the call or padding write zeros.
-#include "attn_parts.cuh"
+#include "kv_cache.cuh"
 
 template <int D, int G, int WT, int KT, int ST, class KV> struct Flash {
+    using R = KvRow<KV, D>;
     static constexpr int NW = G * WT, NT = 32 * NW, BQ = 16 * WT, KTILE = KT;
     static constexpr int LDH = D + 8;  // f16 tile row (halves): 8 ldmatrix rows hit 8 distinct 16-byte bank groups
-    static constexpr bool F32 = sizeof(KV) == 4;
+    static constexpr bool RAW = R::RAW;  // float, q8_0, q4_0: staged raw, converted into f16 tiles
     static constexpr bool QSM = D > 128;  // Q fragments in shared memory (in registers up to 128 dims)
-    static constexpr int LDR = F32 ? D : LDH;  // a staged row (elements): f16 stages are the tiles themselves
-    static constexpr int VE = 16 / sizeof(KV), CC = D / VE;  // elements per cp.async; cp.asyncs per key row
-    static constexpr int STAGE = KT * LDR;  // elements of one stage of K (or V)
-    // dynamic shared memory, bytes: K stages, V stages, (f32: the f16 K and V tiles), (QSM: Q fragments)
-    static constexpr int BYTES = 2 * ST * STAGE * (int)sizeof(KV) + (F32 ? 2 * KT * LDH * 2 : 0) +
-                                 (QSM ? NW * (D / 16) * 4 * 32 * 4 : 0);
-    static_assert(KT % 16 == 0 && D % 32 == 0 && ST >= 2, "tile shapes");
+    static constexpr int LDRB = RAW ? R::VB : 2 * LDH;  // a staged row (bytes): f16 stages are the tiles themselves
+    static constexpr int STAGE = KT * (LDRB + R::SB);  // bytes of one stage of K (or V): rows, then scales
+    // dynamic shared memory, bytes: K stages, V stages, (raw: the f16 K and V tiles), (QSM: Q fragments)
+    static constexpr int BYTES = 2 * ST * STAGE + (RAW ? 2 * KT * LDH * 2 : 0) + (QSM ? NW * (D / 16) * 4 * 32 * 4 : 0);
+    static_assert(KT % 16 == 0 && D % 32 == 0 && ST >= 2 && STAGE % 16 == 0, "tile shapes");
 };
 
 // cp.async of keys [k0, k0 + KT) of the sequence (page table tab) into stage (Ks, Vs); keys past
 // hi or without a page are zero-filled (masked later; their V rows must be finite).
 template <class F, int D, class KV>
 DEV void fa_load(int k0, int hi, const int* tab, int max_pages, int page_size, int n_head_kv, int hk,
-                 const KV* kcache, const KV* vcache, KV* Ks, KV* Vs) {
-    constexpr int N = F::KTILE * F::CC;
+                 const KV* kcache, const KV* vcache, char* Ks, char* Vs) {
+    constexpr int P = KvRow<KV, D>::PIECES, N = F::KTILE * P;
     for (int i = threadIdx.x; i < N; i += F::NT) {
-        const int j = i / F::CC, c = i % F::CC, key = k0 + j;
-        const int page = key <= hi && key / page_size < max_pages ? tab[key / page_size] : -1;
+        const int j = i / P, c = i % P, key = k0 + j;
+        const int page = key <= hi && kv_page(key, page_size) < max_pages ? tab[kv_page(key, page_size)] : -1;
         const bool ok = page >= 0;
-        const long base = ok ? (((long)page * n_head_kv + hk) * page_size + key % page_size) * D + F::VE * c : 0;
-        fa_cp16(Ks + j * F::LDR + F::VE * c, kcache + base, ok);
-        fa_cp16(Vs + j * F::LDR + F::VE * c, vcache + base, ok);
+        const long blk = ok ? kv_block<KV, D>(page, hk, n_head_kv, page_size) : 0;
+        kv_stage_piece<KV, D, F::KTILE, F::LDRB>(j, c, kcache, blk, kv_slot(key, page_size), page_size, ok, Ks);
+        kv_stage_piece<KV, D, F::KTILE, F::LDRB>(j, c, vcache, blk, kv_slot(key, page_size), page_size, ok, Vs);
     }
 }
 
@@ -77,11 +77,11 @@ __global__ void __launch_bounds__(32 * G * WT) flash_prefill(
     constexpr int KS = D / 16, NS = KT / 8, ND = D / 8, LDH = F::LDH, BIG = 0x7fffffff;
     constexpr float LOG2E = 1.4426950408889634f;
     extern __shared__ float4 fa_smem[];
-    KV* Kst = reinterpret_cast<KV*>(fa_smem);
-    KV* Vst = Kst + ST * F::STAGE;
-    u16* Kh = reinterpret_cast<u16*>(Vst + ST * F::STAGE);  // float cache: the converted f16 tiles
-    u16* Vh = Kh + (F::F32 ? KT * LDH : 0);
-    uint4* Qf = reinterpret_cast<uint4*>(Vh + (F::F32 ? KT * LDH : 0));
+    char* Kst = reinterpret_cast<char*>(fa_smem);
+    char* Vst = Kst + ST * F::STAGE;
+    u16* Kh = reinterpret_cast<u16*>(Vst + ST * F::STAGE);  // raw caches: the converted f16 tiles
+    u16* Vh = Kh + (F::RAW ? KT * LDH : 0);
+    uint4* Qf = reinterpret_cast<uint4*>(Vh + (F::RAW ? KT * LDH : 0));
     __shared__ int s_lo, s_hi, s_seq;
 
     if (dynamic_smem() < (u32)F::BYTES) __trap();  // the launcher's size (launch_attention.flash_smem) is short
@@ -151,16 +151,9 @@ __global__ void __launch_bounds__(32 * G * WT) flash_prefill(
         fa_commit();
         const u16* Kt;
         const u16* Vt;
-        if constexpr (F::F32) {  // float stage -> f16 tiles
-            const float* Kr = reinterpret_cast<const float*>(Kst + st * F::STAGE);
-            const float* Vr = reinterpret_cast<const float*>(Vst + st * F::STAGE);
-            for (int idx = threadIdx.x; idx < KT * D / 4; idx += F::NT) {
-                const int j = idx / (D / 4), c = 4 * (idx % (D / 4));
-                const float4 kf = *reinterpret_cast<const float4*>(Kr + j * D + c);
-                const float4 vf = *reinterpret_cast<const float4*>(Vr + j * D + c);
-                *reinterpret_cast<uint2*>(Kh + j * LDH + c) = make_uint2(pack_h2(kf.x, kf.y), pack_h2(kf.z, kf.w));
-                *reinterpret_cast<uint2*>(Vh + j * LDH + c) = make_uint2(pack_h2(vf.x, vf.y), pack_h2(vf.z, vf.w));
-            }
+        if constexpr (F::RAW) {  // raw stage -> f16 tiles
+            kv_to_f16<KV, D, KT, F::LDRB, LDH>(Kst + st * F::STAGE, Kh, threadIdx.x, F::NT);
+            kv_to_f16<KV, D, KT, F::LDRB, LDH>(Vst + st * F::STAGE, Vh, threadIdx.x, F::NT);
             __syncthreads();
             Kt = Kh;
             Vt = Vh;
@@ -261,7 +254,8 @@ __global__ void __launch_bounds__(32 * G * WT) flash_prefill(
 #define INST1(D, G, WT, KT, ST, KV) template __global__ void flash_prefill<D, G, WT, KT, ST, KV>(const float*, int, \
     const KV*, const KV*, const int*, const int*, const int*, int, int, int, int, float, float, int, float*, int, \
     u16*, int);
-#define INST(D, G, WT, KT) INST1(D, G, WT, KT, 2, float) INST1(D, G, WT, KT, 2, u16)
+#define INST(D, G, WT, KT) INST1(D, G, WT, KT, 2, float) INST1(D, G, WT, KT, 2, u16) INST1(D, G, WT, KT, 2, kvq8) \
+    INST1(D, G, WT, KT, 2, kvq4)
 INST(64, 1, 4, 64) INST(64, 3, 2, 64) INST(64, 3, 1, 64) INST(128, 4, 2, 64) INST(128, 4, 1, 64)
 INST(128, 4, 2, 32) INST(128, 8, 1, 64) INST(128, 8, 1, 32) INST(256, 4, 1, 32) INST(256, 8, 1, 32)
 INST1(128, 4, 2, 64, 3, u16)

@@ -14,19 +14,22 @@
 // with V by ldmatrix.trans. The warps merge in shared memory (the stages' space), and the row's
 // splits merge in attn_parts.cuh's merge_splits. early != 0: the keys before the row's own
 // position come from earlier steps, so their tiles are requested before pdl_enter; the row's own
-// key (written by the kernel before) is requested after it.
-#include "attn_parts.cuh"
+// key (written by the kernel before) is requested after it. The cache is any of kv_cache.cuh's
+// types: f16 stages are the tiles; float, q8_0 and q4_0 stages convert into the warp's f16 tiles
+// once they land (the quantized ones read half or a quarter of the bytes, but at depth the
+// kernel's time goes with its tiles, not their bytes: bench/RESULTS.md rows 100-102).
+#include "kv_cache.cuh"
 
 template <int D, int G, int NW, int KT, int ST, class KV> struct Dec {
+    using R = KvRow<KV, D>;
     static constexpr int KTILE = KT, LDH = D + 8;  // f16 tile row (halves), padded as flash_attn.cu's
-    static constexpr bool F32 = sizeof(KV) == 4;
-    static constexpr int LDR = F32 ? D : LDH;  // a staged row (elements): f16 stages are the tiles
-    static constexpr int VE = 16 / sizeof(KV), CC = D / VE;  // elements per cp.async; cp.asyncs per key row
-    static constexpr int STAGE = KT * LDR;  // elements of one stage of K (or V)
-    // a warp's ring (bytes): K and V stages, and (f32) the f16 tiles they convert into
-    static constexpr int WARP_BYTES = 2 * ST * STAGE * (int)sizeof(KV) + (F32 ? 2 * KT * LDH * 2 : 0);
+    static constexpr bool RAW = R::RAW;  // float, q8_0, q4_0: staged raw, converted into f16 tiles
+    static constexpr int LDRB = RAW ? R::VB : 2 * LDH;  // a staged row (bytes): f16 stages are the tiles
+    static constexpr int STAGE = KT * (LDRB + R::SB);  // bytes of one stage of K (or V): rows, then scales
+    // a warp's ring (bytes): K and V stages, and (raw) the f16 tiles they convert into
+    static constexpr int WARP_BYTES = 2 * ST * STAGE + (RAW ? 2 * KT * LDH * 2 : 0);
     static constexpr int BYTES = NW * WARP_BYTES;
-    static_assert(KT % 16 == 0 && D % 32 == 0 && ST >= 2 && G <= 8, "tile shapes");
+    static_assert(KT % 16 == 0 && D % 32 == 0 && ST >= 2 && G <= 8 && STAGE % 16 == 0, "tile shapes");
     static_assert(WARP_BYTES >= G * D * 4 + 2 * G * 4, "the merge reuses a warp's ring");
 };
 
@@ -35,16 +38,17 @@ template <int D, int G, int NW, int KT, int ST, class KV> struct Dec {
 // copies in flight to one address would land in either order).
 template <class F, int D, class KV>
 DEV void dec_load(int k0, int end, int skip, const int* tab, int max_pages, int page_size, int n_head_kv, int hk,
-                  int lane, const KV* kcache, const KV* vcache, KV* Ks, KV* Vs) {
+                  int lane, const KV* kcache, const KV* vcache, char* Ks, char* Vs) {
+    constexpr int P = KvRow<KV, D>::PIECES;
 #pragma unroll
-    for (int i = lane; i < F::KTILE * F::CC; i += 32) {
-        const int j = i / F::CC, c = i % F::CC, key = k0 + j;
+    for (int i = lane; i < F::KTILE * P; i += 32) {
+        const int j = i / P, c = i % P, key = k0 + j;
         if (key == skip) continue;
-        const int page = key < end && key / page_size < max_pages ? tab[key / page_size] : -1;
+        const int page = key < end && kv_page(key, page_size) < max_pages ? tab[kv_page(key, page_size)] : -1;
         const bool ok = page >= 0;
-        const long base = ok ? (((long)page * n_head_kv + hk) * page_size + key % page_size) * D + F::VE * c : 0;
-        fa_cp16(Ks + j * F::LDR + F::VE * c, kcache + base, ok);
-        fa_cp16(Vs + j * F::LDR + F::VE * c, vcache + base, ok);
+        const long blk = ok ? kv_block<KV, D>(page, hk, n_head_kv, page_size) : 0;
+        kv_stage_piece<KV, D, F::KTILE, F::LDRB>(j, c, kcache, blk, kv_slot(key, page_size), page_size, ok, Ks);
+        kv_stage_piece<KV, D, F::KTILE, F::LDRB>(j, c, vcache, blk, kv_slot(key, page_size), page_size, ok, Vs);
     }
 }
 
@@ -82,10 +86,10 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
     const int* tab = table + (long)(pad ? 0 : seq[t]) * max_pages;
 
     char* ring = reinterpret_cast<char*>(fd_smem) + warp * F::WARP_BYTES;
-    KV* Kst = reinterpret_cast<KV*>(ring);
-    KV* Vst = Kst + ST * F::STAGE;
-    u16* Kh = reinterpret_cast<u16*>(Vst + ST * F::STAGE);  // float cache: the converted f16 tiles
-    u16* Vh = Kh + (F::F32 ? KT * LDH : 0);
+    char* Kst = ring;
+    char* Vst = Kst + ST * F::STAGE;
+    u16* Kh = reinterpret_cast<u16*>(Vst + ST * F::STAGE);  // raw caches: the converted f16 tiles
+    u16* Vh = Kh + (F::RAW ? KT * LDH : 0);
     const int n_tiles = end > start ? (end - start + KT - 1) / KT : 0;
     const int mine = n_tiles > warp ? (n_tiles - 1 - warp) / NW + 1 : 0;  // this warp's tiles: warp + NW i
     const int skip = early ? p : -1;
@@ -103,10 +107,12 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
         pdl_enter();
         if (own >= 0) {  // the own key's row into its prologue tile: a group of its own
             const int j = p - (start + (warp + NW * own) * KT);
-            const long base = (((long)tab[p / page_size] * n_head_kv + hk) * page_size + p % page_size) * D;
-            for (int c = lane; c < F::CC; c += 32) {
-                fa_cp16(Kst + own * F::STAGE + j * F::LDR + F::VE * c, kcache + base + F::VE * c, true);
-                fa_cp16(Vst + own * F::STAGE + j * F::LDR + F::VE * c, vcache + base + F::VE * c, true);
+            const long blk = kv_block<KV, D>(tab[kv_page(p, page_size)], hk, n_head_kv, page_size);
+            for (int c = lane; c < KvRow<KV, D>::PIECES; c += 32) {
+                kv_stage_piece<KV, D, KT, F::LDRB>(j, c, kcache, blk, kv_slot(p, page_size), page_size, true,
+                                                   Kst + own * F::STAGE);
+                kv_stage_piece<KV, D, KT, F::LDRB>(j, c, vcache, blk, kv_slot(p, page_size), page_size, true,
+                                                   Vst + own * F::STAGE);
             }
         }
         fa_commit();
@@ -140,17 +146,9 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
         fa_commit();
         const u16* Kt;
         const u16* Vt;
-        if constexpr (F::F32) {  // float stage -> f16 tiles
-            const float* Kr = reinterpret_cast<const float*>(Kst + st * F::STAGE);
-            const float* Vr = reinterpret_cast<const float*>(Vst + st * F::STAGE);
-#pragma unroll 4
-            for (int idx = lane; idx < KT * D / 4; idx += 32) {
-                const int j = idx / (D / 4), c = 4 * (idx % (D / 4));
-                const float4 kf = *reinterpret_cast<const float4*>(Kr + j * D + c);
-                const float4 vf = *reinterpret_cast<const float4*>(Vr + j * D + c);
-                *reinterpret_cast<uint2*>(Kh + j * LDH + c) = make_uint2(pack_h2(kf.x, kf.y), pack_h2(kf.z, kf.w));
-                *reinterpret_cast<uint2*>(Vh + j * LDH + c) = make_uint2(pack_h2(vf.x, vf.y), pack_h2(vf.z, vf.w));
-            }
+        if constexpr (F::RAW) {  // raw stage -> f16 tiles
+            kv_to_f16<KV, D, KT, F::LDRB, LDH>(Kst + st * F::STAGE, Kh, lane, 32);
+            kv_to_f16<KV, D, KT, F::LDRB, LDH>(Vst + st * F::STAGE, Vh, lane, 32);
             __syncwarp();
             Kt = Kh;
             Vt = Vh;
@@ -274,7 +272,8 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
 #define INST1(D, G, NW, KT, ST, KV) template __global__ void flash_decode<D, G, NW, KT, ST, KV>(const float*, int, \
     const KV*, const KV*, const int*, const int*, const int*, int, int, int, float, float, int, int, int, int, \
     int, float*, float*, unsigned*, float*, int, u16*, int, u8*, int, float4*, int);
-#define INST(D, G, NW, KT, ST) INST1(D, G, NW, KT, ST, float) INST1(D, G, NW, KT, ST, u16)
+#define INST(D, G, NW, KT, ST) INST1(D, G, NW, KT, ST, float) INST1(D, G, NW, KT, ST, u16) \
+    INST1(D, G, NW, KT, ST, kvq8) INST1(D, G, NW, KT, ST, kvq4)
 INST(64, 1, 4, 16, 3) INST(64, 3, 4, 16, 3) INST(128, 4, 4, 16, 3) INST(128, 4, 4, 16, 4) INST(128, 4, 4, 32, 3)
 INST(128, 8, 4, 16, 3) INST(256, 4, 4, 16, 3) INST(256, 8, 4, 16, 3) INST(128, 4, 2, 16, 4) INST(128, 4, 8, 16, 2)
 #endif

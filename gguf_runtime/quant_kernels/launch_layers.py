@@ -5,6 +5,7 @@ The matvec launchers are in launchers.py; the conventions in launch_core.py.
 
 from __future__ import annotations
 
+from . import kv_layout as KL
 from .launch_core import ACT, NO_PTRS, UNIT_ELEMS, Kernels, Mat, Q8Vec, f32, i32, ptr
 
 
@@ -50,13 +51,13 @@ def quantize_q8(k: Kernels, x: int, ldx: int, n: int, rows: int, q8: Q8Vec) -> N
 
 def rope_kv(k: Kernels, qkv: int, ld: int, rows: int, n_head: int, n_head_kv: int, head_dim: int, head_dim_v: int,
             n_rot: int, neox: bool, qnw: int | None, knw: int | None, eps: float, inv_freq: int, pos: int, seq: int,
-            table: int, max_pages: int, page_size: int, kcache: int, vcache: int, kv16: bool = False) -> None:
+            table: int, max_pages: int, page_size: int, kcache: int, vcache: int, kv: str = "f32") -> None:
     threads = max(head_dim, head_dim_v)
     k.fn("layers.cu", "rope_kv")(
         (rows, n_head + 2 * n_head_kv), (threads,),
         (ptr(qkv), i32(ld), i32(n_head), i32(n_head_kv), i32(head_dim), i32(head_dim_v), i32(n_rot), i32(neox),
          ptr(qnw), ptr(knw), f32(eps), ptr(inv_freq), ptr(pos), ptr(seq), ptr(table), i32(max_pages),
-         i32(page_size), ptr(kcache), ptr(vcache), i32(kv16)))
+         i32(page_size), ptr(kcache), ptr(vcache), i32(KL.KIND[kv])))  # quantized: head_dim threads, % 32
 
 
 def _grid(n: int, threads: int = 256) -> tuple[tuple[int], tuple[int]]:

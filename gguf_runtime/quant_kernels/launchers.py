@@ -161,24 +161,24 @@ class RopeKV:
     page_size: int
     kcache: int
     vcache: int
-    kv16: bool = False  # the caches hold f16
+    kv: str = "f32"  # the caches' type (kv_layout.py)
 
     @property
     def fusable(self) -> bool:
         """Whether the QKV matvec's epilogue can do it (rope pairs (2i, 2i+1), no per-head norm)."""
         return (not self.neox and self.qnw is None and self.knw is None and self.head_dim == self.head_dim_v
-                and self.head_dim % 2 == 0 and self.n_rot % 2 == 0)
+                and self.head_dim % 2 == 0 and self.n_rot % 2 == 0 and self.kv in ("f32", "f16"))
 
     def launch(self, k: Kernels, row: int, rows: int) -> None:
         rope_kv(k, self.qkv + 4 * row * self.ld, self.ld, rows, self.n_head, self.n_head_kv, self.head_dim,
                 self.head_dim_v, self.n_rot, self.neox, self.qnw, self.knw, self.eps, self.inv_freq,
                 self.pos + 4 * row, self.seq + 4 * row, self.table, self.max_pages, self.page_size, self.kcache,
-                self.vcache, self.kv16)
+                self.vcache, self.kv)
 
     def fused_args(self, row: int) -> tuple:
         return (ptr(self.pos + 4 * row), ptr(self.seq + 4 * row), ptr(self.table), i32(self.max_pages),
                 i32(self.page_size), ptr(self.inv_freq), i32(self.n_rot), i32(self.head_dim), i32(self.n_head_kv),
-                ptr(self.kcache), ptr(self.vcache), i32(self.kv16))
+                ptr(self.kcache), ptr(self.vcache), i32(self.kv == "f16"))
 
 
 NO_ROPE = (ptr(0), ptr(0), ptr(0), i32(0), i32(0), ptr(0), i32(0), i32(0), i32(0), ptr(0), ptr(0), i32(0))

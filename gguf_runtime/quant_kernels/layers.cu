@@ -3,7 +3,7 @@
 // Positions come from device memory (pos[t]), and KV pages from a block table, so one launch
 // configuration serves every position: these kernels can sit inside a replayed CUDA graph.
 // KV cache layout, per layer: [pages][n_head_kv][page_size][head_dim].
-#include "quant_int8.cuh"
+#include "kv_cache.cuh"
 
 // y[t] = (res ? res[t] : 0) + x[t] * rsqrt(mean(x[t]^2) + eps) * w   (one block per row t; y may be
 // res). y16 != null: also an f16 copy (the input of the tensor-core matmuls); xq != null: also the
@@ -116,22 +116,19 @@ extern "C" __global__ void quantize_q8(const float* __restrict__ x, int ldx, int
     xs[(long)t * lds + j] = make_float4(d, s, sumsq16(v), 0.f);
 }
 
-DEV void store_kv(void* cache, long at, int kv16, float v) {
-    if (kv16) static_cast<u16*>(cache)[at] = f2h(v);
-    else static_cast<float*>(cache)[at] = v;
-}
-
 // One block per (token t, head h) over the fused QKV rows [q heads | k heads | v heads], blockDim
 // = head_dim. Q and K heads: optional per-head RMSNorm (qnw/knw non-null), then RoPE (the first
 // n_rot dims; neox: pairs (i, i + n_rot/2), else (2i, 2i+1)); Q is written back in place, K into
-// the cache slot of pos[t]; V heads are copied into the cache (as f16 when kv16). Rows with seq[t]
-// < 0 (padding in a batch bucket) are skipped: they write nothing.
+// the cache slot of pos[t]; V heads are copied into the cache, both as its type kv (kv_cache.cuh's
+// kv_store: 0 float, 1 f16, 2 q8_0, 3 q4_0; the quantized ones need head_dim = head_dim_v = the
+// block's threads, a multiple of 32). Rows with seq[t] < 0 (padding in a batch bucket) are
+// skipped: they write nothing.
 extern "C" __global__ void rope_kv(float* qkv, int ldqkv, int n_head, int n_head_kv, int head_dim,
                                    int head_dim_v, int n_rot, int neox, const float* __restrict__ qnw,
                                    const float* __restrict__ knw, float eps,
                                    const double* __restrict__ inv_freq, const int* __restrict__ pos,
                                    const int* __restrict__ seq, const int* __restrict__ table, int max_pages,
-                                   int page_size, void* kcache, void* vcache, int kv16) {
+                                   int page_size, void* kcache, void* vcache, int kv) {
     __shared__ float xs[512];
     __shared__ float scratch[32];
     const int t = blockIdx.x, h = blockIdx.y, i = threadIdx.x;
@@ -145,7 +142,7 @@ extern "C" __global__ void rope_kv(float* qkv, int ldqkv, int n_head, int n_head
     if (h >= n_head + n_head_kv) {  // V head: copy into the cache
         const int hv = h - n_head - n_head_kv;
         if (i < head_dim_v)
-            store_kv(vcache, (((long)page * n_head_kv + hv) * page_size + slot) * head_dim_v + i, kv16,
+            kv_store(vcache, kv, page, hv, n_head_kv, page_size, slot, head_dim_v, i,
                      row[(n_head + n_head_kv) * head_dim + hv * head_dim_v + i]);
         return;
     }
@@ -170,7 +167,7 @@ extern "C" __global__ void rope_kv(float* qkv, int ldqkv, int n_head, int n_head
     }
     if (i >= head_dim) return;
     if (is_q) src[i] = v;
-    else store_kv(kcache, (((long)page * n_head_kv + (h - n_head)) * page_size + slot) * head_dim + i, kv16, v);
+    else kv_store(kcache, kv, page, h - n_head, n_head_kv, page_size, slot, head_dim, i, v);
 }
 
 // y[t, i] = act(g[t, i]) * u[t, i]; ACT 0 = SiLU, 1 = GELU (tanh); writes f16 when out16 != null

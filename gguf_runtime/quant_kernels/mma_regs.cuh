@@ -18,21 +18,7 @@
 #pragma once
 #include "quant_types.cuh"
 
-DEV u32 prmt(u32 a, u32 b, u32 sel) {
-    u32 d; asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel)); return d;
-}
-DEV u32 hsub2(u32 a, u32 b) { u32 d; asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b)); return d; }
-DEV u32 hmul2(u32 a, u32 b) { u32 d; asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b)); return d; }
-DEV u32 hfma2(u32 a, u32 b, u32 c) {
-    u32 d; asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c)); return d;
-}
-
-constexpr u32 H_MAGIC = 0x64646464u;  // PRMT filler: f16 0x64bb = 1024 + b
-constexpr u32 H1024 = 0x64006400u;    // (1024, 1024)
-// Bytes (0, 1) / (2, 3) of w as the f16 pair (1024 + b0, 1024 + b1) / (1024 + b2, 1024 + b3);
-// (j, j): byte j of w in both halves.
-constexpr u32 SEL01 = 0x4140u, SEL23 = 0x4342u;
-DEV u32 sel_bcast(int j) { return 0x4040u | (u32)(j * 0x0101); }
+DEV u32 sel_bcast(int j) { return 0x4040u | (u32)(j * 0x0101); }  // (j, j): byte j of w in both halves
 
 // 16 bytes of shared memory, in program order with the (volatile) MMAs around it.
 DEV uint4 lds_b16(const u16* p) {

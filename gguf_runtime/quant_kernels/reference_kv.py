@@ -5,8 +5,8 @@ f32 keeps them; f16 rounds each one; q8_0 and q4_0 quantize every 32 consecutive
 (the last axis) as llama.cpp's reference quantizers do (``quantize_row_q8_0_ref``: d = amax / 127,
 q = roundf(x / d); ``quantize_row_q4_0_ref``: d = (the value of largest magnitude) / -8,
 q = min(15, (int)(x / d + 8.5)) - 8), the scale stored as f16. Tests check the roundtrips against
-the gguf package's quantizers bit for bit. The CUDA caches of q8_0 / q4_0 are not written yet:
-this is their oracle (the numpy backend's ``kv_types``).
+the gguf package's quantizers bit for bit. This is the oracle of the numpy backend's ``kv_types``
+and of the CUDA caches (kv_layout.py lays the blocks out as the kernels keep them).
 """
 
 from __future__ import annotations
@@ -40,14 +40,12 @@ def _roundf(x: np.ndarray) -> np.ndarray:
     return np.trunc(x + np.copysign(np.float32(0.5), x)).astype(np.float32)
 
 
-def roundtrip(x: np.ndarray, kv_type: str) -> np.ndarray:
-    """float32 values as a cache of ``kv_type`` returns them (x: float32 (..., n))."""
+def quantize(x: np.ndarray, kv_type: str) -> tuple[np.ndarray, np.ndarray]:
+    """q8_0 / q4_0 blocks of float32 values x (..., n): (d as f16 (..., n / 32), q as int8 (..., n) with
+    x ~ d q, q4_0's q already less 8)."""
     x = np.asarray(x, np.float32)
     check(kv_type, x.shape[-1])
-    if kv_type == "f32":
-        return x
-    if kv_type == "f16":
-        return _f16(x)
+    assert kv_type in ("q8_0", "q4_0"), kv_type
     b = x.reshape(-1, BLOCK)
     with np.errstate(divide="ignore"):
         if kv_type == "q8_0":
@@ -59,4 +57,22 @@ def roundtrip(x: np.ndarray, kv_type: str) -> np.ndarray:
             d = (mx / np.float32(-8)).astype(np.float32)
             inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, np.float32(1)), np.float32(0)).astype(np.float32)
             q = np.minimum(np.float32(15), np.trunc((b * inv[:, None]).astype(np.float32) + np.float32(8.5))) - 8
-    return (q * _f16(d)[:, None]).astype(np.float32).reshape(x.shape)
+    return d.astype(np.float16).reshape(x.shape[:-1] + (-1,)), q.astype(np.int8).reshape(x.shape)
+
+
+def roundtrip(x: np.ndarray, kv_type: str) -> np.ndarray:
+    """float32 values as a cache of ``kv_type`` returns them (x: float32 (..., n))."""
+    x = np.asarray(x, np.float32)
+    check(kv_type, x.shape[-1])
+    if kv_type == "f32":
+        return x
+    if kv_type == "f16":
+        return _f16(x)
+    d, q = quantize(x, kv_type)
+    return dequantize(d, q)
+
+
+def dequantize(d: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """quantize's blocks as float32 values: d (f16, one per 32) times q."""
+    qb = q.astype(np.float32).reshape(-1, BLOCK)
+    return (qb * d.astype(np.float32).reshape(-1, 1)).astype(np.float32).reshape(q.shape)

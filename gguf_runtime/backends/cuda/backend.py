@@ -35,6 +35,8 @@ from . import tuning
 from .tuning import Tuning
 from ...model import forward
 from ...format.model_config import ModelConfig
+from ...quant_kernels import kv_layout as KL
+from ...quant_kernels import launch_attention as LA
 from ...quant_kernels import launch_layers as LL
 from ...quant_kernels import launchers as L
 from ...quant_kernels import launch_sampling as LS
@@ -93,6 +95,7 @@ class CudaBackend(PrefillMixin):
             self.ws = Workspace(cfg, max(max_rows or self.tune.prefill_chunk, max_batch), max(max_batch, 64),
                                 self.tune)
             kv_type = self.tune.kv_type
+            self._check_kv_type(kv_type)
             page = PagedKVCache.page_bytes(cfg, kv_type=kv_type)
             n_pages = self._kv_pages(n_ctx, kv_tokens, page)
             self._check_kv_fits(n_ctx, n_pages, page, kv_type)
@@ -137,6 +140,18 @@ class CudaBackend(PrefillMixin):
                     self.note(f"note: the KV cache holds {want * PAGE_SIZE} tokens for {self.max_batch} "
                               "sequences (half the free GPU memory); sequences wait for pages when it is full")
         return want
+
+    def _check_kv_type(self, kv_type: str) -> None:
+        """q8_0 / q4_0 caches are read by the flash kernels only: heads of 64, 128 or 256 values, keys
+        and values alike, up to 8 query heads a KV head."""
+        cfg = self.cfg
+        if kv_type not in KL.KV_TYPES:
+            raise BackendError(f"unknown KV cache type {kv_type!r}: use one of {', '.join(KL.KV_TYPES)}")
+        if kv_type in KL.QUANT and not LA.flash_ok(cfg.head_dim, cfg.head_dim_v, cfg.n_head // cfg.n_head_kv):
+            raise BackendError(
+                f"a {kv_type} KV cache needs heads of {', '.join(map(str, LA.FLASH_HEAD_DIMS))} values (keys and "
+                f"values alike) and up to 8 query heads a KV head; this model has {cfg.head_dim} / {cfg.head_dim_v} and "
+                f"{cfg.n_head // cfg.n_head_kv}: use -ctk f16 -ctv f16")
 
     def _check_kv_fits(self, n_ctx: int, n_pages: int, page_bytes: int, kv_type: str) -> None:
         """One line naming the largest context that fits, where the KV cache asked for cannot:

@@ -25,6 +25,7 @@ from .workspace import Workspace, attn_shape, n_splits
 from .kv_cache import PagedKVCache
 from ...model import lm_head_name
 from ...format.model_config import ROPE_NEOX, ModelConfig
+from ...quant_kernels import kv_layout as KL
 from ...quant_kernels import launch_attention as LA
 from ...quant_kernels import launch_layers as LL
 from ...quant_kernels import launch_mma as LM
@@ -114,7 +115,8 @@ class CudaBlocks:
         cfg = self.cfg
         decode = self.decode if decode is None else decode
         mode = self.tune.tiles
-        if not decode or self._small(t) or mode == "off" or not LA.tiles_ok(cfg.head_dim, cfg.head_dim_v):
+        if (not decode or self._small(t) or mode == "off" or not LA.tiles_ok(cfg.head_dim, cfg.head_dim_v)
+                or self.kv.kv_type in KL.QUANT):
             return False
         return mode == "on" or t * cfg.n_head_kv >= self.tune.tiles_min_blocks
 
@@ -122,15 +124,18 @@ class CudaBlocks:
         """Whether a call of t rows takes flash_attn.cu: prompt chunks over MAX_MMV_TOKENS rows (their
         rows are one sequence), by shape and the tuning table."""
         cfg = self.cfg
-        return (not self.decode and not self._small(t) and self.tune.flash
+        return (not self.decode and not self._small(t) and (self.tune.flash or self.kv.kv_type in KL.QUANT)
                 and LA.flash_ok(cfg.head_dim, cfg.head_dim_v, cfg.n_head // cfg.n_head_kv))
 
     def decode_flash(self, t: int) -> bool:
-        """Whether a decode step of t rows takes flash_decode.cu (f16 caches): steps on the matvecs
-        (up to MAX_MMV_TOKENS rows), and larger ones that attention_tiles.cu does not take where
-        the tuning table says so, by shape."""
+        """Whether a call of t rows takes flash_decode.cu: with an f16 cache, decode steps on the
+        matvecs (up to MAX_MMV_TOKENS rows), and larger ones that attention_tiles.cu does not take
+        where the tuning table says so, by shape; with a q8_0 / q4_0 cache (only the flash kernels
+        read it: the backend checks flash_ok at load) every call flash_prefill does not take."""
         cfg = self.cfg
-        return (self.decode and self.tune.flash_decode and self.kv.kv16
+        if self.kv.kv_type in KL.QUANT:
+            return self.decode or self._small(t)
+        return (self.decode and self.tune.flash_decode and self.kv.kv_type == "f16"
                 and (self._small(t) or self.tune.flash_decode_batch)
                 and LA.flash_ok(cfg.head_dim, cfg.head_dim_v, cfg.n_head // cfg.n_head_kv))
 
@@ -180,7 +185,7 @@ class CudaBlocks:
         rope = L.RopeKV(qkv.data.ptr, ld, cfg.n_head, cfg.n_head_kv, d, cfg.head_dim_v, cfg.rope.n_dims,
                         cfg.rope.style == ROPE_NEOX, qn, kn, cfg.rms_eps, self.inv_freq[cfg.rope_key(layer)].data.ptr,
                         positions.data.ptr, self.seq.data.ptr, self.kv.table.data.ptr, self.kv.max_pages,
-                        self.kv.page_size, kc, vc, self.kv.kv16)
+                        self.kv.page_size, kc, vc, self.kv.kv_type)
         if self._small(t):  # RoPE + KV write in the matvec's epilogue where it can (else a rope_kv launch)
             L.mmv(self.k, [self.w.mat(n) for n in names], [(qkv.data.ptr + 4 * c, ld) for c in cols],
                   [self.w.vec(b).data.ptr if b else None for b in biases], h.data.ptr, h.strides[0] // 4, t,
@@ -219,14 +224,14 @@ class CudaBlocks:
                                cfg.layer_window[layer], out.data.ptr, out.strides[0] // 4, ws.x16.data.ptr,
                                ws.x16.strides[0] // 2, early=self.tune.attn_early,
                                inv_freq=rope.inv_freq if rope else 0, n_rot=rope.n_rot if rope else 0,
-                               neox=rope.neox if rope else False, kv16=self.kv.kv16)
+                               neox=rope.neox if rope else False, kv=self.kv.kv_type)
             return out
         if self.flash(t):  # a prompt chunk: one sequence (prefill.py), tensor-core flash attention
             LA.flash_prefill(self.k, q.data.ptr, q.strides[0] // 4, t, kc, vc, positions.data.ptr, self.seq.data.ptr,
                              self.kv.table.data.ptr, self.kv.max_pages, self.kv.page_size, cfg.n_head, cfg.n_head_kv,
                              cfg.head_dim, cfg.attn_scale, cfg.attn_softcap or 0.0, cfg.layer_window[layer],
                              out.data.ptr, out.strides[0] // 4, ws.x16.data.ptr, ws.x16.strides[0] // 2,
-                             kv16=self.kv.kv16)
+                             kv=self.kv.kv_type)
             return out
         if self.decode_flash(t):  # a decode step on the matvecs: tensor-core attention, keys split
             LA.flash_decode(self.k, q.data.ptr, q.strides[0] // 4, t, kc, vc, positions.data.ptr, self.seq.data.ptr,
@@ -236,7 +241,7 @@ class CudaBlocks:
                             ws.attn_counter.data.ptr, out.data.ptr, out.strides[0] // 4,
                             None if self._small(t) else ws.x16.data.ptr,
                             0 if self._small(t) else ws.x16.strides[0] // 2, q8=self._att_q8,
-                            early=self.tune.attn_early, kv16=self.kv.kv16)
+                            early=self.decode and self.tune.attn_early, kv=self.kv.kv_type)
             return out
         LA.attention(self.k, q.data.ptr, q.strides[0] // 4, t, kc, vc, positions.data.ptr, self.seq.data.ptr,
                     self.kv.table.data.ptr, self.kv.max_pages, self.kv.page_size, cfg.n_head, cfg.n_head_kv,
@@ -246,7 +251,7 @@ class CudaBlocks:
                     out.data.ptr, out.strides[0] // 4, None if self._small(t) else ws.x16.data.ptr,
                     0 if self._small(t) else ws.x16.strides[0] // 2, q8=self._att_q8,
                     shape=self.attn_shapes[not self._small(t)],
-                    early=self.decode and self.tune.attn_early, kv16=self.kv.kv16)
+                    early=self.decode and self.tune.attn_early, kv=self.kv.kv_type)
         return out
 
     def _project_residual(self, a: cp.ndarray, name: str, x: cp.ndarray, post_norm: str | None,

@@ -1,11 +1,14 @@
 """The paged KV cache on the GPU: a pool of fixed-size pages and a block table per sequence.
 
-Per layer the cache is [pages, n_head_kv, page_size, head_dim]; sequence slot s's position p
-lives in page table[s, p // page_size], slot p % page_size. Kernels read the table and each
-token's position from device memory, so one launch configuration serves any context length.
+Per layer the cache is [pages, n_head_kv, page_size] rows of head_dim values (kv_layout.py: f32 and
+f16 elements, or q8_0 / q4_0 blocks, each (page, KV head) block its rows' values then their
+scales); sequence slot s's position p lives in page table[s, p // page_size], slot p % page_size
+(page_size a power of two: the kernels shift). Kernels read the table and each token's position
+from device memory, so one launch configuration serves any context length.
 Pages are handed out by a host-side free list when a sequence is admitted (for its prompt plus
 the tokens it may generate) and return to it the moment the sequence ends. Keys and values are
-float32 or f16 (``kv_type``; f16 is llama.cpp's default cache type); the kernels compute in float32.
+float32, f16 (llama.cpp's default cache type), q8_0 or q4_0 (``kv_type``, keys and values alike);
+the kernels compute in float32.
 """
 
 from __future__ import annotations
@@ -15,30 +18,39 @@ import numpy as np
 
 from ...errors import KVCacheFullError
 from ...format.model_config import ModelConfig
+from ...quant_kernels import kv_layout as KL
 
 PAGE_SIZE = 16
-KV_DTYPES = {"f32": cp.float32, "f16": cp.float16}
+
+
 class PagedKVCache:
     def __init__(self, cfg: ModelConfig, n_ctx: int, n_seqs: int = 1, n_pages: int | None = None,
                  page_size: int = PAGE_SIZE, kv_type: str = "f32") -> None:
-        if kv_type not in KV_DTYPES:
-            raise ValueError(f"KV cache type {kv_type!r} is not one of {', '.join(KV_DTYPES)}")
+        KL.row_bytes(kv_type, cfg.head_dim)  # ValueError: an unknown type, or heads it cannot block
+        KL.row_bytes(kv_type, cfg.head_dim_v)
         self.page_size, self.kv_type = page_size, kv_type
-        self.kv16 = kv_type == "f16"  # the kernels' flag
         self.max_pages = (n_ctx + page_size - 1) // page_size  # table width: pages one sequence can hold
         self.n_seqs = n_seqs
         self.n_pages = n_pages if n_pages is not None else self.max_pages * n_seqs
-        shape = (cfg.n_layer, self.n_pages, cfg.n_head_kv, page_size, cfg.head_dim)
-        self.k = cp.zeros(shape, KV_DTYPES[kv_type])
-        self.v = cp.zeros(shape[:-1] + (cfg.head_dim_v,), KV_DTYPES[kv_type])
+        # bytes per (page, KV head) block, viewed as uint8 whatever the type
+        blk = (cfg.n_layer, self.n_pages, cfg.n_head_kv)
+        self.k = cp.zeros(blk + (KL.block_bytes(kv_type, page_size, cfg.head_dim),), cp.uint8)
+        self.v = cp.zeros(blk + (KL.block_bytes(kv_type, page_size, cfg.head_dim_v),), cp.uint8)
+        self._dims = (cfg.head_dim, cfg.head_dim_v)
         self.table = cp.full((n_seqs, self.max_pages), -1, cp.int32)  # -1: no page (kernels skip it)
         self._free = list(range(self.n_pages - 1, -1, -1))
         self._owned: list[list[int]] = [[] for _ in range(n_seqs)]
 
     @staticmethod
     def page_bytes(cfg: ModelConfig, page_size: int = PAGE_SIZE, kv_type: str = "f32") -> int:
-        elem = np.dtype(KV_DTYPES[kv_type]).itemsize
-        return cfg.n_layer * cfg.n_head_kv * page_size * (cfg.head_dim + cfg.head_dim_v) * elem
+        return cfg.n_layer * cfg.n_head_kv * (KL.block_bytes(kv_type, page_size, cfg.head_dim)
+                                               + KL.block_bytes(kv_type, page_size, cfg.head_dim_v))
+
+    def values(self, i: int, which: str = "k") -> np.ndarray:
+        """Layer i's keys (or values) as float32 [pages, n_head_kv, page_size, head_dim] on the host
+        (kv_layout.unpack: tests and inspection)."""
+        raw = (self.k if which == "k" else self.v)[i].get()
+        return KL.unpack(raw, self.kv_type, self.page_size, self._dims[0 if which == "k" else 1])
 
     def layer(self, i: int) -> tuple[int, int]:
         """Device pointers of layer i's K and V pages."""

@@ -68,7 +68,8 @@ class Tuning:
     pdl_big_graph_kernels: tuple[str, ...] = ("rmsnorm",)  # ... in larger graphs these only (products lose)
     lookahead: int = 4  # decode steps enqueued ahead of the token the host reads (one sequence, batches)
     # -- KV cache
-    kv_type: str = "f32"  # f16 up to 128-dim heads (half the bytes; flash_decode reads it); 256-dim: f32 (faster)
+    kv_type: str = "f32"  # f16 up to 128-dim heads (half the bytes; flash_decode reads it); 256-dim: f32 (faster);
+    # q8_0 / q4_0 only where the user asks (-ctk / -ctv): the flash kernels read them
 
     def knobs(self) -> KernelKnobs:
         """The kernel launchers' share of the table."""
@@ -190,7 +191,7 @@ def _check(t: Tuning) -> None:
     if not 1 <= t.decode_mmv_rows <= 8:
         raise BackendError(f"{ENV}: decode_mmv_rows={t.decode_mmv_rows}: give a number of rows from 1 to 8")
     for name, allowed in (("tiles", ("auto", "on", "off")), ("pdl", ("auto", "off", "all")),
-                          ("kv_type", ("f32", "f16"))):
+                          ("kv_type", ("f32", "f16", "q8_0", "q4_0"))):
         if getattr(t, name) not in allowed:
             raise BackendError(f"{ENV}: {name}={getattr(t, name)!r} is not one of {', '.join(allowed)}")
 
