@@ -233,6 +233,10 @@ BAD = [
     ("/v1/chat/completions", {"model": NAME, "messages": HI, "max_tokens": -1}, 400),
     ("/v1/chat/completions", {"model": NAME, "messages": HI, "n": 2}, 400),
     ("/v1/chat/completions", {"model": NAME, "messages": HI, "temperature": 3}, 400),
+    ("/v1/chat/completions", {"model": NAME, "messages": HI, "presence_penalty": 0.5}, 400),
+    ("/v1/completions", {"model": NAME, "prompt": "x", "frequency_penalty": -1}, 400),
+    ("/api/generate", gen(options={"presence_penalty": 1.0}), 400),
+    ("/api/chat", {"model": NAME, "messages": HI, "options": {"frequency_penalty": 0.2}}, 400),
     ("/v1/chat/completions", {"model": NAME, "messages": []}, 400),
     ("/v1/chat/completions", {"model": "nope", "messages": HI}, 404),
     ("/v1/completions", {"model": NAME, "prompt": 5}, 400),
@@ -252,6 +256,17 @@ def test_bad_input_gets_4xx_json(url, path, body, status):
     assert isinstance(msg, str) and msg
     if "word " in content.decode(errors="replace")[:200]:
         assert "context" in msg
+    good(url)
+
+
+def test_penalties_zero_accepted_others_refused(url):
+    """presence / frequency penalties are not implemented: 0 (what clients send by default) passes,
+    anything else is a 400 naming the field and repeat_penalty, never silently ignored."""
+    body = {"model": NAME, "messages": HI, "max_tokens": 1, "presence_penalty": 0, "frequency_penalty": 0.0}
+    assert httpx.post(url + "/v1/chat/completions", json=body).status_code == 200
+    r = httpx.post(url + "/v1/chat/completions", json={**body, "frequency_penalty": 0.3})
+    msg = r.json()["error"]["message"]
+    assert r.status_code == 400 and "frequency_penalty" in msg and "repeat_penalty" in msg
     good(url)
 
 

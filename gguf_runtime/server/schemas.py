@@ -112,6 +112,11 @@ def sampling(d: dict, seed_key: str = "seed") -> SamplingParams:
         v = get_int(d, key)
         if v is not None:
             setattr(p, key, v)
+    for key in ("presence_penalty", "frequency_penalty"):  # refused, never silently ignored (0: the default)
+        v = get_number(d, key)
+        if v:
+            raise bad(f"{key} is not supported yet (only 0); use repeat_penalty with repeat_last_n instead, "
+                      "which divides the logits of the last tokens' repeats")
     seed = get_int(d, seed_key)
     p.seed = seed if seed is not None and seed >= 0 else None  # Ollama: -1 = random
     if p.seed is not None:
