@@ -237,6 +237,10 @@ BAD = [
     ("/v1/completions", {"model": NAME, "prompt": "x", "frequency_penalty": -1}, 400),
     ("/api/generate", gen(options={"presence_penalty": 1.0}), 400),
     ("/api/chat", {"model": NAME, "messages": HI, "options": {"frequency_penalty": 0.2}}, 400),
+    ("/v1/chat/completions", {"model": NAME, "messages": HI, "logprobs": True}, 400),
+    ("/v1/chat/completions", {"model": NAME, "messages": HI, "logprobs": False, "top_logprobs": 3}, 400),
+    ("/v1/completions", {"model": NAME, "prompt": "x", "logprobs": 0}, 400),
+    ("/api/generate", gen(logprobs=True), 400),
     ("/v1/chat/completions", {"model": NAME, "messages": []}, 400),
     ("/v1/chat/completions", {"model": "nope", "messages": HI}, 404),
     ("/v1/completions", {"model": NAME, "prompt": 5}, 400),
@@ -261,8 +265,10 @@ def test_bad_input_gets_4xx_json(url, path, body, status):
 
 def test_penalties_zero_accepted_others_refused(url):
     """presence / frequency penalties are not implemented: 0 (what clients send by default) passes,
-    anything else is a 400 naming the field and repeat_penalty, never silently ignored."""
-    body = {"model": NAME, "messages": HI, "max_tokens": 1, "presence_penalty": 0, "frequency_penalty": 0.0}
+    anything else is a 400 naming the field and repeat_penalty, never silently ignored; logprobs
+    false passes too (true: the 400s above)."""
+    body = {"model": NAME, "messages": HI, "max_tokens": 1, "presence_penalty": 0, "frequency_penalty": 0.0,
+            "logprobs": False}
     assert httpx.post(url + "/v1/chat/completions", json=body).status_code == 200
     r = httpx.post(url + "/v1/chat/completions", json={**body, "frequency_penalty": 0.3})
     msg = r.json()["error"]["message"]

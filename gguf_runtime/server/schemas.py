@@ -128,7 +128,16 @@ def sampling(d: dict, seed_key: str = "seed") -> SamplingParams:
     return p
 
 
+def refuse_logprobs(body: dict) -> None:
+    """logprobs / top_logprobs (OpenAI chat and completions, Ollama) are not computed yet: asking
+    for them is a 400, never an answer without them (unset, false or 0 top_logprobs pass)."""
+    lp, top = body.get("logprobs"), body.get("top_logprobs")
+    if (lp is not None and lp is not False) or (top is not None and top != 0):
+        raise bad("logprobs are not supported yet: leave logprobs and top_logprobs unset")
+
+
 def ollama_options(body: dict) -> tuple[SamplingParams, int | None, tuple[str, ...]]:
+    refuse_logprobs(body)
     opts = body.get("options")
     if opts is None:
         opts = {}
@@ -138,6 +147,7 @@ def ollama_options(body: dict) -> tuple[SamplingParams, int | None, tuple[str, .
 
 
 def openai_options(body: dict) -> tuple[SamplingParams, int | None, tuple[str, ...]]:
+    refuse_logprobs(body)
     n = get_int(body, "n")
     if n is not None and n != 1:
         raise bad("only n=1 is supported")
