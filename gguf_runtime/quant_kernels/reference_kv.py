@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from .formats import BY_NAME, FORMATS
+
 KV_TYPES = ("f32", "f16", "q8_0", "q4_0")
 BLOCK = 32  # values per quantized block (q8_0, q4_0)
-BYTES_PER_BLOCK = {"f32": 4 * BLOCK, "f16": 2 * BLOCK, "q8_0": 2 + BLOCK, "q4_0": 2 + BLOCK // 2}
+_FMT = {t: FORMATS[BY_NAME[t.upper()]] for t in KV_TYPES}  # the ggml type table's rows
+BYTES_PER_BLOCK = {t: f.block_bytes * BLOCK // f.block_elems for t, f in _FMT.items()}  # q8_0 34, q4_0 18
 
 
 def bytes_per_element(kv_type: str) -> float:

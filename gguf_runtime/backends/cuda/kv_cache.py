@@ -26,16 +26,16 @@ PAGE_SIZE = 16
 class PagedKVCache:
     def __init__(self, cfg: ModelConfig, n_ctx: int, n_seqs: int = 1, n_pages: int | None = None,
                  page_size: int = PAGE_SIZE, kv_type: str = "f32") -> None:
-        KL.row_bytes(kv_type, cfg.head_dim)  # ValueError: an unknown type, or heads it cannot block
-        KL.row_bytes(kv_type, cfg.head_dim_v)
         self.page_size, self.kv_type = page_size, kv_type
         self.max_pages = (n_ctx + page_size - 1) // page_size  # table width: pages one sequence can hold
         self.n_seqs = n_seqs
         self.n_pages = n_pages if n_pages is not None else self.max_pages * n_seqs
-        # bytes per (page, KV head) block, viewed as uint8 whatever the type
+        # bytes per (page, KV head) block, viewed as uint8 whatever the type (block_bytes: ValueError
+        # for an unknown type or heads it cannot block)
+        kb, vb = (KL.block_bytes(kv_type, page_size, d) for d in (cfg.head_dim, cfg.head_dim_v))
         blk = (cfg.n_layer, self.n_pages, cfg.n_head_kv)
-        self.k = cp.zeros(blk + (KL.block_bytes(kv_type, page_size, cfg.head_dim),), cp.uint8)
-        self.v = cp.zeros(blk + (KL.block_bytes(kv_type, page_size, cfg.head_dim_v),), cp.uint8)
+        self.k = cp.zeros(blk + (kb,), cp.uint8)
+        self.v = cp.zeros(blk + (vb,), cp.uint8)
         self._dims = (cfg.head_dim, cfg.head_dim_v)
         self.table = cp.full((n_seqs, self.max_pages), -1, cp.int32)  # -1: no page (kernels skip it)
         self._free = list(range(self.n_pages - 1, -1, -1))

@@ -17,6 +17,7 @@ from typing import Mapping
 
 from ...errors import BackendError
 from ...quant_kernels.knobs import ATTN_MAX_SPLITS, KernelKnobs
+from ...quant_kernels.kv_layout import KV_TYPES
 
 ENV = "GGUF_RUN_TUNE"
 MMV_ROLES = ("QKV", "O", "DOWN", "GLU", "HEAD")
@@ -191,7 +192,7 @@ def _check(t: Tuning) -> None:
     if not 1 <= t.decode_mmv_rows <= 8:
         raise BackendError(f"{ENV}: decode_mmv_rows={t.decode_mmv_rows}: give a number of rows from 1 to 8")
     for name, allowed in (("tiles", ("auto", "on", "off")), ("pdl", ("auto", "off", "all")),
-                          ("kv_type", ("f32", "f16", "q8_0", "q4_0"))):
+                          ("kv_type", KV_TYPES)):
         if getattr(t, name) not in allowed:
             raise BackendError(f"{ENV}: {name}={getattr(t, name)!r} is not one of {', '.join(allowed)}")
 
