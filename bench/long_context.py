@@ -30,7 +30,7 @@ from gguf_runtime.format.gguf_file import open_gguf
 from gguf_runtime.format.model_config import config_from_gguf
 from gguf_runtime.tools.bench import decode_rate, fill_depth, prefill_rate
 
-SIZING = {"prefill_chunk", "kv_type", "q8", "attn_parts"}
+SIZING = {"prefill_chunk", "kv_type", "q8", "q8_res", "attn_parts"}
 
 
 def parse(variant: str) -> dict[str, str]:

@@ -5,7 +5,7 @@ a path (cuda_blocks.py), not an error:
 
 * **int8 activations** (the matvec path of up to ``mmv_rows`` rows, integer weights, q8 on in the tuning table):
   every product's input is ``quantize_q8`` per 16 values (reference_q8.py, the kernels' quantizer
-  bit for bit), then multiplied exactly in f32. Wherever the kernels quantize (after RMSNorm, in the
+  bit for bit; with ``q8_res`` its rests too), then multiplied exactly in f32. Wherever the kernels quantize (after RMSNorm, in the
   residual epilogue of the previous product with the norm applied after the product, in the
   attention and GLU epilogues), the quantized vector is the product's input: so the model is "x
   through quantize/dequantize, then the f32 product".
@@ -34,14 +34,18 @@ import numpy as np
 
 from gguf_runtime.backends.numpy.backend import NumpyBackend
 from gguf_runtime.model import lm_head_name
-from gguf_runtime.quant_kernels.reference_q8 import dequantize_q8, quantize_q8
+from gguf_runtime.quant_kernels.reference_q8 import dequantize_q8, dequantize_q8_rest, quantize_q8, quantize_q8_rest
 
 FLOAT_TYPES = {"F32", "F16", "BF16"}
 MAX_MMV_TOKENS = 8  # launchers.MAX_MMV_TOKENS, without importing the CUDA launchers
 
 
-def q8_roundtrip(x: np.ndarray) -> np.ndarray:
-    """x as the int8 matvecs see it: quantize_q8 per 16 values, dequantized (float32)."""
+def q8_roundtrip(x: np.ndarray, rest: bool = False) -> np.ndarray:
+    """x as the int8 matvecs see it: quantize_q8 per 16 values, dequantized (float32); rest: with
+    the second int8 of the rests (Tuning.q8_res)."""
+    if rest:
+        q, d, _, q2, d2 = quantize_q8_rest(x)
+        return dequantize_q8_rest(q, d, q2, d2).astype(np.float32)
     return dequantize_q8(*quantize_q8(x)[:2]).astype(np.float32)
 
 
@@ -53,11 +57,18 @@ class PathModel(NumpyBackend):
     """NumpyBackend whose products and KV cache round as one CUDA path does (see the module)."""
 
     def __init__(self, f, cfg, n_ctx: int, *, q8: bool = True, kv16: bool = False,
-                 mmv_rows: int = MAX_MMV_TOKENS) -> None:
+                 mmv_rows: int = MAX_MMV_TOKENS, q8_res: frozenset[str] = frozenset()) -> None:
         super().__init__(f, cfg, n_ctx)
-        self.q8, self.kv16, self.mmv_rows = q8, kv16, mmv_rows
+        self.q8, self.kv16, self.mmv_rows, self.q8_res = q8, kv16, mmv_rows, q8_res
         self._head = lm_head_name(cfg)
         self._w16: dict[str, np.ndarray] = {}
+
+    def _role(self, weight: str) -> str:
+        """The tuning table's role of a matrix (tuning.ROLE_SETS)."""
+        if weight == self._head:
+            return "head"
+        kind = weight.split(".")[-2]
+        return {"attn_output": "o", "ffn_gate": "glu", "ffn_up": "glu", "ffn_down": "down"}.get(kind, "qkv")
 
     def _is_int(self, weight: str) -> bool:
         return self.f.tensors[weight].type_name not in FLOAT_TYPES
@@ -66,7 +77,7 @@ class PathModel(NumpyBackend):
         rows = x.shape[0]
         if rows <= self.mmv_rows:  # dequantizing matvecs: f32 weights, int8 or f32 activations
             if self.q8 and self._is_int(weight):
-                x = q8_roundtrip(x)
+                x = q8_roundtrip(x, self._role(weight) in self.q8_res)
             y = x @ self.weight(weight).T
         elif weight == self._head:  # prefill logits: an f32 matvec on the f32 normed rows
             y = x @ self.weight(weight).T

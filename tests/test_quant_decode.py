@@ -14,7 +14,7 @@ import pytest
 
 from gguf_runtime.quant_kernels.formats import BY_NAME, FORMATS, SUPPORTED
 from gguf_runtime.quant_kernels.reference import dequantize, random_blocks
-from gguf_runtime.quant_kernels.reference_q8 import dequantize_q8, quantize_q8
+from gguf_runtime.quant_kernels.reference_q8 import dequantize_q8, dequantize_q8_rest, quantize_q8, quantize_q8_rest
 from gguf_runtime.quant_kernels.repack import repack
 
 KERNELS = os.path.join(os.path.dirname(__file__), "..", "gguf_runtime", "quant_kernels")
@@ -94,6 +94,32 @@ def test_quant16_matches_numpy_bit_for_bit(lib, rng):
     err = np.abs(dequantize_q8(wq, wd) - x).reshape(-1, 16).max(-1)
     bound = np.where(wd > 0, wd.astype(np.float64) * 0.5 * (1 + 1e-5), 1e-30)  # half a step; floor pieces: 0
     assert (err <= bound).all()
+
+
+def test_quant16_rest_matches_numpy_bit_for_bit(lib, rng):
+    """The rests (q8_res): the second int8 of v - d q, bit for bit, and d q + d2 q2 within half a
+    step of the rest's grid (~15 bits a value where int8 alone keeps ~8)."""
+    n = 16 * 64
+    x = (rng.standard_normal(n) * rng.choice([1e-3, 1.0, 40.0], n // 16).repeat(16)).astype(np.float32)
+    x[:16] = 0
+    x[16:32] = np.float32(1e-35)
+    x[37] = 90 * np.abs(x[32:48]).max()  # an outlier: the piece's other values keep few int8 steps
+    x[64:80] = np.round(x[64:80] * (127 / np.abs(x[64:80]).max())) * (np.abs(x[64:80]).max() / 127)  # rests ~0
+    q, q2 = (np.full(n, 0x55, np.uint8) for _ in range(2))
+    d, s, d2 = (np.full(n // 16, np.nan, np.float32) for _ in range(3))
+    lib.quant_rows_rest(ptr(x), n, ptr(q), ptr(d), ptr(s), ptr(q2), ptr(d2))
+    wq, wd, ws, wq2, wd2 = quantize_q8_rest(x)
+    assert (q.view(np.int8) == wq).all() and (d == wd).all()
+    assert (q2.view(np.int8) == wq2).all() and (d2 == wd2).all()
+    assert (s == ws).all()
+    assert (wq2[:32] == 0).all() and (wd2[:2] == 0).all()
+    got = dequantize_q8_rest(wq, wd, wq2, wd2)
+    err, err8 = (np.abs(v - x).reshape(-1, 16).max(-1) for v in (got, dequantize_q8(wq, wd)))
+    ulp = 2.0 ** -23 * np.abs(x).reshape(-1, 16).max(-1)  # the rest is computed in float32
+    assert (err <= np.where(wd2 > 0, wd2.astype(np.float64) * 0.5 * (1 + 1e-5), 1e-30) + ulp).all()
+    live = wd2 > 0  # pieces with a rest (piece 4 lies on the int8 grid: nothing left)
+    assert wd2[4] == 0 and live.sum() == 61
+    assert (err[live] <= err8[live] / 100).all()  # the rest took at least two more digits off every piece
 
 
 def test_dp4a_is_a_signed_byte_dot(lib, rng):

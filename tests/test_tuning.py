@@ -80,3 +80,14 @@ def test_frozen_and_every_field_has_a_reason():
     for f in dataclasses.fields(Tuning):
         line = next(ln for ln in src.splitlines() if ln.strip().startswith(f"{f.name}:"))
         assert "#" in line, f"{f.name} has no reason"
+
+
+def test_q8_rests_by_architecture_and_override():
+    """Gemma-3's QKV and GLU inputs carry their rests (its decode perplexity), other models none;
+    the override names roles, and a wrong role is one line naming the roles."""
+    assert tuning.choose(BIG, arch="gemma3").q8_res == {"qkv", "glu"}
+    assert not tuning.choose(BIG, arch="llama").q8_res and not tuning.choose(BIG).q8_res
+    assert tuning.choose(BIG, arch="gemma3", overrides="q8_res=none").q8_res == frozenset()
+    assert tuning.choose(BIG, overrides="q8_res=o+head").q8_res == {"o", "head"}
+    with pytest.raises(BackendError, match="not among the roles qkv, o, glu, down, head"):
+        tuning.choose(BIG, overrides="q8_res=qkv+mlp")

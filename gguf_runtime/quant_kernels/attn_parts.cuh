@@ -28,9 +28,10 @@ DEV void ldsm4t(u32 (&r)[4], const u16* p) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
 }
 
-// The int8 copy (quant16 per 16 columns, as layers.cu's quantize_q8) of the n floats at o (this
-// block's outputs, written before the call by any of its threads).
-DEV void q8_copy(const float* o, int n, u8* oq, float4* os) {
+// The int8 copy (quant16 per 16 columns, as layers.cu's quantize_q8; with the rests' at oq + res
+// where res > 0) of the n floats at o (this block's outputs, written before the call by any of its
+// threads).
+DEV void q8_copy(const float* o, int n, u8* oq, float4* os, int res) {
     __syncthreads();  // the block's output stores are visible to all its threads
     for (int j = threadIdx.x; j < n / 16; j += blockDim.x) {
         float v[16];
@@ -39,10 +40,12 @@ DEV void q8_copy(const float* o, int n, u8* oq, float4* os) {
             const float4 f = reinterpret_cast<const float4*>(o + 16 * j)[i];
             v[4 * i] = f.x; v[4 * i + 1] = f.y; v[4 * i + 2] = f.z; v[4 * i + 3] = f.w;
         }
-        u32 q[4]; float d, s;
+        u32 q[4], q2[4] = {0, 0, 0, 0}; float d, s, d2 = 0.f;
         quant16(v, q, d, s);
+        if (res) quant16_rest(v, q, d, q2, d2, s);
         *reinterpret_cast<uint4*>(oq + 16 * j) = make_uint4(q[0], q[1], q[2], q[3]);
-        os[j] = make_float4(d, s, sumsq16(v), 0.f);
+        if (res) *reinterpret_cast<uint4*>(oq + res + 16 * j) = make_uint4(q2[0], q2[1], q2[2], q2[3]);
+        os[j] = make_float4(d, s, sumsq16(v), d2);
     }
 }
 
@@ -53,11 +56,11 @@ DEV void q8_copy(const float* o, int n, u8* oq, float4* os) {
 template <int D, int G>
 DEV void merge_splits(int t, int hk, int ns, int n_split, int n_head_kv, const float* part_o, const float* part_ml,
                       unsigned* counter, float* out, int ldo, u16* out16, int ld16, u8* oq, int ldoq, float4* os,
-                      int ldos) {
+                      int ldos, int ores) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5, n_head = n_head_kv * G;
     const long h0 = (long)(hk * G) * D;  // the block's heads: G * D consecutive outputs of row t
     if (ns == 1) {
-        if (oq) q8_copy(out + (long)t * ldo + h0, G * D, oq + (long)t * ldoq + h0, os + (long)t * ldos + h0 / 16);
+        if (oq) q8_copy(out + (long)t * ldo + h0, G * D, oq + (long)t * ldoq + h0, os + (long)t * ldos + h0 / 16, ores);
         return;
     }
     // the last split block of this (t, hk) merges every split
@@ -117,5 +120,5 @@ DEV void merge_splits(int t, int hk, int ns, int n_split, int n_head_kv, const f
         }
     }
     if (threadIdx.x == 0) counter[t * n_head_kv + hk] = 0u;
-    if (oq) q8_copy(out + (long)t * ldo + h0, G * D, oq + (long)t * ldoq + h0, os + (long)t * ldos + h0 / 16);
+    if (oq) q8_copy(out + (long)t * ldo + h0, G * D, oq + (long)t * ldoq + h0, os + (long)t * ldos + h0 / 16, ores);
 }

@@ -181,22 +181,31 @@ _RECORDED = _Recorded()
 @dataclass(frozen=True)
 class Q8Vec:
     """Int8 activations of up to MAX_MMV_TOKENS rows (quant_int8.cuh): q int8 [rows, ldq] and
-    (d, s, sum of squares, 0) float quads [rows, lds] per 16 columns; pointers are of row 0.
-    norm_eps (as an input): the pieces are of x * w, written by a q8 epilogue for the RMSNorm
-    that the matvec then applies (matvec_block.cuh)."""
+    (d, s, sum of squares, d2) float quads [rows, lds] per 16 columns; pointers are of row 0.
+    res > 0 (Tuning.q8_res): each value's rest as a second int8 at q + res (quant16_rest; res <=
+    ldq - the columns). norm_eps (as an input): the pieces are of x * w, written by a q8 epilogue
+    for the RMSNorm that the matvec then applies (matvec_block.cuh)."""
 
     q: int
     ldq: int
     s: int
     lds: int
     norm_eps: float | None = None
+    res: int = 0
 
     def rows_from(self, row: int) -> "Q8Vec":
-        return Q8Vec(self.q + row * self.ldq, self.ldq, self.s + 16 * row * self.lds, self.lds, self.norm_eps)
+        return Q8Vec(self.q + row * self.ldq, self.ldq, self.s + 16 * row * self.lds, self.lds, self.norm_eps,
+                     self.res)
+
+    def io(self, out: bool = False) -> int:
+        """The matvec template's IO bits for this buffer (matvec.cu): 8, rests in; out: 16, a q8
+        epilogue writes them."""
+        return (16 if out else 8) if self.res else 0
 
     def ptrs(self, row: int = 0) -> tuple:
-        """(q, ldq, s, lds) from token ``row``: the buffer arguments of every kernel."""
-        return (ptr(self.q + row * self.ldq), i32(self.ldq), ptr(self.s + 16 * row * self.lds), i32(self.lds))
+        """(q, ldq, s, lds, res) from token ``row``: the buffer arguments of every kernel."""
+        return (ptr(self.q + row * self.ldq), i32(self.ldq), ptr(self.s + 16 * row * self.lds), i32(self.lds),
+                i32(self.res))
 
     def args(self, row: int = 0) -> tuple:
         """As a matvec's input: the buffer, whether to normalize, eps."""
@@ -208,4 +217,4 @@ class Q8Vec:
         return (*self.ptrs(row), ptr(w))
 
 
-NO_PTRS = (ptr(0), i32(0), ptr(0), i32(0))
+NO_PTRS = (ptr(0), i32(0), ptr(0), i32(0), i32(0))  # no int8 buffer (Q8Vec.ptrs)

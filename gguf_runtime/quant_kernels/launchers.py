@@ -19,7 +19,8 @@ MAX_MMV_TOKENS = 8
 
 # ---- name expressions ----------------------------------------------------------------------------
 def mmv_name(structs: Sequence[str], b: int, r: int, wg: int, mode: int, io: int = 0) -> str:
-    """io: bit 0 int8 activations in, bit 1 the q8 epilogue (matvec.cu)."""
+    """io: bit 0 int8 activations in, bit 1 the q8 epilogue, bit 2 staged scales, bit 3 rests in, bit 4
+    rests out (matvec.cu)."""
     s = list(structs) + [structs[0]] * (3 - len(structs))
     return f"mmv_group<{s[0]}, {s[1]}, {s[2]}, {b}, {r}, {wg}, {mode}, {io}>"
 
@@ -203,7 +204,7 @@ def mmv(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases
     assert q8_out is None or (q8 is not None and mode == 1 and len(mats) == 1 and mats[0].rows % Q8_OUT_ROWS == 0)
     cols = mats[0].cols
     total = sum(m.rows for m in mats)
-    io = (q8 is not None) | (q8_out is not None) << 1
+    io = (q8 is not None) | (q8_out is not None) << 1 | (q8.io() if q8 else 0) | (q8_out[0].io(True) if q8_out else 0)
     for row, n in token_chunks(b):
         r, wg = config or mmv_config([m.struct for m in mats], [m.rows for m in mats], cols, n, q8_out is not None)
         if q8_out and config:  # an override (mmv_config's own choice fits): up to 8 rows, 32 warps a block
@@ -245,8 +246,8 @@ def mmv_glu(k: Kernels, gate: Mat, up: Mat, x: int, ldx: int, b: int, act: str, 
     each block's scales staged in shared memory where kstage_bytes allows."""
     assert q8 is None or (norm is None and q8_capable([gate, up]))
     assert q8_out is None or (q8 is not None and gate.rows % Q8_OUT_ROWS == 0)
-    io = (q8 is not None) | (q8_out is not None) << 1
-    smem = glu_kstage_bytes([gate.struct, up.struct], gate.cols) if kstage and io == 3 else 0
+    io = (q8 is not None) | (q8_out is not None) << 1 | (q8.io() if q8 else 0) | (q8_out.io(True) if q8_out else 0)
+    smem = glu_kstage_bytes([gate.struct, up.struct], gate.cols) if kstage and io & 3 == 3 else 0
     io |= bool(smem) << 2
     for row, n in token_chunks(b):
         r, wg = config or (glu_q8_out_config if q8_out else glu_config)(gate.struct, gate.rows, gate.cols, n)

@@ -20,7 +20,7 @@ constexpr int RMS_SLOTS = 2;
 
 extern "C" __global__ void __launch_bounds__(1024) rmsnorm(
         const float* __restrict__ x, int ldx, const float* __restrict__ w, float* y, int ldy, const float* res,
-        int ldr, int n, float eps, u16* y16, int ld16, u8* xq, int ldq, float4* xs, int lds,
+        int ldr, int n, float eps, u16* y16, int ld16, u8* xq, int ldq, float4* xs, int lds, int xres,
         const float* __restrict__ w2) {
     __shared__ float scratch[32];
     const int n4 = n / 4;
@@ -80,26 +80,51 @@ extern "C" __global__ void __launch_bounds__(1024) rmsnorm(
         }
         float inv, d;
         q8_step(amax, inv, d);
-        u32 word = 0;
+        u32 word = 0, bits[4];
         int sum = 0;
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
-            const u32 bits = q8_bits(q[c], inv);
-            sum += q8_int(bits);
-            word |= (bits & 0xFFu) << (8 * c);
+            bits[c] = q8_bits(q[c], inv);
+            sum += q8_int(bits[c]);
+            word |= (bits[c] & 0xFFu) << (8 * c);
         }
 #pragma unroll
         for (int m = 1; m < 4; m <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, m);
+        float s = d * (float)sum, d2 = 0.f;
+        u32 word2 = 0;
+        if (xres) {  // the rest (quant16_rest), the same way
+            float r[4], amax2 = 0.f, inv2;
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                r[c] = q8_rest(q[c], d, bits[c]);
+                amax2 = fmaxf(amax2, fabsf(r[c]));
+            }
+#pragma unroll
+            for (int m = 1; m < 4; m <<= 1) amax2 = fmaxf(amax2, __shfl_xor_sync(0xffffffffu, amax2, m));
+            q8_step(amax2, inv2, d2);
+            int sum2 = 0;
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const u32 b2 = q8_bits(r[c], inv2);
+                sum2 += q8_int(b2);
+                word2 |= (b2 & 0xFFu) << (8 * c);
+            }
+#pragma unroll
+            for (int m = 1; m < 4; m <<= 1) sum2 += __shfl_xor_sync(0xffffffffu, sum2, m);
+            s = add_rn(s, mul_rn(d2, (float)sum2));
+        }
         if (i >= n4) continue;
         *reinterpret_cast<u32*>(xq + (long)blockIdx.x * ldq + 4 * i) = word;
-        if ((i & 3) == 0) xs[(long)blockIdx.x * lds + i / 4] = make_float4(d, d * (float)sum, sq, 0.f);
+        if (xres) *reinterpret_cast<u32*>(xq + (long)blockIdx.x * ldq + xres + 4 * i) = word2;
+        if ((i & 3) == 0) xs[(long)blockIdx.x * lds + i / 4] = make_float4(d, s, sq, d2);
     }
 }
 
 // The int8 copy of x[t, :n] (n % 16 == 0), as rmsnorm writes it: one thread per 16 columns.
-// Both write each piece's (d, s, sum of squares, 0) (matvec_block.cuh's XQ).
+// Both write each piece's (d, s, sum of squares, d2) (matvec_block.cuh's XQ), and the rests' int8
+// at xq + xres where xres > 0 (q8_res).
 extern "C" __global__ void quantize_q8(const float* __restrict__ x, int ldx, int n, int rows, u8* xq, int ldq,
-                                       float4* xs, int lds) {
+                                       float4* xs, int lds, int xres) {
     const int j = blockIdx.x * blockDim.x + threadIdx.x, t = blockIdx.y;
     pdl_enter();
     if (j >= n / 16 || t >= rows) return;
@@ -110,10 +135,12 @@ extern "C" __global__ void quantize_q8(const float* __restrict__ x, int ldx, int
         const float4 f = src[i];
         v[4 * i] = f.x; v[4 * i + 1] = f.y; v[4 * i + 2] = f.z; v[4 * i + 3] = f.w;
     }
-    u32 q[4]; float d, s;
+    u32 q[4], q2[4] = {0, 0, 0, 0}; float d, s, d2 = 0.f;
     quant16(v, q, d, s);
+    if (xres) quant16_rest(v, q, d, q2, d2, s);
     *reinterpret_cast<uint4*>(xq + (long)t * ldq + 16 * j) = make_uint4(q[0], q[1], q[2], q[3]);
-    xs[(long)t * lds + j] = make_float4(d, s, sumsq16(v), 0.f);
+    if (xres) *reinterpret_cast<uint4*>(xq + (long)t * ldq + xres + 16 * j) = make_uint4(q2[0], q2[1], q2[2], q2[3]);
+    xs[(long)t * lds + j] = make_float4(d, s, sumsq16(v), d2);
 }
 
 // One block per (token t, head h) over the fused QKV rows [q heads | k heads | v heads], blockDim

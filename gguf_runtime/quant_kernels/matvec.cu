@@ -80,12 +80,14 @@ DEV bool group_leader() { return threadIdx.x % (32 * WG) == 0; }
 
 // MODE 0: y = W x (+ bias)   MODE 1: y += W x (the residual add)
 // IO bit 0: the activations are int8 (XQ), else f32 x (RMSNorm fused when nw is non-null);
-// IO bit 1: a q8 epilogue also writes the int8 copy of the outputs (QOut; 16 rows per block).
+// IO bit 1: a q8 epilogue also writes the int8 copy of the outputs (QOut; 16 rows per block);
+// IO bit 3: the int8 activations come with their rests (q8_res: XQ's res, a second dp4a chain);
+// IO bit 4: a q8 epilogue writes the outputs' rests too (QOut's res).
 struct XIn { const float* x; int ldx; const float* nw; float eps; XQ q; };
 
-template <class T, int B, int R, int WG, bool Q8, class S = NoStage>
+template <class T, int B, int R, int WG, int XIO, class S = NoStage>  // XIO: IO's bits 0 and 3
 DEV void mmv_any(const Mat (&m)[R], const int (&row)[R], int K, const XIn& xi, float (&acc)[R][B], S stage = S{}) {
-    if constexpr (Q8) mmv_block_q8<T, B, R, WG>(m, row, K, xi.q, acc, stage);
+    if constexpr ((XIO & 1) != 0) mmv_block_q8<T, B, R, WG, (XIO & 8) != 0>(m, row, K, xi.q, acc, stage);
     else mmv_block<T, B, R, WG>(m, row, K, xi.x, xi.ldx, xi.nw, xi.eps, acc);
 }
 
@@ -98,7 +100,7 @@ DEV void mmv_segment(const Mat& mat, int n, int row0, const XIn& xi, int K, floa
     float acc[R][B], qw = 1.f;
     if constexpr ((IO & 2) != 0)
         if (threadIdx.x < 16 * B) qw = q8_out_weight(qo, row0 - row0 % 16);  // weights only: before pdl_enter
-    mmv_any<T, B, R, WG, (IO & 1) != 0>(m, row, K, xi, acc, stage);
+    mmv_any<T, B, R, WG, IO & 9>(m, row, K, xi, acc, stage);
     if constexpr ((IO & 2) != 0) {  // residual add, then the int8 copy of the block's 16 new rows
         static_assert(MODE == 1, "q8 epilogue: residual mode");
         __shared__ float tile[B][16];
@@ -112,7 +114,7 @@ DEV void mmv_segment(const Mat& mat, int n, int row0, const XIn& xi, int K, floa
                     *out = v;
                     tile[b][row0 % 16 + r] = v;
                 }
-        store_q8_piece<B>(tile, row0 - row0 % 16, qo, qw);  // row0 % 16 == 0 in the threads that store
+        store_q8_piece<B, (IO & 16) != 0>(tile, row0 - row0 % 16, qo, qw);  // row0 % 16 == 0 in the threads that store
         return;
     }
     if (!group_leader<WG>()) return;
@@ -160,9 +162,11 @@ DEV void staged_segment(const Mat& mat, int n, int blk0, int row0, const XIn& xi
 // R rows of segment 0, then 1, then 2 (each segment's row count is a multiple of R * 4 / WG, so a
 // block never straddles two segments).
 // IO & 1: x and nw unused, XQ_ARGS is the input; IO & 2: QO_ARGS the int8 copy of the outputs;
-// IO & 4: Q4_K or Q6_K matrices with int8 in, each block's scales staged (staged_segment).
-#define XQ_ARGS const u8* xq, int ldq, const float4* xs, int lds, int xnorm, float xeps
-#define QO_ARGS u8* oq, int ldoq, float4* os, int ldos, const float* onw
+// IO & 4: Q4_K or Q6_K matrices with int8 in, each block's scales staged (staged_segment);
+// IO & 8: the int8 input has its rests (q8_res, at xq + xres); IO & 16: a q8 epilogue writes the
+// outputs' rests (at oq + ores).
+#define XQ_ARGS const u8* xq, int ldq, const float4* xs, int lds, int xres, int xnorm, float xeps
+#define QO_ARGS u8* oq, int ldoq, float4* os, int ldos, int ores, const float* onw
 template <class T0, class T1, class T2, int B, int R, int WG, int MODE, int IO>
 __global__ void __launch_bounds__(32 * block_warps<R, WG, IO>(), min_blocks<R, WG, IO>()) mmv_group(
         PLANES(0), int n0, float* y0, int ldy0, const float* bias0,
@@ -172,8 +176,8 @@ __global__ void __launch_bounds__(32 * block_warps<R, WG, IO>(), min_blocks<R, W
         const int* rpos, const int* rseq, const int* rtable, int rmax_pages, int rpage_size,
         const double* rfreq, int rn_rot, int rhd, int rn_kv, void* rkc, void* rvc, int rkv16) {
     const RopeArgs ra{rpos, rseq, rtable, rmax_pages, rpage_size, rfreq, rn_rot, rhd, rn_kv, rkc, rvc, rkv16};
-    const XIn xi{x, ldx, nw, eps, XQ{xq, ldq, xs, lds, xnorm, xeps}};
-    const QOut qo{oq, ldoq, os, ldos, onw};
+    const XIn xi{x, ldx, nw, eps, XQ{xq, ldq, xs, lds, xres, xnorm, xeps}};
+    const QOut qo{oq, ldoq, os, ldos, ores, onw};
     int row0 = group_row0<R, WG, block_warps<R, WG, IO>()>();
     if constexpr ((IO & 4) != 0) {  // staged scales: the block's P rows (staged_segment)
         constexpr int P = R * block_warps<R, WG, IO>() / WG;
@@ -216,7 +220,7 @@ __global__ void __launch_bounds__(32 * block_warps<R / 2, WG, IO>(), min_blocks<
     float acc[R][B], qw = 1.f;
     constexpr bool QO = (IO & 2) != 0;
     if constexpr (QO)
-        if (threadIdx.x < 16 * B) qw = q8_out_weight(QOut{oq, ldoq, os, ldos, onw}, row0 - row0 % 16);
+        if (threadIdx.x < 16 * B) qw = q8_out_weight(QOut{oq, ldoq, os, ldos, ores, onw}, row0 - row0 % 16);
     if constexpr ((IO & 4) != 0) {  // staged scales (mmv_segment's note): 16 gate, then 16 up rows
         static_assert((IO & 7) == 7, "staged scales in the GLU: int8 in and out");
         using TS = typename Staged<T, 16>::type;
@@ -229,9 +233,9 @@ __global__ void __launch_bounds__(32 * block_warps<R / 2, WG, IO>(), min_blocks<
             m[r].sc = reinterpret_cast<const u8*>(ks);
             m[H + r].sc = reinterpret_cast<const u8*>(ks + 64 * nb);
         }
-        mmv_block_q8<TS, B, R, WG>(m, row, K, XQ{xq, ldq, xs, lds, xnorm, xeps}, acc, st);
+        mmv_block_q8<TS, B, R, WG, (IO & 8) != 0>(m, row, K, XQ{xq, ldq, xs, lds, xres, xnorm, xeps}, acc, st);
     } else {
-        mmv_any<T, B, R, WG, (IO & 1) != 0>(m, row, K, XIn{x, ldx, nw, eps, XQ{xq, ldq, xs, lds, xnorm, xeps}}, acc);
+        mmv_any<T, B, R, WG, IO & 9>(m, row, K, XIn{x, ldx, nw, eps, XQ{xq, ldq, xs, lds, xres, xnorm, xeps}}, acc);
     }
     __shared__ float tile[QO ? B : 1][16];
     if (group_leader<WG>())
@@ -246,7 +250,7 @@ __global__ void __launch_bounds__(32 * block_warps<R / 2, WG, IO>(), min_blocks<
                 if constexpr (QO) tile[b][row0 % 16 + r] = v;
             }
         }
-    if constexpr (QO) store_q8_piece<B>(tile, row0 - row0 % 16, QOut{oq, ldoq, os, ldos, onw}, qw);
+    if constexpr (QO) store_q8_piece<B, (IO & 16) != 0>(tile, row0 - row0 % 16, QOut{oq, ldoq, os, ldos, ores, onw}, qw);
 }
 
 // x[t] = scale * row tokens[t] of the embedding matrix (one block per token).
@@ -294,8 +298,8 @@ __global__ void dequant_f16(PLANES(0), int rows, int K, u16* __restrict__ out) {
 
 #ifdef GGUF_INSTANTIATE_ALL  // nvcc syntax check in CI: one instantiation of each kernel per type
 #define ROPE_ARGS const int*, const int*, const int*, int, int, const double*, int, int, int, void*, void*, int
-#define XQ_TYPES const u8*, int, const float4*, int, int, float
-#define QO_TYPES u8*, int, float4*, int, const float*
+#define XQ_TYPES const u8*, int, const float4*, int, int, int, float
+#define QO_TYPES u8*, int, float4*, int, int, const float*
 #define GROUP(T, B, R, WG, MODE, IO)                                                           \
     template __global__ void mmv_group<T, T, T, B, R, WG, MODE, IO>(PLANES(0), int, float*, int, const float*, \
         PLANES(1), int, float*, int, const float*, PLANES(2), int, float*, int, const float*,  \
@@ -313,6 +317,8 @@ INST(TF32) INST(TF16) INST(TBF16) INST(TQ4_0) INST(TQ4_1) INST(TQ5_0) INST(TQ5_1
 INST(TQ2_K) INST(TQ3_K) INST(TQ4_K) INST(TQ5_K) INST(TQ6_K)
 INST_Q8(TQ4_0) INST_Q8(TQ4_1) INST_Q8(TQ5_0) INST_Q8(TQ5_1) INST_Q8(TQ8_0)
 INST_Q8(TQ2_K) INST_Q8(TQ3_K) INST_Q8(TQ4_K) INST_Q8(TQ5_K) INST_Q8(TQ6_K)
+GROUP(TQ8_0, 1, 4, 2, 0, 9) GROUP(TQ5_0, 2, 4, 1, 1, 27) GLU(TQ4_K, 1, 4, 2, 0, 31) GROUP(TQ6_K, 8, 1, 1, 1, 9) \
+    GROUP(TQ4_K, 1, 2, 1, 1, 19) GLU(TQ6_K, 2, 2, 1, 0, 11)
 GLU(TQ4_K, 1, 4, 2, 0, 7) GROUP(TQ4_K, 1, 2, 2, 1, 7) GLU(TQ6_K, 2, 2, 1, 0, 7) GROUP(TQ6_K, 3, 2, 2, 1, 7)
 GROUP(TQ4_K, 1, 2, 1, 0, 5) GROUP(TQ6_K, 2, 4, 1, 0, 5)
 #endif

@@ -119,15 +119,16 @@ DEV void mmv_block(const Mat (&m)[R], const int (&row)[R], int K, const float* _
 }
 
 // int8 activations (quant_int8.cuh): per token b, q[b * ldq + k] are the quantized x and s[b * lds +
-// k / 16] = (d, d * sum of the piece's q, sum of the piece's squares before quantization, 0) for
-// the sixteen columns from 16 (k / 16); the row group reads 16 + 16 bytes per piece, not 64. norm:
+// k / 16] = (d, the piece's s, sum of the piece's squares before quantization, d2) for the sixteen
+// columns from 16 (k / 16); the row group reads 16 + 16 bytes per piece, not 64. RES (q8_res): q[b *
+// ldq + res + k] are the rests' int8 (quant16_rest), a second dp4a chain with step d2. norm:
 // the pieces are of x * w and the product is RMS-normalized (its scale from the summed squares of x,
 // as mmv_block's fused norm): what a residual matvec's q8 epilogue writes for the next norm.
-struct XQ { const u8* q; int ldq; const float4* s; int lds; int norm; float eps; };
+struct XQ { const u8* q; int ldq; const float4* s; int lds; int res; int norm; float eps; };
 
 struct NoStage { DEV void finish() {} };  // no staged scales (else KStage, quant_staged.cuh)
 
-template <class T, int B, int R, int WG, class S = NoStage>
+template <class T, int B, int R, int WG, bool RES, class S = NoStage>
 DEV void mmv_block_q8(const Mat (&m)[R], const int (&row)[R], int K, const XQ& xq, float (&acc)[R][B],
                       S stage = S{}) {
     const int tid = threadIdx.x % (32 * WG), units = K / T::UE;
@@ -143,12 +144,13 @@ DEV void mmv_block_q8(const Mat (&m)[R], const int (&row)[R], int K, const XQ& x
 #pragma unroll
         for (int p = 0; p < T::NP; ++p) {
             const int off = T::xoff(u, p);
-            uint4 xv[B]; float4 xs[B];
+            uint4 xv[B], xr[RES ? B : 1]; float4 xs[B];
 #pragma unroll
             for (int b = 0; b < B; ++b) {
                 xv[b] = *reinterpret_cast<const uint4*>(xq.q + (long)b * xq.ldq + off);
                 xs[b] = xq.s[(long)b * xq.lds + (off >> 4)];
                 ssq[b] += xs[b].z;
+                if constexpr (RES) xr[b] = *reinterpret_cast<const uint4*>(xq.q + (long)b * xq.ldq + xq.res + off);
             }
 #pragma unroll
             for (int r = 0; r < R; ++r) {
@@ -158,6 +160,10 @@ DEV void mmv_block_q8(const Mat (&m)[R], const int (&row)[R], int K, const XQ& x
                 for (int b = 0; b < B; ++b) {
                     const int s = dp4a(q[3], xv[b].w, dp4a(q[2], xv[b].z, dp4a(q[1], xv[b].y, dp4a(q[0], xv[b].x, 0))));
                     acc[r][b] = fmaf(d * xs[b].x, i2f_small(s), fmaf(mo, xs[b].y, acc[r][b]));
+                    if constexpr (RES) {
+                        const int s2 = dp4a(q[3], xr[b].w, dp4a(q[2], xr[b].z, dp4a(q[1], xr[b].y, dp4a(q[0], xr[b].x, 0))));
+                        acc[r][b] = fmaf(d * xs[b].w, i2f_small(s2), acc[r][b]);
+                    }
                 }
             }
         }
@@ -181,13 +187,13 @@ DEV void mmv_block_q8(const Mat (&m)[R], const int (&row)[R], int K, const XQ& x
 // the sums: a single thread's serial pass was the block's tail), v times w when w is non-null (the
 // next RMSNorm's weight, loaded before pdl_enter by q8_out_weight), and store the piece with the
 // squares of v (the next norm's scale). Same values as quant16.
-struct QOut { u8* q; int ldq; float4* s; int lds; const float* w; };
+struct QOut { u8* q; int ldq; float4* s; int lds; int res; const float* w; };
 
 DEV float q8_out_weight(const QOut& qo, int base) {  // this thread's weight (threads < 16 B)
     return qo.w ? __ldg(qo.w + base + (threadIdx.x & 15)) : 1.f;
 }
 
-template <int B>
+template <int B, bool RES>
 DEV void store_q8_piece(float (&tile)[B][16], int base, const QOut& qo, float w) {
     __syncthreads();
     if ((int)(threadIdx.x & ~31u) >= 16 * B) return;  // whole warps only: the shuffles take all 32 lanes
@@ -210,8 +216,26 @@ DEV void store_q8_piece(float (&tile)[B][16], int base, const QOut& qo, float w)
     for (int o = 8; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
 #pragma unroll
     for (int o = 2; o > 0; o >>= 1) word |= __shfl_xor_sync(0xffffffffu, word, o);
+    float s = d * (float)sum, d2 = 0.f;
+    u32 word2 = 0;
+    if constexpr (RES) {  // the rest (quant16_rest), the same way
+        const float r = q8_rest(v, d, bits);
+        float amax2 = fabsf(r), inv2;
+#pragma unroll
+        for (int o = 8; o > 0; o >>= 1) amax2 = fmaxf(amax2, __shfl_xor_sync(0xffffffffu, amax2, o));
+        q8_step(amax2, inv2, d2);
+        const u32 bits2 = q8_bits(r, inv2);
+        int sum2 = q8_int(bits2);
+        word2 = (bits2 & 0xFFu) << (8 * (e & 3));
+#pragma unroll
+        for (int o = 8; o > 0; o >>= 1) sum2 += __shfl_xor_sync(0xffffffffu, sum2, o);
+#pragma unroll
+        for (int o = 2; o > 0; o >>= 1) word2 |= __shfl_xor_sync(0xffffffffu, word2, o);
+        s = add_rn(s, mul_rn(d2, (float)sum2));
+    }
     if (!live_b) return;
     u8* dst = qo.q + (long)b * qo.ldq + base;
     if ((e & 3) == 0) *reinterpret_cast<u32*>(dst + e) = word;
-    if (e == 0) qo.s[(long)b * qo.lds + (base >> 4)] = make_float4(d, d * (float)sum, ssq, 0.f);
+    if (RES && (e & 3) == 0) *reinterpret_cast<u32*>(dst + qo.res + e) = word2;
+    if (e == 0) qo.s[(long)b * qo.lds + (base >> 4)] = make_float4(d, s, ssq, d2);
 }

@@ -4,6 +4,7 @@
 //                                      piece = byte i & 3 of word i >> 2) with weight i = d * q[i] + m
 //   quant16(v, q[4], d, s)             16 activations to int8: d = max|v| / 127, q = rint(v / d)
 //                                      (as v * (127 / max|v|)), s = d * sum(q)
+//   quant16_rest(v, q, d, q2, d2, s)   the rounding error v - d q as a second int8 piece (q8_res)
 //
 // Then sum_i w_i x_i = d_w d_x dot(q_w, q_x) + m_w s_x: one dp4a per four weights and two float
 // operations per sixteen, where the f32 path spends about four instructions per weight. The
@@ -84,6 +85,37 @@ HD void quant16(const float* v, u32 (&q)[4], float& d, float& s) {
         q[j] = w;
     }
     s = d * (float)sum;
+}
+
+// The rest of a piece (Tuning.q8_res): what rounding to d q left, r = v - d q (numpy's float32
+// product, then difference), quantized as the piece was into q2 with step d2; s becomes d sum(q) +
+// d2 sum(q2). A matvec multiplies d q + d2 q2: about 15 bits a value instead of 8 (Gemma-3's
+// activations have outlier channels that leave a 16-value piece few steps for the rest).
+HD float q8_rest(float v, float d, u32 bits) { return add_rn(v, -mul_rn(d, (float)q8_int(bits))); }
+
+HD void quant16_rest(const float* v, const u32 (&q)[4], float d, u32 (&q2)[4], float& d2, float& s) {
+    float r[16], amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+        const int qi = (int)(i8)((q[i >> 2] >> (8 * (i & 3))) & 0xFFu);
+        r[i] = add_rn(v[i], -mul_rn(d, (float)qi));
+        amax = fmaxf(amax, fabsf(r[i]));
+    }
+    float inv;
+    q8_step(amax, inv, d2);
+    int sum = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        u32 w = 0;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const u32 bits = q8_bits(r[4 * j + k], inv);
+            sum += q8_int(bits);
+            w |= (bits & 0xFFu) << (8 * k);
+        }
+        q2[j] = w;
+    }
+    s = add_rn(s, mul_rn(d2, (float)sum));
 }
 
 HD float sumsq16(const float* v) {

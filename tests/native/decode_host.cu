@@ -67,4 +67,15 @@ extern "C" void quant_rows(const float* x, int n, u8* q, float* d, float* s) {
     }
 }
 
+// ... with rests (quant16_rest): q2 (n bytes) and d2 (n / 16) too; s covers both.
+extern "C" void quant_rows_rest(const float* x, int n, u8* q, float* d, float* s, u8* q2, float* d2) {
+    for (int j = 0; j < n / 16; ++j) {
+        u32 w[4], w2[4];
+        quant16(x + 16 * j, w, d[j], s[j]);
+        quant16_rest(x + 16 * j, w, d[j], w2, d2[j], s[j]);
+        memcpy(q + 16 * j, w, 16);
+        memcpy(q2 + 16 * j, w2, 16);
+    }
+}
+
 extern "C" int dp4a_host(u32 a, u32 b, int c) { return dp4a(a, b, c); }

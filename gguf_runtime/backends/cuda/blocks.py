@@ -87,13 +87,21 @@ class CudaBlocks:
                    x16.data.ptr if x16 is not None else None, x16.strides[0] // 2 if x16 is not None else 0, q8=q8,
                    w2=self.w.vec(w2).data.ptr if w2 else None)
 
-    def _q8_for(self, t: int, mats: list[L.Mat], buf: L.Q8Vec | None) -> L.Q8Vec | None:
-        """buf (an int8 activation buffer) when the matvec of these matrices over t rows takes it."""
-        return buf if buf is not None and self._small(t) and L.q8_capable(mats) else None
+    def _q8_for(self, t: int, mats: list[L.Mat], buf: L.Q8Vec | None, role: str) -> L.Q8Vec | None:
+        """buf (an int8 activation buffer) when the matvec of these matrices over t rows takes it,
+        with the rests where the tuning table gives them to ``role`` (one of tuning.ROLE_SETS)."""
+        if buf is None or not self._small(t) or not L.q8_capable(mats):
+            return None
+        return buf if role in self.tune.q8_res else dataclasses.replace(buf, res=0)
 
-    def _quantized(self, a: cp.ndarray, mats: list[L.Mat]) -> L.Q8Vec | None:
+    @staticmethod
+    def _role_after(norm: str) -> str:
+        """The matvec role an RMSNorm's output feeds."""
+        return "head" if norm == "output_norm.weight" else "glu" if norm.endswith("ffn_norm.weight") else "qkv"
+
+    def _quantized(self, a: cp.ndarray, mats: list[L.Mat], role: str) -> L.Q8Vec | None:
         """a's int8 copy (quantize_q8, into q8_plain) when the matvec of mats takes int8 activations."""
-        q8 = self._q8_for(a.shape[0], mats, self.ws.q8_plain)
+        q8 = self._q8_for(a.shape[0], mats, self.ws.q8_plain, role)
         if q8 is not None:
             LL.quantize_q8(self.k, a.data.ptr, a.strides[0] // 4, a.shape[1], a.shape[0], q8)
         return q8
@@ -149,7 +157,7 @@ class CudaBlocks:
         tensor-core and cuBLAS paths, and the int8 copy q8 where the matvec takes it) written by a
         norm kernel."""
         t = x.shape[0]
-        q8 = self._q8_for(t, mats, self.ws.q8_norm)
+        q8 = self._q8_for(t, mats, self.ws.q8_norm, self._role_after(name))
         if q8 is None and self._small(t) and x.shape[1] <= self.tune.fuse_norm_max_cols:
             return x, (self.w.vec(name).data.ptr, self.cfg.rms_eps), None
         row = self._epilogue_rows(x, name) if q8 is not None else None
@@ -214,7 +222,7 @@ class CudaBlocks:
         out = ws.att[:t]
         kc, vc = self.kv.layer(layer)
         # the int8 copy for the O projection, written by the attention kernel itself (attn_out takes it)
-        q8 = self._q8_for(t, [self.w.mat(f"blk.{layer}.attn_output.weight")], ws.q8_plain)
+        q8 = self._q8_for(t, [self.w.mat(f"blk.{layer}.attn_output.weight")], ws.q8_plain, "o")
         self._att_q8 = q8 if q8 is not None and cfg.head_dim % 16 == 0 else None
         if self.tiles(t):
             rope, self._rope = self._rope, None
@@ -265,13 +273,15 @@ class CudaBlocks:
         self._q8_ready = None
         if self._small(t):
             w = self.w.mat(name)
-            q8 = a_q8 or self._quantized(a, [w])
+            role = "O" if name.endswith("attn_output.weight") else "DOWN"
+            q8 = a_q8 or self._quantized(a, [w], role.lower())
             out = None
             if (q8 is not None and then is not None and not post_norm and x.data.ptr == self.ws.x.data.ptr
-                    and w.rows % L.Q8_OUT_ROWS == 0 and L.q8_capable(then[1])):
-                out = (self.ws.q8_norm, self.w.vec(then[0]).data.ptr)
-                self._q8_ready = (then[0], t)
-            role = "O" if name.endswith("attn_output.weight") else "DOWN"
+                    and w.rows % L.Q8_OUT_ROWS == 0):
+                nq8 = self._q8_for(t, then[1], self.ws.q8_norm, self._role_after(then[0]))
+                if nq8 is not None:
+                    out = (nq8, self.w.vec(then[0]).data.ptr)
+                    self._q8_ready = (then[0], t)
             L.mmv(self.k, [w], [(target.data.ptr, target.strides[0] // 4)], [None], a.data.ptr,
                   a.strides[0] // 4, t, 0 if post_norm else 1, q8=q8, q8_out=out,
                   config=self.tune.mmv_override(role, FORMATS[w.type_id].name),
@@ -283,10 +293,10 @@ class CudaBlocks:
             self._gemm16(a16, t, (name,), target, accumulate=not post_norm)
         if post_norm:  # x += post_norm(target); on the int8 path also the next norm's input, as above
             q8 = None
-            if (then is not None and self.tune.post_q8 and self._small(t) and x.data.ptr == self.ws.x.data.ptr
-                    and self._q8_for(t, then[1], self.ws.q8_norm) is not None and x.shape[1] % 16 == 0):
-                q8 = self.ws.q8_norm
-                self._q8_ready = (then[0], t)
+            if then is not None and self.tune.post_q8 and x.data.ptr == self.ws.x.data.ptr and x.shape[1] % 16 == 0:
+                q8 = self._q8_for(t, then[1], self.ws.q8_norm, self._role_after(then[0]))
+                if q8 is not None:
+                    self._q8_ready = (then[0], t)
             self._norm(target, post_norm, x, res=x, q8=q8, w2=then[0] if q8 is not None else None)
         return x
 
@@ -317,8 +327,8 @@ class CudaBlocks:
         down = p + "ffn_down.weight"
         if self._small(t) and gate.type_id == up.type_id:
             g_q8 = None  # the GLU's epilogue writes the int8 input of the down projection
-            if q8 is not None and gate.rows % L.Q8_OUT_ROWS == 0 and L.q8_capable([self.w.mat(down)]):
-                g_q8 = self.ws.q8_plain
+            if q8 is not None and gate.rows % L.Q8_OUT_ROWS == 0:
+                g_q8 = self._q8_for(t, [self.w.mat(down)], self.ws.q8_plain, "down")
             L.mmv_glu(self.k, gate, up, h.data.ptr, h.strides[0] // 4, t, cfg.activation, g.data.ptr,
                       g.strides[0] // 4, norm=norm, q8=q8, q8_out=g_q8, config=self.tune.mmv_override("GLU"),
                       kstage="glu" in self.tune.kstage)

@@ -21,6 +21,12 @@ from ...quant_kernels.kv_layout import KV_TYPES
 
 ENV = "GGUF_RUN_TUNE"
 MMV_ROLES = ("QKV", "O", "DOWN", "GLU", "HEAD")
+ROLE_SETS = ("qkv", "o", "glu", "down", "head")  # the matvecs of kstage and q8_res
+# Rests for the int8 inputs of these roles, by architecture: Gemma-3's activations have outlier
+# channels, and its decode-path perplexity was +0.2% over float32 with int8 inputs alone (real
+# 270M file); rests into QKV and the GLU bring it under +0.1% at -0.6% tg128 (every role: -3%;
+# SmolLM2 and the 8B lose 3% and 7.5% for QKV + GLU: off there). bench/RESULTS.md rows 105-106.
+Q8_RES_BY_ARCH = {"gemma3": frozenset({"qkv", "glu"})}
 BIG_MODEL_BYTES = 1 << 30  # "big": the 8B (4.6 GiB) and up; the 135M-270M models are under it
 KV16_MAX_HEAD_DIM = 128  # small models' f16 KV cache up to this head size (Gemma-3's 256 keeps f32: faster)
 
@@ -37,6 +43,7 @@ class Tuning:
     decode_mmv_rows: int = 8  # decode rows on the matvecs; big models 2 (tensor cores win from 4 rows)
     fuse_norm_max_cols: int = 2048  # RMSNorm fused into f32 matvecs up to this width (the 8B's lose)
     post_q8: bool = True  # a post-norm's kernel writes the next pre-norm's int8 input (one launch less)
+    q8_res: frozenset[str] = frozenset()  # roles whose int8 input carries its rests (~15 bits; Q8_RES_BY_ARCH)
     kstage: frozenset[str] = frozenset({"qkv", "o", "glu", "down"})  # K-quant scales staged (the head lost)
     mmv: tuple[tuple[str, tuple[int, int]], ...] = ()  # (role[_TYPE], (R, WG)) over mmv_config: measuring
     # -- attention
@@ -87,11 +94,12 @@ class Tuning:
 
 
 def _size_defaults(weight_bytes: int, kv_type: str | None, n_head_kv: int | None, sm_count: int | None,
-                   head_dim: int | None) -> dict:
+                   head_dim: int | None, arch: str | None) -> dict:
     big = weight_bytes > BIG_MODEL_BYTES
     f16 = big or (head_dim is not None and head_dim <= KV16_MAX_HEAD_DIM)
     out = {"decode_mmv_rows": 2 if big else 8, "pdl_any_rows": not big,
-           "kv_type": kv_type if kv_type not in (None, "auto") else ("f16" if f16 else "f32")}
+           "kv_type": kv_type if kv_type not in (None, "auto") else ("f16" if f16 else "f32"),
+           "q8_res": Q8_RES_BY_ARCH.get(arch or "", frozenset())}
     if sm_count:
         out["sm_count"] = sm_count
     if n_head_kv and sm_count:
@@ -103,14 +111,13 @@ def _size_defaults(weight_bytes: int, kv_type: str | None, n_head_kv: int | None
 
 def choose(weight_bytes: int, kv_type: str | None = None, max_rows: int | None = None, max_batch: int = 1,
            overrides: str | Mapping[str, str] | None = None, n_head_kv: int | None = None,
-           sm_count: int | None = None, head_dim: int | None = None) -> Tuning:
-    """The table for a model of ``weight_bytes`` with ``n_head_kv`` KV heads of ``head_dim`` (None: a
-    small model's f16 cache is not chosen) on a GPU of ``sm_count`` SMs (kv_type: the user's choice,
-    "auto" or None; max_rows: the rows of the largest call,
-    default prefill_chunk), ``overrides`` (default:
-    $GGUF_RUN_TUNE) applied last. Without calls of more than 8 rows there are no tensor-core
+           sm_count: int | None = None, head_dim: int | None = None, arch: str | None = None) -> Tuning:
+    """The table for a model (architecture ``arch``) of ``weight_bytes`` with ``n_head_kv`` KV heads of
+    ``head_dim`` (None: a small model's f16 cache is not chosen) on a GPU of ``sm_count`` SMs
+    (kv_type: the user's choice, "auto" or None; max_rows: the rows of the largest call, default
+    prefill_chunk), ``overrides`` (default: $GGUF_RUN_TUNE) applied last. Without calls of more than 8 rows there are no tensor-core
     inputs, so decode steps stay on the matvecs."""
-    values = _size_defaults(weight_bytes, kv_type, n_head_kv, sm_count, head_dim)
+    values = _size_defaults(weight_bytes, kv_type, n_head_kv, sm_count, head_dim, arch)
     if overrides is None:
         overrides = os.environ.get(ENV, "")
     items = overrides.items() if isinstance(overrides, Mapping) else _pairs(overrides)
@@ -195,6 +202,10 @@ def _check(t: Tuning) -> None:
                           ("kv_type", KV_TYPES)):
         if getattr(t, name) not in allowed:
             raise BackendError(f"{ENV}: {name}={getattr(t, name)!r} is not one of {', '.join(allowed)}")
+    for name in ("kstage", "q8_res"):
+        wrong = sorted(getattr(t, name) - set(ROLE_SETS))
+        if wrong:
+            raise BackendError(f"{ENV}: {name}: {', '.join(wrong)} not among the roles {', '.join(ROLE_SETS)}")
 
 
 def help() -> str:  # noqa: A001

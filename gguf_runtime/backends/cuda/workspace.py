@@ -60,11 +60,14 @@ class Workspace:
         # lm_head), q8_plain the others (attention and GLU outputs): a residual matvec reads the one
         # and its epilogue writes the other
         self.q8_norm = self.q8_plain = None
+        # and each row's second half the rests' int8 where some role takes them (tune.q8_res: Blocks
+        # hands a role without rests the same buffer with res 0)
         if tune.q8:
-            self.xq = cp.zeros((2, L.MAX_MMV_TOKENS, widest), cp.int8)
+            res = widest if tune.q8_res else 0
+            self.xq = cp.zeros((2, L.MAX_MMV_TOKENS, widest + res), cp.int8)
             self.xs = cp.zeros((2, L.MAX_MMV_TOKENS, widest // 16, 4), f32)
-            self.q8_norm, self.q8_plain = (L.Q8Vec(self.xq[i].data.ptr, widest, self.xs[i].data.ptr, widest // 16)
-                                           for i in range(2))
+            self.q8_norm, self.q8_plain = (L.Q8Vec(self.xq[i].data.ptr, widest + res, self.xs[i].data.ptr,
+                                                   widest // 16, res=res) for i in range(2))
         self.mma_part = cp.zeros(LM.split_part_floats(out, logits_rows) if big else 1, f32)
         self.mma_counter = cp.zeros(-(-out // 16) * -(-logits_rows // 16) if big else 1, cp.uint32)
         self.split = LM.SplitScratch(self.mma_part.data.ptr, self.mma_part.size, self.mma_counter.data.ptr,
