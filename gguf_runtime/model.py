@@ -50,6 +50,7 @@ class Primitives(Protocol):
     def embed(self, tokens: Sequence[int]) -> Any: ...  # includes the embedding scale
     def rms_norm(self, x: Any, weight: str) -> Any: ...  # over the last axis
     def linear(self, x: Any, weight: str, bias: str | None = None) -> Any: ...  # x @ W.T (+ b)
+    def expert_linear(self, x: Any, weight: str, expert: int) -> Any: ...  # x @ W[expert].T (stacked experts)
     def rope(self, x: Any, positions: Any, layer: int) -> Any: ...  # x [T, heads, head_dim]
     def store_kv(self, layer: int, k: Any, v: Any, positions: Any) -> None: ...
     def attention(self, layer: int, q: Any, positions: Any) -> Any: ...  # over the cache -> [T, H, Dv]
@@ -96,17 +97,45 @@ class ComposedBlocks:
     def ffn(self, x: Any, layer: int) -> Any:
         p, w = self.p, f"blk.{layer}."
         h = p.rms_norm(x, w + "ffn_norm.weight")
-        d = p.linear(p.glu(p.linear(h, w + "ffn_gate.weight"), p.linear(h, w + "ffn_up.weight")),
-                     w + "ffn_down.weight")
+        if self.cfg.n_expert:
+            d = self.moe(h, layer)
+        else:
+            d = p.linear(p.glu(p.linear(h, w + "ffn_gate.weight"), p.linear(h, w + "ffn_up.weight")),
+                         w + "ffn_down.weight")
         if self.cfg.post_norms:
             d = p.rms_norm(d, w + "post_ffw_norm.weight")
         return x + d
+
+    def moe(self, h: np.ndarray, layer: int) -> np.ndarray:
+        """Mixture of experts (Qwen3-MoE, as llama.cpp's build_moe_ffn): router probabilities by
+        softmax, the n_expert_used most probable experts a token (renormalized over them where
+        expert_norm), each a SwiGLU; tokens grouped by expert."""
+        p, cfg, w = self.p, self.cfg, f"blk.{layer}."
+        probs = softmax(np.asarray(p.linear(h, w + "ffn_gate_inp.weight"), np.float32))
+        chosen = np.argsort(-probs, axis=-1, kind="stable")[:, :cfg.n_expert_used]  # ties: the lower id
+        weights = np.take_along_axis(probs, chosen, -1)
+        if cfg.expert_norm:
+            weights = weights / weights.sum(-1, keepdims=True)
+        out = np.zeros_like(h)
+        for e in np.unique(chosen):
+            rows, slot = np.nonzero(chosen == e)
+            he = h[rows]
+            y = p.expert_linear(p.glu(p.expert_linear(he, w + "ffn_gate_exps.weight", e),
+                                      p.expert_linear(he, w + "ffn_up_exps.weight", e)), w + "ffn_down_exps.weight", e)
+            out[rows] += weights[rows, slot][:, None] * y
+        return out
 
     def logits(self, x: Any) -> Any:
         out = self.p.linear(self.p.rms_norm(x, "output_norm.weight"), lm_head_name(self.cfg))
         if self.cfg.final_softcap:
             out = self.p.softcap(out, self.cfg.final_softcap)
         return out
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    """Over the last axis, in x's precision (float32 for the router, as llama.cpp and transformers)."""
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
 
 
 def rope_inv_freq(cfg: ModelConfig, base: float, scale: float,

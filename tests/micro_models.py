@@ -61,7 +61,10 @@ class Micro:
     sliding_window: int = 0  # {arch}.attention.sliding_window
     attn_softcap: float | None = None  # {arch}.attn_logit_softcapping
     final_softcap: float | None = None  # {arch}.final_logit_softcapping
-    quant: dict[str, int] = field(default_factory=dict)  # tensor-name suffix -> ggml type (2-D weights)
+    quant: dict[str, int] = field(default_factory=dict)  # tensor-name suffix -> ggml type (2-D, 3-D weights)
+    n_expert: int = 0  # mixture of experts (qwen3moe): the router and stacked expert matrices instead of the FFN
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
     eps: float = 1e-6
     seed: int = 0
 
@@ -148,9 +151,16 @@ def _tensors(m: Micro, n_vocab: int, rng: np.random.Generator) -> dict[str, np.n
         if m.post_norms:
             t[p + "post_attention_norm.weight"] = norm(d)
         t[p + "ffn_norm.weight"] = norm(d)
-        t[p + "ffn_gate.weight"] = mat(m.n_ff, d)
-        t[p + "ffn_up.weight"] = mat(m.n_ff, d)
-        t[p + "ffn_down.weight"] = mat(d, m.n_ff)
+        if m.n_expert:  # a router scaled so that the top experts stand apart (ties would be arbitrary)
+            e, f = m.n_expert, m.n_ff_exp
+            t[p + "ffn_gate_inp.weight"] = 4 * mat(e, d)
+            t[p + "ffn_gate_exps.weight"] = np.stack([mat(f, d) for _ in range(e)])
+            t[p + "ffn_up_exps.weight"] = np.stack([mat(f, d) for _ in range(e)])
+            t[p + "ffn_down_exps.weight"] = np.stack([mat(d, f) for _ in range(e)])
+        else:
+            t[p + "ffn_gate.weight"] = mat(m.n_ff, d)
+            t[p + "ffn_up.weight"] = mat(m.n_ff, d)
+            t[p + "ffn_down.weight"] = mat(d, m.n_ff)
         if m.post_norms:
             t[p + "post_ffw_norm.weight"] = norm(d)
     return t
@@ -185,17 +195,21 @@ def write_micro(m: Micro, path: str | Path) -> Path:
         w.add_float32(a + "attn_logit_softcapping", m.attn_softcap)
     if m.final_softcap is not None:
         w.add_float32(a + "final_logit_softcapping", m.final_softcap)
+    if m.n_expert:
+        w.add_uint32(a + "expert_count", m.n_expert)
+        w.add_uint32(a + "expert_used_count", m.n_expert_used)
+        w.add_uint32(a + "expert_feed_forward_length", m.n_ff_exp)
     for key, val, vt, sub in vocab:
         w.add_key_value(key, val, vt, sub_type=sub)
     for name, arr in _tensors(m, n_vocab, rng).items():
         qt = next((t for suffix, t in m.quant.items() if name.endswith(suffix)), None)
-        if qt is None or arr.ndim != 2:
+        if qt is None or arr.ndim < 2:
             w.add_tensor(name, arr)
         elif qt in (QT.Q8_0, QT.Q4_0, QT.Q5_0, QT.Q4_1, QT.Q5_1):  # real quantization of the random weights
             w.add_tensor(name, quantize(arr, QT(qt)), raw_dtype=QT(qt))
         else:  # K-quants: random well-formed blocks (gguf-py cannot quantize them)
             blocks = random_blocks(int(qt), arr.size, rng, scale=float(arr.std()))
-            w.add_tensor(name, blocks.reshape(arr.shape[0], -1), raw_dtype=QT(qt))
+            w.add_tensor(name, blocks.reshape(*arr.shape[:-1], -1), raw_dtype=QT(qt))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

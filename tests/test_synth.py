@@ -152,6 +152,31 @@ def test_llama31_8b_preset_header(tmp_path):
     assert synth.fill_rule(f.tensors["rope_freqs.weight"]) == "ones"
 
 
+# sha256 of ../shared/twins/qwen3moe.hdr (xz -dc): the header llama.cpp 0c1e570 loads as Qwen3-30B-A3B
+QWEN3MOE_TWIN_SHA = "17b009bcfef25334720c4ad08147668e62220fcc59a227b00c07faffa9b9037b"
+
+
+def test_qwen3_30b_a3b_preset_header(tmp_path):
+    """Qwen3-30B-A3B's layout (issue 33): byte for byte the header the shared twins were made from
+    (llama.cpp's names, order, types and metadata; Qwen3's added tokens and chat template), a
+    config of 128 experts with 8 a token, and a tokenizer that knows <think> and <|im_end|>."""
+    hdr = tmp_path / "qwen3moe.hdr.gguf"
+    hdr.write_bytes(build_preset_header("qwen3-30b-a3b-q4_k_m"))
+    assert sha(hdr) == QWEN3MOE_TWIN_SHA
+    f = open_gguf(hdr, check_data=False)
+    cfg = config_from_gguf(f)
+    assert (cfg.arch, cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_vocab) \
+        == ("qwen3moe", 48, 2048, 32, 4, 128, 151936)
+    assert (cfg.n_expert, cfg.n_expert_used, cfg.n_ff_exp, cfg.qk_norm) == (128, 8, 768, True)
+    assert set(f.tensors) == set(model_tensors(cfg))
+    assert f.tensors["blk.0.ffn_down_exps.weight"].shape == (128, 2048, 768)
+    assert abs(layout_of(hdr).size / GIB - 17.28) < 0.01
+    from gguf_runtime.format.tokenizer import Tokenizer
+    tok = Tokenizer.from_metadata(f.metadata)
+    assert tok.encode("<think>", add_special=False, parse_special=True) == [151667]
+    assert tok.eos_id == 151645
+
+
 TINY = LlamaSpec("tiny", n_layer=2, n_embd=256, n_ff=512, n_head=4, n_head_kv=2, n_ctx=128, rope_base=10000.0,
                  rms_eps=1e-5, n_vocab=512)
 TINY_TOKENIZER = [

@@ -50,6 +50,9 @@ def info(
             elif k == "rope":
                 v = ", ".join(f"{a}={b}" for a, b in v.items() if b is not None)
             out(f"  {k:<16}{v}")
+        if arch.get("n_expert"):
+            out(f"  {'experts':<16}{arch['n_expert']}, {arch['n_expert_used']} a token, {arch['n_ff_exp']} wide "
+                f"({'renormalized' if arch['expert_norm'] else 'softmax'} weights)")
         per_token = arch["n_layer"] * arch["n_head_kv"] * (arch["head_dim"] + arch["head_dim_v"])  # K and V elements
         train = arch["n_ctx_train"]
         out(f"  {'kv_cache':<16}{human_bytes(2 * per_token)} a token in f16, {human_bytes(4 * per_token)} in f32 "

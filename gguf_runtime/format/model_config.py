@@ -1,8 +1,8 @@
 """Model configuration read from GGUF metadata, and the checks that a file can run here.
 
-One ``ModelConfig`` describes every supported architecture (llama, gemma3, qwen2, qwen3): the
-differences are data (norm placement, activation, RoPE style, per-layer windows, biases), so a
-single model definition (``model.py``) runs them all, on every backend.
+One ``ModelConfig`` describes every supported architecture (llama, gemma3, qwen2, qwen3, qwen3moe):
+the differences are data (norm placement, activation, RoPE style, per-layer windows, biases, a
+mixture-of-experts FFN), so a single model definition (``model.py``) runs them all.
 """
 
 from __future__ import annotations
@@ -17,8 +17,11 @@ from ..errors import GGUFError, UnsupportedModelError
 from .gguf_file import GGUFFile
 from .blocks import SUPPORTED, SUPPORTED_IDS
 
-SUPPORTED_ARCHS = ("llama", "gemma3", "qwen2", "qwen3")
-ARCH_EXAMPLES = "llama (SmolLM2, Llama 2/3, Mistral, TinyLlama), gemma3, qwen2, qwen3"
+SUPPORTED_ARCHS = ("llama", "gemma3", "qwen2", "qwen3", "qwen3moe")
+ARCH_EXAMPLES = ("llama (SmolLM2, Llama 2/3, Mistral, TinyLlama), gemma3, qwen2, qwen3, "
+                 "qwen3moe (Qwen3-30B-A3B, Qwen3-235B-A22B; numpy backend)")
+MOE_ARCHS = ("qwen3moe",)
+MAX_EXPERTS = 1024
 
 ROPE_NORM, ROPE_NEOX = "norm", "neox"
 
@@ -59,6 +62,13 @@ class ModelConfig:
     attn_softcap: float | None
     final_softcap: float | None
     layer_window: tuple[int, ...] = field(default=())  # per layer: 0 = full attention, else window
+    # mixture of experts (n_expert > 0): every layer's FFN is n_expert SwiGLU experts of n_ff_exp,
+    # n_expert_used of them a token, chosen by a softmax router and weighted by its probabilities
+    # (renormalized over the chosen ones where expert_norm)
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    expert_norm: bool = True
 
     @property
     def n_gqa(self) -> int:
@@ -182,7 +192,12 @@ def _config(f: GGUFFile) -> ModelConfig:
                         f"{[n_vocab, n_embd]} from '{a}vocab_size' and '{a}embedding_length'; the file is damaged")
 
     gemma = arch == "gemma3"
-    neox = arch in ("gemma3", "qwen2", "qwen3")
+    neox = arch in ("gemma3", "qwen2", "qwen3", "qwen3moe")
+    n_expert = n_expert_used = n_ff_exp = 0
+    if arch in MOE_ARCHS:
+        n_expert = _int(meta, a + "expert_count", lo=1, hi=MAX_EXPERTS)
+        n_expert_used = _int(meta, a + "expert_used_count", lo=1, hi=n_expert)
+        n_ff_exp = _int(meta, a + "expert_feed_forward_length", lo=1, hi=1 << 20)
     rope_scale = 1.0
     scaling = meta.get(a + "rope.scaling.type")
     if scaling is not None and not isinstance(scaling, str):
@@ -225,7 +240,7 @@ def _config(f: GGUFFile) -> ModelConfig:
         n_vocab=n_vocab,
         n_embd=n_embd,
         n_layer=n_layer,
-        n_ff=_int(meta, a + "feed_forward_length"),
+        n_ff=_int(meta, a + "feed_forward_length", n_ff_exp or None),
         n_head=n_head,
         n_head_kv=n_head_kv,
         head_dim=head_dim,
@@ -244,6 +259,9 @@ def _config(f: GGUFFile) -> ModelConfig:
         attn_softcap=attn_softcap or None,
         final_softcap=final_softcap or None,
         layer_window=tuple(windows),
+        n_expert=n_expert,
+        n_expert_used=n_expert_used,
+        n_ff_exp=n_ff_exp,
     )
     check_tensors(f, cfg)
     return cfg
@@ -260,10 +278,17 @@ def layer_tensors(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
         p + "attn_v.weight": (kvv, d),
         p + "attn_output.weight": (d, cfg.n_head * cfg.head_dim_v),
         p + "ffn_norm.weight": (d,),
-        p + "ffn_gate.weight": (cfg.n_ff, d),
-        p + "ffn_up.weight": (cfg.n_ff, d),
-        p + "ffn_down.weight": (d, cfg.n_ff),
     }
+    if cfg.n_expert:  # the router, then every expert's matrices stacked: [expert, rows, columns]
+        e, f = cfg.n_expert, cfg.n_ff_exp
+        t[p + "ffn_gate_inp.weight"] = (e, d)
+        t[p + "ffn_gate_exps.weight"] = (e, f, d)
+        t[p + "ffn_up_exps.weight"] = (e, f, d)
+        t[p + "ffn_down_exps.weight"] = (e, d, f)
+    else:
+        t[p + "ffn_gate.weight"] = (cfg.n_ff, d)
+        t[p + "ffn_up.weight"] = (cfg.n_ff, d)
+        t[p + "ffn_down.weight"] = (d, cfg.n_ff)
     if cfg.qk_norm:
         t[p + "attn_q_norm.weight"] = (cfg.head_dim,)
         t[p + "attn_k_norm.weight"] = (cfg.head_dim,)

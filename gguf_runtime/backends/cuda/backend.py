@@ -53,6 +53,10 @@ KV_RESERVE = 1 << 30  # GPU memory kept beside the KV cache and the workspace: f
 
 
 def check_supported(cfg: ModelConfig) -> None:
+    if cfg.n_expert:
+        raise UnsupportedModelError(
+            f"{cfg.arch} is a mixture-of-experts model ({cfg.n_expert} experts, {cfg.n_expert_used} a token): the "
+            "CUDA backend does not run experts yet; use --backend numpy (slow: for checking, not for use)")
     g = cfg.n_head // cfg.n_head_kv
     if cfg.head_dim not in (64, 128, 256) or cfg.head_dim_v != cfg.head_dim or g > 8:
         raise UnsupportedModelError(

@@ -129,6 +129,21 @@ class NumpyBackend:
         y = x @ self.weight(weight).T
         return y + self.weight(bias) if bias else y
 
+    def expert_linear(self, x: np.ndarray, weight: str, expert: int) -> np.ndarray:
+        return x @ self.expert(weight, expert).T
+
+    def expert(self, name: str, e: int) -> np.ndarray:
+        """Expert e's matrix of a stacked [experts, rows, columns] tensor: the whole tensor where the
+        budget keeps it, else only e's rows dequantized (a 30B MoE's experts exceed any budget)."""
+        w = self._weights.get(name)
+        if w is not None:
+            return w[e]
+        t = self.f.tensors[name]
+        n_exp, rows, cols = t.shape
+        if 4 * n_exp * rows * cols <= self._budget:
+            return self.weight(name)[e]
+        return dequantize_rows(self.f.raw(name), t.type_id, cols, np.arange(e * rows, (e + 1) * rows))
+
     def rope(self, x: np.ndarray, positions: np.ndarray, layer: int) -> np.ndarray:
         return apply_rope(x, positions, self._inv_freq[self.cfg.rope_key(layer)], self.cfg.rope.style)
 
