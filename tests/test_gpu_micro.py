@@ -115,6 +115,18 @@ def test_int8_rest_path_every_row(micro, monkeypatch, rng):
         assert_all_rows(got, run(f32, ids, more), what=f"micro {name} int8 + rests vs f32", **REST)
 
 
+def test_mixture_of_experts_is_refused_in_one_line(tmp_path):
+    """qwen3moe runs on the numpy backend only: the CUDA backend names it and the way out."""
+    from gguf_runtime.errors import UnsupportedModelError
+    path = write_micro(Micro(arch="qwen3moe", vocab="qwen2", n_embd=256, n_head=4, n_head_kv=2, head_dim=64,
+                             qk_norm=True, tied=False, n_expert=8, n_expert_used=2, n_ff_exp=128),
+                       tmp_path / "moe.gguf")
+    f = open_gguf(path)
+    with pytest.raises(UnsupportedModelError, match=r"qwen3moe is a mixture-of-experts model \(8 experts, 2 a "
+                                                    r"token\).*use --backend numpy"):
+        CudaBackend(f, config_from_gguf(f), N_CTX)
+
+
 def test_f16_prefill_most_rows(micro, rng):
     name, f, cfg = micro
     be = CudaBackend(f, cfg, N_CTX)
