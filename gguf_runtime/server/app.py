@@ -70,7 +70,7 @@ async def api_generate(svc: Service, request: Request) -> Response:
     prompt, system = S.get_str(body, "prompt", ""), S.get_str(body, "system")
     raw, stream = S.get_bool(body, "raw", False), S.get_bool(body, "stream", True)
     context = _ids(body["context"], svc.engine.tokenizer.n_vocab, "context") if body.get("context") else []
-    params, requested, stop = S.ollama_options(body)
+    params, requested, stop, num_ctx = S.ollama_options(body)
     if not prompt and not context:  # Ollama: an empty prompt just loads the model
         return JSONResponse({"model": name, "created_at": S.now_rfc3339(), "response": "", "done": True,
                              "done_reason": "load"})
@@ -83,7 +83,7 @@ async def api_generate(svc: Service, request: Request) -> Response:
         text = prompt if raw else eng.template.render([{"role": "user", "content": prompt}])
         return context + eng.tokenizer.encode(text, add_special=False, parse_special=not raw)
 
-    return await run_job(svc, request, FORMATS["generate"](name), encode, params, requested, stop, stream)
+    return await run_job(svc, request, FORMATS["generate"](name), encode, params, requested, stop, stream, num_ctx)
 
 
 @route(openai=False)
@@ -92,12 +92,12 @@ async def api_chat(svc: Service, request: Request) -> Response:
     name = _model(svc, body)
     msgs = S.messages(body.get("messages", []))
     stream = S.get_bool(body, "stream", True)
-    params, requested, stop = S.ollama_options(body)
+    params, requested, stop, num_ctx = S.ollama_options(body)
     if not msgs:
         return JSONResponse({"model": name, "created_at": S.now_rfc3339(),
                              "message": {"role": "assistant", "content": ""}, "done": True, "done_reason": "load"})
     return await run_job(svc, request, FORMATS["chat"](name), lambda: svc.engine.encode_chat(msgs), params,
-                         requested, stop, stream)
+                         requested, stop, stream, num_ctx)
 
 
 @route(openai=False)

@@ -117,12 +117,19 @@ class Scheduler:
             raise self._error
         return self.adapter
 
-    def budget(self, n_prompt: int, requested: int | None) -> int:
-        """Tokens a job may generate: ``requested`` (None: up to the context), clipped to fit."""
+    def budget(self, n_prompt: int, requested: int | None, n_ctx: int | None = None) -> int:
+        """Tokens a job may generate: ``requested`` (None: up to the context), clipped to fit the
+        context, or the request's own window ``n_ctx`` (Ollama's num_ctx: up to the server's)."""
         a = self.adapter
         if n_prompt < 1:
             raise GGUFRunError("the prompt is empty after tokenization; give some text")
-        room = a.n_ctx - a.margin - n_prompt
+        if n_ctx is not None and n_ctx > a.n_ctx:
+            raise ContextOverflowError(f"options.num_ctx {n_ctx} is past this server's context of {a.n_ctx} tokens; "
+                                       f"ask for at most {a.n_ctx}, or restart the server with --ctx-size {n_ctx}")
+        if n_ctx is not None and n_prompt + 1 > n_ctx:
+            raise ContextOverflowError(f"the prompt is {n_prompt} tokens but options.num_ctx is {n_ctx}; "
+                                       "shorten the prompt or raise num_ctx")
+        room = min(a.n_ctx - a.margin, n_ctx or a.n_ctx) - n_prompt
         if room < 1:
             raise ContextOverflowError(f"the prompt is {n_prompt} tokens but the context holds {a.n_ctx}"
                                        f"{f' (less {a.margin} reserved)' if a.margin else ''}; "

@@ -136,14 +136,20 @@ def refuse_logprobs(body: dict) -> None:
         raise bad("logprobs are not supported yet: leave logprobs and top_logprobs unset")
 
 
-def ollama_options(body: dict) -> tuple[SamplingParams, int | None, tuple[str, ...]]:
+def ollama_options(body: dict) -> tuple[SamplingParams, int | None, tuple[str, ...], int | None]:
+    """(sampling, num_predict, stop, num_ctx): num_ctx is the request's context window (prompt and
+    generation), None for the server's whole context (Scheduler.budget checks it against that)."""
     refuse_logprobs(body)
     opts = body.get("options")
     if opts is None:
         opts = {}
     if not isinstance(opts, dict):
         raise bad("options must be an object")
-    return sampling(opts), get_budget(opts, "num_predict", ollama=True), get_stop(opts.get("stop"), "options.stop")
+    num_ctx = get_int(opts, "num_ctx")
+    if num_ctx is not None and num_ctx < 1:
+        raise bad(f"options.num_ctx must be a positive number of tokens, got {num_ctx}")
+    return (sampling(opts), get_budget(opts, "num_predict", ollama=True), get_stop(opts.get("stop"), "options.stop"),
+            num_ctx)
 
 
 def openai_options(body: dict) -> tuple[SamplingParams, int | None, tuple[str, ...]]:
