@@ -72,9 +72,17 @@ class ComposedBlocks:
         w = f"blk.{layer}."
         h = p.rms_norm(x, w + "attn_norm.weight")
         b = cfg.attn_bias
-        q = p.linear(h, w + "attn_q.weight", w + "attn_q.bias" if b else None).reshape(n, cfg.n_head, cfg.head_dim)
-        k = p.linear(h, w + "attn_k.weight", w + "attn_k.bias" if b else None).reshape(n, cfg.n_head_kv, cfg.head_dim)
-        v = p.linear(h, w + "attn_v.weight", w + "attn_v.bias" if b else None).reshape(n, cfg.n_head_kv, cfg.head_dim_v)
+        if cfg.fused_qkv:  # Phi-3: one product, then Q | K | V rows
+            hq, hk = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
+            qkv = p.linear(h, w + "attn_qkv.weight")
+            q, k, v = qkv[:, :hq], qkv[:, hq:hq + hk], qkv[:, hq + hk:]
+        else:
+            q = p.linear(h, w + "attn_q.weight", w + "attn_q.bias" if b else None)
+            k = p.linear(h, w + "attn_k.weight", w + "attn_k.bias" if b else None)
+            v = p.linear(h, w + "attn_v.weight", w + "attn_v.bias" if b else None)
+        q = q.reshape(n, cfg.n_head, cfg.head_dim)
+        k = k.reshape(n, cfg.n_head_kv, cfg.head_dim)
+        v = v.reshape(n, cfg.n_head_kv, cfg.head_dim_v)
         if cfg.qk_norm:
             q = p.rms_norm(q, w + "attn_q_norm.weight")
             k = p.rms_norm(k, w + "attn_k_norm.weight")
@@ -99,6 +107,9 @@ class ComposedBlocks:
         h = p.rms_norm(x, w + "ffn_norm.weight")
         if self.cfg.n_expert:
             d = self.moe(h, layer)
+        elif self.cfg.fused_gate_up:  # Phi-3: one product, gate rows first
+            gu = p.linear(h, w + "ffn_up.weight")
+            d = p.linear(p.glu(gu[:, :self.cfg.n_ff], gu[:, self.cfg.n_ff:]), w + "ffn_down.weight")
         else:
             d = p.linear(p.glu(p.linear(h, w + "ffn_gate.weight"), p.linear(h, w + "ffn_up.weight")),
                          w + "ffn_down.weight")

@@ -65,6 +65,7 @@ class Micro:
     n_expert: int = 0  # mixture of experts (qwen3moe): the router and stacked expert matrices instead of the FFN
     n_expert_used: int = 0
     n_ff_exp: int = 0
+    extra: tuple[tuple[str, int], ...] = ()  # more float32 vectors (name, length): tensors a variant adds
     eps: float = 1e-6
     seed: int = 0
 
@@ -135,6 +136,8 @@ def _tensors(m: Micro, n_vocab: int, rng: np.random.Generator) -> dict[str, np.n
         t["output.weight"] = mat(n_vocab, d)
     if m.rope_freqs is not None:
         t["rope_freqs.weight"] = np.asarray(m.rope_freqs, np.float32)
+    for name, n in m.extra:
+        t[name] = np.ones(n, np.float32)
     for i in range(m.n_layer):
         p = f"blk.{i}."
         t[p + "attn_norm.weight"] = norm(d)
@@ -163,6 +166,9 @@ def _tensors(m: Micro, n_vocab: int, rng: np.random.Generator) -> dict[str, np.n
             t[p + "ffn_down.weight"] = mat(d, m.n_ff)
         if m.post_norms:
             t[p + "post_ffw_norm.weight"] = norm(d)
+        if m.arch == "phi3":  # llama.cpp's Phi-3 layout: one QKV matrix, one gate-up matrix (gate first)
+            t[p + "attn_qkv.weight"] = np.concatenate([t.pop(p + f"attn_{x}.weight") for x in "qkv"])
+            t[p + "ffn_up.weight"] = np.concatenate([t.pop(p + "ffn_gate.weight"), t.pop(p + "ffn_up.weight")])
     return t
 
 

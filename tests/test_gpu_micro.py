@@ -115,15 +115,19 @@ def test_int8_rest_path_every_row(micro, monkeypatch, rng):
         assert_all_rows(got, run(f32, ids, more), what=f"micro {name} int8 + rests vs f32", **REST)
 
 
-def test_mixture_of_experts_is_refused_in_one_line(tmp_path):
-    """qwen3moe runs on the numpy backend only: the CUDA backend names it and the way out."""
+@pytest.mark.parametrize("case", ["qwen3moe", "phi3"])
+def test_numpy_only_architectures_are_refused_in_one_line(tmp_path, case):
+    """qwen3moe and phi3 run on the numpy backend only: the CUDA backend names why and the way out."""
     from gguf_runtime.errors import UnsupportedModelError
-    path = write_micro(Micro(arch="qwen3moe", vocab="qwen2", n_embd=256, n_head=4, n_head_kv=2, head_dim=64,
-                             qk_norm=True, tied=False, n_expert=8, n_expert_used=2, n_ff_exp=128),
-                       tmp_path / "moe.gguf")
-    f = open_gguf(path)
-    with pytest.raises(UnsupportedModelError, match=r"qwen3moe is a mixture-of-experts model \(8 experts, 2 a "
-                                                    r"token\).*use --backend numpy"):
+    if case == "qwen3moe":
+        m = Micro(arch="qwen3moe", vocab="qwen2", n_embd=256, n_head=4, n_head_kv=2, head_dim=64, qk_norm=True,
+                  tied=False, n_expert=8, n_expert_used=2, n_ff_exp=128)
+        words = r"qwen3moe is a mixture-of-experts model \(8 experts, 2 a token\).*use --backend numpy"
+    else:
+        m = Micro(arch="phi3", vocab="phi-3", n_embd=256, n_head=4, n_head_kv=4, tied=False)
+        words = r"phi3's fused QKV / gate-up matrices .*use --backend numpy"
+    f = open_gguf(write_micro(m, tmp_path / f"{case}.gguf"))
+    with pytest.raises(UnsupportedModelError, match=words):
         CudaBackend(f, config_from_gguf(f), N_CTX)
 
 

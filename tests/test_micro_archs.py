@@ -170,6 +170,29 @@ def test_qwen3moe_nonsense_expert_counts_are_one_line(tmp_path):
             config_from_gguf(open_gguf(path))
 
 
+@pytest.mark.parametrize("quant", [None, "Q4_K"])
+def test_phi3(tmp_path, quant):
+    """Phi-3 (mini-4k layout): Q, K and V rows in one attn_qkv matrix, gate and up rows in one
+    ffn_up matrix (gate first), NEOX RoPE, untied head; float32 and K-quant matrices."""
+    q = {"attn_qkv.weight": QT.Q4_K, "ffn_up.weight": QT.Q4_K, "ffn_down.weight": QT.Q4_K} if quant else {}
+    m = Micro(arch="phi3", vocab="phi-3", n_embd=256, n_ff=256, n_head=4, n_head_kv=4, tied=False,
+              rope_base=10000.0, eps=1e-5, quant=q)
+    path, ids, ref = run_case(tmp_path, m, pad_token_id=0)  # Phi3Config's default 32000 is past the cut vocabulary
+    f = open_gguf(path)
+    cfg = config_from_gguf(f)
+    assert cfg.fused_qkv and cfg.fused_gate_up and "blk.0.ffn_gate.weight" not in f.tensors
+
+
+def test_phi3_long_rope_is_refused(tmp_path):
+    """Phi-3.5 / Phi-4-mini's LongRoPE factors are not read yet: one line, not a model that runs wrong."""
+    from gguf_runtime.errors import UnsupportedModelError
+    m = Micro(arch="phi3", vocab="phi-3", n_embd=64, n_ff=128, n_head=4, n_head_kv=4, tied=False,
+              extra=(("rope_factors_long.weight", 8), ("rope_factors_short.weight", 8)))
+    path = write_micro(m, tmp_path / "phi35.gguf")
+    with pytest.raises(UnsupportedModelError, match="long-context RoPE"):
+        config_from_gguf(open_gguf(path))
+
+
 # ---- llama -------------------------------------------------------------------------------------
 
 def test_llama3(tmp_path):

@@ -17,9 +17,9 @@ from ..errors import GGUFError, UnsupportedModelError
 from .gguf_file import GGUFFile
 from .blocks import SUPPORTED, SUPPORTED_IDS
 
-SUPPORTED_ARCHS = ("llama", "gemma3", "qwen2", "qwen3", "qwen3moe")
+SUPPORTED_ARCHS = ("llama", "gemma3", "qwen2", "qwen3", "qwen3moe", "phi3")
 ARCH_EXAMPLES = ("llama (SmolLM2, Llama 2/3, Mistral, TinyLlama), gemma3, qwen2, qwen3, "
-                 "qwen3moe (Qwen3-30B-A3B, Qwen3-235B-A22B; numpy backend)")
+                 "qwen3moe (Qwen3-30B-A3B, Qwen3-235B-A22B; numpy backend), phi3 (Phi-3-mini-4k; numpy backend)")
 MOE_ARCHS = ("qwen3moe",)
 MAX_EXPERTS = 1024
 
@@ -69,6 +69,9 @@ class ModelConfig:
     n_expert_used: int = 0
     n_ff_exp: int = 0
     expert_norm: bool = True
+    # Phi-3: Q, K and V rows in one matrix (attn_qkv), gate and up rows in one (ffn_up: gate first)
+    fused_qkv: bool = False
+    fused_gate_up: bool = False
 
     @property
     def n_gqa(self) -> int:
@@ -192,7 +195,7 @@ def _config(f: GGUFFile) -> ModelConfig:
                         f"{[n_vocab, n_embd]} from '{a}vocab_size' and '{a}embedding_length'; the file is damaged")
 
     gemma = arch == "gemma3"
-    neox = arch in ("gemma3", "qwen2", "qwen3", "qwen3moe")
+    neox = arch in ("gemma3", "qwen2", "qwen3", "qwen3moe", "phi3")
     n_expert = n_expert_used = n_ff_exp = 0
     if arch in MOE_ARCHS:
         n_expert = _int(meta, a + "expert_count", lo=1, hi=MAX_EXPERTS)
@@ -262,7 +265,12 @@ def _config(f: GGUFFile) -> ModelConfig:
         n_expert=n_expert,
         n_expert_used=n_expert_used,
         n_ff_exp=n_ff_exp,
+        fused_qkv="blk.0.attn_qkv.weight" in f.tensors,
+        fused_gate_up=arch == "phi3",
     )
+    if arch == "phi3" and "rope_factors_long.weight" in f.tensors:
+        raise UnsupportedModelError(f"{f.path}: Phi-3's long-context RoPE (rope_factors_long/short: Phi-3.5, Phi-4-mini, "
+                                    "the 128k models) is not supported yet; the 4k models run")
     check_tensors(f, cfg)
     return cfg
 
@@ -271,20 +279,22 @@ def layer_tensors(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
     """Name -> expected shape (numpy order) of every tensor of layer i."""
     p = f"blk.{i}."
     d, q, kv, kvv = cfg.n_embd, cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim, cfg.n_head_kv * cfg.head_dim_v
-    t = {
-        p + "attn_norm.weight": (d,),
-        p + "attn_q.weight": (q, d),
-        p + "attn_k.weight": (kv, d),
-        p + "attn_v.weight": (kvv, d),
-        p + "attn_output.weight": (d, cfg.n_head * cfg.head_dim_v),
-        p + "ffn_norm.weight": (d,),
-    }
+    t = {p + "attn_norm.weight": (d,)}
+    if cfg.fused_qkv:
+        t[p + "attn_qkv.weight"] = (q + kv + kvv, d)
+    else:
+        t.update({p + "attn_q.weight": (q, d), p + "attn_k.weight": (kv, d), p + "attn_v.weight": (kvv, d)})
+    t[p + "attn_output.weight"] = (d, cfg.n_head * cfg.head_dim_v)
+    t[p + "ffn_norm.weight"] = (d,)
     if cfg.n_expert:  # the router, then every expert's matrices stacked: [expert, rows, columns]
         e, f = cfg.n_expert, cfg.n_ff_exp
         t[p + "ffn_gate_inp.weight"] = (e, d)
         t[p + "ffn_gate_exps.weight"] = (e, f, d)
         t[p + "ffn_up_exps.weight"] = (e, f, d)
         t[p + "ffn_down_exps.weight"] = (e, d, f)
+    elif cfg.fused_gate_up:
+        t[p + "ffn_up.weight"] = (2 * cfg.n_ff, d)
+        t[p + "ffn_down.weight"] = (d, cfg.n_ff)
     else:
         t[p + "ffn_gate.weight"] = (cfg.n_ff, d)
         t[p + "ffn_up.weight"] = (cfg.n_ff, d)

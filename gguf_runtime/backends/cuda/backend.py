@@ -57,6 +57,9 @@ def check_supported(cfg: ModelConfig) -> None:
         raise UnsupportedModelError(
             f"{cfg.arch} is a mixture-of-experts model ({cfg.n_expert} experts, {cfg.n_expert_used} a token): the "
             "CUDA backend does not run experts yet; use --backend numpy (slow: for checking, not for use)")
+    if cfg.fused_qkv or cfg.fused_gate_up:
+        raise UnsupportedModelError(
+            f"{cfg.arch}'s fused QKV / gate-up matrices are not read by the CUDA backend yet; use --backend numpy")
     g = cfg.n_head // cfg.n_head_kv
     if cfg.head_dim not in (64, 128, 256) or cfg.head_dim_v != cfg.head_dim or g > 8:
         raise UnsupportedModelError(
