@@ -118,9 +118,9 @@ class ComposedBlocks:
         return x + d
 
     def moe(self, h: np.ndarray, layer: int) -> np.ndarray:
-        """Mixture of experts (Qwen3-MoE, as llama.cpp's build_moe_ffn): router probabilities by
-        softmax, the n_expert_used most probable experts a token (renormalized over them where
-        expert_norm), each a SwiGLU; tokens grouped by expert."""
+        """Mixture of experts (Qwen3-MoE, Qwen2-MoE, as llama.cpp's build_moe_ffn): router
+        probabilities by softmax, the n_expert_used most probable experts a token (renormalized over
+        them where expert_norm), each a SwiGLU; tokens grouped by expert; then the shared expert."""
         p, cfg, w = self.p, self.cfg, f"blk.{layer}."
         probs = softmax(np.asarray(p.linear(h, w + "ffn_gate_inp.weight"), np.float32))
         chosen = np.argsort(-probs, axis=-1, kind="stable")[:, :cfg.n_expert_used]  # ties: the lower id
@@ -134,6 +134,11 @@ class ComposedBlocks:
             y = p.expert_linear(p.glu(p.expert_linear(he, w + "ffn_gate_exps.weight", e),
                                       p.expert_linear(he, w + "ffn_up_exps.weight", e)), w + "ffn_down_exps.weight", e)
             out[rows] += weights[rows, slot][:, None] * y
+        if cfg.n_ff_shexp:  # Qwen2-MoE's shared expert, every token, times sigmoid(h . w)
+            shared = p.linear(p.glu(p.linear(h, w + "ffn_gate_shexp.weight"), p.linear(h, w + "ffn_up_shexp.weight")),
+                              w + "ffn_down_shexp.weight")
+            g = np.asarray(p.linear(h, w + "ffn_gate_inp_shexp.weight"), np.float32).reshape(-1, 1)
+            out += shared / (1 + np.exp(-g))
         return out
 
     def logits(self, x: Any) -> Any:

@@ -65,6 +65,7 @@ class Micro:
     n_expert: int = 0  # mixture of experts (qwen3moe): the router and stacked expert matrices instead of the FFN
     n_expert_used: int = 0
     n_ff_exp: int = 0
+    n_ff_shexp: int = 0  # a shared expert (qwen2moe)
     extra: tuple[tuple[str, int], ...] = ()  # more float32 vectors (name, length): tensors a variant adds
     eps: float = 1e-6
     seed: int = 0
@@ -160,6 +161,11 @@ def _tensors(m: Micro, n_vocab: int, rng: np.random.Generator) -> dict[str, np.n
             t[p + "ffn_gate_exps.weight"] = np.stack([mat(f, d) for _ in range(e)])
             t[p + "ffn_up_exps.weight"] = np.stack([mat(f, d) for _ in range(e)])
             t[p + "ffn_down_exps.weight"] = np.stack([mat(d, f) for _ in range(e)])
+            if m.n_ff_shexp:
+                t[p + "ffn_gate_inp_shexp.weight"] = (rng.standard_normal(d) / math.sqrt(d)).astype(np.float32)
+                t[p + "ffn_gate_shexp.weight"] = mat(m.n_ff_shexp, d)
+                t[p + "ffn_up_shexp.weight"] = mat(m.n_ff_shexp, d)
+                t[p + "ffn_down_shexp.weight"] = mat(d, m.n_ff_shexp)
         else:
             t[p + "ffn_gate.weight"] = mat(m.n_ff, d)
             t[p + "ffn_up.weight"] = mat(m.n_ff, d)
@@ -205,6 +211,8 @@ def write_micro(m: Micro, path: str | Path) -> Path:
         w.add_uint32(a + "expert_count", m.n_expert)
         w.add_uint32(a + "expert_used_count", m.n_expert_used)
         w.add_uint32(a + "expert_feed_forward_length", m.n_ff_exp)
+        if m.n_ff_shexp:
+            w.add_uint32(a + "expert_shared_feed_forward_length", m.n_ff_shexp)
     for key, val, vt, sub in vocab:
         w.add_key_value(key, val, vt, sub_type=sub)
     for name, arr in _tensors(m, n_vocab, rng).items():

@@ -15,6 +15,7 @@ misses the reference.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from pathlib import Path
@@ -159,6 +160,21 @@ def test_qwen3moe(tmp_path, quant):
         assert len(np.unique(top)) == 8
         # ... and routing matters: the same weights with one expert a token miss the reference
         assert_visible(tmp_path, Micro(**{**QWEN3MOE, "n_expert_used": 1}), ids, ref)
+
+
+def test_qwen2moe(tmp_path):
+    """Qwen2-MoE: q/k/v biases, the top 2 of 8 experts with their softmax weights as they are (not
+    renormalized), and a shared expert of its own size scaled by a sigmoid gate. transformers
+    reads neither expert size from the GGUF, so both are passed as overrides."""
+    m = Micro(arch="qwen2moe", vocab="qwen2", bias=True, rope_base=1e6, tied=False, n_expert=8, n_expert_used=2,
+              n_ff_exp=64, n_ff_shexp=96, n_ff=96)
+    path, ids, ref = run_case(tmp_path, m, moe_intermediate_size=64, shared_expert_intermediate_size=96)
+    f = open_gguf(path)
+    cfg = config_from_gguf(f)
+    assert not cfg.expert_norm and cfg.n_ff_shexp == 96
+    for without in ({"n_ff_shexp": 0}, {"expert_norm": True}):  # each part shows in the logits
+        be = NumpyBackend(f, dataclasses.replace(cfg, **without), 32)
+        assert _max_rel(be.eval(ids, all_logits=True), ref).max() > 100 * MAX_REL, without
 
 
 def test_qwen3moe_nonsense_expert_counts_are_one_line(tmp_path):

@@ -17,10 +17,11 @@ from ..errors import GGUFError, UnsupportedModelError
 from .gguf_file import GGUFFile
 from .blocks import SUPPORTED, SUPPORTED_IDS
 
-SUPPORTED_ARCHS = ("llama", "gemma3", "qwen2", "qwen3", "qwen3moe", "phi3")
+SUPPORTED_ARCHS = ("llama", "gemma3", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "phi3")
 ARCH_EXAMPLES = ("llama (SmolLM2, Llama 2/3, Mistral, TinyLlama), gemma3, qwen2, qwen3, "
-                 "qwen3moe (Qwen3-30B-A3B, Qwen3-235B-A22B; numpy backend), phi3 (Phi-3-mini-4k; numpy backend)")
-MOE_ARCHS = ("qwen3moe",)
+                 "qwen3moe (Qwen3-30B-A3B, Qwen3-235B-A22B; numpy backend), qwen2moe (Qwen1.5-MoE, Qwen2-57B-A14B; "
+                 "numpy backend), phi3 (Phi-3-mini-4k; numpy backend)")
+MOE_ARCHS = ("qwen3moe", "qwen2moe")
 MAX_EXPERTS = 1024
 
 ROPE_NORM, ROPE_NEOX = "norm", "neox"
@@ -64,11 +65,13 @@ class ModelConfig:
     layer_window: tuple[int, ...] = field(default=())  # per layer: 0 = full attention, else window
     # mixture of experts (n_expert > 0): every layer's FFN is n_expert SwiGLU experts of n_ff_exp,
     # n_expert_used of them a token, chosen by a softmax router and weighted by its probabilities
-    # (renormalized over the chosen ones where expert_norm)
+    # (renormalized over the chosen ones where expert_norm: Qwen3-MoE, not Qwen2-MoE), plus a
+    # shared expert of n_ff_shexp (Qwen2-MoE) scaled by a sigmoid gate of its own
     n_expert: int = 0
     n_expert_used: int = 0
     n_ff_exp: int = 0
     expert_norm: bool = True
+    n_ff_shexp: int = 0
     # Phi-3: Q, K and V rows in one matrix (attn_qkv), gate and up rows in one (ffn_up: gate first)
     fused_qkv: bool = False
     fused_gate_up: bool = False
@@ -195,12 +198,14 @@ def _config(f: GGUFFile) -> ModelConfig:
                         f"{[n_vocab, n_embd]} from '{a}vocab_size' and '{a}embedding_length'; the file is damaged")
 
     gemma = arch == "gemma3"
-    neox = arch in ("gemma3", "qwen2", "qwen3", "qwen3moe", "phi3")
-    n_expert = n_expert_used = n_ff_exp = 0
+    neox = arch in ("gemma3", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "phi3")
+    n_expert = n_expert_used = n_ff_exp = n_ff_shexp = 0
     if arch in MOE_ARCHS:
         n_expert = _int(meta, a + "expert_count", lo=1, hi=MAX_EXPERTS)
         n_expert_used = _int(meta, a + "expert_used_count", lo=1, hi=n_expert)
         n_ff_exp = _int(meta, a + "expert_feed_forward_length", lo=1, hi=1 << 20)
+        if arch == "qwen2moe":
+            n_ff_shexp = _int(meta, a + "expert_shared_feed_forward_length", lo=1, hi=1 << 20)
     rope_scale = 1.0
     scaling = meta.get(a + "rope.scaling.type")
     if scaling is not None and not isinstance(scaling, str):
@@ -265,6 +270,8 @@ def _config(f: GGUFFile) -> ModelConfig:
         n_expert=n_expert,
         n_expert_used=n_expert_used,
         n_ff_exp=n_ff_exp,
+        expert_norm=arch != "qwen2moe",
+        n_ff_shexp=n_ff_shexp,
         fused_qkv="blk.0.attn_qkv.weight" in f.tensors,
         fused_gate_up=arch == "phi3",
     )
@@ -292,6 +299,12 @@ def layer_tensors(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
         t[p + "ffn_gate_exps.weight"] = (e, f, d)
         t[p + "ffn_up_exps.weight"] = (e, f, d)
         t[p + "ffn_down_exps.weight"] = (e, d, f)
+        if cfg.n_ff_shexp:
+            s = cfg.n_ff_shexp
+            t[p + "ffn_gate_inp_shexp.weight"] = (d,)
+            t[p + "ffn_gate_shexp.weight"] = (s, d)
+            t[p + "ffn_up_shexp.weight"] = (s, d)
+            t[p + "ffn_down_shexp.weight"] = (d, s)
     elif cfg.fused_gate_up:
         t[p + "ffn_up.weight"] = (2 * cfg.n_ff, d)
         t[p + "ffn_down.weight"] = (d, cfg.n_ff)
