@@ -294,6 +294,23 @@ def test_num_ctx_is_the_requests_window_up_to_the_servers(url):
     good(url)
 
 
+def test_cached_prefix_counts_in_each_api(url):
+    """The same chat twice: OpenAI's prompt_tokens is the whole prompt both times, the reused part in
+    prompt_tokens_details.cached_tokens; Ollama's prompt_eval_count is what was evaluated (as Ollama
+    reports a cache hit), so the two agree on prompt = evaluated + cached."""
+    msgs = [{"role": "user", "content": "Name three colours of the rainbow, please."}]
+    body = {"model": NAME, "messages": msgs, "max_tokens": 2, "temperature": 0}
+    first = httpx.post(url + "/v1/chat/completions", json=body).json()["usage"]
+    second = httpx.post(url + "/v1/chat/completions", json=body).json()["usage"]
+    assert first["prompt_tokens"] == second["prompt_tokens"] > 10
+    assert second["prompt_tokens_details"]["cached_tokens"] >= second["prompt_tokens"] - 1  # the last token again
+    assert first["prompt_tokens_details"]["cached_tokens"] < first["prompt_tokens"]
+    r = httpx.post(url + "/api/chat", json={"model": NAME, "messages": msgs, "stream": False,
+                                            "options": {"num_predict": 2, "temperature": 0}}).json()
+    assert r["prompt_eval_count"] == second["prompt_tokens"] - second["prompt_tokens_details"]["cached_tokens"]
+    good(url)
+
+
 def test_wrong_method_is_json(url):
     r = httpx.get(url + "/api/generate")
     assert r.status_code == 405 and "error" in r.json()

@@ -268,5 +268,8 @@ def ollama_final(job, load_s: float) -> dict:
 
 
 def openai_usage(job) -> dict:
+    """OpenAI's usage: prompt_tokens is the whole prompt, the part a cached prefix supplied in
+    prompt_tokens_details.cached_tokens (Ollama's prompt_eval_count counts only what was evaluated)."""
     n_in, n_out = len(job.prompt), len(job.ids)
-    return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+    return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out,
+            "prompt_tokens_details": {"cached_tokens": max(0, n_in - job.prompt_eval)}}
