@@ -67,6 +67,7 @@ class Micro:
     n_ff_exp: int = 0
     n_ff_shexp: int = 0  # a shared expert (qwen2moe)
     extra: tuple[tuple[str, int], ...] = ()  # more float32 vectors (name, length): tensors a variant adds
+    longrope: tuple[tuple[float, ...], tuple[float, ...], int, float] | None = None  # long, short, orig ctx, attn factor
     eps: float = 1e-6
     seed: int = 0
 
@@ -139,6 +140,9 @@ def _tensors(m: Micro, n_vocab: int, rng: np.random.Generator) -> dict[str, np.n
         t["rope_freqs.weight"] = np.asarray(m.rope_freqs, np.float32)
     for name, n in m.extra:
         t[name] = np.ones(n, np.float32)
+    if m.longrope is not None:
+        t["rope_factors_long.weight"] = np.asarray(m.longrope[0], np.float32)
+        t["rope_factors_short.weight"] = np.asarray(m.longrope[1], np.float32)
     for i in range(m.n_layer):
         p = f"blk.{i}."
         t[p + "attn_norm.weight"] = norm(d)
@@ -207,6 +211,9 @@ def write_micro(m: Micro, path: str | Path) -> Path:
         w.add_float32(a + "attn_logit_softcapping", m.attn_softcap)
     if m.final_softcap is not None:
         w.add_float32(a + "final_logit_softcapping", m.final_softcap)
+    if m.longrope is not None:
+        w.add_uint32(a + "rope.scaling.original_context_length", m.longrope[2])
+        w.add_float32(a + "rope.scaling.attn_factor", m.longrope[3])
     if m.n_expert:
         w.add_uint32(a + "expert_count", m.n_expert)
         w.add_uint32(a + "expert_used_count", m.n_expert_used)

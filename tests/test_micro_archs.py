@@ -199,14 +199,37 @@ def test_phi3(tmp_path, quant):
     assert cfg.fused_qkv and cfg.fused_gate_up and "blk.0.ffn_gate.weight" not in f.tensors
 
 
-def test_phi3_long_rope_is_refused(tmp_path):
-    """Phi-3.5 / Phi-4-mini's LongRoPE factors are not read yet: one line, not a model that runs wrong."""
-    from gguf_runtime.errors import UnsupportedModelError
+def test_phi3_longrope(tmp_path):
+    """Phi-3.5 / Phi-4-mini's LongRoPE: rope_factors_short divide the frequencies while the context
+    is within original_context_length (rope_factors_long past it, as llama.cpp chooses by the
+    context size), and cos and sin are scaled by rope.scaling.attn_factor. transformers' GGUF
+    loader reads neither, so the same values go to it as rope_parameters."""
+    rng = np.random.default_rng(7)
+    half = 8  # head 16 (n_embd 64 / 4 heads)
+    long, short = tuple(map(float, 1 + 20 * rng.random(half))), tuple(map(float, 1 + 2 * rng.random(half)))
+    orig, attn = 64, 1.1902380714238083  # numpy_logits runs a context of 64: the short factors, as transformers at 15 tokens
+    m = Micro(arch="phi3", vocab="phi-3", n_embd=64, n_ff=128, n_head=4, n_head_kv=4, tied=False, eps=1e-5,
+              longrope=(long, short, orig, attn))
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "long_factor": list(long), "short_factor": list(short),
+            "original_max_position_embeddings": orig, "attention_factor": attn}
+    path, ids, ref = run_case(tmp_path, m, pad_token_id=0, rope_parameters=rope, original_max_position_embeddings=orig)
+    f = open_gguf(path)
+    cfg = config_from_gguf(f)
+    assert (cfg.rope.orig_ctx, cfg.rope.attn_factor) == (orig, np.float32(attn))
+    base = 10000.0 ** (-np.arange(0, 16, 2) / 16)
+    assert np.allclose(NumpyBackend(f, cfg, orig)._inv_freq[cfg.rope_key(0)], base / np.float32(short), rtol=1e-6)
+    assert np.allclose(NumpyBackend(f, cfg, orig + 1)._inv_freq[cfg.rope_key(0)], base / np.float32(long), rtol=1e-6)
+    # the attention factor shows: without it the logits miss transformers'
+    be = NumpyBackend(f, dataclasses.replace(cfg, rope=dataclasses.replace(cfg.rope, attn_factor=1.0)), 32)
+    assert _max_rel(be.eval(ids, all_logits=True), ref).max() > 100 * MAX_REL
+
+
+def test_phi3_one_longrope_table_is_a_damaged_file(tmp_path):
+    from gguf_runtime.errors import GGUFError
     m = Micro(arch="phi3", vocab="phi-3", n_embd=64, n_ff=128, n_head=4, n_head_kv=4, tied=False,
-              extra=(("rope_factors_long.weight", 8), ("rope_factors_short.weight", 8)))
-    path = write_micro(m, tmp_path / "phi35.gguf")
-    with pytest.raises(UnsupportedModelError, match="long-context RoPE"):
-        config_from_gguf(open_gguf(path))
+              extra=(("rope_factors_long.weight", 8),))
+    with pytest.raises(GGUFError, match="only one of rope_factors_long / rope_factors_short"):
+        config_from_gguf(open_gguf(write_micro(m, tmp_path / "half.gguf")))
 
 
 # ---- llama -------------------------------------------------------------------------------------

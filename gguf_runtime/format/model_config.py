@@ -20,7 +20,7 @@ from .blocks import SUPPORTED, SUPPORTED_IDS
 SUPPORTED_ARCHS = ("llama", "gemma3", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "phi3")
 ARCH_EXAMPLES = ("llama (SmolLM2, Llama 2/3, Mistral, TinyLlama), gemma3, qwen2, qwen3, "
                  "qwen3moe (Qwen3-30B-A3B, Qwen3-235B-A22B; numpy backend), qwen2moe (Qwen1.5-MoE, Qwen2-57B-A14B; "
-                 "numpy backend), phi3 (Phi-3-mini-4k; numpy backend)")
+                 "numpy backend), phi3 (Phi-3, Phi-3.5, Phi-4-mini; numpy backend)")
 MOE_ARCHS = ("qwen3moe", "qwen2moe")
 MAX_EXPERTS = 1024
 
@@ -36,6 +36,18 @@ class RopeConfig:
     base_local: float | None = None  # sliding-window layers' base (Gemma-3), None = same as base
     scale_local: float = 1.0  # sliding-window layers' position scaling (Gemma-3 scales global layers only)
     freq_factors: str | None = None  # tensor dividing each frequency (Llama-3.1 long-context scaling)
+    # LongRoPE (Phi-3.5, Phi-4-mini): factor tensors for contexts up to / past orig_ctx, chosen by
+    # the context size as llama.cpp does, and attn_factor scaling cos and sin
+    long_factors: str | None = None
+    short_factors: str | None = None
+    orig_ctx: int = 0
+    attn_factor: float = 1.0
+
+    def factors_for(self, n_ctx: int) -> str | None:
+        """The frequency-factor tensor of a context of n_ctx tokens (None: plain RoPE)."""
+        if self.long_factors:
+            return self.long_factors if n_ctx > self.orig_ctx else self.short_factors
+        return self.freq_factors
 
 
 @dataclass(frozen=True)
@@ -219,6 +231,14 @@ def _config(f: GGUFFile) -> ModelConfig:
         raise UnsupportedModelError(f"{f.path}: RoPE scaling '{scaling}' is not supported (none and linear are)")
     if sc := _float(meta, a + "rope.scale_linear", None, lo=0.0):
         rope_scale = 1.0 / sc
+    longrope = {}
+    if "rope_factors_long.weight" in f.tensors or "rope_factors_short.weight" in f.tensors:
+        if not {"rope_factors_long.weight", "rope_factors_short.weight"} <= set(f.tensors):
+            raise GGUFError(f"{f.path}: the file holds only one of rope_factors_long / rope_factors_short; the file "
+                            "is damaged")
+        longrope = dict(long_factors="rope_factors_long.weight", short_factors="rope_factors_short.weight",
+                        orig_ctx=_int(meta, a + "rope.scaling.original_context_length", lo=1),
+                        attn_factor=_float(meta, a + "rope.scaling.attn_factor", 1.0, lo=0.0, hi=16.0, above=True))
     rope = RopeConfig(
         style=ROPE_NEOX if neox else ROPE_NORM,
         n_dims=_int(meta, a + "rope.dimension_count", head_dim),
@@ -226,6 +246,7 @@ def _config(f: GGUFFile) -> ModelConfig:
         scale=rope_scale,
         base_local=10000.0 if gemma else None,
         freq_factors="rope_freqs.weight" if "rope_freqs.weight" in f.tensors else None,
+        **longrope,
     )
     if rope.n_dims > head_dim or rope.n_dims % 2:
         raise GGUFError(f"{f.path}: RoPE dimension count {rope.n_dims} does not fit head size {head_dim}")
@@ -275,9 +296,6 @@ def _config(f: GGUFFile) -> ModelConfig:
         fused_qkv="blk.0.attn_qkv.weight" in f.tensors,
         fused_gate_up=arch == "phi3",
     )
-    if arch == "phi3" and "rope_factors_long.weight" in f.tensors:
-        raise UnsupportedModelError(f"{f.path}: Phi-3's long-context RoPE (rope_factors_long/short: Phi-3.5, Phi-4-mini, "
-                                    "the 128k models) is not supported yet; the 4k models run")
     check_tensors(f, cfg)
     return cfg
 
@@ -329,8 +347,9 @@ def model_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     t = {"token_embd.weight": (cfg.n_vocab, cfg.n_embd), "output_norm.weight": (cfg.n_embd,)}
     if not cfg.tied_embeddings:
         t["output.weight"] = (cfg.n_vocab, cfg.n_embd)
-    if cfg.rope.freq_factors:
-        t[cfg.rope.freq_factors] = (cfg.rope.n_dims // 2,)
+    for name in (cfg.rope.freq_factors, cfg.rope.long_factors, cfg.rope.short_factors):
+        if name:
+            t[name] = (cfg.rope.n_dims // 2,)
     for i in range(cfg.n_layer):
         t.update(layer_tensors(cfg, i))
     return t

@@ -57,6 +57,9 @@ def check_supported(cfg: ModelConfig) -> None:
         raise UnsupportedModelError(
             f"{cfg.arch} is a mixture-of-experts model ({cfg.n_expert} experts, {cfg.n_expert_used} a token): the "
             "CUDA backend does not run experts yet; use --backend numpy (slow: for checking, not for use)")
+    if cfg.rope.long_factors or cfg.rope.attn_factor != 1.0:
+        raise UnsupportedModelError("LongRoPE (rope_factors_long / short) is not read by the CUDA backend yet; "
+                                    "use --backend numpy")
     if cfg.fused_qkv or cfg.fused_gate_up:
         raise UnsupportedModelError(
             f"{cfg.arch}'s fused QKV / gate-up matrices are not read by the CUDA backend yet; use --backend numpy")

@@ -31,12 +31,14 @@ def _physical_memory() -> float:
         return float("inf")
 
 
-def apply_rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, style: str) -> np.ndarray:
-    """Rotate the first 2*len(inv_freq) dims of x [T, H, D] by angle pos * inv_freq."""
+def apply_rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, style: str,
+               mscale: float = 1.0) -> np.ndarray:
+    """Rotate the first 2*len(inv_freq) dims of x [T, H, D] by angle pos * inv_freq (cos and sin times
+    mscale: LongRoPE's attention factor)."""
     half = inv_freq.shape[0]
     ang = positions.astype(np.float64)[:, None] * inv_freq[None, :]  # [T, half]
-    cos = np.cos(ang).astype(np.float32)[:, None, :]
-    sin = np.sin(ang).astype(np.float32)[:, None, :]
+    cos = (np.cos(ang) * mscale).astype(np.float32)[:, None, :]
+    sin = (np.sin(ang) * mscale).astype(np.float32)[:, None, :]
     out = x.copy()
     if style == ROPE_NEOX:
         a, b = x[..., :half], x[..., half:2 * half]
@@ -73,7 +75,8 @@ class NumpyBackend:
             raise BackendError(str(e)) from None
         self._weights: dict[str, np.ndarray] = {}
         self._budget = weight_budget
-        ff = self.weight(cfg.rope.freq_factors) if cfg.rope.freq_factors else None
+        factors = cfg.rope.factors_for(n_ctx)
+        ff = self.weight(factors) if factors else None
         self._inv_freq = {}
         for key in {cfg.rope_key(i) for i in range(cfg.n_layer)}:
             self._inv_freq[key] = rope_inv_freq(cfg, *key, ff)
@@ -145,7 +148,8 @@ class NumpyBackend:
         return dequantize_rows(self.f.raw(name), t.type_id, cols, np.arange(e * rows, (e + 1) * rows))
 
     def rope(self, x: np.ndarray, positions: np.ndarray, layer: int) -> np.ndarray:
-        return apply_rope(x, positions, self._inv_freq[self.cfg.rope_key(layer)], self.cfg.rope.style)
+        return apply_rope(x, positions, self._inv_freq[self.cfg.rope_key(layer)], self.cfg.rope.style,
+                          self.cfg.rope.attn_factor)
 
     def store_kv(self, layer: int, k: np.ndarray, v: np.ndarray, positions: np.ndarray) -> None:
         self.k_cache[layer, positions] = reference_kv.roundtrip(k, self.kv_types[0])
