@@ -6,7 +6,8 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize as gguf_dequantize
 
-from gguf_runtime.quant_kernels.reference_iq import KERNELS, KV_IQ4, KV_MXFP4, dequantize_iq, e8m0_half
+from gguf_runtime.quant_kernels.reference_iq import (KERNELS, KV_IQ4, KV_MXFP4, dequantize_iq, e8m0_half,
+                                                     random_iq_blocks)
 
 
 def random_raw(name: str, n_blocks: int, rng) -> np.ndarray:
@@ -52,3 +53,17 @@ def test_layout_by_hand():
     assert y[3 * 32 + 2] == np.float32(0.5 * (ls - 32)) * -127
     with pytest.raises(ValueError, match="whole blocks"):
         dequantize_iq(b, "IQ4_XS", (255,))
+
+
+@pytest.mark.parametrize("name", list(KERNELS))
+@pytest.mark.parametrize("scale", [0.02, 1.0])
+def test_random_blocks_have_the_asked_rms(name, scale, rng):
+    """synth's weights of these types: finite, RMS within a factor of two of the scale, and the
+    gguf package reads the same values."""
+    n = 256 * 64
+    raw = random_iq_blocks(name, n, rng, scale)
+    y = dequantize_iq(raw, name, (n,))
+    assert np.isfinite(y).all() and 0.5 < np.sqrt(np.mean(y.astype(np.float64) ** 2)) / scale < 2
+    assert np.array_equal(y, gguf_dequantize(raw.reshape(-1, KERNELS[name][0]), QT[name]).reshape(-1))
+    with pytest.raises(ValueError):
+        random_iq_blocks(name, n + 1, rng, scale)

@@ -308,3 +308,24 @@ def test_cli(cli_main, capsys, tmp_path, smollm2_path):
     direct = tmp_path / "direct.gguf"
     write_twin(smollm2_path, direct, seed=5)
     assert sha(out) == sha(direct)
+
+
+def test_fills_mxfp4_and_iq4_tensors(tmp_path):
+    """Twins of models in MXFP4 (gpt-oss's experts) and IQ4_NL / IQ4_XS: synth fills them with
+    well-formed blocks of the asked RMS (reference_iq.py reads them), so their headers (e.g.
+    ../shared/twins/gptoss.hdr) become twins before the runtime computes with those types."""
+    from gguf_runtime.quant_kernels.reference_iq import dequantize_iq
+    kvs = [("general.architecture", VT.STRING, "gpt-oss"), ("general.name", VT.STRING, "iq twin")]
+    table = [("blk.0.ffn_gate_exps.weight", (512, 64, 4), BY_NAME["MXFP4"]),
+             ("blk.0.attn_q.weight", (256, 96), BY_NAME["IQ4_NL"]), ("blk.0.attn_k.weight", (512, 32), BY_NAME["IQ4_XS"]),
+             ("blk.0.attn_sinks.weight", (64,), BY_NAME["F32"])]
+    hdr = tmp_path / "iq.hdr.gguf"
+    hdr.write_bytes(pack_header(kvs, table))
+    out = tmp_path / "iq.twin.gguf"
+    write_twin(hdr, out, seed=3, scale=0.02, threads=2)
+    f = open_gguf(out)
+    for name, ne, type_id in table[:3]:
+        t = f.tensors[name]
+        y = dequantize_iq(f.raw(name), t.type_name, t.shape)
+        rms = float(np.sqrt(np.mean(y.astype(np.float64) ** 2)))
+        assert np.isfinite(y).all() and 0.01 < rms < 0.04, (name, rms)

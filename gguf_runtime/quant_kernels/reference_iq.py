@@ -78,3 +78,35 @@ def dequantize_iq(raw: np.ndarray, name: str, shape: tuple[int, ...]) -> np.ndar
     if b.size != n // block_elems * block_bytes:
         raise ValueError(f"{name}: {b.size} bytes for {n} elements (want {n // block_elems * block_bytes})")
     return fn(b.reshape(-1, block_bytes)).reshape(shape)
+
+
+def random_iq_blocks(name: str, n_elems: int, rng: np.random.Generator, scale: float = 1.0) -> np.ndarray:
+    """Well-formed random blocks of type ``name`` (KERNELS) whose values have an RMS near ``scale``
+    (synth's weights for twins of MXFP4 / IQ4 models): uniform indices, scales within a factor of
+    two of the one that gives ``scale``."""
+    block_bytes, block_elems, _ = KERNELS[name]
+    if n_elems % block_elems:
+        raise ValueError(f"{name}: {n_elems} elements are not whole blocks of {block_elems}")
+    if not (np.isfinite(scale) and 1e-6 <= scale <= 1e3):
+        raise ValueError(f"{name} weights of RMS {scale:g}: give a scale from 1e-6 to 1e3")
+    n = n_elems // block_elems
+    b = np.empty((n, block_bytes), np.uint8)
+    jitter = rng.uniform(-1.0, 1.0, n)  # log2 of the factor around the target scale
+    if name == "MXFP4":
+        rms = float(np.sqrt(np.mean(KV_MXFP4.astype(np.float64) ** 2)))
+        b[:, 0] = np.clip(np.rint(128 + np.log2(scale / rms) + jitter), 0, 254).astype(np.uint8)
+        b[:, 1:] = rng.integers(0, 256, (n, 16), dtype=np.uint8)
+        return b.reshape(-1)
+    rms = float(np.sqrt(np.mean(KV_IQ4.astype(np.float64) ** 2)))
+    if name == "IQ4_NL":
+        b[:, :2] = (scale / rms * 2.0 ** jitter).astype(np.float16).reshape(n, 1).view(np.uint8)
+        b[:, 2:] = rng.integers(0, 256, (n, 16), dtype=np.uint8)
+        return b.reshape(-1)
+    ls = rng.integers(40, 64, (n, 8))  # 6-bit group scales, ls - 32 from 8 to 31 (rms ~21)
+    b[:, :2] = (scale / rms / 21.0 * 2.0 ** jitter).astype(np.float16).reshape(n, 1).view(np.uint8)
+    high = ((ls >> 4) << (2 * np.arange(8))).sum(-1).astype(np.uint16)
+    b[:, 2:4] = high.reshape(n, 1).view(np.uint8)
+    low = (ls & 15).astype(np.uint8)
+    b[:, 4:8] = low[:, 0::2] | (low[:, 1::2] << np.uint8(4))
+    b[:, 8:] = rng.integers(0, 256, (n, 128), dtype=np.uint8)
+    return b.reshape(-1)

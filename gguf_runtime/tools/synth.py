@@ -41,6 +41,8 @@ import numpy as np
 from ..format.gguf_file import GGUFFile, TensorInfo, open_gguf
 from ..format.blocks import BY_NAME, FORMATS, SUPPORTED_IDS
 from ..quant_kernels.reference import random_blocks
+from ..quant_kernels.reference_iq import KERNELS as IQ_KERNELS
+from ..quant_kernels.reference_iq import random_iq_blocks
 from .synth_presets import PRESETS, Preset, SynthError, build_preset_header
 
 __all__ = ["PRESETS", "Preset", "SynthError", "TwinLayout", "TwinResult", "build_preset_header", "fill_rule",
@@ -109,9 +111,10 @@ def fill_rule(t: TensorInfo, scale: float = WEIGHT_SCALE) -> str:
     """How tensor ``t`` is filled: 'weights', 'norm', 'ones', 'normal' or 'zeros' (see the module doc)."""
     if t.type_id in _INTS:
         return "zeros"
-    if t.type_id not in SUPPORTED_IDS:
+    if t.type_id not in SUPPORTED_IDS and t.type_name not in IQ_KERNELS:
+        makes = [FORMATS[i].name for i in sorted(SUPPORTED_IDS)] + list(IQ_KERNELS)
         raise SynthError(f"tensor '{t.name}' has type {t.type_name}, which synth cannot fill (it makes "
-                         f"{', '.join(FORMATS[i].name for i in sorted(SUPPORTED_IDS))})")
+                         f"{', '.join(makes)})")
     if FORMATS[t.type_id].block_elems > 1 or len(t.ne) >= 2:
         return "weights"
     if "rope_freqs" in t.name:
@@ -132,9 +135,16 @@ def _floats(x: np.ndarray, type_id: int) -> np.ndarray:
     return (u >> np.uint32(16)).astype("<u2").view(np.uint8)
 
 
+def _weights(type_id: int, n: int, rng: np.random.Generator, scale: float) -> np.ndarray:
+    name = FORMATS[type_id].name
+    if name in IQ_KERNELS:  # MXFP4, IQ4_NL, IQ4_XS: twins of models the runtime does not run yet
+        return random_iq_blocks(name, n, rng, scale)
+    return random_blocks(type_id, n, rng, scale)
+
+
 def _chunk(t: TensorInfo, rule: str, n: int, rng: np.random.Generator, scale: float) -> np.ndarray:
     if rule == "weights":
-        return random_blocks(t.type_id, n, rng, scale)
+        return _weights(t.type_id, n, rng, scale)
     if rule == "zeros":
         return np.zeros(n * FORMATS[t.type_id].block_bytes, np.uint8)
     if rule == "ones":
@@ -152,7 +162,7 @@ def _check_scale(layout: TwinLayout, scale: float) -> None:
     rng = np.random.default_rng(0)
     for type_id in {t.type_id for t in layout.tensors if fill_rule(t) == "weights"}:
         try:
-            random_blocks(type_id, FORMATS[type_id].block_elems, rng, scale)
+            _weights(type_id, FORMATS[type_id].block_elems, rng, scale)
         except ValueError as e:
             raise SynthError(f"--scale {scale}: {e}") from None
 
