@@ -192,18 +192,22 @@ def tokenizer_kvs(path: str | os.PathLike) -> list[tuple[str, int, Any]]:
         return [(k, f.metadata_types[k], v) for k, v in f.metadata.items() if k.startswith("tokenizer.")]
 
 
+def _repo_vocab(path: Path, preset: str, what: str) -> list[tuple[str, int, Any]]:
+    """The ``tokenizer.*`` entries of a vocabulary in the repository's tests/data, for a preset."""
+    if not path.is_file():
+        raise SynthError(f"preset '{preset}' needs {path} ({what} in the repository's tests/data); run from a "
+                         "checkout, or use --fill with a header made elsewhere")
+    return tokenizer_kvs(path)
+
+
 def _llama3_8b() -> bytes:
-    if not LLAMA3_VOCAB.is_file():
-        raise SynthError(f"preset 'llama3-8b-q4_k_m' needs {LLAMA3_VOCAB} (the Llama-3 vocabulary in the "
-                         "repository's tests/data); run from a checkout, or use --fill with a header made elsewhere")
-    return llama_header(LLAMA3_8B, tokenizer_kvs(LLAMA3_VOCAB), LLAMA3_CHAT_TEMPLATE)
+    return llama_header(LLAMA3_8B, _repo_vocab(LLAMA3_VOCAB, "llama3-8b-q4_k_m", "the Llama-3 vocabulary"),
+                        LLAMA3_CHAT_TEMPLATE)
 
 
 def _llama31_8b() -> bytes:
-    if not LLAMA3_VOCAB.is_file():
-        raise SynthError(f"preset 'llama31-8b-q4_k_m' needs {LLAMA3_VOCAB} (the Llama-3 vocabulary in the "
-                         "repository's tests/data); run from a checkout, or use --fill with a header made elsewhere")
-    return llama_header(LLAMA31_8B, tokenizer_kvs(LLAMA3_VOCAB), LLAMA3_CHAT_TEMPLATE)
+    return llama_header(LLAMA31_8B, _repo_vocab(LLAMA3_VOCAB, "llama31-8b-q4_k_m", "the Llama-3 vocabulary"),
+                        LLAMA3_CHAT_TEMPLATE)
 
 
 @dataclass(frozen=True)
@@ -281,10 +285,8 @@ def qwen3moe_header(s: MoeSpec, tokenizer: Sequence[tuple[str, int, Any]], chat_
 def _qwen3_30b_a3b() -> bytes:
     from .synth_qwen3 import QWEN3_ADDED_TOKENS, QWEN3_CHAT_TEMPLATE
 
-    if not QWEN_VOCAB.is_file():
-        raise SynthError(f"preset 'qwen3-30b-a3b-q4_k_m' needs {QWEN_VOCAB} (Qwen's vocabulary in the "
-                         "repository's tests/data); run from a checkout, or use --fill with a header made elsewhere")
-    return qwen3moe_header(QWEN3_30B_A3B, tokenizer_kvs(QWEN_VOCAB), QWEN3_CHAT_TEMPLATE, QWEN3_ADDED_TOKENS)
+    vocab = _repo_vocab(QWEN_VOCAB, "qwen3-30b-a3b-q4_k_m", "Qwen's vocabulary")
+    return qwen3moe_header(QWEN3_30B_A3B, vocab, QWEN3_CHAT_TEMPLATE, QWEN3_ADDED_TOKENS)
 
 
 def _header_of(path: str | os.PathLike) -> bytes:

@@ -48,6 +48,7 @@ class CudaBlocks:
         self.gemm: CublasGemm | None = None  # made by load_f16 (the cuBLAS prefill path)
         self._q8_ready: tuple[str, int] | None = None  # (norm, rows) that q8_norm holds from an epilogue
         self._att_q8: L.Q8Vec | None = None  # q8_plain when the last attend wrote its output's int8 copy
+        self._no_rests: dict[L.Q8Vec, L.Q8Vec] = {}  # _q8_for's views of the buffers with res 0
 
     def retune(self, tune: Tuning) -> None:
         """Take the tuning table's choices (at load; bench/inproc_variants.py again between
@@ -92,7 +93,12 @@ class CudaBlocks:
         with the rests where the tuning table gives them to ``role`` (one of tuning.ROLE_SETS)."""
         if buf is None or not self._small(t) or not L.q8_capable(mats):
             return None
-        return buf if role in self.tune.q8_res else dataclasses.replace(buf, res=0)
+        if not buf.res or role in self.tune.q8_res:
+            return buf
+        plain = self._no_rests.get(buf)  # the view without rests, made once per buffer
+        if plain is None:
+            plain = self._no_rests[buf] = dataclasses.replace(buf, res=0)
+        return plain
 
     @staticmethod
     def _role_after(norm: str) -> str:
