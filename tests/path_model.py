@@ -62,6 +62,7 @@ class PathModel(NumpyBackend):
         self.q8, self.kv16, self.mmv_rows, self.q8_res = q8, kv16, mmv_rows, q8_res
         self._head = lm_head_name(cfg)
         self._w16: dict[str, np.ndarray] = {}
+        self._rows = 0  # the current forward call's rows (embed)
 
     def _role(self, weight: str) -> str:
         """The tuning table's role of a matrix (tuning.ROLE_SETS)."""
@@ -73,8 +74,21 @@ class PathModel(NumpyBackend):
     def _is_int(self, weight: str) -> bool:
         return self.f.tensors[weight].type_name not in FLOAT_TYPES
 
+    def embed(self, tokens):
+        self._rows = len(tokens)
+        return super().embed(tokens)
+
+    def expert_linear(self, x: np.ndarray, weight: str, expert: int) -> np.ndarray:
+        """moe.cu's expert products: f32 matvecs at any row count, the gate and up ones on int8
+        inputs where the call is on the matvec path (the norm kernel's int8 copy of h); down on f32."""
+        if (self._rows <= self.mmv_rows and self.q8 and self._is_int(weight) and ".ffn_down" not in weight):
+            x = q8_roundtrip(x, "glu" in self.q8_res)
+        return super().expert_linear(x, weight, expert)
+
     def linear(self, x: np.ndarray, weight: str, bias: str | None = None) -> np.ndarray:
         rows = x.shape[0]
+        if weight.endswith("ffn_gate_inp.weight"):  # moe.cu's router: an f32 matvec at any row count
+            return super().linear(x, weight, bias)
         if rows <= self.mmv_rows:  # dequantizing matvecs: f32 weights, int8 or f32 activations
             if self.q8 and self._is_int(weight):
                 x = q8_roundtrip(x, self._role(weight) in self.q8_res)

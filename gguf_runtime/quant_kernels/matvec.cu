@@ -71,26 +71,11 @@ __host__ __device__ constexpr int min_blocks() {
     return (IO & 4) ? (block_warps<R, WG, IO>() >= 16 ? 2 : (R <= 2 ? 6 : 0)) : 0;
 }
 
-// The first row of this thread's row group, and whether the thread writes its results.
-template <int R, int WG, int NW>
-DEV int group_row0() { return (blockIdx.x * (NW / WG) + threadIdx.x / (32 * WG)) * R; }
-
-template <int WG>
-DEV bool group_leader() { return threadIdx.x % (32 * WG) == 0; }
-
 // MODE 0: y = W x (+ bias)   MODE 1: y += W x (the residual add)
 // IO bit 0: the activations are int8 (XQ), else f32 x (RMSNorm fused when nw is non-null);
 // IO bit 1: a q8 epilogue also writes the int8 copy of the outputs (QOut; 16 rows per block);
 // IO bit 3: the int8 activations come with their rests (q8_res: XQ's res, a second dp4a chain);
 // IO bit 4: a q8 epilogue writes the outputs' rests too (QOut's res).
-struct XIn { const float* x; int ldx; const float* nw; float eps; XQ q; };
-
-template <class T, int B, int R, int WG, int XIO, class S = NoStage>  // XIO: IO's bits 0 and 3
-DEV void mmv_any(const Mat (&m)[R], const int (&row)[R], int K, const XIn& xi, float (&acc)[R][B], S stage = S{}) {
-    if constexpr ((XIO & 1) != 0) mmv_block_q8<T, B, R, WG, (XIO & 8) != 0>(m, row, K, xi.q, acc, stage);
-    else mmv_block<T, B, R, WG>(m, row, K, xi.x, xi.ldx, xi.nw, xi.eps, acc);
-}
-
 template <class T, int B, int R, int WG, int MODE, int IO, class S = NoStage>
 DEV void mmv_segment(const Mat& mat, int n, int row0, const XIn& xi, int K, float* y, int ldy,
                      const float* bias, const RopeArgs& ra, int seg, const QOut& qo, S stage = S{}) {

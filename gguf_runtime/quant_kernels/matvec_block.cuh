@@ -239,3 +239,21 @@ DEV void store_q8_piece(float (&tile)[B][16], int base, const QOut& qo, float w)
     if (RES && (e & 3) == 0) *reinterpret_cast<u32*>(dst + qo.res + e) = word2;
     if (e == 0) qo.s[(long)b * qo.lds + (base >> 4)] = make_float4(d, s, ssq, d2);
 }
+
+// The first row of this thread's row group, and whether the thread writes its results.
+template <int R, int WG, int NW>
+DEV int group_row0() { return (blockIdx.x * (NW / WG) + threadIdx.x / (32 * WG)) * R; }
+
+template <int WG>
+DEV bool group_leader() { return threadIdx.x % (32 * WG) == 0; }
+
+// A row group's products over f32 x (XIn's x, RMSNorm fused when nw is non-null) or its int8
+// activations (XIO bit 0; bit 3: with their rests): matvec.cu's and moe.cu's kernels.
+struct XIn { const float* x; int ldx; const float* nw; float eps; XQ q; };
+
+template <class T, int B, int R, int WG, int XIO, class S = NoStage>  // XIO: IO's bits 0 and 3
+DEV void mmv_any(const Mat (&m)[R], const int (&row)[R], int K, const XIn& xi, float (&acc)[R][B], S stage = S{}) {
+    if constexpr ((XIO & 1) != 0) mmv_block_q8<T, B, R, WG, (XIO & 8) != 0>(m, row, K, xi.q, acc, stage);
+    else mmv_block<T, B, R, WG>(m, row, K, xi.x, xi.ldx, xi.nw, xi.eps, acc);
+}
+

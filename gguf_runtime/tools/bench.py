@@ -248,13 +248,15 @@ def batch_rate(backend, batch: int, prompt: int = BATCH_PROMPT, gen: int = 128, 
 def weight_bytes_read(f, cfg: ModelConfig, backend_name: str) -> int:
     """Weight bytes one decode step reads: every tensor the model uses, as the backend holds it
     (GGUF's quantized bytes on cuda, float32 on numpy), less the embedding table when the output
-    head is another tensor (a step reads one of its rows)."""
+    head is another tensor (a step reads one of its rows); of stacked experts a token reads its
+    n_expert_used."""
     total = 0
     for name in model_tensors(cfg):
         if name == "token_embd.weight" and not cfg.tied_embeddings:
             continue
         t = f.tensors[name]
-        total += t.n_elems * 4 if backend_name == "numpy" else t.nbytes
+        n = t.n_elems * 4 if backend_name == "numpy" else t.nbytes
+        total += n * cfg.n_expert_used // cfg.n_expert if name.endswith("_exps.weight") else n
     return total
 
 

@@ -38,6 +38,7 @@ from ...format.model_config import ModelConfig
 from ...quant_kernels import kv_layout as KL
 from ...quant_kernels import launch_attention as LA
 from ...quant_kernels import launch_layers as LL
+from ...quant_kernels import launch_moe as LE
 from ...quant_kernels import launchers as L
 from ...quant_kernels import launch_sampling as LS
 from ...quant_kernels import pdl
@@ -54,9 +55,14 @@ KV_RESERVE = 1 << 30  # GPU memory kept beside the KV cache and the workspace: f
 
 def check_supported(cfg: ModelConfig) -> None:
     if cfg.n_expert:
-        raise UnsupportedModelError(
-            f"{cfg.arch} is a mixture-of-experts model ({cfg.n_expert} experts, {cfg.n_expert_used} a token): the "
-            "CUDA backend does not run experts yet; use --backend numpy (slow: for checking, not for use)")
+        if cfg.n_ff_shexp:
+            raise UnsupportedModelError(
+                f"{cfg.arch}'s shared expert is not run by the CUDA backend yet (qwen3moe is); use --backend numpy "
+                "(slow: for checking, not for use)")
+        if cfg.n_expert > LE.MAX_EXPERTS or not 1 <= cfg.n_expert_used <= min(cfg.n_expert, LE.MAX_USED):
+            raise UnsupportedModelError(
+                f"{cfg.arch}: {cfg.n_expert} experts, {cfg.n_expert_used} a token; the CUDA router takes up to "
+                f"{LE.MAX_EXPERTS} experts and up to {LE.MAX_USED} a token; use --backend numpy")
     if cfg.rope.long_factors or cfg.rope.attn_factor != 1.0:
         raise UnsupportedModelError("LongRoPE (rope_factors_long / short) is not read by the CUDA backend yet; "
                                     "use --backend numpy")

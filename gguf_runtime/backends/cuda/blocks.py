@@ -29,6 +29,7 @@ from ...quant_kernels import kv_layout as KL
 from ...quant_kernels import launch_attention as LA
 from ...quant_kernels import launch_layers as LL
 from ...quant_kernels import launch_mma as LM
+from ...quant_kernels import launch_moe as LE
 from ...quant_kernels import launchers as L
 from ...quant_kernels.formats import FORMATS
 
@@ -308,7 +309,9 @@ class CudaBlocks:
 
     def attn_out(self, x: cp.ndarray, a: cp.ndarray, layer: int) -> cp.ndarray:
         p = f"blk.{layer}."
-        then = (p + "ffn_norm.weight", [self.w.mat(p + "ffn_gate.weight"), self.w.mat(p + "ffn_up.weight")])
+        # the next norm's int8 input from the epilogue (a mixture of experts runs its own norm kernel)
+        then = None if self.cfg.n_expert else (
+            p + "ffn_norm.weight", [self.w.mat(p + "ffn_gate.weight"), self.w.mat(p + "ffn_up.weight")])
         a_q8, self._att_q8 = self._att_q8, None  # attend's int8 copy of a (this layer's, just written)
         return self._project_residual(a, p + "attn_output.weight", x,
                                       p + "post_attention_norm.weight" if self.cfg.post_norms else None,
@@ -322,6 +325,8 @@ class CudaBlocks:
         return p + "attn_norm.weight", [self.w.mat(p + n) for n in ("attn_q.weight", "attn_k.weight", "attn_v.weight")]
 
     def ffn(self, x: cp.ndarray, layer: int) -> cp.ndarray:
+        if self.cfg.n_expert:
+            return self._moe(x, layer)
         cfg, ws, p = self.cfg, self.ws, f"blk.{layer}."
         t = x.shape[0]
         g = ws.g[:t]
@@ -364,6 +369,38 @@ class CudaBlocks:
         LL.glu(self.k, g.data.ptr, u.data.ptr, g.strides[0] // 4, cfg.n_ff, t, cfg.activation, None, 0,
                ws.x16.data.ptr, ws.x16.strides[0] // 2)
         return self._project_residual(g, down, x, post, a16=ws.x16)
+
+    def _moe(self, x: cp.ndarray, layer: int) -> cp.ndarray:
+        """x += the chosen experts' SwiGLUs (model.ComposedBlocks.moe) on moe.cu's kernels, for any
+        row count: a norm kernel writes h (and its int8 copy where the experts' matvecs take it), the
+        router's logits and top-k stay on the device, each (token, rank) slot one matvec over its
+        expert's rows, and the down kernel sums the k products into x."""
+        cfg, ws, p = self.cfg, self.ws, f"blk.{layer}."
+        t, used = x.shape[0], cfg.n_expert_used
+        slots = t * used
+        gate, up = self.w.mat(p + "ffn_gate_exps.weight"), self.w.mat(p + "ffn_up_exps.weight")
+        down = self.w.mat(p + "ffn_down_exps.weight")
+        h = ws.h[:t]
+        q8 = self._q8_for(t, [gate, up], ws.q8_norm, "glu")
+        self._norm(x, p + "ffn_norm.weight", h, q8=q8)
+        self._q8_ready = None
+        ld = h.strides[0] // 4
+        logits, ids, w = ws.moe_logits, ws.moe_ids.data.ptr, ws.moe_w.data.ptr
+        LE.mv(self.k, self.w.mat(p + "ffn_gate_inp.weight"), cfg.n_expert, None, 1, h.data.ptr, ld, t,
+              logits.data.ptr, logits.strides[0] // 4)
+        LE.topk(self.k, logits.data.ptr, logits.strides[0] // 4, cfg.n_expert, used, cfg.expert_norm, t, ids, w)
+        g, n = ws.moe_g, cfg.n_ff_exp
+        ldg = g.strides[0] // 4
+        if gate.type_id == up.type_id:
+            LE.glu(self.k, gate, up, n, ids, used, h.data.ptr, ld, slots, cfg.activation, g.data.ptr, ldg, q8=q8)
+        else:
+            u = ws.moe_u
+            for m, out in ((gate, g), (up, u)):
+                LE.mv(self.k, m, n, ids, used, h.data.ptr, ld, slots, out.data.ptr, ldg,
+                      q8=q8 if L.q8_capable([m]) else None)
+            LL.glu(self.k, g.data.ptr, u.data.ptr, ldg, n, slots, cfg.activation, g.data.ptr, ldg)
+        LE.down(self.k, down, cfg.n_embd, ids, w, used, g.data.ptr, ldg, t, x.data.ptr, x.strides[0] // 4)
+        return x
 
     def logits(self, x: cp.ndarray) -> cp.ndarray:
         cfg, ws = self.cfg, self.ws

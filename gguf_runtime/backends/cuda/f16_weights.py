@@ -27,16 +27,19 @@ class W16:
     cols: int
 
 
-def layer_groups(layer: int) -> list[tuple[str, ...]]:
+def layer_groups(cfg: ModelConfig, layer: int) -> list[tuple[str, ...]]:
+    """The products of a layer's cuBLAS prefill path (a mixture of experts runs moe.cu's kernels)."""
     p = f"blk.{layer}."
-    return [(p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"), (p + "attn_output.weight",),
-            (p + "ffn_gate.weight", p + "ffn_up.weight"), (p + "ffn_down.weight",)]
+    attn = [(p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"), (p + "attn_output.weight",)]
+    if cfg.n_expert:
+        return attn
+    return attn + [(p + "ffn_gate.weight", p + "ffn_up.weight"), (p + "ffn_down.weight",)]
 
 
 class F16Weights:
     def __init__(self, cfg: ModelConfig, w: DeviceWeights, kernels: L.Kernels, resident_max: int) -> None:
         self.w, self.k = w, kernels
-        groups = [g for i in range(cfg.n_layer) for g in layer_groups(i)]
+        groups = [g for i in range(cfg.n_layer) for g in layer_groups(cfg, i)]
         size = {g: sum(w.mat(n).rows * w.mat(n).cols for n in g) for g in groups}
         self.resident = 2 * sum(size.values()) <= resident_max
         self._cache: dict[tuple[str, ...], cp.ndarray] = {}

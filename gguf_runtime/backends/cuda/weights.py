@@ -50,7 +50,8 @@ class DeviceWeights:
                 self.vecs[name] = v
                 self.nbytes += v.nbytes
             else:
-                rows, cols = t.shape
+                *lead, cols = t.shape  # stacked experts [n_expert, rows, cols]: one matrix of their rows
+                rows = int(np.prod(lead))
                 if t.type_name in ("F32", "F16", "BF16") and cols % 16:
                     raise UnsupportedModelError(f"tensor '{name}': {cols} columns is not a multiple of 16, "
                                                 "which the CUDA kernels need; use --backend numpy")

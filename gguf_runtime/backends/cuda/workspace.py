@@ -42,6 +42,13 @@ class Workspace:
         gu = cp.zeros((max_rows, 2 * cfg.n_ff), f32)  # gate | up side by side: one stacked product fills both
         self.g, self.u = gu[:, :cfg.n_ff], gu[:, cfg.n_ff:]
         self.logits = cp.zeros((logits_rows, cfg.n_vocab), f32)
+        if cfg.n_expert:  # the router's logits, each token's chosen experts and weights, their GLU outputs
+            used = cfg.n_expert_used
+            self.moe_logits = cp.zeros((max_rows, cfg.n_expert), f32)
+            self.moe_ids = cp.zeros((max_rows, used), cp.int32)
+            self.moe_w = cp.zeros((max_rows, used), f32)
+            gu = cp.zeros((max_rows * used, 2 * cfg.n_ff_exp), f32)
+            self.moe_g, self.moe_u = gu[:, :cfg.n_ff_exp], gu[:, cfg.n_ff_exp:]
         parts = max(tune.attn_parts, max_rows) * cfg.n_head
         self.part_o = cp.zeros(parts * cfg.head_dim_v, f32)
         self.part_ml = cp.zeros(parts * 2, f32)

@@ -1,0 +1,133 @@
+"""moe.cu against numpy on fresh random inputs, outputs poisoned first: the router's top-k (ids
+exactly, ties to the lower id, as model.ComposedBlocks.moe's stable argsort) and the chosen
+experts' products of every quant type, f32 and int8 inputs. The whole model is
+test_gpu_micro.py's qwen3moe case."""
+
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+from gguf_runtime.backends.numpy.backend import silu  # noqa: E402
+from gguf_runtime.backends.cuda.tuning import Tuning  # noqa: E402
+from gguf_runtime.model import softmax  # noqa: E402
+from gguf_runtime.quant_kernels import launch_layers as LL  # noqa: E402
+from gguf_runtime.quant_kernels import launch_moe as LE  # noqa: E402
+from gguf_runtime.quant_kernels import launchers as L  # noqa: E402
+from gguf_runtime.quant_kernels.formats import BY_NAME, SUPPORTED  # noqa: E402
+from gguf_runtime.quant_kernels.reference_q8 import dequantize_q8, quantize_q8  # noqa: E402
+from test_gpu_kernels import POISON, cols_for, rel, upload  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def k():
+    return L.Kernels(Tuning().knobs())
+
+
+def ref_topk(logits, used, renorm):
+    probs = softmax(logits.astype(np.float32))
+    ids = np.argsort(-probs, axis=-1, kind="stable")[:, :used]
+    w = np.take_along_axis(probs, ids, -1)
+    return ids, (w / w.sum(-1, keepdims=True) if renorm else w)
+
+
+@pytest.mark.parametrize("n_expert,used", [(8, 2), (60, 4), (128, 8), (256, 8), (32, 32)])
+@pytest.mark.parametrize("renorm", [True, False])
+def test_topk(k, rng, n_expert, used, renorm):
+    rows = 37
+    logits = (3 * rng.standard_normal((rows, n_expert))).astype(np.float32)
+    logits[1] = 0.5  # every expert tied: the lowest ids, in order
+    logits[2, ::3] = logits[2].max() + 1  # ties at the top
+    logits[3, -1] = 50.0  # the last expert far ahead
+    ld = n_expert + 3
+    dev = cp.full((rows, ld), POISON, cp.float32)
+    dev[:, :n_expert] = cp.asarray(logits)
+    ids = cp.full((rows + 1, used), -7, cp.int32)
+    w = cp.full((rows + 1, used), POISON, cp.float32)
+    LE.topk(k, dev.data.ptr, ld, n_expert, used, renorm, rows, ids.data.ptr, w.data.ptr)
+    want_ids, want_w = ref_topk(logits, used, renorm)
+    np.testing.assert_array_equal(ids.get()[:rows], want_ids)
+    assert rel(w.get()[:rows], want_w) < 1e-6
+    assert (ids.get()[rows] == -7).all() and np.isnan(w.get()[rows]).all(), "wrote past the rows"
+
+
+def test_topk_never_names_a_missing_expert(k):
+    """NaN logits (a damaged file's router) still give ids within range: no read past the experts."""
+    logits = cp.full((3, 16), np.nan, cp.float32)
+    ids, w = cp.zeros((3, 4), cp.int32), cp.zeros((3, 4), cp.float32)
+    LE.topk(k, logits.data.ptr, 16, 16, 4, True, 3, ids.data.ptr, w.data.ptr)
+    assert ((ids.get() >= 0) & (ids.get() < 16)).all()
+
+
+def stacked(name, n_expert, rows, cols, rng, keep):
+    m, w = upload(name, n_expert * rows, cols, rng, keep)
+    return m, w.reshape(n_expert, rows, cols)
+
+
+def q8_of(x):
+    """x's int8 activations on the device (quantize_q8) and what they stand for."""
+    rows, cols = x.shape
+    q = cp.zeros((rows, cols), cp.int8)
+    s = cp.zeros((rows, cols // 16, 4), cp.float32)
+    vec = L.Q8Vec(q.data.ptr, cols, s.data.ptr, cols // 16)
+    xd = cp.asarray(x)
+    return vec, (q, s, xd), dequantize_q8(*quantize_q8(x)[:2]).astype(np.float64)
+
+
+@pytest.mark.parametrize("name", SUPPORTED)
+@pytest.mark.parametrize("int8", [False, True])
+def test_expert_products(k, rng, name, int8):
+    """glu, mv and down over random ids, t tokens x used ranks, against the dequantized experts."""
+    if int8 and not L.q8_capable([L.Mat(BY_NAME[name], 1, 256, 0)]):
+        pytest.skip("float weights take f32 inputs")
+    keep = []
+    n_expert, used, t, n = 6, 3, 5, 40
+    d, fcols = cols_for(name, 2), cols_for(name, 1)
+    gate, wg = stacked(name, n_expert, n, d, rng, keep)
+    up, wu = stacked(name, n_expert, n, d, rng, keep)
+    n_out = 48
+    down, wd = stacked(name, n_expert, n_out, fcols, rng, keep)
+    ids = np.stack([rng.permutation(n_expert)[:used] for _ in range(t)]).astype(np.int32)
+    wts = rng.random((t, used)).astype(np.float32)
+    x = rng.standard_normal((t, d)).astype(np.float32)
+    xd = cp.asarray(x)
+    q8 = None
+    xr = x.astype(np.float64)
+    if int8:
+        q8, keep_q8, xr = q8_of(x)
+        keep.append(keep_q8)
+        LL.quantize_q8(k, xd.data.ptr, d, d, t, q8)
+    idd, wdv = cp.asarray(ids), cp.asarray(wts)
+    slots = t * used
+    g = cp.full((slots, n + 3), POISON, cp.float32)
+    LE.glu(k, gate, up, n, idd.data.ptr, used, xd.data.ptr, d, slots, "silu", g.data.ptr, n + 3, q8=q8)
+    flat = ids.reshape(-1)
+    xs = xr[np.repeat(np.arange(t), used)]
+    ref_g = np.stack([silu(wg[e] @ xs[s]) * (wu[e] @ xs[s]) for s, e in enumerate(flat)])
+    assert rel(g.get()[:, :n], ref_g) < (3e-5 if int8 else 1e-5)
+    assert np.isnan(g.get()[:, n:]).all(), "wrote past an expert's rows"
+    y = cp.full((slots, n + 3), POISON, cp.float32)
+    LE.mv(k, gate, n, idd.data.ptr, used, xd.data.ptr, d, slots, y.data.ptr, n + 3, q8=q8)
+    assert rel(y.get()[:, :n], np.stack([wg[e] @ xs[s] for s, e in enumerate(flat)])) < (3e-5 if int8 else 1e-5)
+    # down: f32 inputs [slots, fcols], weighted sum into a residual
+    a = rng.standard_normal((slots, fcols)).astype(np.float32)
+    res = rng.standard_normal((t, n_out + 2)).astype(np.float32)
+    resd = cp.asarray(res)
+    LE.down(k, down, n_out, idd.data.ptr, wdv.data.ptr, used, cp.asarray(a).data.ptr, fcols, t, resd.data.ptr,
+            n_out + 2)
+    want = res.astype(np.float64)
+    for s, e in enumerate(flat):
+        want[s // used, :n_out] += wts.reshape(-1)[s] * (wd[e] @ a[s].astype(np.float64))
+    assert rel(resd.get(), want) < 1e-5
+    assert (resd.get()[:, n_out:] == res[:, n_out:]).all(), "wrote past the rows"
+
+
+def test_router_without_ids_is_a_plain_product(k, rng):
+    """mv with ids None (the router): W x for each token, the F32 matrix itself."""
+    keep = []
+    m, w = upload("F32", 24, 128, rng, keep)
+    x = rng.standard_normal((9, 128)).astype(np.float32)
+    y = cp.full((9, 24), POISON, cp.float32)
+    LE.mv(k, m, 24, None, 1, cp.asarray(x).data.ptr, 128, 9, y.data.ptr, 24)
+    assert rel(y.get(), x.astype(np.float64) @ w.T) < 1e-6
