@@ -139,11 +139,18 @@ def test_numpy_only_architectures_are_refused_in_one_line(tmp_path, case):
 
 
 def test_f16_prefill_most_rows(micro, rng):
+    """Every row within F16 of the path model; a mixture of experts' prompt runs its experts in tiles
+    on int8 inputs (moe.cu), so there a SHARE of the rows within F16 and every row within the int8
+    noise (measured: median max rel 2.3e-3, max 7.5e-3)."""
     name, f, cfg = micro
     be = CudaBackend(f, cfg, N_CTX)
     model = PathModel(f, cfg, N_CTX, kv16=be.kv.kv_type == "f16", q8_res=be.tune.q8_res)
-    for ids, _ in prompts(rng, cfg.n_vocab, 24, 2):
-        assert_all_rows(run(be, ids), run(model, ids), what=f"micro {name} f16 prefill", **F16)
+    got, ref = zip(*[(run(be, ids), run(model, ids)) for ids, _ in prompts(rng, cfg.n_vocab, 24, 2)])
+    got, ref = np.concatenate(got), np.concatenate(ref)
+    if cfg.n_expert:
+        assert_most_rows(got, ref, F16["max_rel"], SHARE, LOOSE_Q8, what=f"micro {name} f16 prefill, int8 tiles")
+    else:
+        assert_all_rows(got, ref, what=f"micro {name} f16 prefill", **F16)
 
 
 @pytest.mark.parametrize("where", ["output_norm.weight", "blk.0.ffn_down.weight"])

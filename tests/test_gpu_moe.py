@@ -123,11 +123,103 @@ def test_expert_products(k, rng, name, int8):
     assert (resd.get()[:, n_out:] == res[:, n_out:]).all(), "wrote past the rows"
 
 
-def test_router_without_ids_is_a_plain_product(k, rng):
+@pytest.mark.parametrize("shape", [(2, 1), LE.ROUTER])
+def test_router_without_ids_is_a_plain_product(k, rng, shape):
     """mv with ids None (the router): W x for each token, the F32 matrix itself."""
     keep = []
-    m, w = upload("F32", 24, 128, rng, keep)
-    x = rng.standard_normal((9, 128)).astype(np.float32)
-    y = cp.full((9, 24), POISON, cp.float32)
-    LE.mv(k, m, 24, None, 1, cp.asarray(x).data.ptr, 128, 9, y.data.ptr, 24)
-    assert rel(y.get(), x.astype(np.float64) @ w.T) < 1e-6
+    m, w = upload("F32", 24, 2048, rng, keep)
+    x = rng.standard_normal((9, 2048)).astype(np.float32)
+    y = cp.full((9, 25), POISON, cp.float32)
+    LE.mv(k, m, 24, None, 1, cp.asarray(x).data.ptr, 2048, 9, y.data.ptr, 25, r=shape[0], wg=shape[1])
+    assert rel(y.get()[:, :24], x.astype(np.float64) @ w.T) < 1e-6
+    assert np.isnan(y.get()[:, 24]).all(), "wrote past the rows"
+
+
+def sorted_tiles(k, ids, n_expert):
+    """moe_sort on the device: (order, tiles) as numpy, after checking their shape."""
+    slots = ids.size
+    idd = cp.asarray(ids.reshape(-1).astype(np.int32))
+    pos, order = cp.zeros(slots, cp.int32), cp.full(slots, -1, cp.int32)
+    n_tiles = LE.max_tiles(slots, n_expert)
+    tiles = cp.full((n_tiles, 4), -9, cp.int32)
+    LE.sort(k, idd.data.ptr, slots, n_expert, pos.data.ptr, order.data.ptr, tiles.data.ptr)
+    return idd, order, tiles, n_tiles
+
+
+@pytest.mark.parametrize("slots,n_expert", [(1, 8), (148, 16), (512, 128), (16384, 128), (300, 256)])
+def test_sort_lists_every_slot_once_grouped_by_expert(k, rng, slots, n_expert):
+    ids = rng.integers(0, n_expert, slots)
+    ids[: min(slots, 40)] = 3  # one expert with several tiles
+    _, order, tiles, n_tiles = sorted_tiles(k, ids, n_expert)
+    order, tiles = order.get(), tiles.get()
+    assert sorted(order.tolist()) == list(range(slots))
+    assert (np.diff(ids[order]) >= 0).all(), "not grouped by expert in ascending order"
+    used = tiles[tiles[:, 2] > 0]
+    assert (tiles[len(used):, :3] == 0).all(), "the unused tiles are not marked empty"
+    assert used[:, 2].max() <= LE.TILE and used[:, 2].sum() == slots
+    for e, start, count, _ in used:
+        assert (ids[order[start:start + count]] == e).all()
+    counts = np.bincount(ids, minlength=n_expert)
+    assert len(used) == sum(-(-c // LE.TILE) for c in counts) <= n_tiles
+
+
+def q8_rows(rows, cols):
+    """An int8 activation buffer (quantize_q8's layout) of rows x cols on the device."""
+    q, s = cp.zeros((rows, cols), cp.int8), cp.zeros((rows, cols // 16, 4), cp.float32)
+    return L.Q8Vec(q.data.ptr, cols, s.data.ptr, cols // 16), (q, s)
+
+
+def roundtrip(x):
+    return dequantize_q8(*quantize_q8(np.asarray(x, np.float32))[:2]).astype(np.float64)
+
+
+@pytest.mark.parametrize("name,int8", [("Q4_K", False), ("Q6_K", False), ("Q8_0", False), ("Q4_0", False),
+                                       ("F16", False), ("Q4_K", True), ("Q6_K", True), ("Q5_0", True)])
+def test_tiles_against_numpy(k, rng, name, int8):
+    """sort, gather, glu_tiles, down_tiles and combine: the grouped path of a batch, against the
+    per-slot sums in float64 (an expert with 3 tiles, experts with none); int8: the rows of h and
+    of the GLU's outputs quantized (quantize_q8, gather_q8), as the backend runs quantized experts."""
+    keep = []
+    n_expert, used, t, n, n_out = 12, 4, 23, 40, 48
+    d, fcols = cols_for(name, 2), cols_for(name, 1)
+    gate, wg = stacked(name, n_expert, n, d, rng, keep)
+    up, wu = stacked(name, n_expert, n, d, rng, keep)
+    down, wd = stacked(name, n_expert, n_out, fcols, rng, keep)
+    ids = np.stack([rng.permutation(n_expert - 2)[:used] for _ in range(t)]).astype(np.int32)  # 2 experts unused
+    ids[:20, 0] = 5
+    ids[:20, 1:] = np.where(ids[:20, 1:] == 5, 6, ids[:20, 1:])
+    wts = rng.random((t, used)).astype(np.float32)
+    slots = t * used
+    idd, order, tiles, n_tiles = sorted_tiles(k, ids, n_expert)
+    h = rng.standard_normal((t, d)).astype(np.float32)
+    hd = cp.asarray(h)
+    xs = cp.full((slots + LE.TILE, d), 0.0, cp.float32)
+    xq = gq = None
+    if int8:
+        (hq, k1), (xq, k2), (gq, k3) = q8_rows(t, d), q8_rows(slots + LE.TILE, d), q8_rows(slots + LE.TILE, fcols)
+        keep += [k1, k2, k3]
+        LL.quantize_q8(k, hd.data.ptr, d, d, t, hq)
+        LE.gather_q8(k, hq, order.data.ptr, used, d, xq, slots)
+    else:
+        LE.gather(k, hd.data.ptr, d, order.data.ptr, used, d, xs.data.ptr, d, slots)
+    g = cp.full((slots + LE.TILE, fcols), POISON, cp.float32)
+    LE.glu_tiles(k, gate, up, n, tiles.data.ptr, n_tiles, xs.data.ptr, d, "silu", g.data.ptr, fcols, q8=xq)
+    flat, o = ids.reshape(-1), order.get()
+    x64 = roundtrip(h) if int8 else h.astype(np.float64)
+    ref_g = np.stack([silu(wg[flat[s]] @ x64[s // used]) * (wu[flat[s]] @ x64[s // used]) for s in o])
+    assert rel(g.get()[:slots, :n], ref_g) < (3e-5 if int8 else 1e-5)
+    g[:slots, n:] = 0.0  # the down product's columns past the GLU's rows
+    if int8:
+        LL.quantize_q8(k, g.data.ptr, fcols, fcols, slots, gq)
+    ys = cp.full((slots, n_out), POISON, cp.float32)
+    LE.down_tiles(k, down, n_out, tiles.data.ptr, n_tiles, order.data.ptr, g.data.ptr, fcols, ys.data.ptr, n_out,
+                  q8=gq)
+    gs = np.zeros((slots, fcols))
+    gs[o] = roundtrip(g.get()[:slots]) if int8 else g.get()[:slots]
+    ref_ys = np.stack([wd[flat[s]] @ gs[s] for s in range(slots)])
+    assert rel(ys.get(), ref_ys) < (3e-5 if int8 else 1e-5)
+    x0 = rng.standard_normal((t, n_out)).astype(np.float32)
+    xd = cp.asarray(x0)
+    LE.combine(k, ys.data.ptr, n_out, cp.asarray(wts).data.ptr, used, xd.data.ptr, n_out, n_out, t)
+    want = x0 + (wts[:, :, None] * ys.get().reshape(t, used, n_out)).sum(1)
+    assert rel(xd.get(), want) < 1e-6

@@ -35,11 +35,15 @@ def topk(k: Kernels, logits: int, ld: int, n_expert: int, used: int, renorm: boo
 
 
 def mv(k: Kernels, m: Mat, n: int, ids: int | None, used: int, x: int, ldx: int, slots: int, y: int, ldy: int,
-       norm: tuple[int, float] | None = None, q8: Q8Vec | None = None, r: int = 2) -> None:
-    """y[s, :n] = W_e x'[s // used] (e = ids[s]; ids None: the matrix itself, e.g. the router)."""
-    fn = k.fn("moe.cu", f"moe_mv<{m.struct}, {r}, 1, {_io(q8)}>")
-    fn(((-(-n // (r * WARPS))), slots), (32 * WARPS,),
+       norm: tuple[int, float] | None = None, q8: Q8Vec | None = None, r: int = 2, wg: int = 1) -> None:
+    """y[s, :n] = W_e x'[s // used] (e = ids[s]; ids None: the matrix itself, e.g. the router);
+    (r, wg): rows and warps a row group."""
+    fn = k.fn("moe.cu", f"moe_mv<{m.struct}, {r}, {wg}, {_io(q8)}>")
+    fn(((-(-n // (r * WARPS // wg))), slots), (32 * WARPS,),
        (*m.planes, i32(n), i32(m.cols), ptr(ids), i32(used), *_x_args(x, ldx, norm, q8), ptr(y), i32(ldy)))
+
+
+ROUTER = (1, 4)  # (rows, warps) a row group of the router: one row a block (few rows, long f32 ones)
 
 
 def glu(k: Kernels, gate: Mat, up: Mat, n: int, ids: int, used: int, x: int, ldx: int, slots: int, act: str,
@@ -54,8 +58,67 @@ def glu(k: Kernels, gate: Mat, up: Mat, n: int, ids: int, used: int, x: int, ldx
 
 def down(k: Kernels, m: Mat, n: int, ids: int, w: int, used: int, x: int, ldx: int, rows: int, y: int, ldy: int,
          q8: Q8Vec | None = None, r: int = 2) -> None:
-    """y[t, :n] += sum_j w[t, j] W_e x'[t * used + j] (e = ids[t, j]): the residual add of the experts."""
-    fn = k.fn("moe.cu", f"moe_down<{m.struct}, {r}, 1, {_io(q8)}>")
-    fn(((-(-n // (r * WARPS))), rows), (32 * WARPS,),
+    """y[t, :n] += sum_j w[t, j] W_e x'[t * used + j] (e = ids[t, j]): the residual add of the experts;
+    r rows a block, one warp a rank (up to 8 at once)."""
+    kw = min(8, 1 << (used - 1).bit_length())
+    fn = k.fn("moe.cu", f"moe_down<{m.struct}, {r}, {kw}, {_io(q8)}>")
+    fn(((-(-n // r)), rows), (32 * kw,),
        (*m.planes, i32(n), i32(m.cols), ptr(ids), ptr(w), i32(used), *_x_args(x, ldx, None, q8, with_norm=False),
         ptr(y), i32(ldy)))
+
+
+# ---- grouped by expert (moe.cu's tiles) ----------------------------------------------------------
+TILE = 8  # slots a tile (moe.cu's MT): the matvecs' largest token count
+
+
+def max_tiles(slots: int, n_expert: int) -> int:
+    """Tiles moe_sort can list for ``slots`` slots: each expert's last tile may be partial."""
+    return -(-slots // TILE) + n_expert
+
+
+def sort(k: Kernels, ids: int, slots: int, n_expert: int, pos: int, order: int, tiles: int) -> None:
+    """order = the slots grouped by expert; tiles = {expert, start, count} of up to TILE slots each."""
+    k.fn("moe.cu", "moe_sort")((1,), (1024,), (ptr(ids), i32(slots), i32(n_expert), i32(TILE),
+                                               i32(max_tiles(slots, n_expert)), ptr(pos), ptr(order), ptr(tiles)))
+
+
+def gather(k: Kernels, h: int, ldh: int, order: int, used: int, n: int, xs: int, ldxs: int, slots: int) -> None:
+    """xs[i] = h[order[i] // used]: each slot's token row, in expert order."""
+    k.fn("moe.cu", "moe_gather")((slots,), (256,), (ptr(h), i32(ldh), ptr(order), i32(used), i32(n), ptr(xs),
+                                                    i32(ldxs), i32(slots)))
+
+
+def gather_q8(k: Kernels, hq: Q8Vec, order: int, used: int, n: int, xq: Q8Vec, slots: int) -> None:
+    """xq's row i = hq's row order[i] // used (int8 rows and their scales; n % 16 == 0)."""
+    assert n % 16 == 0
+    k.fn("moe.cu", "moe_gather_q8")((slots,), (128,), (*hq.ptrs()[:4], ptr(order), i32(used), i32(n),
+                                                       *xq.ptrs()[:4], i32(slots)))
+
+
+def _tile_in(x: int, ldx: int, q8: Q8Vec | None) -> tuple:
+    return (ptr(x), i32(ldx), *(q8.ptrs()[:4] if q8 else NO_PTRS[:4]))
+
+
+def glu_tiles(k: Kernels, gate: Mat, up: Mat, n: int, tiles: int, n_tiles: int, x: int, ldx: int, act: str, y: int,
+              ldy: int, q8: Q8Vec | None = None) -> None:
+    """y[i] = act(G_e x[i]) * (U_e x[i]) for the sorted slots i of each tile (e: the tile's expert);
+    x's rows f32, or the int8 rows q8 (x unused)."""
+    assert gate.type_id == up.type_id and gate.cols == up.cols
+    fn = k.fn("moe.cu", f"moe_glu_tiles<{gate.struct}, 2, 1, {ACT[act]}, {TILE}, {int(q8 is not None)}>")
+    fn(((-(-n // WARPS)), n_tiles), (32 * WARPS,),
+       (*gate.planes, *up.planes, i32(n), i32(gate.cols), ptr(tiles), *_tile_in(x, ldx, q8), ptr(y), i32(ldy)))
+
+
+def down_tiles(k: Kernels, m: Mat, n: int, tiles: int, n_tiles: int, order: int, x: int, ldx: int, ys: int,
+               ldys: int, q8: Q8Vec | None = None) -> None:
+    """ys[order[i]] = W_e x[i] for the sorted slots i of each tile: back in slot order (x or q8 as
+    glu_tiles')."""
+    fn = k.fn("moe.cu", f"moe_down_tiles<{m.struct}, 1, 1, {TILE}, {int(q8 is not None)}>")
+    fn(((-(-n // WARPS)), n_tiles), (32 * WARPS,),
+       (*m.planes, i32(n), i32(m.cols), ptr(tiles), ptr(order), *_tile_in(x, ldx, q8), ptr(ys), i32(ldys)))
+
+
+def combine(k: Kernels, ys: int, ldys: int, w: int, used: int, x: int, ldx: int, n: int, rows: int) -> None:
+    """x[t] += sum_j w[t, j] ys[t * used + j] in rank order."""
+    k.fn("moe.cu", "moe_combine")((rows,), (256,), (ptr(ys), i32(ldys), ptr(w), i32(used), ptr(x), i32(ldx), i32(n),
+                                                    i32(rows)))

@@ -46,6 +46,11 @@ class Tuning:
     q8_res: frozenset[str] = frozenset()  # roles whose int8 input carries its rests (~15 bits; Q8_RES_BY_ARCH)
     kstage: frozenset[str] = frozenset({"qkv", "o", "glu", "down"})  # K-quant scales staged (the head lost)
     mmv: tuple[tuple[str, tuple[int, int]], ...] = ()  # (role[_TYPE], (R, WG)) over mmv_config: measuring
+    # -- mixtures of experts
+    moe_tiles_per_expert: int = 3  # slots (tokens x experts a token) an expert on average from which the
+    # experts' products run grouped by expert, tiles of 8 slots sharing the weight reads; below, one matvec a slot
+    # (Qwen3-30B-A3B: B=64 +46%, pp512 2.7x; B=32, 2 an expert: level, so from 3)
+    moe_tiles_q8: bool = True  # the tiles' inputs as int8, dp4a (f32 rows of 8 tokens were L1-bound: slower than per slot)
     # -- attention
     attn_early: bool = True  # decode rows load keys before waiting for the QKV kernel
     attn_small: tuple[int, int] = (0, 1)  # (warps, rounds) up to 8 rows: widest block, one round

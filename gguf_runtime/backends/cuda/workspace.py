@@ -10,6 +10,7 @@ import cupy as cp
 from ...format.model_config import ModelConfig
 from ...quant_kernels import launch_attention as LA
 from ...quant_kernels import launch_mma as LM
+from ...quant_kernels import launch_moe as LE
 from ...quant_kernels import launchers as L
 from .tuning import Tuning
 
@@ -44,11 +45,26 @@ class Workspace:
         self.logits = cp.zeros((logits_rows, cfg.n_vocab), f32)
         if cfg.n_expert:  # the router's logits, each token's chosen experts and weights, their GLU outputs
             used = cfg.n_expert_used
+            slots = max_rows * used
             self.moe_logits = cp.zeros((max_rows, cfg.n_expert), f32)
             self.moe_ids = cp.zeros((max_rows, used), cp.int32)
             self.moe_w = cp.zeros((max_rows, used), f32)
-            gu = cp.zeros((max_rows * used, 2 * cfg.n_ff_exp), f32)
+            gu = cp.zeros((slots + LE.TILE, 2 * cfg.n_ff_exp), f32)  # a tile reads TILE rows from its first
             self.moe_g, self.moe_u = gu[:, :cfg.n_ff_exp], gu[:, cfg.n_ff_exp:]
+            # grouped by expert (launch_moe's tiles): slot order, tiles, the rows in that order, the products
+            self.moe_pos = cp.zeros(slots, cp.int32)
+            self.moe_order = cp.zeros(slots, cp.int32)
+            self.moe_tiles = cp.zeros((LE.max_tiles(slots, cfg.n_expert), 4), cp.int32)
+            self.moe_xs = cp.zeros((slots + LE.TILE, cfg.n_embd), f32)
+            self.moe_ys = cp.zeros((slots, cfg.n_embd), f32)
+            # int8 tiles (tune.moe_tiles_q8): h's rows, then the sorted rows of h and of the GLU's outputs
+            self.moe_q8 = None
+            if tune.q8 and tune.moe_tiles_q8 and cfg.n_embd % 16 == 0 and cfg.n_ff_exp % 16 == 0:
+                w8 = max(cfg.n_embd, cfg.n_ff_exp)
+                self._moe_q = [cp.zeros((r, w8), cp.int8) for r in (max_rows, slots + LE.TILE, slots + LE.TILE)]
+                self._moe_s = [cp.zeros((q.shape[0], w8 // 16, 4), f32) for q in self._moe_q]
+                self.moe_q8 = tuple(L.Q8Vec(q.data.ptr, w8, s.data.ptr, w8 // 16)
+                                    for q, s in zip(self._moe_q, self._moe_s))
         parts = max(tune.attn_parts, max_rows) * cfg.n_head
         self.part_o = cp.zeros(parts * cfg.head_dim_v, f32)
         self.part_ml = cp.zeros(parts * 2, f32)
