@@ -3,7 +3,8 @@
 Micro models (micro_models.py: real tokenizers, random weights at real checkpoints' scales) at the
 smallest shapes the CUDA kernels take: Llama with the 8B's Q4_K/Q6_K mix and untied head, Qwen2
 with Q/K/V biases, Qwen3 with QK-norm and head size 128, Gemma-3 with post norms, QK-norm, GELU,
-head size 256, a sliding window of 4 and final soft-capping. Two or three layers keep the rounding
+head size 256, a sliding window of 4 and final soft-capping, Qwen3-MoE with 16 experts (4 a token).
+Two or three layers keep the rounding
 paths out of their chaotic regime (path_model.py), so each is held to its numpy model:
 
 * f32 activations (q8=0, up to 8 rows): every row to float32 order;
