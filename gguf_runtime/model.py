@@ -10,6 +10,7 @@ Arrays are [tokens, features]; heads are a reshape away.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Protocol, Sequence
 
 import numpy as np
@@ -51,6 +52,7 @@ class Primitives(Protocol):
     def rms_norm(self, x: Any, weight: str) -> Any: ...  # over the last axis
     def linear(self, x: Any, weight: str, bias: str | None = None) -> Any: ...  # x @ W.T (+ b)
     def expert_linear(self, x: Any, weight: str, expert: int) -> Any: ...  # x @ W[expert].T (stacked experts)
+    def expert_bias(self, name: str, expert: int) -> Any: ...  # row expert of a stacked [experts, n] bias
     def rope(self, x: Any, positions: Any, layer: int) -> Any: ...  # x [T, heads, head_dim]
     def store_kv(self, layer: int, k: Any, v: Any, positions: Any) -> None: ...
     def attention(self, layer: int, q: Any, positions: Any) -> Any: ...  # over the cache -> [T, H, Dv]
@@ -97,14 +99,14 @@ class ComposedBlocks:
 
     def attn_out(self, x: Any, a: Any, layer: int) -> Any:
         w = f"blk.{layer}."
-        o = self.p.linear(a, w + "attn_output.weight")
+        o = self.p.linear(a, w + "attn_output.weight", w + "attn_output.bias" if self.cfg.o_bias else None)
         if self.cfg.post_norms:
             o = self.p.rms_norm(o, w + "post_attention_norm.weight")
         return x + o
 
     def ffn(self, x: Any, layer: int) -> Any:
         p, w = self.p, f"blk.{layer}."
-        h = p.rms_norm(x, w + "ffn_norm.weight")
+        h = p.rms_norm(x, w + self.cfg.ffn_norm + ".weight")
         if self.cfg.n_expert:
             d = self.moe(h, layer)
         elif self.cfg.fused_gate_up:  # Phi-3: one product, gate rows first
@@ -122,17 +124,23 @@ class ComposedBlocks:
         probabilities by softmax, the n_expert_used most probable experts a token (renormalized over
         them where expert_norm), each a SwiGLU; tokens grouped by expert; then the shared expert."""
         p, cfg, w = self.p, self.cfg, f"blk.{layer}."
-        probs = softmax(np.asarray(p.linear(h, w + "ffn_gate_inp.weight"), np.float32))
+        b = cfg.expert_bias  # gpt-oss: the router and every expert product carry biases
+        logits = np.asarray(p.linear(h, w + "ffn_gate_inp.weight", w + "ffn_gate_inp.bias" if b else None), np.float32)
+        probs = softmax(logits)
         chosen = np.argsort(-probs, axis=-1, kind="stable")[:, :cfg.n_expert_used]  # ties: the lower id
         weights = np.take_along_axis(probs, chosen, -1)
-        if cfg.expert_norm:
+        if cfg.expert_norm:  # (gpt-oss' softmax over the k largest logits is the same)
             weights = weights / weights.sum(-1, keepdims=True)
+
+        def lin(x: np.ndarray, name: str, e: int) -> np.ndarray:
+            y = p.expert_linear(x, w + name + ".weight", e)
+            return y + p.expert_bias(w + name + ".bias", e) if b else y
+
         out = np.zeros_like(h)
         for e in np.unique(chosen):
             rows, slot = np.nonzero(chosen == e)
             he = h[rows]
-            y = p.expert_linear(p.glu(p.expert_linear(he, w + "ffn_gate_exps.weight", e),
-                                      p.expert_linear(he, w + "ffn_up_exps.weight", e)), w + "ffn_down_exps.weight", e)
+            y = lin(p.glu(lin(he, "ffn_gate_exps", e), lin(he, "ffn_up_exps", e)), "ffn_down_exps", e)
             out[rows] += weights[rows, slot][:, None] * y
         if cfg.n_ff_shexp:  # Qwen2-MoE's shared expert, every token, times sigmoid(h . w)
             shared = p.linear(p.glu(p.linear(h, w + "ffn_gate_shexp.weight"), p.linear(h, w + "ffn_up_shexp.weight")),
@@ -161,4 +169,21 @@ def rope_inv_freq(cfg: ModelConfig, base: float, scale: float,
     inv = base ** (-np.arange(0, n, 2, dtype=np.float64) / n) * scale
     if freq_factors is not None:
         inv = inv / freq_factors.astype(np.float64)
+    if cfg.rope.yarn_factor:
+        inv = yarn_mix(inv, cfg.rope.yarn_factor, base, n, cfg.rope.orig_ctx, cfg.rope.yarn_beta_fast,
+                       cfg.rope.yarn_beta_slow)
     return inv
+
+
+def yarn_mix(inv: np.ndarray, factor: float, base: float, n_dims: int, orig_ctx: int, beta_fast: float,
+             beta_slow: float) -> np.ndarray:
+    """YaRN (as OpenAI's gpt-oss and transformers with truncate off): pair j keeps its frequency
+    (extrapolates) below the dimension that turns beta_fast times in orig_ctx tokens, is divided by
+    factor (interpolates) past the one turning beta_slow times, and ramps linearly between. llama.cpp
+    rounds the two ends to whole dimensions (floor, ceil); the difference moves a few pairs near them."""
+    def dim(turns: float) -> float:
+        return n_dims * math.log(orig_ctx / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = max(dim(beta_fast), 0.0), min(dim(beta_slow), n_dims - 1.0)
+    ramp = np.clip((np.arange(inv.shape[0], dtype=np.float64) - low) / max(high - low, 0.001), 0.0, 1.0)
+    return inv / factor * ramp + inv * (1.0 - ramp)

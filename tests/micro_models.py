@@ -68,6 +68,7 @@ class Micro:
     n_ff_shexp: int = 0  # a shared expert (qwen2moe)
     extra: tuple[tuple[str, int], ...] = ()  # more float32 vectors (name, length): tensors a variant adds
     longrope: tuple[tuple[float, ...], tuple[float, ...], int, float] | None = None  # long, short, orig ctx, attn factor
+    yarn: tuple[float, int] | None = None  # {arch}.rope.scaling.type = yarn: (factor, original context length)
     eps: float = 1e-6
     seed: int = 0
 
@@ -176,6 +177,16 @@ def _tensors(m: Micro, n_vocab: int, rng: np.random.Generator) -> dict[str, np.n
             t[p + "ffn_down.weight"] = mat(d, m.n_ff)
         if m.post_norms:
             t[p + "post_ffw_norm.weight"] = norm(d)
+        if m.arch == "gpt-oss":  # O bias, a sink logit a head, the FFN norm named post_attention_norm, biases
+            t[p + "attn_output.bias"] = (0.1 * rng.standard_normal(d)).astype(np.float32)
+            t[p + "attn_sinks.weight"] = rng.standard_normal(m.n_head).astype(np.float32)
+            t[p + "post_attention_norm.weight"] = t.pop(p + "ffn_norm.weight")
+            t[p + "ffn_gate_inp.bias"] = (0.5 * rng.standard_normal(m.n_expert)).astype(np.float32)
+            for name, n in (("gate", m.n_ff_exp), ("up", m.n_ff_exp), ("down", d)):
+                t[p + f"ffn_{name}_exps.bias"] = (0.1 * rng.standard_normal((m.n_expert, n))).astype(np.float32)
+            t[p + "ffn_gate_exps.bias"][:, :4] += 9.0  # past the clamped SwiGLU's limit of 7: the clamps show
+            t[p + "ffn_up_exps.bias"][:, :2] += 9.0
+            t[p + "ffn_up_exps.bias"][:, 2:4] -= 9.0
         if m.arch == "phi3":  # llama.cpp's Phi-3 layout: one QKV matrix, one gate-up matrix (gate first)
             t[p + "attn_qkv.weight"] = np.concatenate([t.pop(p + f"attn_{x}.weight") for x in "qkv"])
             t[p + "ffn_up.weight"] = np.concatenate([t.pop(p + "ffn_gate.weight"), t.pop(p + "ffn_up.weight")])
@@ -211,6 +222,10 @@ def write_micro(m: Micro, path: str | Path) -> Path:
         w.add_float32(a + "attn_logit_softcapping", m.attn_softcap)
     if m.final_softcap is not None:
         w.add_float32(a + "final_logit_softcapping", m.final_softcap)
+    if m.yarn is not None:
+        w.add_string(a + "rope.scaling.type", "yarn")
+        w.add_float32(a + "rope.scaling.factor", m.yarn[0])
+        w.add_uint32(a + "rope.scaling.original_context_length", m.yarn[1])
     if m.longrope is not None:
         w.add_uint32(a + "rope.scaling.original_context_length", m.longrope[2])
         w.add_float32(a + "rope.scaling.attn_factor", m.longrope[3])

@@ -177,6 +177,91 @@ def test_qwen2moe(tmp_path):
         assert _max_rel(be.eval(ids, all_logits=True), ref).max() > 100 * MAX_REL, without
 
 
+# ---- gpt-oss -------------------------------------------------------------------------------------
+
+GPTOSS = dict(arch="gpt-oss", vocab="qwen2", n_embd=64, n_head=4, n_head_kv=2, head_dim=16, bias=True,
+              rope_base=150000.0, tied=False, n_expert=8, n_expert_used=2, n_ff_exp=64, n_ff=64, sliding_window=4,
+              yarn=(32.0, 4096))
+
+
+def gpt_oss_hf(path: Path):
+    """transformers' GptOssForCausalLM holding the micro file's weights: its GGUF loader does not read
+    gpt-oss, so the model is built from the file's config (YaRN with truncate off, as the released
+    checkpoints) and the tensors are renamed, gate and up interleaved in gate_up_proj as it stores them."""
+    import torch
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    f = open_gguf(path)
+    cfg = config_from_gguf(f)
+    be = NumpyBackend(f, cfg, 8)
+
+    def w(name: str) -> torch.Tensor:
+        return torch.tensor(np.asarray(be.weight(name), np.float32))
+
+    r = cfg.rope
+    hc = GptOssConfig(vocab_size=cfg.n_vocab, hidden_size=cfg.n_embd, intermediate_size=cfg.n_ff_exp,
+                      num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_head_kv,
+                      head_dim=cfg.head_dim, num_local_experts=cfg.n_expert, num_experts_per_tok=cfg.n_expert_used,
+                      sliding_window=max(cfg.layer_window), rms_norm_eps=cfg.rms_eps, tie_word_embeddings=False,
+                      max_position_embeddings=int(r.orig_ctx * r.yarn_factor),
+                      rope_parameters={"rope_type": "yarn", "factor": r.yarn_factor, "beta_fast": r.yarn_beta_fast,
+                                       "beta_slow": r.yarn_beta_slow, "truncate": False,
+                                       "original_max_position_embeddings": r.orig_ctx, "rope_theta": r.base})
+    hc._attn_implementation = "eager"
+    model = GptOssForCausalLM(hc).float().eval()
+    sd = {"model.embed_tokens.weight": w("token_embd.weight"), "model.norm.weight": w("output_norm.weight"),
+          "lm_head.weight": w("output.weight")}
+    for i in range(cfg.n_layer):
+        p, h = f"blk.{i}.", f"model.layers.{i}."
+        for ours, theirs in (("attn_norm", "input_layernorm"), ("post_attention_norm", "post_attention_layernorm")):
+            sd[h + theirs + ".weight"] = w(p + ours + ".weight")
+        for x in "qkv":
+            sd[h + f"self_attn.{x}_proj.weight"] = w(p + f"attn_{x}.weight")
+            sd[h + f"self_attn.{x}_proj.bias"] = w(p + f"attn_{x}.bias")
+        sd[h + "self_attn.o_proj.weight"] = w(p + "attn_output.weight")
+        sd[h + "self_attn.o_proj.bias"] = w(p + "attn_output.bias")
+        sd[h + "self_attn.sinks"] = w(p + "attn_sinks.weight")
+        sd[h + "mlp.router.weight"] = w(p + "ffn_gate_inp.weight")
+        sd[h + "mlp.router.bias"] = w(p + "ffn_gate_inp.bias")
+        gate, up = w(p + "ffn_gate_exps.weight"), w(p + "ffn_up_exps.weight")  # [E, f, d]
+        gu = torch.empty(cfg.n_expert, cfg.n_embd, 2 * cfg.n_ff_exp)
+        gu[:, :, 0::2], gu[:, :, 1::2] = gate.transpose(1, 2), up.transpose(1, 2)
+        gub = torch.empty(cfg.n_expert, 2 * cfg.n_ff_exp)
+        gub[:, 0::2], gub[:, 1::2] = w(p + "ffn_gate_exps.bias"), w(p + "ffn_up_exps.bias")
+        sd[h + "mlp.experts.gate_up_proj"], sd[h + "mlp.experts.gate_up_proj_bias"] = gu, gub
+        sd[h + "mlp.experts.down_proj"] = w(p + "ffn_down_exps.weight").transpose(1, 2).contiguous()
+        sd[h + "mlp.experts.down_proj_bias"] = w(p + "ffn_down_exps.bias")
+    model.load_state_dict(sd, strict=True)
+    return model
+
+
+@pytest.mark.parametrize("quant", [None, "Q8_0"])
+def test_gpt_oss(tmp_path, quant):
+    """gpt-oss: q/k/v/o biases, a sink logit a head, the even layers sliding (window 4 here), YaRN
+    (factor 32 over 4,096 tokens, its attention factor on cos and sin), a router with a bias whose
+    top 2 logits are softmaxed (the renormalized top 2 of its softmax), the clamped SwiGLU (gate <= 7, |up| <= 7, (up + 1) gate sigmoid(1.702
+    gate)) with expert biases; float32, and Q8_0 matrices and experts (the released files' other
+    matrices; their MXFP4 experts are not read yet). Each part shows in the logits."""
+    q = {".weight": QT.Q8_0} if quant else {}
+    m = Micro(**GPTOSS, quant=q)
+    path = write_micro(m, tmp_path / "micro-gpt-oss.gguf")
+    f = open_gguf(path)
+    cfg = config_from_gguf(f)
+    assert cfg.layer_window == (4, 0) and cfg.ffn_norm == "post_attention_norm" and not cfg.post_norms
+    ids = prompt_ids(cfg.n_vocab, N_PROMPT + N_MORE)
+    first, second = numpy_logits(path, ids[:N_PROMPT], ids[N_PROMPT:])
+    model = gpt_oss_hf(path)
+    ref = hf_logits(model, ids)
+    assert_match(first, ref[:N_PROMPT], "gpt-oss prompt")
+    assert_match(second, ref[N_PROMPT:], "gpt-oss after the KV cache")
+    assert_rope_matches(path, model)
+    rope_off = dataclasses.replace(cfg.rope, yarn_factor=0.0, attn_factor=1.0)
+    for without in ({"attn_sinks": False}, {"expert_norm": False}, {"glu_limit": 1e9}, {"rope": rope_off},
+                    {"layer_window": (0, 0)}):
+        be = NumpyBackend(f, dataclasses.replace(cfg, **without), 32)
+        assert _max_rel(be.eval(ids, all_logits=True), ref).max() > 100 * MAX_REL, without
+
+
 def test_qwen3moe_nonsense_expert_counts_are_one_line(tmp_path):
     """More experts a token than experts, or none, is a damaged file: one line naming the key."""
     from gguf_runtime.errors import GGUFError

@@ -1,6 +1,7 @@
 """Model configuration read from GGUF metadata, and the checks that a file can run here.
 
-One ``ModelConfig`` describes every supported architecture (llama, gemma3, qwen2, qwen3, qwen3moe):
+One ``ModelConfig`` describes every supported architecture (llama, gemma3, qwen2, qwen3, qwen3moe,
+qwen2moe, phi3, gpt-oss):
 the differences are data (norm placement, activation, RoPE style, per-layer windows, biases, a
 mixture-of-experts FFN), so a single model definition (``model.py``) runs them all.
 """
@@ -17,11 +18,13 @@ from ..errors import GGUFError, UnsupportedModelError
 from .gguf_file import GGUFFile
 from .blocks import SUPPORTED, SUPPORTED_IDS
 
-SUPPORTED_ARCHS = ("llama", "gemma3", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "phi3")
-ARCH_EXAMPLES = ("llama (SmolLM2, Llama 2/3, Mistral, TinyLlama), gemma3, qwen2, qwen3, "
-                 "qwen3moe (Qwen3-30B-A3B, Qwen3-235B-A22B; numpy backend), qwen2moe (Qwen1.5-MoE, Qwen2-57B-A14B; "
-                 "numpy backend), phi3 (Phi-3, Phi-3.5, Phi-4-mini; numpy backend)")
-MOE_ARCHS = ("qwen3moe", "qwen2moe")
+SUPPORTED_ARCHS = ("llama", "gemma3", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "phi3", "gpt-oss")
+ARCH_EXAMPLES = ("llama (SmolLM2, Llama 2/3, Mistral, TinyLlama), gemma3, qwen2, qwen3, qwen3moe (Qwen3-30B-A3B, "
+                 "Qwen3-235B-A22B), and on the numpy backend qwen2moe (Qwen1.5-MoE, Qwen2-57B-A14B), phi3 (Phi-3, "
+                 "Phi-3.5, Phi-4-mini), gpt-oss (gpt-oss-20b, -120b)")
+MOE_ARCHS = ("qwen3moe", "qwen2moe", "gpt-oss")
+# gpt-oss: the clamped SwiGLU's alpha and limit (llama.cpp and transformers' defaults: the files carry neither)
+OAI_GLU_ALPHA, OAI_GLU_LIMIT = 1.702, 7.0
 MAX_EXPERTS = 1024
 
 ROPE_NORM, ROPE_NEOX = "norm", "neox"
@@ -42,6 +45,12 @@ class RopeConfig:
     short_factors: str | None = None
     orig_ctx: int = 0
     attn_factor: float = 1.0
+    # YaRN (gpt-oss): frequencies between interpolated (divided by yarn_factor) and extrapolated ones,
+    # ramped over the dimensions whose wavelengths lie between the beta_fast and beta_slow rotations
+    # in orig_ctx tokens; attn_factor = 1 + 0.1 ln(factor) scales cos and sin
+    yarn_factor: float = 0.0
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
 
     def factors_for(self, n_ctx: int) -> str | None:
         """The frequency-factor tensor of a context of n_ctx tokens (None: plain RoPE)."""
@@ -87,6 +96,16 @@ class ModelConfig:
     # Phi-3: Q, K and V rows in one matrix (attn_qkv), gate and up rows in one (ffn_up: gate first)
     fused_qkv: bool = False
     fused_gate_up: bool = False
+    # gpt-oss: the FFN's norm tensor (post_attention_norm there), an O bias, per-head attention sinks
+    # (a logit in every softmax's denominator), router and expert biases (its softmax over the k
+    # largest logits is expert_norm's renormalized top-k), and activation "swiglu_oai" (gate clamped
+    # to glu_limit, up to +-glu_limit, (up + 1) gate sigmoid(alpha gate))
+    ffn_norm: str = "ffn_norm"
+    o_bias: bool = False
+    attn_sinks: bool = False
+    expert_bias: bool = False
+    glu_limit: float = 0.0
+    glu_alpha: float = 0.0
 
     @property
     def n_gqa(self) -> int:
@@ -209,8 +228,8 @@ def _config(f: GGUFFile) -> ModelConfig:
         raise GGUFError(f"{f.path}: tensor 'token_embd.weight' has shape {list(embd.shape)}, expected "
                         f"{[n_vocab, n_embd]} from '{a}vocab_size' and '{a}embedding_length'; the file is damaged")
 
-    gemma = arch == "gemma3"
-    neox = arch in ("gemma3", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "phi3")
+    gemma, oai = arch == "gemma3", arch == "gpt-oss"
+    neox = arch in ("gemma3", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "phi3", "gpt-oss")
     n_expert = n_expert_used = n_ff_exp = n_ff_shexp = 0
     if arch in MOE_ARCHS:
         n_expert = _int(meta, a + "expert_count", lo=1, hi=MAX_EXPERTS)
@@ -223,12 +242,19 @@ def _config(f: GGUFFile) -> ModelConfig:
     if scaling is not None and not isinstance(scaling, str):
         raise GGUFError(f"metadata '{a}rope.scaling.type' = {_show(scaling)} is not a string; the file is damaged")
     factor = _float(meta, a + "rope.scaling.factor", None, lo=0.0)
+    yarn = {}
     if scaling in (None, "none") or (scaling == "linear" and not factor):
         pass
     elif scaling == "linear":
         rope_scale = 1.0 / factor
+    elif scaling == "yarn" and factor and factor > 1.0:
+        yarn = dict(yarn_factor=factor, orig_ctx=_int(meta, a + "rope.scaling.original_context_length", lo=1),
+                    yarn_beta_fast=_float(meta, a + "rope.scaling.yarn_beta_fast", 32.0, lo=0.0, above=True),
+                    yarn_beta_slow=_float(meta, a + "rope.scaling.yarn_beta_slow", 1.0, lo=0.0, above=True),
+                    attn_factor=1.0 + 0.1 * math.log(factor))
     else:
-        raise UnsupportedModelError(f"{f.path}: RoPE scaling '{scaling}' is not supported (none and linear are)")
+        raise UnsupportedModelError(f"{f.path}: RoPE scaling '{scaling}' is not supported (none, linear and yarn "
+                                    "are)")
     if sc := _float(meta, a + "rope.scale_linear", None, lo=0.0):
         rope_scale = 1.0 / sc
     longrope = {}
@@ -247,6 +273,7 @@ def _config(f: GGUFFile) -> ModelConfig:
         base_local=10000.0 if gemma else None,
         freq_factors="rope_freqs.weight" if "rope_freqs.weight" in f.tensors else None,
         **longrope,
+        **yarn,
     )
     if rope.n_dims > head_dim or rope.n_dims % 2:
         raise GGUFError(f"{f.path}: RoPE dimension count {rope.n_dims} does not fit head size {head_dim}")
@@ -260,6 +287,8 @@ def _config(f: GGUFFile) -> ModelConfig:
         else:
             period = _int(meta, a + "attention.sliding_window_pattern", 6) if pattern is not None else 6
             windows = [0 if (i + 1) % max(period, 1) == 0 else window for i in range(n_layer)]
+    if oai and window:  # llama.cpp's swa pattern 2: the even layers slide
+        windows = [window if i % 2 == 0 else 0 for i in range(n_layer)]
 
     attn_softcap = _float(meta, a + "attn_logit_softcapping", None, lo=0.0)
     final_softcap = _float(meta, a + "final_logit_softcapping", None, lo=0.0)
@@ -277,12 +306,12 @@ def _config(f: GGUFFile) -> ModelConfig:
         n_ctx_train=_int(meta, a + "context_length", 2048, lo=1),
         rms_eps=_float(meta, a + "attention.layer_norm_rms_epsilon", 1e-5, lo=0.0, hi=1.0),
         rope=rope,
-        activation="gelu_tanh" if gemma else "silu",
+        activation="gelu_tanh" if gemma else "swiglu_oai" if oai else "silu",
         tied_embeddings="output.weight" not in f.tensors,
         embed_scale=math.sqrt(n_embd) if gemma else 1.0,
         qk_norm="blk.0.attn_q_norm.weight" in f.tensors,
         attn_bias="blk.0.attn_q.bias" in f.tensors,
-        post_norms="blk.0.post_attention_norm.weight" in f.tensors,
+        post_norms="blk.0.post_attention_norm.weight" in f.tensors and not oai,
         # llama.cpp: Gemma-3 27B (62 layers) scales by the model width per head, not the head size
         attn_scale=1.0 / math.sqrt(n_embd // n_head if gemma and n_layer == 62 else head_dim),
         attn_softcap=attn_softcap or None,
@@ -295,6 +324,12 @@ def _config(f: GGUFFile) -> ModelConfig:
         n_ff_shexp=n_ff_shexp,
         fused_qkv="blk.0.attn_qkv.weight" in f.tensors,
         fused_gate_up=arch == "phi3",
+        ffn_norm="post_attention_norm" if oai else "ffn_norm",
+        o_bias="blk.0.attn_output.bias" in f.tensors,
+        attn_sinks=oai,
+        expert_bias=oai,
+        glu_limit=OAI_GLU_LIMIT if oai else 0.0,
+        glu_alpha=OAI_GLU_ALPHA if oai else 0.0,
     )
     check_tensors(f, cfg)
     return cfg
@@ -310,13 +345,22 @@ def layer_tensors(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
     else:
         t.update({p + "attn_q.weight": (q, d), p + "attn_k.weight": (kv, d), p + "attn_v.weight": (kvv, d)})
     t[p + "attn_output.weight"] = (d, cfg.n_head * cfg.head_dim_v)
-    t[p + "ffn_norm.weight"] = (d,)
+    if cfg.o_bias:
+        t[p + "attn_output.bias"] = (d,)
+    if cfg.attn_sinks:
+        t[p + "attn_sinks.weight"] = (cfg.n_head,)
+    t[p + cfg.ffn_norm + ".weight"] = (d,)
     if cfg.n_expert:  # the router, then every expert's matrices stacked: [expert, rows, columns]
         e, f = cfg.n_expert, cfg.n_ff_exp
         t[p + "ffn_gate_inp.weight"] = (e, d)
         t[p + "ffn_gate_exps.weight"] = (e, f, d)
         t[p + "ffn_up_exps.weight"] = (e, f, d)
         t[p + "ffn_down_exps.weight"] = (e, d, f)
+        if cfg.expert_bias:
+            t[p + "ffn_gate_inp.bias"] = (e,)
+            t[p + "ffn_gate_exps.bias"] = (e, f)
+            t[p + "ffn_up_exps.bias"] = (e, f)
+            t[p + "ffn_down_exps.bias"] = (e, d)
         if cfg.n_ff_shexp:
             s = cfg.n_ff_shexp
             t[p + "ffn_gate_inp_shexp.weight"] = (d,)

@@ -54,6 +54,10 @@ KV_RESERVE = 1 << 30  # GPU memory kept beside the KV cache and the workspace: f
 
 
 def check_supported(cfg: ModelConfig) -> None:
+    if cfg.attn_sinks or cfg.expert_bias or cfg.o_bias or cfg.rope.yarn_factor or cfg.activation == "swiglu_oai":
+        raise UnsupportedModelError(
+            f"{cfg.arch}'s attention sinks, biases, YaRN and clamped SwiGLU are not run by the CUDA backend yet; use "
+            "--backend numpy (slow: for checking, not for use)")
     if cfg.n_expert:
         if cfg.n_ff_shexp:
             raise UnsupportedModelError(

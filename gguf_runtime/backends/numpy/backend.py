@@ -135,6 +135,9 @@ class NumpyBackend:
     def expert_linear(self, x: np.ndarray, weight: str, expert: int) -> np.ndarray:
         return x @ self.expert(weight, expert).T
 
+    def expert_bias(self, name: str, expert: int) -> np.ndarray:
+        return self.weight(name)[expert]
+
     def expert(self, name: str, e: int) -> np.ndarray:
         """Expert e's matrix of a stacked [experts, rows, columns] tensor: the whole tensor where the
         budget keeps it, else only e's rows dequantized (a 30B MoE's experts exceed any budget)."""
@@ -166,9 +169,15 @@ class NumpyBackend:
         if cfg.attn_softcap:
             s = np.float32(cfg.attn_softcap) * np.tanh(s / np.float32(cfg.attn_softcap))
         s = np.where(self.attention_mask(layer, positions, n_kv)[None, None], np.float32(-np.inf), s)
-        s = s - s.max(axis=-1, keepdims=True)
-        p = np.exp(s)
-        p /= p.sum(axis=-1, keepdims=True)
+        if cfg.attn_sinks:  # gpt-oss: each head's sink logit joins the denominator (no value)
+            sink = self.weight(f"blk.{layer}.attn_sinks.weight").reshape(cfg.n_head_kv, cfg.n_gqa, 1, 1)
+            m = np.maximum(s.max(axis=-1, keepdims=True), sink)
+            p = np.exp(s - m)
+            p /= p.sum(axis=-1, keepdims=True) + np.exp(sink - m)
+        else:
+            s = s - s.max(axis=-1, keepdims=True)
+            p = np.exp(s)
+            p /= p.sum(axis=-1, keepdims=True)
         out = np.einsum("hgts,shd->thgd", p, vals)
         return out.astype(np.float32, copy=False).reshape(t, cfg.n_head, cfg.head_dim_v)
 
@@ -182,7 +191,12 @@ class NumpyBackend:
         return mask
 
     def glu(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-        act = gelu_tanh(gate) if self.cfg.activation == "gelu_tanh" else silu(gate)
+        cfg = self.cfg
+        if cfg.activation == "swiglu_oai":  # gpt-oss: clamped, sigmoid(alpha x), up + 1
+            lim = np.float32(cfg.glu_limit)
+            g = np.minimum(gate, lim)
+            return g / (1 + np.exp(-np.float32(cfg.glu_alpha) * g)) * (np.clip(up, -lim, lim) + np.float32(1))
+        act = gelu_tanh(gate) if cfg.activation == "gelu_tanh" else silu(gate)
         return act * up
 
     def softcap(self, x: np.ndarray, cap: float) -> np.ndarray:
