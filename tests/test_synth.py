@@ -277,10 +277,10 @@ def test_errors(tmp_path, monkeypatch):
     assert "disk full" in one_line(e.value)
     assert not list(tmp_path.glob("*.synth-tmp")) and not (tmp_path / "x.gguf").exists()
 
-    iq = pack_header([("general.architecture", VT.STRING, "llama")], [("w", (256, 4), BY_NAME["IQ2_XXS"])])
+    iq = pack_header([("general.architecture", VT.STRING, "llama")], [("w", (256, 4), BY_NAME["TQ1_0"])])
     with pytest.raises(SynthError) as e:
         write_twin(iq, tmp_path / "iq.gguf")
-    assert "IQ2_XXS" in one_line(e.value)
+    assert "TQ1_0" in one_line(e.value)
 
 
 # ---- CLI ---------------------------------------------------------------------------------------

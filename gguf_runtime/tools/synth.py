@@ -137,7 +137,7 @@ def _floats(x: np.ndarray, type_id: int) -> np.ndarray:
 
 def _weights(type_id: int, n: int, rng: np.random.Generator, scale: float) -> np.ndarray:
     name = FORMATS[type_id].name
-    if name in IQ_KERNELS:  # MXFP4, IQ4_NL, IQ4_XS: twins of models the runtime does not run yet
+    if name in IQ_KERNELS:  # MXFP4, IQ4, IQ3, IQ2, IQ1: twins of models the runtime does not run yet
         return random_iq_blocks(name, n, rng, scale)
     return random_blocks(type_id, n, rng, scale)
 
