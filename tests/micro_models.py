@@ -31,6 +31,8 @@ from gguf_runtime.backends.numpy.backend import NumpyBackend
 from gguf_runtime.format.gguf_file import open_gguf
 from gguf_runtime.format.model_config import config_from_gguf
 from gguf_runtime.quant_kernels.reference import random_blocks
+from gguf_runtime.quant_kernels.reference_iq import KERNELS as IQ_KERNELS
+from gguf_runtime.quant_kernels.reference_iq import random_iq_blocks
 
 VOCAB_DIR = Path(__file__).resolve().parent / "data" / "tokenizer"
 # Token embeddings at a real checkpoint's scale (SmolLM2-135M: RMS 0.136; initialisers use 0.02), so the
@@ -243,6 +245,9 @@ def write_micro(m: Micro, path: str | Path) -> Path:
             w.add_tensor(name, arr)
         elif qt in (QT.Q8_0, QT.Q4_0, QT.Q5_0, QT.Q4_1, QT.Q5_1):  # real quantization of the random weights
             w.add_tensor(name, quantize(arr, QT(qt)), raw_dtype=QT(qt))
+        elif QT(qt).name in IQ_KERNELS:  # i-quants and MXFP4: random well-formed blocks (reference_iq)
+            blocks = random_iq_blocks(QT(qt).name, arr.size, rng, scale=float(arr.std()))
+            w.add_tensor(name, blocks.reshape(*arr.shape[:-1], -1), raw_dtype=QT(qt))
         else:  # K-quants: random well-formed blocks (gguf-py cannot quantize them)
             blocks = random_blocks(int(qt), arr.size, rng, scale=float(arr.std()))
             w.add_tensor(name, blocks.reshape(*arr.shape[:-1], -1), raw_dtype=QT(qt))

@@ -122,10 +122,10 @@ def test_int8_rest_path_every_row(micro, monkeypatch, rng):
         assert_all_rows(got, run(f32, ids, more), what=f"micro {name} int8 + rests vs f32", **REST)
 
 
-@pytest.mark.parametrize("case", ["qwen2moe", "phi3", "gpt-oss"])
+@pytest.mark.parametrize("case", ["qwen2moe", "phi3", "gpt-oss", "IQ4_XS"])
 def test_numpy_only_architectures_are_refused_in_one_line(tmp_path, case):
-    """qwen2moe (its shared expert), phi3 and gpt-oss run on the numpy backend only: the CUDA backend
-    names why and the way out."""
+    """qwen2moe (its shared expert), phi3, gpt-oss and the IQ / MXFP4 types run on the numpy backend
+    only: the CUDA backend names why and the way out."""
     from gguf_runtime.errors import UnsupportedModelError
     if case == "qwen2moe":
         m = Micro(arch="qwen2moe", vocab="qwen2", n_embd=256, n_head=4, n_head_kv=2, head_dim=64, tied=False,
@@ -134,6 +134,9 @@ def test_numpy_only_architectures_are_refused_in_one_line(tmp_path, case):
     elif case == "phi3":
         m = Micro(arch="phi3", vocab="phi-3", n_embd=256, n_head=4, n_head_kv=4, tied=False)
         words = r"phi3's fused QKV / gate-up matrices .*use --backend numpy"
+    elif case == "IQ4_XS":  # a type only the numpy backend reads
+        m = Micro(**SHAPE, quant={"ffn_down.weight": QT.IQ4_XS})
+        words = r"tensor 'blk.0.ffn_down.weight' uses quant type IQ4_XS, which the CUDA kernels do not read yet"
     else:
         m = Micro(arch="gpt-oss", vocab="qwen2", n_embd=256, n_head=4, n_head_kv=2, head_dim=64, bias=True, tied=False,
                   n_expert=8, n_expert_used=2, n_ff_exp=256, sliding_window=4, yarn=(32.0, 4096))

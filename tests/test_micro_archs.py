@@ -26,6 +26,7 @@ from gguf import GGMLQuantizationType as QT
 
 from gguf_runtime.backends.numpy.backend import NumpyBackend
 from gguf_runtime.format.gguf_file import open_gguf
+from gguf_runtime.format.blocks import NUMPY_ONLY
 from gguf_runtime.format.model_config import config_from_gguf
 from micro_models import Micro, hf_logits, hf_model, llama3_freq_factors, numpy_logits, prompt_ids, write_micro
 
@@ -160,6 +161,15 @@ def test_qwen3moe(tmp_path, quant):
         assert len(np.unique(top)) == 8
         # ... and routing matters: the same weights with one expert a token miss the reference
         assert_visible(tmp_path, Micro(**{**QWEN3MOE, "n_expert_used": 1}), ids, ref)
+
+
+@pytest.mark.parametrize("name", NUMPY_ONLY)
+def test_numpy_only_types_against_transformers(tmp_path, name):
+    """Experts in each type only the numpy backend reads (MXFP4, the IQ types): transformers' GGUF
+    loader dequantizes them with the gguf package, ours with reference_iq, and the logits agree."""
+    m = Micro(**{**QWEN3MOE, "n_embd": 256, "n_ff_exp": 256}, quant={"_exps.weight": QT[name]})
+    path, _, _ = run_case(tmp_path, m, head_dim=32, moe_intermediate_size=256)
+    assert open_gguf(path).tensors["blk.0.ffn_up_exps.weight"].type_name == name
 
 
 def test_qwen2moe(tmp_path):

@@ -19,7 +19,7 @@ import pytest
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from gguf_runtime.quant_kernels import formats
-from gguf_runtime.format.blocks import BY_NAME, FORMATS, SUPPORTED, nbytes
+from gguf_runtime.format.blocks import BY_NAME, FORMATS, NUMPY_ONLY, SUPPORTED, nbytes
 from gguf_runtime.quant_kernels.reference import dequantize, dequantize_rows, random_blocks
 
 # Byte offsets of the f16 scale / min fields inside one block (ggml-common.h block structs).
@@ -177,8 +177,8 @@ def test_formats_table_matches_gguf():
 def test_kernel_table_is_the_file_formats_rows():
     """quant_kernels keeps its own rows (it imports nothing of the runtime): the same ids, names
     and block sizes as format.blocks, for exactly the supported types."""
-    assert formats.SUPPORTED == SUPPORTED
-    assert formats.FORMATS == {i: FORMATS[i] for i in formats.SUPPORTED_IDS}
+    assert formats.SUPPORTED == SUPPORTED and formats.NUMPY_ONLY == NUMPY_ONLY
+    assert formats.FORMATS == {i: FORMATS[i] for i in formats.READABLE_IDS}
 
 
 def test_errors():
@@ -194,7 +194,7 @@ def test_errors():
         dequantize(raw, q4k, (1, 256))
     with pytest.raises(ValueError, match="uint8"):
         dequantize(raw.view(np.int8), q4k, (2, 256))
-    for name in ("Q8_1", "IQ2_XXS", "Q8_K", "I32", "F64", "MXFP4"):  # (the kernels know supported types only)
+    for name in ("Q8_1", "Q8_K", "I32", "F64", "TQ1_0", "NVFP4"):  # (the readable types only: supported, numpy-only)
         with pytest.raises(ValueError, match=f"type id {BY_NAME[name]} is not supported"):
             dequantize(np.zeros(nbytes(BY_NAME[name], 256), np.uint8), BY_NAME[name], (256,))
     with pytest.raises(ValueError, match="99"):
@@ -231,3 +231,31 @@ def test_all_finite_finds_a_damaged_value(name, rng):
             hit[o:o + 2] = np.frombuffer(np.float16(bad).tobytes(), np.uint8)
         assert not all_finite(hit, t), (name, bad)
 
+
+
+@pytest.mark.parametrize("name", NUMPY_ONLY)
+def test_numpy_only_types_through_dequantize(name):
+    """dequantize / dequantize_rows / all_finite read the types only the numpy backend runs
+    (reference_iq.py): the gguf package's values bit for bit, rows picked alike, a NaN or infinite
+    scale flagged (MXFP4's E8M0 0xFF, IQ1_M's f16 spread over its scale words, the others' d)."""
+    from gguf.quants import dequantize as gguf_dequantize
+
+    from gguf_runtime.quant_kernels.reference_iq import random_iq_blocks
+    t, rng = BY_NAME[name], np.random.default_rng(7)
+    raw = random_iq_blocks(name, 4 * 256, rng, 0.1)
+    x = dequantize(raw, t, (4, 256))
+    want = gguf_dequantize(raw.reshape(4, -1), GGMLQuantizationType(t)).astype(np.float32)
+    assert np.array_equal(x.view(np.uint32), want.view(np.uint32)) and np.abs(x).max() > 0
+    assert np.array_equal(dequantize_rows(raw, t, 256, np.array([3, 0, 3])), x[[3, 0, 3]])
+    assert all_finite(raw, t)
+    bad = raw.reshape(-1, FORMATS[t].block_bytes).copy()
+    if name == "MXFP4":
+        bad[1, 0] = 0xFF
+    elif name == "IQ1_M":  # f16 0x7C00 (infinity): nibbles 0, 0, C, 7 on top of the four scale words
+        bad[1, 49] = (bad[1, 49] & 0x0F)
+        bad[1, 51] = (bad[1, 51] & 0x0F)
+        bad[1, 53] = (bad[1, 53] & 0x0F) | 0xC0
+        bad[1, 55] = (bad[1, 55] & 0x0F) | 0x70
+    else:
+        bad[1, 0:2] = (0x00, 0x7E)
+    assert not all_finite(bad.reshape(-1), t)

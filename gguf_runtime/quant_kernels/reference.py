@@ -27,7 +27,8 @@ import math
 
 import numpy as np
 
-from .formats import FORMATS, SUPPORTED, SUPPORTED_IDS, Format, nbytes
+from . import reference_iq
+from .formats import FORMATS, NUMPY_ONLY, READABLE_IDS, SUPPORTED, Format, nbytes
 from .reference_k import KERNELS as _K_KERNELS
 from .reference_k import f16_field
 
@@ -83,9 +84,9 @@ assert set(_KERNELS) | {"F32", "F16", "BF16"} == set(SUPPORTED)
 
 
 def _check_type(type_id: int) -> Format:
-    if type_id not in SUPPORTED_IDS:
+    if type_id not in READABLE_IDS:
         raise ValueError(f"ggml type id {type_id} is not supported by the reference "
-                         f"dequantizer; supported: {', '.join(SUPPORTED)}")
+                         f"dequantizer; supported: {', '.join(SUPPORTED + NUMPY_ONLY)}")
     return FORMATS[type_id]
 
 
@@ -113,8 +114,13 @@ def all_finite(raw: np.ndarray, type_id: int) -> bool:
     if fmt.name in ("F32", "F16"):
         return bool(np.isfinite(raw.view("<f4" if fmt.name == "F32" else "<f2")).all())
     blocks = raw.reshape(-1, fmt.block_bytes)
+    if fmt.name == "MXFP4":  # an E8M0 scale of 0xFF is NaN
+        return not (blocks[:, 0] == 0xFF).any()
+    if fmt.name == "IQ1_M":  # its f16 scale is spread over the scale words' top nibbles
+        return bool(np.isfinite(reference_iq.iq1_m_scale(blocks)).all())
     # an f16 is NaN or infinite when its exponent bits (0x7C of the high byte) are all set
-    return not any(((blocks[:, o + 1] & 0x7C) == 0x7C).any() for o in F16_FIELDS[fmt.name])
+    fields = (0,) if fmt.name in NUMPY_ONLY else F16_FIELDS[fmt.name]  # the i-quants: d at 0
+    return not any(((blocks[:, o + 1] & 0x7C) == 0x7C).any() for o in fields)
 
 
 def dequantize(raw: np.ndarray, type_id: int, shape: tuple[int, ...]) -> np.ndarray:
@@ -143,9 +149,14 @@ def dequantize(raw: np.ndarray, type_id: int, shape: tuple[int, ...]) -> np.ndar
         out = np.empty(n, np.uint32)
         np.left_shift(raw.view("<u2"), np.uint32(16), out=out, dtype=np.uint32)
         return out.view(np.float32).reshape(shape)
-    kernel = _KERNELS[fmt.name]
     nb = n // fmt.block_elems
     blocks = raw.reshape(nb, fmt.block_bytes)
+    if fmt.name in NUMPY_ONLY:  # reference_iq's dequantizers return their blocks' values
+        deq = reference_iq.KERNELS[fmt.name][2]
+        step = max(1, _CHUNK_ELEMS // fmt.block_elems)
+        return np.concatenate([deq(blocks[i:i + step]) for i in range(0, nb, step)] or
+                              [np.empty((0, fmt.block_elems), np.float32)]).reshape(shape)
+    kernel = _KERNELS[fmt.name]
     out = np.empty((nb, fmt.block_elems), np.float32)
     step = max(1, _CHUNK_ELEMS // fmt.block_elems)
     for i in range(0, nb, step):

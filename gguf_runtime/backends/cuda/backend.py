@@ -34,7 +34,7 @@ from .kv_cache import PAGE_SIZE, PagedKVCache
 from . import tuning
 from .tuning import Tuning
 from ...model import forward
-from ...format.model_config import ModelConfig
+from ...format.model_config import ModelConfig, numpy_only_tensor
 from ...quant_kernels import kv_layout as KL
 from ...quant_kernels import launch_attention as LA
 from ...quant_kernels import launch_layers as LL
@@ -96,6 +96,10 @@ class CudaBackend(PrefillMixin):
                  use_graph: bool = True, note: Callable[[str], None] | None = None, max_batch: int = 1,
                  kv_tokens: int | None = None, kv_type: str | None = None, tune: Tuning | None = None) -> None:
         check_supported(cfg)
+        if (odd := numpy_only_tensor(f, cfg)) is not None:
+            raise UnsupportedModelError(
+                f"tensor '{odd[0]}' uses quant type {odd[1]}, which the CUDA kernels do not read yet; use "
+                "--backend numpy (slow: for checking, not for use) or a file in the types of the README")
         if max_batch not in BUCKETS:
             raise BackendError(f"--max-batch {max_batch} is not one of {', '.join(map(str, BUCKETS))}")
         self.f, self.cfg, self.n_ctx, self.max_batch = f, cfg, n_ctx, max_batch
