@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 
 from .default_model import default_model_path
+from ..format.model_store import resolve
 from ..sampling import SamplingParams
 
 ModelArg = typer.Argument(None, metavar="[MODEL]", show_default=False,
@@ -33,8 +34,10 @@ CacheTypeK = typer.Option("auto", "-ctk", "--cache-type-k",
 CacheTypeV = typer.Option("auto", "-ctv", "--cache-type-v", help="KV cache type of the values (as -ctk)")
 
 
-def resolve_model(model: Optional[str]) -> str:
-    return model if model else default_model_path()
+def resolve_model(model: Optional[str], models_dir: Optional[str] = None) -> str:
+    """A file path, a file of the models folder, or an Ollama name (format/model_store.py); no
+    model: the embedded default."""
+    return resolve(model, models_dir) if model else default_model_path()
 
 
 def kv_types(cache_type_k: str, cache_type_v: str) -> tuple[str, str]:
