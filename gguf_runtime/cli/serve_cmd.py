@@ -41,8 +41,8 @@ def serve(
     port: int = typer.Option(11434, "--port", min=0, max=65535, help="TCP port (Ollama's default; 0: any free)"),
     max_batch: int = typer.Option(64, "--max-batch", help="cuda: sequences decoded together, one of "
                                   "1, 2, 4, 8, 16, 32, 64 (numpy runs one at a time)"),
-    name: Optional[str] = typer.Option(None, "--name", help="model name clients use (default: the file "
-                                       "name without .gguf; ':latest' is implied)"),
+    name: Optional[str] = typer.Option(None, "--name", help="model name clients use (default: MODEL's Ollama "
+                                       "name, or the file name without .gguf; ':latest' is implied)"),
     ctx_size: Optional[int] = CtxSize,
     backend: str = Backend,
     cache_type_k: str = CacheTypeK,
@@ -80,6 +80,8 @@ def serve(
         raise typer.BadParameter("must be critical, error, warning, info or debug", param_hint="'--log-level'")
     kv = kv_types(cache_type_k, cache_type_v)
     path = resolve_model(model)
+    if name is None and model and path != model:  # an Ollama name (a blob's file name means nothing to clients)
+        name = model
     note = note_printer(quiet)
     sock = _bind(host, port)
 
