@@ -122,35 +122,15 @@ def test_cli_list_and_run_by_name(tmp_path, smollm2_path):
 
 def test_serve_by_name_answers_to_it(tmp_path, smollm2_path):
     """`gguf-run serve NAME` serves the store's blob under NAME (not the blob's file name)."""
-    import re
-    import socket
-    import time
     import urllib.request
 
+    from test_server import spawn_serve
     s = tmp_path / "ollama"
     add_model(s, ("registry.ollama.ai", "library", "smollm2", "135m"), Path(smollm2_path))
-    p = subprocess.Popen([sys.executable, "-m", "gguf_runtime", "serve", "smollm2:135m", "--backend", "numpy",
-                          "--port", "0", "-c", "128"], stderr=subprocess.PIPE, text=True,
-                         env={**os.environ, "OLLAMA_MODELS": str(s), "PYTHONUNBUFFERED": "1"})
+    p, url, _ = spawn_serve(128, ("smollm2:135m",), {"OLLAMA_MODELS": str(s)})
     try:
-        line = ""
-        for _ in range(20):
-            line = p.stderr.readline()
-            if line.startswith("serving") or not line:
-                break
-        m = re.search(r" on (http://\S+)", line)
-        assert m, line
-        url = m.group(1)
-        host, port = url.removeprefix("http://").split(":")
-        for _ in range(200):
-            try:
-                socket.create_connection((host, int(port)), timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.05)
         with urllib.request.urlopen(url + "/api/tags", timeout=30) as r:
-            names = [m["name"] for m in json.load(r)["models"]]
-        assert names == ["smollm2:135m"]
+            assert [m["name"] for m in json.load(r)["models"]] == ["smollm2:135m"]
     finally:
         p.kill()
         p.wait(timeout=30)

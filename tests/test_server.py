@@ -379,12 +379,13 @@ def test_cli_serve_and_ctrl_c(model_path, reference):
             p.kill()
 
 
-def spawn_serve(ctx: int = 256) -> tuple[subprocess.Popen, str, str]:
-    """`gguf-run serve` (numpy, the default model) on a free port; (process, base URL, its
-    "serving" line) once it accepts connections."""
-    p = subprocess.Popen([sys.executable, "-m", "gguf_runtime", "serve", "--backend", "numpy", "--port", "0",
-                          "--name", "tiny", "-c", str(ctx)], stderr=subprocess.PIPE, text=True,
-                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+def spawn_serve(ctx: int = 256, args: tuple[str, ...] = ("--name", "tiny"),
+                env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str, str]:
+    """`gguf-run serve` (numpy; the default model unless args name one) on a free port; (process,
+    base URL, its "serving" line) once it accepts connections."""
+    p = subprocess.Popen([sys.executable, "-m", "gguf_runtime", "serve", *args, "--backend", "numpy", "--port", "0",
+                          "-c", str(ctx)], stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"})
     line = ""
     for _ in range(20):
         line = p.stderr.readline()
