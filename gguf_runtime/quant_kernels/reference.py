@@ -151,16 +151,13 @@ def dequantize(raw: np.ndarray, type_id: int, shape: tuple[int, ...]) -> np.ndar
         return out.view(np.float32).reshape(shape)
     nb = n // fmt.block_elems
     blocks = raw.reshape(nb, fmt.block_bytes)
-    if fmt.name in NUMPY_ONLY:  # reference_iq's dequantizers return their blocks' values
-        deq = reference_iq.KERNELS[fmt.name][2]
-        step = max(1, _CHUNK_ELEMS // fmt.block_elems)
-        return np.concatenate([deq(blocks[i:i + step]) for i in range(0, nb, step)] or
-                              [np.empty((0, fmt.block_elems), np.float32)]).reshape(shape)
-    kernel = _KERNELS[fmt.name]
     out = np.empty((nb, fmt.block_elems), np.float32)
     step = max(1, _CHUNK_ELEMS // fmt.block_elems)
     for i in range(0, nb, step):
-        kernel(blocks[i:i + step], out[i:i + step])
+        if fmt.name in NUMPY_ONLY:  # reference_iq's dequantizers return their blocks' values
+            out[i:i + step] = reference_iq.KERNELS[fmt.name][2](blocks[i:i + step])
+        else:
+            _KERNELS[fmt.name](blocks[i:i + step], out[i:i + step])
     return out.reshape(shape)
 
 
