@@ -75,12 +75,14 @@ def q8_of(x):
     return vec, (q, s, xd), dequantize_q8(*quantize_q8(x)[:2]).astype(np.float64)
 
 
-@pytest.mark.parametrize("name", SUPPORTED)
-@pytest.mark.parametrize("int8", [False, True])
+# (type, int8 inputs): float weights take f32 inputs only
+PRODUCT_CASES = [(n, False) for n in SUPPORTED] + [
+    (n, True) for n in SUPPORTED if L.q8_capable([L.Mat(BY_NAME[n], 1, 256, 0)])]
+
+
+@pytest.mark.parametrize("name,int8", PRODUCT_CASES)
 def test_expert_products(k, rng, name, int8):
     """glu, mv and down over random ids, t tokens x used ranks, against the dequantized experts."""
-    if int8 and not L.q8_capable([L.Mat(BY_NAME[name], 1, 256, 0)]):
-        pytest.skip("float weights take f32 inputs")
     keep = []
     n_expert, used, t, n = 6, 3, 5, 40
     d, fcols = cols_for(name, 2), cols_for(name, 1)
@@ -223,3 +225,49 @@ def test_tiles_against_numpy(k, rng, name, int8):
     LE.combine(k, ys.data.ptr, n_out, cp.asarray(wts).data.ptr, used, xd.data.ptr, n_out, n_out, t)
     want = x0 + (wts[:, :, None] * ys.get().reshape(t, used, n_out)).sum(1)
     assert rel(xd.get(), want) < 1e-6
+
+
+@pytest.mark.parametrize("name", SUPPORTED)
+@pytest.mark.parametrize("tb", [8, 16, 32, 64])
+def test_mma_tiles_against_numpy(k, rng, name, tb):
+    """sort, gather_f16, glu_mma, down_mma: the grouped tensor-core path of prompts and large batches
+    (f16 inputs, f32 sums), against float64 sums over the dequantized experts. An expert with
+    several tiles, experts with none, expert rows not a multiple of the 64-row tile (rows past an
+    expert's must not be read from the next one nor written), K not a multiple of 128 where the type
+    allows."""
+    keep = []
+    n_expert, used, t, n, n_out = 12, 4, 23, 40, 72
+    d, fcols = cols_for(name, 2), cols_for(name, 1)
+    gate, wg = stacked(name, n_expert, n, d, rng, keep)
+    up, wu = stacked(name, n_expert, n, d, rng, keep)
+    down, wd = stacked(name, n_expert, n_out, fcols, rng, keep)
+    ids = np.stack([rng.permutation(n_expert - 2)[:used] for _ in range(t)]).astype(np.int32)  # 2 experts unused
+    ids[:20, 0] = 5
+    ids[:20, 1:] = np.where(ids[:20, 1:] == 5, 6, ids[:20, 1:])
+    slots = t * used
+    idd = cp.asarray(ids.reshape(-1))
+    pos, order = cp.zeros(slots, cp.int32), cp.full(slots, -1, cp.int32)
+    n_tiles = LE.max_tiles(slots, n_expert, tb)
+    tiles = cp.full((n_tiles, 4), -9, cp.int32)
+    LE.sort(k, idd.data.ptr, slots, n_expert, pos.data.ptr, order.data.ptr, tiles.data.ptr, tb)
+    assert min(tb, 20) <= tiles.get()[:, 2].max() <= tb
+    h = rng.standard_normal((t, d + 8)).astype(np.float32)  # a row stride past the width
+    xs = cp.full((slots, d + 16), np.nan, cp.float16)
+    LE.gather_f16(k, cp.asarray(h).data.ptr, d + 8, order.data.ptr, used, d, xs.data.ptr, d + 16, slots)
+    o, flat = order.get(), ids.reshape(-1)
+    h16 = h[:, :d].astype(np.float16)
+    assert (xs.get()[:, :d] == h16[o // used]).all()
+    g = cp.full((slots, fcols + 8), np.nan, cp.float16)
+    LE.glu_mma(k, gate, up, n, tiles.data.ptr, n_tiles, xs.data.ptr, d + 16, "silu", g.data.ptr, fcols + 8, tb)
+    x64 = h16.astype(np.float64)
+    ref_g = np.stack([silu(wg[flat[s]] @ x64[s // used]) * (wu[flat[s]] @ x64[s // used]) for s in o])
+    assert rel(g.get()[:, :n], ref_g) < 2e-3
+    assert np.isnan(g.get()[:, n:]).all(), "wrote past an expert's rows"
+    g[:, n:] = 0.0  # the down product's columns past the GLU's rows
+    ys = cp.full((slots, n_out + 3), POISON, cp.float32)
+    LE.down_mma(k, down, n_out, tiles.data.ptr, n_tiles, order.data.ptr, g.data.ptr, fcols + 8, ys.data.ptr,
+                n_out + 3, tb)
+    gs = np.zeros((slots, fcols))
+    gs[o] = g.get()[:, :fcols].astype(np.float64)
+    assert rel(ys.get()[:, :n_out], np.stack([wd[flat[s]] @ gs[s] for s in range(slots)])) < 2e-3
+    assert np.isnan(ys.get()[:, n_out:]).all(), "wrote past the rows"

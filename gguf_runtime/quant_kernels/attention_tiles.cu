@@ -18,7 +18,7 @@
 #include "common.cuh"
 
 // cp.async of 16 bytes global -> shared, zero-filled when !valid (as mma_regs.cuh's, which needs
-// matmul_mma.cu's constants to compile).
+// mma_tiles.cuh's constants to compile).
 DEV void tile_cp16(void* dst, const void* src, bool valid) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
                  ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src), "r"(valid ? 16 : 0));

@@ -70,7 +70,7 @@ def mma_config(rows: Sequence[int], n_tok: int, cols: int = 0, tall: bool = True
     raise AssertionError
 
 
-def _mma_smem(fn: "_Counted", wr: int, nt: int, n_mats: int, structs: Sequence[str], ra: int, st: int) -> int:
+def mma_smem(fn: "_Counted", wr: int, nt: int, n_mats: int, structs: Sequence[str], ra: int, st: int) -> int:
     """Dynamic shared memory of an mma kernel: the x tile and n_mats W tiles, f16, padded rows;
     for a register-fragment segment two x tiles, or for a staged one st x tiles and st stages of
     raw weights (the largest over the segments)."""
@@ -138,7 +138,7 @@ def mma(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases
     part, counter = (scratch.part, scratch.counter) if split > 1 else (0, 0)
     fn((row_tiles, -(-n_tok // tb), split), (128,),
        (*args, ptr(x16), i32(ldx16), i32(n_tok), i32(mats[0].cols), ptr(part), ptr(counter)),
-       shared_mem=_mma_smem(fn, wr, nt, h, structs, ra, mma_stages(structs, h, ra, st)))
+       shared_mem=mma_smem(fn, wr, nt, h, structs, ra, mma_stages(structs, h, ra, st)))
 
 
 def mma_glu(k: Kernels, gate: Mat, up: Mat, x16: int, ldx16: int, n_tok: int, act: str, y16: int, ldy16: int,
@@ -153,4 +153,4 @@ def mma_glu(k: Kernels, gate: Mat, up: Mat, x16: int, ldx16: int, n_tok: int, ac
     fn((-(-gate.rows // (16 * wr)), -(-n_tok // tb), split), (128,),
        (*gate.planes, *up.planes, i32(gate.rows), ptr(x16), i32(ldx16), i32(n_tok), i32(gate.cols), ptr(y16),
         i32(ldy16), ptr(part), ptr(counter)),
-       shared_mem=_mma_smem(fn, wr, nt, 2, [gate.struct], ra, mma_stages([gate.struct], 2, ra, st)))
+       shared_mem=mma_smem(fn, wr, nt, 2, [gate.struct], ra, mma_stages([gate.struct], 2, ra, st)))

@@ -5,6 +5,7 @@ A stacked expert matrix is one ``Mat`` of n_expert * n rows; ``n`` is one expert
 from __future__ import annotations
 
 from .launch_core import ACT, NO_PTRS, Kernels, Mat, Q8Vec, f32, i32, ptr
+from .launch_mma import mma_smem, mma_stages
 
 MAX_EXPERTS = 256  # moe.cu's MOE_MAX_EXPERTS
 MAX_USED = 32  # experts a token: one lane each in moe_topk
@@ -71,15 +72,17 @@ def down(k: Kernels, m: Mat, n: int, ids: int, w: int, used: int, x: int, ldx: i
 TILE = 8  # slots a tile (moe.cu's MT): the matvecs' largest token count
 
 
-def max_tiles(slots: int, n_expert: int) -> int:
-    """Tiles moe_sort can list for ``slots`` slots: each expert's last tile may be partial."""
-    return -(-slots // TILE) + n_expert
+def max_tiles(slots: int, n_expert: int, mt: int = TILE) -> int:
+    """Tiles of up to mt slots moe_sort can list for ``slots`` slots: each expert's last tile may be
+    partial."""
+    return -(-slots // mt) + n_expert
 
 
-def sort(k: Kernels, ids: int, slots: int, n_expert: int, pos: int, order: int, tiles: int) -> None:
-    """order = the slots grouped by expert; tiles = {expert, start, count} of up to TILE slots each."""
-    k.fn("moe.cu", "moe_sort")((1,), (1024,), (ptr(ids), i32(slots), i32(n_expert), i32(TILE),
-                                               i32(max_tiles(slots, n_expert)), ptr(pos), ptr(order), ptr(tiles)))
+def sort(k: Kernels, ids: int, slots: int, n_expert: int, pos: int, order: int, tiles: int, mt: int = TILE) -> None:
+    """order = the slots grouped by expert; tiles = {expert, start, count} of up to mt slots each
+    (max_tiles entries, the unused ones with count 0)."""
+    k.fn("moe.cu", "moe_sort")((1,), (1024,), (ptr(ids), i32(slots), i32(n_expert), i32(mt),
+                                               i32(max_tiles(slots, n_expert, mt)), ptr(pos), ptr(order), ptr(tiles)))
 
 
 def gather(k: Kernels, h: int, ldh: int, order: int, used: int, n: int, xs: int, ldxs: int, slots: int) -> None:
@@ -122,3 +125,51 @@ def combine(k: Kernels, ys: int, ldys: int, w: int, used: int, x: int, ldx: int,
     """x[t] += sum_j w[t, j] ys[t * used + j] in rank order."""
     k.fn("moe.cu", "moe_combine")((rows,), (256,), (ptr(ys), i32(ldys), ptr(w), i32(used), ptr(x), i32(ldx), i32(n),
                                                     i32(rows)))
+
+
+# ---- grouped by expert on the tensor cores (moe_mma.cu) -------------------------------------------
+MMA_WR = 4  # warps along the rows: 64 rows a block, every warp on all of the tile's slots
+
+
+def mma_tile_slots(slots: int, n_expert: int, fixed: int = 0) -> int:
+    """Slots a tensor-core tile (8, 16, 32 or 64): ``fixed``, else the power of two that holds an
+    expert's average share (fewer padded columns where each expert has few slots)."""
+    if fixed:
+        assert fixed in (8, 16, 32, 64)
+        return fixed
+    avg = -(-slots // n_expert)
+    return min(64, max(8, 1 << (avg - 1).bit_length()))
+
+
+def gather_f16(k: Kernels, h: int, ldh: int, order: int, used: int, n: int, xs16: int, ldxs: int, slots: int) -> None:
+    """xs16[i] = f16(h[order[i] // used]): each slot's token row in expert order, in f16 (n % 4 == 0)."""
+    assert n % 4 == 0
+    k.fn("moe_mma.cu", "moe_gather_f16")((slots,), (128,), (ptr(h), i32(ldh), ptr(order), i32(used), i32(n),
+                                                            ptr(xs16), i32(ldxs), i32(slots)))
+
+
+def _mma_fn(k: Kernels, name: str, struct: str, n_mats: int, tb: int, *extra: int):
+    nt, ra = tb // 8, int(k.knobs.mma_reg_a)
+    st = mma_stages([struct], n_mats, ra, k.knobs.mma_stages)
+    fn = k.fn("moe_mma.cu", f"{name}<{struct}, {MMA_WR}, {nt}, {''.join(f'{e}, ' for e in extra)}{ra}, {st}>")
+    return fn, mma_smem(fn, MMA_WR, nt, n_mats, [struct], ra, st)
+
+
+def glu_mma(k: Kernels, gate: Mat, up: Mat, n: int, tiles: int, n_tiles: int, x16: int, ldx: int, act: str,
+            y16: int, ldy: int, tb: int) -> None:
+    """y16[i] = f16(act(G_e x16[i]) * (U_e x16[i])) for the sorted slots i of each tile of up to tb
+    slots (sort's mt), e: the tile's expert."""
+    assert gate.type_id == up.type_id and gate.cols == up.cols
+    fn, smem = _mma_fn(k, "moe_mma_glu", gate.struct, 2, tb, ACT[act])
+    fn((-(-n // (16 * MMA_WR)), n_tiles), (128,),
+       (*gate.planes, *up.planes, i32(n), ptr(tiles), ptr(x16), i32(ldx), i32(gate.cols), ptr(y16), i32(ldy)),
+       shared_mem=smem)
+
+
+def down_mma(k: Kernels, m: Mat, n: int, tiles: int, n_tiles: int, order: int, x16: int, ldx: int, ys: int,
+             ldys: int, tb: int) -> None:
+    """ys[order[i]] = W_e x16[i] for the sorted slots i of each tile: back in slot order."""
+    fn, smem = _mma_fn(k, "moe_mma_down", m.struct, 1, tb)
+    fn((-(-n // (16 * MMA_WR)), n_tiles), (128,),
+       (*m.planes, i32(n), ptr(tiles), ptr(order), ptr(x16), i32(ldx), i32(m.cols), ptr(ys), i32(ldys)),
+       shared_mem=smem)

@@ -1,5 +1,5 @@
 // Tensor-core A fragments built in registers from the raw quants (Q4_K, Q6_K): the tiles of
-// matmul_mma.cu without dequantizing W into shared memory.
+// mma_tiles.cuh without dequantizing W into shared memory.
 //
 // A warp owns 16 weight rows; lane (g, tig) = (lane / 4, lane % 4) holds rows g and g + 8 of
 // them (mma.sync.m16n8k16's A layout). It loads its own quant bytes and scales from global
@@ -221,7 +221,7 @@ DEV void x_tile_async(const u16* __restrict__ x, int ldx, int n_tok, int t0, int
     }
 }
 
-// mma_tiles (matmul_mma.cu) for a type with register fragments: the same operands and C layout.
+// mma_tiles (mma_tiles.cuh) for a type with register fragments: the same operands and C layout.
 // Staged types (WROW > 0) copy each k step's raw quants and scales of the block's rows to shared
 // memory by cp.async, ST - 1 steps ahead, beside the x tiles (ST stages each), and each lane reads
 // its own from there: loaded into registers one step ahead instead (the others, two x stages),

@@ -391,6 +391,11 @@ class CudaBlocks:
         LE.topk(self.k, logits.data.ptr, logits.strides[0] // 4, cfg.n_expert, used, cfg.expert_norm, t, ids, w)
         g, n = ws.moe_g, cfg.n_ff_exp
         ldg = g.strides[0] // 4
+        mma_from = self.tune.moe_mma_per_expert
+        if (not self._small(t) and mma_from and slots >= mma_from * cfg.n_expert and gate.type_id == up.type_id
+                and gate.cols % 8 == 0 and down.cols % 8 == 0):
+            self._moe_mma(x, h, gate, up, down, slots)
+            return x
         if q8 is None and gate.type_id == up.type_id and slots >= self.tune.moe_tiles_per_expert * cfg.n_expert:
             self._moe_tiles(x, h, gate, up, down, slots)
             return x
@@ -429,6 +434,26 @@ class CudaBlocks:
             LL.quantize_q8(self.k, g.data.ptr, g.strides[0] // 4, cfg.n_ff_exp, slots, q8[2])
         LE.down_tiles(self.k, down, cfg.n_embd, tiles.data.ptr, n_tiles, order.data.ptr, g.data.ptr,
                       g.strides[0] // 4, ys.data.ptr, ys.strides[0] // 4, q8=q8[2] if q8 else None)
+        LE.combine(self.k, ys.data.ptr, ys.strides[0] // 4, ws.moe_w.data.ptr, used, x.data.ptr, x.strides[0] // 4,
+                   cfg.n_embd, t)
+
+    def _moe_mma(self, x: cp.ndarray, h: cp.ndarray, gate: L.Mat, up: L.Mat, down: L.Mat, slots: int) -> None:
+        """The experts' products grouped by expert on the tensor cores (moe_mma.cu): the slots sorted
+        by expert in tiles of up to tb slots, their rows gathered in f16, the GLU's f16 outputs in that
+        order into down, the products summed into x in rank order."""
+        cfg, ws = self.cfg, self.ws
+        t, used = x.shape[0], cfg.n_expert_used
+        tb = LE.mma_tile_slots(slots, cfg.n_expert, self.tune.moe_mma_slots)
+        order, tiles, xs, g, ys = ws.moe_order, ws.moe_tiles, ws.moe_xs16, ws.moe_g16, ws.moe_ys
+        n_tiles = LE.max_tiles(slots, cfg.n_expert, tb)
+        LE.sort(self.k, ws.moe_ids.data.ptr, slots, cfg.n_expert, ws.moe_pos.data.ptr, order.data.ptr,
+                tiles.data.ptr, tb)
+        LE.gather_f16(self.k, h.data.ptr, h.strides[0] // 4, order.data.ptr, used, cfg.n_embd, xs.data.ptr,
+                      xs.strides[0] // 2, slots)
+        LE.glu_mma(self.k, gate, up, cfg.n_ff_exp, tiles.data.ptr, n_tiles, xs.data.ptr, xs.strides[0] // 2,
+                   cfg.activation, g.data.ptr, g.strides[0] // 2, tb)
+        LE.down_mma(self.k, down, cfg.n_embd, tiles.data.ptr, n_tiles, order.data.ptr, g.data.ptr,
+                    g.strides[0] // 2, ys.data.ptr, ys.strides[0] // 4, tb)
         LE.combine(self.k, ys.data.ptr, ys.strides[0] // 4, ws.moe_w.data.ptr, used, x.data.ptr, x.strides[0] // 4,
                    cfg.n_embd, t)
 

@@ -51,6 +51,9 @@ class Tuning:
     # experts' products run grouped by expert, tiles of 8 slots sharing the weight reads; below, one matvec a slot
     # (Qwen3-30B-A3B: B=64 +46%, pp512 2.7x; B=32, 2 an expert: level, so from 3)
     moe_tiles_q8: bool = True  # the tiles' inputs as int8, dp4a (f32 rows of 8 tokens were L1-bound: slower than per slot)
+    moe_mma_per_expert: int = 1  # from this many slots an expert on average (and past the matvec rows), the
+    # grouped products on the tensor cores instead (moe_mma.cu); 0: never
+    moe_mma_slots: int = 0  # slots a tensor-core tile (8..64); 0: launch_moe.mma_tile_slots's rule
     # -- attention
     attn_early: bool = True  # decode rows load keys before waiting for the QKV kernel
     attn_small: tuple[int, int] = (0, 1)  # (warps, rounds) up to 8 rows: widest block, one round

@@ -56,6 +56,9 @@ class Workspace:
             self.moe_order = cp.zeros(slots, cp.int32)
             self.moe_tiles = cp.zeros((LE.max_tiles(slots, cfg.n_expert), 4), cp.int32)
             self.moe_xs = cp.zeros((slots + LE.TILE, cfg.n_embd), f32)
+            # the tensor-core tiles' f16 rows in the same memory: h's gathered, the GLU's outputs
+            self.moe_xs16 = self.moe_xs.view(cp.float16)[:, :cfg.n_embd]
+            self.moe_g16 = gu.view(cp.float16)[:, :cfg.n_ff_exp]
             self.moe_ys = cp.zeros((slots, cfg.n_embd), f32)
             # int8 tiles (tune.moe_tiles_q8): h's rows, then the sorted rows of h and of the GLU's outputs
             self.moe_q8 = None
