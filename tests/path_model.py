@@ -38,8 +38,6 @@ from gguf_runtime.quant_kernels.reference_q8 import dequantize_q8, dequantize_q8
 
 FLOAT_TYPES = {"F32", "F16", "BF16"}
 MAX_MMV_TOKENS = 8  # launchers.MAX_MMV_TOKENS, without importing the CUDA launchers
-MOE_TILES_PER_EXPERT = 3  # tuning.Tuning.moe_tiles_per_expert (and moe_tiles_q8 on)
-MOE_MMA_PER_EXPERT = 1  # tuning.Tuning.moe_mma_per_expert
 
 
 def q8_roundtrip(x: np.ndarray, rest: bool = False) -> np.ndarray:
@@ -81,29 +79,20 @@ class PathModel(NumpyBackend):
         return super().embed(tokens)
 
     def expert_linear(self, x: np.ndarray, weight: str, expert: int) -> np.ndarray:
-        """moe.cu's expert products (f32 sums at any row count). On the matvec path (int8 on) the gate
-        and up inputs are the norm kernel's int8 copy of h and down's are f32. Past it, from
-        MOE_MMA_PER_EXPERT slots an expert (gate and up of one type), moe_mma.cu's tensor-core tiles:
-        f16 inputs and weights; else from MOE_TILES_PER_EXPERT the matvec tiles, whose inputs (h,
-        and the GLU's outputs) are int8 where every expert matrix is quantized; else one f32 matvec a
-        slot."""
-        cfg = self.cfg
+        """The experts' products. Within the matvec rows moe.cu's matvecs, f32 sums: with int8 on
+        their inputs (the norm kernel's int8 copy of h for gate and up, the GLU's outputs quantized
+        for down) where the matrix is quantized. Past them (gate and up of one type), moe_mma.cu's
+        tensor-core tiles: f16 inputs and weights."""
         layer = weight[:weight.index(".ffn_") + 1]
-        mats = [layer + f"ffn_{n}_exps.weight" for n in ("gate", "up", "down")]
-        same = self.f.tensors[mats[0]].type_id == self.f.tensors[mats[1]].type_id
-        if self._rows > self.mmv_rows and same and self._rows * cfg.n_expert_used >= MOE_MMA_PER_EXPERT * cfg.n_expert:
+        gate, up = (self.f.tensors[layer + f"ffn_{n}_exps.weight"].type_id for n in ("gate", "up"))
+        if self._rows > self.mmv_rows and gate == up:
             key = f"{weight}#{expert}"
             w16 = self._w16.get(key)
             if w16 is None:
                 w16 = self._w16[key] = f16(self.expert(weight, expert))
             return f16(x) @ w16.T
-        if self.q8 and self._is_int(weight):
-            if self._rows <= self.mmv_rows:
-                if ".ffn_down" not in weight:
-                    x = q8_roundtrip(x, "glu" in self.q8_res)
-            elif (self._rows * cfg.n_expert_used >= MOE_TILES_PER_EXPERT * cfg.n_expert
-                  and all(self._is_int(m) for m in mats) and same):
-                x = q8_roundtrip(x)
+        if self.q8 and self._is_int(weight) and self._rows <= self.mmv_rows:
+            x = q8_roundtrip(x, ("down" if ".ffn_down" in weight else "glu") in self.q8_res)
         return super().expert_linear(x, weight, expert)
 
     def linear(self, x: np.ndarray, weight: str, bias: str | None = None) -> np.ndarray:

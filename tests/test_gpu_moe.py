@@ -1,7 +1,7 @@
-"""moe.cu against numpy on fresh random inputs, outputs poisoned first: the router's top-k (ids
-exactly, ties to the lower id, as model.ComposedBlocks.moe's stable argsort) and the chosen
-experts' products of every quant type, f32 and int8 inputs. The whole model is
-test_gpu_micro.py's qwen3moe case."""
+"""moe.cu and moe_mma.cu against numpy on fresh random inputs, outputs poisoned first: the router's
+top-k (ids exactly, ties to the lower id, as model.ComposedBlocks.moe's stable argsort), the sort by
+expert, and the chosen experts' products of every quant type: the matvecs on f32 and int8 inputs,
+the tensor-core tiles on f16 ones. The whole model is test_gpu_micro.py's qwen3moe case."""
 
 import numpy as np
 import pytest
@@ -109,19 +109,38 @@ def test_expert_products(k, rng, name, int8):
     ref_g = np.stack([silu(wg[e] @ xs[s]) * (wu[e] @ xs[s]) for s, e in enumerate(flat)])
     assert rel(g.get()[:, :n], ref_g) < (3e-5 if int8 else 1e-5)
     assert np.isnan(g.get()[:, n:]).all(), "wrote past an expert's rows"
+    if int8:  # 16 rows a block (r = 8): the q8 epilogue writes the int8 copy of g (down's input)
+        n16 = 48
+        gate16, wg16 = stacked(name, n_expert, n16, d, rng, keep)
+        up16, wu16 = stacked(name, n_expert, n16, d, rng, keep)
+        g8 = cp.full((slots, n16 + 3), POISON, cp.float32)
+        gq, keep_g, _ = q8_of(np.zeros((slots, n16), np.float32))
+        keep.append(keep_g)
+        LE.glu(k, gate16, up16, n16, idd.data.ptr, used, xd.data.ptr, d, slots, "silu", g8.data.ptr, n16 + 3, q8=q8,
+               r=8, q8_out=gq)
+        ref16 = np.stack([silu(wg16[e] @ xs[s]) * (wu16[e] @ xs[s]) for s, e in enumerate(flat)])
+        assert rel(g8.get()[:, :n16], ref16) < 3e-5
+        want_q, want_d = quantize_q8(g8.get()[:, :n16])[:2]
+        assert (keep_g[0].get() == want_q).all() and (keep_g[1].get()[:, :, 0] == want_d).all()
     y = cp.full((slots, n + 3), POISON, cp.float32)
     LE.mv(k, gate, n, idd.data.ptr, used, xd.data.ptr, d, slots, y.data.ptr, n + 3, q8=q8)
     assert rel(y.get()[:, :n], np.stack([wg[e] @ xs[s] for s, e in enumerate(flat)])) < (3e-5 if int8 else 1e-5)
-    # down: f32 inputs [slots, fcols], weighted sum into a residual
+    # down: inputs [slots, fcols] (f32, or their int8 copy as the backend's quantize_q8 writes it),
+    # weighted sum into a residual
     a = rng.standard_normal((slots, fcols)).astype(np.float32)
+    ad, a_q8, ar = cp.asarray(a), None, a.astype(np.float64)
+    if int8:
+        a_q8, keep_a, ar = q8_of(a)
+        keep.append(keep_a)
+        LL.quantize_q8(k, ad.data.ptr, fcols, fcols, slots, a_q8)
     res = rng.standard_normal((t, n_out + 2)).astype(np.float32)
     resd = cp.asarray(res)
-    LE.down(k, down, n_out, idd.data.ptr, wdv.data.ptr, used, cp.asarray(a).data.ptr, fcols, t, resd.data.ptr,
-            n_out + 2)
+    LE.down(k, down, n_out, idd.data.ptr, wdv.data.ptr, used, ad.data.ptr, fcols, t, resd.data.ptr, n_out + 2,
+            q8=a_q8)
     want = res.astype(np.float64)
     for s, e in enumerate(flat):
-        want[s // used, :n_out] += wts.reshape(-1)[s] * (wd[e] @ a[s].astype(np.float64))
-    assert rel(resd.get(), want) < 1e-5
+        want[s // used, :n_out] += wts.reshape(-1)[s] * (wd[e] @ ar[s])
+    assert rel(resd.get(), want) < (3e-5 if int8 else 1e-5)
     assert (resd.get()[:, n_out:] == res[:, n_out:]).all(), "wrote past the rows"
 
 
@@ -137,94 +156,51 @@ def test_router_without_ids_is_a_plain_product(k, rng, shape):
     assert np.isnan(y.get()[:, 24]).all(), "wrote past the rows"
 
 
-def sorted_tiles(k, ids, n_expert):
-    """moe_sort on the device: (order, tiles) as numpy, after checking their shape."""
+@pytest.mark.parametrize("rows", [5, 8, 23, 64])
+def test_router_over_many_tokens(k, rng, rows):
+    """router: W x' over any row count (tiles of ROUTER_TILE tokens past it, the last one overlapping),
+    RMSNorm fused, against float64; nothing written past the rows asked for."""
+    keep = []
+    n, cols, eps = 128, 2048, 1e-6
+    m, w = upload("F32", n, cols, rng, keep)
+    x = rng.standard_normal((rows + 3, cols)).astype(np.float32)
+    nw = rng.standard_normal(cols).astype(np.float32)
+    xd, nwd = cp.asarray(x), cp.asarray(nw)
+    y = cp.full((rows + 3, n + 1), POISON, cp.float32)
+    LE.router(k, m, xd.data.ptr, cols, rows, y.data.ptr, n + 1, norm=(nwd.data.ptr, eps))
+    x64 = x[:rows].astype(np.float64)
+    xn = x64 / np.sqrt((x64 ** 2).mean(axis=1, keepdims=True) + eps) * nw
+    assert rel(y.get()[:rows, :n], xn @ w.T) < 1e-5
+    assert np.isnan(y.get()[rows:]).all() and np.isnan(y.get()[:, n]).all(), "wrote past the rows"
+
+
+def sorted_tiles(k, ids, n_expert, mt):
+    """moe_sort on the device: (device ids, order, tiles, entries) in tiles of up to mt slots."""
     slots = ids.size
     idd = cp.asarray(ids.reshape(-1).astype(np.int32))
     pos, order = cp.zeros(slots, cp.int32), cp.full(slots, -1, cp.int32)
-    n_tiles = LE.max_tiles(slots, n_expert)
+    n_tiles = LE.max_tiles(slots, n_expert, mt)
     tiles = cp.full((n_tiles, 4), -9, cp.int32)
-    LE.sort(k, idd.data.ptr, slots, n_expert, pos.data.ptr, order.data.ptr, tiles.data.ptr)
+    LE.sort(k, idd.data.ptr, slots, n_expert, pos.data.ptr, order.data.ptr, tiles.data.ptr, mt)
     return idd, order, tiles, n_tiles
 
 
-@pytest.mark.parametrize("slots,n_expert", [(1, 8), (148, 16), (512, 128), (16384, 128), (300, 256)])
-def test_sort_lists_every_slot_once_grouped_by_expert(k, rng, slots, n_expert):
+@pytest.mark.parametrize("slots,n_expert,mt", [(1, 8, 8), (148, 16, 8), (512, 128, 8), (16384, 128, 64),
+                                               (300, 256, 16), (4096, 128, 32)])
+def test_sort_lists_every_slot_once_grouped_by_expert(k, rng, slots, n_expert, mt):
     ids = rng.integers(0, n_expert, slots)
-    ids[: min(slots, 40)] = 3  # one expert with several tiles
-    _, order, tiles, n_tiles = sorted_tiles(k, ids, n_expert)
+    ids[: min(slots, 150)] = 3  # one expert with several tiles
+    _, order, tiles, n_tiles = sorted_tiles(k, ids, n_expert, mt)
     order, tiles = order.get(), tiles.get()
     assert sorted(order.tolist()) == list(range(slots))
     assert (np.diff(ids[order]) >= 0).all(), "not grouped by expert in ascending order"
     used = tiles[tiles[:, 2] > 0]
     assert (tiles[len(used):, :3] == 0).all(), "the unused tiles are not marked empty"
-    assert used[:, 2].max() <= LE.TILE and used[:, 2].sum() == slots
+    assert used[:, 2].max() <= mt and used[:, 2].sum() == slots
     for e, start, count, _ in used:
         assert (ids[order[start:start + count]] == e).all()
     counts = np.bincount(ids, minlength=n_expert)
-    assert len(used) == sum(-(-c // LE.TILE) for c in counts) <= n_tiles
-
-
-def q8_rows(rows, cols):
-    """An int8 activation buffer (quantize_q8's layout) of rows x cols on the device."""
-    q, s = cp.zeros((rows, cols), cp.int8), cp.zeros((rows, cols // 16, 4), cp.float32)
-    return L.Q8Vec(q.data.ptr, cols, s.data.ptr, cols // 16), (q, s)
-
-
-def roundtrip(x):
-    return dequantize_q8(*quantize_q8(np.asarray(x, np.float32))[:2]).astype(np.float64)
-
-
-@pytest.mark.parametrize("name,int8", [("Q4_K", False), ("Q6_K", False), ("Q8_0", False), ("Q4_0", False),
-                                       ("F16", False), ("Q4_K", True), ("Q6_K", True), ("Q5_0", True)])
-def test_tiles_against_numpy(k, rng, name, int8):
-    """sort, gather, glu_tiles, down_tiles and combine: the grouped path of a batch, against the
-    per-slot sums in float64 (an expert with 3 tiles, experts with none); int8: the rows of h and
-    of the GLU's outputs quantized (quantize_q8, gather_q8), as the backend runs quantized experts."""
-    keep = []
-    n_expert, used, t, n, n_out = 12, 4, 23, 40, 48
-    d, fcols = cols_for(name, 2), cols_for(name, 1)
-    gate, wg = stacked(name, n_expert, n, d, rng, keep)
-    up, wu = stacked(name, n_expert, n, d, rng, keep)
-    down, wd = stacked(name, n_expert, n_out, fcols, rng, keep)
-    ids = np.stack([rng.permutation(n_expert - 2)[:used] for _ in range(t)]).astype(np.int32)  # 2 experts unused
-    ids[:20, 0] = 5
-    ids[:20, 1:] = np.where(ids[:20, 1:] == 5, 6, ids[:20, 1:])
-    wts = rng.random((t, used)).astype(np.float32)
-    slots = t * used
-    idd, order, tiles, n_tiles = sorted_tiles(k, ids, n_expert)
-    h = rng.standard_normal((t, d)).astype(np.float32)
-    hd = cp.asarray(h)
-    xs = cp.full((slots + LE.TILE, d), 0.0, cp.float32)
-    xq = gq = None
-    if int8:
-        (hq, k1), (xq, k2), (gq, k3) = q8_rows(t, d), q8_rows(slots + LE.TILE, d), q8_rows(slots + LE.TILE, fcols)
-        keep += [k1, k2, k3]
-        LL.quantize_q8(k, hd.data.ptr, d, d, t, hq)
-        LE.gather_q8(k, hq, order.data.ptr, used, d, xq, slots)
-    else:
-        LE.gather(k, hd.data.ptr, d, order.data.ptr, used, d, xs.data.ptr, d, slots)
-    g = cp.full((slots + LE.TILE, fcols), POISON, cp.float32)
-    LE.glu_tiles(k, gate, up, n, tiles.data.ptr, n_tiles, xs.data.ptr, d, "silu", g.data.ptr, fcols, q8=xq)
-    flat, o = ids.reshape(-1), order.get()
-    x64 = roundtrip(h) if int8 else h.astype(np.float64)
-    ref_g = np.stack([silu(wg[flat[s]] @ x64[s // used]) * (wu[flat[s]] @ x64[s // used]) for s in o])
-    assert rel(g.get()[:slots, :n], ref_g) < (3e-5 if int8 else 1e-5)
-    g[:slots, n:] = 0.0  # the down product's columns past the GLU's rows
-    if int8:
-        LL.quantize_q8(k, g.data.ptr, fcols, fcols, slots, gq)
-    ys = cp.full((slots, n_out), POISON, cp.float32)
-    LE.down_tiles(k, down, n_out, tiles.data.ptr, n_tiles, order.data.ptr, g.data.ptr, fcols, ys.data.ptr, n_out,
-                  q8=gq)
-    gs = np.zeros((slots, fcols))
-    gs[o] = roundtrip(g.get()[:slots]) if int8 else g.get()[:slots]
-    ref_ys = np.stack([wd[flat[s]] @ gs[s] for s in range(slots)])
-    assert rel(ys.get(), ref_ys) < (3e-5 if int8 else 1e-5)
-    x0 = rng.standard_normal((t, n_out)).astype(np.float32)
-    xd = cp.asarray(x0)
-    LE.combine(k, ys.data.ptr, n_out, cp.asarray(wts).data.ptr, used, xd.data.ptr, n_out, n_out, t)
-    want = x0 + (wts[:, :, None] * ys.get().reshape(t, used, n_out)).sum(1)
-    assert rel(xd.get(), want) < 1e-6
+    assert len(used) == sum(-(-c // mt) for c in counts) <= n_tiles
 
 
 @pytest.mark.parametrize("name", SUPPORTED)
@@ -245,11 +221,7 @@ def test_mma_tiles_against_numpy(k, rng, name, tb):
     ids[:20, 0] = 5
     ids[:20, 1:] = np.where(ids[:20, 1:] == 5, 6, ids[:20, 1:])
     slots = t * used
-    idd = cp.asarray(ids.reshape(-1))
-    pos, order = cp.zeros(slots, cp.int32), cp.full(slots, -1, cp.int32)
-    n_tiles = LE.max_tiles(slots, n_expert, tb)
-    tiles = cp.full((n_tiles, 4), -9, cp.int32)
-    LE.sort(k, idd.data.ptr, slots, n_expert, pos.data.ptr, order.data.ptr, tiles.data.ptr, tb)
+    _, order, tiles, n_tiles = sorted_tiles(k, ids, n_expert, tb)
     assert min(tb, 20) <= tiles.get()[:, 2].max() <= tb
     h = rng.standard_normal((t, d + 8)).astype(np.float32)  # a row stride past the width
     xs = cp.full((slots, d + 16), np.nan, cp.float16)

@@ -45,16 +45,38 @@ def mv(k: Kernels, m: Mat, n: int, ids: int | None, used: int, x: int, ldx: int,
 
 
 ROUTER = (1, 4)  # (rows, warps) a row group of the router: one row a block (few rows, long f32 ones)
+ROUTER_TILE = 8  # tokens a block of the router past the matvec rows
+
+
+def router(k: Kernels, m: Mat, x: int, ldx: int, rows: int, y: int, ldy: int,
+           norm: tuple[int, float] | None = None) -> None:
+    """y[t, :n] = W x'[t] for t < rows (W the F32 router of n = m.rows experts): one token a block up
+    to ROUTER_TILE rows (mv), tiles of ROUTER_TILE tokens above."""
+    if rows <= ROUTER_TILE:
+        mv(k, m, m.rows, None, 1, x, ldx, rows, y, ldy, norm=norm, r=ROUTER[0], wg=ROUTER[1])
+        return
+    assert m.struct == "TF32"
+    r, wg = ROUTER
+    fn = k.fn("moe.cu", f"moe_router<{r}, {wg}, {ROUTER_TILE}>")
+    fn(((-(-m.rows // (r * WARPS // wg))), -(-rows // ROUTER_TILE)), (32 * WARPS,),
+       (*m.planes, i32(m.rows), i32(m.cols), i32(rows), ptr(x), i32(ldx),
+        *((ptr(norm[0]), f32(norm[1])) if norm else (ptr(0), f32(0.0))), ptr(y), i32(ldy)))
 
 
 def glu(k: Kernels, gate: Mat, up: Mat, n: int, ids: int, used: int, x: int, ldx: int, slots: int, act: str,
-        y: int, ldy: int, norm: tuple[int, float] | None = None, q8: Q8Vec | None = None, r: int = 4) -> None:
-    """y[s, :n] = act(G_e x'[s // used]) * (U_e x'[s // used]), e = ids[s] (gate and up of one type)."""
+        y: int, ldy: int, norm: tuple[int, float] | None = None, q8: Q8Vec | None = None, r: int = 4,
+        q8_out: Q8Vec | None = None) -> None:
+    """y[s, :n] = act(G_e x'[s // used]) * (U_e x'[s // used]), e = ids[s] (gate and up of one type);
+    q8_out (r = 8: 16 rows a block; n % 16 == 0): y's int8 copy too, row s of it for slot s."""
     assert gate.type_id == up.type_id and gate.cols == up.cols
-    fn = k.fn("moe.cu", f"moe_glu<{gate.struct}, {r}, 1, {ACT[act]}, {_io(q8)}>")
+    io = _io(q8)
+    if q8_out is not None:
+        assert r // 2 * WARPS == 16 and n % 16 == 0
+        io |= 2 | q8_out.io(True)
+    fn = k.fn("moe.cu", f"moe_glu<{gate.struct}, {r}, 1, {ACT[act]}, {io}>")
     fn(((-(-n // (r // 2 * WARPS))), slots), (32 * WARPS,),
        (*gate.planes, *up.planes, i32(n), i32(gate.cols), ptr(ids), i32(used), *_x_args(x, ldx, norm, q8),
-        ptr(y), i32(ldy)))
+        ptr(y), i32(ldy), *(q8_out.ptrs() if q8_out is not None else (ptr(0), i32(0), ptr(0), i32(0), i32(0)))))
 
 
 def down(k: Kernels, m: Mat, n: int, ids: int, w: int, used: int, x: int, ldx: int, rows: int, y: int, ldy: int,
@@ -68,77 +90,34 @@ def down(k: Kernels, m: Mat, n: int, ids: int, w: int, used: int, x: int, ldx: i
         ptr(y), i32(ldy)))
 
 
-# ---- grouped by expert (moe.cu's tiles) ----------------------------------------------------------
-TILE = 8  # slots a tile (moe.cu's MT): the matvecs' largest token count
+# ---- grouped by expert: moe.cu's sort and sum, moe_mma.cu's tensor-core tiles ---------------------
+MMA_WR = 4  # warps along the rows: 64 rows a block, every warp on all of the tile's slots
+MIN_TILE = 8  # the fewest slots a tile: one 8-column MMA
 
 
-def max_tiles(slots: int, n_expert: int, mt: int = TILE) -> int:
+def max_tiles(slots: int, n_expert: int, mt: int = MIN_TILE) -> int:
     """Tiles of up to mt slots moe_sort can list for ``slots`` slots: each expert's last tile may be
     partial."""
     return -(-slots // mt) + n_expert
 
 
-def sort(k: Kernels, ids: int, slots: int, n_expert: int, pos: int, order: int, tiles: int, mt: int = TILE) -> None:
+def sort(k: Kernels, ids: int, slots: int, n_expert: int, pos: int, order: int, tiles: int, mt: int) -> None:
     """order = the slots grouped by expert; tiles = {expert, start, count} of up to mt slots each
     (max_tiles entries, the unused ones with count 0)."""
     k.fn("moe.cu", "moe_sort")((1,), (1024,), (ptr(ids), i32(slots), i32(n_expert), i32(mt),
                                                i32(max_tiles(slots, n_expert, mt)), ptr(pos), ptr(order), ptr(tiles)))
 
 
-def gather(k: Kernels, h: int, ldh: int, order: int, used: int, n: int, xs: int, ldxs: int, slots: int) -> None:
-    """xs[i] = h[order[i] // used]: each slot's token row, in expert order."""
-    k.fn("moe.cu", "moe_gather")((slots,), (256,), (ptr(h), i32(ldh), ptr(order), i32(used), i32(n), ptr(xs),
-                                                    i32(ldxs), i32(slots)))
-
-
-def gather_q8(k: Kernels, hq: Q8Vec, order: int, used: int, n: int, xq: Q8Vec, slots: int) -> None:
-    """xq's row i = hq's row order[i] // used (int8 rows and their scales; n % 16 == 0)."""
-    assert n % 16 == 0
-    k.fn("moe.cu", "moe_gather_q8")((slots,), (128,), (*hq.ptrs()[:4], ptr(order), i32(used), i32(n),
-                                                       *xq.ptrs()[:4], i32(slots)))
-
-
-def _tile_in(x: int, ldx: int, q8: Q8Vec | None) -> tuple:
-    return (ptr(x), i32(ldx), *(q8.ptrs()[:4] if q8 else NO_PTRS[:4]))
-
-
-def glu_tiles(k: Kernels, gate: Mat, up: Mat, n: int, tiles: int, n_tiles: int, x: int, ldx: int, act: str, y: int,
-              ldy: int, q8: Q8Vec | None = None) -> None:
-    """y[i] = act(G_e x[i]) * (U_e x[i]) for the sorted slots i of each tile (e: the tile's expert);
-    x's rows f32, or the int8 rows q8 (x unused)."""
-    assert gate.type_id == up.type_id and gate.cols == up.cols
-    fn = k.fn("moe.cu", f"moe_glu_tiles<{gate.struct}, 2, 1, {ACT[act]}, {TILE}, {int(q8 is not None)}>")
-    fn(((-(-n // WARPS)), n_tiles), (32 * WARPS,),
-       (*gate.planes, *up.planes, i32(n), i32(gate.cols), ptr(tiles), *_tile_in(x, ldx, q8), ptr(y), i32(ldy)))
-
-
-def down_tiles(k: Kernels, m: Mat, n: int, tiles: int, n_tiles: int, order: int, x: int, ldx: int, ys: int,
-               ldys: int, q8: Q8Vec | None = None) -> None:
-    """ys[order[i]] = W_e x[i] for the sorted slots i of each tile: back in slot order (x or q8 as
-    glu_tiles')."""
-    fn = k.fn("moe.cu", f"moe_down_tiles<{m.struct}, 1, 1, {TILE}, {int(q8 is not None)}>")
-    fn(((-(-n // WARPS)), n_tiles), (32 * WARPS,),
-       (*m.planes, i32(n), i32(m.cols), ptr(tiles), ptr(order), *_tile_in(x, ldx, q8), ptr(ys), i32(ldys)))
-
-
-def combine(k: Kernels, ys: int, ldys: int, w: int, used: int, x: int, ldx: int, n: int, rows: int) -> None:
-    """x[t] += sum_j w[t, j] ys[t * used + j] in rank order."""
-    k.fn("moe.cu", "moe_combine")((rows,), (256,), (ptr(ys), i32(ldys), ptr(w), i32(used), ptr(x), i32(ldx), i32(n),
-                                                    i32(rows)))
-
-
-# ---- grouped by expert on the tensor cores (moe_mma.cu) -------------------------------------------
-MMA_WR = 4  # warps along the rows: 64 rows a block, every warp on all of the tile's slots
-
-
 def mma_tile_slots(slots: int, n_expert: int, fixed: int = 0) -> int:
-    """Slots a tensor-core tile (8, 16, 32 or 64): ``fixed``, else the power of two that holds an
-    expert's average share (fewer padded columns where each expert has few slots)."""
+    """Slots a tensor-core tile (8, 16, 32 or 64): ``fixed``, else the power of two that holds twice
+    an expert's mean share (few padded columns where each expert has few slots; where they have
+    many, the widest tiles read each expert's weights least often: pp512 of Qwen3-30B-A3B, 32 slots
+    an expert, ran 4% faster in tiles of 64 than of 32)."""
     if fixed:
         assert fixed in (8, 16, 32, 64)
         return fixed
-    avg = -(-slots // n_expert)
-    return min(64, max(8, 1 << (avg - 1).bit_length()))
+    avg = -(-2 * slots // n_expert)
+    return min(64, max(MIN_TILE, 1 << (avg - 1).bit_length()))
 
 
 def gather_f16(k: Kernels, h: int, ldh: int, order: int, used: int, n: int, xs16: int, ldxs: int, slots: int) -> None:
@@ -173,3 +152,9 @@ def down_mma(k: Kernels, m: Mat, n: int, tiles: int, n_tiles: int, order: int, x
     fn((-(-n // (16 * MMA_WR)), n_tiles), (128,),
        (*m.planes, i32(n), ptr(tiles), ptr(order), ptr(x16), i32(ldx), i32(m.cols), ptr(ys), i32(ldys)),
        shared_mem=smem)
+
+
+def combine(k: Kernels, ys: int, ldys: int, w: int, used: int, x: int, ldx: int, n: int, rows: int) -> None:
+    """x[t] += sum_j w[t, j] ys[t * used + j] in rank order."""
+    k.fn("moe.cu", "moe_combine")((-(-n // 256), rows), (256,), (ptr(ys), i32(ldys), ptr(w), i32(used), ptr(x),
+                                                                i32(ldx), i32(n), i32(rows)))

@@ -92,13 +92,40 @@ __global__ void __launch_bounds__(32 * MOE_WARPS) moe_mv(PLANES(0), int n, int K
         if (row0 + r < n) y[(long)s * ldy + row0 + r] = acc[r][0];
 }
 
+// The router over rows > 8 tokens: y[t, :n] = W x'[t] (W f32, x' = x RMS-normalized with nw
+// non-null), MT tokens a block (each weight row read once a tile, not once a token); the last tile
+// starts at rows - MT (rows >= MT), so every read is a real row and overlapping rows are written
+// twice with the same values.
+template <int R, int WG, int MT>
+__global__ void __launch_bounds__(32 * MOE_WARPS) moe_router(PLANES(0), int n, int K, int rows,
+        const float* __restrict__ x, int ldx, const float* __restrict__ nw, float eps, float* __restrict__ y,
+        int ldy) {
+    const int t0 = min((int)blockIdx.y * MT, rows - MT), row0 = group_row0<R, WG, MOE_WARPS>();
+    Mat m[R]; int row[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) { m[r] = MAT(0, TF32); row[r] = min(row0 + r, n - 1); }
+    pdl_enter();
+    float acc[R][MT];
+    mmv_any<TF32, MT, R, WG, 0>(m, row, K, XIn{x + (long)t0 * ldx, ldx, nw, eps, XQ{}}, acc);
+    if (!group_leader<WG>()) return;
+#pragma unroll
+    for (int b = 0; b < MT; ++b)
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+            if (row0 + r < n) y[(long)(t0 + b) * ldy + row0 + r] = acc[r][b];
+}
+
 // y[s, :n] = act(G_e x'[s / k]) * (U_e x'[s / k]), e = ids[s]: the chosen experts' gate and up rows
-// in one pass (R / 2 of each a row group); ACT 0 = SiLU, 1 = GELU (tanh). x' as moe_mv's.
+// in one pass (R / 2 of each a row group); ACT 0 = SiLU, 1 = GELU (tanh). x' as moe_mv's. XIO bit 1
+// (R = 8: a block's 16 rows): a q8 epilogue also writes y's int8 copy (down's input; bit 4: with
+// the rests) into row s of oq / os.
 template <class T, int R, int WG, int ACT, int XIO>
 __global__ void __launch_bounds__(32 * MOE_WARPS) moe_glu(PLANES(0), PLANES(1), int n, int K,
         const int* __restrict__ ids, int k, const float* __restrict__ x, int ldx, const float* __restrict__ nw,
-        float eps, XQ_ARGS, float* __restrict__ y, int ldy) {
+        float eps, XQ_ARGS, float* __restrict__ y, int ldy, u8* oq, int ldoq, float4* os, int ldos, int ores) {
     constexpr int H = R / 2;
+    constexpr bool QO = (XIO & 2) != 0;
+    static_assert(!QO || H * MOE_WARPS / WG == 16, "a q8 epilogue takes 16 rows a block");
     const int s = blockIdx.y, row0 = group_row0<H, WG, MOE_WARPS>();
     pdl_enter();
     const int e = ids[s];
@@ -109,14 +136,19 @@ __global__ void __launch_bounds__(32 * MOE_WARPS) moe_glu(PLANES(0), PLANES(1), 
         row[r] = row[H + r] = e * n + min(row0 + r, n - 1);
     }
     float acc[R][1];
-    mmv_any<T, 1, R, WG, XIO>(m, row, K, XIN(s / k, nw, eps), acc);
-    if (!group_leader<WG>()) return;
+    mmv_any<T, 1, R, WG, XIO & 9>(m, row, K, XIN(s / k, nw, eps), acc);
+    __shared__ float tile[1][16];
+    if (group_leader<WG>())
 #pragma unroll
-    for (int r = 0; r < H; ++r) {
-        if (row0 + r >= n) break;
-        const float g = acc[r][0];
-        y[(long)s * ldy + row0 + r] = (ACT == 0 ? silu_f(g) : gelu_tanh_f(g)) * acc[H + r][0];
-    }
+        for (int r = 0; r < H; ++r) {
+            if (row0 + r >= n) break;
+            const float g = acc[r][0], v = (ACT == 0 ? silu_f(g) : gelu_tanh_f(g)) * acc[H + r][0];
+            y[(long)s * ldy + row0 + r] = v;
+            if constexpr (QO) tile[0][row0 % 16 + r] = v;
+        }
+    if constexpr (QO)
+        store_q8_piece<1, (XIO & 16) != 0>(tile, blockIdx.x * 16,
+                                           QOut{oq + (long)s * ldoq, ldoq, os + (long)s * ldos, ldos, ores, nullptr}, 1.f);
 }
 
 // y[t, :n] += sum over j < k of w[t k + j] * W_e x'[t k + j], e = ids[t k + j]: the chosen experts'
@@ -157,10 +189,10 @@ __global__ void __launch_bounds__(32 * KW) moe_down(PLANES(0), int n, int K, con
     }
 }
 
-// ---- grouped by expert (batches and prompts): each expert's weights read once a tile of MT slots ----
+// ---- grouped by expert (batches and prompts: moe_mma.cu's products) ----
 // moe_sort (one block) lists the slots by expert: order[off[e] + i] = the i-th slot naming e (the
 // position within an expert is an atomic's, so it varies between runs; each slot's result does
-// not depend on it) and tiles[] = {expert, first index into order, slots (<= MT)}, the unused
+// not depend on it) and tiles[] = {expert, first index into order, slots (<= mt)}, the unused
 // tail of the max_tiles entries {0, 0, 0}. pos: scratch of one int a slot.
 extern "C" __global__ void __launch_bounds__(1024) moe_sort(const int* __restrict__ ids, int slots, int E, int mt,
         int max_tiles, int* __restrict__ pos, int* __restrict__ order, int4* __restrict__ tiles) {
@@ -185,115 +217,27 @@ extern "C" __global__ void __launch_bounds__(1024) moe_sort(const int* __restric
     for (int i = toff[E] + threadIdx.x; i < max_tiles; i += blockDim.x) tiles[i] = make_int4(0, 0, 0, 0);
 }
 
-// xs[i, :n] = h[order[i] / k, :n]: the tokens' rows in the slots' expert order (one block a slot).
-extern "C" __global__ void moe_gather(const float* __restrict__ h, int ldh, const int* __restrict__ order, int k,
-                                      int n, float* __restrict__ xs, int ldxs, int slots) {
-    pdl_enter();
-    const int i = blockIdx.x;
-    if (i >= slots) return;
-    const float4* src = reinterpret_cast<const float4*>(h + (long)(order[i] / k) * ldh);
-    float4* dst = reinterpret_cast<float4*>(xs + (long)i * ldxs);
-    for (int c = threadIdx.x; c < n / 4; c += blockDim.x) dst[c] = src[c];
-}
-
-// The same for int8 rows (quantize_q8's: n int8 and n / 16 (d, s, ssq, d2) quads a row; n % 16 == 0).
-extern "C" __global__ void moe_gather_q8(const u8* __restrict__ q, int ldq, const float4* __restrict__ qs, int ldqs,
-                                         const int* __restrict__ order, int k, int n, u8* __restrict__ xq, int ldxq,
-                                         float4* __restrict__ xs, int ldxs, int slots) {
-    pdl_enter();
-    const int i = blockIdx.x;
-    if (i >= slots) return;
-    const long t = order[i] / k;
-    const uint4* src = reinterpret_cast<const uint4*>(q + t * ldq);
-    uint4* dst = reinterpret_cast<uint4*>(xq + (long)i * ldxq);
-    for (int c = threadIdx.x; c < n / 16; c += blockDim.x) {
-        dst[c] = src[c];
-        xs[(long)i * ldxs + c] = qs[t * ldqs + c];
-    }
-}
-
-// A tile's MT rows of x (xs rows start .. start + MT - 1: rows past the tile's count are computed and
-// dropped, so xs and the GLU buffer hold MT rows past the last slot) against its expert's rows; f32
-// rows, or int8 ones (XIO 1: XQ_ARGS, rows as x's).
-// GLU: y[start + b, :n] = act(G_e x_b) * (U_e x_b), b < count (sorted order, as xs).
-#define TILE_IN(start) \
-    XIn{x + (long)(start) * ldx, ldx, nullptr, 0.f, XQ{xq + (long)(start) * ldq, ldq, xs + (long)(start) * lds, lds, 0, 0, 0.f}}
-template <class T, int R, int WG, int ACT, int MT, int XIO>
-__global__ void __launch_bounds__(32 * MOE_WARPS) moe_glu_tiles(PLANES(0), PLANES(1), int n, int K,
-        const int4* __restrict__ tiles, const float* __restrict__ x, int ldx, const u8* xq, int ldq,
-        const float4* xs, int lds, float* __restrict__ y, int ldy) {
-    constexpr int H = R / 2;
-    const int row0 = group_row0<H, WG, MOE_WARPS>();
-    pdl_enter();
-    const int4 tile = tiles[blockIdx.y];
-    if (tile.z == 0) return;  // the whole block: an unused tile
-    Mat m[R]; int row[R];
-#pragma unroll
-    for (int r = 0; r < H; ++r) {
-        m[r] = MAT(0, T); m[H + r] = MAT(1, T);
-        row[r] = row[H + r] = tile.x * n + min(row0 + r, n - 1);
-    }
-    float acc[R][MT];
-    mmv_any<T, MT, R, WG, XIO>(m, row, K, TILE_IN(tile.y), acc);
-    if (!group_leader<WG>()) return;
-#pragma unroll
-    for (int r = 0; r < H; ++r) {
-        if (row0 + r >= n) break;
-#pragma unroll
-        for (int b = 0; b < MT; ++b)
-            if (b < tile.z) {
-                const float g = acc[r][b];
-                y[(long)(tile.y + b) * ldy + row0 + r] = (ACT == 0 ? silu_f(g) : gelu_tanh_f(g)) * acc[H + r][b];
-            }
-    }
-}
-
-// Down: ys[order[start + b], :n] = W_e x_b (slot order again), b < count; moe_combine adds them up.
-template <class T, int R, int WG, int MT, int XIO>
-__global__ void __launch_bounds__(32 * MOE_WARPS) moe_down_tiles(PLANES(0), int n, int K,
-        const int4* __restrict__ tiles, const int* __restrict__ order, const float* __restrict__ x, int ldx,
-        const u8* xq, int ldq, const float4* xs, int lds, float* __restrict__ ys, int ldys) {
-    const int row0 = group_row0<R, WG, MOE_WARPS>();
-    pdl_enter();
-    const int4 tile = tiles[blockIdx.y];
-    if (tile.z == 0) return;
-    Mat m[R]; int row[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) { m[r] = MAT(0, T); row[r] = tile.x * n + min(row0 + r, n - 1); }
-    float acc[R][MT];
-    mmv_any<T, MT, R, WG, XIO>(m, row, K, TILE_IN(tile.y), acc);
-    if (!group_leader<WG>()) return;
-#pragma unroll
-    for (int b = 0; b < MT; ++b) {
-        if (b >= tile.z) break;
-        float* out = ys + (long)order[tile.y + b] * ldys;
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-            if (row0 + r < n) out[row0 + r] = acc[r][b];
-    }
-}
-
-// x[t, :n] += sum over j < k (in rank order) of w[t k + j] ys[t k + j, :n] (one block a token).
+// x[t, :n] += sum over j < k (in rank order) of w[t k + j] ys[t k + j, :n] (a block a token's
+// blockDim.x columns).
 extern "C" __global__ void moe_combine(const float* __restrict__ ys, int ldys, const float* __restrict__ w, int k,
                                        float* __restrict__ x, int ldx, int n, int rows) {
     pdl_enter();
-    const int t = blockIdx.x;
-    if (t >= rows) return;
-    for (int c = threadIdx.x; c < n; c += blockDim.x) {
-        float v = 0.f;
-        for (int j = 0; j < k; ++j) v = fmaf(w[(long)t * k + j], ys[((long)t * k + j) * ldys + c], v);
-        x[(long)t * ldx + c] += v;
-    }
+    const int t = blockIdx.y, c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= rows || c >= n) return;
+    float v = 0.f;
+    for (int j = 0; j < k; ++j) v = fmaf(w[(long)t * k + j], ys[((long)t * k + j) * ldys + c], v);
+    x[(long)t * ldx + c] += v;
 }
 
 #ifdef GGUF_INSTANTIATE_ALL  // nvcc syntax check in CI: each kernel per type
 #define XQ_TYPES const u8*, int, const float4*, int, int, int, float
 #define P4 const u8*, const u8*, const u8*, const u8*
+#define QO_TYPES u8*, int, float4*, int, int
 #define MOE(T, IO)                                                                                              \
     template __global__ void moe_mv<T, 1, 4, IO>(P4, int, int, const int*, int, const float*, int, const float*, \
                                                  float, XQ_TYPES, float*, int);                                 \
     template __global__ void moe_glu<T, 4, 1, 0, IO>(P4, P4, int, int, const int*, int, const float*, int,      \
-                                                     const float*, float, XQ_TYPES, float*, int);               \
+                                                     const float*, float, XQ_TYPES, float*, int, QO_TYPES);     \
     template __global__ void moe_down<T, 2, 8, IO>(P4, int, int, const int*, const float*, int, const float*,   \
                                                    int, XQ_TYPES, float*, int);
 MOE(TF32, 0) MOE(TF16, 0) MOE(TBF16, 0)
@@ -301,13 +245,10 @@ MOE(TQ4_0, 0) MOE(TQ4_1, 0) MOE(TQ5_0, 0) MOE(TQ5_1, 0) MOE(TQ8_0, 0)
 MOE(TQ2_K, 0) MOE(TQ3_K, 0) MOE(TQ4_K, 0) MOE(TQ5_K, 0) MOE(TQ6_K, 0)
 MOE(TQ4_0, 1) MOE(TQ4_1, 1) MOE(TQ5_0, 1) MOE(TQ5_1, 1) MOE(TQ8_0, 1)
 MOE(TQ2_K, 1) MOE(TQ3_K, 1) MOE(TQ4_K, 1) MOE(TQ5_K, 1) MOE(TQ6_K, 1) MOE(TQ4_K, 9)
-#define TILES(T, IO)                                                                                           \
-    template __global__ void moe_glu_tiles<T, 2, 1, 0, 8, IO>(P4, P4, int, int, const int4*, const float*, int, \
-                                                             const u8*, int, const float4*, int, float*, int);   \
-    template __global__ void moe_down_tiles<T, 1, 1, 8, IO>(P4, int, int, const int4*, const int*, const float*, \
-                                                            int, const u8*, int, const float4*, int, float*, int);
-TILES(TF32, 0) TILES(TF16, 0) TILES(TBF16, 0) TILES(TQ4_0, 0) TILES(TQ4_1, 0) TILES(TQ5_0, 0) TILES(TQ5_1, 0)
-TILES(TQ8_0, 0) TILES(TQ2_K, 0) TILES(TQ3_K, 0) TILES(TQ4_K, 0) TILES(TQ5_K, 0) TILES(TQ6_K, 0)
-TILES(TQ4_0, 1) TILES(TQ4_1, 1) TILES(TQ5_0, 1) TILES(TQ5_1, 1) TILES(TQ8_0, 1) TILES(TQ2_K, 1) TILES(TQ3_K, 1)
-TILES(TQ4_K, 1) TILES(TQ5_K, 1) TILES(TQ6_K, 1)
+#define GLU_Q8(T, IO) \
+    template __global__ void moe_glu<T, 8, 1, 0, IO>(P4, P4, int, int, const int*, int, const float*, int, \
+                                                     const float*, float, XQ_TYPES, float*, int, QO_TYPES);
+GLU_Q8(TQ4_K, 3) GLU_Q8(TQ6_K, 3) GLU_Q8(TQ4_0, 3) GLU_Q8(TQ8_0, 3) GLU_Q8(TQ4_K, 27)
+template __global__ void moe_router<1, 4, 8>(P4, int, int, int, const float*, int, const float*, float, float*, int);
+template __global__ void moe_router<2, 1, 8>(P4, int, int, int, const float*, int, const float*, float, float*, int);
 #endif

@@ -371,10 +371,11 @@ class CudaBlocks:
         return self._project_residual(g, down, x, post, a16=ws.x16)
 
     def _moe(self, x: cp.ndarray, layer: int) -> cp.ndarray:
-        """x += the chosen experts' SwiGLUs (model.ComposedBlocks.moe) on moe.cu's kernels, for any
-        row count: a norm kernel writes h (and its int8 copy where the experts' matvecs take it), the
-        router's logits and top-k stay on the device, each (token, rank) slot one matvec over its
-        expert's rows, and the down kernel sums the k products into x."""
+        """x += the chosen experts' SwiGLUs (model.ComposedBlocks.moe): a norm kernel writes h (and its
+        int8 copy where the experts' matvecs take it), the router's logits and top-k stay on the
+        device. Within the matvec rows each (token, rank) slot is one matvec over its expert's rows
+        (moe.cu; down's input the GLU's outputs quantized to int8) and the down kernel sums the k
+        products into x; past them, _moe_mma."""
         cfg, ws, p = self.cfg, self.ws, f"blk.{layer}."
         t, used = x.shape[0], cfg.n_expert_used
         slots = t * used
@@ -386,56 +387,31 @@ class CudaBlocks:
         self._q8_ready = None
         ld = h.strides[0] // 4
         logits, ids, w = ws.moe_logits, ws.moe_ids.data.ptr, ws.moe_w.data.ptr
-        LE.mv(self.k, self.w.mat(p + "ffn_gate_inp.weight"), cfg.n_expert, None, 1, h.data.ptr, ld, t,
-              logits.data.ptr, logits.strides[0] // 4, r=LE.ROUTER[0], wg=LE.ROUTER[1])
+        LE.router(self.k, self.w.mat(p + "ffn_gate_inp.weight"), h.data.ptr, ld, t, logits.data.ptr,
+                  logits.strides[0] // 4)
         LE.topk(self.k, logits.data.ptr, logits.strides[0] // 4, cfg.n_expert, used, cfg.expert_norm, t, ids, w)
         g, n = ws.moe_g, cfg.n_ff_exp
         ldg = g.strides[0] // 4
-        mma_from = self.tune.moe_mma_per_expert
-        if (not self._small(t) and mma_from and slots >= mma_from * cfg.n_expert and gate.type_id == up.type_id
-                and gate.cols % 8 == 0 and down.cols % 8 == 0):
+        if not self._small(t) and gate.type_id == up.type_id and gate.cols % 8 == 0 and down.cols % 8 == 0:
             self._moe_mma(x, h, gate, up, down, slots)
             return x
-        if q8 is None and gate.type_id == up.type_id and slots >= self.tune.moe_tiles_per_expert * cfg.n_expert:
-            self._moe_tiles(x, h, gate, up, down, slots)
-            return x
-        if gate.type_id == up.type_id:
-            LE.glu(self.k, gate, up, n, ids, used, h.data.ptr, ld, slots, cfg.activation, g.data.ptr, ldg, q8=q8)
+        gq = self._q8_for(t, [down], ws.moe_gq, "down") if t <= L.MAX_MMV_TOKENS and self.tune.moe_down_q8 else None
+        r_glu = self.tune.moe_rows[0]
+        fused = gq is not None and gate.type_id == up.type_id and r_glu == 8 and n % 16 == 0
+        if gate.type_id == up.type_id:  # (fused: the GLU's q8 epilogue writes down's int8 input)
+            LE.glu(self.k, gate, up, n, ids, used, h.data.ptr, ld, slots, cfg.activation, g.data.ptr, ldg, q8=q8,
+                   r=r_glu, q8_out=gq if fused else None)
         else:
             u = ws.moe_u
             for m, out in ((gate, g), (up, u)):
                 LE.mv(self.k, m, n, ids, used, h.data.ptr, ld, slots, out.data.ptr, ldg,
                       q8=q8 if L.q8_capable([m]) else None)
             LL.glu(self.k, g.data.ptr, u.data.ptr, ldg, n, slots, cfg.activation, g.data.ptr, ldg)
-        LE.down(self.k, down, cfg.n_embd, ids, w, used, g.data.ptr, ldg, t, x.data.ptr, x.strides[0] // 4)
+        if gq is not None and not fused:
+            LL.quantize_q8(self.k, g.data.ptr, ldg, n, slots, gq)
+        LE.down(self.k, down, cfg.n_embd, ids, w, used, g.data.ptr, ldg, t, x.data.ptr, x.strides[0] // 4, q8=gq,
+                r=self.tune.moe_rows[1])
         return x
-
-    def _moe_tiles(self, x: cp.ndarray, h: cp.ndarray, gate: L.Mat, up: L.Mat, down: L.Mat, slots: int) -> None:
-        """The experts' products grouped by expert (many slots: batches, prompts): the slots sorted by
-        expert on the device, the rows gathered in that order, tiles of up to LE.TILE slots of one
-        expert through the GLU and down matvecs, the products summed into x in rank order."""
-        cfg, ws = self.cfg, self.ws
-        t, used = x.shape[0], cfg.n_expert_used
-        order, tiles, xs, ys, g = ws.moe_order, ws.moe_tiles, ws.moe_xs, ws.moe_ys, ws.moe_g
-        n_tiles = LE.max_tiles(slots, cfg.n_expert)
-        LE.sort(self.k, ws.moe_ids.data.ptr, slots, cfg.n_expert, ws.moe_pos.data.ptr, order.data.ptr,
-                tiles.data.ptr)
-        q8 = ws.moe_q8 if ws.moe_q8 is not None and L.q8_capable([gate, up, down]) else None
-        if q8 is not None:  # int8 rows: h's, sorted; the GLU's outputs quantized in their sorted order
-            hq, xq, gq = q8
-            LL.quantize_q8(self.k, h.data.ptr, h.strides[0] // 4, cfg.n_embd, t, hq)
-            LE.gather_q8(self.k, hq, order.data.ptr, used, cfg.n_embd, xq, slots)
-        else:
-            LE.gather(self.k, h.data.ptr, h.strides[0] // 4, order.data.ptr, used, cfg.n_embd, xs.data.ptr,
-                      xs.strides[0] // 4, slots)
-        LE.glu_tiles(self.k, gate, up, cfg.n_ff_exp, tiles.data.ptr, n_tiles, xs.data.ptr, xs.strides[0] // 4,
-                     cfg.activation, g.data.ptr, g.strides[0] // 4, q8=q8[1] if q8 else None)
-        if q8 is not None:
-            LL.quantize_q8(self.k, g.data.ptr, g.strides[0] // 4, cfg.n_ff_exp, slots, q8[2])
-        LE.down_tiles(self.k, down, cfg.n_embd, tiles.data.ptr, n_tiles, order.data.ptr, g.data.ptr,
-                      g.strides[0] // 4, ys.data.ptr, ys.strides[0] // 4, q8=q8[2] if q8 else None)
-        LE.combine(self.k, ys.data.ptr, ys.strides[0] // 4, ws.moe_w.data.ptr, used, x.data.ptr, x.strides[0] // 4,
-                   cfg.n_embd, t)
 
     def _moe_mma(self, x: cp.ndarray, h: cp.ndarray, gate: L.Mat, up: L.Mat, down: L.Mat, slots: int) -> None:
         """The experts' products grouped by expert on the tensor cores (moe_mma.cu): the slots sorted

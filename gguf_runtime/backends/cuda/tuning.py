@@ -47,13 +47,10 @@ class Tuning:
     kstage: frozenset[str] = frozenset({"qkv", "o", "glu", "down"})  # K-quant scales staged (the head lost)
     mmv: tuple[tuple[str, tuple[int, int]], ...] = ()  # (role[_TYPE], (R, WG)) over mmv_config: measuring
     # -- mixtures of experts
-    moe_tiles_per_expert: int = 3  # slots (tokens x experts a token) an expert on average from which the
-    # experts' products run grouped by expert, tiles of 8 slots sharing the weight reads; below, one matvec a slot
-    # (Qwen3-30B-A3B: B=64 +46%, pp512 2.7x; B=32, 2 an expert: level, so from 3)
-    moe_tiles_q8: bool = True  # the tiles' inputs as int8, dp4a (f32 rows of 8 tokens were L1-bound: slower than per slot)
-    moe_mma_per_expert: int = 1  # from this many slots an expert on average (and past the matvec rows), the
-    # grouped products on the tensor cores instead (moe_mma.cu); 0: never
-    moe_mma_slots: int = 0  # slots a tensor-core tile (8..64); 0: launch_moe.mma_tile_slots's rule
+    moe_mma_slots: int = 0  # slots a tensor-core tile of one expert (8..64); 0: launch_moe.mma_tile_slots's rule
+    moe_down_q8: bool = True  # the down matvec's input (the GLU's outputs) as int8 on the matvec path (439 -> 475)
+    moe_rows: tuple[int, int] = (8, 4)  # the matvec path's rows a warp: GLU (gate and up, even; 8: 16 a block,
+    # so its q8 epilogue writes down's input), down (Qwen3-30B-A3B tg: 8:4 501 t/s, 4:2 475, 4:4 487, 8:8 498)
     # -- attention
     attn_early: bool = True  # decode rows load keys before waiting for the QKV kernel
     attn_small: tuple[int, int] = (0, 1)  # (warps, rounds) up to 8 rows: widest block, one round
@@ -184,7 +181,7 @@ def _parse(name: str, text: str):
         if name == "pdl_big_graph_kernels":
             return tuple(p for p in text.split("+") if p)
         if name in ("attn_small", "attn_big", "mma_stages", "tiles_shape", "flash_shape",
-                    "decode_shape"):
+                    "decode_shape", "moe_rows"):
             return None if text == "none" else _pair(name, text)
         return text
     except ValueError:
@@ -199,6 +196,9 @@ def _pair(name: str, text: str) -> tuple[int, int]:
 
 
 def _check(t: Tuning) -> None:
+    if not (t.moe_rows[0] in (2, 4, 6, 8) and 1 <= t.moe_rows[1] <= 8):
+        raise BackendError(f"{ENV}: moe_rows={t.moe_rows[0]}:{t.moe_rows[1]}: give GLU rows 2, 4, 6 or 8 "
+                           "and down rows 1 to 8")
     if not 1 <= t.lookahead <= 32:  # (the pinned ring holds 64 tokens a slot)
         raise BackendError(f"{ENV}: lookahead={t.lookahead}: give a number of steps from 1 to 32")
     if not 1 <= t.decode_splits <= ATTN_MAX_SPLITS:

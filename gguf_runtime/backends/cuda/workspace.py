@@ -49,25 +49,23 @@ class Workspace:
             self.moe_logits = cp.zeros((max_rows, cfg.n_expert), f32)
             self.moe_ids = cp.zeros((max_rows, used), cp.int32)
             self.moe_w = cp.zeros((max_rows, used), f32)
-            gu = cp.zeros((slots + LE.TILE, 2 * cfg.n_ff_exp), f32)  # a tile reads TILE rows from its first
+            gu = cp.zeros((slots, 2 * cfg.n_ff_exp), f32)
             self.moe_g, self.moe_u = gu[:, :cfg.n_ff_exp], gu[:, cfg.n_ff_exp:]
-            # grouped by expert (launch_moe's tiles): slot order, tiles, the rows in that order, the products
+            # grouped by expert (past the matvec rows): slot order, tiles, h's rows gathered in that order
+            # (f16), the GLU's f16 outputs (in gu's memory), the products in slot order
             self.moe_pos = cp.zeros(slots, cp.int32)
             self.moe_order = cp.zeros(slots, cp.int32)
             self.moe_tiles = cp.zeros((LE.max_tiles(slots, cfg.n_expert), 4), cp.int32)
-            self.moe_xs = cp.zeros((slots + LE.TILE, cfg.n_embd), f32)
-            # the tensor-core tiles' f16 rows in the same memory: h's gathered, the GLU's outputs
-            self.moe_xs16 = self.moe_xs.view(cp.float16)[:, :cfg.n_embd]
+            self.moe_xs16 = cp.zeros((slots, cfg.n_embd), cp.float16)
             self.moe_g16 = gu.view(cp.float16)[:, :cfg.n_ff_exp]
             self.moe_ys = cp.zeros((slots, cfg.n_embd), f32)
-            # int8 tiles (tune.moe_tiles_q8): h's rows, then the sorted rows of h and of the GLU's outputs
-            self.moe_q8 = None
-            if tune.q8 and tune.moe_tiles_q8 and cfg.n_embd % 16 == 0 and cfg.n_ff_exp % 16 == 0:
-                w8 = max(cfg.n_embd, cfg.n_ff_exp)
-                self._moe_q = [cp.zeros((r, w8), cp.int8) for r in (max_rows, slots + LE.TILE, slots + LE.TILE)]
-                self._moe_s = [cp.zeros((q.shape[0], w8 // 16, 4), f32) for q in self._moe_q]
-                self.moe_q8 = tuple(L.Q8Vec(q.data.ptr, w8, s.data.ptr, w8 // 16)
-                                    for q, s in zip(self._moe_q, self._moe_s))
+            # the GLU's outputs as int8 (the down matvec's input on the matvec path; rests as q8_norm's)
+            self.moe_gq = None
+            if tune.q8 and cfg.n_ff_exp % 16 == 0:
+                rows, n, res = L.MAX_MMV_TOKENS * used, cfg.n_ff_exp, cfg.n_ff_exp if tune.q8_res else 0
+                self._moe_gq = cp.zeros((rows, n + res), cp.int8)
+                self._moe_gs = cp.zeros((rows, n // 16, 4), f32)
+                self.moe_gq = L.Q8Vec(self._moe_gq.data.ptr, n + res, self._moe_gs.data.ptr, n // 16, res=res)
         parts = max(tune.attn_parts, max_rows) * cfg.n_head
         self.part_o = cp.zeros(parts * cfg.head_dim_v, f32)
         self.part_ml = cp.zeros(parts * 2, f32)
