@@ -69,7 +69,7 @@ def main() -> None:
             be.kernels.use_sources(kdir or SRC_DIR)
             be.retune(tuning.choose(weight_bytes, overrides=over, n_head_kv=be.cfg.n_head_kv,
                                     sm_count=cp.cuda.Device().attributes["MultiProcessorCount"],
-                                    head_dim=be.cfg.head_dim))
+                                    head_dim=be.cfg.head_dim, arch=be.cfg.arch, moe=be.cfg.n_expert > 0))
             skip(be, roles)
             t0 = time.perf_counter()
             fill_depth(be, a.depth)

@@ -19,6 +19,8 @@ def test_choices_by_model_size(monkeypatch):
     small, big = tuning.choose(BIG), tuning.choose(BIG + 1)
     assert (small.kv_type, small.decode_mmv_rows, small.pdl_any_rows) == ("f32", 8, True)
     assert (big.kv_type, big.decode_mmv_rows, big.pdl_any_rows) == ("f16", 2, False)
+    moe = tuning.choose(BIG * 17, moe=True)  # a mixture of experts: small batches on the matvecs, PDL everywhere
+    assert (moe.kv_type, moe.decode_mmv_rows, moe.pdl_any_rows) == ("f16", 8, True)
     assert tuning.choose(BIG + 1, kv_type="f32").kv_type == "f32"
     assert tuning.choose(BIG + 1, kv_type="auto").kv_type == "f16"
     # small models: f16 up to 128-dim heads (SmolLM2's 64), f32 for Gemma-3's 256

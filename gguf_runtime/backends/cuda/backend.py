@@ -107,7 +107,8 @@ class CudaBackend(PrefillMixin):
         weight_bytes = sum(t.nbytes for t in f.tensors.values())
         sms = cp.cuda.Device().attributes["MultiProcessorCount"]
         self.tune = tune or tuning.choose(weight_bytes, kv_type, max_rows, max_batch, n_head_kv=cfg.n_head_kv,
-                                          sm_count=sms, head_dim=cfg.head_dim, arch=cfg.arch)
+                                          sm_count=sms, head_dim=cfg.head_dim, arch=cfg.arch,
+                                          moe=cfg.n_expert > 0)
         self.prefill_graph = use_graph and self.tune.prefill_graph  # prefill chunks as graphs, one per padded size
         self._prefill_runs: dict[tuple, int] = {}
         self.pdl = pdl.supported(cp.cuda.Device()) and self.tune.pdl != "off"

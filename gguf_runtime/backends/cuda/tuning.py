@@ -99,10 +99,14 @@ class Tuning:
 
 
 def _size_defaults(weight_bytes: int, kv_type: str | None, n_head_kv: int | None, sm_count: int | None,
-                   head_dim: int | None, arch: str | None) -> dict:
+                   head_dim: int | None, arch: str | None, moe: bool = False) -> dict:
     big = weight_bytes > BIG_MODEL_BYTES
     f16 = big or (head_dim is not None and head_dim <= KV16_MAX_HEAD_DIM)
-    out = {"decode_mmv_rows": 2 if big else 8, "pdl_any_rows": not big,
+    # a mixture of experts keeps small batches on the matvecs and PDL in every graph whatever its
+    # size (Qwen3-30B-A3B: B=4 687 -> 918 t/s with 8 matvec rows, B=16 1,691 -> 1,763 with PDL:
+    # bench/RESULTS.md row 116): its products read few rows each, like a small model's
+    small = not big or moe
+    out = {"decode_mmv_rows": 8 if small else 2, "pdl_any_rows": small,
            "kv_type": kv_type if kv_type not in (None, "auto") else ("f16" if f16 else "f32"),
            "q8_res": Q8_RES_BY_ARCH.get(arch or "", frozenset())}
     if sm_count:
@@ -116,13 +120,15 @@ def _size_defaults(weight_bytes: int, kv_type: str | None, n_head_kv: int | None
 
 def choose(weight_bytes: int, kv_type: str | None = None, max_rows: int | None = None, max_batch: int = 1,
            overrides: str | Mapping[str, str] | None = None, n_head_kv: int | None = None,
-           sm_count: int | None = None, head_dim: int | None = None, arch: str | None = None) -> Tuning:
-    """The table for a model (architecture ``arch``) of ``weight_bytes`` with ``n_head_kv`` KV heads of
+           sm_count: int | None = None, head_dim: int | None = None, arch: str | None = None,
+           moe: bool = False) -> Tuning:
+    """The table for a model (architecture ``arch``; ``moe``: a mixture of experts) of ``weight_bytes`` with
+    ``n_head_kv`` KV heads of
     ``head_dim`` (None: a small model's f16 cache is not chosen) on a GPU of ``sm_count`` SMs
     (kv_type: the user's choice, "auto" or None; max_rows: the rows of the largest call, default
     prefill_chunk), ``overrides`` (default: $GGUF_RUN_TUNE) applied last. Without calls of more than 8 rows there are no tensor-core
     inputs, so decode steps stay on the matvecs."""
-    values = _size_defaults(weight_bytes, kv_type, n_head_kv, sm_count, head_dim, arch)
+    values = _size_defaults(weight_bytes, kv_type, n_head_kv, sm_count, head_dim, arch, moe)
     if overrides is None:
         overrides = os.environ.get(ENV, "")
     items = overrides.items() if isinstance(overrides, Mapping) else _pairs(overrides)
