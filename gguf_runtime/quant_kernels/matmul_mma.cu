@@ -68,13 +68,7 @@ __global__ void __launch_bounds__(NTHR) mma_glu(PLANES(0), PLANES(1), int n, con
     const Mat ms[2] = {MAT(0, T), MAT(1, T)};
     mma_tiles_any<T, WR, NT, 2, RA, ST>(ms, n, row0, 0, x, ldx, n_tok, t0, kb, ke, K, smem, acc);
     if (gridDim.z > 1 && !merge_splits<2, NT>(acc, part, counter)) return;
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const float g = acc[0][nt][i];
-            acc[0][nt][i] = (ACT == 0 ? silu_f(g) : gelu_tanh_f(g)) * acc[1][nt][i];
-        }
+    glu_combine<ACT>(acc);
     for_each_c<WR, NT>(acc[0], row0, t0, [&](int r, int t, float v) {
         if (r < n && t < n_tok) y[(long)t * ldy + r] = f2h(v);
     });

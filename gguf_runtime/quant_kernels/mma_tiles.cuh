@@ -172,6 +172,18 @@ DEV void for_each_c(const float (&acc)[NT][4], int row0, int t0, F f) {
     }
 }
 
+// A GLU tile's outputs: acc[0] = act(acc[0]) * acc[1] (gate and up fragments; ACT 0 = SiLU, 1 = GELU (tanh)).
+template <int ACT, int NT>
+DEV void glu_combine(float (&acc)[2][NT][4]) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float g = acc[0][nt][i];
+            acc[0][nt][i] = (ACT == 0 ? silu_f(g) : gelu_tanh_f(g)) * acc[1][nt][i];
+        }
+}
+
 // This block's k range: split blockIdx.z of gridDim.z, whole k steps each.
 DEV void k_range(int K, int& kb, int& ke) {
     const int steps = (K + TK - 1) / TK, z = blockIdx.z, S = gridDim.z;

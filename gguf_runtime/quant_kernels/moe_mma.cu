@@ -36,13 +36,7 @@ __global__ void __launch_bounds__(NTHR) moe_mma_glu(PLANES(0), PLANES(1), int n,
     const Mat ms[2] = {MAT(0, T), MAT(1, T)};
     mma_tiles_any<T, WR, NT, 2, RA, ST>(ms, base + n, base + row0, 0, x + (long)tile.y * ldx, ldx, tile.z, 0, 0, K,
                                         K, smem, acc);
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const float g = acc[0][nt][i];
-            acc[0][nt][i] = (ACT == 0 ? silu_f(g) : gelu_tanh_f(g)) * acc[1][nt][i];
-        }
+    glu_combine<ACT>(acc);
     for_each_c<WR, NT>(acc[0], row0, 0, [&](int r, int t, float v) {
         if (r < n && t < tile.z) y[(long)(tile.y + t) * ldy + r] = f2h(v);
     });
