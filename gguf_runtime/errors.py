@@ -45,6 +45,10 @@ class TemplateError(GGUFRunError):
     """A chat template failed to render or tried to escape its sandbox."""
 
 
+class GrammarError(GGUFRunError):
+    """A JSON schema or grammar for structured output that the grammar engine cannot use."""
+
+
 class BackendError(GGUFRunError):
     """The requested backend cannot run here (no GPU, no CuPy, out of GPU memory)."""
 

@@ -13,9 +13,10 @@ NOT_FINITE = "the model's logits are not finite (NaN or infinity): the file's we
 
 
 def host_sample_loop(backend, n: int, params: SamplingParams, history: list[int],
-                     stop: frozenset[int], logits=None) -> Iterator[int]:
+                     stop: frozenset[int], logits=None, constraint=None) -> Iterator[int]:
     """Sample from the logits the backend returned (``logits``, or its host ``last_logits``),
-    yield, evaluate the token (``backend.eval`` returns host logits), repeat.
+    yield, evaluate the token (``backend.eval`` returns host logits), repeat. ``constraint``
+    (engine.constraint.Constraint): only the tokens its grammar allows are drawn.
 
     The last token yielded is not evaluated (the caller decides whether it is kept).
     """
@@ -25,7 +26,11 @@ def host_sample_loop(backend, n: int, params: SamplingParams, history: list[int]
     for i in range(n):
         if not np.isfinite(logits).all():  # (no stage makes a logit infinite: the weights did)
             raise GGUFError(NOT_FINITE)
+        if constraint is not None:
+            logits = constraint.apply(logits)
         tok = sampler.sample(logits, hist)
+        if constraint is not None and tok not in stop:
+            constraint.advance(tok)
         yield tok
         if tok in stop or i == n - 1:
             return

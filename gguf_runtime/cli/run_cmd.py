@@ -7,7 +7,9 @@ from typing import Optional
 
 import typer
 
+from ..engine.constraint import compile_grammar
 from ..engine.engine import Engine
+from ..errors import GGUFRunError
 from . import chat_cmd  # the module: its `chat` may not be defined yet while typer registers commands
 from .app import app
 from .options import (N_PREDICT_DEFAULT, Backend, CacheTypeK, CacheTypeV, CtxSize, MinP, ModelArg, NoGraph, NPredict,
@@ -41,10 +43,20 @@ def run(
     no_graph: bool = NoGraph,
     verbose: bool = typer.Option(False, "--verbose", help="print timings like `ollama run --verbose`"),
     quiet: bool = Quiet,
+    json_schema: Optional[str] = typer.Option(None, "--json-schema", "-j",
+                                              help="output JSON valid against this schema: a file, or the schema "
+                                                   "itself ('{...}'); '{}' for any JSON"),
+    grammar: Optional[str] = typer.Option(None, "--grammar", help="output that this grammar file allows (GBNF, as "
+                                                                  "llama.cpp's grammars/, or Lark)"),
 ) -> None:
     """Stream a completion of PROMPT (default model when MODEL is omitted); with no prompt in a
     terminal, start a chat (`gguf-run chat`)."""
     check_n_predict(n_predict)
+    if json_schema is not None and grammar is not None:
+        raise GGUFRunError("give --json-schema or --grammar, not both")
+    spec = read_grammar_spec(json_schema, grammar)
+    if spec:
+        compile_grammar(*spec)  # a schema or grammar it cannot use stops here, before the model loads
     params = sampling_params(temp, top_k, top_p, min_p, repeat_penalty, seed)
     kv = kv_types(cache_type_k, cache_type_v)
     if prompt is None and sys.stdin.isatty():  # a conversation, as `ollama run` starts; run's default -n -> chat's
@@ -68,7 +80,8 @@ def run(
         ids = eng.encode_chat(messages)
     else:
         ids = eng.encode_raw(prompt)
-    gen = eng.generate(ids, n_predict=n_predict, params=params)
+    constraint = eng.constraint(*spec) if spec else None
+    gen = eng.generate(ids, n_predict=n_predict, params=params, constraint=constraint)
     out = sys.stdout
     try:
         for piece in gen:
@@ -84,3 +97,19 @@ def run(
     out.flush()
     if verbose:
         print_stats(gen.stats)
+
+
+def read_grammar_spec(json_schema: str | None, grammar: str | None) -> tuple[str, str] | None:
+    """(kind, text) of --json-schema (inline when it starts with '{', else a file) or --grammar (a
+    file), read before the model loads so a missing file costs no load."""
+    if json_schema is None and grammar is None:
+        return None
+    if json_schema is not None and json_schema.lstrip().startswith("{"):
+        return "json_schema", json_schema
+    path = json_schema if json_schema is not None else grammar
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read(1 << 20)
+    except (OSError, UnicodeDecodeError) as e:
+        raise GGUFRunError(f"cannot read {path}: {e.strerror if isinstance(e, OSError) else e}") from None
+    return ("json_schema" if json_schema is not None else "gbnf"), text

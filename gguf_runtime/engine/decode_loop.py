@@ -118,15 +118,16 @@ class LaunchAhead:
 
 
 def sample_loop(backend, n: int, params: SamplingParams, history: list[int],
-                stop: frozenset[int]) -> Iterator[int]:
+                stop: frozenset[int], constraint=None) -> Iterator[int]:
     """Up to n tokens of the sequence in the backend's slot 0 (its prompt already evaluated),
     until a stop token (yielded) or the budget. Device-decoding backends run the launch-ahead
-    loop; the others, and samplers the device lacks, sample on the host."""
+    loop; the others, samplers the device lacks and grammar-constrained output (``constraint``)
+    sample on the host."""
     if not hasattr(backend, "start_single"):
-        yield from backend.sample_loop(n, params, history, stop)
+        yield from backend.sample_loop(n, params, history, stop, constraint=constraint)
         return
-    if not backend.gpu_sampling(params):
-        yield from backend.host_sample_loop(n, params, history, stop)
+    if constraint is not None or not backend.gpu_sampling(params):
+        yield from backend.host_sample_loop(n, params, history, stop, constraint=constraint)
         return
     seed = int(params.seed) if params.seed is not None else secrets.randbits(63)
     launch = backend.start_single(history, params, seed)  # token 0 sampled on the stream

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 from .backend_choice import select_backend
+from .constraint import Constraint, compile_grammar
 from .decode_loop import sample_loop
 from ..format.chat_template import ChatTemplate
 from ..errors import ContextOverflowError, GGUFRunError
@@ -127,9 +128,16 @@ class Engine:
                 f"the prompt is {n_prompt} tokens but the context holds {self.n_ctx}; "
                 "raise --ctx-size or shorten the prompt")
 
+    def constraint(self, kind: str, spec=None) -> Constraint:
+        """A fresh grammar state for one generation (constraint.compile_grammar's kinds: "json",
+        "json_schema", "gbnf", "lark", "regex"); GrammarError names a schema or grammar it cannot use."""
+        return Constraint(self.tokenizer, self.cfg.n_vocab, compile_grammar(kind, spec))
+
     def generate(self, prompt_ids: Sequence[int], n_predict: int = 128,
-                 params: SamplingParams | None = None, stop_ids: frozenset[int] | None = None) -> Generation:
-        """Stream the continuation of ``prompt_ids`` (evaluating only what isn't cached)."""
+                 params: SamplingParams | None = None, stop_ids: frozenset[int] | None = None,
+                 constraint: Constraint | None = None) -> Generation:
+        """Stream the continuation of ``prompt_ids`` (evaluating only what isn't cached); with
+        ``constraint`` (self.constraint) only output its grammar allows."""
         params = params or SamplingParams()
         params.validate()
         prompt_ids = list(prompt_ids)
@@ -138,11 +146,11 @@ class Engine:
         self.check_fits(len(prompt_ids))
         stop = self.tokenizer.eog_ids if stop_ids is None else stop_ids
         gen = Generation(iter(()))
-        gen._pieces = self._run(prompt_ids, n_predict, params, stop, gen)
+        gen._pieces = self._run(prompt_ids, n_predict, params, stop, gen, constraint)
         return gen
 
     def _run(self, prompt_ids: list[int], n_predict: int, params: SamplingParams,
-             stop: frozenset[int], gen: Generation) -> Iterator[str]:
+             stop: frozenset[int], gen: Generation, constraint: Constraint | None = None) -> Iterator[str]:
         st = gen.stats
         if not self._load_reported:
             st.load_s, self._load_reported = self.load_s, True
@@ -163,7 +171,7 @@ class Engine:
             st.prompt_s = t1 - t0
             budget = min(n_predict if n_predict >= 0 else self.n_ctx, self.n_ctx - len(self.cached))
             st.stop_reason = "length" if budget == n_predict else "context"
-            for tok in sample_loop(self.backend, budget, params, history, stop):
+            for tok in sample_loop(self.backend, budget, params, history, stop, constraint):
                 if tok in stop:
                     st.stop_reason = "stop"
                     break

@@ -396,10 +396,11 @@ class CudaBackend(PrefillMixin):
             self._sample(*self._mode(params), rows=1)
 
     def host_sample_loop(self, n: int, params: SamplingParams, history: list[int],
-                         stop: frozenset[int]) -> Iterator[int]:
-        """Sampling on the host, for parameters the GPU sampler lacks (top-k off or over 1024)."""
+                         stop: frozenset[int], constraint=None) -> Iterator[int]:
+        """Sampling on the host, for parameters the GPU sampler lacks (top-k off or over 1024) and
+        grammar-constrained output (its masks are the host's for now)."""
         first = cp.asnumpy(self.last_logits[-1], stream=self.stream)
-        return host_sample_loop(self, n, params, history, stop, logits=first)
+        return host_sample_loop(self, n, params, history, stop, logits=first, constraint=constraint)
 
     # ---- many sequences --------------------------------------------------------------------------
     def seq_add(self, slot: int, prompt: Sequence[int], params: SamplingParams, max_new: int,

@@ -228,5 +228,5 @@ class NumpyBackend:
     def prefill(self, tokens: Sequence[int]) -> None:
         self.eval(tokens)
 
-    def sample_loop(self, n: int, params, history: list[int], stop: frozenset[int]):
-        return host_sample_loop(self, n, params, history, stop)
+    def sample_loop(self, n: int, params, history: list[int], stop: frozenset[int], constraint=None):
+        return host_sample_loop(self, n, params, history, stop, constraint=constraint)

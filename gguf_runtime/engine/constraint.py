@@ -1,0 +1,138 @@
+"""Constrained decoding: each step's allowed tokens from a grammar engine (llguidance, as llama.cpp's
+LLGUIDANCE build and vLLM use), for JSON output, JSON schemas, GBNF / Lark grammars and regexes.
+
+``compile_grammar`` turns what a user gave (CLI file, Ollama ``format``, OpenAI ``response_format``)
+into llguidance's grammar text, raising ``GrammarError`` with one line naming the problem.
+``Constraint`` follows one sequence: ``apply(logits)`` sets the logits of tokens the grammar
+forbids to -inf (the sampler then draws only allowed ones), ``advance(token)`` consumes the drawn
+token. Once the grammar is complete only the end-of-generation tokens are allowed, so a complete
+output ends the generation. The vocabulary is handed over once per tokenizer (cached): each id's
+bytes as llama_token_to_piece gives them, control tokens marked special, as llguidance's own
+llama.cpp bridge does.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+from ..errors import GrammarError
+from ..format.tokenizer import Tokenizer
+
+KINDS = ("json", "json_schema", "gbnf", "lark", "regex")
+# llguidance's JSON options unless a schema sets its own: one space after ':' and ',' and nowhere
+# else (a model may otherwise fill a value's surroundings with whitespace until the token budget ends)
+COMPACT = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
+
+
+def _llg():
+    try:
+        import llguidance
+    except ImportError:  # (a dependency of the package: only a broken install lacks it)
+        raise GrammarError("structured output needs the llguidance package: pip install llguidance") from None
+    return llguidance
+
+
+def compile_grammar(kind: str, spec: Any) -> str:
+    """llguidance's grammar for ``spec``: kind "json" (any JSON object, spec unused), "json_schema"
+    (a schema as a dict or JSON text), "gbnf" (llama.cpp's GBNF, or Lark), "lark", "regex"."""
+    llg = _llg()
+    if kind not in KINDS:
+        raise GrammarError(f"unknown grammar kind {kind!r}; use one of {', '.join(KINDS)}")
+    try:
+        if kind in ("json", "json_schema"):
+            schema = {"type": "object"} if kind == "json" else (
+                json.loads(spec) if isinstance(spec, (str, bytes)) else spec)
+            if not isinstance(schema, dict):
+                raise GrammarError("a JSON schema must be a JSON object")
+            if "x-guidance" not in schema:  # compact JSON: no free whitespace to wander into
+                schema = {**schema, "x-guidance": COMPACT}
+            text = llg.LLMatcher.grammar_from_json_schema(json.dumps(schema))
+        elif kind == "gbnf":
+            text = llg.grammar_from("gbnf", spec)
+        elif kind == "lark":
+            text = llg.LLMatcher.grammar_from_lark(spec)
+        else:
+            text = llg.LLMatcher.grammar_from_regex(spec)
+    except GrammarError:
+        raise
+    except json.JSONDecodeError as e:
+        raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
+    except (ValueError, TypeError, RuntimeError) as e:
+        raise GrammarError(f"the {kind} grammar cannot be used: {_first_line(e)}") from None
+    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(text)
+    if is_error:
+        raise GrammarError(f"the {kind} grammar cannot be used: {_first_line(messages)}")
+    return text
+
+
+def _first_line(x: Any) -> str:
+    s = "; ".join(x) if isinstance(x, list) else str(x)
+    return s.strip().splitlines()[0] if s.strip() else "(no reason given)"
+
+
+class _Vocab:
+    """The duck-typed tokenizer llguidance.TokenizerWrapper reads."""
+
+    def __init__(self, tok: Tokenizer, n_vocab: int) -> None:
+        self._tok = tok
+        self.eos_token_id = tok.eos_id if tok.eos_id is not None else min(tok.eog_ids)
+        self.bos_token_id = tok.bos_id
+        pieces = []
+        for i in range(n_vocab):
+            b = tok.token_to_bytes(i) if i < len(tok.tokens) else b""
+            if i < len(tok.tokens) and tok.is_control(i):
+                b = b"\xff" + b  # llguidance's mark of a special token (never matched as text)
+            pieces.append(b)
+        self.tokens = pieces
+        self.special_token_ids = [i for i in range(min(n_vocab, len(tok.tokens))) if tok.is_control(i)]
+
+    def __call__(self, s: bytes | str) -> list[int]:
+        text = s.decode("utf-8", "replace") if isinstance(s, bytes) else s
+        return self._tok.encode(text, add_special=False)
+
+
+_TOKENIZERS: dict[tuple[int, int], Any] = {}
+
+
+def ll_tokenizer(tok: Tokenizer, n_vocab: int):
+    """The llguidance tokenizer of ``tok`` over the model's ``n_vocab`` logits (made once: about a
+    second for a 50k vocabulary), the end-of-generation ids as its EOS tokens."""
+    key = (id(tok), n_vocab)
+    lt = _TOKENIZERS.get(key)
+    if lt is None:
+        llg = _llg()
+        eos = sorted(i for i in tok.eog_ids if i < n_vocab)
+        lt = _TOKENIZERS[key] = llg.LLTokenizer(llg.TokenizerWrapper(_Vocab(tok, n_vocab)), n_vocab=n_vocab,
+                                                eos_token=eos or None)
+    return lt
+
+
+class Constraint:
+    """One sequence's grammar state (see the module)."""
+
+    def __init__(self, tok: Tokenizer, n_vocab: int, grammar: str) -> None:
+        llg = _llg()
+        self.n_vocab = n_vocab
+        self._m = llg.LLMatcher(ll_tokenizer(tok, n_vocab), grammar, log_level=0)
+        if self._m.is_error():
+            raise GrammarError(f"the grammar cannot be used: {_first_line(self._m.get_error())}")
+        self._mask = np.zeros((n_vocab + 31) // 32, np.int32)
+
+    def allowed(self) -> np.ndarray:
+        """A bool array over the vocabulary: the tokens the grammar allows next."""
+        self._m.unsafe_compute_mask_ptr(self._mask.ctypes.data, self._mask.nbytes)
+        bits = np.unpackbits(self._mask.view(np.uint8), bitorder="little")
+        return bits[:self.n_vocab].astype(bool)
+
+    def apply(self, logits: np.ndarray) -> np.ndarray:
+        """A copy of ``logits`` with every forbidden token at -inf."""
+        out = np.array(logits, np.float32, copy=True)
+        out[~self.allowed()] = -np.inf
+        return out
+
+    def advance(self, token: int) -> None:
+        if not self._m.consume_token(int(token)):
+            raise GrammarError(f"the grammar engine refused token {token}: {_first_line(self._m.get_error())}")

@@ -1,0 +1,164 @@
+"""Structured output (engine/constraint.py, llguidance): every output of a random model under a JSON
+schema or grammar parses and obeys it; schemas and grammars the engine cannot use stop with one
+line; `gguf-run run --json-schema / --grammar` end to end on the numpy backend."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from gguf_runtime.engine.constraint import Constraint, compile_grammar
+from gguf_runtime.engine.engine import Engine
+from gguf_runtime.errors import GrammarError
+from gguf_runtime.format.tokenizer import Tokenizer
+from gguf_runtime.sampling import SamplingParams
+
+from micro_models import VOCAB_DIR, Micro, write_micro
+from test_cli import assert_one_line_error, run
+
+# bounded schemas (no extra properties, bounded strings, numbers and arrays): a random model ends them
+SCHEMAS = [
+    {"type": "object", "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["age"], "additionalProperties": False},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}, "tag": {"enum": ["red", "green", "blue"]}},
+     "required": ["ok", "tag"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "string", "maxLength": 4}, "minItems": 1, "maxItems": 3},
+    {"type": "object", "additionalProperties": False, "required": ["p", "q"],
+     "properties": {"p": {"type": "object", "properties": {"x": {"type": "integer", "minimum": -5, "maximum": 5}},
+                          "required": ["x"], "additionalProperties": False},
+                    "q": {"type": "array", "items": {"enum": [1, 2, 3]}, "maxItems": 2}}},
+    {"type": "object", "additionalProperties": False, "required": ["name", "kind"],
+     "properties": {"name": {"type": "string", "maxLength": 6, "pattern": "^[a-z]+$"},
+                    "kind": {"anyOf": [{"const": "cat"}, {"const": "dog"}]}}},
+]
+
+
+def check(value, schema):
+    """The schema's rules these tests use (jsonschema's Draft 2020 semantics for them)."""
+    if "enum" in schema:
+        assert value in schema["enum"]
+    if "const" in schema:
+        assert value == schema["const"]
+    if "anyOf" in schema:
+        assert any(value == s.get("const") for s in schema["anyOf"])
+    t = schema.get("type")
+    if t == "object":
+        assert isinstance(value, dict) and set(schema.get("required", ())) <= set(value)
+        if schema.get("additionalProperties") is False:
+            assert set(value) <= set(schema["properties"])
+        for k, v in value.items():
+            check(v, schema["properties"][k])
+    elif t == "array":
+        assert isinstance(value, list) and schema.get("minItems", 0) <= len(value) <= schema.get("maxItems", 1e9)
+        for v in value:
+            check(v, schema["items"])
+    elif t == "integer":
+        assert isinstance(value, int) and not isinstance(value, bool)
+        assert schema.get("minimum", -1e18) <= value <= schema.get("maximum", 1e18)
+    elif t == "string":
+        assert isinstance(value, str) and len(value) <= schema.get("maxLength", 1e9)
+        if "pattern" in schema:
+            assert re.search(schema["pattern"], value)
+    elif t == "boolean":
+        assert isinstance(value, bool)
+
+
+@pytest.fixture(scope="module")
+def vocab():
+    tok = Tokenizer.from_gguf(VOCAB_DIR / "ggml-vocab-llama-bpe.gguf")
+    return tok, len(tok.tokens)
+
+
+def constrained_argmax(tok, n, grammar, rng, scale=3.0, budget=400):
+    """Greedy decoding of random logits under a grammar: the token ids up to the end of generation."""
+    c = Constraint(tok, n, grammar)
+    out = []
+    for _ in range(budget):
+        t = int(np.argmax(c.apply(rng.standard_normal(n).astype(np.float32) * scale)))
+        if t in tok.eog_ids:
+            return out
+        out.append(t)
+        c.advance(t)
+    raise AssertionError(f"no end after {budget} tokens: {tok.decode(out)[:200]!r}")
+
+
+@pytest.mark.parametrize("i", range(len(SCHEMAS)))
+def test_random_logits_under_a_schema_give_valid_json(vocab, i):
+    tok, n = vocab
+    schema = SCHEMAS[i]
+    grammar = compile_grammar("json_schema", schema)
+    for seed in range(3):
+        text = tok.decode(constrained_argmax(tok, n, grammar, np.random.default_rng(seed)))
+        check(json.loads(text), schema)
+        assert text == json.dumps(json.loads(text), ensure_ascii=False), "not compact JSON"
+
+
+def test_gbnf_and_regex_grammars(vocab):
+    tok, n = vocab
+    g = compile_grammar("gbnf", 'root ::= "answer: " ("yes" | "no")')
+    for seed in range(3):
+        assert tok.decode(constrained_argmax(tok, n, g, np.random.default_rng(seed))) in ("answer: yes", "answer: no")
+    r = compile_grammar("regex", r"[0-9]{3}-[a-z]{2}")
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", tok.decode(constrained_argmax(tok, n, r, np.random.default_rng(0))))
+
+
+def test_the_mask_forbids_and_allows(vocab):
+    tok, n = vocab
+    c = Constraint(tok, n, compile_grammar("json", None))
+    allowed = c.allowed()
+    assert allowed.shape == (n,) and allowed[tok.encode("{", add_special=False)[0]]
+    assert not allowed[tok.encode("hello", add_special=False)[0]]
+    logits = np.zeros(n, np.float32)
+    masked = c.apply(logits)
+    assert (masked[~allowed] == -np.inf).all() and (masked[allowed] == 0).all() and (logits == 0).all()
+
+
+@pytest.mark.parametrize("kind,spec,words", [
+    ("json_schema", "{not json", ["not valid json"]),
+    ("json_schema", "[1, 2]", ["json object"]),
+    ("json_schema", {"type": "bogus"}, ["json_schema"]),
+    ("gbnf", "root ::= undefined-rule", ["gbnf"]),
+    ("regex", "([", ["regex"]),
+    ("yaml", "a: 1", ["unknown grammar kind"]),
+])
+def test_unusable_schemas_and_grammars_name_the_problem(kind, spec, words):
+    with pytest.raises(GrammarError) as e:
+        compile_grammar(kind, spec)
+    msg = str(e.value)
+    assert "\n" not in msg and all(w in msg.lower() for w in words), msg
+
+
+@pytest.fixture(scope="module")
+def micro_path(tmp_path_factory):
+    return write_micro(Micro(vocab="gpt-2", n_vocab=None, seed=3), tmp_path_factory.mktemp("m") / "micro.gguf")
+
+
+def test_engine_generates_schema_valid_json_on_the_numpy_backend(micro_path):
+    eng = Engine(micro_path, backend="numpy", n_ctx=512)
+    schema = SCHEMAS[3]
+    for seed in range(2):
+        con = eng.constraint("json_schema", schema)
+        gen = eng.generate(eng.encode_raw("data:"), n_predict=200,
+                           params=SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=seed),
+                           constraint=con)
+        text = gen.text()
+        assert gen.stats.stop_reason == "stop", text
+        check(json.loads(text), schema)
+
+
+def test_cli_json_schema_and_grammar(micro_path, tmp_path):
+    schema = json.dumps(SCHEMAS[1])
+    rc, out, err = run(str(micro_path), "-p", "x", "--raw", "--backend", "numpy", "-n", "100", "--json-schema",
+                       schema, "--quiet")
+    assert rc == 0, err
+    check(json.loads(out), SCHEMAS[1])
+    g = tmp_path / "yn.gbnf"
+    g.write_text('root ::= "yes" | "no"\n')
+    rc, out, err = run(str(micro_path), "-p", "x", "--raw", "--backend", "numpy", "-n", "20", "--grammar", str(g),
+                       "--quiet")
+    assert rc == 0 and out.strip() in ("yes", "no"), (out, err)
+    assert_one_line_error(run(str(micro_path), "-p", "x", "--json-schema", "{oops"), "json")
+    assert_one_line_error(run(str(micro_path), "-p", "x", "--grammar", str(tmp_path / "missing.gbnf")), "cannot read")
