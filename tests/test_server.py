@@ -247,6 +247,12 @@ BAD = [
     ("/v1/completions", {"model": NAME, "prompt": [10**9]}, 400),
     ("/v1/completions", {"model": NAME, "prompt": "x", "stop": [1]}, 400),
     ("/api/nothing", {}, 404),
+    ("/api/generate", gen(format=42), 400),
+    ("/api/generate", gen(format={"type": "bogus"}), 400),
+    ("/api/chat", {"model": NAME, "messages": HI, "format": "yaml"}, 400),
+    ("/v1/chat/completions", {"model": NAME, "messages": HI, "response_format": {"type": "xml"}}, 400),
+    ("/v1/chat/completions", {"model": NAME, "messages": HI,
+                              "response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}}, 400),
 ]
 
 
@@ -261,6 +267,36 @@ def test_bad_input_gets_4xx_json(url, path, body, status):
     if "word " in content.decode(errors="replace")[:200]:
         assert "context" in msg
     good(url)
+
+
+PET = {"type": "object", "additionalProperties": False, "required": ["name", "kind", "legs"],
+       "properties": {"name": {"type": "string", "maxLength": 12}, "kind": {"enum": ["cat", "dog", "bird"]},
+                      "legs": {"type": "integer", "minimum": 0, "maximum": 8}}}
+
+
+def test_structured_output_in_both_apis(url):
+    """Ollama format ("json", a schema) and OpenAI response_format (json_object, json_schema): the
+    answers parse and follow the schema, streamed or not, through the official clients."""
+    c = ollama.Client(host=url)
+    opts = {"temperature": 0, "num_predict": 60}
+    r = c.generate(model=NAME, prompt="Describe a pet as JSON.", format=PET, options=opts)
+    pet = json.loads(r.response)
+    assert set(pet) == {"name", "kind", "legs"} and pet["kind"] in ("cat", "dog", "bird") and 0 <= pet["legs"] <= 8
+    parts = list(c.chat(model=NAME, messages=[{"role": "user", "content": "A pet, as JSON"}], format=PET,
+                        options=opts, stream=True))
+    assert json.loads("".join(p.message.content for p in parts)).keys() == pet.keys()
+    r = c.generate(model=NAME, prompt='Reply with the JSON {"ok": true} and nothing else.', format="json",
+                   options=opts)
+    assert isinstance(json.loads(r.response), dict) and r.done_reason == "stop"
+    oa = openai.OpenAI(base_url=url + "/v1", api_key="x")
+    r = oa.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "A pet"}], temperature=0,
+                                   max_tokens=60, response_format={"type": "json_schema", "json_schema": {
+                                       "name": "pet", "schema": PET, "strict": True}})
+    assert json.loads(r.choices[0].message.content).keys() == pet.keys() and r.choices[0].finish_reason == "stop"
+    r = oa.chat.completions.create(model=NAME, messages=[{"role": "user", "content": 'Reply with the JSON {"ok": true}'
+                                                                                   ' and nothing else.'}],
+                                   temperature=0, max_tokens=60, response_format={"type": "json_object"})
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
 
 
 def test_penalties_zero_accepted_others_refused(url):

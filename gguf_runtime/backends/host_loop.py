@@ -28,6 +28,8 @@ def host_sample_loop(backend, n: int, params: SamplingParams, history: list[int]
             raise GGUFError(NOT_FINITE)
         if constraint is not None:
             logits = constraint.apply(logits)
+            if not np.isfinite(logits).any():  # the grammar allows nothing more (it ended)
+                return
         tok = sampler.sample(logits, hist)
         if constraint is not None and tok not in stop:
             constraint.advance(tok)

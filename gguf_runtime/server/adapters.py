@@ -17,6 +17,7 @@ import dataclasses
 from typing import Callable, Sequence
 
 from ..errors import BackendError, KVCacheFullError
+from ..engine.constraint import Constraint
 from ..engine.decode_loop import LaunchAhead
 from ..sampling import SamplingParams
 
@@ -55,8 +56,10 @@ class NumpyAdapter:
         self._it = None
         self._seq: list[int] = []
 
-    def add(self, slot: int, prompt: Sequence[int], params: SamplingParams, max_new: int) -> int:
+    def add(self, slot: int, prompt: Sequence[int], params: SamplingParams, max_new: int,
+            grammar: str | None = None) -> int:
         eng, be = self.engine, self.be
+        constraint = Constraint(self.tokenizer, eng.cfg.n_vocab, grammar) if grammar else None
         prompt = list(prompt)
         keep = _common_prefix(eng.cached, prompt)
         if keep == len(prompt):  # all cached: re-evaluate the last token for its logits
@@ -70,7 +73,7 @@ class NumpyAdapter:
         except BaseException:
             self._trim()
             raise
-        self._it = be.sample_loop(max_new, params, list(prompt), frozenset())
+        self._it = be.sample_loop(max_new, params, list(prompt), frozenset(), constraint=constraint)
         return len(prompt) - keep
 
     def step(self) -> dict[int, list[int]]:
@@ -130,7 +133,11 @@ class CudaAdapter:
             return dataclasses.replace(p, top_k=MAX_GPU_TOP_K)
         return p
 
-    def add(self, slot: int, prompt: Sequence[int], params: SamplingParams, max_new: int) -> int:
+    def add(self, slot: int, prompt: Sequence[int], params: SamplingParams, max_new: int,
+            grammar: str | None = None) -> int:
+        if grammar:  # the batch step samples on the GPU; its grammar masks are not there yet
+            raise BackendError("structured output (format / response_format) is not served on the CUDA backend yet; "
+                               "serve with --backend numpy, or use `gguf-run run --json-schema` for one answer")
         be, kv = self.be, self.be.kv
         n = min(self.n_ctx, len(prompt) + max_new + self.margin)
         need = -(-n // kv.page_size) - kv.capacity(slot) // kv.page_size

@@ -71,6 +71,7 @@ async def api_generate(svc: Service, request: Request) -> Response:
     raw, stream = S.get_bool(body, "raw", False), S.get_bool(body, "stream", True)
     context = _ids(body["context"], svc.engine.tokenizer.n_vocab, "context") if body.get("context") else []
     params, requested, stop, num_ctx = S.ollama_options(body)
+    grammar = S.structured_output(body, ollama=True)
     if not prompt and not context:  # Ollama: an empty prompt just loads the model
         return JSONResponse({"model": name, "created_at": S.now_rfc3339(), "response": "", "done": True,
                              "done_reason": "load"})
@@ -83,7 +84,8 @@ async def api_generate(svc: Service, request: Request) -> Response:
         text = prompt if raw else eng.template.render([{"role": "user", "content": prompt}])
         return context + eng.tokenizer.encode(text, add_special=False, parse_special=not raw)
 
-    return await run_job(svc, request, FORMATS["generate"](name), encode, params, requested, stop, stream, num_ctx)
+    return await run_job(svc, request, FORMATS["generate"](name), encode, params, requested, stop, stream, num_ctx,
+                         grammar)
 
 
 @route(openai=False)
@@ -93,11 +95,12 @@ async def api_chat(svc: Service, request: Request) -> Response:
     msgs = S.messages(body.get("messages", []))
     stream = S.get_bool(body, "stream", True)
     params, requested, stop, num_ctx = S.ollama_options(body)
+    grammar = S.structured_output(body, ollama=True)
     if not msgs:
         return JSONResponse({"model": name, "created_at": S.now_rfc3339(),
                              "message": {"role": "assistant", "content": ""}, "done": True, "done_reason": "load"})
     return await run_job(svc, request, FORMATS["chat"](name), lambda: svc.engine.encode_chat(msgs), params,
-                         requested, stop, stream, num_ctx)
+                         requested, stop, stream, num_ctx, grammar)
 
 
 @route(openai=False)
@@ -150,7 +153,8 @@ async def v1_chat(svc: Service, request: Request) -> Response:
     if not msgs:
         raise S.bad("messages must not be empty")
     fmt = FORMATS["chat.completion"](name, usage)
-    return await run_job(svc, request, fmt, lambda: svc.engine.encode_chat(msgs), params, requested, stop, stream)
+    return await run_job(svc, request, fmt, lambda: svc.engine.encode_chat(msgs), params, requested, stop, stream,
+                         grammar=S.structured_output(body, ollama=False))
 
 
 @route(openai=True)
@@ -169,7 +173,8 @@ async def v1_completions(svc: Service, request: Request) -> Response:
     else:
         raise S.bad("prompt must be a non-empty string (or one string, or a list of token ids)")
     fmt = FORMATS["text_completion"](name, usage)
-    return await run_job(svc, request, fmt, encode, params, requested, stop, stream)
+    return await run_job(svc, request, fmt, encode, params, requested, stop, stream,
+                         grammar=S.structured_output(body, ollama=False))
 
 
 @route(openai=True)

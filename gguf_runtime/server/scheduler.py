@@ -75,6 +75,7 @@ class Job:
     emit: Callable[[str, Any], None]
     stop: tuple[str, ...] = ()
     t_submit: float = field(default_factory=time.perf_counter)
+    grammar: str | None = None  # structured output: the compiled grammar (schemas.structured_output)
     # filled in by the scheduler
     state: str = "new"  # waiting, active, done, cancelled, failed
     slot: int = -1
@@ -245,7 +246,8 @@ class Scheduler:
             slot = heapq.heappop(self._free)  # the lowest free slot keeps the batch bucket small
             job.t_admit = time.perf_counter()
             try:
-                job.prompt_eval = self.adapter.add(slot, job.prompt, job.params, job.max_new)
+                more = {"grammar": job.grammar} if job.grammar else {}
+                job.prompt_eval = self.adapter.add(slot, job.prompt, job.params, job.max_new, **more)
             except NoRoom:
                 heapq.heappush(self._free, slot)
                 if self.active:

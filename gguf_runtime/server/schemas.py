@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from ..engine.constraint import compile_grammar
 from ..format.model_info import quant_histogram
 from ..sampling import SamplingParams
 
@@ -126,6 +127,36 @@ def sampling(d: dict, seed_key: str = "seed") -> SamplingParams:
     except ValueError as e:
         raise bad(str(e)) from None
     return p
+
+
+def structured_output(body: dict, ollama: bool) -> str | None:
+    """The compiled grammar of a request's structured output, None for free text: Ollama's
+    ``format`` ("json", or a JSON schema object), OpenAI's ``response_format`` ({"type": "text" |
+    "json_object" | "json_schema", "json_schema": {"schema": ...}}). A schema the grammar engine
+    cannot use is a 400 naming why (GrammarError)."""
+    if ollama:
+        f = body.get("format")
+        if f is None or f == "":
+            return None
+        if f == "json":
+            return compile_grammar("json", None)
+        if isinstance(f, dict):
+            return compile_grammar("json_schema", f)
+        raise bad('format must be "json" or a JSON schema object')
+    rf = body.get("response_format")
+    if rf is None:
+        return None
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return compile_grammar("json", None)
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
+            raise bad("response_format.json_schema must be an object with a schema object")
+        return compile_grammar("json_schema", js.get("schema", {}))
+    raise bad('response_format.type must be "text", "json_object" or "json_schema"')
 
 
 def refuse_logprobs(body: dict) -> None:
