@@ -162,3 +162,80 @@ def test_cli_json_schema_and_grammar(micro_path, tmp_path):
     assert rc == 0 and out.strip() in ("yes", "no"), (out, err)
     assert_one_line_error(run(str(micro_path), "-p", "x", "--json-schema", "{oops"), "json")
     assert_one_line_error(run(str(micro_path), "-p", "x", "--grammar", str(tmp_path / "missing.gbnf")), "cannot read")
+
+
+def S(props, required=None, **kw):
+    """An object schema with no extra properties (every one required unless told)."""
+    return {"type": "object", "properties": props, "required": list(props) if required is None else required,
+            "additionalProperties": False, **kw}
+
+
+STR = {"type": "string", "maxLength": 24}
+# 30 varied schemas: nested objects, arrays, enums, required and optional fields, string formats,
+# numbers with bounds, unions, constants; every string and array bounded, so any model ends them
+VARIED = [
+    ("a person", S({"name": STR, "age": {"type": "integer", "minimum": 0, "maximum": 120}})),
+    ("a city", S({"city": STR, "country": STR, "population": {"type": "integer", "minimum": 0, "maximum": 10**8}})),
+    ("a yes/no answer to: is the sky blue?", S({"answer": {"type": "boolean"}})),
+    ("a traffic light state", S({"light": {"enum": ["red", "yellow", "green"]}})),
+    ("three colours", {"type": "array", "items": STR, "minItems": 3, "maxItems": 3}),
+    ("a shopping list", S({"items": {"type": "array", "items": STR, "minItems": 1, "maxItems": 4}})),
+    ("a point", S({"x": {"type": "number", "minimum": -100, "maximum": 100},
+                   "y": {"type": "number", "minimum": -100, "maximum": 100}})),
+    ("a book", S({"title": STR, "author": S({"first": STR, "last": STR}), "year": {"type": "integer",
+                                                                               "minimum": 1000, "maximum": 2100}})),
+    ("a meeting date", S({"date": {"type": "string", "format": "date"}})),
+    ("a log entry time", S({"at": {"type": "string", "format": "date-time"}, "level": {"enum": ["info", "warn"]}})),
+    ("a contact", S({"email": {"type": "string", "format": "email", "maxLength": 40}, "name": STR})),
+    ("an id", S({"id": {"type": "string", "format": "uuid"}})),
+    ("a server", S({"host": {"type": "string", "format": "ipv4"}, "port": {"type": "integer", "minimum": 1,
+                                                                             "maximum": 65535}})),
+    ("a product", S({"sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{3}$"}, "price": {
+        "type": "number", "minimum": 0, "maximum": 1000}})),
+    ("a grade", S({"grade": {"type": "string", "enum": ["A", "B", "C", "D", "F"]}, "pass": {"type": "boolean"}})),
+    ("a matrix 2x2", S({"m": {"type": "array", "minItems": 2, "maxItems": 2, "items": {
+        "type": "array", "minItems": 2, "maxItems": 2, "items": {"type": "integer", "minimum": -9, "maximum": 9}}}})),
+    ("an optional nickname", S({"name": STR, "nickname": STR}, required=["name"])),
+    ("a pet", S({"kind": {"const": "cat"}, "lives": {"type": "integer", "minimum": 1, "maximum": 9}})),
+    ("a shape", {"anyOf": [S({"circle": {"type": "number", "minimum": 0, "maximum": 10}}),
+                           S({"square": {"type": "number", "minimum": 0, "maximum": 10}})]}),
+    ("a nullable note", S({"note": {"anyOf": [STR, {"type": "null"}]}})),
+    ("tags", S({"tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3}})),
+    ("a temperature", S({"celsius": {"type": "number", "minimum": -50, "maximum": 60}, "unit": {"const": "C"}})),
+    ("a weekday", {"enum": ["mon", "tue", "wed", "thu", "fri", "sat", "sun"]}),
+    ("a count", {"type": "integer", "minimum": 0, "maximum": 100}),
+    ("a word", {"type": "string", "minLength": 1, "maxLength": 12}),
+    ("a team", S({"lead": S({"name": STR}), "members": {"type": "array", "maxItems": 3, "items": S({"name": STR})}})),
+    ("an address", S({"street": STR, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}, "city": STR})),
+    ("a rating", S({"stars": {"type": "integer", "minimum": 1, "maximum": 5}, "comment": STR})),
+    ("a flag set", S({"a": {"type": "boolean"}, "b": {"type": "boolean"}, "c": {"type": "boolean"}})),
+    ("an event", S({"name": STR, "when": S({"date": {"type": "string", "format": "date"},
+                                            "hour": {"type": "integer", "minimum": 0, "maximum": 23}}),
+                    "attendees": {"type": "integer", "minimum": 0, "maximum": 500}})),
+]
+
+
+@pytest.fixture(scope="module")
+def default_engine():
+    from gguf_runtime.cli.default_model import default_model_path
+    from gguf_runtime.errors import GGUFRunError
+    try:
+        path = default_model_path()
+    except GGUFRunError as e:
+        pytest.skip(str(e))
+    return Engine(path, backend="numpy", n_ctx=1024)
+
+
+def test_thirty_schemas_on_the_default_model(default_engine):
+    """Greedy answers of the default model (SmolLM2) under 30 varied schemas: every one parses
+    and validates (jsonschema, formats checked) and ends by itself (the grammar closed)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    eng = default_engine
+    checker = jsonschema.FormatChecker()
+    for what, schema in VARIED:
+        ids = eng.encode_chat([{"role": "user", "content": f"Give {what} as JSON."}])
+        gen = eng.generate(ids, n_predict=300, params=SamplingParams(temperature=0),
+                           constraint=eng.constraint("json_schema", schema))
+        text = gen.text()
+        assert gen.stats.stop_reason == "stop", (what, text)
+        jsonschema.validate(json.loads(text), schema, format_checker=checker)
