@@ -59,6 +59,8 @@ def run(
         compile_grammar(*spec)  # a schema or grammar it cannot use stops here, before the model loads
     params = sampling_params(temp, top_k, top_p, min_p, repeat_penalty, seed)
     kv = kv_types(cache_type_k, cache_type_v)
+    if prompt is None and sys.stdin.isatty() and spec:
+        raise GGUFRunError("--json-schema and --grammar shape one answer: give the prompt with -p or on stdin")
     if prompt is None and sys.stdin.isatty():  # a conversation, as `ollama run` starts; run's default -n -> chat's
 
         return chat_cmd.chat(model=model, n_predict=-1 if n_predict == N_PREDICT_DEFAULT else n_predict, temp=temp,
