@@ -14,6 +14,7 @@ llama.cpp bridge does.
 from __future__ import annotations
 
 import json
+import weakref
 from typing import Any
 
 import numpy as np
@@ -78,7 +79,7 @@ class _Vocab:
 
     def __init__(self, tok: Tokenizer, n_vocab: int) -> None:
         self._tok = tok
-        self.eos_token_id = tok.eos_id if tok.eos_id is not None else min(tok.eog_ids)
+        self.eos_token_id = tok.eos_id if tok.eos_id is not None else min(tok.eog_ids, default=0)
         self.bos_token_id = tok.bos_id
         pieces = []
         for i in range(n_vocab):
@@ -94,19 +95,20 @@ class _Vocab:
         return self._tok.encode(text, add_special=False)
 
 
-_TOKENIZERS: dict[tuple[int, int], Any] = {}
+# per tokenizer (weakly: a tokenizer that is gone takes its entry along), per logits width
+_TOKENIZERS: "weakref.WeakKeyDictionary[Tokenizer, dict[int, Any]]" = weakref.WeakKeyDictionary()
 
 
 def ll_tokenizer(tok: Tokenizer, n_vocab: int):
-    """The llguidance tokenizer of ``tok`` over the model's ``n_vocab`` logits (made once: about a
-    second for a 50k vocabulary), the end-of-generation ids as its EOS tokens."""
-    key = (id(tok), n_vocab)
-    lt = _TOKENIZERS.get(key)
+    """The llguidance tokenizer of ``tok`` over the model's ``n_vocab`` logits (made once: the whole
+    vocabulary's bytes are handed over), the end-of-generation ids as its EOS tokens."""
+    by_width = _TOKENIZERS.setdefault(tok, {})
+    lt = by_width.get(n_vocab)
     if lt is None:
         llg = _llg()
         eos = sorted(i for i in tok.eog_ids if i < n_vocab)
-        lt = _TOKENIZERS[key] = llg.LLTokenizer(llg.TokenizerWrapper(_Vocab(tok, n_vocab)), n_vocab=n_vocab,
-                                                eos_token=eos or None)
+        lt = by_width[n_vocab] = llg.LLTokenizer(llg.TokenizerWrapper(_Vocab(tok, n_vocab)), n_vocab=n_vocab,
+                                                 eos_token=eos or None)
     return lt
 
 

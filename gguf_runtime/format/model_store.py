@@ -43,6 +43,7 @@ class StoredModel:
 
 
 def ollama_dir() -> Path:
+    """Ollama's store, where Ollama itself keeps it (its own OLLAMA_MODELS setting, else the default)."""
     return Path(os.environ.get("OLLAMA_MODELS") or Path.home() / ".ollama" / "models")
 
 

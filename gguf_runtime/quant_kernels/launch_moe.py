@@ -111,8 +111,8 @@ def sort(k: Kernels, ids: int, slots: int, n_expert: int, pos: int, order: int, 
 def mma_tile_slots(slots: int, n_expert: int, fixed: int = 0) -> int:
     """Slots a tensor-core tile (8, 16, 32 or 64): ``fixed``, else the power of two that holds twice
     an expert's mean share (few padded columns where each expert has few slots; where they have
-    many, the widest tiles read each expert's weights least often: pp512 of Qwen3-30B-A3B, 32 slots
-    an expert, ran 4% faster in tiles of 64 than of 32)."""
+    many, the widest tiles read each expert's weights least often: bench/RESULTS.md, the MoE
+    section's tile-size table)."""
     if fixed:
         assert fixed in (8, 16, 32, 64)
         return fixed

@@ -48,9 +48,9 @@ class Tuning:
     mmv: tuple[tuple[str, tuple[int, int]], ...] = ()  # (role[_TYPE], (R, WG)) over mmv_config: measuring
     # -- mixtures of experts
     moe_mma_slots: int = 0  # slots a tensor-core tile of one expert (8..64); 0: launch_moe.mma_tile_slots's rule
-    moe_down_q8: bool = True  # the down matvec's input (the GLU's outputs) as int8 on the matvec path (439 -> 475)
+    moe_down_q8: bool = True  # the down matvec's input (the GLU's outputs) as int8 on the matvec path (row 111)
     moe_rows: tuple[int, int] = (8, 4)  # the matvec path's rows a warp: GLU (gate and up, even; 8: 16 a block,
-    # so its q8 epilogue writes down's input), down (Qwen3-30B-A3B tg: 8:4 501 t/s, 4:2 475, 4:4 487, 8:8 498)
+    # so its q8 epilogue writes down's input), down (the fastest pair measured: bench/RESULTS.md rows 111-112)
     # -- attention
     attn_early: bool = True  # decode rows load keys before waiting for the QKV kernel
     attn_small: tuple[int, int] = (0, 1)  # (warps, rounds) up to 8 rows: widest block, one round
@@ -103,8 +103,7 @@ def _size_defaults(weight_bytes: int, kv_type: str | None, n_head_kv: int | None
     big = weight_bytes > BIG_MODEL_BYTES
     f16 = big or (head_dim is not None and head_dim <= KV16_MAX_HEAD_DIM)
     # a mixture of experts keeps small batches on the matvecs and PDL in every graph whatever its
-    # size (Qwen3-30B-A3B: B=4 687 -> 918 t/s with 8 matvec rows, B=16 1,691 -> 1,763 with PDL:
-    # bench/RESULTS.md row 116): its products read few rows each, like a small model's
+    # size: its products read few rows each, like a small model's (bench/RESULTS.md row 116)
     small = not big or moe
     out = {"decode_mmv_rows": 8 if small else 2, "pdl_any_rows": small,
            "kv_type": kv_type if kv_type not in (None, "auto") else ("f16" if f16 else "f32"),
