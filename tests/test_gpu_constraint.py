@@ -18,9 +18,10 @@ from micro_models import Micro, write_micro  # noqa: E402
 from test_constraint import SCHEMAS, check  # noqa: E402
 
 
+# head size 64: the CUDA attention kernels take 64, 128 and 256
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    path = write_micro(Micro(vocab="gpt-2", n_vocab=None, seed=3), tmp_path_factory.mktemp("m") / "micro.gguf")
+    path = write_micro(Micro(vocab="gpt-2", n_vocab=None, seed=3, n_embd=256, n_ff=512, n_head=4, n_head_kv=2), tmp_path_factory.mktemp("m") / "micro.gguf")
     return Engine(path, backend="cuda", n_ctx=512)
 
 
