@@ -163,9 +163,10 @@ def test_qwen3moe(tmp_path, quant):
         assert_visible(tmp_path, Micro(**{**QWEN3MOE, "n_expert_used": 1}), ids, ref)
 
 
-@pytest.mark.parametrize("name", NUMPY_ONLY)
+@pytest.mark.parametrize("name", ("MXFP4", "IQ4_NL", "IQ4_XS") + NUMPY_ONLY)
 def test_numpy_only_types_against_transformers(tmp_path, name):
-    """Experts in each type only the numpy backend reads (MXFP4, the IQ types): transformers' GGUF
+    """Experts in each i-quant type and MXFP4 (the table types, which the CUDA kernels read too, and
+    those only the numpy backend reads): transformers' GGUF
     loader dequantizes them with the gguf package, ours with reference_iq, and the logits agree."""
     m = Micro(**{**QWEN3MOE, "n_embd": 256, "n_ff_exp": 256}, quant={"_exps.weight": QT[name]})
     path, _, _ = run_case(tmp_path, m, head_dim=32, moe_intermediate_size=256)

@@ -23,9 +23,10 @@ from gguf_runtime.format.blocks import BY_NAME, FORMATS, NUMPY_ONLY, SUPPORTED, 
 from gguf_runtime.quant_kernels.reference import dequantize, dequantize_rows, random_blocks
 
 # Byte offsets of the f16 scale / min fields inside one block (ggml-common.h block structs).
-from gguf_runtime.quant_kernels.reference import F16_FIELDS, all_finite  # noqa: E402
+from gguf_runtime.quant_kernels.reference import F16_FIELDS, TABLE_TYPES, all_finite  # noqa: E402
 FLOATS = ("F32", "F16", "BF16")
-QUANTS = tuple(n for n in SUPPORTED if n not in FLOATS)
+# (the table types, MXFP4 / IQ4_NL / IQ4_XS, dequantize through reference_iq: test_reference_iq)
+QUANTS = tuple(n for n in SUPPORTED if n not in FLOATS + TABLE_TYPES)
 assert set(F16_FIELDS) == set(QUANTS)
 
 
@@ -226,6 +227,10 @@ def test_all_finite_finds_a_damaged_value(name, rng):
             hit.view("<f2")[block] = bad
         elif name == "BF16":
             hit.view("<u2")[block] = np.float32(bad).view("<u4") >> 16
+        elif name == "MXFP4":  # E8M0: 0xFF is NaN (there is no infinity)
+            hit[block * bb] = 0xFF
+        elif name in TABLE_TYPES:  # IQ4_NL / IQ4_XS: d, f16, at 0
+            hit[block * bb:block * bb + 2] = np.frombuffer(np.float16(bad).tobytes(), np.uint8)
         else:
             o = block * bb + offsets[int(rng.integers(0, len(offsets)))]
             hit[o:o + 2] = np.frombuffer(np.float16(bad).tobytes(), np.uint8)

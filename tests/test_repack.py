@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from gguf_runtime.quant_kernels.formats import BY_NAME, FORMATS
-from gguf_runtime.quant_kernels.repack import ALIGN, LAYOUTS, packed_size, repack, unrepack
+from gguf_runtime.quant_kernels.formats import BY_NAME, FORMATS, SUPPORTED
+from gguf_runtime.quant_kernels.repack import ALIGN, LAYOUTS, packed_size, repack, row_offsets, unrepack
 from gguf_runtime.quant_kernels.reference import random_blocks
 
 
@@ -39,3 +39,19 @@ def test_repack_rejects_bad_input():
         repack(np.zeros(144, np.uint8), t, 1, 250)
     with pytest.raises(ValueError):
         repack(np.zeros(144, np.uint8), 16, 1, 256)  # IQ2_XXS: no kernels
+
+
+@pytest.mark.parametrize("name", SUPPORTED)
+def test_row_offsets_give_a_row_slice(name, rng):
+    """A slice of rows of a repacked matrix (Phi-3's fused QKV / gate-up parts on the GPU) is its
+    planes from row_offsets on: byte for byte the planes of those rows repacked alone."""
+    t = BY_NAME[name]
+    rows, cols, row0, n = 12, 2 * FORMATS[t].block_elems, 5, 4
+    raw = random_blocks(t, rows * cols, rng)
+    whole = repack(raw, t, rows, cols)
+    row_bytes = raw.size // rows
+    part = repack(raw[row0 * row_bytes:(row0 + n) * row_bytes], t, n, cols)
+    for plane, step in row_offsets(t, cols, row0).items():
+        want = part.plane(plane).reshape(-1)
+        start = whole.offsets[plane] + step
+        np.testing.assert_array_equal(whole.buffer[start:start + want.size], want)

@@ -32,17 +32,17 @@ FORMATS: dict[int, Format] = {
     13: Format("Q5_K", 256, 176),
     14: Format("Q6_K", 256, 210),
     30: Format("BF16", 1, 2),
+    20: Format("IQ4_NL", 32, 18),
+    23: Format("IQ4_XS", 256, 136),
+    39: Format("MXFP4", 32, 17),
     # read by the numpy reference only (reference_iq.py): no CUDA kernel yet
     16: Format("IQ2_XXS", 256, 66),
     17: Format("IQ2_XS", 256, 74),
     18: Format("IQ3_XXS", 256, 98),
     19: Format("IQ1_S", 256, 50),
-    20: Format("IQ4_NL", 32, 18),
     21: Format("IQ3_S", 256, 110),
     22: Format("IQ2_S", 256, 82),
-    23: Format("IQ4_XS", 256, 136),
     29: Format("IQ1_M", 256, 56),
-    39: Format("MXFP4", 32, 17),
 }
 
 BY_NAME: dict[str, int] = {f.name: i for i, f in FORMATS.items()}
@@ -52,11 +52,11 @@ SUPPORTED: tuple[str, ...] = (
     "F32", "F16", "BF16",
     "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+    "MXFP4", "IQ4_NL", "IQ4_XS",
 )
 SUPPORTED_IDS: frozenset[int] = frozenset(BY_NAME[n] for n in SUPPORTED)
 # ... and those only the numpy reference reads: the numpy backend runs files in them, the CUDA one refuses
-NUMPY_ONLY: tuple[str, ...] = ("MXFP4", "IQ4_NL", "IQ4_XS", "IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S",
-                               "IQ1_S", "IQ1_M")
+NUMPY_ONLY: tuple[str, ...] = ("IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")
 READABLE_IDS: frozenset[int] = SUPPORTED_IDS | frozenset(BY_NAME[n] for n in NUMPY_ONLY)
 
 

@@ -27,9 +27,11 @@ def nvrtc_options(src_dir: str = SRC_DIR) -> tuple[str, ...]:
 OPTIONS = nvrtc_options()
 TYPE_STRUCT = {"F32": "TF32", "F16": "TF16", "BF16": "TBF16", "Q4_0": "TQ4_0", "Q4_1": "TQ4_1",
                "Q5_0": "TQ5_0", "Q5_1": "TQ5_1", "Q8_0": "TQ8_0", "Q2_K": "TQ2_K", "Q3_K": "TQ3_K",
-               "Q4_K": "TQ4_K", "Q5_K": "TQ5_K", "Q6_K": "TQ6_K"}
+               "Q4_K": "TQ4_K", "Q5_K": "TQ5_K", "Q6_K": "TQ6_K", "MXFP4": "TMXFP4", "IQ4_NL": "TIQ4_NL",
+               "IQ4_XS": "TIQ4_XS"}
 UNIT_ELEMS = {"TF32": 16, "TF16": 16, "TBF16": 16, "TQ4_0": 32, "TQ4_1": 32, "TQ5_0": 32, "TQ5_1": 32,
-              "TQ8_0": 32, "TQ2_K": 64, "TQ3_K": 64, "TQ4_K": 32, "TQ5_K": 32, "TQ6_K": 64}
+              "TQ8_0": 32, "TQ2_K": 64, "TQ3_K": 64, "TQ4_K": 32, "TQ5_K": 32, "TQ6_K": 64,
+              "TMXFP4": 32, "TIQ4_NL": 32, "TIQ4_XS": 32}
 SMEM_DEFAULT_MAX = 48 * 1024  # dynamic shared memory per block beyond this needs the kernel's opt-in
 ACT = {"silu": 0, "gelu_tanh": 1}
 

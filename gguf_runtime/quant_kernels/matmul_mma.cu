@@ -93,5 +93,5 @@ template __global__ void mma_group<TQ4_K, TQ4_K, TQ6_K, 4, 8, 0, 1, 1, 4>(GROUP_
     template __global__ void mma_glu<T, 4, 8, 0, 1, 2>(GLU_ARGS);                                \
     template __global__ void mma_glu<T, 4, 8, 0, 0, 2>(GLU_ARGS);
 INST(TF32) INST(TF16) INST(TBF16) INST(TQ4_0) INST(TQ4_1) INST(TQ5_0) INST(TQ5_1) INST(TQ8_0)
-INST(TQ2_K) INST(TQ3_K) INST(TQ4_K) INST(TQ5_K) INST(TQ6_K)
+INST(TQ2_K) INST(TQ3_K) INST(TQ4_K) INST(TQ5_K) INST(TQ6_K) INST(TMXFP4) INST(TIQ4_NL) INST(TIQ4_XS)
 #endif

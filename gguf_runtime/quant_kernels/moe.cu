@@ -245,10 +245,11 @@ MOE(TQ4_0, 0) MOE(TQ4_1, 0) MOE(TQ5_0, 0) MOE(TQ5_1, 0) MOE(TQ8_0, 0)
 MOE(TQ2_K, 0) MOE(TQ3_K, 0) MOE(TQ4_K, 0) MOE(TQ5_K, 0) MOE(TQ6_K, 0)
 MOE(TQ4_0, 1) MOE(TQ4_1, 1) MOE(TQ5_0, 1) MOE(TQ5_1, 1) MOE(TQ8_0, 1)
 MOE(TQ2_K, 1) MOE(TQ3_K, 1) MOE(TQ4_K, 1) MOE(TQ5_K, 1) MOE(TQ6_K, 1) MOE(TQ4_K, 9)
+MOE(TMXFP4, 0) MOE(TIQ4_NL, 0) MOE(TIQ4_XS, 0) MOE(TMXFP4, 1) MOE(TIQ4_NL, 1) MOE(TIQ4_XS, 1)
 #define GLU_Q8(T, IO) \
     template __global__ void moe_glu<T, 8, 1, 0, IO>(P4, P4, int, int, const int*, int, const float*, int, \
                                                      const float*, float, XQ_TYPES, float*, int, QO_TYPES);
-GLU_Q8(TQ4_K, 3) GLU_Q8(TQ6_K, 3) GLU_Q8(TQ4_0, 3) GLU_Q8(TQ8_0, 3) GLU_Q8(TQ4_K, 27)
+GLU_Q8(TMXFP4, 3) GLU_Q8(TQ4_K, 3) GLU_Q8(TQ6_K, 3) GLU_Q8(TQ4_0, 3) GLU_Q8(TQ8_0, 3) GLU_Q8(TQ4_K, 27)
 template __global__ void moe_router<1, 4, 8>(P4, int, int, int, const float*, int, const float*, float, float*, int);
 template __global__ void moe_router<2, 1, 8>(P4, int, int, int, const float*, int, const float*, float, float*, int);
 #endif

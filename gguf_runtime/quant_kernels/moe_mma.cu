@@ -73,4 +73,5 @@ __global__ void __launch_bounds__(NTHR) moe_mma_down(PLANES(0), int n, const int
                                                          float*, int);
 MOE_MMA(TF32) MOE_MMA(TF16) MOE_MMA(TBF16) MOE_MMA(TQ4_0) MOE_MMA(TQ4_1) MOE_MMA(TQ5_0) MOE_MMA(TQ5_1)
 MOE_MMA(TQ8_0) MOE_MMA(TQ2_K) MOE_MMA(TQ3_K) MOE_MMA(TQ4_K) MOE_MMA(TQ5_K) MOE_MMA(TQ6_K)
+MOE_MMA(TMXFP4) MOE_MMA(TIQ4_NL) MOE_MMA(TIQ4_XS)
 #endif

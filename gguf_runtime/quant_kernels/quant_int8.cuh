@@ -169,6 +169,14 @@ template <> struct I8<TQ8_0> {
         d = r.d; m = 0.f;
     }
 };
+template <class T> struct I8Lut {  // MXFP4, IQ4_NL, IQ4_XS: the table's signed bytes
+    static HD void words(const typename T::Raw& r, int p, u32 (&q)[4], float& d, float& m) {
+        lut_words<typename T::L>(r.q, p, q); d = r.d; m = 0.f;
+    }
+};
+template <> struct I8<TMXFP4> : I8Lut<TMXFP4> {};
+template <> struct I8<TIQ4_NL> : I8Lut<TIQ4_NL> {};
+template <> struct I8<TIQ4_XS> : I8Lut<TIQ4_XS> {};
 template <> struct I8<TQ2_K> {
     static HD void words(const TQ2_K::Raw& r, int p, u32 (&q)[4], float& d, float& m) {
         const u32 sc = (r.sc >> (8 * p)) & 0xFFu;

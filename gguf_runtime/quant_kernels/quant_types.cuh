@@ -115,6 +115,120 @@ struct TQ8_0 {
     }
 };
 
+// ---- non-linear 4-bit types: each nibble indexes a table of 16 signed bytes --------------------
+// MXFP4 (gpt-oss: E2M1 values doubled, times 2^(e - 128)) and IQ4_NL / IQ4_XS (kvalues_iq4nl).
+// A block's 16 quant bytes hold element i in the low nibble of byte i and element 16 + i in its
+// high nibble (piece 0: the low nibbles, piece 1: the high). The table is four words, entry 0 in
+// the low byte of T0. As integers the pieces are q + 128 (qf, offset m = -128 d): exact.
+struct LutMXFP4 { static constexpr u32 T0 = 0x03020100u, T1 = 0x0C080604u, T2 = 0xFDFEFF00u, T3 = 0xF4F8FAFCu; };
+struct LutIQ4 { static constexpr u32 T0 = 0xBFAD9881u, T1 = 0xF6EADDCFu, T2 = 0x26190D01u, T3 = 0x71594535u; };
+
+// The 8 nibbles of w through the table: lo = the 4 low nibbles' signed bytes (piece 0's
+// elements), hi = the high ones' (piece 1's). On the GPU five byte permutes (llama.cpp's
+// get_int_from_table_16): the low 3 bits of a nibble pick from entries 0-7 and from 8-15, its top
+// bit picks between the two.
+template <class L>
+HD void lut_nibbles(u32 w, u32& lo, u32& hi) {
+#ifdef __CUDA_ARCH__
+    const u32 pick = 0x32103210u | ((w & 0x88888888u) >> 1);
+    u32 t[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const u32 s = w >> (16 * i);
+        t[i] = __byte_perm(__byte_perm(L::T0, L::T1, s), __byte_perm(L::T2, L::T3, s), pick >> (16 * i));
+    }
+    lo = __byte_perm(t[0], t[1], 0x6420u);
+    hi = __byte_perm(t[0], t[1], 0x7531u);
+#else
+    const u32 tab[4] = {L::T0, L::T1, L::T2, L::T3};
+    lo = hi = 0;
+    for (int i = 0; i < 4; ++i) {
+        const u32 a = (w >> (8 * i)) & 0xFu, b = (w >> (8 * i + 4)) & 0xFu;
+        lo |= ((tab[a >> 2] >> (8 * (a & 3))) & 0xFFu) << (8 * i);
+        hi |= ((tab[b >> 2] >> (8 * (b & 3))) & 0xFFu) << (8 * i);
+    }
+#endif
+}
+
+// Piece p of a 16-byte nibble block through the table: 16 signed bytes, four words.
+template <class L>
+HD void lut_words(const V16& q, int p, u32 (&w)[4]) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        u32 lo, hi;
+        lut_nibbles<L>(q.w[j], lo, hi);
+        w[j] = p ? hi : lo;
+    }
+}
+
+template <class L>
+HD void lut_qpiece(const V16& q, int p, float* out) {  // as integer-valued floats q + 128
+    u32 w[4];
+    lut_words<L>(q, p, w);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) out[i] = qf(((w[i >> 2] >> (8 * (i & 3))) & 0xFFu) ^ 0x80u);
+}
+
+HD u32 ld8bits(const u8* p) {
+#ifdef __CUDA_ARCH__
+    return __ldg(p);
+#else
+    return *p;
+#endif
+}
+
+HD float e8m0_half(u32 e) { return u2f(e < 2 ? 0x00200000u << e : (e - 1) << 23); }  // 2^(e - 128), as ggml
+
+struct TMXFP4 {
+    static constexpr int UE = 32, NP = 2, BLOCK = 32;
+    using L = LutMXFP4;
+    struct Raw { V16 q; float d; };
+    static HD void load(const Mat& m, int row, int u, Raw& r) {
+        const long b = (long)row * m.nb + u;
+        r.q = ld16(m.qs + b * 16);
+        r.d = e8m0_half(ld8bits(m.d + b));
+    }
+    static HD int xoff(int u, int p) { return u * 32 + p * 16; }
+    static HD void qpiece(const Raw& r, int p, float* q, float& d, float& m) {
+        lut_qpiece<L>(r.q, p, q); d = r.d; m = -128.f * r.d;
+    }
+};
+
+struct TIQ4_NL {
+    static constexpr int UE = 32, NP = 2, BLOCK = 32;
+    using L = LutIQ4;
+    struct Raw { V16 q; float d; };
+    static HD void load(const Mat& m, int row, int u, Raw& r) {
+        const long b = (long)row * m.nb + u;
+        r.q = ld16(m.qs + b * 16);
+        r.d = h2f(ld16bits(m.d + b * 2));
+    }
+    static HD int xoff(int u, int p) { return u * 32 + p * 16; }
+    static HD void qpiece(const Raw& r, int p, float* q, float& d, float& m) {
+        lut_qpiece<L>(r.q, p, q); d = r.d; m = -128.f * r.d;
+    }
+};
+
+// IQ4_XS: 256-element superblocks of 8 groups of 32 (a unit: one group); sc holds d (f16), the
+// scales' high bits (u16, 2 a group) and low nibbles (4 bytes): group scale d (ls - 32).
+struct TIQ4_XS {
+    static constexpr int UE = 32, NP = 2, BLOCK = 256;
+    using L = LutIQ4;
+    struct Raw { V16 q; float d; };
+    static HD void load(const Mat& m, int row, int u, Raw& r) {
+        const long sb = (long)row * m.nb + (u >> 3);
+        const int g = u & 7;
+        r.q = ld16(m.qs + sb * 128 + 16 * g);
+        const u32 h = ld32(m.sc + sb * 8), l = ld32(m.sc + sb * 8 + 4);
+        const u32 ls = ((l >> (4 * g)) & 0xFu) | (((h >> (16 + 2 * g)) & 3u) << 4);
+        r.d = h2f((u16)(h & 0xFFFFu)) * (qf(ls) - 32.f);
+    }
+    static HD int xoff(int u, int p) { return (u >> 3) * 256 + (u & 7) * 32 + 16 * p; }
+    static HD void qpiece(const Raw& r, int p, float* q, float& d, float& m) {
+        lut_qpiece<L>(r.q, p, q); d = r.d; m = -128.f * r.d;
+    }
+};
+
 // ---- 256-element K-quants ---------------------------------------------------------------------
 // Q2_K / Q3_K / Q6_K units: (superblock sb, half h, sixteen-byte slice s), 4 units per superblock.
 struct TQ2_K {

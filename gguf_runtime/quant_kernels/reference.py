@@ -80,7 +80,9 @@ def _deq_q8_0(b: np.ndarray, out: np.ndarray) -> None:
 
 _KERNELS = {"Q4_0": _deq_q4_0, "Q4_1": _deq_q4_1, "Q5_0": _deq_q5_0, "Q5_1": _deq_q5_1,
             "Q8_0": _deq_q8_0, **_K_KERNELS}
-assert set(_KERNELS) | {"F32", "F16", "BF16"} == set(SUPPORTED)
+# the table types' dequantizers are reference_iq's, as the other i-quants'
+TABLE_TYPES = ("MXFP4", "IQ4_NL", "IQ4_XS")
+assert set(_KERNELS) | {"F32", "F16", "BF16"} | set(TABLE_TYPES) == set(SUPPORTED)
 
 
 def _check_type(type_id: int) -> Format:
@@ -119,7 +121,7 @@ def all_finite(raw: np.ndarray, type_id: int) -> bool:
     if fmt.name == "IQ1_M":  # its f16 scale is spread over the scale words' top nibbles
         return bool(np.isfinite(reference_iq.iq1_m_scale(blocks)).all())
     # an f16 is NaN or infinite when its exponent bits (0x7C of the high byte) are all set
-    fields = (0,) if fmt.name in NUMPY_ONLY else F16_FIELDS[fmt.name]  # the i-quants: d at 0
+    fields = (0,) if fmt.name in reference_iq.KERNELS else F16_FIELDS[fmt.name]  # the i-quants: d at 0
     return not any(((blocks[:, o + 1] & 0x7C) == 0x7C).any() for o in fields)
 
 
@@ -154,7 +156,7 @@ def dequantize(raw: np.ndarray, type_id: int, shape: tuple[int, ...]) -> np.ndar
     out = np.empty((nb, fmt.block_elems), np.float32)
     step = max(1, _CHUNK_ELEMS // fmt.block_elems)
     for i in range(0, nb, step):
-        if fmt.name in NUMPY_ONLY:  # reference_iq's dequantizers return their blocks' values
+        if fmt.name in reference_iq.KERNELS:  # reference_iq's dequantizers return their blocks' values
             out[i:i + step] = reference_iq.KERNELS[fmt.name][2](blocks[i:i + step])
         else:
             _KERNELS[fmt.name](blocks[i:i + step], out[i:i + step])
@@ -262,6 +264,8 @@ def random_blocks(type_id: int, n_elems: int, rng: np.random.Generator, scale: f
         u += np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))  # round to nearest even
         return (u >> np.uint32(16)).astype("<u2").view(np.uint8)
 
+    if fmt.name in TABLE_TYPES:
+        return _random_table_blocks(fmt.name, n_elems, rng, scale)
     d_off, m_off, ratio, jitter, msq = _RANDOM[fmt.name]
     d0 = scale / math.sqrt(msq * _JITTER_MSQ)
     extremes = [d0 * 0.5, d0 * 1.5]
@@ -280,3 +284,27 @@ def random_blocks(type_id: int, n_elems: int, rng: np.random.Generator, scale: f
         c = np.float32(ratio) + (rng.uniform(-jitter, jitter, nb).astype(np.float32) if jitter else np.float32(0))
         blocks[:, m_off:m_off + 2] = (d * c).astype("<f2").view(np.uint8).reshape(nb, 2)
     return blocks.reshape(-1)
+
+
+
+def _random_table_blocks(name: str, n_elems: int, rng: np.random.Generator, scale: float) -> np.ndarray:
+    """MXFP4 / IQ4_NL / IQ4_XS with every quant bit random (IQ4_XS: all 64 group scales, negative
+    ones too) and the block scales set for an RMS of ``scale``: IQ4 d = d0 J, J ~ U(0.5, 1.5);
+    MXFP4's power-of-two scales mix the two around the target so the mean square is its square."""
+    block_bytes, block_elems, _ = reference_iq.KERNELS[name]
+    nb = n_elems // block_elems
+    b = rng.integers(0, 256, (nb, block_bytes), dtype=np.uint8)
+    table = reference_iq.KV_MXFP4 if name == "MXFP4" else reference_iq.KV_IQ4
+    msq = float(np.mean(table.astype(np.float64) ** 2)) * (_msq(-32, 31) if name == "IQ4_XS" else 1.0)
+    if name == "MXFP4":
+        t2 = scale * scale / msq  # the mean square of the scales 2^(e - 128)
+        e0 = math.floor(math.log2(t2) / 2)
+        p = (t2 / 4.0 ** e0 - 1) / 3
+        e = 128 + e0 + (rng.random(nb) < p)
+        if not (1 <= e.min() and e.max() <= 254):
+            raise ValueError(f"MXFP4: scale {scale} needs E8M0 scales outside 2^-127..2^126")
+        b[:, 0] = e.astype(np.uint8)
+        return b.reshape(-1)
+    d = rng.uniform(0.5, 1.5, nb) * (scale / math.sqrt(msq * _JITTER_MSQ))
+    b[:, :2] = d.astype("<f2").view(np.uint8).reshape(nb, 2)
+    return b.reshape(-1)

@@ -44,6 +44,10 @@ LAYOUTS: dict[str, tuple[Plane, ...]] = {
     "Q5_K": (Plane("qs", ((48, 176),)), Plane("qh", ((16, 48),)), Plane("sc", ((0, 16),))),
     "Q6_K": (Plane("qs", ((0, 128),)), Plane("qh", ((128, 192),)), Plane("sc", ((192, 208),)),
              Plane("d", ((208, 210),))),
+    # table types: the nibbles, then the scales (MXFP4: one E8M0 byte; IQ4_XS: d, scales_h, scales_l)
+    "MXFP4": (Plane("qs", ((1, 17),)), Plane("d", ((0, 1),))),
+    "IQ4_NL": (Plane("qs", ((2, 18),)), Plane("d", ((0, 2),))),
+    "IQ4_XS": (Plane("qs", ((8, 136),)), Plane("sc", ((0, 8),))),
     # float types: one plane, the row as stored
     "F32": (Plane("qs", ((0, 4),)),),
     "F16": (Plane("qs", ((0, 2),)),),
@@ -125,6 +129,15 @@ def repack(raw: np.ndarray, type_id: int, rows: int, cols: int, out: np.ndarray 
         pos += n
     buf[pos:size] = 0
     return Packed(type_id, rows, cols, buf, offsets)
+
+
+def row_offsets(type_id: int, cols: int, row0: int) -> dict[str, int]:
+    """Bytes from each plane's start to row ``row0``'s: the planes of rows [row0, ...) of a
+    repacked matrix begin there (a plane keeps each row contiguous), so a row slice (Phi-3's
+    fused QKV and gate-up parts) is the same planes with their pointers moved."""
+    fmt = FORMATS[type_id]
+    nb = cols // fmt.block_elems
+    return {p.name: row0 * nb * p.nbytes for p in LAYOUTS[fmt.name]}
 
 
 def unrepack(packed: Packed) -> np.ndarray:

@@ -25,6 +25,7 @@ extern "C" int decode_rows(int type, const u8* qs, const u8* qh, const u8* sc, c
         CASE(0, TF32) CASE(1, TF16) CASE(30, TBF16)
         CASE(2, TQ4_0) CASE(3, TQ4_1) CASE(6, TQ5_0) CASE(7, TQ5_1) CASE(8, TQ8_0)
         CASE(10, TQ2_K) CASE(11, TQ3_K) CASE(12, TQ4_K) CASE(13, TQ5_K) CASE(14, TQ6_K)
+        CASE(39, TMXFP4) CASE(20, TIQ4_NL) CASE(23, TIQ4_XS)
 #undef CASE
     }
     return -1;
@@ -53,6 +54,7 @@ extern "C" int decode_rows_i8(int type, const u8* qs, const u8* qh, const u8* sc
 #define CASE(id, T) case id: m.nb = K / T::BLOCK; decode_i8<T>(m, rows, K, out); return 0;
         CASE(2, TQ4_0) CASE(3, TQ4_1) CASE(6, TQ5_0) CASE(7, TQ5_1) CASE(8, TQ8_0)
         CASE(10, TQ2_K) CASE(11, TQ3_K) CASE(12, TQ4_K) CASE(13, TQ5_K) CASE(14, TQ6_K)
+        CASE(39, TMXFP4) CASE(20, TIQ4_NL) CASE(23, TIQ4_XS)
 #undef CASE
     }
     return -1;
