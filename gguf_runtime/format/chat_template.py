@@ -248,6 +248,21 @@ class ChatTemplate:
         self.special_tokens["bos_token"] = self.bos_token
         self.special_tokens["eos_token"] = self.eos_token
         self._compiled: jinja2.Template | None = None
+        self._tools: bool | None = None
+
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the template reads a ``tools`` variable (a name in its code, not in its text): what
+        the Ollama API calls the "tools" capability. The ChatML fallback has none."""
+        if self._tools is None:
+            self._tools = False
+            if self.source is not None:
+                try:
+                    self._tools = any(kind == "name" and value in ("tools", "custom_tools")
+                                      for _, kind, value in _make_env().lex(self.source))
+                except Exception:  # noqa: BLE001 - a template that does not lex renders nothing either
+                    self._tools = False
+        return self._tools
 
     @classmethod
     def from_metadata(cls, meta: Mapping[str, Any],

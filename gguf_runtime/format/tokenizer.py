@@ -367,8 +367,9 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         return self.decode_bytes(ids, skip_special).decode("utf-8", "replace")
 
-    def stream(self, skip_special: bool = False, remove_space: bool = False) -> "StreamDecoder":
-        return StreamDecoder(self, skip_special, remove_space)
+    def stream(self, skip_special: bool = False, remove_space: bool = False,
+               keep: Iterable[int] = ()) -> "StreamDecoder":
+        return StreamDecoder(self, skip_special, remove_space, keep)
 
 
 class StreamDecoder:
@@ -376,16 +377,19 @@ class StreamDecoder:
 
     ``remove_space`` drops the first piece's leading space like ``decode`` does for vocabularies
     with add_space_prefix; leave it False when continuing after a prompt (llama.cpp's generation
-    loop prints pieces with lstrip=0)."""
+    loop prints pieces with lstrip=0). ``keep``: special tokens whose text shows even with
+    ``skip_special`` (a tool-call marker such as Mistral's ``[TOOL_CALLS]``)."""
 
-    def __init__(self, tok: Tokenizer, skip_special: bool = False, remove_space: bool = False):
+    def __init__(self, tok: Tokenizer, skip_special: bool = False, remove_space: bool = False,
+                 keep: Iterable[int] = ()):
         self._tok = tok
         self._special = not skip_special
+        self._keep = frozenset(keep)
         self._strip = remove_space and tok.add_space_prefix
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
 
     def push(self, tid: int) -> str:
-        b = self._tok.token_to_bytes(int(tid), self._special)
+        b = self._tok.token_to_bytes(int(tid), self._special or int(tid) in self._keep)
         if self._strip:
             self._strip = False
             b = b[1:] if b[:1] == b" " else b

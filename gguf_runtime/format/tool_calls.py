@@ -1,0 +1,301 @@
+"""Tool calls in generated text: the syntax a chat template teaches (its family), and the calls
+parsed out of a model's answer, whole or while it streams.
+
+Families (``template_family`` tells them apart by the markers the template writes):
+
+* ``hermes``: Qwen2.5 / Qwen3, Hermes-2-Pro / Hermes-3, QwQ: ``<tool_call>\\n{"name": ...,
+  "arguments": {...}}\\n</tool_call>``, one block a call, several in a row;
+* ``llama3``: Llama-3.1 / 3.2 / 3.3: the answer is a JSON call ``{"name": ..., "parameters":
+  {...}}`` (optionally after ``<|python_tag|>``; several separated by ``;``);
+* ``mistral``: Mistral-Nemo / Small 3.x: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``;
+* ``mistral_args``: newer Mistral templates: ``[TOOL_CALLS]name[ARGS]{...}`` (optionally with
+  ``[CALL_ID]id`` before ``[ARGS]``), one marker a call;
+* ``generic``: a template that takes ``tools`` with none of these markers: ``<tool_call>`` blocks,
+  or a bare JSON call (``arguments`` or ``parameters``) as the whole answer.
+
+:class:`ToolCallParser` takes the text as it streams and gives back events: content text that is
+safe to show, and :class:`ToolCall` objects, each as soon as its text is complete. Text that may
+start a call is held back until it is known; a call that turns out malformed is given back as
+content (never an error). A bare JSON answer (llama3, generic) counts as a call only when it names
+one of the request's tools; after a marker any name counts, as the model meant to call. Whitespace
+around calls is dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Iterable, Union
+
+__all__ = ["FAMILIES", "ToolCall", "ToolCallParser", "parse_tool_calls", "template_family"]
+
+FAMILIES = ("hermes", "llama3", "mistral", "mistral_args", "generic")
+TOOL_CALL, TOOL_CALL_END = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
+TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+# the markers of a family (text that starts a call wherever it appears)
+MARKERS = {"hermes": (TOOL_CALL,), "llama3": (PYTHON_TAG,), "mistral": (TOOL_CALLS,),
+           "mistral_args": (TOOL_CALLS,), "generic": (TOOL_CALL,)}
+_JSON_START = ("llama3", "generic")  # a bare JSON call as the answer counts
+_MAX_HELD = 1 << 20  # characters held back for one call at most (then it is content)
+
+
+def template_family(source: str | None) -> str:
+    """The tool-call family of a chat template's text (see the module)."""
+    s = source or ""
+    if TOOL_CALLS in s:
+        return "mistral_args" if ARGS in s else "mistral"
+    if TOOL_CALL in s:
+        return "hermes"
+    if "<|start_header_id|>" in s and ('"parameters"' in s or "python_tag" in s):
+        return "llama3"
+    return "generic"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: dict = field(default_factory=dict)
+    id: str | None = None  # the id the model wrote ([CALL_ID], Mistral's "id"), if any
+
+
+Event = Union[str, ToolCall]
+_INVALID = object()  # an extractor's answer: this can never be a call
+
+
+def _json_end(s: str, i: int) -> int | None:
+    """The end (exclusive) of the JSON object or array starting at ``s[i]``; None when the text ends first."""
+    depth, in_str, esc = 0, False, False
+    for j in range(i, len(s)):
+        c = s[j]
+        if in_str:
+            if esc:
+                esc = False
+            elif c == "\\":
+                esc = True
+            elif c == '"':
+                in_str = False
+        elif c == '"':
+            in_str = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return j + 1
+    return None
+
+
+def _call(obj, names: frozenset[str] | None = None) -> ToolCall | None:
+    """A call from a decoded {"name", "arguments" | "parameters"} object; None if it is not one."""
+    if not isinstance(obj, dict):
+        return None
+    if isinstance(obj.get("function"), dict) and "name" not in obj:  # {"type": "function", "function": {...}}
+        obj = obj["function"]
+    name = obj.get("name")
+    if not isinstance(name, str) or not name or (names is not None and name not in names):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except (ValueError, RecursionError):
+            return None
+    if args is None:
+        args = {}
+    if not isinstance(args, dict):
+        return None
+    cid = obj.get("id")
+    return ToolCall(name, args, cid if isinstance(cid, str) and cid else None)
+
+
+def _loads(text: str):
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return _INVALID
+
+
+_ARGS_HEAD = re.compile(r"([^\s\[\]{}\"]{1,128})(?:\[CALL_ID\]([A-Za-z0-9_\-]{1,64}))?\[ARGS\]")
+_NAME = re.compile(r"[^\s\[\]{}\"]{0,128}")
+_ID = re.compile(r"[A-Za-z0-9_\-]{0,64}")
+
+
+def _args_head_partial(body: str) -> bool:
+    """Whether ``body`` may still become ``name[CALL_ID]id[ARGS]`` (or ``name[ARGS]``)."""
+    rest = body[_NAME.match(body).end():]
+    if rest.startswith(CALL_ID):
+        rest = rest[len(CALL_ID):]
+        rest = rest[_ID.match(rest).end():]
+        return ARGS.startswith(rest)
+    return CALL_ID.startswith(rest) or ARGS.startswith(rest)
+
+
+class ToolCallParser:
+    """Calls out of a streamed answer (see the module): ``feed(text)`` and ``finish()`` return events."""
+
+    def __init__(self, family: str, names: Iterable[str] = ()) -> None:
+        if family not in FAMILIES:
+            raise ValueError(f"unknown tool-call family {family!r}")
+        self.family = family
+        self.names = frozenset(names)
+        self.markers = MARKERS[family]
+        self.buf = ""  # text not decided yet
+        self.ws = ""  # whitespace after the last content, shown only if content follows
+        self.at_start = True  # no content since the start or the last call: a bare JSON call may come
+        self.after_call = False  # the last event was a call
+        self.shown = False  # some content was given out
+        self.n_calls = 0
+
+    # ---- the stream ---------------------------------------------------------------------------
+    def feed(self, text: str) -> list[Event]:
+        self.buf += text
+        return self._drain(False)
+
+    def finish(self) -> list[Event]:
+        out = self._drain(True)
+        if self.ws and not self.after_call:
+            out.append(self.ws)
+        self.ws = ""
+        return out
+
+    def _content(self, out: list[Event], text: str) -> None:
+        if self.after_call:  # text after calls joins the text before them with the space before them
+            text = text.lstrip()
+            if not text:
+                return
+            text = (self.ws if self.shown else "") + text
+            self.after_call = False
+        else:
+            text = self.ws + text
+        body = text.rstrip()
+        self.ws = text[len(body):]
+        if body:
+            if out and isinstance(out[-1], str):
+                out[-1] += body
+            else:
+                out.append(body)
+            self.at_start, self.shown = False, True
+
+    def _calls(self, out: list[Event], calls: list[ToolCall]) -> None:
+        out.extend(calls)
+        self.n_calls += len(calls)
+        self.at_start, self.after_call = True, True
+
+    def _drain(self, final: bool) -> list[Event]:
+        out: list[Event] = []
+        while self.buf:
+            if self.at_start and self.family in _JSON_START:
+                s = self.buf.lstrip()
+                if self.after_call and self.family == "llama3":
+                    s = s.lstrip(";").lstrip()
+                if not s:
+                    if final:
+                        self._content(out, self.buf)
+                        self.buf = ""
+                    break
+                if s[0] == "{":
+                    got = self._bare_json(s, final)
+                    if got is None:
+                        break
+                    if got is not _INVALID:
+                        self._calls(out, got[0])
+                        self.buf = s[got[1]:]
+                        continue
+                    self.at_start = False  # not a call: the text is content, scanned for markers below
+            i, marker = self._find_marker()
+            if marker is None:
+                keep = 0 if final else self._partial_marker()
+                self._content(out, self.buf[:len(self.buf) - keep])
+                self.buf = self.buf[len(self.buf) - keep:]
+                break
+            self._content(out, self.buf[:i])
+            self.buf = self.buf[i:]
+            got = self._extract(marker, final)
+            if got is None:
+                break
+            if got is _INVALID:
+                self._content(out, marker)
+                self.buf = self.buf[len(marker):]
+                self.at_start = False
+                continue
+            self._calls(out, got[0])
+            self.buf = self.buf[got[1]:]
+        if not final and len(self.buf) > _MAX_HELD:  # never hold a whole answer hostage
+            self._content(out, self.buf)
+            self.buf, self.at_start = "", False
+        return out
+
+    def _find_marker(self) -> tuple[int, str | None]:
+        best, found = len(self.buf), None
+        for m in self.markers:
+            i = self.buf.find(m)
+            if 0 <= i < best:
+                best, found = i, m
+        return best, found
+
+    def _partial_marker(self) -> int:
+        """How many characters at the end of the buffer may begin a marker."""
+        for k in range(min(len(self.buf), max(map(len, self.markers)) - 1), 0, -1):
+            tail = self.buf[-k:]
+            if any(m.startswith(tail) for m in self.markers):
+                return k
+        return 0
+
+    # ---- extractors: (calls, characters used), None (need more text) or _INVALID -------------
+    def _bare_json(self, s: str, final: bool):
+        end = _json_end(s, 0)
+        if end is None:
+            return _INVALID if final else None
+        c = _call(_loads(s[:end]), self.names)
+        return _INVALID if c is None else ([c], end)
+
+    def _extract(self, marker: str, final: bool):
+        rest = self.buf[len(marker):]
+        n = len(marker)
+        if marker == TOOL_CALL:
+            j = rest.find(TOOL_CALL_END)
+            if j < 0:
+                if not final:
+                    return None
+                c = _call(_loads(rest.strip()))  # the answer ended before the closing tag
+                return _INVALID if c is None else ([c], len(self.buf))
+            c = _call(_loads(rest[:j].strip()))
+            return _INVALID if c is None else ([c], n + j + len(TOOL_CALL_END))
+        body = rest.lstrip()
+        n += len(rest) - len(body)
+        if not body:
+            return _INVALID if final else None
+        if body[0] in "[{":  # a JSON call or list of calls (llama3 after <|python_tag|>, mistral)
+            end = _json_end(body, 0)
+            if end is None:
+                return _INVALID if final else None
+            obj = _loads(body[:end])
+            calls = [_call(o) for o in (obj if isinstance(obj, list) else [obj])]
+            if not calls or None in calls:
+                return _INVALID
+            return calls, n + end
+        if marker == TOOL_CALLS:  # [TOOL_CALLS]name[CALL_ID]id[ARGS]{...}
+            m = _ARGS_HEAD.match(body)
+            if m is None:
+                return None if not final and _args_head_partial(body) else _INVALID
+            args = body[m.end():].lstrip()
+            skip = len(body) - m.end() - len(args)
+            if not args:
+                return _INVALID if final else None
+            if args[0] != "{":
+                return _INVALID
+            end = _json_end(args, 0)
+            if end is None:
+                return _INVALID if final else None
+            c = _call({"name": m.group(1), "arguments": _loads(args[:end]), "id": m.group(2)})
+            return _INVALID if c is None else ([c], n + m.end() + skip + end)
+        return _INVALID
+
+
+def parse_tool_calls(text: str, family: str, names: Iterable[str] = ()) -> tuple[str, list[ToolCall]]:
+    """(content, calls) of a whole answer: what the stream would give, joined."""
+    p = ToolCallParser(family, names)
+    events = p.feed(text) + p.finish()
+    return "".join(e for e in events if isinstance(e, str)), [e for e in events if isinstance(e, ToolCall)]
