@@ -100,9 +100,13 @@ class Engine:
         self.check_text_fits(text)
         return self.tokenizer.encode(text, add_special=True, parse_special=False)
 
-    def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                    tools: Sequence[dict] | None = None) -> list[int]:
+        """The chat's prompt tokens; ``tools`` (OpenAI-style function items) reach the template as its
+        ``tools`` variable."""
         self.check_text_fits("".join(str(m.get("content") or "") for m in messages if isinstance(m, dict)))
-        text = self.template.render(list(messages), add_generation_prompt=add_generation_prompt)
+        extra = {"tools": list(tools)} if tools else {}
+        text = self.template.render(list(messages), add_generation_prompt=add_generation_prompt, **extra)
         self.check_text_fits(text)
         ids = self.tokenizer.encode(text, add_special=True, parse_special=True)
         bos = self.tokenizer.bos_id
