@@ -73,6 +73,7 @@ class Micro:
     yarn: tuple[float, int] | None = None  # {arch}.rope.scaling.type = yarn: (factor, original context length)
     eps: float = 1e-6
     seed: int = 0
+    chat_template: str | None = None  # tokenizer.chat_template in place of the vocabulary file's (if any)
 
     @property
     def dim(self) -> int:
@@ -238,7 +239,10 @@ def write_micro(m: Micro, path: str | Path) -> Path:
         if m.n_ff_shexp:
             w.add_uint32(a + "expert_shared_feed_forward_length", m.n_ff_shexp)
     for key, val, vt, sub in vocab:
-        w.add_key_value(key, val, vt, sub_type=sub)
+        if m.chat_template is None or key != "tokenizer.chat_template":
+            w.add_key_value(key, val, vt, sub_type=sub)
+    if m.chat_template is not None:
+        w.add_string("tokenizer.chat_template", m.chat_template)
     for name, arr in _tensors(m, n_vocab, rng).items():
         qt = next((t for suffix, t in m.quant.items() if name.endswith(suffix)), None)
         if qt is None or arr.ndim < 2:

@@ -136,8 +136,9 @@ class CudaAdapter:
     def add(self, slot: int, prompt: Sequence[int], params: SamplingParams, max_new: int,
             grammar: str | None = None) -> int:
         if grammar:  # the batch step samples on the GPU; its grammar masks are not there yet
-            raise BackendError("structured output (format / response_format) is not served on the CUDA backend yet; "
-                               "serve with --backend numpy, or use `gguf-run run --json-schema` for one answer")
+            raise BackendError("structured output (format / response_format) and forced tool calls (tool_choice "
+                               "\"required\" or a named function) are not served on the CUDA backend yet; serve with "
+                               "--backend numpy, or use `gguf-run run --json-schema` for one answer")
         be, kv = self.be, self.be.kv
         n = min(self.n_ctx, len(prompt) + max_new + self.margin)
         need = -(-n // kv.page_size) - kv.capacity(slot) // kv.page_size

@@ -20,6 +20,7 @@ from starlette.routing import Route
 from .. import __version__
 from ..errors import GGUFRunError
 from . import schemas as S
+from . import tools as T
 from .formats import FORMATS
 from .guard import Guard
 from .service import MAX_BODY, Service, error_response, read_json, run_job, status_of
@@ -88,19 +89,28 @@ async def api_generate(svc: Service, request: Request) -> Response:
                          grammar)
 
 
+def _chat_tools(svc: Service, body: dict, name: str, msgs: list[dict], grammar: str | None):
+    """The request's tools (tools.setup), its template messages and its one grammar."""
+    tools, msgs = T.setup(body, svc.engine, name, msgs)
+    if tools.grammar is not None and grammar is not None:
+        raise S.bad("a forced tool_choice and format / response_format both constrain the answer; give one")
+    return tools, msgs, grammar or tools.grammar
+
+
 @route(openai=False)
 async def api_chat(svc: Service, request: Request) -> Response:
     body = await read_json(request, svc.max_body)
     name = _model(svc, body)
-    msgs = S.messages(body.get("messages", []))
+    msgs = S.messages(body.get("messages", []), T.message_tool_fields)
     stream = S.get_bool(body, "stream", True)
     params, requested, stop, num_ctx = S.ollama_options(body)
-    grammar = S.structured_output(body, ollama=True)
+    tools, msgs, grammar = _chat_tools(svc, body, name, msgs, S.structured_output(body, ollama=True))
     if not msgs:
         return JSONResponse({"model": name, "created_at": S.now_rfc3339(),
                              "message": {"role": "assistant", "content": ""}, "done": True, "done_reason": "load"})
-    return await run_job(svc, request, FORMATS["chat"](name), lambda: svc.engine.encode_chat(msgs), params,
-                         requested, stop, stream, num_ctx, grammar)
+    return await run_job(svc, request, FORMATS["chat"](name, tools.parser()),
+                         lambda: svc.engine.encode_chat(msgs, tools=tools.tools), params, requested, stop, stream,
+                         num_ctx, grammar, keep=tools.keep)
 
 
 @route(openai=False)
@@ -149,12 +159,13 @@ def _openai_common(svc: Service, body: dict):
 async def v1_chat(svc: Service, request: Request) -> Response:
     body = await read_json(request, svc.max_body)
     name, params, requested, stop, stream, usage = _openai_common(svc, body)
-    msgs = S.messages(body.get("messages"))
+    msgs = S.messages(body.get("messages"), T.message_tool_fields)
     if not msgs:
         raise S.bad("messages must not be empty")
-    fmt = FORMATS["chat.completion"](name, usage)
-    return await run_job(svc, request, fmt, lambda: svc.engine.encode_chat(msgs), params, requested, stop, stream,
-                         grammar=S.structured_output(body, ollama=False))
+    tools, msgs, grammar = _chat_tools(svc, body, name, msgs, S.structured_output(body, ollama=False))
+    fmt = FORMATS["chat.completion"](name, usage, tools.parser())
+    return await run_job(svc, request, fmt, lambda: svc.engine.encode_chat(msgs, tools=tools.tools), params,
+                         requested, stop, stream, grammar=grammar, keep=tools.keep)
 
 
 @route(openai=True)

@@ -2,7 +2,10 @@
 
 A format object serves one request: ``chunk(text)`` and ``final(job, load_s)`` / ``error(msg,
 status)`` give the stream's pieces (``str``), ``whole(text, job, load_s)`` the ``stream: false``
-body (a dict).
+body (a dict). The chat formats take a tool-call parser (tools.ToolSetup.parser) when the request
+has tools: text that may be a call is held back, and each call goes out as Ollama's
+``message.tool_calls`` or OpenAI's ``tool_calls`` (``delta.tool_calls`` when streamed, then
+``finish_reason: "tool_calls"``) once its text is complete.
 """
 
 from __future__ import annotations
@@ -11,7 +14,27 @@ import json
 import secrets
 import time
 
+from ..format.tool_calls import ToolCall, ToolCallParser
 from . import schemas as S
+from . import tools as T
+
+
+def _split(events: list) -> tuple[str, list[ToolCall]]:
+    return "".join(e for e in events if isinstance(e, str)), [e for e in events if isinstance(e, ToolCall)]
+
+
+def _runs(events: list) -> list[str | list[ToolCall]]:
+    """Events with adjacent calls grouped: text, [calls], text..."""
+    out: list = []
+    for e in events:
+        if isinstance(e, ToolCall):
+            if out and isinstance(out[-1], list):
+                out[-1].append(e)
+            else:
+                out.append([e])
+        elif e:
+            out.append(e)
+    return out
 
 
 def _line(obj: dict) -> str:
@@ -53,11 +76,34 @@ class OllamaGenerate:
 
 
 class OllamaChat(OllamaGenerate):
-    def _piece(self, text: str) -> dict:
-        return {"message": {"role": "assistant", "content": text}}
+    def __init__(self, model: str, tools: ToolCallParser | None = None) -> None:
+        super().__init__(model)
+        self.tools = tools
+
+    def _piece(self, text: str, calls: list[ToolCall] | None = None) -> dict:
+        msg: dict = {"role": "assistant", "content": text}
+        if calls:
+            msg["tool_calls"] = [T.ollama_call(c) for c in calls]
+        return {"message": msg}
 
     def _end(self, job, load_s: float) -> dict:
         return S.ollama_final(job, load_s)
+
+    def _events(self, events: list) -> str:
+        return "".join(_line({**self._head(), **(self._piece(r) if isinstance(r, str) else self._piece("", r)),
+                              "done": False}) for r in _runs(events))
+
+    def chunk(self, text: str) -> str:
+        return super().chunk(text) if self.tools is None else self._events(self.tools.feed(text))
+
+    def final(self, job, load_s: float) -> str:
+        return ("" if self.tools is None else self._events(self.tools.finish())) + super().final(job, load_s)
+
+    def whole(self, text: str, job, load_s: float) -> dict:
+        if self.tools is None:
+            return super().whole(text, job, load_s)
+        content, calls = _split(self.tools.feed(text) + self.tools.finish())
+        return {**self._head(), **self._piece(content, calls), **self._end(job, load_s)}
 
 
 class OpenAIChat:
@@ -66,11 +112,12 @@ class OpenAIChat:
     media_type = "text/event-stream"
     prefix, obj = "chatcmpl-", "chat.completion"
 
-    def __init__(self, model: str, include_usage: bool = False) -> None:
-        self.model, self.usage = model, include_usage
+    def __init__(self, model: str, include_usage: bool = False, tools: ToolCallParser | None = None) -> None:
+        self.model, self.usage, self.tools = model, include_usage, tools
         self.id = self.prefix + secrets.token_hex(12)
         self.created = int(time.time())
         self._first = True
+        self._calls = 0  # tool calls sent so far
 
     def _base(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -82,14 +129,32 @@ class OpenAIChat:
             delta, self._first = {"role": "assistant", **delta}, False
         return {"index": 0, "delta": delta, "finish_reason": reason}
 
-    def chunk(self, text: str) -> str:
+    def _text_chunk(self, text: str) -> str:
         return _sse({**self._base(self.obj + ".chunk"), "choices": [self._choice(text, None)]})
 
+    def _calls_chunk(self, calls: list[ToolCall]) -> str:
+        delta: dict = {"tool_calls": [T.openai_call(c, self._calls + k) for k, c in enumerate(calls)]}
+        self._calls += len(calls)
+        if self._first:
+            delta, self._first = {"role": "assistant", "content": None, **delta}, False
+        return _sse({**self._base(self.obj + ".chunk"),
+                     "choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
+
+    def _events(self, events: list) -> str:
+        return "".join(self._text_chunk(r) if isinstance(r, str) else self._calls_chunk(r) for r in _runs(events))
+
+    def _reason(self, job, calls: int) -> str:
+        return "tool_calls" if calls and job.reason == "stop" else job.reason
+
+    def chunk(self, text: str) -> str:
+        return self._text_chunk(text) if self.tools is None else self._events(self.tools.feed(text))
+
     def final(self, job, load_s: float) -> str:
-        out = ""
+        out = "" if self.tools is None else self._events(self.tools.finish())
         if self._first:  # nothing was generated: still say who speaks
-            out = self.chunk("")
-        out += _sse({**self._base(self.obj + ".chunk"), "choices": [self._choice(None, job.reason)]})
+            out += self._text_chunk("")
+        end = self._choice(None, self._reason(job, self._calls))
+        out += _sse({**self._base(self.obj + ".chunk"), "choices": [end]})
         if self.usage:
             out += _sse({**self._base(self.obj + ".chunk"), "choices": [], "usage": S.openai_usage(job)})
         return out + _sse("[DONE]")
@@ -99,8 +164,14 @@ class OpenAIChat:
         return _sse({"error": {"message": msg, "type": kind, "param": None, "code": None}}) + _sse("[DONE]")
 
     def whole(self, text: str, job, load_s: float) -> dict:
+        calls: list[ToolCall] = []
+        if self.tools is not None:
+            text, calls = _split(self.tools.feed(text) + self.tools.finish())
+        msg: dict = {"role": "assistant", "content": text if text or not calls else None}
+        if calls:
+            msg["tool_calls"] = [T.openai_call(c) for c in calls]
         return {**self._base(self.obj), "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": job.reason}],
+            {"index": 0, "message": msg, "finish_reason": self._reason(job, len(calls))}],
             "usage": S.openai_usage(job)}
 
 

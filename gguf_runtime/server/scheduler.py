@@ -76,6 +76,7 @@ class Job:
     stop: tuple[str, ...] = ()
     t_submit: float = field(default_factory=time.perf_counter)
     grammar: str | None = None  # structured output: the compiled grammar (schemas.structured_output)
+    keep_special: frozenset[int] = frozenset()  # special tokens shown in the text (tool-call markers)
     # filled in by the scheduler
     state: str = "new"  # waiting, active, done, cancelled, failed
     slot: int = -1
@@ -265,7 +266,8 @@ class Scheduler:
             room -= len(job.prompt)
             job.slot, job.state = slot, "active"
             self.active[slot] = job
-            self._state[job] = (self.adapter.tokenizer.stream(skip_special=True), StopMatcher(job.stop))
+            self._state[job] = (self.adapter.tokenizer.stream(skip_special=True, keep=job.keep_special),
+                                StopMatcher(job.stop))
 
     def _feed(self, job: Job, toks: list[int]) -> None:
         decoder, matcher = self._state[job]

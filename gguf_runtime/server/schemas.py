@@ -12,7 +12,7 @@ import datetime as _dt
 import hashlib
 import math
 import os
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -197,8 +197,9 @@ def openai_options(body: dict) -> tuple[SamplingParams, int | None, tuple[str, .
     return sampling(body), budget, get_stop(body.get("stop"))
 
 
-def messages(v: Any) -> list[dict]:
-    """Chat messages: a list of {role, content} (content a string, null, or OpenAI text parts)."""
+def messages(v: Any, extra: Callable[[dict, int], dict] | None = None) -> list[dict]:
+    """Chat messages: a list of {role, content} (content a string, null, or OpenAI text parts);
+    ``extra(message, i)`` adds checked fields of its own (tools.message_tool_fields)."""
     if not isinstance(v, list):
         raise bad("messages must be a list of {\"role\", \"content\"} objects")
     out = []
@@ -212,7 +213,7 @@ def messages(v: Any) -> list[dict]:
             c = "".join(p.get("text", "") for p in c if p.get("type", "text") == "text")
         elif c is not None and not isinstance(c, str):
             raise bad(f"messages[{i}].content must be a string")
-        out.append({"role": m["role"], "content": c or ""})
+        out.append({"role": m["role"], "content": c or "", **(extra(m, i) if extra else {})})
     return out
 
 
@@ -263,6 +264,7 @@ class ModelCard:
         self.model_info = {k: _plain(v) for k, v in meta.items()}
         self.model_info["general.parameter_count"] = self.n_params
         self.template = engine.template.source or ""
+        self.capabilities = ["completion"] + (["tools"] if engine.template.supports_tools else [])
         self.n_ctx = engine.n_ctx
         self.path = engine.path
 
@@ -280,7 +282,7 @@ class ModelCard:
                              + (f'TEMPLATE """{self.template}"""\n' if self.template else "")
                              + f"PARAMETER {params}\n",
                 "parameters": params, "template": self.template, "details": self.details,
-                "model_info": self.model_info, "capabilities": ["completion"],
+                "model_info": self.model_info, "capabilities": self.capabilities,
                 "modified_at": self.modified_at}
 
     def openai(self) -> dict:

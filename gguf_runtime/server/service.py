@@ -171,14 +171,15 @@ class _Stream(StreamingResponse):
 
 async def run_job(svc: Service, request: Request, fmt, encode: Callable[[], list[int]],
                   params, requested: int | None, stop: tuple[str, ...], stream: bool,
-                  n_ctx: int | None = None, grammar: str | None = None) -> Response:
+                  n_ctx: int | None = None, grammar: str | None = None,
+                  keep: frozenset[int] = frozenset()) -> Response:
     t0 = time.perf_counter()
     ids = await asyncio.get_running_loop().run_in_executor(svc.prep, encode)
     sched, mail = svc.scheduler, svc.mailbox()
     max_new = sched.budget(len(ids), requested, n_ctx)
     q: asyncio.Queue = asyncio.Queue()
     job = Job(ids, params, max_new, lambda kind, data: mail.put(q, (kind, data)), stop, t_submit=t0,
-              grammar=grammar)
+              grammar=grammar, keep_special=keep)
     sched.submit(job)
     finished = False
     watch = asyncio.ensure_future(_wait_disconnect(request.receive))
