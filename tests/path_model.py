@@ -28,6 +28,7 @@ So the model is a tight reference only where few flips happen: micro models of t
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -58,6 +59,10 @@ class PathModel(NumpyBackend):
 
     def __init__(self, f, cfg, n_ctx: int, *, q8: bool = True, kv16: bool = False,
                  mmv_rows: int = MAX_MMV_TOKENS, q8_res: frozenset[str] = frozenset()) -> None:
+        if cfg.rope.attn_factor != 1.0:  # RoPE's attention factor where blocks.py puts it: in the
+            # attention scale (its square), the keys cached unscaled (their rounding points)
+            cfg = dataclasses.replace(cfg, attn_scale=cfg.attn_scale * cfg.rope.attn_factor ** 2,
+                                      rope=dataclasses.replace(cfg.rope, attn_factor=1.0))
         super().__init__(f, cfg, n_ctx)
         self.q8, self.kv16, self.mmv_rows, self.q8_res = q8, kv16, mmv_rows, q8_res
         self._head = lm_head_name(cfg)

@@ -67,12 +67,12 @@ def check_supported(cfg: ModelConfig) -> None:
             raise UnsupportedModelError(
                 f"{cfg.arch}: {cfg.n_expert} experts, {cfg.n_expert_used} a token; the CUDA router takes up to "
                 f"{LE.MAX_EXPERTS} experts and up to {LE.MAX_USED} a token; use --backend numpy")
-    if cfg.rope.long_factors or cfg.rope.attn_factor != 1.0:
-        raise UnsupportedModelError("LongRoPE (rope_factors_long / short) is not read by the CUDA backend yet; "
-                                    "use --backend numpy")
-    if cfg.fused_qkv or cfg.fused_gate_up:
+    if cfg.rope.attn_factor != 1.0 and cfg.rope.n_dims != cfg.head_dim:
+        # (with every dimension rotated the factor scales q.k by its square: blocks.py folds it
+        # into the attention scale; a partial rotation would need it inside the RoPE kernels)
         raise UnsupportedModelError(
-            f"{cfg.arch}'s fused QKV / gate-up matrices are not read by the CUDA backend yet; use --backend numpy")
+            f"RoPE's attention factor over {cfg.rope.n_dims} of {cfg.head_dim} head dimensions (LongRoPE with a "
+            "partial rotation) is not run by the CUDA backend yet; use --backend numpy")
     g = cfg.n_head // cfg.n_head_kv
     if cfg.head_dim not in (64, 128, 256) or cfg.head_dim_v != cfg.head_dim or g > 8:
         raise UnsupportedModelError(
@@ -126,8 +126,9 @@ class CudaBackend(PrefillMixin):
             self._check_kv_fits(n_ctx, n_pages, page, kv_type)
             self.kv = PagedKVCache(cfg, n_ctx, n_seqs=max_batch, n_pages=n_pages, kv_type=kv_type)
             ff = None
-            if cfg.rope.freq_factors:
-                t = f.tensors[cfg.rope.freq_factors]
+            factors = cfg.rope.factors_for(n_ctx)  # Llama-3.1's rope_freqs; LongRoPE's long or short ones
+            if factors:
+                t = f.tensors[factors]
                 ff = dequantize(f.raw(t.name), t.type_id, t.shape)
             self.inv_freq = {key: cp.asarray(rope_inv_freq(cfg, *key, ff))
                              for key in {cfg.rope_key(i) for i in range(cfg.n_layer)}}

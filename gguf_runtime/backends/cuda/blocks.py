@@ -38,6 +38,9 @@ class CudaBlocks:
                  kernels: L.Kernels, inv_freq: dict[tuple[float, float], cp.ndarray], tune: Tuning) -> None:
         self.cfg, self.w, self.kv, self.ws, self.k = cfg, w, kv, ws, kernels
         self.inv_freq = inv_freq
+        # RoPE's attention factor (LongRoPE) scales the cos and sin of q and k alike: with every
+        # dimension rotated (check_supported) that is q.k times its square
+        self.attn_scale = cfg.attn_scale * cfg.rope.attn_factor ** 2
         self.seq = ws.seq  # row -> sequence slot, for the rows of the current call
         self.mma = False  # tensor-core kernels for > mmv_rows rows (capturable) instead of cuBLAS
         # the current call's matvec rows: MAX_MMV_TOKENS, or for decode steps tune.decode_mmv_rows
@@ -235,7 +238,7 @@ class CudaBlocks:
             rope, self._rope = self._rope, None
             LA.attention_tiles(self.k, q.data.ptr, q.strides[0] // 4, t, kc, vc, positions.data.ptr,
                                self.seq.data.ptr, self.kv.table.data.ptr, self.kv.max_pages, self.kv.page_size,
-                               cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.attn_scale, cfg.attn_softcap or 0.0,
+                               cfg.n_head, cfg.n_head_kv, cfg.head_dim, self.attn_scale, cfg.attn_softcap or 0.0,
                                cfg.layer_window[layer], out.data.ptr, out.strides[0] // 4, ws.x16.data.ptr,
                                ws.x16.strides[0] // 2, early=self.tune.attn_early,
                                inv_freq=rope.inv_freq if rope else 0, n_rot=rope.n_rot if rope else 0,
@@ -244,14 +247,14 @@ class CudaBlocks:
         if self.flash(t):  # a prompt chunk: one sequence (prefill.py), tensor-core flash attention
             LA.flash_prefill(self.k, q.data.ptr, q.strides[0] // 4, t, kc, vc, positions.data.ptr, self.seq.data.ptr,
                              self.kv.table.data.ptr, self.kv.max_pages, self.kv.page_size, cfg.n_head, cfg.n_head_kv,
-                             cfg.head_dim, cfg.attn_scale, cfg.attn_softcap or 0.0, cfg.layer_window[layer],
+                             cfg.head_dim, self.attn_scale, cfg.attn_softcap or 0.0, cfg.layer_window[layer],
                              out.data.ptr, out.strides[0] // 4, ws.x16.data.ptr, ws.x16.strides[0] // 2,
                              kv=self.kv.kv_type)
             return out
         if self.decode_flash(t):  # a decode step on the matvecs: tensor-core attention, keys split
             LA.flash_decode(self.k, q.data.ptr, q.strides[0] // 4, t, kc, vc, positions.data.ptr, self.seq.data.ptr,
                             self.kv.table.data.ptr, self.kv.max_pages, self.kv.page_size, cfg.n_head, cfg.n_head_kv,
-                            cfg.head_dim, cfg.attn_scale, cfg.attn_softcap or 0.0, cfg.layer_window[layer],
+                            cfg.head_dim, self.attn_scale, cfg.attn_softcap or 0.0, cfg.layer_window[layer],
                             n_splits(self.tune, t, self.mmv_rows), ws.part_o.data.ptr, ws.part_ml.data.ptr,
                             ws.attn_counter.data.ptr, out.data.ptr, out.strides[0] // 4,
                             None if self._small(t) else ws.x16.data.ptr,
@@ -260,7 +263,7 @@ class CudaBlocks:
             return out
         LA.attention(self.k, q.data.ptr, q.strides[0] // 4, t, kc, vc, positions.data.ptr, self.seq.data.ptr,
                     self.kv.table.data.ptr, self.kv.max_pages, self.kv.page_size, cfg.n_head, cfg.n_head_kv,
-                    cfg.head_dim, cfg.attn_scale, cfg.attn_softcap or 0.0, cfg.layer_window[layer],
+                    cfg.head_dim, self.attn_scale, cfg.attn_softcap or 0.0, cfg.layer_window[layer],
                     n_splits(self.tune, t, self.mmv_rows), ws.part_o.data.ptr, ws.part_ml.data.ptr,
                     ws.attn_counter.data.ptr,
                     out.data.ptr, out.strides[0] // 4, None if self._small(t) else ws.x16.data.ptr,

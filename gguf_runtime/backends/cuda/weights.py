@@ -15,7 +15,7 @@ from ...format.gguf_file import GGUFFile
 from ...format.model_config import ModelConfig, model_tensors
 from ...quant_kernels.launch_core import Mat
 from ...quant_kernels.reference import all_finite, dequantize
-from ...quant_kernels.repack import repack
+from ...quant_kernels.repack import repack, row_offsets
 
 
 def damaged(name: str) -> str:
@@ -73,9 +73,39 @@ class DeviceWeights:
             done += t.nbytes
             if progress:
                 progress("loading weights", done, total)
+        for layer in range(cfg.n_layer):
+            self._split_fused(cfg, layer)
+
+    def _split_fused(self, cfg: ModelConfig, layer: int) -> None:
+        """Phi-3's fused matrices as the row slices the kernels take: attn_qkv as attn_q / attn_k /
+        attn_v and ffn_up (gate rows first) as ffn_gate / ffn_up (each plane keeps a row
+        contiguous, so a slice is its planes' pointers moved by whole rows)."""
+        p = f"blk.{layer}."
+        parts: list[tuple[str, str, int]] = []
+        if cfg.fused_qkv:
+            q, kv = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
+            parts += [(p + "attn_qkv.weight", p + "attn_q.weight", q), ("", p + "attn_k.weight", kv),
+                      ("", p + "attn_v.weight", cfg.n_head_kv * cfg.head_dim_v)]
+        if cfg.fused_gate_up:
+            parts += [(p + "ffn_up.weight", p + "ffn_gate.weight", cfg.n_ff), ("", p + "ffn_up.weight", cfg.n_ff)]
+        whole, row0 = None, 0
+        for src, dst, rows in parts:
+            if src:
+                whole, row0 = self.mats[src], 0
+            if whole.rows < row0 + rows:
+                raise GGUFError(f"tensor '{src or dst}' has {whole.rows} rows, fewer than its parts need")
+            self.mats[dst] = row_slice(whole, row0, rows)
+            row0 += rows
 
     def mat(self, name: str) -> Mat:
         return self.mats[name]
 
     def vec(self, name: str) -> cp.ndarray:
         return self.vecs[name]
+
+
+def row_slice(m: Mat, row0: int, rows: int) -> Mat:
+    """Rows [row0, row0 + rows) of a repacked matrix, sharing its memory."""
+    step = row_offsets(m.type_id, m.cols, row0)
+    return Mat(m.type_id, rows, m.cols, qs=m.qs + step["qs"], qh=m.qh + step["qh"] if m.qh else 0,
+               sc=m.sc + step["sc"] if m.sc else 0, d=m.d + step["d"] if m.d else 0)
