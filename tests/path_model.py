@@ -102,7 +102,7 @@ class PathModel(NumpyBackend):
 
     def linear(self, x: np.ndarray, weight: str, bias: str | None = None) -> np.ndarray:
         rows = x.shape[0]
-        if weight.endswith("ffn_gate_inp.weight"):  # moe.cu's router: an f32 matvec at any row count
+        if "ffn_gate_inp" in weight:  # the router (moe.cu) and the shared expert's gate (add_gated): f32 at any row count
             return super().linear(x, weight, bias)
         if rows <= self.mmv_rows:  # dequantizing matvecs: f32 weights, int8 or f32 activations
             if self.q8 and self._is_int(weight):

@@ -51,6 +51,13 @@ CASES = {
                       tied=False, n_expert=16, n_expert_used=4, n_ff_exp=256,
                       quant={**Q4_K_M, "ffn_gate_exps.weight": QT.Q4_K, "ffn_up_exps.weight": QT.Q4_K,
                              "ffn_down_exps.weight": QT.Q6_K}),
+    # Qwen1.5-MoE's layout: softmax weights not renormalized, a sigmoid-gated shared expert (dense
+    # products after the experts', the gate an f32 dot product), QKV biases
+    "qwen2moe": Micro(arch="qwen2moe", vocab="qwen2", **SHAPE, n_layer=2, bias=True, rope_base=1e6, tied=False,
+                      n_expert=8, n_expert_used=2, n_ff_exp=256, n_ff_shexp=512,
+                      quant={**Q4_K_M, "ffn_gate_exps.weight": QT.Q4_K, "ffn_up_exps.weight": QT.Q4_K,
+                             "ffn_down_exps.weight": QT.Q6_K, "ffn_gate_shexp.weight": QT.Q5_K,
+                             "ffn_up_shexp.weight": QT.Q5_K, "ffn_down_shexp.weight": QT.Q8_0}),
     # Phi-3.5's layout: fused QKV and gate-up matrices (row slices on the GPU), LongRoPE (the long
     # factors: the context exceeds orig_ctx) with its attention factor; the table types
     # (IQ4_NL, IQ4_XS, MXFP4) in the products
@@ -130,16 +137,12 @@ def test_int8_rest_path_every_row(micro, monkeypatch, rng):
         assert_all_rows(got, run(f32, ids, more), what=f"micro {name} int8 + rests vs f32", **REST)
 
 
-@pytest.mark.parametrize("case", ["qwen2moe", "gpt-oss", "IQ3_S"])
+@pytest.mark.parametrize("case", ["gpt-oss", "IQ3_S"])
 def test_numpy_only_architectures_are_refused_in_one_line(tmp_path, case):
-    """qwen2moe (its shared expert), gpt-oss and the 1- to 3-bit i-quants run on the numpy backend
+    """gpt-oss and the 1- to 3-bit i-quants run on the numpy backend
     only: the CUDA backend names why and the way out."""
     from gguf_runtime.errors import UnsupportedModelError
-    if case == "qwen2moe":
-        m = Micro(arch="qwen2moe", vocab="qwen2", n_embd=256, n_head=4, n_head_kv=2, head_dim=64, tied=False,
-                  n_expert=8, n_expert_used=2, n_ff_exp=256, n_ff_shexp=256)
-        words = r"qwen2moe's shared expert is not run by the CUDA backend yet \(qwen3moe is\).*use --backend numpy"
-    elif case == "IQ3_S":  # a type only the numpy backend reads
+    if case == "IQ3_S":  # a type only the numpy backend reads
         m = Micro(**SHAPE, quant={"ffn_down.weight": QT.IQ3_S})
         words = r"tensor 'blk.0.ffn_down.weight' uses quant type IQ3_S, which the CUDA kernels do not read yet"
     else:

@@ -74,5 +74,11 @@ def add_bias(k: Kernels, y: int, ldy: int, b: int, n: int, rows: int) -> None:
     k.fn("layers.cu", "add_bias")(*_grid(rows * n), (ptr(y), i32(ldy), ptr(b), i32(n), i32(rows)))
 
 
+def add_gated(k: Kernels, x: int, ldx: int, h: int, ldh: int, w: int, y: int, ldy: int, n: int, rows: int) -> None:
+    """x[t] += y[t] * sigmoid(h[t] . w) for t < rows (Qwen2-MoE's shared expert)."""
+    k.fn("layers.cu", "add_gated")((rows,), (256,), (ptr(x), i32(ldx), ptr(h), i32(ldh), ptr(w), ptr(y), i32(ldy),
+                                                   i32(n)))
+
+
 def softcap(k: Kernels, x: int, ld: int, n: int, rows: int, cap: float) -> None:
     k.fn("layers.cu", "softcap")(*_grid(rows * n), (ptr(x), i32(ld), i32(n), i32(rows), f32(cap)))

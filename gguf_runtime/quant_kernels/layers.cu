@@ -210,6 +210,19 @@ extern "C" __global__ void glu(const float* __restrict__ g, const float* __restr
     else y[(long)t * ldy + i] = v;
 }
 
+// x[t, :] += y[t, :] / (1 + exp(-(h[t, :] . w))): Qwen2-MoE's shared expert y under its per-token
+// sigmoid gate (one block a row, the dot product in f32)
+extern "C" __global__ void add_gated(float* x, int ldx, const float* __restrict__ h, int ldh,
+                                     const float* __restrict__ w, const float* __restrict__ y, int ldy, int n) {
+    __shared__ float scratch[32];
+    const long t = blockIdx.x;
+    pdl_enter();
+    float s = 0.f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) s = fmaf(h[t * ldh + i], w[i], s);
+    const float e = 1.f + expf(-block_sum(s, scratch));
+    for (int i = threadIdx.x; i < n; i += blockDim.x) x[t * ldx + i] += y[t * ldy + i] / e;
+}
+
 // y[t, i] += b[i]
 extern "C" __global__ void add_bias(float* y, int ldy, const float* __restrict__ b, int n, int rows) {
     const long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;

@@ -59,10 +59,6 @@ def check_supported(cfg: ModelConfig) -> None:
             f"{cfg.arch}'s attention sinks, biases, YaRN and clamped SwiGLU are not run by the CUDA backend yet; use "
             "--backend numpy (slow: for checking, not for use)")
     if cfg.n_expert:
-        if cfg.n_ff_shexp:
-            raise UnsupportedModelError(
-                f"{cfg.arch}'s shared expert is not run by the CUDA backend yet (qwen3moe is); use --backend numpy "
-                "(slow: for checking, not for use)")
         if cfg.n_expert > LE.MAX_EXPERTS or not 1 <= cfg.n_expert_used <= min(cfg.n_expert, LE.MAX_USED):
             raise UnsupportedModelError(
                 f"{cfg.arch}: {cfg.n_expert} experts, {cfg.n_expert_used} a token; the CUDA router takes up to "

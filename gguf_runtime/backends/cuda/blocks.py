@@ -397,6 +397,8 @@ class CudaBlocks:
         ldg = g.strides[0] // 4
         if not self._small(t) and gate.type_id == up.type_id and gate.cols % 8 == 0 and down.cols % 8 == 0:
             self._moe_mma(x, h, gate, up, down, slots)
+            if cfg.n_ff_shexp:
+                self._shared_expert(x, h, q8, layer)
             return x
         gq = self._q8_for(t, [down], ws.moe_gq, "down") if t <= L.MAX_MMV_TOKENS and self.tune.moe_down_q8 else None
         r_glu = self.tune.moe_rows[0]
@@ -414,7 +416,47 @@ class CudaBlocks:
             LL.quantize_q8(self.k, g.data.ptr, ldg, n, slots, gq)
         LE.down(self.k, down, cfg.n_embd, ids, w, used, g.data.ptr, ldg, t, x.data.ptr, x.strides[0] // 4, q8=gq,
                 r=self.tune.moe_rows[1])
+        if cfg.n_ff_shexp:
+            self._shared_expert(x, h, q8, layer)
         return x
+
+    def _shared_expert(self, x: cp.ndarray, h: cp.ndarray, q8: L.Q8Vec | None, layer: int) -> None:
+        """x += sigmoid(h . w) SwiGLU(h) (Qwen2-MoE's shared expert, model.ComposedBlocks.moe): on the
+        matvec path with h's int8 copy (q8, the experts'; made here when they had none), past it on
+        the tensor cores with h in f16; the gate an f32 dot product in add_gated."""
+        cfg, ws, p = self.cfg, self.ws, f"blk.{layer}."
+        t = x.shape[0]
+        gate, up, down = (self.w.mat(p + f"ffn_{n}_shexp.weight") for n in ("gate", "up", "down"))
+        g, u, y = ws.shexp_g[:t], ws.shexp_u[:t], ws.shexp_y[:t]
+        ldh, ldg, ldy = h.strides[0] // 4, g.strides[0] // 4, y.strides[0] // 4
+        if self._small(t):
+            if not L.q8_capable([gate, up]):
+                q8 = None
+            elif q8 is None:
+                q8 = self._quantized(h, [gate, up], "glu")
+            if gate.type_id == up.type_id:
+                L.mmv_glu(self.k, gate, up, h.data.ptr, ldh, t, cfg.activation, g.data.ptr, ldg, q8=q8)
+            else:
+                for m, out in ((gate, g), (up, u)):
+                    L.mmv(self.k, [m], [(out.data.ptr, ldg)], [None], h.data.ptr, ldh, t, 0,
+                          q8=q8 if L.q8_capable([m]) else None)
+                LL.glu(self.k, g.data.ptr, u.data.ptr, ldg, cfg.n_ff_shexp, t, cfg.activation, g.data.ptr, ldg)
+            L.mmv(self.k, [down], [(y.data.ptr, ldy)], [None], g.data.ptr, ldg, t, 0,
+                  q8=self._quantized(g, [down], "down"))
+        else:
+            x16, g16 = ws.x16, ws.shexp_g16
+            ld16, ldg16 = x16.strides[0] // 2, g16.strides[0] // 2
+            LE.gather_f16(self.k, h.data.ptr, ldh, ws.rows_in_order.data.ptr, 1, cfg.n_embd, x16.data.ptr, ld16, t)
+            if gate.type_id == up.type_id:
+                LM.mma_glu(self.k, gate, up, x16.data.ptr, ld16, t, cfg.activation, g16.data.ptr, ldg16, ws.split)
+            else:
+                for m, out in ((gate, g), (up, u)):
+                    LM.mma(self.k, [m], [(out.data.ptr, ldg)], [None], x16.data.ptr, ld16, t, 0, ws.split)
+                LL.glu(self.k, g.data.ptr, u.data.ptr, ldg, cfg.n_ff_shexp, t, cfg.activation, None, 0, g16.data.ptr,
+                       ldg16)
+            LM.mma(self.k, [down], [(y.data.ptr, ldy)], [None], g16.data.ptr, ldg16, t, 0, ws.split)
+        LL.add_gated(self.k, x.data.ptr, x.strides[0] // 4, h.data.ptr, ldh,
+                     self.w.vec(p + "ffn_gate_inp_shexp.weight").data.ptr, y.data.ptr, ldy, cfg.n_embd, t)
 
     def _moe_mma(self, x: cp.ndarray, h: cp.ndarray, gate: L.Mat, up: L.Mat, down: L.Mat, slots: int) -> None:
         """The experts' products grouped by expert on the tensor cores (moe_mma.cu): the slots sorted

@@ -66,6 +66,13 @@ class Workspace:
                 self._moe_gq = cp.zeros((rows, n + res), cp.int8)
                 self._moe_gs = cp.zeros((rows, n // 16, 4), f32)
                 self.moe_gq = L.Q8Vec(self._moe_gq.data.ptr, n + res, self._moe_gs.data.ptr, n // 16, res=res)
+            if cfg.n_ff_shexp:  # the shared expert (Qwen2-MoE): its GLU's outputs (f32, f16), its products
+                s = cfg.n_ff_shexp
+                gu = cp.zeros((max_rows, 2 * s), f32)
+                self.shexp_g, self.shexp_u = gu[:, :s], gu[:, s:]
+                self.shexp_g16 = cp.zeros((max_rows, s), cp.float16)
+                self.shexp_y = cp.zeros((max_rows, cfg.n_embd), f32)
+                self.rows_in_order = cp.arange(max_rows, dtype=cp.int32)  # (h's rows gathered as they are)
         parts = max(tune.attn_parts, max_rows) * cfg.n_head
         self.part_o = cp.zeros(parts * cfg.head_dim_v, f32)
         self.part_ml = cp.zeros(parts * 2, f32)
@@ -74,7 +81,7 @@ class Workspace:
         self.pos = cp.zeros(max_rows, cp.int32)
         self.seq = cp.zeros(max_rows, cp.int32)
         # f16 inputs of the cuBLAS and tensor-core paths
-        widest = max(cfg.n_embd, cfg.n_ff, cfg.n_head * cfg.head_dim_v)
+        widest = max(cfg.n_embd, cfg.n_ff, cfg.n_ff_shexp, cfg.n_head * cfg.head_dim_v)
         big = max_rows > L.MAX_MMV_TOKENS
         self.x16 = cp.zeros((max_rows, widest), cp.float16) if big else None  # f16 inputs of big matmuls
         self.g16 = cp.zeros((max_rows, cfg.n_ff), cp.float16) if big else None  # GLU output, f16
