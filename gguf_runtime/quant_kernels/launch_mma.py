@@ -96,6 +96,8 @@ def _mma_plan(k: Kernels, rows: Sequence[int], n_tok: int, cols: int, n_mats: in
     """mma_config (with the knobs' split floor), without a split where the scratch cannot hold its
     partials (n_mats: W tiles per block besides the tall stacking)."""
     floor = k.knobs.mma_split_min_steps
+    if k.knobs.mma_shape is not None:
+        return MmaConfig(*k.knobs.mma_shape, 1, 1)
     c = mma_config(rows, n_tok, cols if scratch else 0, tall, floor)
     if c.split > 1:
         tiles = sum(-(-n // (16 * c.wr * c.h)) for n in rows) * -(-n_tok // (8 * c.nt * (4 // c.wr)))

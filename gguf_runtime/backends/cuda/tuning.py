@@ -75,6 +75,7 @@ class Tuning:
     mma_reg_a: bool = True  # Q4_K / Q6_K A fragments built in registers
     mma_split_min_steps: int = 12  # K-split floor: fewer, longer splits over halved token tiles
     mma_stages: tuple[int, int] = (2, 2)  # staged tiles' depth, products / GLU (deeper pipelines were slower)
+    mma_shape: tuple[int, int] | None = None  # (WR, NT) of every tensor-core tile, no split (measuring only)
     # -- graphs
     pdl: str = "auto"  # programmatic dependent launch: "auto" (pdl_any_rows), "off", "all" graphs
     pdl_any_rows: bool = True  # PDL in every graph (small models); big: matvec steps only
@@ -90,7 +91,7 @@ class Tuning:
                            mma_stages=self.mma_stages, tiles=self.tiles_shape, flash=self.flash_shape,
                            decode=(self.decode_warps, *(self.decode_shape or (0, 0))),
                            decode_min_keys=self.decode_min_keys,
-                           sm_count=self.sm_count if self.decode_work_split else 0)
+                           sm_count=self.sm_count if self.decode_work_split else 0, mma_shape=self.mma_shape)
 
     def mmv_override(self, role: str, type_name: str | None = None) -> tuple[int, int] | None:
         """(R, WG) for a role's matvec (and one weight type: "DOWN_Q6_K"), where measuring sets one."""
@@ -186,7 +187,7 @@ def _parse(name: str, text: str):
         if name == "pdl_big_graph_kernels":
             return tuple(p for p in text.split("+") if p)
         if name in ("attn_small", "attn_big", "mma_stages", "tiles_shape", "flash_shape",
-                    "decode_shape", "moe_rows"):
+                    "decode_shape", "moe_rows", "mma_shape"):
             return None if text == "none" else _pair(name, text)
         return text
     except ValueError:
