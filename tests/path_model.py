@@ -137,8 +137,13 @@ class PathModel(NumpyBackend):
             s = np.float32(cfg.attn_softcap) * np.tanh(s / np.float32(cfg.attn_softcap))
         s = s * np.float32(np.log2(np.e))
         s = np.where(self.attention_mask(layer, positions, n_kv)[None, None], np.float32(-np.inf), s)
-        p = np.exp2(s - s.max(axis=-1, keepdims=True))
-        out = np.einsum("hgts,shd->thgd", f16(p), vals) / p.sum(axis=-1)[..., None].transpose(2, 0, 1, 3)
+        top = s.max(axis=-1, keepdims=True)
+        p = np.exp2(s - top)
+        den = p.sum(axis=-1)
+        if cfg.attn_sinks:  # each head's sink logit in the denominator, against the keys' maximum (as the kernel)
+            sink = self.weight(f"blk.{layer}.attn_sinks.weight").reshape(cfg.n_head_kv, cfg.n_gqa, 1)
+            den = den + np.exp2(sink * np.float32(np.log2(np.e)) - top[..., 0])
+        out = np.einsum("hgts,shd->thgd", f16(p), vals) / den[..., None].transpose(2, 0, 1, 3)
         return out.astype(np.float32, copy=False).reshape(t, cfg.n_head, cfg.head_dim_v)
 
 

@@ -52,14 +52,14 @@ def paged(rng, n_ctx, hkv, d, kv, page=16, extra=3):
     return K, V, kc, vc, table[None], max_pages
 
 
-def run_flash(k, q, kc, vc, pos, seq, table, max_pages, hq, hkv, d, scale, cap, window, kv, config=None):
+def run_flash(k, q, kc, vc, pos, seq, table, max_pages, hq, hkv, d, scale, cap, window, kv, config=None, sinks=None):
     t = q.shape[0]
     out = cp.full((t, hq * d), POISON, cp.float32)
     out16 = cp.full((t, hq * d), 0x7E00, cp.uint16)  # f16 NaN
     qd, kd, vd, posd, seqd, tabd = (cp.asarray(a) for a in (q.reshape(t, -1), kc, vc, pos, seq, table))
     LA.flash_prefill(k, qd.data.ptr, hq * d, t, kd.data.ptr, vd.data.ptr, posd.data.ptr, seqd.data.ptr,
                      tabd.data.ptr, max_pages, 16, hq, hkv, d, scale, cap, window, out.data.ptr, hq * d,
-                     out16.data.ptr, hq * d, kv=kv, config=config)
+                     out16.data.ptr, hq * d, kv=kv, config=config, sinks=sinks.data.ptr if sinks is not None else 0)
     return out.get(), out16.get().view(np.float16).astype(np.float32)
 
 
@@ -89,6 +89,24 @@ def test_flash_prefill(k, d, hq, hkv, cap, window, kv, past, t, pad, rng):
     # every row on its own against the reference: a mask off by one key fails the short rows
     per_row = [rel(o[i].reshape(hq, d), ref[i]) for i in range(pad, rows)]
     assert max(per_row) < 10 * BAR, max(per_row)
+
+
+@pytest.mark.parametrize("kv", ["f16", "q8_0"])
+@pytest.mark.parametrize("past,t", [(0, 200), (333, 150)])
+def test_flash_prefill_sinks(k, kv, past, t, rng):
+    """gpt-oss's attention sinks (a logit a head in each row's softmax denominator; its layout: 64-dim
+    heads, 8 a KV head, full and 128-key sliding layers)."""
+    d, hq, hkv = 64, 16, 2
+    K, V, kc, vc, table, max_pages = paged(rng, past + t + 40, hkv, d, kv)
+    pos, seq = np.arange(past, past + t, dtype=np.int32), np.zeros(t, np.int32)
+    q = rng.standard_normal((t, hq, d)).astype(np.float32)
+    sinks = (rng.standard_normal(hq) * 3).astype(np.float32)
+    sinks[0] = 12.0  # a sink that dominates: the outputs shrink toward zero
+    for window in (0, 128):
+        ref = attention_ref(q, K, V, pos, 1 / math.sqrt(d), 0.0, window, sinks)
+        o, _ = run_flash(k, q, kc, vc, pos, seq, table, max_pages, hq, hkv, d, 1 / math.sqrt(d), 0.0, window, kv,
+                         sinks=cp.asarray(sinks))
+        assert rel(o.reshape(t, hq, d), ref) < BAR
 
 
 SMEM_MAX = 227 * 1024 - 64  # a block's dynamic shared memory on the H100: 227 KiB less the kernel's static ints

@@ -55,7 +55,7 @@ def sequences(rng, depths, hkv, d, kv, extra=5):
 
 
 def run_decode(k, q, kc, vc, pos, seq, table, max_pages, hq, hkv, d, scale, cap, window, n_split, kv,
-               early=False, config=None):
+               early=False, config=None, sinks=None):
     t = q.shape[0]
     out = cp.full((t, hq * d), POISON, cp.float32)
     part_o = cp.full(t * hq * n_split * d, POISON, cp.float32)
@@ -64,7 +64,8 @@ def run_decode(k, q, kc, vc, pos, seq, table, max_pages, hq, hkv, d, scale, cap,
     qd, kd, vd, posd, seqd, tabd = (cp.asarray(a) for a in (q.reshape(t, -1), kc, vc, pos, seq, table))
     LA.flash_decode(k, qd.data.ptr, hq * d, t, kd.data.ptr, vd.data.ptr, posd.data.ptr, seqd.data.ptr,
                     tabd.data.ptr, max_pages, PAGE, hq, hkv, d, scale, cap, window, n_split, part_o.data.ptr,
-                    part_ml.data.ptr, counter.data.ptr, out.data.ptr, hq * d, early=early, kv=kv, config=config)
+                    part_ml.data.ptr, counter.data.ptr, out.data.ptr, hq * d, early=early, kv=kv, config=config,
+                    sinks=sinks.data.ptr if sinks is not None else 0)
     assert not counter.get().any(), "the merging blocks leave the counters at zero"
     return out.get()
 
@@ -93,6 +94,27 @@ def test_flash_decode(k, d, hq, hkv, cap, window, kv, n_split, rng):
     o = outs[0].reshape(rows, hq, d)
     assert not o[-1].any(), "the padding row's outputs are zeros"
     per_row = [rel(o[i], ref[i]) for i in range(len(DEPTHS))]
+    assert max(per_row) < BAR, per_row
+
+
+@pytest.mark.parametrize("kv", ["f16", "q8_0"])
+@pytest.mark.parametrize("n_split", [1, 4, 32])
+def test_flash_decode_sinks(k, kv, n_split, rng):
+    """gpt-oss's attention sinks (a logit a head in the softmax's denominator; its layout: 64-dim
+    heads, 8 a KV head, a sliding window) in the row's only block and in the merge of its splits."""
+    d, hq, hkv, window = 64, 16, 2, 128
+    KV, kc, vc, table, max_pages = sequences(rng, DEPTHS, hkv, d, kv)
+    rows = len(DEPTHS)
+    pos, seq = np.array(DEPTHS, np.int32), np.arange(rows, dtype=np.int32)
+    q = rng.standard_normal((rows, hq, d)).astype(np.float32)
+    sinks = (rng.standard_normal(hq) * 3).astype(np.float32)
+    sinks[0] = 12.0
+    scale = 1 / math.sqrt(d)
+    ref = np.stack([attention_ref(q[i:i + 1], K, V, pos[i:i + 1], scale, 0.0, window, sinks)[0]
+                    for i, (K, V) in enumerate(KV)])
+    o = run_decode(k, q, kc, vc, pos, seq, table, max_pages, hq, hkv, d, scale, 0.0, window, n_split, kv,
+                   sinks=cp.asarray(sinks)).reshape(rows, hq, d)
+    per_row = [rel(o[i], ref[i]) for i in range(rows)]
     assert max(per_row) < BAR, per_row
 
 

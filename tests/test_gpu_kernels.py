@@ -307,7 +307,9 @@ def test_rope_kv(k, neox, qk_norm, d, n_rot, hq, hkv, kv, rng):
     assert np.isnan(kcache[~written]).all() and np.isnan(vcache[~written]).all()
 
 
-def attention_ref(q, K, V, pos, scale, cap, window):
+def attention_ref(q, K, V, pos, scale, cap, window, sinks=None):
+    """float64 attention of rows q at positions pos; sinks (one logit a head, gpt-oss) join each
+    head's softmax denominator."""
     out = np.zeros((q.shape[0], q.shape[1], V.shape[-1]))
     g = q.shape[1] // K.shape[1]
     for t, p in enumerate(pos):
@@ -316,8 +318,9 @@ def attention_ref(q, K, V, pos, scale, cap, window):
             s = K[lo:p + 1, h // g] @ q[t, h].astype(np.float64) * scale
             if cap:
                 s = cap * np.tanh(s / cap)
-            e = np.exp(s - s.max())
-            out[t, h] = e @ V[lo:p + 1, h // g] / e.sum()
+            m = s.max() if sinks is None else max(s.max(), float(sinks[h]))
+            e = np.exp(s - m)
+            out[t, h] = e @ V[lo:p + 1, h // g] / (e.sum() + (0.0 if sinks is None else np.exp(sinks[h] - m)))
     return out
 
 
@@ -327,7 +330,7 @@ ATTN_SHAPES = [(64, 9, 3, 0.0, 0), (256, 4, 1, 0.0, 7), (128, 8, 2, 30.0, 0), (1
 @pytest.mark.parametrize("d,hq,hkv,cap,window", ATTN_SHAPES)
 @pytest.mark.parametrize("n_split", [1, 4, 32])
 @pytest.mark.parametrize("warps,rounds", [(4, 1), (0, 2), (0, 1)])
-def test_attention(k, d, hq, hkv, cap, window, n_split, warps, rounds, rng, kv16=False):
+def test_attention(k, d, hq, hkv, cap, window, n_split, warps, rounds, rng, kv16=False, sinks=None):
     """Against float64 numpy for every row (one split to 32, each block shape: the old 4-warp one
     and the default), and bit for bit the same with the decode flag (keys loaded before the wait)."""
     page, n_ctx = 16, 640  # up to 640 keys: rows using 1 split and up to 32
@@ -352,14 +355,15 @@ def test_attention(k, d, hq, hkv, cap, window, n_split, warps, rounds, rng, kv16
     counter = cp.zeros(t * hkv, cp.uint32)
     dev = [cp.asarray(a) for a in (q.reshape(t, -1), kc, vc, pos, np.zeros(t, np.int32), table)]
     qd, kd, vd, posd, seqd, tabd = dev
-    ref = attention_ref(q, K, V, pos, scale, cap, window)
+    ref = attention_ref(q, K, V, pos, scale, cap, window, sinks)
+    sinks_d = cp.asarray(sinks) if sinks is not None else None
     outs = []
     for early in (False, True):  # twice: the counters must be back at zero for the next launch
         out.fill(POISON)
         LA.attention(k, qd.data.ptr, hq * d, t, kd.data.ptr, vd.data.ptr, posd.data.ptr, seqd.data.ptr,
                      tabd.data.ptr, max_pages, page, hq, hkv, d, scale, cap, window, n_split, part_o.data.ptr,
                      part_ml.data.ptr, counter.data.ptr, out.data.ptr, hq * d, shape=shape, early=early,
-                     kv="f16" if kv16 else "f32")
+                     kv="f16" if kv16 else "f32", sinks=sinks_d.data.ptr if sinks_d is not None else 0)
         outs.append(out.get())
         assert rel(outs[-1].reshape(t, hq, d), ref) < 1e-5
         assert not counter.get().any()
@@ -372,6 +376,16 @@ def test_attention_f16_cache(k, d, hq, hkv, cap, window, n_split, rng):
     """The same with f16 keys and values (the default block shape): f32 arithmetic on the cache's
     values, so the float64 reference of those values holds to the same 1e-5."""
     test_attention(k, d, hq, hkv, cap, window, n_split, 0, 2, rng, kv16=True)
+
+
+@pytest.mark.parametrize("n_split", [1, 4, 32])
+def test_attention_sinks(k, n_split, rng):
+    """gpt-oss's attention sinks (a logit a head in the softmax's denominator) in the row's only
+    block and in the merge of its splits; sinks around the scores' scale and above them."""
+    hq = 8
+    sinks = (rng.standard_normal(hq) * 3).astype(np.float32)
+    sinks[0] = 12.0  # a sink that dominates: the outputs shrink toward zero
+    test_attention(k, 64, hq, 2, 0.0, 0, n_split, 0, 2, rng, kv16=True, sinks=sinks)
 
 
 def sampler_state(n_vocab, rows=1, top_k=40, top_p=1.0, min_p=0.0, temp=0.0, seed=0, penalty=1.0, last_n=64):

@@ -58,6 +58,13 @@ CASES = {
                       quant={**Q4_K_M, "ffn_gate_exps.weight": QT.Q4_K, "ffn_up_exps.weight": QT.Q4_K,
                              "ffn_down_exps.weight": QT.Q6_K, "ffn_gate_shexp.weight": QT.Q5_K,
                              "ffn_up_shexp.weight": QT.Q5_K, "ffn_down_shexp.weight": QT.Q8_0}),
+    # gpt-oss's layout: attention sinks, q/k/v/o biases, the even layers sliding (4 keys), YaRN
+    # (its attention factor), a biased router and biased MXFP4 experts, the clamped SwiGLU
+    "gpt-oss": Micro(arch="gpt-oss", vocab="qwen2", n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_layer=2,
+                     bias=True, tied=False, n_expert=8, n_expert_used=2, n_ff_exp=256, sliding_window=4,
+                     yarn=(32.0, 4096), quant={"_exps.weight": QT.MXFP4, "attn_q.weight": QT.Q8_0,
+                                               "attn_k.weight": QT.Q8_0, "attn_v.weight": QT.Q8_0,
+                                               "attn_output.weight": QT.Q8_0, "output.weight": QT.Q6_K}),
     # Phi-3.5's layout: fused QKV and gate-up matrices (row slices on the GPU), LongRoPE (the long
     # factors: the context exceeds orig_ctx) with its attention factor; the table types
     # (IQ4_NL, IQ4_XS, MXFP4) in the products
@@ -137,18 +144,13 @@ def test_int8_rest_path_every_row(micro, monkeypatch, rng):
         assert_all_rows(got, run(f32, ids, more), what=f"micro {name} int8 + rests vs f32", **REST)
 
 
-@pytest.mark.parametrize("case", ["gpt-oss", "IQ3_S"])
+@pytest.mark.parametrize("case", ["IQ3_S"])
 def test_numpy_only_architectures_are_refused_in_one_line(tmp_path, case):
-    """gpt-oss and the 1- to 3-bit i-quants run on the numpy backend
-    only: the CUDA backend names why and the way out."""
+    """The 1- to 3-bit i-quants run on the numpy backend only: the CUDA backend names the tensor and
+    the way out."""
     from gguf_runtime.errors import UnsupportedModelError
-    if case == "IQ3_S":  # a type only the numpy backend reads
-        m = Micro(**SHAPE, quant={"ffn_down.weight": QT.IQ3_S})
-        words = r"tensor 'blk.0.ffn_down.weight' uses quant type IQ3_S, which the CUDA kernels do not read yet"
-    else:
-        m = Micro(arch="gpt-oss", vocab="qwen2", n_embd=256, n_head=4, n_head_kv=2, head_dim=64, bias=True, tied=False,
-                  n_expert=8, n_expert_used=2, n_ff_exp=256, sliding_window=4, yarn=(32.0, 4096))
-        words = r"gpt-oss's attention sinks, biases, YaRN and clamped SwiGLU are not run by the CUDA backend yet"
+    m = Micro(**SHAPE, quant={"ffn_down.weight": QT.IQ3_S})
+    words = r"tensor 'blk.0.ffn_down.weight' uses quant type IQ3_S, which the CUDA kernels do not read yet"
     f = open_gguf(write_micro(m, tmp_path / f"{case}.gguf"))
     with pytest.raises(UnsupportedModelError, match=words):
         CudaBackend(f, config_from_gguf(f), N_CTX)

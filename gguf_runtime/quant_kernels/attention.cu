@@ -47,7 +47,7 @@ __global__ void __launch_bounds__(32 * W) attn_split(
         int page_size, int n_head_kv, float scale, float cap, int window, int n_split, int min_keys, int early,
         float* __restrict__ part_o, float* __restrict__ part_ml, unsigned* __restrict__ counter,
         float* __restrict__ out, int ldo, u16* __restrict__ out16, int ld16, u8* oq, int ldoq, float4* os,
-        int ldos, int ores) {
+        int ldos, int ores, const float* __restrict__ sinks) {
     constexpr int E = D / 32, KR = 4 * W;  // keys per round: each warp four keys, their loads together
     if (!early) pdl_enter();
     const int hk = blockIdx.x, s = blockIdx.y, t = blockIdx.z;
@@ -149,7 +149,8 @@ __global__ void __launch_bounds__(32 * W) attn_split(
 #pragma unroll
                 for (int v = 0; v < W; ++v) L += sl[v][g] * __expf(sm[v][g] - M);
             sML[g][0] = M;
-            sML[g][1] = L;
+            // the row's only block: a sink (gpt-oss) joins the denominator here, else in merge_splits
+            sML[g][1] = sinks && ns == 1 && M > -INFINITY ? L + __expf(sinks[hk * G + g] - M) : L;
         }
     }
 #pragma unroll
@@ -180,13 +181,13 @@ __global__ void __launch_bounds__(32 * W) attn_split(
         if (g0 + HG < G) __syncthreads();  // this pass's reads of so are done
     }
     merge_splits<D, G>(t, hk, ns, n_split, n_head_kv, part_o, part_ml, counter, out, ldo, out16, ld16, oq, ldoq, os,
-                       ldos, ores);
+                       ldos, ores, sinks);
 }
 
 #ifdef GGUF_INSTANTIATE_ALL
 #define INST1(D, G, W, KV) template __global__ void attn_split<D, G, W, KV>(const float*, int, const KV*, const KV*, \
     const int*, const int*, const int*, int, int, int, float, float, int, int, int, int, float*, float*, unsigned*, \
-    float*, int, u16*, int, u8*, int, float4*, int, int);
+    float*, int, u16*, int, u8*, int, float4*, int, int, const float*);
 #define INST(D, G, W) INST1(D, G, W, float) INST1(D, G, W, u16)
 #define INST_W(D, G) INST(D, G, 4) INST(D, G, 8) INST(D, G, 16)
 INST_W(64, 1) INST_W(64, 3) INST_W(128, 4) INST_W(128, 8) INST(256, 4, 4) INST(256, 4, 8) INST(256, 8, 4) INST(256, 8, 8)

@@ -52,11 +52,12 @@ DEV void q8_copy(const float* o, int n, u8* oq, float4* os, int res) {
 // After a block of split s wrote its heads' partial results of row t (part_o: the weighted V sums,
 // part_ml: (max, sum) per head, natural-log domain; ns == 1: the outputs themselves, in out and
 // out16), the row's last split block (counter) merges them all into out (and out16, and the int8
-// copy where oq). Every block of the row calls it; ns <= 32.
+// copy where oq). Every block of the row calls it; ns <= 32. sinks (gpt-oss; or null): each head's
+// sink logit joins the softmax's denominator, e^(sink - M) (natural-log domain).
 template <int D, int G>
 DEV void merge_splits(int t, int hk, int ns, int n_split, int n_head_kv, const float* part_o, const float* part_ml,
                       unsigned* counter, float* out, int ldo, u16* out16, int ld16, u8* oq, int ldoq, float4* os,
-                      int ldos, int ores) {
+                      int ldos, int ores, const float* sinks) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5, n_head = n_head_kv * G;
     const long h0 = (long)(hk * G) * D;  // the block's heads: G * D consecutive outputs of row t
     if (ns == 1) {
@@ -91,6 +92,7 @@ DEV void merge_splits(int t, int hk, int ns, int n_split, int n_head_kv, const f
         float L = (lane < ns ? wl[g][lane] : 0.f) * f;
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
+        if (sinks && M > -INFINITY) L += __expf(sinks[hk * G + g] - M);
         const float inv = L > 0.f ? 1.f / L : 0.f;
         if (lane < ns) wt[g][lane] = f * inv;
     }

@@ -153,6 +153,13 @@ DEV float block_sum(float v, float* scratch) {
 
 DEV float silu_f(float x) { return x / (1.f + __expf(-x)); }
 
+// gpt-oss's clamped SwiGLU (ACT 2): gate clamped above at 7, up to [-7, 7], gate sigmoid(1.702 gate)
+// (up + 1): the constants of llama.cpp and transformers (the files carry none; model_config checks)
+DEV float swiglu_oai_f(float g, float u) {
+    g = fminf(g, 7.f);
+    return g / (1.f + expf(-1.702f * g)) * (fminf(fmaxf(u, -7.f), 7.f) + 1.f);
+}
+
 DEV float gelu_tanh_f(float x) {
     return 0.5f * x * (1.f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
 }

@@ -72,7 +72,7 @@ __global__ void __launch_bounds__(32 * G * WT) flash_prefill(
         const float* __restrict__ q, int ldq, const KV* __restrict__ kcache, const KV* __restrict__ vcache,
         const int* __restrict__ pos, const int* __restrict__ seq, const int* __restrict__ table, int max_pages,
         int page_size, int n_head_kv, int rows, float scale, float cap, int window, float* __restrict__ out,
-        int ldo, u16* __restrict__ out16, int ld16) {
+        int ldo, u16* __restrict__ out16, int ld16, const float* __restrict__ sinks) {
     using F = Flash<D, G, WT, KT, ST, KV>;
     constexpr int KS = D / 16, NS = KT / 8, ND = D / 8, LDH = F::LDH, BIG = 0x7fffffff;
     constexpr float LOG2E = 1.4426950408889634f;
@@ -233,6 +233,11 @@ __global__ void __launch_bounds__(32 * G * WT) flash_prefill(
         sA += __shfl_xor_sync(0xffffffffu, sA, o2);
         sB += __shfl_xor_sync(0xffffffffu, sB, o2);
     }
+    if (sinks) {  // gpt-oss: the head's sink logit joins the denominator (log2 domain, as mA and mB)
+        const float sk = sinks[hk * G + g] * LOG2E;
+        if (mA > -INFINITY) sA += exp2f(sk - mA);
+        if (mB > -INFINITY) sB += exp2f(sk - mB);
+    }
     const float ia = sA > 0.f ? 1.f / sA : 0.f, ib = sB > 0.f ? 1.f / sB : 0.f;  // no key (padding): zeros
     const int col = (hk * G + g) * D + 2 * tig;
 #pragma unroll
@@ -253,7 +258,7 @@ __global__ void __launch_bounds__(32 * G * WT) flash_prefill(
 #ifdef GGUF_INSTANTIATE_ALL
 #define INST1(D, G, WT, KT, ST, KV) template __global__ void flash_prefill<D, G, WT, KT, ST, KV>(const float*, int, \
     const KV*, const KV*, const int*, const int*, const int*, int, int, int, int, float, float, int, float*, int, \
-    u16*, int);
+    u16*, int, const float*);
 #define INST(D, G, WT, KT) INST1(D, G, WT, KT, 2, float) INST1(D, G, WT, KT, 2, u16) INST1(D, G, WT, KT, 2, kvq8) \
     INST1(D, G, WT, KT, 2, kvq4)
 INST(64, 1, 4, 64) INST(64, 3, 2, 64) INST(64, 3, 1, 64) INST(128, 4, 2, 64) INST(128, 4, 1, 64)

@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
         int page_size, int n_head_kv, float scale, float cap, int window, int n_split, int min_keys, int target,
         int early, float* __restrict__ part_o, float* __restrict__ part_ml, unsigned* __restrict__ counter,
         float* __restrict__ out, int ldo, u16* __restrict__ out16, int ld16, u8* oq, int ldoq, float4* os,
-        int ldos, int ores) {
+        int ldos, int ores, const float* __restrict__ sinks) {
     using F = Dec<D, G, NW, KT, ST, KV>;
     constexpr int KS = D / 16, NS = KT / 8, ND = D / 8, LDH = F::LDH;
     constexpr float LOG2E = 1.4426950408889634f;
@@ -244,7 +244,8 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
             L += r[G + g] * f;
         }
         sML[g][0] = M / LOG2E;  // natural-log domain, as merge_splits and attention.cu keep it
-        sML[g][1] = L;
+        // the row's only block: a sink (gpt-oss) joins the denominator here, else in merge_splits
+        sML[g][1] = sinks && ns == 1 && M > -INFINITY ? L + exp2f(fmaf(sinks[hk * G + g], LOG2E, -M)) : L;
     }
     __syncthreads();
     for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
@@ -265,13 +266,13 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
         if (e == 0) { part_ml[2 * slot] = sML[g][0]; part_ml[2 * slot + 1] = L; }
     }
     merge_splits<D, G>(t, hk, ns, n_split, n_head_kv, part_o, part_ml, counter, out, ldo, out16, ld16, oq, ldoq, os,
-                       ldos, ores);
+                       ldos, ores, sinks);
 }
 
 #ifdef GGUF_INSTANTIATE_ALL
 #define INST1(D, G, NW, KT, ST, KV) template __global__ void flash_decode<D, G, NW, KT, ST, KV>(const float*, int, \
     const KV*, const KV*, const int*, const int*, const int*, int, int, int, float, float, int, int, int, int, \
-    int, float*, float*, unsigned*, float*, int, u16*, int, u8*, int, float4*, int, int);
+    int, float*, float*, unsigned*, float*, int, u16*, int, u8*, int, float4*, int, int, const float*);
 #define INST(D, G, NW, KT, ST) INST1(D, G, NW, KT, ST, float) INST1(D, G, NW, KT, ST, u16) \
     INST1(D, G, NW, KT, ST, kvq8) INST1(D, G, NW, KT, ST, kvq4)
 INST(64, 1, 4, 16, 3) INST(64, 3, 4, 16, 3) INST(128, 4, 4, 16, 3) INST(128, 4, 4, 16, 4) INST(128, 4, 4, 32, 3)

@@ -53,11 +53,12 @@ def attention(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache: int,
               max_pages: int, page_size: int, n_head: int, n_head_kv: int, head_dim: int, scale: float, cap: float,
               window: int, n_split: int, part_o: int, part_ml: int, counter: int, out: int, ldo: int,
               out16: int | None = None, ld16: int = 0, q8: Q8Vec | None = None, shape: AttnShape | None = None,
-              early: bool = False, kv: str = "f32") -> None:
+              early: bool = False, kv: str = "f32", sinks: int = 0) -> None:
     """Split-K attention over the paged cache, merged in the same launch (counter: rows x n_head_kv
     zeros, left zero); q8: also the output's int8 copy (head_dim % 16 == 0). early: every row is
     one token of its own sequence (decode), so the keys before its position are loaded before the
-    wait for the kernel that wrote q (attention.cu)."""
+    wait for the kernel that wrote q (attention.cu). sinks: n_head float32 sink logits (gpt-oss)
+    joining each head's softmax denominator, or 0."""
     g = n_head // n_head_kv
     assert q8 is None or head_dim % 16 == 0
     shape = shape or attn_shape(head_dim, g)
@@ -67,7 +68,7 @@ def attention(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache: int,
         (ptr(q), i32(ldq), ptr(kcache), ptr(vcache), ptr(pos), ptr(seq), ptr(table), i32(max_pages),
          i32(page_size), i32(n_head_kv), f32(scale), f32(cap), i32(window), i32(n_split), i32(shape.min_keys),
          i32(1 if early else 0), ptr(part_o), ptr(part_ml), ptr(counter), ptr(out), i32(ldo), ptr(out16), i32(ld16),
-         *(q8.ptrs() if q8 else NO_PTRS)))
+         *(q8.ptrs() if q8 else NO_PTRS), ptr(sinks)))
 
 
 # ---- attention_tiles.cu: batch decode steps, one block per (KV head, row) ---------------------------
@@ -174,9 +175,10 @@ def flash_smem(head_dim: int, group: int, config: tuple[int, int, int], kv: str)
 def flash_prefill(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache: int, pos: int, seq: int,
                   table: int, max_pages: int, page_size: int, n_head: int, n_head_kv: int, head_dim: int,
                   scale: float, cap: float, window: int, out: int, ldo: int, out16: int | None = None,
-                  ld16: int = 0, kv: str = "f32", config: tuple[int, int, int] | None = None) -> None:
+                  ld16: int = 0, kv: str = "f32", config: tuple[int, int, int] | None = None, sinks: int = 0) -> None:
     """Attention of ``rows`` rows (the non-padding ones: one sequence, as a prompt chunk) over the
-    paged cache on the tensor cores (flash_attn.cu); out16: also an f16 copy."""
+    paged cache on the tensor cores (flash_attn.cu); out16: also an f16 copy; sinks: n_head float32
+    sink logits (gpt-oss) joining each head's softmax denominator, or 0."""
     g = n_head // n_head_kv
     assert flash_ok(head_dim, head_dim, g) and page_size & (page_size - 1) == 0  # common.cuh's kv_page
     config = config or flash_config(head_dim, g, kv, k.knobs.flash)
@@ -186,7 +188,8 @@ def flash_prefill(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache: 
     bq = 16 * config[0]
     fn((n_head_kv, -(-rows // bq)), (32 * g * config[0],),
        (ptr(q), i32(ldq), ptr(kcache), ptr(vcache), ptr(pos), ptr(seq), ptr(table), i32(max_pages), i32(page_size),
-        i32(n_head_kv), i32(rows), f32(scale), f32(cap), i32(window), ptr(out), i32(ldo), ptr(out16), i32(ld16)),
+        i32(n_head_kv), i32(rows), f32(scale), f32(cap), i32(window), ptr(out), i32(ldo), ptr(out16), i32(ld16),
+        ptr(sinks)),
        shared_mem=smem)
 
 
@@ -224,10 +227,11 @@ def flash_decode(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache: i
                  max_pages: int, page_size: int, n_head: int, n_head_kv: int, head_dim: int, scale: float,
                  cap: float, window: int, n_split: int, part_o: int, part_ml: int, counter: int, out: int, ldo: int,
                  out16: int | None = None, ld16: int = 0, q8: Q8Vec | None = None, early: bool = False,
-                 kv: str = "f32", config: tuple[int, int, int] | None = None) -> None:
+                 kv: str = "f32", config: tuple[int, int, int] | None = None, sinks: int = 0) -> None:
     """attention()'s contract (rows: each one token of its own sequence, or of one sequence without
     ``early``) on the tensor cores: f16 operands (q scaled, K, V, P), f32 accumulation. A split
-    covers at least one tile per warp: short contexts run one block per KV head, no merge of splits."""
+    covers at least one tile per warp: short contexts run one block per KV head, no merge of splits.
+    sinks: as flash_prefill's."""
     g = n_head // n_head_kv
     assert flash_ok(head_dim, head_dim, g) and (q8 is None or head_dim % 16 == 0)
     assert 1 <= n_split <= ATTN_MAX_SPLITS and page_size & (page_size - 1) == 0, (n_split, page_size)
@@ -243,5 +247,6 @@ def flash_decode(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache: i
        (ptr(q), i32(ldq), ptr(kcache), ptr(vcache), ptr(pos), ptr(seq), ptr(table), i32(max_pages),
         i32(page_size), i32(n_head_kv), f32(scale), f32(cap), i32(window), i32(n_split),
         i32(k.knobs.decode_min_keys or config[0] * config[1]), i32(target), i32(1 if early else 0), ptr(part_o),
-        ptr(part_ml), ptr(counter), ptr(out), i32(ldo), ptr(out16), i32(ld16), *(q8.ptrs() if q8 else NO_PTRS)),
+        ptr(part_ml), ptr(counter), ptr(out), i32(ldo), ptr(out16), i32(ld16), *(q8.ptrs() if q8 else NO_PTRS),
+        ptr(sinks)),
        shared_mem=smem)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
-from .launch_core import ACT, Kernels, Mat, _Counted, i32, ptr
+from .launch_core import fused_act, Kernels, Mat, _Counted, i32, ptr
 
 MMA_MIN_BLOCKS = 132  # one wave on an H100: below this, smaller tiles or K splits (more blocks) win
 MMA_SPLIT_BLOCKS = 264  # K splits aim at two blocks per SM (the 64-row tiles' registers allow 2-3)
@@ -149,7 +149,7 @@ def mma_glu(k: Kernels, gate: Mat, up: Mat, x16: int, ldx16: int, n_tok: int, ac
     the 8B's GLU fills the GPU unsplit, and splitting SmolLM2's made it much slower."""
     wr, nt, split, _ = _mma_plan(k, [gate.rows], n_tok, 0, 2, scratch, tall=False)
     ra, st = int(k.knobs.mma_reg_a), k.knobs.mma_stages
-    fn = k.fn("matmul_mma.cu", mma_glu_name(gate.struct, wr, nt, ACT[act], ra, st))
+    fn = k.fn("matmul_mma.cu", mma_glu_name(gate.struct, wr, nt, fused_act(act), ra, st))
     tb = 8 * nt * (4 // wr)
     part, counter = (scratch.part, scratch.counter) if split > 1 else (0, 0)
     fn((-(-gate.rows // (16 * wr)), -(-n_tok // tb), split), (128,),

@@ -4,7 +4,7 @@ A stacked expert matrix is one ``Mat`` of n_expert * n rows; ``n`` is one expert
 
 from __future__ import annotations
 
-from .launch_core import ACT, NO_PTRS, Kernels, Mat, Q8Vec, f32, i32, ptr
+from .launch_core import fused_act, NO_PTRS, Kernels, Mat, Q8Vec, f32, i32, ptr
 from .launch_mma import mma_smem, mma_stages
 
 MAX_EXPERTS = 256  # moe.cu's MOE_MAX_EXPERTS
@@ -73,7 +73,7 @@ def glu(k: Kernels, gate: Mat, up: Mat, n: int, ids: int, used: int, x: int, ldx
     if q8_out is not None:
         assert r // 2 * WARPS == 16 and n % 16 == 0
         io |= 2 | q8_out.io(True)
-    fn = k.fn("moe.cu", f"moe_glu<{gate.struct}, {r}, 1, {ACT[act]}, {io}>")
+    fn = k.fn("moe.cu", f"moe_glu<{gate.struct}, {r}, 1, {fused_act(act)}, {io}>")
     fn(((-(-n // (r // 2 * WARPS))), slots), (32 * WARPS,),
        (*gate.planes, *up.planes, i32(n), i32(gate.cols), ptr(ids), i32(used), *_x_args(x, ldx, norm, q8),
         ptr(y), i32(ldy), *(q8_out.ptrs() if q8_out is not None else (ptr(0), i32(0), ptr(0), i32(0), i32(0)))))
@@ -139,7 +139,7 @@ def glu_mma(k: Kernels, gate: Mat, up: Mat, n: int, tiles: int, n_tiles: int, x1
     """y16[i] = f16(act(G_e x16[i]) * (U_e x16[i])) for the sorted slots i of each tile of up to tb
     slots (sort's mt), e: the tile's expert."""
     assert gate.type_id == up.type_id and gate.cols == up.cols
-    fn, smem = _mma_fn(k, "moe_mma_glu", gate.struct, 2, tb, ACT[act])
+    fn, smem = _mma_fn(k, "moe_mma_glu", gate.struct, 2, tb, fused_act(act))
     fn((-(-n // (16 * MMA_WR)), n_tiles), (128,),
        (*gate.planes, *up.planes, i32(n), ptr(tiles), ptr(x16), i32(ldx), i32(gate.cols), ptr(y16), i32(ldy)),
        shared_mem=smem)
@@ -158,3 +158,15 @@ def combine(k: Kernels, ys: int, ldys: int, w: int, used: int, x: int, ldx: int,
     """x[t] += sum_j w[t, j] ys[t * used + j] in rank order."""
     k.fn("moe.cu", "moe_combine")((-(-n // 256), rows), (256,), (ptr(ys), i32(ldys), ptr(w), i32(used), ptr(x),
                                                                 i32(ldx), i32(n), i32(rows)))
+
+
+def add_bias(k: Kernels, y: int, ldy: int, b: int, ids: int, n: int, slots: int) -> None:
+    """y[s, :n] += b[ids[s], :n] (b: the experts' [n_expert, n] f32 biases; gpt-oss)."""
+    k.fn("moe.cu", "moe_add_bias")((-(-n // 256), slots), (256,), (ptr(y), i32(ldy), ptr(b), ptr(ids), i32(n),
+                                                                   i32(slots)))
+
+
+def bias_sum(k: Kernels, x: int, ldx: int, b: int, ids: int, w: int, used: int, n: int, rows: int) -> None:
+    """x[t, :n] += sum_j w[t, j] b[ids[t, j], :n] in rank order (down's biases on the matvec path)."""
+    k.fn("moe.cu", "moe_bias_sum")((-(-n // 256), rows), (256,), (ptr(x), i32(ldx), ptr(b), ptr(ids), ptr(w),
+                                                                  i32(used), i32(n), i32(rows)))

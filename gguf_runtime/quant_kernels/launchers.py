@@ -11,7 +11,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .launch_core import ACT, NO_PTRS, UNIT_ELEMS, Kernels, Mat, Q8Vec, f32, i32, ptr
+from .launch_core import fused_act, NO_PTRS, UNIT_ELEMS, Kernels, Mat, Q8Vec, f32, i32, ptr
 from .launch_layers import rope_kv
 
 MAX_MMV_TOKENS = 8
@@ -255,7 +255,7 @@ def mmv_glu(k: Kernels, gate: Mat, up: Mat, x: int, ldx: int, b: int, act: str, 
             r, wg = min(r, 8), min(wg, 2)
         nw = block_warps(r // 2, wg, io)
         per_block = (r // 2) * nw // wg
-        fn = k.fn("matvec.cu", glu_name(gate.struct, n, r, wg, ACT[act], io))
+        fn = k.fn("matvec.cu", glu_name(gate.struct, n, r, wg, fused_act(act), io))
         fn.allow_smem(smem)
         fn(((gate.rows + per_block - 1) // per_block,), (32 * nw,),
            (*gate.planes, *up.planes, i32(gate.rows), ptr(x + 4 * row * ldx), i32(ldx), i32(gate.cols),

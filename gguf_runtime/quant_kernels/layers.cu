@@ -197,7 +197,8 @@ extern "C" __global__ void rope_kv(float* qkv, int ldqkv, int n_head, int n_head
     else kv_store(kcache, kv, page, h - n_head, n_head_kv, page_size, slot, head_dim, i, v);
 }
 
-// y[t, i] = act(g[t, i]) * u[t, i]; ACT 0 = SiLU, 1 = GELU (tanh); writes f16 when out16 != null
+// y[t, i] = act(g[t, i]) * u[t, i]; ACT 0 = SiLU, 1 = GELU (tanh), 2 = gpt-oss's clamped SwiGLU
+// (swiglu_oai_f); writes f16 when out16 != null
 extern "C" __global__ void glu(const float* __restrict__ g, const float* __restrict__ u, int ld, int n, int rows,
                                int act, float* y, int ldy, u16* out16, int ld16) {
     const long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -205,7 +206,8 @@ extern "C" __global__ void glu(const float* __restrict__ g, const float* __restr
     if (idx >= (long)rows * n) return;
     const int t = (int)(idx / n), i = (int)(idx % n);
     const float gv = g[(long)t * ld + i];
-    const float v = (act == 0 ? silu_f(gv) : gelu_tanh_f(gv)) * u[(long)t * ld + i];
+    const float uv = u[(long)t * ld + i];
+    const float v = act == 2 ? swiglu_oai_f(gv, uv) : (act == 0 ? silu_f(gv) : gelu_tanh_f(gv)) * uv;
     if (out16) out16[(long)t * ld16 + i] = f2h(v);
     else y[(long)t * ldy + i] = v;
 }

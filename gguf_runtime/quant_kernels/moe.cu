@@ -229,6 +229,27 @@ extern "C" __global__ void moe_combine(const float* __restrict__ ys, int ldys, c
     x[(long)t * ldx + c] += v;
 }
 
+// y[s, :n] += b[ids[s], :n]: each slot's product plus its expert's bias row (gpt-oss; b: [experts, n])
+extern "C" __global__ void moe_add_bias(float* y, int ldy, const float* __restrict__ b, const int* __restrict__ ids,
+                                        int n, int slots) {
+    pdl_enter();
+    const int s = blockIdx.y, c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (s >= slots || c >= n) return;
+    y[(long)s * ldy + c] += b[(long)ids[s] * n + c];
+}
+
+// x[t, :n] += sum_j w[t, j] b[ids[t, j], :n]: the down products' biases under the router's weights,
+// in rank order (gpt-oss, on the matvec path where moe_down sums the products themselves)
+extern "C" __global__ void moe_bias_sum(float* x, int ldx, const float* __restrict__ b, const int* __restrict__ ids,
+                                        const float* __restrict__ w, int k, int n, int rows) {
+    pdl_enter();
+    const int t = blockIdx.y, c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= rows || c >= n) return;
+    float v = 0.f;
+    for (int j = 0; j < k; ++j) v = fmaf(w[(long)t * k + j], b[(long)ids[(long)t * k + j] * n + c], v);
+    x[(long)t * ldx + c] += v;
+}
+
 #ifdef GGUF_INSTANTIATE_ALL  // nvcc syntax check in CI: each kernel per type
 #define XQ_TYPES const u8*, int, const float4*, int, int, int, float
 #define P4 const u8*, const u8*, const u8*, const u8*

@@ -26,15 +26,15 @@ from .workspace import Workspace
 from .precompile import precompile
 from .prefill import PrefillMixin
 from .weights import DeviceWeights
-from ...errors import BackendError, GGUFError, UnsupportedModelError
+from ...errors import BackendError, ContextOverflowError, GGUFError, UnsupportedModelError
 from ...format.gguf_file import GGUFFile
 from ...graphs import GraphManager
 from ...graphs.manager import CaptureError
 from .kv_cache import PAGE_SIZE, PagedKVCache
 from . import tuning
 from .tuning import Tuning
-from ...model import forward
-from ...format.model_config import ModelConfig, numpy_only_tensor
+from ...model import forward, layers
+from ...format.model_config import OAI_GLU_ALPHA, OAI_GLU_LIMIT, ModelConfig, numpy_only_tensor
 from ...quant_kernels import kv_layout as KL
 from ...quant_kernels import launch_attention as LA
 from ...quant_kernels import launch_layers as LL
@@ -54,10 +54,17 @@ KV_RESERVE = 1 << 30  # GPU memory kept beside the KV cache and the workspace: f
 
 
 def check_supported(cfg: ModelConfig) -> None:
-    if cfg.attn_sinks or cfg.expert_bias or cfg.o_bias or cfg.rope.yarn_factor or cfg.activation == "swiglu_oai":
-        raise UnsupportedModelError(
-            f"{cfg.arch}'s attention sinks, biases, YaRN and clamped SwiGLU are not run by the CUDA backend yet; use "
-            "--backend numpy (slow: for checking, not for use)")
+    if cfg.activation == "swiglu_oai" and (cfg.glu_alpha, cfg.glu_limit) != (OAI_GLU_ALPHA, OAI_GLU_LIMIT):
+        raise UnsupportedModelError(  # (common.cuh's swiglu_oai_f has gpt-oss's constants)
+            f"{cfg.arch}: a clamped SwiGLU of alpha {cfg.glu_alpha} and limit {cfg.glu_limit} (the CUDA kernel has "
+            f"{OAI_GLU_ALPHA} and {OAI_GLU_LIMIT}); use --backend numpy")
+    if cfg.expert_bias and not cfg.n_expert or cfg.activation == "swiglu_oai" and not cfg.n_expert:
+        raise UnsupportedModelError(f"{cfg.arch}: biases and the clamped SwiGLU run on the CUDA backend in "
+                                    "mixture-of-experts layers only; use --backend numpy")
+    if cfg.attn_sinks and not LA.flash_ok(cfg.head_dim, cfg.head_dim_v, cfg.n_head // cfg.n_head_kv):
+        raise UnsupportedModelError("attention sinks run on the CUDA flash kernels only: heads of "
+                                    f"{', '.join(map(str, LA.FLASH_HEAD_DIMS))} values and up to 8 query heads a KV "
+                                    "head; use --backend numpy")
     if cfg.n_expert:
         if cfg.n_expert > LE.MAX_EXPERTS or not 1 <= cfg.n_expert_used <= min(cfg.n_expert, LE.MAX_USED):
             raise UnsupportedModelError(
@@ -430,3 +437,54 @@ class CudaBackend(PrefillMixin):
             self.seq[slot:slot + 1].fill(-1)
         self.kv.release(slot, stream=self.stream)
         self.slot_len[slot] = 0
+
+    # ---- embeddings ------------------------------------------------------------------------------
+    def hidden(self, tokens: Sequence[int], slot: int = 0) -> np.ndarray:
+        """The final hidden states (after the output RMSNorm) of ``tokens`` as a sequence of their own
+        at positions 0, 1, ...: host float32 [T, n_embd] (embeddings). Runs in ``slot``'s pages, in
+        prefill chunks (eager, no logits): slot 0 of the single-sequence API (its cached tokens are
+        forgotten: n_past becomes 0) or a free slot of the batch (the scheduler's; seq stays -1, so
+        the batch steps write nothing there). Pages the slot lacks are reserved for the call
+        (KVCacheFullError when the pool is short) and, where it had none, released after it."""
+        n = len(tokens)
+        if not n:
+            raise ValueError("no tokens to evaluate")
+        if n > self.n_ctx:
+            raise ContextOverflowError(f"{n} tokens do not fit the context of {self.n_ctx}; raise --ctx-size or "
+                                       "shorten the input")
+        kv, ws, cfg = self.kv, self.ws, self.cfg
+        had = kv.capacity(slot)
+        kv.reserve(slot, n, stream=self.stream)
+        out = np.empty((n, cfg.n_embd), np.float32)
+        ids = np.asarray(tokens, np.int32)
+        try:
+            with self.stream:
+                for s in range(0, n, ws.max_rows):
+                    part = ids[s:s + ws.max_rows]
+                    h = self._hidden_chunk(slot, part, s)
+                    out[s:s + part.shape[0]] = cp.asnumpy(h, stream=self.stream)  # (blocking: ws.h is reused)
+        finally:
+            self.slot_len[slot] = 0
+            if had == 0:
+                kv.release(slot, stream=self.stream)
+        return out
+
+    def _hidden_chunk(self, slot: int, part: np.ndarray, past: int) -> cp.ndarray:
+        """One chunk at positions past, past + 1, ... (padded in front as prefill.PrefillMixin._chunk
+        pads), every layer, then the output norm into ws.h; its rows of the chunk's tokens."""
+        t, ws, cfg = part.shape[0], self.ws, self.cfg
+        q = self.tune.prefill_quantum
+        rows = t if t <= L.MAX_MMV_TOKENS else min(-(-t // q) * q, ws.max_rows)
+        pad = rows - t
+        i32 = lambda a: np.asarray(a, np.int32)  # noqa: E731
+        ws.tokens[:rows].set(i32(np.concatenate([np.zeros(pad, np.int32), part])), stream=self.stream)
+        ws.pos[:rows].set(i32(np.concatenate([np.full(pad, past + t), np.arange(past, past + t)])), stream=self.stream)
+        ws.seq[:rows].set(i32(np.concatenate([np.full(pad, -1), np.full(t, slot)])), stream=self.stream)
+        b = self.blocks
+        b.seq, b.mma, b.decode = ws.seq, False, False
+        b.mmv_rows = L.MAX_MMV_TOKENS
+        x = layers(b, cfg, ws.tokens[:rows], ws.pos[:rows])
+        h = ws.h[:rows]
+        LL.rmsnorm(self.kernels, x.data.ptr, x.strides[0] // 4, self.weights.vec("output_norm.weight").data.ptr,
+                   h.data.ptr, h.strides[0] // 4, rows, cfg.n_embd, cfg.rms_eps)
+        return h[pad:rows]

@@ -41,6 +41,9 @@ class CudaBlocks:
         # RoPE's attention factor (LongRoPE) scales the cos and sin of q and k alike: with every
         # dimension rotated (check_supported) that is q.k times its square
         self.attn_scale = cfg.attn_scale * cfg.rope.attn_factor ** 2
+        # only the flash kernels read a quantized cache: every call goes to flash_attn.cu or
+        # flash_decode.cu (the backend checks flash_ok at load)
+        self.flash_only = kv.kv_type in KL.QUANT
         self.seq = ws.seq  # row -> sequence slot, for the rows of the current call
         self.mma = False  # tensor-core kernels for > mmv_rows rows (capturable) instead of cuBLAS
         # the current call's matvec rows: MAX_MMV_TOKENS, or for decode steps tune.decode_mmv_rows
@@ -104,10 +107,10 @@ class CudaBlocks:
             plain = self._no_rests[buf] = dataclasses.replace(buf, res=0)
         return plain
 
-    @staticmethod
-    def _role_after(norm: str) -> str:
+    def _role_after(self, norm: str) -> str:
         """The matvec role an RMSNorm's output feeds."""
-        return "head" if norm == "output_norm.weight" else "glu" if norm.endswith("ffn_norm.weight") else "qkv"
+        return ("head" if norm == "output_norm.weight" else "glu" if norm.endswith(self.cfg.ffn_norm + ".weight")
+                else "qkv")
 
     def _quantized(self, a: cp.ndarray, mats: list[L.Mat], role: str) -> L.Q8Vec | None:
         """a's int8 copy (quantize_q8, into q8_plain) when the matvec of mats takes int8 activations."""
@@ -134,7 +137,7 @@ class CudaBlocks:
         decode = self.decode if decode is None else decode
         mode = self.tune.tiles
         if (not decode or self._small(t) or mode == "off" or not LA.tiles_ok(cfg.head_dim, cfg.head_dim_v)
-                or self.kv.kv_type in KL.QUANT):
+                or self.flash_only or cfg.attn_sinks):  # (attention_tiles.cu adds no sinks)
             return False
         return mode == "on" or t * cfg.n_head_kv >= self.tune.tiles_min_blocks
 
@@ -142,7 +145,7 @@ class CudaBlocks:
         """Whether a call of t rows takes flash_attn.cu: prompt chunks over MAX_MMV_TOKENS rows (their
         rows are one sequence), by shape and the tuning table."""
         cfg = self.cfg
-        return (not self.decode and not self._small(t) and (self.tune.flash or self.kv.kv_type in KL.QUANT)
+        return (not self.decode and not self._small(t) and (self.tune.flash or self.flash_only)
                 and LA.flash_ok(cfg.head_dim, cfg.head_dim_v, cfg.n_head // cfg.n_head_kv))
 
     def decode_flash(self, t: int) -> bool:
@@ -151,7 +154,7 @@ class CudaBlocks:
         where the tuning table says so, by shape; with a q8_0 / q4_0 cache (only the flash kernels
         read it: the backend checks flash_ok at load) every call flash_prefill does not take."""
         cfg = self.cfg
-        if self.kv.kv_type in KL.QUANT:
+        if self.flash_only:
             return self.decode or self._small(t)
         return (self.decode and self.tune.flash_decode and self.kv.kv_type == "f16"
                 and (self._small(t) or self.tune.flash_decode_batch)
@@ -249,7 +252,7 @@ class CudaBlocks:
                              self.kv.table.data.ptr, self.kv.max_pages, self.kv.page_size, cfg.n_head, cfg.n_head_kv,
                              cfg.head_dim, self.attn_scale, cfg.attn_softcap or 0.0, cfg.layer_window[layer],
                              out.data.ptr, out.strides[0] // 4, ws.x16.data.ptr, ws.x16.strides[0] // 2,
-                             kv=self.kv.kv_type)
+                             kv=self.kv.kv_type, sinks=self._sinks(layer))
             return out
         if self.decode_flash(t):  # a decode step on the matvecs: tensor-core attention, keys split
             LA.flash_decode(self.k, q.data.ptr, q.strides[0] // 4, t, kc, vc, positions.data.ptr, self.seq.data.ptr,
@@ -259,7 +262,8 @@ class CudaBlocks:
                             ws.attn_counter.data.ptr, out.data.ptr, out.strides[0] // 4,
                             None if self._small(t) else ws.x16.data.ptr,
                             0 if self._small(t) else ws.x16.strides[0] // 2, q8=self._att_q8,
-                            early=self.decode and self.tune.attn_early, kv=self.kv.kv_type)
+                            early=self.decode and self.tune.attn_early, kv=self.kv.kv_type,
+                            sinks=self._sinks(layer))
             return out
         LA.attention(self.k, q.data.ptr, q.strides[0] // 4, t, kc, vc, positions.data.ptr, self.seq.data.ptr,
                     self.kv.table.data.ptr, self.kv.max_pages, self.kv.page_size, cfg.n_head, cfg.n_head_kv,
@@ -269,8 +273,12 @@ class CudaBlocks:
                     out.data.ptr, out.strides[0] // 4, None if self._small(t) else ws.x16.data.ptr,
                     0 if self._small(t) else ws.x16.strides[0] // 2, q8=self._att_q8,
                     shape=self.attn_shapes[not self._small(t)],
-                    early=self.decode and self.tune.attn_early, kv=self.kv.kv_type)
+                    early=self.decode and self.tune.attn_early, kv=self.kv.kv_type, sinks=self._sinks(layer))
         return out
+
+    def _sinks(self, layer: int) -> int:
+        """The layer's attention sink logits (gpt-oss: one a head), or 0."""
+        return self.w.vec(f"blk.{layer}.attn_sinks.weight").data.ptr if self.cfg.attn_sinks else 0
 
     def _project_residual(self, a: cp.ndarray, name: str, x: cp.ndarray, post_norm: str | None,
                           a16: cp.ndarray | None = None, a_q8: L.Q8Vec | None = None,
@@ -314,11 +322,17 @@ class CudaBlocks:
         p = f"blk.{layer}."
         # the next norm's int8 input from the epilogue (a mixture of experts runs its own norm kernel)
         then = None if self.cfg.n_expert else (
-            p + "ffn_norm.weight", [self.w.mat(p + "ffn_gate.weight"), self.w.mat(p + "ffn_up.weight")])
+            p + self.cfg.ffn_norm + ".weight", [self.w.mat(p + "ffn_gate.weight"), self.w.mat(p + "ffn_up.weight")])
         a_q8, self._att_q8 = self._att_q8, None  # attend's int8 copy of a (this layer's, just written)
-        return self._project_residual(a, p + "attn_output.weight", x,
-                                      p + "post_attention_norm.weight" if self.cfg.post_norms else None,
-                                      a16=None if self._small(a.shape[0]) else self.ws.x16, a_q8=a_q8, then=then)
+        if self.cfg.o_bias:  # (gpt-oss) added after the product: no epilogue writes the next norm's input
+            then = None
+        x = self._project_residual(a, p + "attn_output.weight", x,
+                                   p + "post_attention_norm.weight" if self.cfg.post_norms else None,
+                                   a16=None if self._small(a.shape[0]) else self.ws.x16, a_q8=a_q8, then=then)
+        if self.cfg.o_bias:
+            LL.add_bias(self.k, x.data.ptr, x.strides[0] // 4, self.w.vec(p + "attn_output.bias").data.ptr,
+                        self.cfg.n_embd, a.shape[0])
+        return x
 
     def _after_ffn(self, layer: int) -> tuple[str, list[L.Mat]]:
         """The RMSNorm after layer's FFN and the matrices it feeds."""
@@ -337,7 +351,7 @@ class CudaBlocks:
         gate, up = self.w.mat(gate_name), self.w.mat(up_name)
         post = p + "post_ffw_norm.weight" if cfg.post_norms else None
         big = self._big_mma(t)
-        h, norm, q8 = self._normed(x, p + "ffn_norm.weight", [gate, up])
+        h, norm, q8 = self._normed(x, p + cfg.ffn_norm + ".weight", [gate, up])
         down = p + "ffn_down.weight"
         if self._small(t) and gate.type_id == up.type_id:
             g_q8 = None  # the GLU's epilogue writes the int8 input of the down projection
@@ -386,15 +400,21 @@ class CudaBlocks:
         down = self.w.mat(p + "ffn_down_exps.weight")
         h = ws.h[:t]
         q8 = self._q8_for(t, [gate, up], ws.q8_norm, "glu")
-        self._norm(x, p + "ffn_norm.weight", h, q8=q8)
+        self._norm(x, p + cfg.ffn_norm + ".weight", h, q8=q8)
         self._q8_ready = None
         ld = h.strides[0] // 4
         logits, ids, w = ws.moe_logits, ws.moe_ids.data.ptr, ws.moe_w.data.ptr
         LE.router(self.k, self.w.mat(p + "ffn_gate_inp.weight"), h.data.ptr, ld, t, logits.data.ptr,
                   logits.strides[0] // 4)
+        if cfg.expert_bias:
+            LL.add_bias(self.k, logits.data.ptr, logits.strides[0] // 4, self.w.vec(p + "ffn_gate_inp.bias").data.ptr,
+                        cfg.n_expert, t)
         LE.topk(self.k, logits.data.ptr, logits.strides[0] // 4, cfg.n_expert, used, cfg.expert_norm, t, ids, w)
         g, n = ws.moe_g, cfg.n_ff_exp
         ldg = g.strides[0] // 4
+        if cfg.expert_bias:
+            self._moe_biased(x, h, q8, layer)
+            return x
         if not self._small(t) and gate.type_id == up.type_id and gate.cols % 8 == 0 and down.cols % 8 == 0:
             self._moe_mma(x, h, gate, up, down, slots)
             if cfg.n_ff_shexp:
@@ -419,6 +439,51 @@ class CudaBlocks:
         if cfg.n_ff_shexp:
             self._shared_expert(x, h, q8, layer)
         return x
+
+    def _moe_biased(self, x: cp.ndarray, h: cp.ndarray, q8: L.Q8Vec | None, layer: int) -> None:
+        """The experts with biases (gpt-oss: gate, up and down each add its expert's row), the GLU
+        its own kernel (the clamped SwiGLU): within the matvec rows a matvec a slot for gate and up
+        (h's int8 copy), the biases, the GLU, its outputs quantized for down, down summed into x with
+        its biases after; past them the slots sorted by expert into tensor-core tiles for each product
+        (moe_mma_down's kernel: outputs in slot order), the biases and the GLU in slot order, its
+        outputs gathered back in expert order (f16) for down, combined in rank order."""
+        cfg, ws, p = self.cfg, self.ws, f"blk.{layer}."
+        t, used, n = x.shape[0], cfg.n_expert_used, cfg.n_ff_exp
+        slots = t * used
+        gate, up, down = (self.w.mat(p + f"ffn_{m}_exps.weight") for m in ("gate", "up", "down"))
+        bias = {m: self.w.mat(p + f"ffn_{m}_exps.bias").qs for m in ("gate", "up", "down")}  # [experts, n] f32
+        ids, w = ws.moe_ids.data.ptr, ws.moe_w.data.ptr
+        g, u = ws.moe_g[:slots], ws.moe_u[:slots]
+        ldh, ldg = h.strides[0] // 4, g.strides[0] // 4
+        if self._small(t):
+            for m, out, name in ((gate, g, "gate"), (up, u, "up")):
+                LE.mv(self.k, m, n, ids, used, h.data.ptr, ldh, slots, out.data.ptr, ldg,
+                      q8=q8 if L.q8_capable([m]) else None)
+                LE.add_bias(self.k, out.data.ptr, ldg, bias[name], ids, n, slots)
+            LL.glu(self.k, g.data.ptr, u.data.ptr, ldg, n, slots, cfg.activation, g.data.ptr, ldg)
+            gq = (self._q8_for(t, [down], ws.moe_gq, "down")
+                  if t <= L.MAX_MMV_TOKENS and self.tune.moe_down_q8 and n % 16 == 0 else None)
+            if gq is not None:
+                LL.quantize_q8(self.k, g.data.ptr, ldg, n, slots, gq)
+            LE.down(self.k, down, cfg.n_embd, ids, w, used, g.data.ptr, ldg, t, x.data.ptr, x.strides[0] // 4, q8=gq,
+                    r=self.tune.moe_rows[1])
+            LE.bias_sum(self.k, x.data.ptr, x.strides[0] // 4, bias["down"], ids, w, used, cfg.n_embd, t)
+            return
+        tb = LE.mma_tile_slots(slots, cfg.n_expert, self.tune.moe_mma_slots)
+        order, tiles, xs, g16, ys = ws.moe_order, ws.moe_tiles, ws.moe_xs16, ws.moe_g16b, ws.moe_ys
+        n_tiles = LE.max_tiles(slots, cfg.n_expert, tb)
+        LE.sort(self.k, ids, slots, cfg.n_expert, ws.moe_pos.data.ptr, order.data.ptr, tiles.data.ptr, tb)
+        LE.gather_f16(self.k, h.data.ptr, ldh, order.data.ptr, used, cfg.n_embd, xs.data.ptr, xs.strides[0] // 2, slots)
+        for m, out, name in ((gate, g, "gate"), (up, u, "up")):
+            LE.down_mma(self.k, m, n, tiles.data.ptr, n_tiles, order.data.ptr, xs.data.ptr, xs.strides[0] // 2,
+                        out.data.ptr, ldg, tb)
+            LE.add_bias(self.k, out.data.ptr, ldg, bias[name], ids, n, slots)
+        LL.glu(self.k, g.data.ptr, u.data.ptr, ldg, n, slots, cfg.activation, g.data.ptr, ldg)
+        LE.gather_f16(self.k, g.data.ptr, ldg, order.data.ptr, 1, n, g16.data.ptr, g16.strides[0] // 2, slots)
+        LE.down_mma(self.k, down, cfg.n_embd, tiles.data.ptr, n_tiles, order.data.ptr, g16.data.ptr,
+                    g16.strides[0] // 2, ys.data.ptr, ys.strides[0] // 4, tb)
+        LE.add_bias(self.k, ys.data.ptr, ys.strides[0] // 4, bias["down"], ids, cfg.n_embd, slots)
+        LE.combine(self.k, ys.data.ptr, ys.strides[0] // 4, w, used, x.data.ptr, x.strides[0] // 4, cfg.n_embd, t)
 
     def _shared_expert(self, x: cp.ndarray, h: cp.ndarray, q8: L.Q8Vec | None, layer: int) -> None:
         """x += sigmoid(h . w) SwiGLU(h) (Qwen2-MoE's shared expert, model.ComposedBlocks.moe): on the

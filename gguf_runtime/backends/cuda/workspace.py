@@ -59,6 +59,8 @@ class Workspace:
             self.moe_xs16 = cp.zeros((slots, cfg.n_embd), cp.float16)
             self.moe_g16 = gu.view(cp.float16)[:, :cfg.n_ff_exp]
             self.moe_ys = cp.zeros((slots, cfg.n_embd), f32)
+            # with expert biases (gpt-oss) the GLU runs apart from its products: its f16 outputs in expert order
+            self.moe_g16b = cp.zeros((slots, cfg.n_ff_exp), cp.float16) if cfg.expert_bias else None
             # the GLU's outputs as int8 (the down matvec's input on the matvec path; rests as q8_norm's)
             self.moe_gq = None
             if tune.q8 and cfg.n_ff_exp % 16 == 0:
