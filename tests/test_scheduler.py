@@ -30,7 +30,7 @@ class FakeDecoder:
         return ""
 
 
-FAKE_TOK = SimpleNamespace(eog_ids=frozenset({EOG}), stream=lambda skip_special=True: FakeDecoder())
+FAKE_TOK = SimpleNamespace(eog_ids=frozenset({EOG}), stream=lambda skip_special=True, keep=frozenset(): FakeDecoder())
 
 
 def script(uid: int, i: int) -> int:
