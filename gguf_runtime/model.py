@@ -27,15 +27,22 @@ class Blocks(Protocol):
     def logits(self, x: Any) -> Any: ...  # final norm, lm_head, soft-cap
 
 
-def forward(blocks: Blocks, cfg: ModelConfig, tokens: Sequence[int], positions: Any,
-            all_logits: bool = False) -> Any:
-    """Run ``tokens`` at ``positions``, filling the KV cache; logits [T or 1, n_vocab]."""
+def layers(blocks: Blocks, cfg: ModelConfig, tokens: Sequence[int], positions: Any) -> Any:
+    """Run ``tokens`` at ``positions`` through every layer, filling the KV cache; the residual
+    stream [T, n_embd] before the output norm (embeddings: the norm, then pooling)."""
     x = blocks.embed(tokens)
     for i in range(cfg.n_layer):
         q = blocks.attn_in(x, i, positions)
         a = blocks.attend(i, q, positions)
         x = blocks.attn_out(x, a, i)
         x = blocks.ffn(x, i)
+    return x
+
+
+def forward(blocks: Blocks, cfg: ModelConfig, tokens: Sequence[int], positions: Any,
+            all_logits: bool = False) -> Any:
+    """Run ``tokens`` at ``positions``, filling the KV cache; logits [T or 1, n_vocab]."""
+    x = layers(blocks, cfg, tokens, positions)
     if not all_logits:
         x = x[len(tokens) - 1:]
     return blocks.logits(x)
@@ -149,8 +156,12 @@ class ComposedBlocks:
             out += shared / (1 + np.exp(-g))
         return out
 
+    def final_norm(self, x: Any) -> Any:
+        """The output RMSNorm: the final hidden states (the lm_head's input, embeddings' rows)."""
+        return self.p.rms_norm(x, "output_norm.weight")
+
     def logits(self, x: Any) -> Any:
-        out = self.p.linear(self.p.rms_norm(x, "output_norm.weight"), lm_head_name(self.cfg))
+        out = self.p.linear(self.final_norm(x), lm_head_name(self.cfg))
         if self.cfg.final_softcap:
             out = self.p.softcap(out, self.cfg.final_softcap)
         return out

@@ -74,6 +74,7 @@ class Micro:
     eps: float = 1e-6
     seed: int = 0
     chat_template: str | None = None  # tokenizer.chat_template in place of the vocabulary file's (if any)
+    pooling_type: int | None = None  # {arch}.pooling_type (embeddings: 1 mean, 2 cls, 3 last)
 
     @property
     def dim(self) -> int:
@@ -238,6 +239,8 @@ def write_micro(m: Micro, path: str | Path) -> Path:
         w.add_uint32(a + "expert_feed_forward_length", m.n_ff_exp)
         if m.n_ff_shexp:
             w.add_uint32(a + "expert_shared_feed_forward_length", m.n_ff_shexp)
+    if m.pooling_type is not None:
+        w.add_uint32(a + "pooling_type", m.pooling_type)
     for key, val, vt, sub in vocab:
         if m.chat_template is None or key != "tokenizer.chat_template":
             w.add_key_value(key, val, vt, sub_type=sub)

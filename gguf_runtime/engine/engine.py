@@ -11,6 +11,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
+import numpy as np
+
+from . import embed as E
 from .backend_choice import select_backend
 from .constraint import Constraint, compile_grammar
 from .decode_loop import sample_loop
@@ -64,6 +67,16 @@ class Generation:
         close = getattr(self._pieces, "close", None)
         if close:
             close()
+
+
+@dataclass
+class Embeddings:
+    """``Engine.embed``'s answer: one L2-normalized vector a text, and the tokens each evaluated."""
+
+    vectors: np.ndarray  # [texts, dimensions] float32
+    tokens: list[int]
+    pooling: str  # "mean", "cls" or "last" (engine/embed.py)
+    seconds: float = 0.0
 
 
 class Engine:
@@ -203,6 +216,28 @@ class Engine:
         tail = decoder.flush()
         if tail:
             yield tail
+
+    # ---- embeddings --------------------------------------------------------------------------
+    def embed(self, texts: Sequence[str], truncate: bool = True, dimensions: int | None = None) -> Embeddings:
+        """Each text's embedding (engine/embed.py): tokenized as a prompt, its final hidden states
+        pooled as the file's pooling_type says, L2-normalized; ``truncate``: cut a text longer than
+        the context (else ContextOverflowError); ``dimensions``: its first N values, normalized again."""
+        t0 = time.perf_counter()
+        pooling = E.pooling_of(self.cfg)
+        E.check_dimensions(dimensions, self.cfg.n_embd)
+        ids = [E.text_ids(self.tokenizer, t, self.n_ctx, truncate, f"text {i + 1}") for i, t in enumerate(texts)]
+        vecs = [E.finish(E.pool(self.hidden(x), pooling), dimensions) for x in ids]
+        width = dimensions or self.cfg.n_embd
+        return Embeddings(np.stack(vecs) if vecs else np.zeros((0, width), np.float32), [len(x) for x in ids],
+                          pooling, time.perf_counter() - t0)
+
+    def hidden(self, ids: Sequence[int]) -> np.ndarray:
+        """The final hidden states [T, n_embd] of ``ids`` as a sequence of their own (the backend's
+        ``hidden``); where that reused the single sequence's cache (CUDA), the cached prefix is gone."""
+        try:
+            return self.backend.hidden(list(ids))
+        finally:
+            del self.cached[min(self.backend.n_past, len(self.cached)):]
 
     def reset(self) -> None:
         self.backend.truncate(0)

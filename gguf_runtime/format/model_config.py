@@ -106,6 +106,9 @@ class ModelConfig:
     expert_bias: bool = False
     glu_limit: float = 0.0
     glu_alpha: float = 0.0
+    # embeddings: llama.cpp's {arch}.pooling_type (0 none, 1 mean, 2 cls, 3 last, 4 rank); None where the
+    # file has no such key (a decoder LLM: engine/embed.py pools its last token)
+    pooling_type: int | None = None
 
     @property
     def n_gqa(self) -> int:
@@ -330,6 +333,7 @@ def _config(f: GGUFFile) -> ModelConfig:
         expert_bias=oai,
         glu_limit=OAI_GLU_LIMIT if oai else 0.0,
         glu_alpha=OAI_GLU_ALPHA if oai else 0.0,
+        pooling_type=_int(meta, a + "pooling_type", lo=0, hi=4) if a + "pooling_type" in meta else None,
     )
     check_tensors(f, cfg)
     return cfg

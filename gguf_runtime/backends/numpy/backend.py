@@ -14,7 +14,7 @@ import numpy as np
 from ..host_loop import host_sample_loop
 from ...errors import BackendError, ContextOverflowError
 from ...format.gguf_file import GGUFFile
-from ...model import ComposedBlocks, forward, lm_head_name, rope_inv_freq
+from ...model import ComposedBlocks, forward, layers, lm_head_name, rope_inv_freq
 from ...format.model_config import ROPE_NEOX, ModelConfig
 from ...quant_kernels import reference_kv
 from ...quant_kernels.reference import dequantize, dequantize_rows
@@ -227,6 +227,29 @@ class NumpyBackend:
 
     def prefill(self, tokens: Sequence[int]) -> None:
         self.eval(tokens)
+
+    def hidden(self, tokens: Sequence[int], chunk: int = 256) -> np.ndarray:
+        """The final hidden states (after the output RMSNorm) of ``tokens`` as a sequence of their
+        own at positions 0, 1, ...: [T, n_embd] float32 (embeddings). A cache of T positions is made
+        for the call; the sequence in the backend's own cache (and n_past) is left as it was."""
+        n = len(tokens)
+        if not n:
+            raise ValueError("no tokens to evaluate")
+        if n > self.n_ctx:
+            raise ContextOverflowError(f"{n} tokens do not fit the context of {self.n_ctx}; raise --ctx-size or "
+                                       "shorten the input")
+        cfg, saved = self.cfg, (self.k_cache, self.v_cache)
+        try:
+            self.k_cache = np.zeros((cfg.n_layer, n, cfg.n_head_kv, cfg.head_dim), np.float32)
+            self.v_cache = np.zeros((cfg.n_layer, n, cfg.n_head_kv, cfg.head_dim_v), np.float32)
+            outs = []
+            for s in range(0, n, chunk):
+                part = list(tokens[s:s + chunk])
+                x = layers(self.blocks, cfg, part, np.arange(s, s + len(part)))
+                outs.append(self.blocks.final_norm(x))
+        finally:
+            self.k_cache, self.v_cache = saved
+        return np.concatenate(outs, axis=0).astype(np.float32, copy=False)
 
     def sample_loop(self, n: int, params, history: list[int], stop: frozenset[int], constraint=None):
         return host_sample_loop(self, n, params, history, stop, constraint=constraint)
