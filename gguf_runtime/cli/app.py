@@ -32,7 +32,7 @@ app = typer.Typer(
 )
 
 # registers the commands on `app`
-from . import chat_cmd, info_cmd, list_cmd, run_cmd, synth_cmd, bench_cmd, serve_cmd, perplexity_cmd  # noqa: E402,F401,E501
+from . import chat_cmd, info_cmd, list_cmd, run_cmd, synth_cmd, bench_cmd, serve_cmd, perplexity_cmd, embed_cmd  # noqa: E402,F401,E501
 
 
 def _commands() -> set[str]:

@@ -9,6 +9,10 @@ needs past its budget), and four calls, all made from the scheduler's thread:
 * ``step() -> {slot: [token, ...]}``: advance every admitted sequence; returns the tokens that
   became readable (in order; possibly none for a slot, possibly several).
 * ``release(slot)``: forget the sequence; its slot and KV pages are free at once.
+* ``embed(slot, ids) -> vector``: the pooled final hidden states of ``ids`` as a sequence of their
+  own (engine/embed.py: not yet normalized), between steps, leaving the admitted sequences as they
+  were; ``embed_slot`` says whether it needs a free slot for that (raises :class:`NoRoom` like
+  ``add`` when the KV cache cannot hold it right now).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import dataclasses
 from typing import Callable, Sequence
 
 from ..errors import BackendError, KVCacheFullError
+from ..engine import embed as E
 from ..engine.constraint import Constraint
 from ..engine.decode_loop import LaunchAhead
 from ..sampling import SamplingParams
@@ -86,6 +91,11 @@ class NumpyAdapter:
             return {}
         self._seq.append(tok)
         return {0: [tok]}
+
+    embed_slot = False  # the backend's hidden() makes a cache of its own for the call
+
+    def embed(self, slot: int, ids: Sequence[int]):
+        return E.pool(self.be.hidden(list(ids)), E.pooling_of(self.engine.cfg))
 
     def release(self, slot: int) -> None:
         if self._it is not None:
@@ -159,6 +169,15 @@ class CudaAdapter:
 
     def step(self) -> dict[int, list[int]]:
         return self.loop.step()
+
+    embed_slot = True  # the evaluation runs in a free slot's KV pages (reserved for it, released after)
+
+    def embed(self, slot: int, ids: Sequence[int]):
+        try:
+            hidden = self.be.hidden(list(ids), slot=slot)
+        except KVCacheFullError:
+            raise NoRoom from None
+        return E.pool(hidden, E.pooling_of(self.engine.cfg))
 
     def release(self, slot: int) -> None:
         self.loop.drop(slot)

@@ -1,15 +1,18 @@
 """The HTTP side: Ollama's /api/* and OpenAI's /v1/* routes on Starlette (parsing, formatting).
 
 Each route validates its body (``schemas``), names how to tokenize the prompt and which response
-format to use (``formats``), and hands the rest to ``service.run_job``. Every error a request can
-cause becomes a JSON 4xx (a bug, a JSON 500); the server keeps serving.
+format to use (``formats``), and hands the rest to ``service.run_job`` (embeddings: ``embeddings``
+parses, ``service.run_embed`` runs). Every error a request can cause becomes a JSON 4xx (a bug, a
+JSON 500); the server keeps serving.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-from typing import Any
+import time
+from typing import Any, Callable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -18,12 +21,14 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from .. import __version__
+from ..engine import embed as E
 from ..errors import GGUFRunError
+from . import embeddings as EM
 from . import schemas as S
 from . import tools as T
 from .formats import FORMATS
 from .guard import Guard
-from .service import MAX_BODY, Service, error_response, read_json, run_job, status_of
+from .service import MAX_BODY, Service, error_response, read_json, run_embed, run_job, status_of
 
 __all__ = ["MAX_BODY", "Service", "build_app"]
 log = logging.getLogger("gguf_runtime.server")
@@ -113,6 +118,61 @@ async def api_chat(svc: Service, request: Request) -> Response:
                          num_ctx, grammar, keep=tools.keep)
 
 
+async def _off_loop(svc: Service, make: Callable[[], Response]) -> Response:
+    """A response built on a helper thread: thousands of vectors take seconds to write as JSON, which
+    the event loop (every stream's) must not wait for."""
+    return await asyncio.get_running_loop().run_in_executor(svc.prep, make)
+
+
+async def _embed(svc: Service, request: Request, inputs: list, truncate: bool,
+                 n: int | None = None) -> tuple[list, int, float] | None:
+    """(pooled vectors, not yet normalized; tokens evaluated; seconds) of the inputs, or None when the
+    client left."""
+    eng = svc.engine
+    E.pooling_of(eng.cfg)  # a reranker: 400 before any work
+    t0 = time.perf_counter()
+    job = await run_embed(svc, request, EM.encoder(eng, inputs, n or eng.n_ctx, truncate))
+    if job is None:
+        return None
+    return job.vectors, job.tokens, time.perf_counter() - t0
+
+
+@route(openai=False)
+async def api_embed(svc: Service, request: Request) -> Response:
+    body = await read_json(request, svc.max_body)
+    name = _model(svc, body)
+    inputs = EM.ollama_inputs(body)
+    truncate = S.get_bool(body, "truncate", True)
+    dims = EM.dimensions(body, svc.engine.cfg.n_embd)
+    n = EM.limit(body, svc.engine.n_ctx)
+    if not inputs:  # Ollama: no input just loads the model
+        return JSONResponse({"model": name, "embeddings": []})
+    got = await _embed(svc, request, inputs, truncate, n)
+    if got is None:
+        return Response(status_code=499)
+    vecs, tokens, secs = got
+    load = svc.take_load_s()
+    return await _off_loop(svc, lambda: JSONResponse(
+        {"model": name, "embeddings": [EM.floats(E.finish(v, dims)) for v in vecs],
+         "total_duration": S.ns(secs + load), "load_duration": S.ns(load), "prompt_eval_count": tokens}))
+
+
+@route(openai=False)
+async def api_embeddings(svc: Service, request: Request) -> Response:
+    """Ollama's legacy route: one prompt, {"embedding": [...]}; too long a prompt is a 400."""
+    body = await read_json(request, svc.max_body)
+    _model(svc, body)
+    prompt = S.get_str(body, "prompt", "")
+    n = EM.limit(body, svc.engine.n_ctx)
+    if not prompt:  # Ollama: an empty request loads the model
+        return JSONResponse({"embedding": []})
+    got = await _embed(svc, request, [prompt], False, n)
+    if got is None:
+        return Response(status_code=499)
+    svc.take_load_s()
+    return JSONResponse({"embedding": EM.floats(E.finish(got[0][0]))})
+
+
 @route(openai=False)
 async def api_tags(svc: Service, request: Request) -> Response:
     return JSONResponse({"models": [svc.card.tag()]})
@@ -189,6 +249,25 @@ async def v1_completions(svc: Service, request: Request) -> Response:
 
 
 @route(openai=True)
+async def v1_embeddings(svc: Service, request: Request) -> Response:
+    body = await read_json(request, svc.max_body)
+    name = _model(svc, body)
+    inputs = EM.openai_inputs(body)
+    dims = EM.dimensions(body, svc.engine.cfg.n_embd)
+    fmt = EM.encoding_format(body)
+    got = await _embed(svc, request, inputs, True)
+    if got is None:
+        return Response(status_code=499)
+    vecs, tokens, _ = got
+    svc.take_load_s()
+    enc = EM.base64_f32 if fmt == "base64" else EM.floats
+    return await _off_loop(svc, lambda: JSONResponse(
+        {"object": "list", "model": name,
+         "data": [{"object": "embedding", "index": i, "embedding": enc(E.finish(v, dims))} for i, v in enumerate(vecs)],
+         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}))
+
+
+@route(openai=True)
 async def v1_models(svc: Service, request: Request) -> Response:
     return JSONResponse({"object": "list", "data": [svc.card.openai()]})
 
@@ -215,6 +294,8 @@ def build_app(service: Service, check_host: bool = False, allow_origins: tuple[s
         Route("/", root, methods=["GET", "HEAD"]),
         Route("/api/generate", api_generate, methods=["POST"]),
         Route("/api/chat", api_chat, methods=["POST"]),
+        Route("/api/embed", api_embed, methods=["POST"]),
+        Route("/api/embeddings", api_embeddings, methods=["POST"]),
         Route("/api/tags", api_tags, methods=["GET"]),
         Route("/api/show", api_show, methods=["POST"]),
         Route("/api/ps", api_ps, methods=["GET"]),
@@ -222,6 +303,7 @@ def build_app(service: Service, check_host: bool = False, allow_origins: tuple[s
         Route("/api/scheduler", api_scheduler, methods=["GET"]),
         Route("/v1/chat/completions", v1_chat, methods=["POST"]),
         Route("/v1/completions", v1_completions, methods=["POST"]),
+        Route("/v1/embeddings", v1_embeddings, methods=["POST"]),
         Route("/v1/models", v1_models, methods=["GET"]),
         Route("/v1/models/{model:path}", v1_model, methods=["GET"]),
     ]

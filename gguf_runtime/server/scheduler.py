@@ -10,6 +10,11 @@ tokens, stop strings, the token budget); release finished and cancelled slots at
 A job reports through ``job.emit(kind, data)``, called on the scheduler's thread: ``("text",
 str)`` as text arrives, then ``("done", job)`` (``job.reason`` is "stop" or "length") or
 ``("error", exception)``. Nothing is emitted after a cancel.
+
+An :class:`EmbedJob` (embeddings of several inputs) waits in a queue of its own; each round runs
+inputs of the first one (``adapter.embed``, each input its own sequence) up to ``admit_tokens``
+tokens (at least one input), in a free slot lent for the call where the adapter needs one, so
+running streams keep flowing between them; it reports ``("done", job)`` with ``job.vectors``.
 """
 
 from __future__ import annotations
@@ -88,6 +93,20 @@ class Job:
     t_end: float = 0.0
 
 
+@dataclass(eq=False)
+class EmbedJob:
+    inputs: list[list[int]]  # token ids, one sequence each
+    emit: Callable[[str, Any], None]
+    t_submit: float = field(default_factory=time.perf_counter)
+    # filled in by the scheduler
+    state: str = "new"  # waiting, done, cancelled, failed
+    vectors: list = field(default_factory=list)  # adapter.embed's pooled vectors, in input order
+    tokens: int = 0  # tokens evaluated
+    reason: str = ""
+    t_admit: float = 0.0
+    t_end: float = 0.0
+
+
 class Scheduler:
     def __init__(self, factory: Callable[[], Any], admit_tokens: int = 4096, max_queue: int = 1024,
                  on_fatal: Callable[[BaseException], None] | None = None) -> None:
@@ -107,6 +126,7 @@ class Scheduler:
         self._thread = threading.Thread(target=self._main, name="gguf-scheduler", daemon=True)
         self.waiting: deque[Job] = deque()
         self.active: dict[int, Job] = {}
+        self.embeds: deque[EmbedJob] = deque()
         self._free: list[int] = []
         self._state: dict[Job, Any] = {}  # job -> (decoder, matcher)
 
@@ -196,7 +216,7 @@ class Scheduler:
         self.eog = frozenset(self.adapter.tokenizer.eog_ids)
 
     def _pump(self) -> bool:
-        idle = not (self.active or self.waiting)
+        idle = not (self.active or self.waiting or self.embeds)
         try:
             msg = self._inbox.get(timeout=0.5) if idle else self._inbox.get_nowait()
         except queue.Empty:
@@ -213,6 +233,7 @@ class Scheduler:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
                 msg = None
+        self._embed_round()  # first: it lends a free slot only for the call, so neither kind starves
         self._admit()
         if self.active:
             try:
@@ -232,7 +253,11 @@ class Scheduler:
                         self._end(job, "failed", e)
         return True
 
-    def _enqueue(self, job: Job) -> None:
+    def _enqueue(self, job: Job | EmbedJob) -> None:
+        if isinstance(job, EmbedJob):
+            job.state = "waiting"
+            self.embeds.append(job)
+            return
         if job.max_new <= 0:
             job.t_admit = job.t_first = time.perf_counter()
             self._end(job, "done", reason="length")
@@ -268,6 +293,45 @@ class Scheduler:
             self.active[slot] = job
             self._state[job] = (self.adapter.tokenizer.stream(skip_special=True, keep=job.keep_special),
                                 StopMatcher(job.stop))
+
+    def _embed_round(self) -> None:
+        """Run inputs of the first embedding job, up to admit_tokens tokens (at least one input);
+        a job is done when every input has its vector."""
+        room = self.admit_tokens
+        while self.embeds and room > 0:
+            job = self.embeds[0]
+            if len(job.vectors) == len(job.inputs):
+                self._end(job, "done")
+                continue
+            slot = -1
+            if self.adapter.embed_slot:
+                if not self._free:
+                    return  # every slot generates: the next one free serves it
+                slot = heapq.heappop(self._free)
+            if not job.t_admit:
+                job.t_admit = time.perf_counter()
+            ids = job.inputs[len(job.vectors)]
+            try:
+                vec = self.adapter.embed(slot, ids)
+            except NoRoom:
+                if self.active:
+                    return  # wait for a running sequence to free pages
+                self._end(job, "failed", ContextOverflowError(
+                    "the KV cache cannot hold this input even when idle; shorten it or raise the KV budget"))
+                continue
+            except Exception as e:  # noqa: BLE001 - bad input for this backend, or a bug: fail this job alone
+                if not isinstance(e, GGUFRunError):
+                    log.exception("an embedding failed")
+                self._end(job, "failed", e)
+                continue
+            finally:
+                if slot >= 0:
+                    heapq.heappush(self._free, slot)
+            job.vectors.append(vec)
+            job.tokens += len(ids)
+            room -= len(ids)
+            if len(job.vectors) == len(job.inputs):
+                self._end(job, "done")
 
     def _feed(self, job: Job, toks: list[int]) -> None:
         decoder, matcher = self._state[job]
@@ -315,7 +379,7 @@ class Scheduler:
             finally:
                 heapq.heappush(self._free, job.slot)
         elif job.state == "waiting":
-            self.waiting.remove(job)
+            (self.embeds if isinstance(job, EmbedJob) else self.waiting).remove(job)
 
     def _end(self, job: Job, state: str, error: BaseException | None = None, reason: str = "") -> None:
         """Finish a job: free its slot and pages now, then report (unless cancelled)."""
@@ -340,7 +404,7 @@ class Scheduler:
         with self._lock:
             self._closed = True
         err = ShuttingDown("the server is shutting down")
-        for job in [*self.active.values(), *self.waiting]:
+        for job in [*self.active.values(), *self.waiting, *self.embeds]:
             try:
                 self._end(job, "failed", err)
             except Exception:  # noqa: BLE001 - keep closing the others

@@ -264,7 +264,8 @@ class ModelCard:
         self.model_info = {k: _plain(v) for k, v in meta.items()}
         self.model_info["general.parameter_count"] = self.n_params
         self.template = engine.template.source or ""
-        self.capabilities = ["completion"] + (["tools"] if engine.template.supports_tools else [])
+        self.capabilities = (["completion"] + (["tools"] if engine.template.supports_tools else [])
+                             + (["embedding"] if engine.cfg.pooling_type is not None else []))  # an embedding model
         self.n_ctx = engine.n_ctx
         self.path = engine.path
 

@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..errors import GGUFRunError, printable
 from . import schemas as S
-from .scheduler import Job, Scheduler, ServerBusy, ShuttingDown
+from .scheduler import EmbedJob, Job, Scheduler, ServerBusy, ShuttingDown
 
 MAX_BODY = 1 << 20
 
@@ -238,3 +238,32 @@ async def run_job(svc: Service, request: Request, fmt, encode: Callable[[], list
             sched.cancel(job)  # costs a no-op cancel
 
     return _Stream(body(), close, media_type=fmt.media_type, headers={"Cache-Control": "no-cache"})
+
+
+async def run_embed(svc: Service, request: Request, encode: Callable[[], list[list[int]]]) -> EmbedJob | None:
+    """Tokenize the inputs (``encode``, on a helper thread), run them through the scheduler (each its
+    own sequence, between the running generations' steps) and return the finished job (its pooled
+    ``vectors``, not yet normalized); None when the client left first (the job is cancelled)."""
+    t0 = time.perf_counter()
+    inputs = await asyncio.get_running_loop().run_in_executor(svc.prep, encode)
+    sched, mail = svc.scheduler, svc.mailbox()
+    q: asyncio.Queue = asyncio.Queue()
+    job = EmbedJob(inputs, lambda kind, data: mail.put(q, (kind, data)), t_submit=t0)
+    sched.submit(job)
+    finished = False
+    watch = asyncio.ensure_future(_wait_disconnect(request.receive))
+    try:
+        get = asyncio.ensure_future(q.get())
+        await asyncio.wait({get, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if not get.done():
+            get.cancel()
+            return None
+        finished = True
+        kind, data = get.result()
+        if kind == "error":
+            raise data
+        return job
+    finally:
+        watch.cancel()
+        if not finished:
+            sched.cancel(job)
