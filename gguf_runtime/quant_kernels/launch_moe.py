@@ -4,7 +4,7 @@ A stacked expert matrix is one ``Mat`` of n_expert * n rows; ``n`` is one expert
 
 from __future__ import annotations
 
-from .launch_core import fused_act, NO_PTRS, Kernels, Mat, Q8Vec, f32, i32, ptr
+from .launch_core import ACT, fused_act, NO_PTRS, Kernels, Mat, Q8Vec, f32, i32, ptr
 from .launch_mma import mma_smem, mma_stages
 
 MAX_EXPERTS = 256  # moe.cu's MOE_MAX_EXPERTS
@@ -65,29 +65,32 @@ def router(k: Kernels, m: Mat, x: int, ldx: int, rows: int, y: int, ldy: int,
 
 def glu(k: Kernels, gate: Mat, up: Mat, n: int, ids: int, used: int, x: int, ldx: int, slots: int, act: str,
         y: int, ldy: int, norm: tuple[int, float] | None = None, q8: Q8Vec | None = None, r: int = 4,
-        q8_out: Q8Vec | None = None) -> None:
-    """y[s, :n] = act(G_e x'[s // used]) * (U_e x'[s // used]), e = ids[s] (gate and up of one type);
-    q8_out (r = 8: 16 rows a block; n % 16 == 0): y's int8 copy too, row s of it for slot s."""
+        q8_out: Q8Vec | None = None, biases: tuple[int, int] = (0, 0)) -> None:
+    """y[s, :n] = act(G_e x'[s // used] + bg_e) * (U_e x'[s // used] + bu_e), e = ids[s] (gate and
+    up of one type; biases (bg, bu): the experts' [n_expert, n] f32 rows, or 0, 0); act also gpt-oss's
+    "swiglu_oai"; q8_out (r = 8: 16 rows a block; n % 16 == 0): y's int8 copy too, row s of it for slot s."""
     assert gate.type_id == up.type_id and gate.cols == up.cols
     io = _io(q8)
     if q8_out is not None:
         assert r // 2 * WARPS == 16 and n % 16 == 0
         io |= 2 | q8_out.io(True)
-    fn = k.fn("moe.cu", f"moe_glu<{gate.struct}, {r}, 1, {fused_act(act)}, {io}>")
+    fn = k.fn("moe.cu", f"moe_glu<{gate.struct}, {r}, 1, {ACT[act]}, {io}>")
     fn(((-(-n // (r // 2 * WARPS))), slots), (32 * WARPS,),
        (*gate.planes, *up.planes, i32(n), i32(gate.cols), ptr(ids), i32(used), *_x_args(x, ldx, norm, q8),
-        ptr(y), i32(ldy), *(q8_out.ptrs() if q8_out is not None else (ptr(0), i32(0), ptr(0), i32(0), i32(0)))))
+        ptr(y), i32(ldy), *(q8_out.ptrs() if q8_out is not None else (ptr(0), i32(0), ptr(0), i32(0), i32(0))),
+        ptr(biases[0]), ptr(biases[1])))
 
 
 def down(k: Kernels, m: Mat, n: int, ids: int, w: int, used: int, x: int, ldx: int, rows: int, y: int, ldy: int,
-         q8: Q8Vec | None = None, r: int = 2) -> None:
-    """y[t, :n] += sum_j w[t, j] W_e x'[t * used + j] (e = ids[t, j]): the residual add of the experts;
-    r rows a block, one warp a rank (up to 8 at once)."""
+         q8: Q8Vec | None = None, r: int = 2, bias: int = 0) -> None:
+    """y[t, :n] += sum_j w[t, j] (W_e x'[t * used + j] + b_e) (e = ids[t, j]; bias: the experts'
+    [n_expert, n] f32 rows, or 0): the residual add of the experts; r rows a block, one warp a rank
+    (up to 8 at once)."""
     kw = min(8, 1 << (used - 1).bit_length())
     fn = k.fn("moe.cu", f"moe_down<{m.struct}, {r}, {kw}, {_io(q8)}>")
     fn(((-(-n // r)), rows), (32 * kw,),
        (*m.planes, i32(n), i32(m.cols), ptr(ids), ptr(w), i32(used), *_x_args(x, ldx, None, q8, with_norm=False),
-        ptr(y), i32(ldy)))
+        ptr(y), i32(ldy), ptr(bias)))
 
 
 # ---- grouped by expert: moe.cu's sort and sum, moe_mma.cu's tensor-core tiles ---------------------
@@ -164,9 +167,3 @@ def add_bias(k: Kernels, y: int, ldy: int, b: int, ids: int, n: int, slots: int)
     """y[s, :n] += b[ids[s], :n] (b: the experts' [n_expert, n] f32 biases; gpt-oss)."""
     k.fn("moe.cu", "moe_add_bias")((-(-n // 256), slots), (256,), (ptr(y), i32(ldy), ptr(b), ptr(ids), i32(n),
                                                                    i32(slots)))
-
-
-def bias_sum(k: Kernels, x: int, ldx: int, b: int, ids: int, w: int, used: int, n: int, rows: int) -> None:
-    """x[t, :n] += sum_j w[t, j] b[ids[t, j], :n] in rank order (down's biases on the matvec path)."""
-    k.fn("moe.cu", "moe_bias_sum")((-(-n // 256), rows), (256,), (ptr(x), i32(ldx), ptr(b), ptr(ids), ptr(w),
-                                                                  i32(used), i32(n), i32(rows)))

@@ -116,13 +116,15 @@ __global__ void __launch_bounds__(32 * MOE_WARPS) moe_router(PLANES(0), int n, i
 }
 
 // y[s, :n] = act(G_e x'[s / k]) * (U_e x'[s / k]), e = ids[s]: the chosen experts' gate and up rows
-// in one pass (R / 2 of each a row group); ACT 0 = SiLU, 1 = GELU (tanh). x' as moe_mv's. XIO bit 1
-// (R = 8: a block's 16 rows): a q8 epilogue also writes y's int8 copy (down's input; bit 4: with
-// the rests) into row s of oq / os.
+// in one pass (R / 2 of each a row group); ACT 0 = SiLU, 1 = GELU (tanh), 2 = gpt-oss's clamped
+// SwiGLU; bg, bu (or null): the experts' gate and up biases ([experts, n], added before it). x' as
+// moe_mv's. XIO bit 1 (R = 8: a block's 16 rows): a q8 epilogue also writes y's int8 copy (down's
+// input; bit 4: with the rests) into row s of oq / os.
 template <class T, int R, int WG, int ACT, int XIO>
 __global__ void __launch_bounds__(32 * MOE_WARPS) moe_glu(PLANES(0), PLANES(1), int n, int K,
         const int* __restrict__ ids, int k, const float* __restrict__ x, int ldx, const float* __restrict__ nw,
-        float eps, XQ_ARGS, float* __restrict__ y, int ldy, u8* oq, int ldoq, float4* os, int ldos, int ores) {
+        float eps, XQ_ARGS, float* __restrict__ y, int ldy, u8* oq, int ldoq, float4* os, int ldos, int ores,
+        const float* __restrict__ bg, const float* __restrict__ bu) {
     constexpr int H = R / 2;
     constexpr bool QO = (XIO & 2) != 0;
     static_assert(!QO || H * MOE_WARPS / WG == 16, "a q8 epilogue takes 16 rows a block");
@@ -142,7 +144,9 @@ __global__ void __launch_bounds__(32 * MOE_WARPS) moe_glu(PLANES(0), PLANES(1), 
 #pragma unroll
         for (int r = 0; r < H; ++r) {
             if (row0 + r >= n) break;
-            const float g = acc[r][0], v = (ACT == 0 ? silu_f(g) : gelu_tanh_f(g)) * acc[H + r][0];
+            float g = acc[r][0], u = acc[H + r][0];
+            if (bg) { g += bg[(long)e * n + row0 + r]; u += bu[(long)e * n + row0 + r]; }
+            const float v = ACT == 2 ? swiglu_oai_f(g, u) : (ACT == 0 ? silu_f(g) : gelu_tanh_f(g)) * u;
             y[(long)s * ldy + row0 + r] = v;
             if constexpr (QO) tile[0][row0 % 16 + r] = v;
         }
@@ -151,15 +155,16 @@ __global__ void __launch_bounds__(32 * MOE_WARPS) moe_glu(PLANES(0), PLANES(1), 
                                            QOut{oq + (long)s * ldoq, ldoq, os + (long)s * ldos, ldos, ores, nullptr}, 1.f);
 }
 
-// y[t, :n] += sum over j < k of w[t k + j] * W_e x'[t k + j], e = ids[t k + j]: the chosen experts'
-// down products, weighted and summed, added to the residual. A block owns R rows of one token
+// y[t, :n] += sum over j < k of w[t k + j] * (W_e x'[t k + j] + b_e), e = ids[t k + j]: the chosen
+// experts' down products (b: their biases, [experts, n], or null), weighted and summed, added to the
+// residual. A block owns R rows of one token
 // (blockIdx.y); its KW warps take the ranks j = warp, warp + KW, ... at once (one rank's products
 // after another in one warp left the loads of the k experts in series), then the warps' sums are
 // added in warp order (the same result on every run).
 template <class T, int R, int KW, int XIO>
 __global__ void __launch_bounds__(32 * KW) moe_down(PLANES(0), int n, int K, const int* __restrict__ ids,
         const float* __restrict__ w, int k, const float* __restrict__ x, int ldx, XQ_ARGS, float* __restrict__ y,
-        int ldy) {
+        int ldy, const float* __restrict__ b) {
     const int t = blockIdx.y, warp = threadIdx.x >> 5, row0 = blockIdx.x * R;
     pdl_enter();
     float tot[R];
@@ -174,7 +179,8 @@ __global__ void __launch_bounds__(32 * KW) moe_down(PLANES(0), int n, int K, con
         float acc[R][1];
         mmv_any<T, 1, R, 1, XIO>(m, row, K, XIN(s, nullptr, 0.f), acc);
 #pragma unroll
-        for (int r = 0; r < R; ++r) tot[r] = fmaf(we, acc[r][0], tot[r]);
+        for (int r = 0; r < R; ++r)
+            tot[r] = fmaf(we, b ? acc[r][0] + b[(long)e * n + min(row0 + r, n - 1)] : acc[r][0], tot[r]);
     }
     __shared__ float part[KW][R];
     if ((threadIdx.x & 31) == 0)
@@ -238,18 +244,6 @@ extern "C" __global__ void moe_add_bias(float* y, int ldy, const float* __restri
     y[(long)s * ldy + c] += b[(long)ids[s] * n + c];
 }
 
-// x[t, :n] += sum_j w[t, j] b[ids[t, j], :n]: the down products' biases under the router's weights,
-// in rank order (gpt-oss, on the matvec path where moe_down sums the products themselves)
-extern "C" __global__ void moe_bias_sum(float* x, int ldx, const float* __restrict__ b, const int* __restrict__ ids,
-                                        const float* __restrict__ w, int k, int n, int rows) {
-    pdl_enter();
-    const int t = blockIdx.y, c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (t >= rows || c >= n) return;
-    float v = 0.f;
-    for (int j = 0; j < k; ++j) v = fmaf(w[(long)t * k + j], b[(long)ids[(long)t * k + j] * n + c], v);
-    x[(long)t * ldx + c] += v;
-}
-
 #ifdef GGUF_INSTANTIATE_ALL  // nvcc syntax check in CI: each kernel per type
 #define XQ_TYPES const u8*, int, const float4*, int, int, int, float
 #define P4 const u8*, const u8*, const u8*, const u8*
@@ -258,9 +252,10 @@ extern "C" __global__ void moe_bias_sum(float* x, int ldx, const float* __restri
     template __global__ void moe_mv<T, 1, 4, IO>(P4, int, int, const int*, int, const float*, int, const float*, \
                                                  float, XQ_TYPES, float*, int);                                 \
     template __global__ void moe_glu<T, 4, 1, 0, IO>(P4, P4, int, int, const int*, int, const float*, int,      \
-                                                     const float*, float, XQ_TYPES, float*, int, QO_TYPES);     \
+                                                     const float*, float, XQ_TYPES, float*, int, QO_TYPES,      \
+                                                     const float*, const float*);                               \
     template __global__ void moe_down<T, 2, 8, IO>(P4, int, int, const int*, const float*, int, const float*,   \
-                                                   int, XQ_TYPES, float*, int);
+                                                   int, XQ_TYPES, float*, int, const float*);
 MOE(TF32, 0) MOE(TF16, 0) MOE(TBF16, 0)
 MOE(TQ4_0, 0) MOE(TQ4_1, 0) MOE(TQ5_0, 0) MOE(TQ5_1, 0) MOE(TQ8_0, 0)
 MOE(TQ2_K, 0) MOE(TQ3_K, 0) MOE(TQ4_K, 0) MOE(TQ5_K, 0) MOE(TQ6_K, 0)
@@ -269,7 +264,11 @@ MOE(TQ2_K, 1) MOE(TQ3_K, 1) MOE(TQ4_K, 1) MOE(TQ5_K, 1) MOE(TQ6_K, 1) MOE(TQ4_K,
 MOE(TMXFP4, 0) MOE(TIQ4_NL, 0) MOE(TIQ4_XS, 0) MOE(TMXFP4, 1) MOE(TIQ4_NL, 1) MOE(TIQ4_XS, 1)
 #define GLU_Q8(T, IO) \
     template __global__ void moe_glu<T, 8, 1, 0, IO>(P4, P4, int, int, const int*, int, const float*, int, \
-                                                     const float*, float, XQ_TYPES, float*, int, QO_TYPES);
+                                                     const float*, float, XQ_TYPES, float*, int, QO_TYPES, \
+                                                     const float*, const float*);                          \
+    template __global__ void moe_glu<T, 8, 1, 2, IO>(P4, P4, int, int, const int*, int, const float*, int, \
+                                                     const float*, float, XQ_TYPES, float*, int, QO_TYPES, \
+                                                     const float*, const float*);
 GLU_Q8(TMXFP4, 3) GLU_Q8(TQ4_K, 3) GLU_Q8(TQ6_K, 3) GLU_Q8(TQ4_0, 3) GLU_Q8(TQ8_0, 3) GLU_Q8(TQ4_K, 27)
 template __global__ void moe_router<1, 4, 8>(P4, int, int, int, const float*, int, const float*, float, float*, int);
 template __global__ void moe_router<2, 1, 8>(P4, int, int, int, const float*, int, const float*, float, float*, int);

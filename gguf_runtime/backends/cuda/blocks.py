@@ -441,12 +441,12 @@ class CudaBlocks:
         return x
 
     def _moe_biased(self, x: cp.ndarray, h: cp.ndarray, q8: L.Q8Vec | None, layer: int) -> None:
-        """The experts with biases (gpt-oss: gate, up and down each add its expert's row), the GLU
-        its own kernel (the clamped SwiGLU): within the matvec rows a matvec a slot for gate and up
-        (h's int8 copy), the biases, the GLU, its outputs quantized for down, down summed into x with
-        its biases after; past them the slots sorted by expert into tensor-core tiles for each product
-        (moe_mma_down's kernel: outputs in slot order), the biases and the GLU in slot order, its
-        outputs gathered back in expert order (f16) for down, combined in rank order."""
+        """The experts with biases (gpt-oss: gate, up and down each add its expert's row) and its
+        clamped SwiGLU: within the matvec rows moe_glu adds the gate and up biases before the GLU
+        (its q8 epilogue writing down's int8 input) and moe_down adds down's under the router's
+        weights; past them the slots sorted by expert into tensor-core tiles for each product
+        (moe_mma_down's kernel: outputs in slot order), the biases and the GLU (layers.cu) in slot
+        order, its outputs gathered back in expert order (f16) for down, combined in rank order."""
         cfg, ws, p = self.cfg, self.ws, f"blk.{layer}."
         t, used, n = x.shape[0], cfg.n_expert_used, cfg.n_ff_exp
         slots = t * used
@@ -456,18 +456,24 @@ class CudaBlocks:
         g, u = ws.moe_g[:slots], ws.moe_u[:slots]
         ldh, ldg = h.strides[0] // 4, g.strides[0] // 4
         if self._small(t):
-            for m, out, name in ((gate, g, "gate"), (up, u, "up")):
-                LE.mv(self.k, m, n, ids, used, h.data.ptr, ldh, slots, out.data.ptr, ldg,
-                      q8=q8 if L.q8_capable([m]) else None)
-                LE.add_bias(self.k, out.data.ptr, ldg, bias[name], ids, n, slots)
-            LL.glu(self.k, g.data.ptr, u.data.ptr, ldg, n, slots, cfg.activation, g.data.ptr, ldg)
             gq = (self._q8_for(t, [down], ws.moe_gq, "down")
                   if t <= L.MAX_MMV_TOKENS and self.tune.moe_down_q8 and n % 16 == 0 else None)
-            if gq is not None:
+            r_glu = self.tune.moe_rows[0]
+            if gate.type_id == up.type_id:  # biases and GLU in moe_glu (fused: its q8 epilogue writes gq)
+                fused = gq is not None and r_glu == 8
+                LE.glu(self.k, gate, up, n, ids, used, h.data.ptr, ldh, slots, cfg.activation, g.data.ptr, ldg,
+                       q8=q8, r=r_glu, q8_out=gq if fused else None, biases=(bias["gate"], bias["up"]))
+            else:
+                fused = False
+                for m, out, name in ((gate, g, "gate"), (up, u, "up")):
+                    LE.mv(self.k, m, n, ids, used, h.data.ptr, ldh, slots, out.data.ptr, ldg,
+                          q8=q8 if L.q8_capable([m]) else None)
+                    LE.add_bias(self.k, out.data.ptr, ldg, bias[name], ids, n, slots)
+                LL.glu(self.k, g.data.ptr, u.data.ptr, ldg, n, slots, cfg.activation, g.data.ptr, ldg)
+            if gq is not None and not fused:
                 LL.quantize_q8(self.k, g.data.ptr, ldg, n, slots, gq)
             LE.down(self.k, down, cfg.n_embd, ids, w, used, g.data.ptr, ldg, t, x.data.ptr, x.strides[0] // 4, q8=gq,
-                    r=self.tune.moe_rows[1])
-            LE.bias_sum(self.k, x.data.ptr, x.strides[0] // 4, bias["down"], ids, w, used, cfg.n_embd, t)
+                    r=self.tune.moe_rows[1], bias=bias["down"])
             return
         tb = LE.mma_tile_slots(slots, cfg.n_expert, self.tune.moe_mma_slots)
         order, tiles, xs, g16, ys = ws.moe_order, ws.moe_tiles, ws.moe_xs16, ws.moe_g16b, ws.moe_ys
