@@ -26,7 +26,8 @@ from gguf_runtime.engine.engine import Engine  # noqa: E402
 from gguf_runtime.errors import GGUFRunError  # noqa: E402
 from gguf_runtime.sampling import SamplingParams  # noqa: E402
 from gguf_runtime.server.adapters import make_adapter  # noqa: E402
-from gguf_runtime.server.app import Service, build_app  # noqa: E402
+from gguf_runtime.server.app import Service  # noqa: E402
+from live_server import live  # noqa: E402
 
 NAME = "smollm2"
 CTX = 256
@@ -49,23 +50,8 @@ def model_path() -> str:
 def server(model_path):
     svc = Service(lambda: make_adapter(Engine(model_path, backend="numpy", n_ctx=CTX)), name=NAME,
                   max_body=MAX_BODY).start()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(build_app(svc), log_level="warning")
-    config.install_signal_handlers = False
-    srv = uvicorn.Server(config)
-    th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    th.start()
-    for _ in range(200):
-        if srv.started:
-            break
-        time.sleep(0.02)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    yield url, svc
-    srv.should_exit = True
-    th.join(10)
-    svc.shutdown()
-    sock.close()
+    with live(svc) as url:
+        yield url, svc
 
 
 @pytest.fixture(scope="module")

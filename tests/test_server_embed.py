@@ -9,11 +9,8 @@ import base64
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import threading
-import time
 
 import numpy as np
 import pytest
@@ -147,6 +144,7 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from gguf_runtime.server.adapters import make_adapter  # noqa: E402
 from gguf_runtime.server.app import Service, build_app  # noqa: E402
+from live_server import live  # noqa: E402
 
 NAME = "micro"
 
@@ -154,22 +152,8 @@ NAME = "micro"
 @pytest.fixture(scope="module")
 def server(pooled):
     svc = Service(lambda: make_adapter(Engine(pooled[None], backend="numpy", n_ctx=CTX)), name=NAME).start()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(build_app(svc), log_level="warning")
-    config.install_signal_handlers = False
-    srv = uvicorn.Server(config)
-    th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    th.start()
-    for _ in range(200):
-        if srv.started:
-            break
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}", svc
-    srv.should_exit = True
-    th.join(10)
-    svc.shutdown()
-    sock.close()
+    with live(svc) as url:
+        yield url, svc
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import threading
-import time
 from contextlib import contextmanager
 from types import SimpleNamespace
 
@@ -33,7 +30,8 @@ from gguf_runtime.format.tool_calls import ToolCallParser  # noqa: E402
 from gguf_runtime.server import schemas as S  # noqa: E402
 from gguf_runtime.server import tools as T  # noqa: E402
 from gguf_runtime.server.adapters import make_adapter  # noqa: E402
-from gguf_runtime.server.app import Service, build_app  # noqa: E402
+from gguf_runtime.server.app import Service  # noqa: E402
+from live_server import live  # noqa: E402
 from gguf_runtime.server.formats import OllamaChat, OpenAIChat  # noqa: E402
 
 from micro_models import Micro, write_micro  # noqa: E402
@@ -58,24 +56,8 @@ GREEDY = {"temperature": 0, "max_tokens": 80}
 @contextmanager
 def serve(path, name):
     svc = Service(lambda: make_adapter(Engine(path, backend="numpy", n_ctx=1024)), name=name).start()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(build_app(svc), log_level="warning")
-    config.install_signal_handlers = False
-    srv = uvicorn.Server(config)
-    th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    th.start()
-    for _ in range(500):
-        if srv.started:
-            break
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", svc
-    finally:
-        srv.should_exit = True
-        th.join(10)
-        svc.shutdown()
-        sock.close()
+    with live(svc) as url:
+        yield url, svc
 
 
 @pytest.fixture(scope="module")

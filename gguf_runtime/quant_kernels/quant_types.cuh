@@ -179,35 +179,25 @@ HD u32 ld8bits(const u8* p) {
 
 HD float e8m0_half(u32 e) { return u2f(e < 2 ? 0x00200000u << e : (e - 1) << 23); }  // 2^(e - 128), as ggml
 
-struct TMXFP4 {
+// MXFP4 and IQ4_NL: 32-element blocks, the 16 nibble bytes in qs and the block scale in d (MXFP4:
+// one E8M0 byte; IQ4_NL: an f16).
+template <class Lut, bool E8M0>
+struct TLut32 {
     static constexpr int UE = 32, NP = 2, BLOCK = 32;
-    using L = LutMXFP4;
+    using L = Lut;
     struct Raw { V16 q; float d; };
     static HD void load(const Mat& m, int row, int u, Raw& r) {
         const long b = (long)row * m.nb + u;
         r.q = ld16(m.qs + b * 16);
-        r.d = e8m0_half(ld8bits(m.d + b));
+        r.d = E8M0 ? e8m0_half(ld8bits(m.d + b)) : h2f(ld16bits(m.d + b * 2));
     }
     static HD int xoff(int u, int p) { return u * 32 + p * 16; }
     static HD void qpiece(const Raw& r, int p, float* q, float& d, float& m) {
         lut_qpiece<L>(r.q, p, q); d = r.d; m = -128.f * r.d;
     }
 };
-
-struct TIQ4_NL {
-    static constexpr int UE = 32, NP = 2, BLOCK = 32;
-    using L = LutIQ4;
-    struct Raw { V16 q; float d; };
-    static HD void load(const Mat& m, int row, int u, Raw& r) {
-        const long b = (long)row * m.nb + u;
-        r.q = ld16(m.qs + b * 16);
-        r.d = h2f(ld16bits(m.d + b * 2));
-    }
-    static HD int xoff(int u, int p) { return u * 32 + p * 16; }
-    static HD void qpiece(const Raw& r, int p, float* q, float& d, float& m) {
-        lut_qpiece<L>(r.q, p, q); d = r.d; m = -128.f * r.d;
-    }
-};
+struct TMXFP4 : TLut32<LutMXFP4, true> {};
+struct TIQ4_NL : TLut32<LutIQ4, false> {};
 
 // IQ4_XS: 256-element superblocks of 8 groups of 32 (a unit: one group); sc holds d (f16), the
 // scales' high bits (u16, 2 a group) and low nibbles (4 bytes): group scale d (ls - 32).
