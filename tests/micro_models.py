@@ -75,6 +75,7 @@ class Micro:
     seed: int = 0
     chat_template: str | None = None  # tokenizer.chat_template in place of the vocabulary file's (if any)
     pooling_type: int | None = None  # {arch}.pooling_type (embeddings: 1 mean, 2 cls, 3 last)
+    added_tokens: tuple[str, ...] = ()  # control tokens appended to the vocabulary (gpt-oss's Harmony markers)
 
     @property
     def dim(self) -> int:
@@ -197,12 +198,19 @@ def _tensors(m: Micro, n_vocab: int, rng: np.random.Generator) -> dict[str, np.n
     return t
 
 
+def with_added_tokens(vocab: list[tuple[str, Any, VT, VT | None]], added: tuple[str, ...]) -> list:
+    """``vocab`` (vocab_metadata's) with control tokens appended (type 3, score 0)."""
+    extra = {"tokenizer.ggml.tokens": list(added), "tokenizer.ggml.token_type": [3] * len(added),
+             "tokenizer.ggml.scores": [0.0] * len(added)}
+    return [(k, list(v) + extra[k], vt, sub) if k in extra else (k, v, vt, sub) for k, v, vt, sub in vocab]
+
+
 def write_micro(m: Micro, path: str | Path) -> Path:
     rng = np.random.default_rng(m.seed)
     a = m.arch + "."
     w = GGUFWriter(str(path), m.arch)
     w.add_name(f"micro-{m.arch}")
-    vocab = vocab_metadata(m.vocab, m.n_vocab)
+    vocab = with_added_tokens(vocab_metadata(m.vocab, m.n_vocab), m.added_tokens)
     n_vocab = len(next(v for k, v, _, _ in vocab if k == "tokenizer.ggml.tokens"))
     w.add_uint32(a + "context_length", 256)
     w.add_uint32(a + "embedding_length", m.n_embd)

@@ -25,7 +25,7 @@ from micro_models import VOCAB_DIR
 from test_constraint import constrained_argmax
 
 DIR = os.path.join(os.path.dirname(__file__), "data", "chat_templates")
-FAMILY = {"qwen3": "hermes", "llama-3.2": "llama3", "mistral-nemo": "mistral", "gpt-oss-harmony": "generic"}
+FAMILY = {"qwen3": "hermes", "llama-3.2": "llama3", "mistral-nemo": "mistral", "gpt-oss-harmony": "harmony"}
 END = {"qwen3": "<|im_end|>", "llama-3.2": "<|eot_id|>", "mistral-nemo": "</s>"}
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather of a city",
@@ -196,7 +196,7 @@ def vocab():
     return tok, len(tok.tokens)
 
 
-@pytest.mark.parametrize("family", ["hermes", "llama3", "mistral", "mistral_args", "generic"])
+@pytest.mark.parametrize("family", ["hermes", "llama3", "mistral", "mistral_args", "harmony", "generic"])
 @pytest.mark.parametrize("name", [None, "get_time"])
 def test_forced_grammars_give_valid_calls_from_random_logits(vocab, family, name):
     tok, n = vocab

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -114,11 +114,11 @@ class Engine:
         return self.tokenizer.encode(text, add_special=True, parse_special=False)
 
     def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
-                    tools: Sequence[dict] | None = None) -> list[int]:
+                    tools: Sequence[dict] | None = None, **variables: Any) -> list[int]:
         """The chat's prompt tokens; ``tools`` (OpenAI-style function items) reach the template as its
-        ``tools`` variable."""
+        ``tools`` variable, ``variables`` as theirs (``reasoning_effort``, ``enable_thinking``)."""
         self.check_text_fits("".join(str(m.get("content") or "") for m in messages if isinstance(m, dict)))
-        extra = {"tools": list(tools)} if tools else {}
+        extra = {**variables, **({"tools": list(tools)} if tools else {})}
         text = self.template.render(list(messages), add_generation_prompt=add_generation_prompt, **extra)
         self.check_text_fits(text)
         ids = self.tokenizer.encode(text, add_special=True, parse_special=True)

@@ -5,7 +5,11 @@ else (the end of generation).
 
 Markers that are special tokens of the vocabulary (Mistral's ``[TOOL_CALLS]``, Llama's
 ``<|python_tag|>``) are matched as those tokens; ``marker_ids`` names them so the text decoder
-shows them (a server skips special tokens otherwise, and the parser needs them).
+shows them (a server skips special tokens otherwise, and the parser needs them). Harmony's (gpt-oss)
+call is ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}``, as OpenAI's
+Harmony guide writes it; a complete call leaves only end-of-generation tokens (the model's
+``<|call|>``). Its markers (``<|channel|>`` ...) are user-defined tokens once the tokenizer has
+fixed them up (llama.cpp's rule), text that the grammar matches by their bytes.
 """
 
 from __future__ import annotations
@@ -15,14 +19,18 @@ from typing import Any, Sequence
 
 from ..errors import GrammarError
 from ..format.tokenizer import Tokenizer
-from ..format.tool_calls import ARGS, CALL_ID, FAMILIES, PYTHON_TAG, TOOL_CALL, TOOL_CALLS
+from ..format.tool_calls import (ARGS, CALL_ID, CHANNEL, CONSTRAIN, FAMILIES, HARMONY_MARKERS, MESSAGE, PYTHON_TAG,
+                                 TOOL_CALL, TOOL_CALLS)
 from .constraint import COMPACT, compile_grammar
 
 __all__ = ["marker_ids", "tool_call_grammar"]
 
 
 def marker_ids(tok: Tokenizer, family: str) -> frozenset[int]:
-    """The special tokens of ``tok`` that spell a tool-call marker of ``family``."""
+    """The special tokens of ``tok`` that spell a tool-call marker of ``family`` (Harmony: each of its
+    markers the vocabulary has, control or user-defined)."""
+    if family == "harmony":
+        return frozenset(i for i in (tok.token_to_id.get(t) for t in HARMONY_MARKERS) if i is not None)
     texts = {"hermes": (TOOL_CALL, "</tool_call>"), "generic": (TOOL_CALL, "</tool_call>"),
              "llama3": (PYTHON_TAG,), "mistral": (TOOL_CALLS,),
              "mistral_args": (TOOL_CALLS, ARGS, CALL_ID)}.get(family, ())
@@ -95,6 +103,10 @@ def tool_call_grammar(family: str, tools: Sequence[dict], name: str | None = Non
                  f'call: {_lit(tok, TOOL_CALL)} "\\n" body "\\n" {_lit(tok, "</tool_call>")}', f"body: {_json(one)}"]
     elif family in ("llama3", "generic"):  # one bare JSON call
         rules = ["start: body", f"body: {_json(one)}"]
+    elif family == "harmony":  # one call: <|call|> ends the generation
+        alts = " | ".join(f'{json.dumps("commentary to=functions." + f["name"])} " " {_lit(tok, CONSTRAIN)} "json" '
+                          f'{_lit(tok, MESSAGE)} a{i}' for i, f in enumerate(fns))
+        rules = [f"start: {_lit(tok, CHANNEL)} ({alts})"] + [f"a{i}: {_json(_params(f))}" for i, f in enumerate(fns)]
     elif family == "mistral":
         arr = {"type": "array", "items": one, "minItems": 1, **({} if parallel else {"maxItems": 1})}
         rules = [f"start: {_lit(tok, TOOL_CALLS)} body", f"body: {_json(arr)}"]

@@ -10,6 +10,10 @@ Families (``template_family`` tells them apart by the markers the template write
 * ``mistral``: Mistral-Nemo / Small 3.x: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``;
 * ``mistral_args``: newer Mistral templates: ``[TOOL_CALLS]name[ARGS]{...}`` (optionally with
   ``[CALL_ID]id`` before ``[ARGS]``), one marker a call;
+* ``harmony``: gpt-oss (OpenAI's Harmony format): the answer is a run of messages, each a header and
+  a body, ``<|channel|>analysis<|message|>...<|end|><|start|>assistant<|channel|>final<|message|>
+  ...<|return|>``; a call is a message to a function, ``<|channel|>commentary to=functions.NAME
+  <|constrain|>json<|message|>{...}<|call|>`` (see :class:`HarmonyParser`);
 * ``generic``: a template that takes ``tools`` with none of these markers: ``<tool_call>`` blocks,
   or a bare JSON call (``arguments`` or ``parameters``) as the whole answer.
 
@@ -18,7 +22,8 @@ safe to show, and :class:`ToolCall` objects, each as soon as its text is complet
 start a call is held back until it is known; a call that turns out malformed is given back as
 content (never an error). A bare JSON answer (llama3, generic) counts as a call only when it names
 one of the request's tools; after a marker any name counts, as the model meant to call. Whitespace
-around calls is dropped.
+around calls is dropped. :class:`HarmonyParser` gives :class:`Reasoning` events too (the analysis
+channel); ``answer_parser`` makes the parser of a family.
 """
 
 from __future__ import annotations
@@ -28,12 +33,18 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterable, Union
 
-__all__ = ["FAMILIES", "ToolCall", "ToolCallParser", "parse_tool_calls", "template_family"]
+__all__ = ["FAMILIES", "HarmonyParser", "Reasoning", "ToolCall", "ToolCallParser", "answer_parser", "parse_answer",
+           "parse_tool_calls", "template_family"]
 
-FAMILIES = ("hermes", "llama3", "mistral", "mistral_args", "generic")
+FAMILIES = ("hermes", "llama3", "mistral", "mistral_args", "harmony", "generic")
 TOOL_CALL, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+# Harmony's special tokens (gpt-oss): a message is START header MESSAGE body END (or CALL / RETURN,
+# which also end the generation); the header names the CHANNEL, a recipient (to=...) and a CONSTRAIN type
+START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
+CONSTRAIN, CALL, RETURN = "<|constrain|>", "<|call|>", "<|return|>"
+HARMONY_MARKERS = (START, END, MESSAGE, CHANNEL, CONSTRAIN, CALL, RETURN)
 # the markers of a family (text that starts a call wherever it appears)
 MARKERS = {"hermes": (TOOL_CALL,), "llama3": (PYTHON_TAG,), "mistral": (TOOL_CALLS,),
            "mistral_args": (TOOL_CALLS,), "generic": (TOOL_CALL,)}
@@ -44,6 +55,8 @@ _MAX_HELD = 1 << 20  # characters held back for one call at most (then it is con
 def template_family(source: str | None) -> str:
     """The tool-call family of a chat template's text (see the module)."""
     s = source or ""
+    if CHANNEL in s and MESSAGE in s and START in s:
+        return "harmony"
     if TOOL_CALLS in s:
         return "mistral_args" if ARGS in s else "mistral"
     if TOOL_CALL in s:
@@ -60,7 +73,14 @@ class ToolCall:
     id: str | None = None  # the id the model wrote ([CALL_ID], Mistral's "id"), if any
 
 
-Event = Union[str, ToolCall]
+@dataclass(frozen=True)
+class Reasoning:
+    """Text of the model's reasoning (Harmony's analysis channel), as it streams."""
+
+    text: str
+
+
+Event = Union[str, ToolCall, Reasoning]
 _INVALID = object()  # an extractor's answer: this can never be a call
 
 
@@ -138,6 +158,8 @@ class ToolCallParser:
     def __init__(self, family: str, names: Iterable[str] = ()) -> None:
         if family not in FAMILIES:
             raise ValueError(f"unknown tool-call family {family!r}")
+        if family == "harmony":
+            raise ValueError("Harmony answers are parsed by HarmonyParser (answer_parser makes either)")
         self.family = family
         self.names = frozenset(names)
         self.markers = MARKERS[family]
@@ -294,8 +316,273 @@ class ToolCallParser:
         return _INVALID
 
 
-def parse_tool_calls(text: str, family: str, names: Iterable[str] = ()) -> tuple[str, list[ToolCall]]:
-    """(content, calls) of a whole answer: what the stream would give, joined."""
-    p = ToolCallParser(family, names)
+# ---- Harmony (gpt-oss) ----------------------------------------------------------------------------
+_HEADER_MAX = 256  # characters a message header may take (longer: it is text, not a header)
+_WORD = re.compile(r"[^\s<]+")
+_ENDS = (END, CALL, RETURN)  # end a message (<|call|> and <|return|> also end the generation)
+_OPENS = (START, CHANNEL)  # open a message (<|channel|> alone: a header whose <|start|>role was left out)
+_STRAY = (MESSAGE, CONSTRAIN)  # outside a header: dropped
+
+
+def _partial_tail(s: str, markers: tuple[str, ...]) -> int:
+    """How many characters at the end of ``s`` may begin one of ``markers``."""
+    for k in range(min(len(s), max(map(len, markers)) - 1), 0, -1):
+        if any(m.startswith(s[-k:]) for m in markers):
+            return k
+    return 0
+
+
+def _find(s: str, markers: tuple[str, ...]) -> tuple[int, str | None]:
+    best, found = len(s), None
+    for m in markers:
+        i = s.find(m, 0, best + len(m))
+        if 0 <= i < best:
+            best, found = i, m
+    return best, found
+
+
+def harmony_header(h: str, explicit: bool, complete: bool) -> tuple[str | None, str | None] | None:
+    """(channel, recipient) of a Harmony message header: the text between ``<|start|>`` and
+    ``<|message|>``: a role (``explicit``: after a ``<|start|>`` the model wrote; else the prompt's
+    ``<|start|>assistant`` gave it), then ``<|channel|>NAME``, a recipient ``to=...`` (before or after
+    the channel), an optional content type (``json``, ``<|constrain|>json``), in any spacing. None when
+    ``h`` is not a header; when not ``complete``, None only when no continuation of ``h`` can be one
+    (a header so far gives what it has)."""
+    if len(h) > _HEADER_MAX:
+        return None
+    i, n = 0, len(h)
+    role, channel, recipient, expect_name = not explicit, None, None, False
+    ctype = constrain = seen = False
+    while i < n:
+        c = h[i]
+        if c.isspace():
+            i += 1
+            continue
+        if c == "<":
+            m = CHANNEL if h.startswith(CHANNEL, i) else CONSTRAIN if h.startswith(CONSTRAIN, i) else None
+            if m is None:
+                if not complete and any(x.startswith(h[i:]) for x in HARMONY_MARKERS):
+                    return channel, recipient  # a marker on its way
+                return None
+            if expect_name or (m == CHANNEL and channel is not None) or (m == CONSTRAIN and (constrain or ctype)):
+                return None
+            if m == CHANNEL:
+                channel, expect_name, role = "", True, True
+            else:
+                constrain = True
+            seen = True
+            i += len(m)
+            continue
+        w = _WORD.match(h, i).group()
+        at_end = i + len(w) == n and not complete  # a word still being written
+        i += len(w)
+        if expect_name:
+            channel, expect_name = w, False
+        elif w.startswith("to="):
+            if recipient is not None or (len(w) == 3 and not at_end):
+                return None
+            recipient = w[3:]
+        elif not seen and not explicit:  # the prompt gave the role: a header opens with its channel or recipient
+            if not (at_end and "to=".startswith(w)):
+                return None
+        elif not role:
+            role = True
+        elif ctype:
+            return None
+        else:
+            ctype = True
+        seen = True
+    if complete and (expect_name or not seen):
+        return None
+    return channel, recipient
+
+
+class HarmonyParser:
+    """A Harmony answer (gpt-oss) as it streams: ``feed(text)`` and ``finish()`` return events: content
+    (``str``: the final and commentary channels, and text outside any message), :class:`Reasoning`
+    (the analysis channel) and :class:`ToolCall` (a message to ``functions.NAME``, or to a name of the
+    request's tools, its body the JSON arguments; out when its message ends: ``<|call|>``, which also
+    ends the generation, so at the end of the answer).
+
+    The answer continues the prompt's ``<|start|>assistant``, so it opens with a header
+    (``<|channel|>analysis<|message|>``); an answer that opens otherwise is content (a model that
+    skipped the header). Markers never reach content or reasoning: a header is held until its
+    ``<|message|>``, the tail of a body that may begin a marker until it is known. What does not
+    parse falls back to content, never an error: a header that cannot be one is content (its markers
+    left out), the arguments of a call that are not a JSON object too, and so are a call's when
+    ``calls`` is false (the request offered no tools). A header cut off by the end of the answer says
+    nothing and is dropped."""
+
+    family = "harmony"
+
+    def __init__(self, names: Iterable[str] = (), calls: bool = True) -> None:
+        self.names = frozenset(names)
+        self.calls = calls
+        self.buf = ""
+        self.state = "header"  # header, body, between (after a message), raw (text outside messages)
+        self.explicit = False  # the header follows a <|start|> of the answer's own
+        self.kind = "content"  # the body's: content, reasoning, call
+        self.name = ""  # the call's
+        self.args = ""  # the call's body so far
+        self.n_calls = 0
+
+    # ---- the stream ---------------------------------------------------------------------------
+    def feed(self, text: str) -> list[Event]:
+        self.buf += text
+        return self._drain(False)
+
+    def finish(self) -> list[Event]:
+        return self._drain(True)
+
+    @staticmethod
+    def _out(out: list[Event], kind: str, text: str) -> None:
+        if not text:
+            return
+        if kind == "reasoning":
+            if out and isinstance(out[-1], Reasoning):
+                out[-1] = Reasoning(out[-1].text + text)
+            else:
+                out.append(Reasoning(text))
+        elif out and isinstance(out[-1], str):
+            out[-1] += text
+        else:
+            out.append(text)
+
+    def _drain(self, final: bool) -> list[Event]:
+        out: list[Event] = []
+        while True:
+            step = getattr(self, "_" + self.state)(out, final)
+            if not step:
+                return out
+
+    def _header(self, out: list[Event], final: bool) -> bool:
+        i, m = _find(self.buf, (MESSAGE,) + _ENDS + (START,))
+        h = self.buf[:i]
+        if m == MESSAGE:
+            got = harmony_header(h, self.explicit, complete=True)
+            if got is None:
+                return self._not_a_header(out, h, False)
+            self._open(*got)
+            self.buf = self.buf[i + len(MESSAGE):]
+            return True
+        if harmony_header(h, self.explicit, complete=False) is None:
+            return self._not_a_header(out, h, m is None)
+        if m is None and not final:
+            return False  # wait for the rest of the header
+        self.buf = self.buf[i:]  # a header cut short (by a marker, or the end): dropped
+        self.state = "between"
+        return bool(self.buf)
+
+    def _not_a_header(self, out: list[Event], h: str, open_: bool) -> bool:
+        """Text ``h`` where a header should be: content up to the next <|channel|> (a header may start
+        there; ``open_``: nothing ended ``h`` yet, so its tail may begin a marker)."""
+        j = h.find(CHANNEL, 1)
+        if j < 0:
+            j = len(h) - (_partial_tail(h, HARMONY_MARKERS) if open_ else 0)
+        self.state = "raw"
+        if j <= 0:  # nothing to give (a <|message|> with no header before it): the raw text follows
+            return True
+        text = h[:j]
+        for mk in (CHANNEL, CONSTRAIN):
+            text = text.replace(mk, "")
+        self._out(out, "content", text)
+        self.buf = self.buf[j:]
+        return True
+
+    def _open(self, channel: str | None, recipient: str | None) -> None:
+        name = None
+        if recipient is not None:
+            if recipient.startswith("functions.") and len(recipient) > len("functions."):
+                name = recipient[len("functions."):]
+            elif recipient in self.names:
+                name = recipient
+        if name is not None:
+            self.kind, self.name, self.args = ("call" if self.calls else "content"), name, ""
+        else:
+            self.kind = "reasoning" if channel == "analysis" else "content"
+        self.state = "body"
+
+    def _body(self, out: list[Event], final: bool) -> bool:
+        i, m = _find(self.buf, _ENDS + _OPENS + _STRAY)
+        if m is None:
+            keep = 0 if final else _partial_tail(self.buf, HARMONY_MARKERS)
+            text, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+        else:
+            text = self.buf[:i]
+            self.buf = self.buf[i + len(m):] if m in _STRAY else self.buf[i:]
+        if self.kind != "call":
+            self._out(out, self.kind, text)
+        else:
+            self.args += text
+            if len(self.args) > _MAX_HELD:  # never hold a whole answer hostage
+                self.kind = "content"
+                self._out(out, "content", self.args)
+        if m in _STRAY:
+            return True
+        if m is None and not final:
+            return False
+        if self.kind == "call":
+            self._call(out)
+        self.state = "between"
+        return bool(self.buf)
+
+    def _call(self, out: list[Event]) -> None:
+        body = self.args.strip()
+        c = _call({"name": self.name, "arguments": _loads(body)}) if body else None
+        if c is None:
+            self._out(out, "content", self.args)  # not a JSON object: the text it is
+        else:
+            out.append(c)
+            self.n_calls += 1
+        self.args = ""
+
+    def _between(self, out: list[Event], final: bool) -> bool:
+        self.buf = self.buf.lstrip()
+        for m in _ENDS + _STRAY:
+            if self.buf.startswith(m):
+                self.buf = self.buf[len(m):]
+                return True
+        if self.buf.startswith(START):
+            self.buf, self.state, self.explicit = self.buf[len(START):], "header", True
+            return True
+        if self.buf.startswith(CHANNEL):
+            self.state, self.explicit = "header", False
+            return True
+        if not self.buf or (not final and any(m.startswith(self.buf) for m in HARMONY_MARKERS)):
+            return False
+        self.state = "raw"
+        return True
+
+    def _raw(self, out: list[Event], final: bool) -> bool:
+        i, m = _find(self.buf, HARMONY_MARKERS)
+        if m is None:
+            keep = 0 if final else _partial_tail(self.buf, HARMONY_MARKERS)
+            self._out(out, "content", self.buf[:len(self.buf) - keep])
+            self.buf = self.buf[len(self.buf) - keep:]
+            return False
+        self._out(out, "content", self.buf[:i])
+        self.buf = self.buf[i + len(m):] if m in _STRAY else self.buf[i:]
+        if m not in _STRAY:
+            self.state = "between"
+        return True
+
+
+def answer_parser(family: str, names: Iterable[str] = (), calls: bool = True) -> "ToolCallParser | HarmonyParser":
+    """The streaming parser of a family's answers (``calls``: Harmony's calls count; the other
+    families are parsed only for calls)."""
+    return HarmonyParser(names, calls) if family == "harmony" else ToolCallParser(family, names)
+
+
+def parse_answer(text: str, family: str, names: Iterable[str] = (),
+                 calls: bool = True) -> tuple[str, str, list[ToolCall]]:
+    """(reasoning, content, calls) of a whole answer: what the stream would give, joined."""
+    p = answer_parser(family, names, calls)
     events = p.feed(text) + p.finish()
-    return "".join(e for e in events if isinstance(e, str)), [e for e in events if isinstance(e, ToolCall)]
+    return ("".join(e.text for e in events if isinstance(e, Reasoning)),
+            "".join(e for e in events if isinstance(e, str)), [e for e in events if isinstance(e, ToolCall)])
+
+
+def parse_tool_calls(text: str, family: str, names: Iterable[str] = ()) -> tuple[str, list[ToolCall]]:
+    """(content, calls) of a whole answer: what the stream would give, joined (Harmony's reasoning left out)."""
+    _, content, calls = parse_answer(text, family, names)
+    return content, calls

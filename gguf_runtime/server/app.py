@@ -78,6 +78,7 @@ async def api_generate(svc: Service, request: Request) -> Response:
     context = _ids(body["context"], svc.engine.tokenizer.n_vocab, "context") if body.get("context") else []
     params, requested, stop, num_ctx = S.ollama_options(body)
     grammar = S.structured_output(body, ollama=True)
+    think = S.think_kwargs(body, ollama=True)
     if not prompt and not context:  # Ollama: an empty prompt just loads the model
         return JSONResponse({"model": name, "created_at": S.now_rfc3339(), "response": "", "done": True,
                              "done_reason": "load"})
@@ -86,12 +87,13 @@ async def api_generate(svc: Service, request: Request) -> Response:
     def encode() -> list[int]:
         if not context:
             msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-            return eng.encode_raw(prompt) if raw else eng.encode_chat(msgs)
-        text = prompt if raw else eng.template.render([{"role": "user", "content": prompt}])
+            return eng.encode_raw(prompt) if raw else eng.encode_chat(msgs, **think)
+        text = prompt if raw else eng.template.render([{"role": "user", "content": prompt}], **think)
         return context + eng.tokenizer.encode(text, add_special=False, parse_special=not raw)
 
-    return await run_job(svc, request, FORMATS["generate"](name), encode, params, requested, stop, stream, num_ctx,
-                         grammar)
+    parser, keep = (None, frozenset()) if raw else T.generate_setup(eng)  # Harmony: thinking and response apart
+    return await run_job(svc, request, FORMATS["generate"](name, parser), encode, params, requested, stop, stream,
+                         num_ctx, grammar, keep=keep)
 
 
 def _chat_tools(svc: Service, body: dict, name: str, msgs: list[dict], grammar: str | None):
@@ -109,13 +111,14 @@ async def api_chat(svc: Service, request: Request) -> Response:
     msgs = S.messages(body.get("messages", []), T.message_tool_fields)
     stream = S.get_bool(body, "stream", True)
     params, requested, stop, num_ctx = S.ollama_options(body)
+    think = S.think_kwargs(body, ollama=True)
     tools, msgs, grammar = _chat_tools(svc, body, name, msgs, S.structured_output(body, ollama=True))
     if not msgs:
         return JSONResponse({"model": name, "created_at": S.now_rfc3339(),
                              "message": {"role": "assistant", "content": ""}, "done": True, "done_reason": "load"})
     return await run_job(svc, request, FORMATS["chat"](name, tools.parser()),
-                         lambda: svc.engine.encode_chat(msgs, tools=tools.tools), params, requested, stop, stream,
-                         num_ctx, grammar, keep=tools.keep)
+                         lambda: svc.engine.encode_chat(msgs, tools=tools.tools, **think), params, requested, stop,
+                         stream, num_ctx, grammar, keep=tools.keep)
 
 
 async def _off_loop(svc: Service, make: Callable[[], Response]) -> Response:
@@ -222,9 +225,10 @@ async def v1_chat(svc: Service, request: Request) -> Response:
     msgs = S.messages(body.get("messages"), T.message_tool_fields)
     if not msgs:
         raise S.bad("messages must not be empty")
+    think = S.think_kwargs(body, ollama=False)
     tools, msgs, grammar = _chat_tools(svc, body, name, msgs, S.structured_output(body, ollama=False))
     fmt = FORMATS["chat.completion"](name, usage, tools.parser())
-    return await run_job(svc, request, fmt, lambda: svc.engine.encode_chat(msgs, tools=tools.tools), params,
+    return await run_job(svc, request, fmt, lambda: svc.engine.encode_chat(msgs, tools=tools.tools, **think), params,
                          requested, stop, stream, grammar=grammar, keep=tools.keep)
 
 

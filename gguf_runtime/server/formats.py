@@ -5,7 +5,10 @@ status)`` give the stream's pieces (``str``), ``whole(text, job, load_s)`` the `
 body (a dict). The chat formats take a tool-call parser (tools.ToolSetup.parser) when the request
 has tools: text that may be a call is held back, and each call goes out as Ollama's
 ``message.tool_calls`` or OpenAI's ``tool_calls`` (``delta.tool_calls`` when streamed, then
-``finish_reason: "tool_calls"``) once its text is complete.
+``finish_reason: "tool_calls"``) once its text is complete. A Harmony model's (gpt-oss) answers
+always go through its parser: the analysis channel becomes Ollama's ``message.thinking``
+(/api/generate: ``thinking``) or OpenAI's ``message.reasoning_content`` (``delta.reasoning_content``
+when streamed, as llama.cpp and vLLM name it), streamed as it comes.
 """
 
 from __future__ import annotations
@@ -14,17 +17,21 @@ import json
 import secrets
 import time
 
-from ..format.tool_calls import ToolCall, ToolCallParser
+from ..format.tool_calls import HarmonyParser, Reasoning, ToolCall, ToolCallParser
 from . import schemas as S
 from . import tools as T
 
-
-def _split(events: list) -> tuple[str, list[ToolCall]]:
-    return "".join(e for e in events if isinstance(e, str)), [e for e in events if isinstance(e, ToolCall)]
+Parser = ToolCallParser | HarmonyParser
 
 
-def _runs(events: list) -> list[str | list[ToolCall]]:
-    """Events with adjacent calls grouped: text, [calls], text..."""
+def _split(events: list) -> tuple[str, str, list[ToolCall]]:
+    """(reasoning, content, calls) of events, each joined."""
+    return ("".join(e.text for e in events if isinstance(e, Reasoning)),
+            "".join(e for e in events if isinstance(e, str)), [e for e in events if isinstance(e, ToolCall)])
+
+
+def _runs(events: list) -> list[str | Reasoning | list[ToolCall]]:
+    """Events with adjacent ones of a kind joined: text, [calls], Reasoning, text..."""
     out: list = []
     for e in events:
         if isinstance(e, ToolCall):
@@ -32,8 +39,16 @@ def _runs(events: list) -> list[str | list[ToolCall]]:
                 out[-1].append(e)
             else:
                 out.append([e])
+        elif isinstance(e, Reasoning):
+            if out and isinstance(out[-1], Reasoning):
+                out[-1] = Reasoning(out[-1].text + e.text)
+            elif e.text:
+                out.append(e)
         elif e:
-            out.append(e)
+            if out and isinstance(out[-1], str):
+                out[-1] += e
+            else:
+                out.append(e)
     return out
 
 
@@ -50,11 +65,11 @@ class OllamaGenerate:
     media_type = "application/x-ndjson"
     key = "response"
 
-    def __init__(self, model: str) -> None:
-        self.model = model
+    def __init__(self, model: str, tools: Parser | None = None) -> None:
+        self.model, self.tools = model, tools
 
-    def _piece(self, text: str) -> dict:
-        return {self.key: text}
+    def _piece(self, text: str, calls: list[ToolCall] | None = None, thinking: str = "") -> dict:
+        return {self.key: text, **({"thinking": thinking} if thinking else {})}
 
     def _head(self) -> dict:
         return {"model": self.model, "created_at": S.now_rfc3339()}
@@ -62,48 +77,41 @@ class OllamaGenerate:
     def _end(self, job, load_s: float) -> dict:
         return {**S.ollama_final(job, load_s), "context": list(job.prompt) + list(job.ids)}
 
+    def _events(self, events: list) -> str:
+        return "".join(_line({**self._head(), **(self._piece(r) if isinstance(r, str) else self._piece(
+            "", thinking=r.text) if isinstance(r, Reasoning) else self._piece("", r)), "done": False})
+            for r in _runs(events))
+
     def chunk(self, text: str) -> str:
+        if self.tools is not None:
+            return self._events(self.tools.feed(text))
         return _line({**self._head(), **self._piece(text), "done": False})
 
     def final(self, job, load_s: float) -> str:
-        return _line({**self._head(), **self._piece(""), **self._end(job, load_s)})
+        return (("" if self.tools is None else self._events(self.tools.finish()))
+                + _line({**self._head(), **self._piece(""), **self._end(job, load_s)}))
 
     def error(self, msg: str, status: int) -> str:
         return _line({"error": msg})
 
     def whole(self, text: str, job, load_s: float) -> dict:
-        return {**self._head(), **self._piece(text), **self._end(job, load_s)}
+        if self.tools is None:
+            return {**self._head(), **self._piece(text), **self._end(job, load_s)}
+        thinking, content, calls = _split(self.tools.feed(text) + self.tools.finish())
+        return {**self._head(), **self._piece(content, calls, thinking), **self._end(job, load_s)}
 
 
 class OllamaChat(OllamaGenerate):
-    def __init__(self, model: str, tools: ToolCallParser | None = None) -> None:
-        super().__init__(model)
-        self.tools = tools
-
-    def _piece(self, text: str, calls: list[ToolCall] | None = None) -> dict:
+    def _piece(self, text: str, calls: list[ToolCall] | None = None, thinking: str = "") -> dict:
         msg: dict = {"role": "assistant", "content": text}
+        if thinking:
+            msg["thinking"] = thinking
         if calls:
             msg["tool_calls"] = [T.ollama_call(c) for c in calls]
         return {"message": msg}
 
     def _end(self, job, load_s: float) -> dict:
         return S.ollama_final(job, load_s)
-
-    def _events(self, events: list) -> str:
-        return "".join(_line({**self._head(), **(self._piece(r) if isinstance(r, str) else self._piece("", r)),
-                              "done": False}) for r in _runs(events))
-
-    def chunk(self, text: str) -> str:
-        return super().chunk(text) if self.tools is None else self._events(self.tools.feed(text))
-
-    def final(self, job, load_s: float) -> str:
-        return ("" if self.tools is None else self._events(self.tools.finish())) + super().final(job, load_s)
-
-    def whole(self, text: str, job, load_s: float) -> dict:
-        if self.tools is None:
-            return super().whole(text, job, load_s)
-        content, calls = _split(self.tools.feed(text) + self.tools.finish())
-        return {**self._head(), **self._piece(content, calls), **self._end(job, load_s)}
 
 
 class OpenAIChat:
@@ -112,7 +120,7 @@ class OpenAIChat:
     media_type = "text/event-stream"
     prefix, obj = "chatcmpl-", "chat.completion"
 
-    def __init__(self, model: str, include_usage: bool = False, tools: ToolCallParser | None = None) -> None:
+    def __init__(self, model: str, include_usage: bool = False, tools: Parser | None = None) -> None:
         self.model, self.usage, self.tools = model, include_usage, tools
         self.id = self.prefix + secrets.token_hex(12)
         self.created = int(time.time())
@@ -132,6 +140,13 @@ class OpenAIChat:
     def _text_chunk(self, text: str) -> str:
         return _sse({**self._base(self.obj + ".chunk"), "choices": [self._choice(text, None)]})
 
+    def _reasoning_chunk(self, text: str) -> str:
+        delta: dict = {"reasoning_content": text}
+        if self._first:
+            delta, self._first = {"role": "assistant", "content": None, **delta}, False
+        return _sse({**self._base(self.obj + ".chunk"),
+                     "choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
+
     def _calls_chunk(self, calls: list[ToolCall]) -> str:
         delta: dict = {"tool_calls": [T.openai_call(c, self._calls + k) for k, c in enumerate(calls)]}
         self._calls += len(calls)
@@ -141,7 +156,8 @@ class OpenAIChat:
                      "choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
 
     def _events(self, events: list) -> str:
-        return "".join(self._text_chunk(r) if isinstance(r, str) else self._calls_chunk(r) for r in _runs(events))
+        return "".join(self._text_chunk(r) if isinstance(r, str) else self._reasoning_chunk(r.text)
+                       if isinstance(r, Reasoning) else self._calls_chunk(r) for r in _runs(events))
 
     def _reason(self, job, calls: int) -> str:
         return "tool_calls" if calls and job.reason == "stop" else job.reason
@@ -165,9 +181,12 @@ class OpenAIChat:
 
     def whole(self, text: str, job, load_s: float) -> dict:
         calls: list[ToolCall] = []
+        reasoning = ""
         if self.tools is not None:
-            text, calls = _split(self.tools.feed(text) + self.tools.finish())
+            reasoning, text, calls = _split(self.tools.feed(text) + self.tools.finish())
         msg: dict = {"role": "assistant", "content": text if text or not calls else None}
+        if reasoning:
+            msg["reasoning_content"] = reasoning
         if calls:
             msg["tool_calls"] = [T.openai_call(c) for c in calls]
         return {**self._base(self.obj), "choices": [

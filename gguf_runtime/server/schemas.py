@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import hashlib
+import json
 import math
 import os
 from typing import Any, Callable
@@ -18,6 +19,7 @@ import numpy as np
 
 from ..engine.constraint import compile_grammar
 from ..format.model_info import quant_histogram
+from ..format.tool_calls import template_family
 from ..sampling import SamplingParams
 
 
@@ -159,6 +161,33 @@ def structured_output(body: dict, ollama: bool) -> str | None:
     raise bad('response_format.type must be "text", "json_object" or "json_schema"')
 
 
+THINK_LEVELS = ("low", "medium", "high")
+
+
+def think_kwargs(body: dict, ollama: bool) -> dict:
+    """Template variables of a request's reasoning control: Ollama's ``think`` (true / false, or a
+    level "low" / "medium" / "high"), OpenAI's ``reasoning_effort`` (a level). A level reaches the
+    template as ``reasoning_effort`` (Harmony's "Reasoning: ..." line), a boolean as
+    ``enable_thinking`` (Qwen3's switch); a template that reads neither ignores them. A Harmony model
+    reasons whatever ``think`` says (gpt-oss cannot answer without its analysis channel; Ollama
+    returns its thinking then too)."""
+    if ollama:
+        v = body.get("think")
+        if v is None:
+            return {}
+        if isinstance(v, bool):
+            return {"enable_thinking": v}
+        if isinstance(v, str) and v in THINK_LEVELS:
+            return {"enable_thinking": True, "reasoning_effort": v}
+        raise bad(f"invalid think value: {json.dumps(v)[:60]} (must be \"high\", \"medium\", \"low\", true, or false)")
+    v = body.get("reasoning_effort")
+    if v is None:
+        return {}
+    if isinstance(v, str) and v in THINK_LEVELS:
+        return {"reasoning_effort": v}
+    raise bad(f'reasoning_effort must be "low", "medium" or "high", got {json.dumps(v)[:60]}')
+
+
 def refuse_logprobs(body: dict) -> None:
     """logprobs / top_logprobs (OpenAI chat and completions, Ollama) are not computed yet: asking
     for them is a 400, never an answer without them (unset, false or 0 top_logprobs pass)."""
@@ -264,7 +293,9 @@ class ModelCard:
         self.model_info = {k: _plain(v) for k, v in meta.items()}
         self.model_info["general.parameter_count"] = self.n_params
         self.template = engine.template.source or ""
+        harmony = template_family(self.template) == "harmony"  # reasoning apart from the answer
         self.capabilities = (["completion"] + (["tools"] if engine.template.supports_tools else [])
+                             + (["thinking"] if harmony else [])
                              + (["embedding"] if engine.cfg.pooling_type is not None else []))  # an embedding model
         self.n_ctx = engine.n_ctx
         self.path = engine.path

@@ -16,6 +16,14 @@ not shown to the model and no call is parsed), "required" or ``{"type": "functio
 {"name"}}``: the answer is constrained to a call (engine/tool_grammar.py): one call of the named
 function; one or more calls for "required" (one when ``parallel_tool_calls`` is false). A model whose template
 has no tools answers 400 "<model> does not support tools", as Ollama does.
+
+A Harmony template (gpt-oss) has its answers parsed whatever the request (ToolSetup.parser: the
+reasoning and the markers never reach content; calls only where tools were offered), and its
+markers shown by the text decoder (ToolSetup.keep). An assistant message's reasoning (Ollama's
+``thinking``, OpenAI-style ``reasoning_content``) reaches the template as ``thinking``
+(chat_template aliases it as ``reasoning_content`` too); for Harmony, ``harmony_history`` puts a
+message of several calls as one message a call, each followed by its result, as the template (one
+call a message) expects.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from typing import Any
 
 from ..engine.tool_grammar import marker_ids, tool_call_grammar
 from ..errors import GrammarError
-from ..format.tool_calls import ToolCall, ToolCallParser, template_family
+from ..format.tool_calls import HarmonyParser, ToolCall, ToolCallParser, answer_parser, template_family
 from .schemas import bad
 
 MAX_TOOLS = 128  # OpenAI's limit
@@ -113,8 +121,15 @@ def _arguments(v: Any, where: str) -> dict:
 
 def message_tool_fields(m: dict, i: int) -> dict:
     """The tool fields of chat message ``i``, checked: an assistant's ``tool_calls``, a tool result's
-    ``tool_call_id`` and ``name`` (OpenAI) or ``tool_name`` (Ollama)."""
+    ``tool_call_id`` and ``name`` (OpenAI) or ``tool_name`` (Ollama); and an assistant's reasoning
+    (``thinking``, Ollama's; ``reasoning_content``, llama.cpp's and vLLM's) as ``thinking``."""
     out: dict = {}
+    for key in ("thinking", "reasoning_content"):
+        v = m.get(key)
+        if v is not None and not isinstance(v, str):
+            raise bad(f"messages[{i}].{key} must be a string")
+        if v and "thinking" not in out:
+            out["thinking"] = v
     calls = m.get("tool_calls")
     if calls is not None:
         if not isinstance(calls, list):
@@ -180,6 +195,43 @@ def link_calls(msgs: list[dict], family: str) -> list[dict]:
     return out
 
 
+def harmony_history(msgs: list[dict]) -> list[dict]:
+    """Messages as the Harmony template takes them: an assistant message of several calls becomes
+    one message a call, each followed by its result (paired by id, as link_calls left them); its
+    reasoning goes with the first. An assistant message with calls may not carry both content and
+    reasoning (the template refuses): its content joins the reasoning (both are the analysis)."""
+    out: list[dict] = []
+    i = 0
+    while i < len(msgs):
+        m = msgs[i]
+        i += 1
+        if m.get("role") != "assistant" or not m.get("tool_calls"):
+            out.append(m)
+            continue
+        m = dict(m)
+        if m.get("content") and m.get("thinking"):
+            m["thinking"], m["content"] = m["thinking"] + "\n\n" + m["content"], ""
+        calls = m["tool_calls"]
+        if len(calls) == 1:
+            out.append(m)
+            continue
+        results = []
+        while i < len(msgs) and msgs[i].get("role") == "tool":
+            results.append(msgs[i])
+            i += 1
+        for k, c in enumerate(calls):
+            one = {**m, "tool_calls": [c]}
+            if k:
+                one.pop("thinking", None)
+                one["content"] = ""
+            out.append(one)
+            mine = [r for r in results if r.get("tool_call_id") == c["id"]]
+            out += mine
+            results = [r for r in results if not any(r is x for x in mine)]
+        out += results  # results no call claims stay, after the calls
+    return out
+
+
 # ---- the request --------------------------------------------------------------------------------
 @dataclass
 class ToolSetup:
@@ -190,10 +242,19 @@ class ToolSetup:
     grammar: str | None = None  # a forced call's grammar
     keep: frozenset[int] = frozenset()  # special tokens the parser must see
 
-    def parser(self) -> ToolCallParser | None:
-        if not self.tools:
+    def parser(self) -> ToolCallParser | HarmonyParser | None:
+        """The answer's parser: None when the answer is plain text (no tools, not Harmony)."""
+        if not self.tools and self.family != "harmony":
             return None
-        return ToolCallParser(self.family, [t["function"]["name"] for t in self.tools])
+        return answer_parser(self.family, [t["function"]["name"] for t in self.tools], calls=bool(self.tools))
+
+
+def generate_setup(engine) -> tuple[HarmonyParser | None, frozenset[int]]:
+    """(parser, special tokens to show) of a templated /api/generate answer: a Harmony model's
+    (thinking apart from the response, no calls: generate offers no tools), else (None, none)."""
+    if template_family(engine.template.source) != "harmony":
+        return None, frozenset()
+    return HarmonyParser(calls=False), marker_ids(engine.tokenizer, "harmony")
 
 
 def setup(body: dict, engine, model: str, msgs: list[dict]) -> tuple[ToolSetup, list[dict]]:
@@ -206,8 +267,12 @@ def setup(body: dict, engine, model: str, msgs: list[dict]) -> tuple[ToolSetup, 
         raise bad("parallel_tool_calls must be true or false")
     family = template_family(template.source)
     msgs = link_calls(msgs, family)
+    keep = frozenset()
+    if family == "harmony":
+        msgs = harmony_history(msgs)
+        keep = marker_ids(engine.tokenizer, family)
     if not tools or mode == "none":
-        return ToolSetup(family=family), msgs
+        return ToolSetup(family=family, keep=keep), msgs
     if not template.supports_tools:
         raise bad(f"{model} does not support tools (its chat template has no tools); leave tools out, "
                   "or serve a model whose template takes them")
@@ -217,7 +282,7 @@ def setup(body: dict, engine, model: str, msgs: list[dict]) -> tuple[ToolSetup, 
             grammar = tool_call_grammar(family, tools, name, engine.tokenizer, parallel and mode == "required")
         except GrammarError as e:
             raise bad(f"tools cannot be forced with tool_choice {mode!r}: {e}") from None
-    return ToolSetup(tools, family, grammar, marker_ids(engine.tokenizer, family)), msgs
+    return ToolSetup(tools, family, grammar, keep | marker_ids(engine.tokenizer, family)), msgs
 
 
 # ---- answers ------------------------------------------------------------------------------------
