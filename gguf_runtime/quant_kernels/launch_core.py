@@ -33,14 +33,14 @@ UNIT_ELEMS = {"TF32": 16, "TF16": 16, "TBF16": 16, "TQ4_0": 32, "TQ4_1": 32, "TQ
               "TQ8_0": 32, "TQ2_K": 64, "TQ3_K": 64, "TQ4_K": 32, "TQ5_K": 32, "TQ6_K": 64,
               "TMXFP4": 32, "TIQ4_NL": 32, "TIQ4_XS": 32}
 SMEM_DEFAULT_MAX = 48 * 1024  # dynamic shared memory per block beyond this needs the kernel's opt-in
-ACT = {"silu": 0, "gelu_tanh": 1, "swiglu_oai": 2}  # 2: layers.cu's glu only (the fused GLU kernels take 0, 1)
+ACT = {"silu": 0, "gelu_tanh": 1, "swiglu_oai": 2}  # 2: layers.cu's glu and moe.cu's moe_glu (not the others)
 FUSED_ACTS = ("silu", "gelu_tanh")
 
 
 def fused_act(act: str) -> int:
-    """ACT of the kernels that fuse the activation into a GLU product (SiLU, GELU only)."""
+    """ACT of the GLU products that fuse only SiLU or GELU (matvec.cu's, matmul_mma.cu's, moe_mma.cu's)."""
     if act not in FUSED_ACTS:
-        raise ValueError(f"the fused GLU kernels take {', '.join(FUSED_ACTS)}, not {act} (layers.cu's glu does)")
+        raise ValueError(f"these fused GLU kernels take {', '.join(FUSED_ACTS)}, not {act} (layers.cu's glu does)")
     return ACT[act]
 
 

@@ -472,18 +472,9 @@ class CudaBackend(PrefillMixin):
     def _hidden_chunk(self, slot: int, part: np.ndarray, past: int) -> cp.ndarray:
         """One chunk at positions past, past + 1, ... (padded in front as prefill.PrefillMixin._chunk
         pads), every layer, then the output norm into ws.h; its rows of the chunk's tokens."""
-        t, ws, cfg = part.shape[0], self.ws, self.cfg
-        q = self.tune.prefill_quantum
-        rows = t if t <= L.MAX_MMV_TOKENS else min(-(-t // q) * q, ws.max_rows)
-        pad = rows - t
-        i32 = lambda a: np.asarray(a, np.int32)  # noqa: E731
-        ws.tokens[:rows].set(i32(np.concatenate([np.zeros(pad, np.int32), part])), stream=self.stream)
-        ws.pos[:rows].set(i32(np.concatenate([np.full(pad, past + t), np.arange(past, past + t)])), stream=self.stream)
-        ws.seq[:rows].set(i32(np.concatenate([np.full(pad, -1), np.full(t, slot)])), stream=self.stream)
-        b = self.blocks
-        b.seq, b.mma, b.decode = ws.seq, False, False
-        b.mmv_rows = L.MAX_MMV_TOKENS
-        x = layers(b, cfg, ws.tokens[:rows], ws.pos[:rows])
+        ws, cfg = self.ws, self.cfg
+        rows, pad = self._stage(slot, part, past, ws.max_rows)
+        x = layers(self._prefill_mode(), cfg, ws.tokens[:rows], ws.pos[:rows])
         h = ws.h[:rows]
         LL.rmsnorm(self.kernels, x.data.ptr, x.strides[0] // 4, self.weights.vec("output_norm.weight").data.ptr,
                    h.data.ptr, h.strides[0] // 4, rows, cfg.n_embd, cfg.rms_eps)

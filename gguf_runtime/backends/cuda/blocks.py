@@ -410,11 +410,11 @@ class CudaBlocks:
             LL.add_bias(self.k, logits.data.ptr, logits.strides[0] // 4, self.w.vec(p + "ffn_gate_inp.bias").data.ptr,
                         cfg.n_expert, t)
         LE.topk(self.k, logits.data.ptr, logits.strides[0] // 4, cfg.n_expert, used, cfg.expert_norm, t, ids, w)
-        g, n = ws.moe_g, cfg.n_ff_exp
-        ldg = g.strides[0] // 4
         if cfg.expert_bias:
             self._moe_biased(x, h, q8, layer)
             return x
+        g, n = ws.moe_g, cfg.n_ff_exp
+        ldg = g.strides[0] // 4
         if not self._small(t) and gate.type_id == up.type_id and gate.cols % 8 == 0 and down.cols % 8 == 0:
             self._moe_mma(x, h, gate, up, down, slots)
             if cfg.n_ff_shexp:

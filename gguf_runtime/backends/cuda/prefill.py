@@ -59,16 +59,8 @@ class PrefillMixin:
     def _chunk(self, slot: int, part: np.ndarray, past: int, all_logits: bool) -> cp.ndarray:
         """Run one chunk of a prompt at positions past, past + 1, ...; its logits (the last row's,
         or every row's), padded and graphed as the module says."""
-        t, ws = part.shape[0], self.ws
-        q = self.tune.prefill_quantum
-        rows = t if t <= L.MAX_MMV_TOKENS else min(-(-t // q) * q, ws.max_rows)
-        if all_logits:  # (t fits, _eval checked)
-            rows = min(rows, ws.logits.shape[0])
-        pad = rows - t
-        i32 = lambda a: np.asarray(a, np.int32)  # noqa: E731
-        ws.tokens[:rows].set(i32(np.concatenate([np.zeros(pad, np.int32), part])), stream=self.stream)
-        ws.pos[:rows].set(i32(np.concatenate([np.full(pad, past + t), np.arange(past, past + t)])), stream=self.stream)
-        ws.seq[:rows].set(i32(np.concatenate([np.full(pad, -1), np.full(t, slot)])), stream=self.stream)
+        ws = self.ws
+        rows, pad = self._stage(slot, part, past, ws.logits.shape[0] if all_logits else ws.max_rows)
         key = ("prefill", rows, all_logits)
         seen = self._prefill_runs.get(key, 0)
         self._prefill_runs[key] = seen + 1
@@ -87,12 +79,30 @@ class PrefillMixin:
             self._prefill_rows(rows, all_logits)
         return ws.logits[pad:rows] if all_logits else ws.logits[:1]
 
-    def _prefill_rows(self, rows: int, all_logits: bool) -> None:
-        """The model over ws.tokens/pos/seq[:rows] (logits into ws.logits)."""
+    def _stage(self, slot: int, part: np.ndarray, past: int, cap: int) -> tuple[int, int]:
+        """ws.tokens / pos / seq of a chunk at positions past, past + 1, ... of ``slot``, padded in
+        front (sequence -1) to a multiple of prefill_quantum past the matvec rows, at most ``cap``
+        rows (t fits it: the callers check); (rows, pad)."""
+        t, ws = part.shape[0], self.ws
+        q = self.tune.prefill_quantum
+        rows = t if t <= L.MAX_MMV_TOKENS else min(-(-t // q) * q, ws.max_rows, cap)
+        pad = rows - t
+        i32 = lambda a: np.asarray(a, np.int32)  # noqa: E731
+        ws.tokens[:rows].set(i32(np.concatenate([np.zeros(pad, np.int32), part])), stream=self.stream)
+        ws.pos[:rows].set(i32(np.concatenate([np.full(pad, past + t), np.arange(past, past + t)])), stream=self.stream)
+        ws.seq[:rows].set(i32(np.concatenate([np.full(pad, -1), np.full(t, slot)])), stream=self.stream)
+        return rows, pad
+
+    def _prefill_mode(self):
+        """The blocks set for a prompt chunk (one sequence's rows, matvecs up to MAX_MMV_TOKENS)."""
         b = self.blocks
         b.seq, b.mma, b.decode = self.ws.seq, False, False
         b.mmv_rows = L.MAX_MMV_TOKENS
-        forward(b, self.cfg, self.ws.tokens[:rows], self.ws.pos[:rows], all_logits=all_logits)
+        return b
+
+    def _prefill_rows(self, rows: int, all_logits: bool) -> None:
+        """The model over ws.tokens/pos/seq[:rows] (logits into ws.logits)."""
+        forward(self._prefill_mode(), self.cfg, self.ws.tokens[:rows], self.ws.pos[:rows], all_logits=all_logits)
 
     def prefill(self, tokens: Sequence[int]) -> None:
         self._eval(0, tokens, all_logits=False)
