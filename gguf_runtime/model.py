@@ -52,6 +52,13 @@ def lm_head_name(cfg: ModelConfig) -> str:
     return "token_embd.weight" if cfg.tied_embeddings else "output.weight"
 
 
+class Collectives(Protocol):
+    """Tensor parallelism's two collectives over the ranks (format/shard.py splits the model)."""
+
+    def all_reduce(self, x: Any) -> Any: ...  # the sum of every rank's x
+    def all_gather(self, x: Any) -> Any: ...  # [T, N] of each rank -> [T, ranks * N], rank-major
+
+
 class Primitives(Protocol):
     """Unfused operations; weights are named by their GGUF tensor names."""
 
@@ -70,8 +77,8 @@ class Primitives(Protocol):
 class ComposedBlocks:
     """The blocks' definition, composed from primitives."""
 
-    def __init__(self, prim: Primitives, cfg: ModelConfig) -> None:
-        self.p, self.cfg = prim, cfg
+    def __init__(self, prim: Primitives, cfg: ModelConfig, comm: "Collectives | None" = None) -> None:
+        self.p, self.cfg, self.comm = prim, cfg, comm
 
     def embed(self, tokens: Sequence[int]) -> Any:
         return self.p.embed(tokens)
@@ -107,6 +114,8 @@ class ComposedBlocks:
     def attn_out(self, x: Any, a: Any, layer: int) -> Any:
         w = f"blk.{layer}."
         o = self.p.linear(a, w + "attn_output.weight", w + "attn_output.bias" if self.cfg.o_bias else None)
+        if self.comm is not None:  # a rank's heads: a partial sum of O's product (format/shard.py)
+            o = self.comm.all_reduce(o)
         if self.cfg.post_norms:
             o = self.p.rms_norm(o, w + "post_attention_norm.weight")
         return x + o
@@ -122,6 +131,8 @@ class ComposedBlocks:
         else:
             d = p.linear(p.glu(p.linear(h, w + "ffn_gate.weight"), p.linear(h, w + "ffn_up.weight")),
                          w + "ffn_down.weight")
+        if self.comm is not None:  # a rank's FFN rows: a partial sum of down's product
+            d = self.comm.all_reduce(d)
         if self.cfg.post_norms:
             d = p.rms_norm(d, w + "post_ffw_norm.weight")
         return x + d
@@ -162,6 +173,8 @@ class ComposedBlocks:
 
     def logits(self, x: Any) -> Any:
         out = self.p.linear(self.final_norm(x), lm_head_name(self.cfg))
+        if self.comm is not None:  # a rank's vocabulary rows: every rank's, side by side
+            out = self.comm.all_gather(out)[:, :self.cfg.n_vocab]
         if self.cfg.final_softcap:
             out = self.p.softcap(out, self.cfg.final_softcap)
         return out

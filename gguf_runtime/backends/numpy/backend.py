@@ -65,7 +65,8 @@ class NumpyBackend:
     name = "numpy"
 
     def __init__(self, gguf: GGUFFile, cfg: ModelConfig, n_ctx: int,
-                 weight_budget: int = DEFAULT_WEIGHT_BUDGET, kv_types: tuple[str, str] = ("f32", "f32")) -> None:
+                 weight_budget: int = DEFAULT_WEIGHT_BUDGET, kv_types: tuple[str, str] = ("f32", "f32"),
+                 comm=None) -> None:
         self.f, self.cfg, self.n_ctx = gguf, cfg, n_ctx
         # the cache's element types (keys, values): stored values round as reference_kv says
         try:
@@ -90,7 +91,7 @@ class NumpyBackend:
             raise BackendError(f"a context of {n_ctx:,} tokens needs {need / 2**30:.1f} GiB of KV cache, more than "
                                "this machine can give; lower --ctx-size") from None
         self.n_past = 0
-        self.blocks = ComposedBlocks(self, cfg)
+        self.blocks = ComposedBlocks(self, cfg, comm)  # comm: one rank of a split model (tests)
 
     # ---- weights ----------------------------------------------------------------------------
     def weight(self, name: str) -> np.ndarray:

@@ -1,0 +1,163 @@
+"""Tensor parallelism's split arithmetic on the CPU: N ranks simulated with the numpy backend.
+
+Each rank is a thread running a NumpyBackend over its ``ShardedFile`` (format/shard.py), with an
+all-reduce and an all-gather over the threads; the logits of every rank, over a prompt and then
+tokens through the KV cache, must equal the unsplit model's (float32 order: the split only
+changes the order of the sums). The cases cover what a split touches: K-quant column splits,
+Q/K/V biases, QK-norm, Gemma's post norms and soft-caps, Phi-3's fused QKV and gate-up, a
+vocabulary that does not divide (the last rank's head padded), and the refusals.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+from gguf_runtime.backends.numpy.backend import NumpyBackend
+from gguf_runtime.errors import UnsupportedModelError
+from gguf_runtime.format.gguf_file import open_gguf
+from gguf_runtime.format.model_config import config_from_gguf
+from gguf_runtime.format.shard import ShardedFile, check_split, shard_config, vocab_part
+from micro_models import Micro, prompt_ids, write_micro
+
+Q4_K_M = {"token_embd.weight": QT.Q4_K, "output.weight": QT.Q6_K, "attn_q.weight": QT.Q4_K,
+          "attn_k.weight": QT.Q4_K, "attn_v.weight": QT.Q6_K, "attn_output.weight": QT.Q4_K,
+          "ffn_gate.weight": QT.Q4_K, "ffn_up.weight": QT.Q4_K, "ffn_down.weight": QT.Q6_K}
+CASES = {
+    # the 8B's type mix: O and down split on 256-value blocks
+    "llama": (Micro(n_embd=512, n_ff=1024, n_head=8, n_head_kv=4, n_layer=2, tied=False, rope_base=5e5,
+                    quant=Q4_K_M), 2),
+    "llama-4": (Micro(n_embd=256, n_ff=512, n_head=8, n_head_kv=4, n_layer=2, tied=False, n_vocab=4001,
+                      quant={".weight": QT.Q8_0}), 4),
+    "qwen2": (Micro(arch="qwen2", vocab="qwen2", n_embd=256, n_ff=512, n_head=4, n_head_kv=2, n_layer=2, bias=True,
+                    n_vocab=4001, quant={".weight": QT.Q8_0}), 2),
+    "qwen3": (Micro(arch="qwen3", vocab="qwen2", n_embd=256, n_ff=512, n_head=4, n_head_kv=2, head_dim=128,
+                    qk_norm=True, n_layer=2, tied=False, quant={".weight": QT.Q5_0}), 2),
+    "gemma3": (Micro(arch="gemma3", vocab="llama-spm", n_embd=256, n_ff=512, n_head=4, n_head_kv=2, head_dim=64,
+                     n_layer=3, qk_norm=True, post_norms=True, sliding_window=4, final_softcap=30.0,
+                     attn_softcap=50.0, quant={".weight": QT.Q8_0}), 2),
+    "phi3": (Micro(arch="phi3", vocab="phi-3", n_embd=256, n_ff=256, n_head=4, n_head_kv=4, tied=False, n_layer=2,
+                   quant={".weight": QT.Q8_0}), 2),
+}
+
+
+class ThreadComm:
+    """The collectives of ``world`` threads: each rank's contribution, a barrier, the sum / the
+    concatenation (every rank computes it from the same parts, in rank order)."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.parts: list = [None] * world
+        self.barrier = threading.Barrier(world, timeout=60)
+
+    def rank(self, r: int) -> "RankComm":
+        return RankComm(self, r)
+
+
+class RankComm:
+    def __init__(self, group: ThreadComm, rank: int) -> None:
+        self.g, self.r = group, rank
+
+    def _exchange(self, x: np.ndarray) -> list[np.ndarray]:
+        g = self.g
+        g.parts[self.r] = x
+        g.barrier.wait()
+        parts = list(g.parts)
+        g.barrier.wait()  # (nobody overwrites a part before every rank has read it)
+        return parts
+
+    def all_reduce(self, x: np.ndarray) -> np.ndarray:
+        parts = self._exchange(x)
+        out = parts[0].copy()
+        for p in parts[1:]:
+            out = out + p
+        return out
+
+    def all_gather(self, x: np.ndarray) -> np.ndarray:
+        return np.concatenate(self._exchange(x), axis=-1)
+
+
+def run_split(path, world: int, prompt: list[int], more: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Every rank's (prompt logits, logits through the cache)."""
+    f = open_gguf(path)
+    cfg = config_from_gguf(f)
+    group = ThreadComm(world)
+    out: list = [None] * world
+    errors: list = []
+
+    def rank(r: int) -> None:
+        try:
+            be = NumpyBackend(ShardedFile(f, cfg, r, world), shard_config(cfg, world), n_ctx=64, comm=group.rank(r))
+            out[r] = (be.eval(prompt, all_logits=True), be.eval(more, all_logits=True))
+        except BaseException as e:  # (a failing rank breaks the barrier for the others)
+            errors.append(e)
+            group.barrier.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_split_logits_equal_unsplit(tmp_path, case):
+    m, world = CASES[case]
+    path = write_micro(m, tmp_path / f"{case}.gguf")
+    f = open_gguf(path)
+    cfg = config_from_gguf(f)
+    prompt, more = prompt_ids(cfg.n_vocab, 9), prompt_ids(cfg.n_vocab, 3, seed=2)
+    be = NumpyBackend(f, cfg, n_ctx=64)
+    ref = (be.eval(prompt, all_logits=True), be.eval(more, all_logits=True))
+    scale = float(np.abs(ref[0]).max())
+    for r, got in enumerate(run_split(path, world, prompt, more)):
+        for g, want in zip(got, ref):
+            assert g.shape == want.shape
+            err = float(np.abs(g - want).max())
+            assert err <= 2e-5 * scale, f"{case}: rank {r} differs from the unsplit model by {err} (scale {scale})"
+            assert (g.argmax(-1) == want.argmax(-1)).all()
+
+
+def test_shard_shapes_and_bytes(tmp_path):
+    """Each rank's tensors: the expected shapes, byte counts that match their types, and parts that
+    put back together give the full tensor (rows stacked, columns side by side)."""
+    m, world = CASES["llama"]
+    f = open_gguf(write_micro(m, tmp_path / "m.gguf"))
+    cfg = config_from_gguf(f)
+    shards = [ShardedFile(f, cfg, r, world) for r in range(world)]
+    sc = shard_config(cfg, world)
+    assert (sc.n_head, sc.n_head_kv, sc.n_ff) == (cfg.n_head // 2, cfg.n_head_kv // 2, cfg.n_ff // 2)
+    for s in shards:
+        for name, t in s.tensors.items():
+            assert s.raw(name).nbytes == t.nbytes, name
+    q = "blk.0.attn_q.weight"
+    whole = f.raw(q).reshape(cfg.n_head * cfg.head_dim, -1)
+    assert np.array_equal(np.concatenate([s.raw(q).reshape(-1, whole.shape[1]) for s in shards]), whole)
+    o = "blk.1.attn_output.weight"
+    whole = f.raw(o).reshape(cfg.n_embd, -1)
+    assert np.array_equal(np.concatenate([s.raw(o).reshape(cfg.n_embd, -1) for s in shards], axis=1), whole)
+    head = [s.raw("output.weight") for s in shards]
+    assert np.array_equal(np.concatenate(head), f.raw("output.weight"))
+    assert shards[1].tensors["output.weight"].ne[1] == vocab_part(cfg, world)
+
+
+def test_refusals(tmp_path):
+    m, _ = CASES["llama"]
+    f = open_gguf(write_micro(m, tmp_path / "m.gguf"))
+    cfg = config_from_gguf(f)
+    with pytest.raises(UnsupportedModelError, match="do not divide into 3 equal parts"):
+        check_split(f, cfg, 3)
+    with pytest.raises(UnsupportedModelError, match="not whole 256-value blocks"):
+        check_split(f, cfg, 4)  # O's 512 Q4_K columns in parts of 128
+    moe = Micro(arch="qwen3moe", vocab="qwen2", n_embd=64, n_ff=128, n_head=4, n_head_kv=2, n_layer=1,
+                n_expert=4, n_expert_used=2, n_ff_exp=64)
+    f = open_gguf(write_micro(moe, tmp_path / "moe.gguf"))
+    with pytest.raises(UnsupportedModelError, match="mixture-of-experts models are not split"):
+        check_split(f, config_from_gguf(f), 2)
+
