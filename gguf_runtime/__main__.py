@@ -4,4 +4,5 @@ import sys
 
 from .cli.app import main
 
-sys.exit(main())
+if __name__ == "__main__":  # (not in the processes multiprocessing spawns: tensor-parallel ranks)
+    sys.exit(main())

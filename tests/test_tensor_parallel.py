@@ -17,7 +17,8 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from gguf_runtime.backends.numpy.backend import NumpyBackend
-from gguf_runtime.errors import UnsupportedModelError
+from gguf_runtime.engine import backend_choice
+from gguf_runtime.errors import BackendError, UnsupportedModelError
 from gguf_runtime.format.gguf_file import open_gguf
 from gguf_runtime.format.model_config import config_from_gguf
 from gguf_runtime.format.shard import ShardedFile, check_split, shard_config, vocab_part
@@ -161,3 +162,26 @@ def test_refusals(tmp_path):
     with pytest.raises(UnsupportedModelError, match="mixture-of-experts models are not split"):
         check_split(f, config_from_gguf(f), 2)
 
+
+def test_backend_choice_refuses_without_gpus(tmp_path, monkeypatch):
+    """-tp N asks for the cuda backend's ranks: the numpy backend, or no GPU, is one line."""
+    m, _ = CASES["qwen2"]
+    f = open_gguf(write_micro(m, tmp_path / "m.gguf"))
+    cfg = config_from_gguf(f)
+    with pytest.raises(BackendError, match="with the cuda backend"):
+        backend_choice.select_backend("numpy", f, cfg, 64, tensor_parallel=2)
+    monkeypatch.setattr(backend_choice, "cuda_available", lambda: (False, "no NVIDIA GPU found"))
+    with pytest.raises(BackendError, match="needs the cuda backend: no NVIDIA GPU found"):
+        backend_choice.select_backend("auto", f, cfg, 64, tensor_parallel=2)
+
+
+def test_cli_tensor_parallel_without_gpu_is_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    m, _ = CASES["qwen2"]
+    path = write_micro(m, tmp_path / "m.gguf")
+    r = subprocess.run([sys.executable, "-m", "gguf_runtime", "run", str(path), "-tp", "2", "--backend", "numpy",
+                        "-p", "hi", "-n", "2", "-q"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and "--tensor-parallel 2" in r.stderr, r.stderr

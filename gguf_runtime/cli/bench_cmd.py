@@ -22,7 +22,7 @@ from ..tools.bench_report import plot, render_table, result
 from ..engine.engine import Engine
 from ..errors import BackendError, GGUFRunError
 from .app import app
-from .options import Backend, CacheTypeK, CacheTypeV, ModelArg, Quiet, kv_types, note_printer, resolve_model
+from .options import Backend, CacheTypeK, CacheTypeV, ModelArg, TensorParallel, Quiet, kv_types, note_printer, resolve_model
 from .progress import progress_bars
 
 MODES = {"both": ("graph", "eager"), "graph": ("graph",), "eager": ("eager",)}
@@ -85,6 +85,7 @@ def bench(
     backend: str = Backend,
     cache_type_k: str = CacheTypeK,
     cache_type_v: str = CacheTypeV,
+    tensor_parallel: int = TensorParallel,
     depth: Optional[str] = typer.Option(None, "-d", "--n-depth", metavar="LIST",
                                         help="tokens already in the cache before the pp and tg rows, e.g. "
                                              "0,4096,16384 (llama-bench's depth; default 0)"),
@@ -160,7 +161,8 @@ def bench(
     ollama = None
     with progress_bars(quiet) as progress:
         eng = Engine(path, backend=backend, n_ctx=ctx, progress=progress, note=note, use_graph="graph" in modes,
-                     max_batch=max_batch, kv_types=kv_types(cache_type_k, cache_type_v))
+                     max_batch=max_batch, kv_types=kv_types(cache_type_k, cache_type_v),
+                     tensor_parallel=tensor_parallel)
         be = eng.backend
         if batches and "graph" in modes:
             be.capture_buckets(progress=progress)

@@ -25,7 +25,7 @@ from ..engine.engine import Engine
 from ..errors import GGUFRunError, printable
 from ..format.model_info import human_count, quant_histogram
 from .app import app
-from .options import (Backend, CacheTypeK, CacheTypeV, CtxSize, MinP, ModelArg, NoGraph, Quiet, RepeatPenalty, Seed,
+from .options import (TensorParallel, Backend, CacheTypeK, CacheTypeV, CtxSize, MinP, ModelArg, NoGraph, Quiet, RepeatPenalty, Seed,
                       Temp, TopK, TopP, check_n_predict, kv_types, note_printer, resolve_model, sampling_params)
 from .progress import progress_bars
 from .stats import print_stats
@@ -405,6 +405,7 @@ def chat(
     backend: str = Backend,
     cache_type_k: str = CacheTypeK,
     cache_type_v: str = CacheTypeV,
+    tensor_parallel: int = TensorParallel,
     no_graph: bool = NoGraph,
     verbose: bool = typer.Option(False, "--verbose", help="print timings after each reply, like `ollama run --verbose`"),
     quiet: bool = Quiet,
@@ -417,7 +418,7 @@ def chat(
     note = note_printer(quiet)
     with progress_bars(quiet) as progress:
         eng = Engine(path, backend=backend, n_ctx=ctx_size, progress=progress, note=note, use_graph=not no_graph,
-                     kv_types=kv)
+                     kv_types=kv, tensor_parallel=tensor_parallel)
     if not eng.has_template and note:
         note("note: the model has no chat template; using a plain ChatML layout")
     session = ChatSession(eng, params=params, system=system, n_predict=n_predict)

@@ -25,6 +25,8 @@ CtxSize = typer.Option(None, "-c", "--ctx-size", min=0,
                        help="context size in tokens (default: min(4096, the model's); 0: the model's own)")
 Backend = typer.Option("auto", "--backend", help="auto | cuda | numpy (auto: cuda when a GPU and CuPy are there)")
 Quiet = typer.Option(False, "--quiet", "-q", help="no progress bars or notes")
+TensorParallel = typer.Option(1, "-tp", "--tensor-parallel", min=1, metavar="N",
+                              help="cuda: split the model over N GPUs of this machine (one process a GPU, NCCL)")
 NoGraph = typer.Option(False, "--no-graph", help="cuda: launch kernels one by one instead of replaying CUDA graphs")
 CACHE_TYPES = ("auto", "f16", "f32", "q8_0", "q4_0")
 OTHER_CACHE_TYPES = ("q4_1", "q5_0", "q5_1", "iq4_nl", "bf16")  # llama.cpp's, not here

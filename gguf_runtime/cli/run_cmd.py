@@ -12,7 +12,7 @@ from ..engine.engine import Engine
 from ..errors import GGUFRunError
 from . import chat_cmd  # the module: its `chat` may not be defined yet while typer registers commands
 from .app import app
-from .options import (N_PREDICT_DEFAULT, Backend, CacheTypeK, CacheTypeV, CtxSize, MinP, ModelArg, NoGraph, NPredict,
+from .options import (TensorParallel, N_PREDICT_DEFAULT, Backend, CacheTypeK, CacheTypeV, CtxSize, MinP, ModelArg, NoGraph, NPredict,
                       Quiet, RepeatPenalty, Seed, Temp, TopK, TopP, check_n_predict, kv_types, note_printer,
                       resolve_model, sampling_params)
 from .progress import progress_bars
@@ -40,6 +40,7 @@ def run(
     backend: str = Backend,
     cache_type_k: str = CacheTypeK,
     cache_type_v: str = CacheTypeV,
+    tensor_parallel: int = TensorParallel,
     no_graph: bool = NoGraph,
     verbose: bool = typer.Option(False, "--verbose", help="print timings like `ollama run --verbose`"),
     quiet: bool = Quiet,
@@ -66,14 +67,15 @@ def run(
         return chat_cmd.chat(model=model, n_predict=-1 if n_predict == N_PREDICT_DEFAULT else n_predict, temp=temp,
                          top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed,
                          ctx_size=ctx_size, system=system, backend=backend, cache_type_k=cache_type_k,
-                         cache_type_v=cache_type_v, no_graph=no_graph, verbose=verbose, quiet=quiet)
+                         cache_type_v=cache_type_v, tensor_parallel=tensor_parallel, no_graph=no_graph,
+                         verbose=verbose, quiet=quiet)
     if prompt is None:
         prompt = sys.stdin.read()
     path = resolve_model(model)
     note = note_printer(quiet)
     with progress_bars(quiet) as progress:
         eng = Engine(path, backend=backend, n_ctx=ctx_size, progress=progress, note=note, use_graph=not no_graph,
-                     kv_types=kv)
+                     kv_types=kv, tensor_parallel=tensor_parallel)
     use_chat = eng.has_template if chat is None else chat
     if use_chat and not eng.has_template and note:
         note("note: the model has no chat template; using a plain ChatML layout")

@@ -11,7 +11,7 @@ import typer
 
 from ..errors import GGUFRunError
 from .app import app
-from .options import (Backend, CacheTypeK, CacheTypeV, CtxSize, ModelArg, NoGraph, Quiet, kv_types, note_printer,
+from .options import (TensorParallel, Backend, CacheTypeK, CacheTypeV, CtxSize, ModelArg, NoGraph, Quiet, kv_types, note_printer,
                       resolve_model)
 from .progress import progress_bars
 
@@ -47,6 +47,7 @@ def serve(
     backend: str = Backend,
     cache_type_k: str = CacheTypeK,
     cache_type_v: str = CacheTypeV,
+    tensor_parallel: int = TensorParallel,
     no_graph: bool = NoGraph,
     max_body: int = typer.Option(1 << 20, "--max-body", min=1024, help="largest request body in bytes (413 above)"),
     max_queue: int = typer.Option(1024, "--max-queue", min=1, help="requests in progress at most (503 above)"),
@@ -90,7 +91,8 @@ def serve(
 
         with progress_bars(quiet) as progress:
             eng = Engine(path, backend=backend, n_ctx=ctx_size, progress=progress, note=note,
-                         use_graph=not no_graph, max_batch=max_batch, kv_types=kv)
+                         use_graph=not no_graph, max_batch=max_batch, kv_types=kv,
+                         tensor_parallel=tensor_parallel)
             return make_adapter(eng, depth=lookahead, progress=progress)
 
     try:

@@ -36,9 +36,22 @@ def cuda_kv_type(k: str, v: str) -> str:
 def select_backend(name: str, f: GGUFFile, cfg: ModelConfig, n_ctx: int,
                    progress: Callable[[str, int, int], None] | None = None,
                    note: Callable[[str], None] | None = None, use_graph: bool = True, max_batch: int = 1,
-                   kv_tokens: int | None = None, kv_types: tuple[str, str] = ("auto", "auto")):
+                   kv_tokens: int | None = None, kv_types: tuple[str, str] = ("auto", "auto"),
+                   tensor_parallel: int = 1):
     if name not in BACKENDS:
         raise BackendError(f"unknown backend '{name}'; choose one of {', '.join(BACKENDS)}")
+    if tensor_parallel != 1:  # a model split over GPUs: the cuda backend's ranks
+        if name == "numpy" or tensor_parallel < 1:
+            raise BackendError(f"--tensor-parallel {tensor_parallel}: splits a model over 2 or more GPUs with "
+                               "the cuda backend; leave it at 1 otherwise")
+        ok, why = cuda_available()
+        if not ok:
+            raise BackendError(f"--tensor-parallel {tensor_parallel} needs the cuda backend: {why}")
+        from ..backends.cuda.tensor_parallel import TensorParallelBackend  # deferred: imports cupy
+
+        return TensorParallelBackend(f, cfg, n_ctx, tensor_parallel, progress=progress, note=note,
+                                     use_graph=use_graph, max_batch=max_batch, kv_tokens=kv_tokens,
+                                     kv_type=cuda_kv_type(*kv_types))
     if name in ("auto", "cuda"):
         ok, why = cuda_available()
         if ok:

@@ -83,7 +83,8 @@ class Engine:
     def __init__(self, path: str | os.PathLike, backend: str = "auto", n_ctx: int | None = None,
                  progress: Callable[[str, int, int], None] | None = None,
                  note: Callable[[str], None] | None = None, use_graph: bool = True, max_batch: int = 1,
-                 kv_tokens: int | None = None, kv_types: tuple[str, str] = ("auto", "auto")) -> None:
+                 kv_tokens: int | None = None, kv_types: tuple[str, str] = ("auto", "auto"),
+                 tensor_parallel: int = 1) -> None:
         t0 = time.perf_counter()
         self.path = os.fspath(path)
         self.gguf: GGUFFile = open_gguf(self.path)
@@ -99,7 +100,7 @@ class Engine:
         self.n_ctx = n_ctx
         self.backend = select_backend(backend, self.gguf, self.cfg, n_ctx, progress=progress, note=note,
                                       use_graph=use_graph, max_batch=max_batch, kv_tokens=kv_tokens,
-                                      kv_types=kv_types)
+                                      kv_types=kv_types, tensor_parallel=tensor_parallel)
         self.cached: list[int] = []  # tokens whose K/V sit in the backend's cache, in order
         self.load_s = time.perf_counter() - t0
         self._load_reported = False  # the load time counts in the first generation's stats only

@@ -82,3 +82,14 @@ def add_gated(k: Kernels, x: int, ldx: int, h: int, ldh: int, w: int, y: int, ld
 
 def softcap(k: Kernels, x: int, ld: int, n: int, rows: int, cap: float) -> None:
     k.fn("layers.cu", "softcap")(*_grid(rows * n), (ptr(x), i32(ld), i32(n), i32(rows), f32(cap)))
+
+
+AR_BLOCKS = 32  # allreduce.cu's fixed grid (its blocks pair up across ranks by index)
+
+
+def allreduce_oneshot(k: Kernels, x: int, n: int, stage: int, flags: int, epoch: int, rank: int, world: int,
+                      half: int) -> None:
+    """x[:n] (float32, n % 4 == 0) = the sum over the ranks (allreduce.cu); stage / flags: device
+    arrays of every rank's staging and flag pointers, epoch: this rank's AR_BLOCKS counters."""
+    k.fn("allreduce.cu", "allreduce_oneshot")((AR_BLOCKS,), (256,), (ptr(x), i32(n), ptr(stage), ptr(flags),
+                                                                    ptr(epoch), i32(rank), i32(world), i32(half)))

@@ -33,7 +33,7 @@ from ...graphs.manager import CaptureError
 from .kv_cache import PAGE_SIZE, PagedKVCache
 from . import tuning
 from .tuning import Tuning
-from ...model import forward, layers
+from ...model import forward, layers, lm_head_name
 from ...format.model_config import OAI_GLU_ALPHA, OAI_GLU_LIMIT, ModelConfig, numpy_only_tensor
 from ...quant_kernels import kv_layout as KL
 from ...quant_kernels import launch_attention as LA
@@ -97,7 +97,10 @@ class CudaBackend(PrefillMixin):
     def __init__(self, f: GGUFFile, cfg: ModelConfig, n_ctx: int,
                  progress: Callable[[str, int, int], None] | None = None, max_rows: int | None = None,
                  use_graph: bool = True, note: Callable[[str], None] | None = None, max_batch: int = 1,
-                 kv_tokens: int | None = None, kv_type: str | None = None, tune: Tuning | None = None) -> None:
+                 kv_tokens: int | None = None, kv_type: str | None = None, tune: Tuning | None = None,
+                 comm=None) -> None:
+        """comm: one rank of a model split over GPUs (collectives.NcclCollectives; f and cfg are then
+        the rank's part, format/shard.py); tensor_parallel.py starts the ranks."""
         check_supported(cfg)
         if (odd := numpy_only_tensor(f, cfg)) is not None:
             raise UnsupportedModelError(
@@ -126,6 +129,8 @@ class CudaBackend(PrefillMixin):
             self._check_kv_type(kv_type)
             page = PagedKVCache.page_bytes(cfg, kv_type=kv_type)
             n_pages = self._kv_pages(n_ctx, kv_tokens, page)
+            if comm is not None:  # every rank the same pool (admission is decided alike everywhere)
+                n_pages = comm.agree_min(n_pages)
             self._check_kv_fits(n_ctx, n_pages, page, kv_type)
             self.kv = PagedKVCache(cfg, n_ctx, n_seqs=max_batch, n_pages=n_pages, kv_type=kv_type)
             ff = None
@@ -135,7 +140,12 @@ class CudaBackend(PrefillMixin):
                 ff = dequantize(f.raw(t.name), t.type_id, t.shape)
             self.inv_freq = {key: cp.asarray(rope_inv_freq(cfg, *key, ff))
                              for key in {cfg.rope_key(i) for i in range(cfg.n_layer)}}
-            self.blocks = CudaBlocks(cfg, self.weights, self.kv, self.ws, self.kernels, self.inv_freq, self.tune)
+            if comm is not None:
+                comm.setup(self.kernels, self.ws.logits.shape[0], self.weights.mat(lm_head_name(cfg)).rows,
+                           cfg.n_embd, self.tune.tp_oneshot_rows, self.tune.tp_reduce_off)
+            self.comm = comm
+            self.blocks = CudaBlocks(cfg, self.weights, self.kv, self.ws, self.kernels, self.inv_freq, self.tune,
+                                     comm)
             self._set_pdl_rows()
             self._init_slots()
             precompile(self, BUCKETS)

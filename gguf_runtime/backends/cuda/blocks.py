@@ -35,8 +35,13 @@ from ...quant_kernels.formats import FORMATS
 
 class CudaBlocks:
     def __init__(self, cfg: ModelConfig, w: DeviceWeights, kv: PagedKVCache, ws: Workspace,
-                 kernels: L.Kernels, inv_freq: dict[tuple[float, float], cp.ndarray], tune: Tuning) -> None:
+                 kernels: L.Kernels, inv_freq: dict[tuple[float, float], cp.ndarray], tune: Tuning,
+                 comm=None) -> None:
         self.cfg, self.w, self.kv, self.ws, self.k = cfg, w, kv, ws, kernels
+        # one rank of a model split over GPUs (collectives.py, format/shard.py): O's and down's
+        # products are partial sums, all-reduced; the head's rows are a part of the vocabulary
+        self.comm = comm
+        self.lead = comm is None or comm.rank == 0  # the rank whose products add the residual
         self.inv_freq = inv_freq
         # RoPE's attention factor (LongRoPE) scales the cos and sin of q and k alike: with every
         # dimension rotated (check_supported) that is q.k times its square
@@ -282,13 +287,18 @@ class CudaBlocks:
 
     def _project_residual(self, a: cp.ndarray, name: str, x: cp.ndarray, post_norm: str | None,
                           a16: cp.ndarray | None = None, a_q8: L.Q8Vec | None = None,
-                          then: tuple[str, list[L.Mat]] | None = None) -> cp.ndarray:
+                          then: tuple[str, list[L.Mat]] | None = None, defer_reduce: bool = False) -> cp.ndarray:
         """x += post_norm(W a) (no norm: straight into x). a16: a's f16 copy (over MAX_MMV_TOKENS
         rows); a_q8: a's int8 copy when already written; then = (the next RMSNorm, the matrices it
         feeds): on the int8 path the epilogue also writes x * its weight into q8_norm."""
         t = a.shape[0]
         target = self.ws.o[:t] if post_norm else x
         self._q8_ready = None
+        # a split model: rank 0's product adds the residual, the others' overwrite x, and the
+        # all-reduce sums them (x is the same on every rank); no epilogue sees a partial sum
+        beta = 0 if post_norm or not self.lead else 1
+        if self.comm is not None:
+            then = None
         if self._small(t):
             w = self.w.mat(name)
             role = "O" if name.endswith("attn_output.weight") else "DOWN"
@@ -301,14 +311,16 @@ class CudaBlocks:
                     out = (nq8, self.w.vec(then[0]).data.ptr)
                     self._q8_ready = (then[0], t)
             L.mmv(self.k, [w], [(target.data.ptr, target.strides[0] // 4)], [None], a.data.ptr,
-                  a.strides[0] // 4, t, 0 if post_norm else 1, q8=q8, q8_out=out,
+                  a.strides[0] // 4, t, beta, q8=q8, q8_out=out,
                   config=self.tune.mmv_override(role, FORMATS[w.type_id].name),
                   kstage=role.lower() in self.tune.kstage)
         elif self.mma:
             LM.mma(self.k, [self.w.mat(name)], [(target.data.ptr, target.strides[0] // 4)], [None], a16.data.ptr,
-                  a16.strides[0] // 2, t, 0 if post_norm else 1, self.ws.split)
+                  a16.strides[0] // 2, t, beta, self.ws.split)
         else:
-            self._gemm16(a16, t, (name,), target, accumulate=not post_norm)
+            self._gemm16(a16, t, (name,), target, accumulate=beta == 1)
+        if self.comm is not None and (post_norm or not defer_reduce):
+            self.comm.all_reduce(target)
         if post_norm:  # x += post_norm(target); on the int8 path also the next norm's input, as above
             q8 = None
             if then is not None and self.tune.post_q8 and x.data.ptr == self.ws.x.data.ptr and x.shape[1] % 16 == 0:
@@ -328,10 +340,13 @@ class CudaBlocks:
             then = None
         x = self._project_residual(a, p + "attn_output.weight", x,
                                    p + "post_attention_norm.weight" if self.cfg.post_norms else None,
-                                   a16=None if self._small(a.shape[0]) else self.ws.x16, a_q8=a_q8, then=then)
-        if self.cfg.o_bias:
+                                   a16=None if self._small(a.shape[0]) else self.ws.x16, a_q8=a_q8, then=then,
+                                   defer_reduce=self.cfg.o_bias)
+        if self.cfg.o_bias:  # (split: rank 0's bias, the others' zeros, then the sum)
             LL.add_bias(self.k, x.data.ptr, x.strides[0] // 4, self.w.vec(p + "attn_output.bias").data.ptr,
                         self.cfg.n_embd, a.shape[0])
+            if self.comm is not None:
+                self.comm.all_reduce(x)
         return x
 
     def _after_ffn(self, layer: int) -> tuple[str, list[L.Mat]]:
@@ -555,7 +570,8 @@ class CudaBlocks:
         if t > ws.logits.shape[0]:
             raise ValueError(f"logits for {t} rows requested; the workspace holds {ws.logits.shape[0]}")
         head = self.w.mat(lm_head_name(cfg))
-        out = ws.logits[:t]
+        # a split model: this rank's vocabulary rows, then every rank's into ws.logits
+        out = ws.logits[:t] if self.comm is None else self.comm.part[:t]
         ld = out.strides[0] // 4
         h, norm, q8 = self._normed(x, "output_norm.weight", [head])
         if self._big_mma(t):
@@ -567,6 +583,10 @@ class CudaBlocks:
                 L.mmv(self.k, [head], [(out[s:].data.ptr, ld)], [None], h[s:].data.ptr, h.strides[0] // 4, n, 0,
                       norm=norm, q8=q8, config=self.tune.mmv_override("HEAD"),
                       kstage="head" in self.tune.kstage)  # q8 only when t <= MAX_MMV_TOKENS
+        if self.comm is not None:
+            out = ws.logits[:t]
+            self.comm.gather_logits(t, out)
+            ld = out.strides[0] // 4
         if cfg.final_softcap:
             LL.softcap(self.k, out.data.ptr, ld, cfg.n_vocab, t, cfg.final_softcap)
         return out

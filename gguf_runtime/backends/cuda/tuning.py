@@ -81,6 +81,9 @@ class Tuning:
     pdl_any_rows: bool = True  # PDL in every graph (small models); big: matvec steps only
     pdl_big_graph_kernels: tuple[str, ...] = ("rmsnorm",)  # ... in larger graphs these only (products lose)
     lookahead: int = 4  # decode steps enqueued ahead of the token the host reads (one sequence, batches)
+    # -- tensor parallelism
+    tp_oneshot_rows: int = 0  # sums of up to this many rows on allreduce.cu (peer memory): 0, NCCL was faster (row 122)
+    tp_reduce_off: bool = False  # measuring only: no all-reduce at all (wrong sums): a split's compute alone
     # -- KV cache
     kv_type: str = "f32"  # f16 up to 128-dim heads (half the bytes; flash_decode reads it); 256-dim: f32 (faster);
     # q8_0 / q4_0 only where the user asks (-ctk / -ctv): the flash kernels read them

@@ -1,0 +1,148 @@
+"""Tensor parallelism's collectives on the GPU: NCCL through CuPy (``cupy.cuda.nccl``), one rank
+a process and a GPU (``tensor_parallel.py`` starts them).
+
+Both run on the backend's stream, so they are captured into the decode and prefill graphs with
+the kernels around them (NCCL supports stream capture): one graph launch a rank a step still
+holds. While the kernels are being recorded for compilation (precompile.py) they do nothing.
+
+- ``all_reduce``: the sum over the ranks, in place (the O and down products' partial sums): up to
+  ``oneshot_rows`` rows (decode steps) the one-shot kernel over peer memory (allreduce.cu: the
+  ranks' staging buffers and flags mapped into each other through CUDA IPC), NCCL above;
+- ``gather_logits``: each rank's vocabulary rows [t, V'] -> the whole [t, V] logits on every rank
+  (an all-gather, then one kernel that puts rank-major parts side by side), so every rank's
+  sampler draws the same token from the same logits and seeds: no token crosses the host.
+"""
+
+from __future__ import annotations
+
+import os
+
+import cupy as cp
+import numpy as np
+
+from ...errors import BackendError
+from ...quant_kernels import launch_layers as LL
+
+# NVLink multicast (NVLS) stays off: on shared hosts it can take the GPUs out of service
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+_PLACE = cp.ElementwiseKernel(
+    "raw float32 parts, int32 rows, int32 part, int32 vocab, int32 ld", "raw float32 out",
+    """
+    int r = i / vocab, v = i - r * vocab;
+    int rank = v / part;
+    out[r * ld + v] = parts[(rank * rows + r) * part + (v - rank * part)];
+    """, "gguf_place_vocab_parts")
+
+
+def nccl_module():
+    try:
+        from cupy.cuda import nccl
+    except Exception as e:  # noqa: BLE001 (a CuPy built without NCCL, or no libnccl found)
+        raise BackendError(f"tensor parallelism needs NCCL, which CuPy cannot load here ({e}); install "
+                           "nvidia-nccl for this CUDA version, or run on one GPU") from None
+    return nccl
+
+
+def unique_id() -> tuple:
+    return nccl_module().get_unique_id()
+
+
+class NcclCollectives:
+    """Rank ``rank`` of ``world``'s communicator (``init`` blocks until every rank has joined)."""
+
+    def __init__(self, world: int, uid: tuple, rank: int) -> None:
+        self.world, self.rank = world, rank
+        self.nccl = nccl_module()
+        self.comm = self.nccl.NcclCommunicator(world, uid, rank)
+        self.kernels = None  # the backend's Kernels: nothing runs while they record (precompile)
+        self.parts: cp.ndarray | None = None
+        self.oneshot_floats = 0
+        self._one = cp.zeros(1, cp.int64)
+
+    def setup(self, kernels, logits_rows: int, vocab_part: int, n_embd: int, oneshot_rows: int,
+              reduce_off: bool = False) -> None:
+        """Buffers of the logits' gather (each rank's part: the head's output, and every rank's) and
+        of the one-shot all-reduce (sums of up to oneshot_rows rows of n_embd; 0: NCCL only)."""
+        self.kernels = kernels
+        self.reduce_off = reduce_off  # (measuring only: tuning.tp_reduce_off)
+        self.vocab_part = vocab_part
+        self.part = cp.zeros((logits_rows, vocab_part), cp.float32)
+        self.parts = cp.zeros(self.world * logits_rows * vocab_part, cp.float32)
+        self.oneshot_floats = oneshot_rows * n_embd if self.world > 1 else 0
+        if self.oneshot_floats:
+            self._map_peers(self.oneshot_floats)
+
+    def _map_peers(self, half: int) -> None:
+        """Staging (two halves of ``half`` floats) and flags in memory of this rank's own (cudaMalloc:
+        an IPC handle names a whole allocation), every rank's opened here through CUDA IPC; the
+        handles travel by an NCCL all-gather."""
+        rt, w = cp.cuda.runtime, self.world
+        flag_bytes = LL.AR_BLOCKS * w * 4
+        self._own = [rt.malloc(2 * half * 4), rt.malloc(flag_bytes)]
+        rt.memset(self._own[1], 0, flag_bytes)
+        handles = [bytes(rt.ipcGetMemHandle(p)) for p in self._own]
+        size = len(handles[0])
+        mine = cp.asarray(np.frombuffer(b"".join(handles), np.uint8))
+        every = cp.zeros(w * mine.size, cp.uint8)
+        s = cp.cuda.get_current_stream()
+        self.comm.allGather(mine.data.ptr, every.data.ptr, mine.size, self.nccl.NCCL_UINT8, s.ptr)
+        s.synchronize()
+        every = every.get().reshape(w, 2, size)
+        ptrs = np.zeros((2, w), np.uint64)
+        self._opened = []
+        for r in range(w):
+            for j in range(2):
+                if r == self.rank:
+                    ptrs[j, r] = self._own[j]
+                else:
+                    p = rt.ipcOpenMemHandle(bytes(every[r, j]))  # (lazily enables peer access)
+                    self._opened.append(p)
+                    ptrs[j, r] = p
+        self.stage_ptrs, self.flag_ptrs = cp.asarray(ptrs[0]), cp.asarray(ptrs[1])
+        self.epoch = cp.zeros(LL.AR_BLOCKS, cp.uint32)
+        self.half = half
+
+    def _idle(self) -> bool:
+        return self.kernels is not None and self.kernels.recorded is not None
+
+    def all_reduce(self, x: cp.ndarray) -> None:
+        """x (contiguous rows, float32) = the sum of every rank's x."""
+        if self._idle() or self.reduce_off:
+            return
+        n = x.shape[0] * x.strides[0] // 4
+        if n <= self.oneshot_floats and n % 4 == 0:
+            LL.allreduce_oneshot(self.kernels, x.data.ptr, n, self.stage_ptrs.data.ptr, self.flag_ptrs.data.ptr,
+                                 self.epoch.data.ptr, self.rank, self.world, self.half)
+            return
+        self.comm.allReduce(x.data.ptr, x.data.ptr, n, self.nccl.NCCL_FLOAT32, self.nccl.NCCL_SUM,
+                            cp.cuda.get_current_stream().ptr)
+
+    def gather_logits(self, t: int, out: cp.ndarray) -> None:
+        """out[:t, :V] = the ranks' parts (self.part[:t] on each) side by side."""
+        if self._idle():
+            return
+        vp = self.vocab_part
+        s = cp.cuda.get_current_stream().ptr
+        self.comm.allGather(self.part.data.ptr, self.parts.data.ptr, t * vp, self.nccl.NCCL_FLOAT32, s)
+        vocab = out.shape[1]
+        _PLACE(self.parts, cp.int32(t), cp.int32(vp), cp.int32(vocab), cp.int32(out.strides[0] // 4), out,
+               size=t * vocab)
+
+    def abort(self) -> None:
+        """End the communicator without waiting for the other ranks (they have stopped)."""
+        comm, self.comm = self.comm, None
+        if comm is not None:
+            try:
+                comm.abort()
+            except Exception:  # noqa: BLE001 (already torn down: nothing left to end)
+                pass
+
+    def agree_min(self, n: int) -> int:
+        """The least n over the ranks (sizes each rank must share: the KV pool's pages)."""
+        self._one.fill(n)
+        s = cp.cuda.get_current_stream()
+        self.comm.allReduce(self._one.data.ptr, self._one.data.ptr, 1, self.nccl.NCCL_INT64, self.nccl.NCCL_MIN,
+                            s.ptr)
+        s.synchronize()
+        return int(self._one.get()[0])

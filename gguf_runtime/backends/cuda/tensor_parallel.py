@@ -1,0 +1,243 @@
+"""Tensor parallelism over the GPUs of one host: one process a GPU, started and supervised here.
+
+Rank 0 is ``TensorParallelBackend`` in the caller's process: a CudaBackend over its part of the
+model (format/shard.py) that the engine, the server and bench use as any backend. Ranks 1..N-1
+are worker processes (``spawn``), each a CudaBackend over its part on GPU r. Every call that
+does GPU work or changes a sequence's state (MIRRORED) is sent to the workers before rank 0 runs
+it, so every rank runs the same calls in the same order; the collectives inside them (NCCL,
+collectives.py) keep the ranks' GPUs in step, and every rank samples the same token from the same
+gathered logits and seeds, so no token crosses the host. Workers answer only at load.
+
+A worker that dies takes the model with it (the other ranks would wait in NCCL for ever): the
+watchdog prints one line and ends the process with exit code 2.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import secrets
+import sys
+import threading
+import time
+from typing import Any
+
+import cupy as cp
+
+from ...errors import BackendError, GGUFRunError
+from ...format.gguf_file import GGUFFile, open_gguf
+from ...format.model_config import ModelConfig
+from ...format.shard import ShardedFile, check_split, shard_config
+from .backend import CudaBackend
+from .collectives import NcclCollectives, unique_id
+
+MIRRORED = ("prefill", "eval", "truncate", "start_decode", "run_steps", "batch_step", "seq_release", "hidden",
+            "capture_buckets", "end_single", "retune")
+MIRRORED_ATTRS = ("prefill_graph", "use_graph")
+LOAD_TIMEOUT = 1800.0  # s: a worker that neither loads nor fails in this time is stuck
+
+
+def _plain(kw: dict[str, Any]) -> dict[str, Any]:
+    """Arguments a worker can take: callbacks (progress) and streams stay on rank 0."""
+    return {k: v for k, v in kw.items() if not callable(v) and not isinstance(v, cp.cuda.Stream)}
+
+
+def _watch_parent(parent: int) -> None:
+    while True:
+        if os.getppid() != parent:
+            os._exit(1)
+        time.sleep(1.0)
+
+
+def _worker(rank: int, world: int, uid: tuple, path: str, cfg: ModelConfig, n_ctx: int, kw: dict, conn,
+            parent: int) -> None:
+    """Rank ``rank``: load its part on GPU ``rank``, say ready (or why not), then run what rank 0 sends."""
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    try:
+        cp.cuda.Device(rank).use()
+        f = open_gguf(path)
+        comm = NcclCollectives(world, uid, rank)
+        be = CudaBackend(ShardedFile(f, cfg, rank, world), shard_config(cfg, world), n_ctx, comm=comm, **kw)
+    except BaseException as e:  # noqa: BLE001 (any failure is reported to rank 0 in one line)
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        conn.send(("error", f"GPU {rank}: {msg}"))
+        sys.exit(2)
+    conn.send(("ready", None))
+    launch = None
+    while True:
+        try:
+            op, name, args, kwargs = conn.recv()
+        except (EOFError, OSError):
+            break
+        try:
+            if op == "call":
+                out = getattr(be, name)(*args, **kwargs)
+                if name == "start_single":
+                    launch = out
+            elif op == "launch":
+                launch()
+            elif op == "kv":
+                getattr(be.kv, name)(*args, stream=be.stream)
+            elif op == "set":
+                setattr(be, name, args)
+            elif op == "stop":
+                os._exit(0)  # (no teardown: NCCL's and the peer mappings' destructors can wait on gone ranks)
+        except GGUFRunError:
+            pass  # rank 0 raised the same (same state, same arguments) and reports it
+        except Exception as e:  # noqa: BLE001
+            print(f"warning: tensor-parallel GPU {rank}: {name}: {type(e).__name__}: {e}", file=sys.stderr)
+
+
+class _MirroredKV:
+    """The KV cache of rank 0 where callers outside the backend reserve or release pages (bench)."""
+
+    def __init__(self, kv, owner: "TensorParallelBackend") -> None:
+        self._kv, self._owner = kv, owner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._kv, name)
+
+    def reserve(self, *args, **kw):
+        self._owner._send(("kv", "reserve", args, {}))
+        return self._kv.reserve(*args, **kw)
+
+    def release(self, *args, **kw):
+        self._owner._send(("kv", "release", args, {}))
+        return self._kv.release(*args, **kw)
+
+
+class TensorParallelBackend(CudaBackend):
+    """Rank 0 of a model split over ``world`` GPUs (module docstring)."""
+
+    def __init__(self, f: GGUFFile, cfg: ModelConfig, n_ctx: int, world: int, progress=None, note=None,
+                 **kw) -> None:
+        check_split(f, cfg, world)
+        try:
+            have = cp.cuda.runtime.getDeviceCount()
+        except cp.cuda.runtime.CUDARuntimeError as e:
+            raise BackendError(f"no usable NVIDIA GPU ({e})") from None
+        if have < world:
+            raise BackendError(f"--tensor-parallel {world} needs {world} GPUs; this machine has {have}")
+        self._depth, self._closing, self._workers = 0, False, []
+        uid = unique_id()
+        ctx = mp.get_context("spawn")
+        for r in range(1, world):
+            mine, theirs = ctx.Pipe()
+            p = ctx.Process(target=_worker, args=(r, world, uid, f.path, cfg, n_ctx, _plain(kw), theirs, os.getpid()),
+                            daemon=True, name=f"gguf-run GPU {r}")
+            p.start()
+            theirs.close()
+            self._workers.append((p, mine))
+        threading.Thread(target=self._watch, daemon=True).start()
+        try:
+            comm = NcclCollectives(world, uid, 0)
+            super().__init__(ShardedFile(f, cfg, 0, world), shard_config(cfg, world), n_ctx, progress=progress,
+                             note=note, comm=comm, **kw)
+        except BaseException:
+            self.close()
+            raise
+        self._wait_ready()
+        self.world = world
+        self.kv = _MirroredKV(self.kv, self)
+        self._ready = True
+        if note:
+            note(f"note: tensor parallel over {world} GPUs (NCCL), {self.weights.nbytes / 2**30:.2f} GiB of weights "
+                 "on each")
+
+    # ---- supervision -----------------------------------------------------------------------------
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + LOAD_TIMEOUT
+        for r, (p, conn) in enumerate(self._workers, 1):
+            while not conn.poll(0.2):
+                if not p.is_alive() or time.monotonic() > deadline:
+                    self.close()
+                    raise BackendError(f"tensor-parallel GPU {r} stopped while loading (exit code {p.exitcode})")
+            status, msg = conn.recv()
+            if status != "ready":
+                self.close()
+                raise BackendError(f"tensor parallelism: {msg}")
+
+    def _watch(self) -> None:
+        """A worker gone: the other ranks would wait for it in NCCL for ever. While loading, rank 0
+        reports a worker's failure itself when it gets to _wait_ready; stuck before that (in NCCL),
+        this thread does, after a grace period."""
+        dead_since: dict[int, float] = {}
+        while not self._closing:
+            for r, (p, conn) in enumerate(self._workers, 1):
+                if p.is_alive():
+                    continue
+                if self.__dict__.get("_ready"):
+                    why = f"stopped (exit code {p.exitcode}); the model cannot run without it"
+                elif time.monotonic() - dead_since.setdefault(r, time.monotonic()) < 5.0:
+                    continue
+                else:
+                    why = f"failed to load: {conn.recv()[1]}" if conn.poll() else f"stopped (exit code {p.exitcode})"
+                if self._closing:
+                    return
+                print(f"error: tensor-parallel GPU {r} {why}", file=sys.stderr, flush=True)
+                os._exit(2)
+            time.sleep(0.5)
+
+    def close(self) -> None:
+        """Stop the workers (at exit they stop with this process anyway)."""
+        self._closing = True
+        for p, conn in self._workers:
+            try:
+                conn.send(("stop", "", (), {}))
+            except (OSError, ValueError):
+                pass
+        for p, _ in self._workers:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+        comm = self.__dict__.get("comm")
+        if comm is not None:
+            comm.abort()  # (this rank's communicator: nothing waits on the stopped ranks at exit)
+
+    # ---- mirroring -------------------------------------------------------------------------------
+    def _send(self, msg: tuple) -> None:
+        if self._depth:
+            return  # (a call inside a mirrored call: the workers make it themselves)
+        op, name, args, kw = msg
+        msg = (op, name, args, _plain(kw))
+        for _, conn in self._workers:
+            conn.send(msg)
+
+    def _mirror(self, name: str, *args, **kw):
+        self._send(("call", name, args, kw))
+        self._depth += 1
+        try:
+            return getattr(CudaBackend, name)(self, *args, **kw)
+        finally:
+            self._depth -= 1
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in MIRRORED_ATTRS and self.__dict__.get("_ready"):
+            self._send(("set", name, value, {}))
+        object.__setattr__(self, name, value)
+
+    def seq_add(self, slot, prompt, params, max_new, seed=None) -> None:
+        seed = int(seed) if seed is not None else secrets.randbits(63)  # (the same on every rank)
+        return self._mirror("seq_add", slot, list(prompt), params, max_new, seed)
+
+    def start_single(self, history, params, seed):
+        local = self._mirror("start_single", list(history), params, seed)
+        msg = ("launch", "", (), {})
+
+        def launch() -> None:
+            for _, conn in self._workers:
+                conn.send(msg)
+            local()
+        return launch
+
+
+def _mirrored(name: str):
+    def call(self, *args, **kw):
+        return self._mirror(name, *args, **kw)
+    call.__name__ = name
+    call.__doc__ = getattr(CudaBackend, name).__doc__
+    return call
+
+
+for _name in MIRRORED:
+    setattr(TensorParallelBackend, _name, _mirrored(_name))
