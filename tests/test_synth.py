@@ -17,7 +17,7 @@ from gguf_runtime.tools import synth, synth_presets
 from gguf_runtime.errors import GGUFError, GGUFRunError
 from gguf_runtime.format.gguf_file import open_gguf
 from gguf_runtime.format.model_config import config_from_gguf, model_tensors
-from gguf_runtime.format.blocks import BY_NAME
+from gguf_runtime.format.blocks import BY_NAME, type_name
 from gguf_runtime.quant_kernels.reference import dequantize
 from gguf_runtime.tools.synth import SynthError, build_preset_header, layout_of, write_header, write_twin
 from gguf_runtime.tools.synth_presets import LLAMA3_VOCAB, LlamaSpec, llama_header, pack_header, repack_header
@@ -301,6 +301,7 @@ def test_cli(cli_main, capsys, tmp_path, smollm2_path):
     assert cli_main(["synth", "--list-presets"]) == 0
     listing = capsys.readouterr().out
     assert "llama3-8b-q4_k_m" in listing and "4.58 GiB" in listing
+    assert "llama3-70b-q4_k_m" in listing and "39.60 GiB" in listing  # (the real file: 42.5 GB)
     hdr, out = tmp_path / "s.hdr.gguf", tmp_path / "s.gguf"
     assert cli_main(["synth", "--like", smollm2_path, "--header-only", "-o", str(hdr)]) == 0
     assert cli_main(["synth", "--fill", str(hdr), "-o", str(out), "--seed", "5", "-q"]) == 0
@@ -329,3 +330,17 @@ def test_fills_mxfp4_and_iq4_tensors(tmp_path):
         y = dequantize_iq(f.raw(name), t.type_name, t.shape)
         rms = float(np.sqrt(np.mean(y.astype(np.float64) ** 2)))
         assert np.isfinite(y).all() and 0.01 < rms < 0.04, (name, rms)
+
+
+def test_llama3_70b_types_follow_llama_cpp():
+    """Q4_K_M's 70B rule (llama_tensor_get_type): attn_v takes Q5_K where the other layers' Q4_K
+    (Q6_K where use_more_bits), ffn_down Q6_K / Q4_K as in the 8B, the head Q6_K."""
+    from gguf_runtime.tools.synth_presets import LLAMA3_70B, llama_q4_k_m_table, use_more_bits
+
+    types = {name: type_name(t) for name, _, t in llama_q4_k_m_table(LLAMA3_70B)}
+    for i in range(LLAMA3_70B.n_layer):
+        more = use_more_bits(i, LLAMA3_70B.n_layer)
+        assert types[f"blk.{i}.attn_v.weight"] == ("Q6_K" if more else "Q5_K")
+        assert types[f"blk.{i}.ffn_down.weight"] == ("Q6_K" if more else "Q4_K")
+        assert types[f"blk.{i}.attn_q.weight"] == "Q4_K"
+    assert types["output.weight"] == "Q6_K"

