@@ -156,6 +156,8 @@ def bench(
     if client:  # before any time goes into our own benchmark
         client.check()
     bandwidth, method = device_bandwidth(name)
+    if tensor_parallel > 1 and bandwidth:  # a split model's byte limit: every GPU's
+        bandwidth, method = bandwidth * tensor_parallel, f"{method}, times {tensor_parallel} GPUs"
     max_batch = next(b for b in (1, 2, 4, 8, 16, 32, 64) if b >= max(batches or (1,)))
     suite = Suite(n_prompt, n_gen, reps, modes, batches, seed, depths=depths)
     ollama = None
@@ -181,8 +183,11 @@ def bench(
                       "load_s": {"gguf_run": eng.load_s, "ollama": load}, "answers": answers}
     settings = {"n_prompt": n_prompt, "n_gen": n_gen, "repetitions": reps, "batch": list(batches),
                 "depth": list(depths),
-                "batch_prompt": BATCH_PROMPT if batches else None, "modes": list(modes), "n_ctx": ctx, "seed": seed}
-    res = result(f=eng.gguf, cfg=eng.cfg, path=path, backend=name, device=device_name(name), bandwidth=bandwidth,
+                "batch_prompt": BATCH_PROMPT if batches else None, "modes": list(modes), "n_ctx": ctx, "seed": seed,
+                "tensor_parallel": tensor_parallel}
+    split = f" x{tensor_parallel}" if tensor_parallel > 1 else ""
+    res = result(f=eng.gguf, cfg=eng.cfg, path=path, backend=name + split, device=device_name(name) + split,
+                 bandwidth=bandwidth,
                  bandwidth_method=method, weights_read=weight_bytes_read(eng.gguf, eng.cfg, name), rows=rows,
                  settings=settings, load_s=eng.load_s, skipped=skipped, ollama=ollama)
     if as_json:

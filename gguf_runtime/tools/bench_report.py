@@ -121,7 +121,7 @@ def render_table(res: dict) -> str:
 
 def render_ollama(o: dict, backend: str) -> str:
     ours, theirs = o["gguf_run"], o["ollama"]
-    mode = ours[-1]["mode"] if backend == "cuda" else ""
+    mode = ours[-1]["mode"] if backend.startswith("cuda") else ""
     col = f"gguf-run {backend}{' ' + mode if mode else ''} t/s"
     rows = []
     for a, b in zip(ours, theirs):
