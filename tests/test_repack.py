@@ -38,7 +38,7 @@ def test_repack_rejects_bad_input():
     with pytest.raises(ValueError):
         repack(np.zeros(144, np.uint8), t, 1, 250)
     with pytest.raises(ValueError):
-        repack(np.zeros(144, np.uint8), 16, 1, 256)  # IQ2_XXS: no kernels
+        repack(np.zeros(54, np.uint8), 34, 1, 256)  # TQ1_0: no kernels
 
 
 @pytest.mark.parametrize("name", SUPPORTED)

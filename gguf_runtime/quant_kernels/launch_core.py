@@ -28,10 +28,12 @@ OPTIONS = nvrtc_options()
 TYPE_STRUCT = {"F32": "TF32", "F16": "TF16", "BF16": "TBF16", "Q4_0": "TQ4_0", "Q4_1": "TQ4_1",
                "Q5_0": "TQ5_0", "Q5_1": "TQ5_1", "Q8_0": "TQ8_0", "Q2_K": "TQ2_K", "Q3_K": "TQ3_K",
                "Q4_K": "TQ4_K", "Q5_K": "TQ5_K", "Q6_K": "TQ6_K", "MXFP4": "TMXFP4", "IQ4_NL": "TIQ4_NL",
-               "IQ4_XS": "TIQ4_XS"}
+               "IQ4_XS": "TIQ4_XS", "IQ2_XXS": "TIQ2_XXS", "IQ2_XS": "TIQ2_XS", "IQ2_S": "TIQ2_S",
+               "IQ3_XXS": "TIQ3_XXS", "IQ3_S": "TIQ3_S", "IQ1_S": "TIQ1_S", "IQ1_M": "TIQ1_M"}
 UNIT_ELEMS = {"TF32": 16, "TF16": 16, "TBF16": 16, "TQ4_0": 32, "TQ4_1": 32, "TQ5_0": 32, "TQ5_1": 32,
               "TQ8_0": 32, "TQ2_K": 64, "TQ3_K": 64, "TQ4_K": 32, "TQ5_K": 32, "TQ6_K": 64,
-              "TMXFP4": 32, "TIQ4_NL": 32, "TIQ4_XS": 32}
+              "TMXFP4": 32, "TIQ4_NL": 32, "TIQ4_XS": 32, "TIQ2_XXS": 64, "TIQ2_XS": 64, "TIQ2_S": 64,
+              "TIQ3_XXS": 64, "TIQ3_S": 64, "TIQ1_S": 64, "TIQ1_M": 64}
 SMEM_DEFAULT_MAX = 48 * 1024  # dynamic shared memory per block beyond this needs the kernel's opt-in
 ACT = {"silu": 0, "gelu_tanh": 1, "swiglu_oai": 2}  # 2: layers.cu's glu and moe.cu's moe_glu (not the others)
 FUSED_ACTS = ("silu", "gelu_tanh")

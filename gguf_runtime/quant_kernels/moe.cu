@@ -262,6 +262,10 @@ MOE(TQ2_K, 0) MOE(TQ3_K, 0) MOE(TQ4_K, 0) MOE(TQ5_K, 0) MOE(TQ6_K, 0)
 MOE(TQ4_0, 1) MOE(TQ4_1, 1) MOE(TQ5_0, 1) MOE(TQ5_1, 1) MOE(TQ8_0, 1)
 MOE(TQ2_K, 1) MOE(TQ3_K, 1) MOE(TQ4_K, 1) MOE(TQ5_K, 1) MOE(TQ6_K, 1) MOE(TQ4_K, 9)
 MOE(TMXFP4, 0) MOE(TIQ4_NL, 0) MOE(TIQ4_XS, 0) MOE(TMXFP4, 1) MOE(TIQ4_NL, 1) MOE(TIQ4_XS, 1)
+MOE(TIQ2_XXS, 0) MOE(TIQ2_XS, 0) MOE(TIQ2_S, 0) MOE(TIQ3_XXS, 0)
+MOE(TIQ3_S, 0) MOE(TIQ1_S, 0) MOE(TIQ1_M, 0)
+MOE(TIQ2_XXS, 1) MOE(TIQ2_XS, 1) MOE(TIQ2_S, 1) MOE(TIQ3_XXS, 1)
+MOE(TIQ3_S, 1) MOE(TIQ1_S, 1) MOE(TIQ1_M, 1)
 #define GLU_Q8(T, IO) \
     template __global__ void moe_glu<T, 8, 1, 0, IO>(P4, P4, int, int, const int*, int, const float*, int, \
                                                      const float*, float, XQ_TYPES, float*, int, QO_TYPES, \

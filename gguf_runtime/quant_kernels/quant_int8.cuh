@@ -177,6 +177,18 @@ template <class T> struct I8Lut {  // MXFP4, IQ4_NL, IQ4_XS: the table's signed 
 template <> struct I8<TMXFP4> : I8Lut<TMXFP4> {};
 template <> struct I8<TIQ4_NL> : I8Lut<TIQ4_NL> {};
 template <> struct I8<TIQ4_XS> : I8Lut<TIQ4_XS> {};
+template <class T> struct I8Iq {  // the i-quants: their pieces are signed bytes already
+    static HD void words(const typename T::Raw& r, int p, u32 (&q)[4], float& d, float& m) {
+        T::sbytes(r, p, q, d); m = 0.f;
+    }
+};
+template <> struct I8<TIQ2_XXS> : I8Iq<TIQ2_XXS> {};
+template <> struct I8<TIQ2_XS> : I8Iq<TIQ2_XS> {};
+template <> struct I8<TIQ2_S> : I8Iq<TIQ2_S> {};
+template <> struct I8<TIQ3_XXS> : I8Iq<TIQ3_XXS> {};
+template <> struct I8<TIQ3_S> : I8Iq<TIQ3_S> {};
+template <> struct I8<TIQ1_S> : I8Iq<TIQ1_S> {};
+template <> struct I8<TIQ1_M> : I8Iq<TIQ1_M> {};
 template <> struct I8<TQ2_K> {
     static HD void words(const TQ2_K::Raw& r, int p, u32 (&q)[4], float& d, float& m) {
         const u32 sc = (r.sc >> (8 * p)) & 0xFFu;

@@ -432,3 +432,5 @@ HD void piece(const typename T::Raw& r, int p, float* w) {
 #pragma unroll
     for (int i = 0; i < 16; ++i) w[i] = fmaf(d, q[i], m);
 }
+
+#include "quant_iq.cuh"  // the 1- to 3-bit i-quants

@@ -266,6 +266,8 @@ def random_blocks(type_id: int, n_elems: int, rng: np.random.Generator, scale: f
 
     if fmt.name in TABLE_TYPES:
         return _random_table_blocks(fmt.name, n_elems, rng, scale)
+    if fmt.name in NUMPY_ONLY:  # the 1- to 3-bit i-quants: reference_iq's generator
+        return reference_iq.random_iq_blocks(fmt.name, n_elems, rng, scale)
     d_off, m_off, ratio, jitter, msq = _RANDOM[fmt.name]
     d0 = scale / math.sqrt(msq * _JITTER_MSQ)
     extremes = [d0 * 0.5, d0 * 1.5]

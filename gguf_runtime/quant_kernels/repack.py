@@ -48,6 +48,15 @@ LAYOUTS: dict[str, tuple[Plane, ...]] = {
     "MXFP4": (Plane("qs", ((1, 17),)), Plane("d", ((0, 1),))),
     "IQ4_NL": (Plane("qs", ((2, 18),)), Plane("d", ((0, 2),))),
     "IQ4_XS": (Plane("qs", ((8, 136),)), Plane("sc", ((0, 8),))),
+    # i-quants (quant_iq.cuh): grid indices (and IQ2_S's sign bytes) in qs, high bits, signs and scales
+    "IQ2_XXS": (Plane("qs", ((2, 66),)), Plane("d", ((0, 2),))),
+    "IQ2_XS": (Plane("qs", ((2, 66),)), Plane("sc", ((66, 74),)), Plane("d", ((0, 2),))),
+    "IQ2_S": (Plane("qs", ((2, 66),)), Plane("sc", ((66, 82),)), Plane("d", ((0, 2),))),  # qh, scales
+    "IQ3_XXS": (Plane("qs", ((2, 66),)), Plane("sc", ((66, 98),)), Plane("d", ((0, 2),))),
+    "IQ3_S": (Plane("qs", ((2, 66),)), Plane("qh", ((66, 74),)), Plane("sc", ((74, 110),), pad=12),  # signs, scales
+              Plane("d", ((0, 2),))),
+    "IQ1_S": (Plane("qs", ((2, 34),)), Plane("qh", ((34, 50),)), Plane("d", ((0, 2),))),
+    "IQ1_M": (Plane("qs", ((0, 32),)), Plane("qh", ((32, 48),)), Plane("sc", ((48, 56),))),
     # float types: one plane, the row as stored
     "F32": (Plane("qs", ((0, 4),)),),
     "F16": (Plane("qs", ((0, 2),)),),

@@ -26,6 +26,8 @@ extern "C" int decode_rows(int type, const u8* qs, const u8* qh, const u8* sc, c
         CASE(2, TQ4_0) CASE(3, TQ4_1) CASE(6, TQ5_0) CASE(7, TQ5_1) CASE(8, TQ8_0)
         CASE(10, TQ2_K) CASE(11, TQ3_K) CASE(12, TQ4_K) CASE(13, TQ5_K) CASE(14, TQ6_K)
         CASE(39, TMXFP4) CASE(20, TIQ4_NL) CASE(23, TIQ4_XS)
+        CASE(16, TIQ2_XXS) CASE(17, TIQ2_XS) CASE(22, TIQ2_S) CASE(18, TIQ3_XXS) CASE(21, TIQ3_S)
+        CASE(19, TIQ1_S) CASE(29, TIQ1_M)
 #undef CASE
     }
     return -1;
@@ -55,6 +57,8 @@ extern "C" int decode_rows_i8(int type, const u8* qs, const u8* qh, const u8* sc
         CASE(2, TQ4_0) CASE(3, TQ4_1) CASE(6, TQ5_0) CASE(7, TQ5_1) CASE(8, TQ8_0)
         CASE(10, TQ2_K) CASE(11, TQ3_K) CASE(12, TQ4_K) CASE(13, TQ5_K) CASE(14, TQ6_K)
         CASE(39, TMXFP4) CASE(20, TIQ4_NL) CASE(23, TIQ4_XS)
+        CASE(16, TIQ2_XXS) CASE(17, TIQ2_XS) CASE(22, TIQ2_S) CASE(18, TIQ3_XXS) CASE(21, TIQ3_S)
+        CASE(19, TIQ1_S) CASE(29, TIQ1_M)
 #undef CASE
     }
     return -1;
