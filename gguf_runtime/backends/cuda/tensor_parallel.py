@@ -3,8 +3,8 @@
 Rank 0 is ``TensorParallelBackend`` in the caller's process: a CudaBackend over its part of the
 model (format/shard.py) that the engine, the server and bench use as any backend. Ranks 1..N-1
 are worker processes (``spawn``), each a CudaBackend over its part on GPU r. Every call that
-does GPU work or changes a sequence's state (MIRRORED) is sent to the workers before rank 0 runs
-it, so every rank runs the same calls in the same order; the collectives inside them (NCCL,
+does GPU work or changes a sequence's state is sent to the workers before rank 0 runs it
+(backends/mirror.py), so every rank runs the same calls in the same order; the collectives inside them (NCCL,
 collectives.py) keep the ranks' GPUs in step, and every rank samples the same token from the same
 gathered logits and seeds, so no token crosses the host. Workers answer only at load.
 
@@ -16,30 +16,21 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import secrets
 import sys
 import threading
 import time
-from typing import Any
 
 import cupy as cp
 
-from ...errors import BackendError, GGUFRunError
+from ...errors import BackendError
 from ...format.gguf_file import GGUFFile, open_gguf
 from ...format.model_config import ModelConfig
 from ...format.shard import ShardedFile, check_split, shard_config
+from ..mirror import MirrorFront, exit_now, plain, serve_calls, stop_all
 from .backend import CudaBackend
 from .collectives import NcclCollectives, unique_id
 
-MIRRORED = ("prefill", "eval", "truncate", "start_decode", "run_steps", "batch_step", "seq_release", "hidden",
-            "capture_buckets", "end_single", "retune")
-MIRRORED_ATTRS = ("prefill_graph", "use_graph")
 LOAD_TIMEOUT = 1800.0  # s: a worker that neither loads nor fails in this time is stuck
-
-
-def _plain(kw: dict[str, Any]) -> dict[str, Any]:
-    """Arguments a worker can take: callbacks (progress) and streams stay on rank 0."""
-    return {k: v for k, v in kw.items() if not callable(v) and not isinstance(v, cp.cuda.Stream)}
 
 
 def _watch_parent(parent: int) -> None:
@@ -63,50 +54,10 @@ def _worker(rank: int, world: int, uid: tuple, path: str, cfg: ModelConfig, n_ct
         conn.send(("error", f"GPU {rank}: {msg}"))
         sys.exit(2)
     conn.send(("ready", None))
-    launch = None
-    while True:
-        try:
-            op, name, args, kwargs = conn.recv()
-        except (EOFError, OSError):
-            break
-        try:
-            if op == "call":
-                out = getattr(be, name)(*args, **kwargs)
-                if name == "start_single":
-                    launch = out
-            elif op == "launch":
-                launch()
-            elif op == "kv":
-                getattr(be.kv, name)(*args, stream=be.stream)
-            elif op == "set":
-                setattr(be, name, args)
-            elif op == "stop":
-                os._exit(0)  # (no teardown: NCCL's and the peer mappings' destructors can wait on gone ranks)
-        except GGUFRunError:
-            pass  # rank 0 raised the same (same state, same arguments) and reports it
-        except Exception as e:  # noqa: BLE001
-            print(f"warning: tensor-parallel GPU {rank}: {name}: {type(e).__name__}: {e}", file=sys.stderr)
+    serve_calls(be, conn, f"tensor-parallel GPU {rank}", on_stop=exit_now)
 
 
-class _MirroredKV:
-    """The KV cache of rank 0 where callers outside the backend reserve or release pages (bench)."""
-
-    def __init__(self, kv, owner: "TensorParallelBackend") -> None:
-        self._kv, self._owner = kv, owner
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._kv, name)
-
-    def reserve(self, *args, **kw):
-        self._owner._send(("kv", "reserve", args, {}))
-        return self._kv.reserve(*args, **kw)
-
-    def release(self, *args, **kw):
-        self._owner._send(("kv", "release", args, {}))
-        return self._kv.release(*args, **kw)
-
-
-class TensorParallelBackend(CudaBackend):
+class TensorParallelBackend(MirrorFront, CudaBackend):
     """Rank 0 of a model split over ``world`` GPUs (module docstring)."""
 
     def __init__(self, f: GGUFFile, cfg: ModelConfig, n_ctx: int, world: int, progress=None, note=None,
@@ -118,16 +69,17 @@ class TensorParallelBackend(CudaBackend):
             raise BackendError(f"no usable NVIDIA GPU ({e})") from None
         if have < world:
             raise BackendError(f"--tensor-parallel {world} needs {world} GPUs; this machine has {have}")
-        self._depth, self._closing, self._workers = 0, False, []
+        self._depth, self._closing, self._workers, self._conns = 0, False, [], []
         uid = unique_id()
         ctx = mp.get_context("spawn")
         for r in range(1, world):
             mine, theirs = ctx.Pipe()
-            p = ctx.Process(target=_worker, args=(r, world, uid, f.path, cfg, n_ctx, _plain(kw), theirs, os.getpid()),
+            p = ctx.Process(target=_worker, args=(r, world, uid, f.path, cfg, n_ctx, plain(kw), theirs, os.getpid()),
                             daemon=True, name=f"gguf-run GPU {r}")
             p.start()
             theirs.close()
             self._workers.append((p, mine))
+            self._conns.append(mine)
         threading.Thread(target=self._watch, daemon=True).start()
         try:
             comm = NcclCollectives(world, uid, 0)
@@ -138,8 +90,8 @@ class TensorParallelBackend(CudaBackend):
             raise
         self._wait_ready()
         self.world = world
-        self.kv = _MirroredKV(self.kv, self)
-        self._ready = True
+        self.mirror_kv()
+        self._mirror_ready = True
         if note:
             note(f"note: tensor parallel over {world} GPUs (NCCL), {self.weights.nbytes / 2**30:.2f} GiB of weights "
                  "on each")
@@ -166,7 +118,7 @@ class TensorParallelBackend(CudaBackend):
             for r, (p, conn) in enumerate(self._workers, 1):
                 if p.is_alive():
                     continue
-                if self.__dict__.get("_ready"):
+                if self.__dict__.get("_mirror_ready"):
                     why = f"stopped (exit code {p.exitcode}); the model cannot run without it"
                 elif time.monotonic() - dead_since.setdefault(r, time.monotonic()) < 5.0:
                     continue
@@ -181,11 +133,7 @@ class TensorParallelBackend(CudaBackend):
     def close(self) -> None:
         """Stop the workers (at exit they stop with this process anyway)."""
         self._closing = True
-        for p, conn in self._workers:
-            try:
-                conn.send(("stop", "", (), {}))
-            except (OSError, ValueError):
-                pass
+        stop_all(self._conns)
         for p, _ in self._workers:
             p.join(timeout=10)
             if p.is_alive():
@@ -193,51 +141,3 @@ class TensorParallelBackend(CudaBackend):
         comm = self.__dict__.get("comm")
         if comm is not None:
             comm.abort()  # (this rank's communicator: nothing waits on the stopped ranks at exit)
-
-    # ---- mirroring -------------------------------------------------------------------------------
-    def _send(self, msg: tuple) -> None:
-        if self._depth:
-            return  # (a call inside a mirrored call: the workers make it themselves)
-        op, name, args, kw = msg
-        msg = (op, name, args, _plain(kw))
-        for _, conn in self._workers:
-            conn.send(msg)
-
-    def _mirror(self, name: str, *args, **kw):
-        self._send(("call", name, args, kw))
-        self._depth += 1
-        try:
-            return getattr(CudaBackend, name)(self, *args, **kw)
-        finally:
-            self._depth -= 1
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in MIRRORED_ATTRS and self.__dict__.get("_ready"):
-            self._send(("set", name, value, {}))
-        object.__setattr__(self, name, value)
-
-    def seq_add(self, slot, prompt, params, max_new, seed=None) -> None:
-        seed = int(seed) if seed is not None else secrets.randbits(63)  # (the same on every rank)
-        return self._mirror("seq_add", slot, list(prompt), params, max_new, seed)
-
-    def start_single(self, history, params, seed):
-        local = self._mirror("start_single", list(history), params, seed)
-        msg = ("launch", "", (), {})
-
-        def launch() -> None:
-            for _, conn in self._workers:
-                conn.send(msg)
-            local()
-        return launch
-
-
-def _mirrored(name: str):
-    def call(self, *args, **kw):
-        return self._mirror(name, *args, **kw)
-    call.__name__ = name
-    call.__doc__ = getattr(CudaBackend, name).__doc__
-    return call
-
-
-for _name in MIRRORED:
-    setattr(TensorParallelBackend, _name, _mirrored(_name))

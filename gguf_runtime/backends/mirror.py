@@ -1,0 +1,148 @@
+"""Running the same backend calls in several processes: tensor parallelism's control path
+(backends/cuda/tensor_parallel.py), kept apart from CUDA so the CPU tests check it.
+
+The front (``MirrorFront``, mixed into rank 0's backend class) sends every call in ``mirrored``
+that is made from outside the backend to the workers' pipes before it runs the call itself; calls
+the backend makes inside such a call are not sent (each worker makes them itself, inside the same
+call). ``serve_calls`` is a worker's loop. Arguments travel pickled: callbacks (progress bars) and
+objects of this process (streams) are dropped, and the KV cache's reserve / release take the
+worker's own stream. A sequence's seed is chosen before the call is sent, so every rank samples
+alike; a single sequence's launch closure is forwarded as a "launch" message per step.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+from typing import Any, Iterable
+
+from ..errors import GGUFRunError
+
+MIRRORED = ("prefill", "eval", "truncate", "start_decode", "run_steps", "batch_step", "seq_release", "hidden",
+            "capture_buckets", "end_single", "retune")
+MIRRORED_ATTRS = ("prefill_graph", "use_graph")
+
+
+def plain(kw: dict[str, Any]) -> dict[str, Any]:
+    """Arguments a worker can take: no callbacks, nothing with a ``ptr`` into this process (streams)."""
+    return {k: v for k, v in kw.items() if not callable(v) and not hasattr(v, "ptr")}
+
+
+class MirroredKV:
+    """Rank 0's KV cache where callers outside the backend reserve or release pages (bench)."""
+
+    def __init__(self, kv, owner: "MirrorFront") -> None:
+        self._kv, self._owner = kv, owner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._kv, name)
+
+    def reserve(self, *args, **kw):
+        self._owner._send(("kv", "reserve", args, {}))
+        return self._kv.reserve(*args, **kw)
+
+    def release(self, *args, **kw):
+        self._owner._send(("kv", "release", args, {}))
+        return self._kv.release(*args, **kw)
+
+
+class MirrorFront:
+    """Mixed in before the backend class; ``_conns``: the workers' pipe ends (set before any call),
+    ``_mirror_ready``: set once loading is over (attribute writes mirror from then on)."""
+
+    _conns: list = []
+    _depth = 0
+
+    def _send(self, msg: tuple) -> None:
+        if self._depth:
+            return  # (a call inside a mirrored call: the workers make it themselves)
+        op, name, args, kw = msg
+        msg = (op, name, args, plain(kw))
+        for conn in self._conns:
+            conn.send(msg)
+
+    def _mirror(self, name: str, *args, **kw):
+        self._send(("call", name, args, kw))
+        self._depth += 1
+        try:
+            return getattr(super(MirrorFront, self), name)(*args, **kw)
+        finally:
+            self._depth -= 1
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in MIRRORED_ATTRS and self.__dict__.get("_mirror_ready"):
+            self._send(("set", name, value, {}))
+        object.__setattr__(self, name, value)
+
+    def mirror_kv(self) -> None:
+        """From now on reserve / release of ``self.kv`` from outside reach the workers."""
+        self.kv = MirroredKV(self.kv, self)
+
+    def seq_add(self, slot, prompt, params, max_new, seed=None) -> None:
+        seed = int(seed) if seed is not None else secrets.randbits(63)  # (the same on every rank)
+        return self._mirror("seq_add", slot, list(prompt), params, max_new, seed)
+
+    def start_single(self, history, params, seed):
+        local = self._mirror("start_single", list(history), params, seed)
+        msg = ("launch", "", (), {})
+
+        def launch() -> None:
+            for conn in self._conns:
+                conn.send(msg)
+            local()
+        return launch
+
+
+def _mirrored(name: str):
+    def call(self, *args, **kw):
+        return self._mirror(name, *args, **kw)
+    call.__name__ = name
+    return call
+
+
+for _name in MIRRORED:
+    setattr(MirrorFront, _name, _mirrored(_name))
+
+
+def serve_calls(be, conn, label: str = "worker", on_stop=None) -> None:
+    """A worker: run what the front sends, in order, until "stop" (then ``on_stop``, e.g. os._exit)
+    or the pipe closes. An error the front raises too (same state, same call) is dropped; others
+    are printed, one line each."""
+    launch = None
+    while True:
+        try:
+            op, name, args, kwargs = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            if op == "call":
+                out = getattr(be, name)(*args, **kwargs)
+                if name == "start_single":
+                    launch = out
+            elif op == "launch":
+                launch()
+            elif op == "kv":
+                getattr(be.kv, name)(*args, stream=be.stream)
+            elif op == "set":
+                setattr(be, name, args)
+            elif op == "stop":
+                if on_stop is not None:
+                    on_stop()
+                return
+        except GGUFRunError:
+            pass
+        except Exception as e:  # noqa: BLE001
+            print(f"warning: {label}: {name}: {type(e).__name__}: {e}", file=sys.stderr)
+
+
+def stop_all(conns: Iterable) -> None:
+    for conn in conns:
+        try:
+            conn.send(("stop", "", (), {}))
+        except (OSError, ValueError):
+            pass
+
+
+def exit_now() -> None:
+    os._exit(0)  # (no teardown: NCCL's and peer mappings' destructors can wait on gone ranks)

@@ -1,0 +1,150 @@
+"""Tensor parallelism's control path on the CPU (backends/mirror.py): a front and two workers over
+real pipes (threads here, processes in the product), each over a backend that logs its calls. The
+workers must run exactly the front's calls, in its order: nested calls not doubled, the same seeds,
+launches forwarded, attribute writes and KV reservations mirrored, callbacks and streams dropped."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+
+import pytest
+
+from gguf_runtime.backends.mirror import MirrorFront, serve_calls, stop_all
+from gguf_runtime.errors import ContextOverflowError
+from gguf_runtime.sampling import SamplingParams
+
+
+class FakeKV:
+    def __init__(self, log: list) -> None:
+        self.log, self.page_size = log, 16
+
+    def reserve(self, slot, n, stream=None):
+        self.log.append(("kv.reserve", slot, n, stream is not None))
+
+    def release(self, slot, stream=None):
+        self.log.append(("kv.release", slot, stream is not None))
+
+
+class Fake:
+    """The backend calls the engine, server and bench make, each logged (nested ones as the CUDA
+    backend nests them: start_decode truncates and prefills)."""
+
+    def __init__(self, log: list) -> None:
+        self.log, self.kv, self.stream, self.prefill_graph = log, FakeKV(log), object(), True
+
+    def truncate(self, n):
+        self.log.append(("truncate", n))
+
+    def prefill(self, tokens):
+        self.log.append(("prefill", tuple(tokens)))
+
+    def eval(self, tokens, all_logits=False):
+        if len(tokens) > 100:
+            raise ContextOverflowError("too long")
+        self.log.append(("eval", tuple(tokens), all_logits))
+        return [0.0]
+
+    def start_decode(self, prompt, params, seed=0, keep=0):
+        self.truncate(keep)
+        self.prefill(prompt)
+        self.log.append(("start_decode", seed))
+
+    def run_steps(self, n, params, graph=False):
+        self.log.append(("run_steps", n, graph))
+
+    def seq_add(self, slot, prompt, params, max_new, seed=None):
+        self.log.append(("seq_add", slot, tuple(prompt), max_new, seed))
+
+    def batch_step(self, n):
+        self.log.append(("batch_step", n))
+
+    def seq_release(self, slot):
+        self.log.append(("seq_release", slot))
+
+    def hidden(self, tokens, slot=0):
+        self.log.append(("hidden", tuple(tokens), slot))
+
+    def capture_buckets(self, mode=(False, True), progress=None):
+        self.log.append(("capture", mode, progress is None))
+
+    def start_single(self, history, params, seed):
+        self.log.append(("start_single", tuple(history), seed))
+        return lambda: self.log.append(("launch",))
+
+    def end_single(self):
+        self.log.append(("end_single",))
+
+    def retune(self, tune):
+        self.log.append(("retune", tune))
+
+
+class Front(MirrorFront, Fake):
+    pass
+
+
+@pytest.fixture
+def group():
+    ctx = mp.get_context("spawn")
+    front_log, logs, conns, threads, workers = [], [], [], [], []
+    for _ in range(2):
+        mine, theirs = ctx.Pipe()
+        log = []
+        be = Fake(log)
+        t = threading.Thread(target=serve_calls, args=(be, theirs))
+        t.start()
+        logs.append(log)
+        conns.append(mine)
+        threads.append(t)
+        workers.append(be)
+    front = Front(front_log)
+    front._conns = conns
+    front.mirror_kv()
+    front._mirror_ready = True
+
+    def finish():
+        stop_all(conns)
+        for t in threads:
+            t.join(timeout=10)
+        return logs
+
+    yield front, front_log, finish, workers
+
+
+def test_workers_run_exactly_the_fronts_calls(group):
+    front, front_log, finish, workers = group
+    p = SamplingParams(temperature=0.0)
+    front.start_decode([1, 2, 3], p, seed=7)
+    front.run_steps(4, p, graph=True)
+    launch = front.start_single([1, 2], p, 9)
+    for _ in range(3):
+        launch()
+    front.end_single()
+    front.seq_add(1, (5, 6), p, 10)  # no seed: the front picks one, the same everywhere
+    front.batch_step(2)
+    front.seq_release(1)
+    front.hidden([4, 5], slot=3)
+    front.capture_buckets(progress=lambda *a: None)  # (the callback stays here)
+    front.kv.reserve(0, 64, stream=front.stream)
+    front.kv.release(0, stream=front.stream)
+    front.eval([8], all_logits=True)
+    with pytest.raises(ContextOverflowError):
+        front.eval(list(range(200)))  # every rank refuses alike
+    front.prefill_graph = False
+    logs = finish()
+    assert front_log.count(("truncate", 0)) == 1 and front_log.count(("prefill", (1, 2, 3))) == 1
+    seeds = [e[-1] for e in front_log if e[0] == "seq_add"]
+    assert len(seeds) == 1 and isinstance(seeds[0], int)
+    assert ("capture", (False, True), False) in front_log
+    for log, be in zip(logs, workers):
+        assert log == [e if e[0] != "capture" else ("capture", e[1], True) for e in front_log]
+        assert be.prefill_graph is False
+    assert sum(e == ("launch",) for e in logs[0]) == 3
+
+
+def test_writes_before_ready_stay_local(group):
+    front, front_log, finish, workers = group
+    front._mirror_ready = False
+    front.prefill_graph = False  # (the backend's own setup, while loading)
+    logs = finish()
+    assert all(be.prefill_graph is True for be in workers) and logs == [[], []]
