@@ -1,0 +1,103 @@
+"""Speculative decoding's host side (issue 36): proposing tokens and accepting them.
+
+- ``ngram_propose``: prompt lookup (llama.cpp's lookup decoding, vLLM's ``ngram``): the longest
+  suffix of the sequence (``n_max`` down to ``n_min`` tokens) that occurred before; the tokens
+  that followed its latest earlier occurrence are the proposal. No model.
+- ``accept_greedy``: with greedy decoding the target's own argmax at each proposed position; the
+  proposals agreeing with it are kept, and the first disagreement is replaced by the target's token,
+  so the output is the target's greedy output token for token.
+- ``accept_sampled``: with temperature > 0, speculative sampling (Leviathan et al. 2023, Chen et
+  al. 2023): proposal x drawn from q is kept with probability min(1, p(x) / q(x)); at the first
+  rejection the token is drawn from max(p - q, 0) renormalized; after k acceptances one more from
+  p. The tokens are distributed as the target's own samples (a test checks it on a small
+  vocabulary). A proposer without probabilities (n-gram) is a point mass: q(x) = 1.
+- ``AdaptiveK``: how many tokens to propose, from the recent acceptance.
+
+The target evaluates its last token and the k proposals in one step; the caller then keeps the
+cache of the accepted positions only (a truncate).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+
+def ngram_propose(history: Sequence[int], k: int, n_max: int = 3, n_min: int = 1, window: int = 8192) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the longest suffix of
+    ``history`` (n_max .. n_min tokens), searched in its last ``window`` tokens; [] when none."""
+    if k <= 0:
+        return []
+    h = list(history[-window:])
+    n_tok = len(h)
+    for n in range(min(n_max, n_tok - 1), n_min - 1, -1):
+        suffix = h[n_tok - n:]
+        for start in range(n_tok - n - 1, -1, -1):  # latest first; the suffix itself excluded
+            if h[start:start + n] == suffix:
+                follow = h[start + n:start + n + k]
+                if follow:
+                    return follow
+    return []
+
+
+def accept_greedy(proposals: Sequence[int], target: Sequence[int]) -> tuple[int, int]:
+    """(accepted, next): target[i] is the target's argmax after the prefix and proposals[:i]
+    (len(proposals) + 1 rows); the proposals agreeing with it are accepted, and ``next`` is the
+    target's token at the first disagreement (or after the last proposal)."""
+    a = 0
+    while a < len(proposals) and proposals[a] == target[a]:
+        a += 1
+    return a, int(target[a])
+
+
+def _draw(p: np.ndarray, rng: np.random.Generator) -> int:
+    c = np.cumsum(p, dtype=np.float64)
+    return int(min(np.searchsorted(c, rng.random() * c[-1], side="right"), len(p) - 1))
+
+
+def accept_sampled(proposals: Sequence[int], p_rows: np.ndarray, rng: np.random.Generator,
+                   q_rows: np.ndarray | None = None) -> tuple[int, int]:
+    """(accepted, next) by speculative sampling. p_rows: the target's probabilities at each
+    proposed position and one past them [len(proposals) + 1, V]; q_rows: the proposer's (None: each
+    proposal certain, as n-gram lookup's)."""
+    for i, x in enumerate(proposals):
+        p = np.asarray(p_rows[i], np.float64)
+        qx = 1.0 if q_rows is None else float(q_rows[i][x])
+        if qx > 0 and rng.random() * qx < p[x]:  # kept with probability min(1, p(x) / q(x))
+            continue
+        if q_rows is None:
+            rest = p.copy()
+            rest[x] = 0.0
+        else:
+            rest = np.maximum(p - np.asarray(q_rows[i], np.float64), 0.0)
+        if rest.sum() <= 0:  # (p equals q: the rejection cannot happen; numerically, draw from p)
+            rest = p
+        return i, _draw(rest, rng)
+    return len(proposals), _draw(np.asarray(p_rows[len(proposals)], np.float64), rng)
+
+
+class AdaptiveK:
+    """Tokens to propose: doubled (up to k_max) after a step that kept them all, halved (down to
+    k_min) when the recent acceptance is under ``low``; the acceptance is averaged over steps."""
+
+    def __init__(self, k: int = 4, k_min: int = 1, k_max: int = 8, low: float = 0.3, decay: float = 0.8) -> None:
+        self.k, self.k_min, self.k_max, self.low, self.decay = k, k_min, k_max, low, decay
+        self.rate = 1.0
+        self.proposed = self.accepted = 0
+
+    def update(self, proposed: int, accepted: int) -> None:
+        if proposed <= 0:
+            return
+        self.proposed += proposed
+        self.accepted += accepted
+        self.rate = self.decay * self.rate + (1 - self.decay) * accepted / proposed
+        if accepted == proposed:
+            self.k = min(self.k_max, self.k * 2)
+        elif self.rate < self.low:
+            self.k = max(self.k_min, self.k // 2)
+
+    @property
+    def acceptance(self) -> float:
+        """Accepted over proposed since the start."""
+        return self.accepted / self.proposed if self.proposed else 0.0
