@@ -67,3 +67,61 @@ def test_adaptive_k():
     for _ in range(10):
         a.update(a.k, 0)
     assert a.k == 1 and a.acceptance < 0.1
+
+
+# ---- the loop, on the numpy backend ------------------------------------------------------------
+from gguf_runtime.backends.host_loop import host_sample_loop  # noqa: E402
+from gguf_runtime.backends.numpy.backend import NumpyBackend  # noqa: E402
+from gguf_runtime.engine.speculative import speculative_loop  # noqa: E402
+from gguf_runtime.format.gguf_file import open_gguf  # noqa: E402
+from gguf_runtime.format.model_config import config_from_gguf  # noqa: E402
+from gguf_runtime.sampling import SamplingParams  # noqa: E402
+from micro_models import Micro, prompt_ids, write_micro  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = write_micro(Micro(n_embd=64, n_ff=128, n_head=4, n_head_kv=2, n_layer=2),
+                       tmp_path_factory.mktemp("spec") / "m.gguf")
+    f = open_gguf(path)
+    return f, config_from_gguf(f)
+
+
+def generate(model, prompt, n, params, loop, **kw):
+    f, cfg = model
+    be = NumpyBackend(f, cfg, n_ctx=128)
+    be.eval(prompt)
+    if loop == "plain":
+        return list(host_sample_loop(be, n, params, list(prompt), frozenset()))
+    return list(speculative_loop(be, n, params, list(prompt), frozenset(), **kw))
+
+
+def test_greedy_output_is_the_plain_loops(model):
+    greedy = SamplingParams(temperature=0.0)
+    prompt = prompt_ids(model[1].n_vocab, 12) * 2  # a repeated text: lookup has something to propose
+    plain = generate(model, prompt, 40, greedy, "plain")
+    stats: dict = {}
+    assert generate(model, prompt, 40, greedy, "spec", stats=stats) == plain
+    assert stats["proposed"] > 0
+    # an oracle that proposes the plain output itself: all kept, a few steps for 40 tokens
+    oracle_stats: dict = {}
+    done = len(prompt)
+
+    def oracle(hist, k):
+        i = len(hist) - done
+        return plain[i:i + k]
+
+    assert generate(model, prompt, 40, greedy, "spec", propose=oracle, k=4, stats=oracle_stats) == plain
+    assert oracle_stats["accepted"] == oracle_stats["proposed"] and oracle_stats["steps"] <= 10
+
+
+def test_wrong_proposals_change_nothing(model):
+    """Proposals that are never right: every step keeps none, and the text is the plain loop's."""
+    greedy = SamplingParams(temperature=0.0)
+    prompt = prompt_ids(model[1].n_vocab, 9, seed=3)
+    plain = generate(model, prompt, 16, greedy, "plain")
+    stats: dict = {}
+    wrong = generate(model, prompt, 16, greedy, "spec", stats=stats,
+                     propose=lambda hist, k: [(plain[len(hist) - len(prompt)] + 1) % model[1].n_vocab] * k
+                     if len(hist) - len(prompt) < len(plain) else [])
+    assert wrong == plain and stats["accepted"] == 0 and stats["proposed"] > 0

@@ -101,3 +101,60 @@ class AdaptiveK:
     def acceptance(self) -> float:
         """Accepted over proposed since the start."""
         return self.accepted / self.proposed if self.proposed else 0.0
+
+
+def _probs(sampler, logits: np.ndarray, history: Sequence[int], n_vocab: int) -> np.ndarray:
+    """The target's draw distribution over the whole vocabulary (the sampler's chain)."""
+    ids, probs = sampler.distribution(logits, history)
+    p = np.zeros(n_vocab, np.float64)
+    p[ids] = probs
+    return p
+
+
+def speculative_loop(backend, n: int, params, history: list[int], stop: frozenset[int], k: int = 4,
+                     propose=ngram_propose, stats: dict | None = None):
+    """Up to n tokens after the prompt already in ``backend`` (its ``last_logits``), as
+    host_loop.host_sample_loop gives them, with ``propose(history, k)``'s tokens checked k at a time:
+    each step evaluates the last token and the proposals in one call (``eval(..., all_logits=True)``),
+    keeps the accepted ones (greedy: the target's argmax; sampled: speculative sampling) and truncates
+    the cache to them. ``stats`` (if given) counts steps, proposed and accepted tokens.
+
+    Greedy output equals the plain loop's token for token where a multi-row evaluation gives the
+    same argmax as one row at a time (the rows' logits differ only in float32 order)."""
+    from ..sampling import Sampler
+
+    sampler = Sampler(params)
+    hist = list(history)
+    adapt = AdaptiveK(k, k_max=max(k, 1) * 2)
+    st = stats if stats is not None else {}
+    st.update(steps=0, proposed=0, accepted=0)
+    n_vocab = int(np.asarray(backend.last_logits).shape[-1])
+    tok = sampler.sample(np.asarray(backend.last_logits), hist)
+    produced = 0
+    while True:
+        yield tok
+        produced += 1
+        if tok in stop or produced >= n:
+            return
+        hist.append(tok)
+        props = [int(t) for t in propose(hist, min(adapt.k, n - produced))][:n - produced]
+        base = backend.n_past
+        rows = np.asarray(backend.eval([tok] + props, all_logits=True)).reshape(len(props) + 1, -1)
+        if params.greedy:
+            target = [int(sampler.distribution(rows[i], hist + props[:i])[0][0]) for i in range(len(props) + 1)]
+            accepted, nxt = accept_greedy(props, target)
+        else:
+            p_rows = np.stack([_probs(sampler, rows[i], hist + props[:i], n_vocab) for i in range(len(props) + 1)])
+            accepted, nxt = accept_sampled(props, p_rows, sampler.rng)
+        adapt.update(len(props), accepted)
+        st["steps"] += 1
+        st["proposed"] += len(props)
+        st["accepted"] += accepted
+        backend.truncate(base + 1 + accepted)
+        for t in props[:accepted]:
+            yield t
+            produced += 1
+            if t in stop or produced >= n:
+                return
+            hist.append(t)
+        tok = nxt
