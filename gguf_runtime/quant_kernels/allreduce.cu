@@ -1,5 +1,6 @@
 // One-shot all-reduce over peer memory: tensor parallelism's small sums (the decode steps' O and
-// down products, a few KiB to 1 MiB), where NCCL's ring costs ~15 us a call inside a graph.
+// down products, a few KiB to 1 MiB), measured against NCCL inside graphs (bench/tp_allreduce.py;
+// slower as it stands, so off by default: the tuning table's tp_oneshot_rows).
 //
 // Every rank launches the same grid (AR_BLOCKS blocks, fixed, so block b handles the same indices
 // in every call). Block b copies its slice of x into half (epoch & 1) of its rank's staging buffer,
