@@ -10,11 +10,8 @@ Both backends live in this process (the whole model and rank 0 share GPU 0: the 
 from __future__ import annotations
 
 import argparse
-import os
 
 import numpy as np
-
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 
 def rows(be, prompt: list[int], more: list[int]) -> np.ndarray:

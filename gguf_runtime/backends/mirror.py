@@ -51,7 +51,7 @@ class MirrorFront:
     """Mixed in before the backend class; ``_conns``: the workers' pipe ends (set before any call),
     ``_mirror_ready``: set once loading is over (attribute writes mirror from then on)."""
 
-    _conns: list = []
+    _conns: tuple = ()
     _depth = 0
 
     def _send(self, msg: tuple) -> None:

@@ -15,16 +15,11 @@ holds. While the kernels are being recorded for compilation (precompile.py) they
 
 from __future__ import annotations
 
-import os
-
 import cupy as cp
 import numpy as np
 
 from ...errors import BackendError
 from ...quant_kernels import launch_layers as LL
-
-# NVLink multicast (NVLS) stays off: on shared hosts it can take the GPUs out of service
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 _PLACE = cp.ElementwiseKernel(
     "raw float32 parts, int32 rows, int32 part, int32 vocab, int32 ld", "raw float32 out",
