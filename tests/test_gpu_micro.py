@@ -3,7 +3,8 @@
 Micro models (micro_models.py: real tokenizers, random weights at real checkpoints' scales) at the
 smallest shapes the CUDA kernels take: Llama with the 8B's Q4_K/Q6_K mix and untied head, Qwen2
 with Q/K/V biases, Qwen3 with QK-norm and head size 128, Gemma-3 with post norms, QK-norm, GELU,
-head size 256, a sliding window of 4 and final soft-capping, Qwen3-MoE with 16 experts (4 a token).
+head size 256, a sliding window of 4 and final soft-capping, Qwen3-MoE with 16 experts (4 a token),
+Llama with a 1- to 3-bit i-quant in every matrix.
 Two or three layers keep the rounding
 paths out of their chaotic regime (path_model.py), so each is held to its numpy model:
 
@@ -73,6 +74,12 @@ CASES = {
                             1.19),
                   quant={"token_embd.weight": QT.Q8_0, "attn_qkv.weight": QT.IQ4_NL, "attn_output.weight": QT.IQ4_XS,
                          "ffn_up.weight": QT.Q4_K, "ffn_down.weight": QT.MXFP4, "output.weight": QT.Q6_K}),
+    # the 1- to 3-bit i-quants, one a matrix (quant_iq.cuh), in the embedding and the head too
+    "llama-iq": Micro(**SHAPE, n_layer=2, rope_base=500000.0, eps=1e-5, tied=False,
+                      quant={"token_embd.weight": QT.IQ3_XXS, "output.weight": QT.IQ2_XS,
+                             "attn_q.weight": QT.IQ2_XXS, "attn_k.weight": QT.IQ2_XS, "attn_v.weight": QT.IQ3_XXS,
+                             "attn_output.weight": QT.IQ3_S, "ffn_gate.weight": QT.IQ2_S,
+                             "ffn_up.weight": QT.IQ1_S, "ffn_down.weight": QT.IQ1_M}),
 }
 N_CTX = 64
 # f32 activations, every row (measured: 1 - cos <= 1.4e-12, max rel <= 4.7e-6)
@@ -142,18 +149,6 @@ def test_int8_rest_path_every_row(micro, monkeypatch, rng):
         got = run(be, ids, more)
         assert_all_rows(got, run(rest, ids, more), what=f"micro {name} int8 + rests vs path", **REST)
         assert_all_rows(got, run(f32, ids, more), what=f"micro {name} int8 + rests vs f32", **REST)
-
-
-@pytest.mark.parametrize("case", ["IQ3_S"])
-def test_numpy_only_architectures_are_refused_in_one_line(tmp_path, case):
-    """The 1- to 3-bit i-quants run on the numpy backend only: the CUDA backend names the tensor and
-    the way out."""
-    from gguf_runtime.errors import UnsupportedModelError
-    m = Micro(**SHAPE, quant={"ffn_down.weight": QT.IQ3_S})
-    words = r"tensor 'blk.0.ffn_down.weight' uses quant type IQ3_S, which the CUDA kernels do not read yet"
-    f = open_gguf(write_micro(m, tmp_path / f"{case}.gguf"))
-    with pytest.raises(UnsupportedModelError, match=words):
-        CudaBackend(f, config_from_gguf(f), N_CTX)
 
 
 def test_f16_prefill_most_rows(micro, rng):

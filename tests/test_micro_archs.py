@@ -26,9 +26,10 @@ from gguf import GGMLQuantizationType as QT
 
 from gguf_runtime.backends.numpy.backend import NumpyBackend
 from gguf_runtime.format.gguf_file import open_gguf
-from gguf_runtime.format.blocks import NUMPY_ONLY
 from gguf_runtime.format.model_config import config_from_gguf
 from micro_models import Micro, hf_logits, hf_model, llama3_freq_factors, numpy_logits, prompt_ids, write_micro
+
+IQ_TYPES = ("IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -163,10 +164,10 @@ def test_qwen3moe(tmp_path, quant):
         assert_visible(tmp_path, Micro(**{**QWEN3MOE, "n_expert_used": 1}), ids, ref)
 
 
-@pytest.mark.parametrize("name", ("MXFP4", "IQ4_NL", "IQ4_XS") + NUMPY_ONLY)
-def test_numpy_only_types_against_transformers(tmp_path, name):
-    """Experts in each i-quant type and MXFP4 (the table types, which the CUDA kernels read too, and
-    those only the numpy backend reads): transformers' GGUF
+@pytest.mark.parametrize("name", ("MXFP4", "IQ4_NL", "IQ4_XS") + IQ_TYPES)
+def test_table_and_iq_types_against_transformers(tmp_path, name):
+    """Experts in each i-quant type and MXFP4 (the table types and the 1- to 3-bit
+    i-quants): transformers' GGUF
     loader dequantizes them with the gguf package, ours with reference_iq, and the logits agree."""
     m = Micro(**{**QWEN3MOE, "n_embd": 256, "n_ff_exp": 256}, quant={"_exps.weight": QT[name]})
     path, _, _ = run_case(tmp_path, m, head_dim=32, moe_intermediate_size=256)

@@ -12,7 +12,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from gguf_runtime.quant_kernels.formats import BY_NAME, FORMATS, HOST_DECODED, SUPPORTED
+from gguf_runtime.quant_kernels.formats import BY_NAME, FORMATS, SUPPORTED
 from gguf_runtime.quant_kernels.reference import dequantize, random_blocks
 from gguf_runtime.quant_kernels.reference_q8 import dequantize_q8, dequantize_q8_rest, quantize_q8, quantize_q8_rest
 from gguf_runtime.quant_kernels.repack import repack
@@ -40,7 +40,7 @@ def ptr(a):
     return ctypes.c_void_p(a.ctypes.data) if a is not None else ctypes.c_void_p(0)
 
 
-@pytest.mark.parametrize("name", SUPPORTED + HOST_DECODED)
+@pytest.mark.parametrize("name", SUPPORTED)
 def test_host_decoder_matches_reference(lib, name, rng):
     t = BY_NAME[name]
     fmt = FORMATS[t]
@@ -57,7 +57,7 @@ def test_host_decoder_matches_reference(lib, name, rng):
     np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
 
 
-INT_TYPES = [n for n in SUPPORTED + HOST_DECODED if n not in ("F32", "F16", "BF16")]
+INT_TYPES = [n for n in SUPPORTED if n not in ("F32", "F16", "BF16")]
 
 
 @pytest.mark.parametrize("name", INT_TYPES)

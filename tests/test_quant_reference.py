@@ -19,14 +19,17 @@ import pytest
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from gguf_runtime.quant_kernels import formats
-from gguf_runtime.format.blocks import BY_NAME, FORMATS, NUMPY_ONLY, SUPPORTED, nbytes
+from gguf_runtime.format.blocks import BY_NAME, FORMATS, SUPPORTED, nbytes
 from gguf_runtime.quant_kernels.reference import dequantize, dequantize_rows, random_blocks
 
 # Byte offsets of the f16 scale / min fields inside one block (ggml-common.h block structs).
 from gguf_runtime.quant_kernels.reference import F16_FIELDS, TABLE_TYPES, all_finite  # noqa: E402
+from gguf_runtime.quant_kernels.reference_iq import KERNELS as NONLINEAR  # noqa: E402
 FLOATS = ("F32", "F16", "BF16")
-# (the table types, MXFP4 / IQ4_NL / IQ4_XS, dequantize through reference_iq: test_reference_iq)
-QUANTS = tuple(n for n in SUPPORTED if n not in FLOATS + TABLE_TYPES)
+IQ_TYPES = tuple(n for n in NONLINEAR if n not in TABLE_TYPES)  # the 1- to 3-bit i-quants
+# (the table types, MXFP4 / IQ4_NL / IQ4_XS, and the i-quants dequantize through reference_iq:
+# test_reference_iq)
+QUANTS = tuple(n for n in SUPPORTED if n not in FLOATS + tuple(NONLINEAR))
 assert set(F16_FIELDS) == set(QUANTS)
 
 
@@ -178,8 +181,8 @@ def test_formats_table_matches_gguf():
 def test_kernel_table_is_the_file_formats_rows():
     """quant_kernels keeps its own rows (it imports nothing of the runtime): the same ids, names
     and block sizes as format.blocks, for exactly the supported types."""
-    assert formats.SUPPORTED == SUPPORTED and formats.NUMPY_ONLY == NUMPY_ONLY
-    assert formats.FORMATS == {i: FORMATS[i] for i in formats.READABLE_IDS}
+    assert formats.SUPPORTED == SUPPORTED
+    assert formats.FORMATS == {i: FORMATS[i] for i in formats.SUPPORTED_IDS}
 
 
 def test_errors():
@@ -195,7 +198,7 @@ def test_errors():
         dequantize(raw, q4k, (1, 256))
     with pytest.raises(ValueError, match="uint8"):
         dequantize(raw.view(np.int8), q4k, (2, 256))
-    for name in ("Q8_1", "Q8_K", "I32", "F64", "TQ1_0", "NVFP4"):  # (the readable types only: supported, numpy-only)
+    for name in ("Q8_1", "Q8_K", "I32", "F64", "TQ1_0", "NVFP4"):  # (the supported types only)
         with pytest.raises(ValueError, match=f"type id {BY_NAME[name]} is not supported"):
             dequantize(np.zeros(nbytes(BY_NAME[name], 256), np.uint8), BY_NAME[name], (256,))
     with pytest.raises(ValueError, match="99"):
@@ -208,7 +211,7 @@ def test_errors():
     assert dequantize(np.zeros(0, np.uint8), q4k, (0, 256)).shape == (0, 256)
 
 
-@pytest.mark.parametrize("name", SUPPORTED)
+@pytest.mark.parametrize("name", [n for n in SUPPORTED if n not in IQ_TYPES])  # (test_iq_types_through_dequantize)
 def test_all_finite_finds_a_damaged_value(name, rng):
     """all_finite: random well-formed blocks pass; one NaN or infinity in any f16 field of any
     block (or any element of a float tensor) fails."""
@@ -238,10 +241,9 @@ def test_all_finite_finds_a_damaged_value(name, rng):
 
 
 
-@pytest.mark.parametrize("name", NUMPY_ONLY)
-def test_numpy_only_types_through_dequantize(name):
-    """dequantize / dequantize_rows / all_finite read the types only the numpy backend runs
-    (reference_iq.py): the gguf package's values bit for bit, rows picked alike, a NaN or infinite
+@pytest.mark.parametrize("name", IQ_TYPES)
+def test_iq_types_through_dequantize(name):
+    """dequantize / dequantize_rows / all_finite read the 1- to 3-bit i-quants (reference_iq.py): the gguf package's values bit for bit, rows picked alike, a NaN or infinite
     scale flagged (MXFP4's E8M0 0xFF, IQ1_M's f16 spread over its scale words, the others' d)."""
     from gguf.quants import dequantize as gguf_dequantize
 

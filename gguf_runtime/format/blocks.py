@@ -64,12 +64,9 @@ SUPPORTED: tuple[str, ...] = (
     "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
     "MXFP4", "IQ4_NL", "IQ4_XS",
+    "IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M",
 )
 SUPPORTED_IDS: frozenset[int] = frozenset(BY_NAME[n] for n in SUPPORTED)
-# The types only the numpy backend reads (no CUDA kernel yet): files in them load there, and the
-# CUDA backend refuses them in one line.
-NUMPY_ONLY: tuple[str, ...] = ("IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")
-READABLE_IDS: frozenset[int] = SUPPORTED_IDS | frozenset(BY_NAME[n] for n in NUMPY_ONLY)
 
 
 def type_name(type_id: int) -> str:

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..errors import GGUFError, UnsupportedModelError
 from .gguf_file import GGUFFile
-from .blocks import NUMPY_ONLY, READABLE_IDS, SUPPORTED, SUPPORTED_IDS
+from .blocks import SUPPORTED, SUPPORTED_IDS
 
 SUPPORTED_ARCHS = ("llama", "gemma3", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "phi3", "gpt-oss")
 ARCH_EXAMPLES = ("llama (SmolLM2, Llama 2/3, Mistral, TinyLlama), gemma3, qwen2, qwen3, qwen3moe (Qwen3-30B-A3B, "
@@ -413,15 +413,9 @@ def check_tensors(f: GGUFFile, cfg: ModelConfig) -> None:
         if info.shape != shape:
             raise GGUFError(f"{f.path}: tensor '{name}' has shape {list(info.shape)}, expected {list(shape)} "
                             "from the metadata; the file is damaged")
-        if info.type_id not in READABLE_IDS:
+        if info.type_id not in SUPPORTED_IDS:
             raise UnsupportedModelError(
                 f"{f.path}: tensor '{name}' uses quant type {info.type_name}, which is not supported; "
-                f"supported: {', '.join(SUPPORTED)}, and on the numpy backend {', '.join(NUMPY_ONLY)}")
+                f"supported: {', '.join(SUPPORTED)}")
 
 
-def numpy_only_tensor(f: GGUFFile, cfg: ModelConfig) -> tuple[str, str] | None:
-    """(name, type) of the first tensor the model uses in a type only the numpy backend reads."""
-    for name in model_tensors(cfg):
-        if f.tensors[name].type_id not in SUPPORTED_IDS:
-            return name, f.tensors[name].type_name
-    return None

@@ -17,7 +17,7 @@ class Format(NamedTuple):
     block_bytes: int  # bytes per block
 
 
-# id -> format, for the types with kernels (and below them the numpy-only ones)
+# id -> format, for the types with kernels
 FORMATS: dict[int, Format] = {
     0: Format("F32", 1, 4),
     1: Format("F16", 1, 2),
@@ -53,15 +53,9 @@ SUPPORTED: tuple[str, ...] = (
     "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
     "MXFP4", "IQ4_NL", "IQ4_XS",
+    "IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M",
 )
 SUPPORTED_IDS: frozenset[int] = frozenset(BY_NAME[n] for n in SUPPORTED)
-# ... and those only the numpy reference reads: the numpy backend runs files in them, the CUDA one refuses
-NUMPY_ONLY: tuple[str, ...] = ("IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")
-READABLE_IDS: frozenset[int] = SUPPORTED_IDS | frozenset(BY_NAME[n] for n in NUMPY_ONLY)
-# Of those, the types whose CUDA decoders (quant_iq.cuh, repack.py's planes) are written and checked
-# against numpy on the host (tests/test_quant_decode.py) but have not run in a kernel on a GPU yet:
-# they move to SUPPORTED when the GPU kernel tests pass with them.
-HOST_DECODED: tuple[str, ...] = NUMPY_ONLY
 
 
 def nbytes(type_id: int, n_elems: int) -> int:

@@ -28,7 +28,7 @@ import math
 import numpy as np
 
 from . import reference_iq
-from .formats import FORMATS, NUMPY_ONLY, READABLE_IDS, SUPPORTED, Format, nbytes
+from .formats import FORMATS, SUPPORTED, SUPPORTED_IDS, Format, nbytes
 from .reference_k import KERNELS as _K_KERNELS
 from .reference_k import f16_field
 
@@ -80,15 +80,15 @@ def _deq_q8_0(b: np.ndarray, out: np.ndarray) -> None:
 
 _KERNELS = {"Q4_0": _deq_q4_0, "Q4_1": _deq_q4_1, "Q5_0": _deq_q5_0, "Q5_1": _deq_q5_1,
             "Q8_0": _deq_q8_0, **_K_KERNELS}
-# the table types' dequantizers are reference_iq's, as the other i-quants'
+# the table types' and the 1- to 3-bit i-quants' dequantizers are reference_iq's
 TABLE_TYPES = ("MXFP4", "IQ4_NL", "IQ4_XS")
-assert set(_KERNELS) | {"F32", "F16", "BF16"} | set(TABLE_TYPES) == set(SUPPORTED)
+assert set(_KERNELS) | {"F32", "F16", "BF16"} | set(reference_iq.KERNELS) == set(SUPPORTED)
 
 
 def _check_type(type_id: int) -> Format:
-    if type_id not in READABLE_IDS:
+    if type_id not in SUPPORTED_IDS:
         raise ValueError(f"ggml type id {type_id} is not supported by the reference "
-                         f"dequantizer; supported: {', '.join(SUPPORTED + NUMPY_ONLY)}")
+                         f"dequantizer; supported: {', '.join(SUPPORTED)}")
     return FORMATS[type_id]
 
 
@@ -266,7 +266,7 @@ def random_blocks(type_id: int, n_elems: int, rng: np.random.Generator, scale: f
 
     if fmt.name in TABLE_TYPES:
         return _random_table_blocks(fmt.name, n_elems, rng, scale)
-    if fmt.name in NUMPY_ONLY:  # the 1- to 3-bit i-quants: reference_iq's generator
+    if fmt.name in reference_iq.KERNELS:  # the 1- to 3-bit i-quants: reference_iq's generator
         return reference_iq.random_iq_blocks(fmt.name, n_elems, rng, scale)
     d_off, m_off, ratio, jitter, msq = _RANDOM[fmt.name]
     d0 = scale / math.sqrt(msq * _JITTER_MSQ)

@@ -1,9 +1,8 @@
 """numpy reference dequantization of the non-linear types: MXFP4 (gpt-oss), IQ4_NL, IQ4_XS and the
 1- to 3-bit i-quants IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M.
 
-Groundwork for issue 33: these are the oracle the CUDA kernels will be tested against, as
-reference.py is for the types already supported; they are not in ``formats.SUPPORTED`` until the
-CUDA side reads them too (a file using them still stops with one line). Layouts and float32
+The oracle the CUDA kernels (quant_iq.cuh, the table types in quant_types.cuh) are tested against,
+as reference.py is for the linear types. Layouts and float32
 arithmetic follow ggml-quants.c ``dequantize_row_*`` (results equal the ``gguf`` package's bit for
 bit, tests/test_reference_iq.py). Element j < 16 of a 32-value group is the low nibble of byte j,
 element j + 16 its high nibble; the nibble indexes a table of 16 values.
@@ -231,8 +230,9 @@ def random_iq_blocks(name: str, n_elems: int, rng: np.random.Generator, scale: f
         raise ValueError(f"{name} weights of RMS {scale:g}: give a scale from 1e-6 to 1e3")
     n = n_elems // block_elems
     jitter = rng.uniform(-1.0, 1.0, n)  # log2 of the factor around the target scale
-    if name not in ("MXFP4", "IQ4_NL", "IQ4_XS"):
-        return _random_low_bit(name, n, rng, scale * 2.0 ** jitter)
+    if name not in ("MXFP4", "IQ4_NL", "IQ4_XS"):  # the blocks' RMS set exactly: the whole's is scale
+        rms = 2.0 ** jitter
+        return _random_low_bit(name, n, rng, rms * (scale / np.sqrt(np.mean(rms * rms))))
     b = np.empty((n, block_bytes), np.uint8)
     if name == "MXFP4":
         rms = float(np.sqrt(np.mean(KV_MXFP4.astype(np.float64) ** 2)))

@@ -111,8 +111,8 @@ def fill_rule(t: TensorInfo, scale: float = WEIGHT_SCALE) -> str:
     """How tensor ``t`` is filled: 'weights', 'norm', 'ones', 'normal' or 'zeros' (see the module doc)."""
     if t.type_id in _INTS:
         return "zeros"
-    if t.type_id not in SUPPORTED_IDS and t.type_name not in IQ_KERNELS:
-        makes = [FORMATS[i].name for i in sorted(SUPPORTED_IDS)] + list(IQ_KERNELS)
+    if t.type_id not in SUPPORTED_IDS:
+        makes = [FORMATS[i].name for i in sorted(SUPPORTED_IDS)]
         raise SynthError(f"tensor '{t.name}' has type {t.type_name}, which synth cannot fill (it makes "
                          f"{', '.join(makes)})")
     if FORMATS[t.type_id].block_elems > 1 or len(t.ne) >= 2:
@@ -137,7 +137,7 @@ def _floats(x: np.ndarray, type_id: int) -> np.ndarray:
 
 def _weights(type_id: int, n: int, rng: np.random.Generator, scale: float) -> np.ndarray:
     name = FORMATS[type_id].name
-    if name in IQ_KERNELS:  # MXFP4, IQ4, IQ3, IQ2, IQ1: twins of models the runtime does not run yet
+    if name in IQ_KERNELS:  # MXFP4, IQ4, IQ3, IQ2, IQ1: reference_iq makes well-formed blocks
         return random_iq_blocks(name, n, rng, scale)
     return random_blocks(type_id, n, rng, scale)
 

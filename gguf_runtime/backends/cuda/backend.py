@@ -34,7 +34,7 @@ from .kv_cache import PAGE_SIZE, PagedKVCache
 from . import tuning
 from .tuning import Tuning
 from ...model import forward, layers, lm_head_name
-from ...format.model_config import OAI_GLU_ALPHA, OAI_GLU_LIMIT, ModelConfig, numpy_only_tensor
+from ...format.model_config import OAI_GLU_ALPHA, OAI_GLU_LIMIT, ModelConfig
 from ...quant_kernels import kv_layout as KL
 from ...quant_kernels import launch_attention as LA
 from ...quant_kernels import launch_layers as LL
@@ -102,10 +102,6 @@ class CudaBackend(PrefillMixin):
         """comm: one rank of a model split over GPUs (collectives.NcclCollectives; f and cfg are then
         the rank's part, format/shard.py); tensor_parallel.py starts the ranks."""
         check_supported(cfg)
-        if (odd := numpy_only_tensor(f, cfg)) is not None:
-            raise UnsupportedModelError(
-                f"tensor '{odd[0]}' uses quant type {odd[1]}, which the CUDA kernels do not read yet; use "
-                "--backend numpy (slow: for checking, not for use) or a file in the types of the README")
         if max_batch not in BUCKETS:
             raise BackendError(f"--max-batch {max_batch} is not one of {', '.join(map(str, BUCKETS))}")
         self.f, self.cfg, self.n_ctx, self.max_batch = f, cfg, n_ctx, max_batch
