@@ -3,13 +3,18 @@
     python bench/serve_load.py load  --spawn MODEL.gguf [--serve-arg=--max-batch=64] [--tokens 64]
     python bench/serve_load.py bench --spawn MODEL.gguf [--clients 1,8,32,64] [--tokens 128]
     python bench/serve_load.py bench --url http://127.0.0.1:11434      (a server already running)
+    python bench/serve_load.py chat  --spawn MODEL.gguf [--clients 1,32] [--turns 20] [--tokens 64]
 
 load: a warm-up burst, 64 concurrent streamed requests (Ollama and OpenAI endpoints, streamed),
 200 sequential ones (streamed and not), 32 clients that disconnect mid-stream, bad input (each
 must get a 4xx JSON error), 64 concurrent again; then the scheduler must be idle with every KV
 page free and the GPU memory (nvidia-smi) no larger than after the warm-up (--mem-tolerance-mib).
 Exits 1 on any error. bench: C clients each sending --requests streamed /api/generate requests in
-turn, for each C: aggregate generated tok/s, TTFT and time per output token (p50/p99).
+turn, for each C: aggregate generated tok/s, TTFT and time per output token (p50/p99). chat: C
+clients each holding a --turns-turn conversation through /api/chat, resending the whole history
+every turn as clients do (the prefix cache's case): TTFT of turn 1 and of the last turn (p50), and
+the share of the prompt tokens sent that the server evaluated (prompt_eval_count less
+prompt_eval_cached_count).
 --spawn starts the server (port 0) and stops it with SIGINT at the end (it must exit 0).
 """
 
@@ -43,6 +48,8 @@ class Res:
     t_first: float = 0.0
     t_end: float = 0.0
     chunks: list[float] = field(default_factory=list)
+    text: str = ""  # streamed text, joined
+    final: dict = field(default_factory=dict)  # the last chunk (Ollama: done, with the counts)
 
     @property
     def ttft(self) -> float:
@@ -110,7 +117,7 @@ def request(base: str, path: str, body: dict | bytes, timeout: float = 600, meth
             if obj.get("usage"):
                 res.tokens = obj["usage"]["completion_tokens"]
             if obj.get("done"):
-                res.tokens = obj.get("eval_count", 0)
+                res.tokens, res.final = obj.get("eval_count", 0), obj
                 continue
             ch = (obj.get("choices") or [{}])[0]
             text = obj.get("response") or (obj.get("message") or {}).get("content") or ch.get("text") \
@@ -118,6 +125,7 @@ def request(base: str, path: str, body: dict | bytes, timeout: float = 600, meth
             if text:
                 res.t_first = res.t_first or now
                 res.chunks.append(now)
+                res.text += text
                 if drop_after_first:
                     break
         res.t_end = time.perf_counter()
@@ -308,9 +316,54 @@ def bench(url: str, model: str, a) -> list[str]:
     return errors
 
 
+def chat(url: str, model: str, a) -> list[str]:
+    rows, errors = [], []
+    request(url, *body_for("generate", model, "warm up", 8, True, 1))
+    for c in a.clients:
+        def client(i: int) -> list[Res]:
+            r, msgs, out = random.Random(c * 1000 + i), [], []
+            for _ in range(a.turns):
+                msgs.append({"role": "user", "content": prompt(r, a.prompt_words)})
+                body = {"model": model, "messages": msgs, "stream": True,
+                        "options": {"num_predict": a.tokens, "seed": r.randrange(1 << 31)}}
+                st, res, obj = request(url, "/api/chat", body)
+                res.ok = res.ok and st == 200 and bool(res.final)
+                if st != 200:
+                    res.error = f"HTTP {st}: {str((obj or {}).get('error', ''))[:160]}"
+                out.append(res)
+                if not res.ok:
+                    break
+                msgs.append({"role": "assistant", "content": res.text})
+            return out
+
+        per, wall = concurrent(client, c)
+        results = [r for rs in per for r in rs]
+        errors += [r.error or "HTTP error" for r in results if not r.ok]
+        first = [rs[0].ttft for rs in per if rs and rs[0].ok]
+        last = [rs[-1].ttft for rs in per if len(rs) == a.turns and rs[-1].ok]
+        sent = sum(r.final.get("prompt_eval_count", 0) for r in results if r.ok)
+        cached = sum(r.final.get("prompt_eval_cached_count", 0) for r in results if r.ok)
+        rows.append({**summarize(str(c), results, wall), "clients": c, "turns": a.turns,
+                     "ttft_turn1_p50_ms": 1e3 * pct(first, 50), "ttft_last_p50_ms": 1e3 * pct(last, 50),
+                     "prompt_sent": sent, "prompt_evaluated": sent - cached,
+                     "evaluated_share": (sent - cached) / sent if sent else float("nan")})
+    table(rows, "clients")
+    print()
+    for r in rows:
+        print(f"{r['clients']} clients: TTFT p50 turn 1 {r['ttft_turn1_p50_ms']:,.1f} ms, turn {r['turns']} "
+              f"{r['ttft_last_p50_ms']:,.1f} ms ({r['ttft_last_p50_ms'] / r['ttft_turn1_p50_ms']:.2f}x); prompt "
+              f"tokens evaluated {r['prompt_evaluated']:,} of {r['prompt_sent']:,} sent "
+              f"({100 * r['evaluated_share']:.1f}%)")
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump({"url": url, "model": model, "tokens": a.tokens, "prompt_words": a.prompt_words,
+                       "turns": a.turns, "rows": rows}, fh, indent=1)
+    return errors
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("mode", choices=("load", "bench"))
+    ap.add_argument("mode", choices=("load", "bench", "chat"))
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--url", help="a running server")
     src.add_argument("--spawn", metavar="MODEL", help="start `gguf-run serve MODEL --port 0` (use '' for the default)")
@@ -323,16 +376,20 @@ def main() -> int:
     ap.add_argument("--clients", default="1,8,32,64", help="bench: concurrency levels")
     ap.add_argument("--requests", type=int, default=4, help="bench: requests per client per level")
     ap.add_argument("--prompt-words", type=int, default=32, help="bench: prompt length in words")
-    ap.add_argument("--json", help="bench: write the rows here")
+    ap.add_argument("--turns", type=int, default=20, help="chat: turns per conversation")
+    ap.add_argument("--json", help="bench, chat: write the rows here")
     a = ap.parse_args()
-    a.tokens = a.tokens or (64 if a.mode == "load" else 128)
+    a.tokens = a.tokens or (128 if a.mode == "bench" else 64)
     a.clients = [int(x) for x in a.clients.split(",")]
     server = Spawned(a.spawn, a.serve_arg) if a.spawn is not None else None
     errors: list[str] = []
     try:
         url = server.url if server else a.url.rstrip("/")
         model = wait_ready(url)
-        errors = load(url, model, a, server.p.pid if server else None) if a.mode == "load" else bench(url, model, a)
+        if a.mode == "load":
+            errors = load(url, model, a, server.p.pid if server else None)
+        else:
+            errors = (bench if a.mode == "bench" else chat)(url, model, a)
     finally:
         if server:
             rc = server.stop()

@@ -154,3 +154,34 @@ def test_attention_tiles_step_matches_split_attention(name, kv_type):
     err = np.linalg.norm(tiled - split) / np.linalg.norm(split)
     print(f"{name}, {kv_type} cache: relative logit difference {err:.1e}")
     assert err < 1e-2  # f32 sums in another order, through f16 copies and every layer
+
+
+def test_prefix_cache_pages_give_the_logits_of_a_whole_prefill(backend):
+    """A conversation's second turn (the first turn's prompt, its 9 greedy tokens, 5 more) takes the
+    4 full pages the first turn left (its prompt prefilled, its answer written by decode steps) and
+    evaluates the last 20 tokens at positions 64..83: its next-token logits match those of the same
+    84 tokens prefilled whole in another slot (pages or positions off by one would not)."""
+    be = backend
+    free = be.kv.free_pages()
+    rng = np.random.default_rng(9)
+    p = rng.integers(10, 30000, 70).tolist()
+    assert be.seq_add(0, p, GREEDY, 20, reuse=True) == 70
+    for _ in range(9):
+        be.batch_step(1)
+    be.stream.synchronize()
+    gen = [be.seq_token(0, i) for i in range(10)]
+    be.seq_release(0, p + gen[:9])  # step 9 wrote gen[8]'s K/V
+    assert be.kv.pool.cached() >= 4
+    q = p + gen[:9] + rng.integers(10, 30000, 5).tolist()
+    logits = []
+    for slot, reuse, want in ((1, True, 84 - 64), (2, False, 84)):
+        assert be.seq_add(slot, q, GREEDY, 20, reuse=reuse) == want
+        logits.append(be.last_logits[-1].get().astype(np.float64))
+    reused, whole = logits
+    err = np.linalg.norm(reused - whole) / np.linalg.norm(whole)
+    print(f"prefix-cache logits against a whole prefill: relative difference {err:.1e}")
+    assert err < 1e-2 and reused.argmax() == whole.argmax()
+    be.seq_release(1)
+    be.seq_release(2)
+    be.kv.pool.clear()
+    assert be.kv.free_pages() == free and be.kv.pool.cached() == 0

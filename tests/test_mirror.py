@@ -22,8 +22,8 @@ class FakeKV:
     def reserve(self, slot, n, stream=None):
         self.log.append(("kv.reserve", slot, n, stream is not None))
 
-    def release(self, slot, stream=None):
-        self.log.append(("kv.release", slot, stream is not None))
+    def release(self, slot, stream=None, tokens=()):
+        self.log.append(("kv.release", slot, stream is not None, tuple(tokens)))
 
 
 class Fake:
@@ -53,14 +53,14 @@ class Fake:
     def run_steps(self, n, params, graph=False):
         self.log.append(("run_steps", n, graph))
 
-    def seq_add(self, slot, prompt, params, max_new, seed=None):
-        self.log.append(("seq_add", slot, tuple(prompt), max_new, seed))
+    def seq_add(self, slot, prompt, params, max_new, seed=None, reuse=False):
+        self.log.append(("seq_add", slot, tuple(prompt), max_new, reuse, seed))
 
     def batch_step(self, n):
         self.log.append(("batch_step", n))
 
-    def seq_release(self, slot):
-        self.log.append(("seq_release", slot))
+    def seq_release(self, slot, tokens=()):
+        self.log.append(("seq_release", slot, tuple(tokens)))
 
     def hidden(self, tokens, slot=0):
         self.log.append(("hidden", tuple(tokens), slot))
@@ -121,12 +121,14 @@ def test_workers_run_exactly_the_fronts_calls(group):
         launch()
     front.end_single()
     front.seq_add(1, (5, 6), p, 10)  # no seed: the front picks one, the same everywhere
+    front.seq_add(2, (5, 6, 7), p, 10, reuse=True)
     front.batch_step(2)
     front.seq_release(1)
+    front.seq_release(2, [5, 6, 7, 9])
     front.hidden([4, 5], slot=3)
     front.capture_buckets(progress=lambda *a: None)  # (the callback stays here)
     front.kv.reserve(0, 64, stream=front.stream)
-    front.kv.release(0, stream=front.stream)
+    front.kv.release(0, stream=front.stream, tokens=[1, 2])
     front.eval([8], all_logits=True)
     with pytest.raises(ContextOverflowError):
         front.eval(list(range(200)))  # every rank refuses alike
@@ -134,7 +136,8 @@ def test_workers_run_exactly_the_fronts_calls(group):
     logs = finish()
     assert front_log.count(("truncate", 0)) == 1 and front_log.count(("prefill", (1, 2, 3))) == 1
     seeds = [e[-1] for e in front_log if e[0] == "seq_add"]
-    assert len(seeds) == 1 and isinstance(seeds[0], int)
+    assert len(seeds) == 2 and all(isinstance(s, int) for s in seeds)
+    assert ("seq_release", 2, (5, 6, 7, 9)) in front_log and ("kv.release", 0, True, (1, 2)) in front_log
     assert ("capture", (False, True), False) in front_log
     for log, be in zip(logs, workers):
         assert log == [e if e[0] != "capture" else ("capture", e[1], True) for e in front_log]

@@ -3,7 +3,8 @@
 ``FakeAdapter`` scripts tokens per slot (admission between steps, slot reuse, cancellation,
 budgets, stops, fairness); ``FakeCudaBackend`` mimics the CUDA backend's batch API with a
 deferred stream (ops run only when an event is waited on), so :class:`CudaAdapter`'s pipelining,
-ring reads and KV-page reservations are checked against the real adapter code.
+ring reads and KV-page reservations are checked against the real adapter code. Its pages hold
+the identity of the history written there, so every read the prefix cache serves is checked too.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from gguf_runtime.errors import BackendError, ContextOverflowError
+from gguf_runtime.backends.page_pool import PagePool
+from gguf_runtime.errors import BackendError, ContextOverflowError, KVCacheFullError
 from gguf_runtime.sampling import SamplingParams
 from gguf_runtime.server.adapters import CudaAdapter, NoRoom
 from gguf_runtime.server.scheduler import Job, Scheduler, ShuttingDown, StopMatcher
@@ -294,7 +296,6 @@ def test_factory_error_reaches_start():
 
 
 # ---- CudaAdapter against a stand-in of the CUDA backend's batch API ----------------------------
-from gguf_runtime.errors import KVCacheFullError  # noqa: E402
 
 
 class FakeStream:
@@ -328,26 +329,48 @@ class FakeEvent:
 
 
 class FakeKV:
+    """The real page pool (backends/page_pool.py) over simulated pages: ``mem[page][i]`` is what the
+    stream's ops wrote at that position, the identity of the history up to it (a running hash of
+    the sequence's tokens), so reading a page another history wrote, or one nobody wrote, fails."""
+
     page_size = 16
 
     def __init__(self, n_pages: int, slots: int) -> None:
-        self.n_pages, self._free, self.owned = n_pages, list(range(n_pages)), [[] for _ in range(slots)]
+        self.n_pages, self.pool = n_pages, PagePool(n_pages, self.page_size, slots)
+        self.mem = [[None] * self.page_size for _ in range(n_pages)]
 
     def capacity(self, s):
-        return len(self.owned[s]) * self.page_size
+        return len(self.pool.owned(s)) * self.page_size
 
     def free_pages(self):
-        return len(self._free)
+        return self.pool.available()
 
-    def reserve(self, s, n):
-        need = -(-n // self.page_size) - len(self.owned[s])
-        if need > len(self._free):
-            raise KVCacheFullError("full")
-        self.owned[s] += [self._free.pop() for _ in range(max(0, need))]
+    def match(self, tokens):
+        return self.pool.match(tokens, len(tokens) - 1)
 
-    def release(self, s):
-        self._free += self.owned[s]
-        self.owned[s] = []
+    def reserve(self, s, n, prefix=()):
+        self.pool.reserve(s, -(-n // self.page_size), prefix)
+
+    def publish(self, s, tokens):
+        self.pool.publish(s, tokens)
+
+    def release(self, s, tokens=()):
+        self.pool.release(s, tokens)
+
+    def write(self, table, p, ident):
+        self.mem[table[p // self.page_size]][p % self.page_size] = ident
+
+    def check(self, table, idents):
+        """A read of positions [0, len(idents)): each must hold that history's K/V."""
+        for p, want in enumerate(idents):
+            assert self.mem[table[p // self.page_size]][p % self.page_size] == want, f"position {p}: stale K/V"
+
+
+def identities(tokens, start=(0,)):
+    out = list(start[-1:])
+    for t in tokens:
+        out.append(hash((out[-1], t)))
+    return out[1:]
 
 
 class FakeCudaBackend:
@@ -360,17 +383,30 @@ class FakeCudaBackend:
         self.ring = [[None] * max_batch for _ in range(64)]
         self.dev: list = [None] * max_batch  # device-side slot state, as ops leave it
         self.steps = 0
+        self.evaluated: list[tuple[int, int]] = []  # (prompt tokens, evaluated) of each seq_add
 
-    def seq_add(self, slot, prompt, params, max_new, seed):
-        self.kv.reserve(slot, min(self.n_ctx, len(prompt) + max_new))
-        cap = self.kv.capacity(slot)
+    def seq_add(self, slot, prompt, params, max_new, seed, reuse=False):
+        kv = self.kv
+        prefix = kv.match(prompt) if reuse and not kv.capacity(slot) else []
+        kv.reserve(slot, min(self.n_ctx, len(prompt) + max_new), prefix=prefix)
+        cap, table, past = kv.capacity(slot), list(kv.pool.owned(slot)), len(prefix) * kv.page_size
+        idents = identities(prompt)
 
         def op():
             assert len(prompt) <= cap
-            self.dev[slot] = {"pos": len(prompt), "n": 1, "uid": seed, "cap": cap}
-            self.ring[0][slot] = script(seed, 0)
+            kv.check(table, idents[:past])  # the cached pages hold this prompt's start
+            for p in range(past, len(prompt)):
+                kv.write(table, p, idents[p])
+            t0 = script(seed, 0)
+            self.dev[slot] = {"pos": len(prompt), "n": 1, "uid": seed, "cap": cap, "table": table,
+                              "idents": idents, "last": t0}
+            self.ring[0][slot] = t0
 
         self.stream.ops.append(op)
+        if reuse:
+            kv.publish(slot, prompt)
+        self.evaluated.append((len(prompt), len(prompt) - past))
+        return len(prompt) - past
 
     def batch_step(self, n_slots):
         rows = next(b for b in (1, 2, 4, 8, 16, 32, 64) if b >= n_slots)
@@ -383,8 +419,12 @@ class FakeCudaBackend:
                 if d is None:
                     continue
                 assert d["pos"] < d["cap"], "a decode step wrote past the slot's KV pages"
+                d["idents"] += identities([d["last"]], d["idents"])  # the token it consumes
+                self.kv.write(d["table"], d["pos"], d["idents"][-1])
+                self.kv.check(d["table"], d["idents"])  # attention reads the whole history
                 d["pos"] += 1
-                self.ring[d["n"] % 64][d_slot] = script(d["uid"], d["n"])
+                d["last"] = script(d["uid"], d["n"])
+                self.ring[d["n"] % 64][d_slot] = d["last"]
                 d["n"] += 1
 
         self.stream.ops.append(op)
@@ -392,8 +432,8 @@ class FakeCudaBackend:
     def seq_token(self, slot, i):
         return self.ring[i % 64][slot]
 
-    def seq_release(self, slot):
-        self.kv.release(slot)
+    def seq_release(self, slot, tokens=()):
+        self.kv.release(slot, tokens)
 
         def op():
             self.dev[slot] = None
@@ -431,6 +471,7 @@ def test_cuda_adapter_many_jobs(depth):
         assert "".join(j.emit.text) == expected(uid, j.max_new)
         assert j.reason == ("stop" if uid // 1000 and uid // 1000 < j.max_new else "length")
     assert be.kv.free_pages() == be.kv.n_pages and a.loop._seqs == {}
+    assert any(n > e for n, e in be.evaluated)  # (the prompts share their start: the cache served some)
 
 
 def test_cuda_adapter_cancel_and_reuse_with_steps_in_flight():
@@ -463,6 +504,86 @@ def test_cuda_adapter_kv_full_waits():
     assert list(s.waiting) == [j2]
     run(s)
     assert j1.reason == j2.reason == "length" and "".join(j2.emit.text) == expected(2, 10)
+
+
+def chat_job(uid: int, prompt: list[int], max_new: int) -> Job:
+    return Job(list(prompt), SamplingParams(seed=uid), max_new, Events())
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_prefix_cache_serves_a_resent_conversation(depth):
+    """Twenty turns, each resending the history (prompt, the answer's tokens, a new message): each
+    turn evaluates only what the cache lacks (under two pages plus the new message), the pages it
+    reads hold exactly that history (FakeKV checks every read), and the answers are the script's."""
+    a, be = cuda_adapter(depth, n_ctx=1024, max_batch=2)
+    s = make(a)
+    history = list(range(1, 40))
+    for turn in range(1, 21):
+        j = chat_job(turn, history, 12)
+        run(s, j)
+        assert j.reason == "length" and "".join(j.emit.text) == expected(turn, 12)
+        n, evaluated = be.evaluated[-1]
+        assert n == len(history) and (turn == 1 or evaluated < 2 * 16 + 7), (turn, evaluated)
+        history += j.ids + [100 + turn] * 7  # the answer as generated, then the next message
+    assert sum(e for _, e in be.evaluated) < 0.4 * sum(n for n, _ in be.evaluated)
+    assert be.kv.free_pages() == be.kv.n_pages
+
+
+def test_prefix_cache_off_evaluates_everything():
+    a, be = cuda_adapter(2, n_ctx=512, max_batch=2)
+    a.prefix_cache = False
+    s = make(a)
+    for uid in (1, 2):
+        run(s, chat_job(uid, list(range(1, 60)), 4))
+    assert be.evaluated == [(59, 59), (59, 59)] and be.kv.pool.cached() == 0
+
+
+def test_prefix_cache_shared_by_concurrent_sequences_and_cancels():
+    """Eight requests with one 50-token system prompt arrive together: the first evaluates it, the
+    others take its three full pages while it runs (ref-counted); cancelling the first (and a
+    second) while their pages are shared leaves the others' output and reads intact."""
+    a, be = cuda_adapter(2, n_ctx=256, max_batch=8)
+    s = make(a)
+    system = list(range(1, 51))
+    jobs = [chat_job(uid, system + [200 + uid] * 3, 30) for uid in range(1, 9)]
+    for j in jobs:
+        s.submit(j)
+    s._pump()
+    assert len(s.active) == 8 and be.evaluated[0] == (53, 53)
+    assert all(e == (53, 53 - 48) for e in be.evaluated[1:])
+    shared = be.kv.pool.owned(jobs[0].slot)[:3]
+    assert all(be.kv.pool.owned(j.slot)[:3] == shared for j in jobs)
+    for _ in range(3):
+        s._pump()
+    s.cancel(jobs[0])
+    s.cancel(jobs[5])
+    run(s)
+    for j in jobs[1:5] + jobs[6:]:
+        assert j.reason == "length" and "".join(j.emit.text) == expected(j.params.seed, 30)
+    assert be.kv.free_pages() == be.kv.n_pages and be.kv.pool.cached() > 0
+
+
+def test_prefix_cache_evicts_least_recent_and_never_what_is_in_use():
+    """A pool of 24 pages under 60 requests of 10 different 40-token prompts (three pages each plus
+    room to generate): pages are evicted oldest first when the free list runs dry, never while a
+    running sequence holds them (FakeKV's reads would see another history), and every answer is
+    the script's."""
+    rng = random.Random(5)
+    a, be = cuda_adapter(2, n_ctx=128, max_batch=4, n_pages=24)
+    s = make(a)
+    prompts = [[1000 * k + i for i in range(40)] for k in range(10)]
+    jobs = [chat_job(uid, rng.choice(prompts), rng.randint(1, 20)) for uid in range(1, 61)]
+    for i in range(0, 60, 5):
+        for j in jobs[i:i + 5]:
+            s.submit(j)
+        for _ in range(rng.randint(0, 6)):
+            s._pump()
+    run(s, steps=100000)
+    for j in jobs:
+        assert j.state == "done" and "".join(j.emit.text) == expected(j.params.seed, j.max_new)
+    hits = sum(n - e for n, e in be.evaluated)
+    assert 0 < hits < sum(n for n, _ in be.evaluated)
+    assert be.kv.free_pages() == be.kv.n_pages
 
 
 def test_cuda_adapter_clamps_top_k():

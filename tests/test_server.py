@@ -304,7 +304,8 @@ def test_num_ctx_is_the_requests_window_up_to_the_servers(url):
     body = {"model": NAME, **COUNTING, "stream": False}
     r = httpx.post(url + "/api/generate", json={**body, "options": {**body["options"], "num_predict": 1}}).json()
     assert "context" in r, r
-    n_prompt = len(r["context"]) - r["eval_count"]  # (prompt_eval_count counts only what the cache lacked)
+    n_prompt = r["prompt_eval_count"]
+    assert n_prompt == len(r["context"]) - r["eval_count"]
     r = httpx.post(url + "/api/generate", json={**body, "options": {**body["options"], "num_ctx": n_prompt + 5}})
     assert r.status_code == 200 and r.json()["eval_count"] == 5 and r.json()["done_reason"] == "length", r.text
     r = httpx.post(url + "/api/generate", json={**body, "options": {"num_ctx": CTX + 1}})
@@ -318,8 +319,8 @@ def test_num_ctx_is_the_requests_window_up_to_the_servers(url):
 
 def test_cached_prefix_counts_in_each_api(url):
     """The same chat twice: OpenAI's prompt_tokens is the whole prompt both times, the reused part in
-    prompt_tokens_details.cached_tokens; Ollama's prompt_eval_count is what was evaluated (as Ollama
-    reports a cache hit), so the two agree on prompt = evaluated + cached."""
+    prompt_tokens_details.cached_tokens; Ollama's prompt_eval_count is the whole prompt too and
+    prompt_eval_cached_count the reused part (as Ollama reports a cache hit), so the two agree."""
     msgs = [{"role": "user", "content": "Name three colours of the rainbow, please."}]
     body = {"model": NAME, "messages": msgs, "max_tokens": 2, "temperature": 0}
     first = httpx.post(url + "/v1/chat/completions", json=body).json()["usage"]
@@ -329,7 +330,8 @@ def test_cached_prefix_counts_in_each_api(url):
     assert first["prompt_tokens_details"]["cached_tokens"] < first["prompt_tokens"]
     r = httpx.post(url + "/api/chat", json={"model": NAME, "messages": msgs, "stream": False,
                                             "options": {"num_predict": 2, "temperature": 0}}).json()
-    assert r["prompt_eval_count"] == second["prompt_tokens"] - second["prompt_tokens_details"]["cached_tokens"]
+    assert r["prompt_eval_count"] == second["prompt_tokens"]
+    assert r["prompt_eval_cached_count"] == second["prompt_tokens_details"]["cached_tokens"]
     good(url)
 
 

@@ -39,12 +39,17 @@ class MirroredKV:
         return getattr(self._kv, name)
 
     def reserve(self, *args, **kw):
-        self._owner._send(("kv", "reserve", args, {}))
+        self._owner._send(("kv", "reserve", args, _local(kw)))
         return self._kv.reserve(*args, **kw)
 
     def release(self, *args, **kw):
-        self._owner._send(("kv", "release", args, {}))
+        self._owner._send(("kv", "release", args, _local(kw)))
         return self._kv.release(*args, **kw)
+
+
+def _local(kw: dict) -> dict:
+    """The keywords a worker gets: its own stream replaces the caller's."""
+    return {k: v for k, v in kw.items() if k != "stream"}
 
 
 class MirrorFront:
@@ -79,9 +84,9 @@ class MirrorFront:
         """From now on reserve / release of ``self.kv`` from outside reach the workers."""
         self.kv = MirroredKV(self.kv, self)
 
-    def seq_add(self, slot, prompt, params, max_new, seed=None) -> None:
+    def seq_add(self, slot, prompt, params, max_new, seed=None, reuse=False) -> int:
         seed = int(seed) if seed is not None else secrets.randbits(63)  # (the same on every rank)
-        return self._mirror("seq_add", slot, list(prompt), params, max_new, seed)
+        return self._mirror("seq_add", slot, list(prompt), params, max_new, seed, reuse)
 
     def start_single(self, history, params, seed):
         local = self._mirror("start_single", list(history), params, seed)
@@ -123,7 +128,7 @@ def serve_calls(be, conn, label: str = "worker", on_stop=None) -> None:
             elif op == "launch":
                 launch()
             elif op == "kv":
-                getattr(be.kv, name)(*args, stream=be.stream)
+                getattr(be.kv, name)(*args, **kwargs, stream=be.stream)
             elif op == "set":
                 setattr(be, name, args)
             elif op == "stop":

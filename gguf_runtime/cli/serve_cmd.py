@@ -53,6 +53,9 @@ def serve(
     max_queue: int = typer.Option(1024, "--max-queue", min=1, help="requests in progress at most (503 above)"),
     lookahead: int = typer.Option(2, "--lookahead", min=1, max=8, help="cuda: decode steps in flight ahead of "
                                   "the tokens being read (hides host time; each costs a token of context)"),
+    no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="cuda: evaluate every prompt whole "
+                                         "(by default KV pages of earlier prompts and answers are kept and reused "
+                                         "for prompts that start with the same tokens, until the pool needs them)"),
     allow_origin: Optional[list[str]] = typer.Option(None, "--allow-origin", metavar="ORIGIN",
                                                      help="a browser origin allowed besides localhost ones "
                                                           "(repeatable; '*': any), like Ollama's OLLAMA_ORIGINS"),
@@ -93,7 +96,7 @@ def serve(
             eng = Engine(path, backend=backend, n_ctx=ctx_size, progress=progress, note=note,
                          use_graph=not no_graph, max_batch=max_batch, kv_types=kv,
                          tensor_parallel=tensor_parallel)
-            return make_adapter(eng, depth=lookahead, progress=progress)
+            return make_adapter(eng, depth=lookahead, progress=progress, prefix_cache=not no_prefix_cache)
 
     try:
         svc = Service(factory, name=name, max_body=max_body, max_queue=max_queue).start()

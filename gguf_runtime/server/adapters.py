@@ -4,8 +4,9 @@ An adapter has ``tokenizer``, ``n_ctx``, ``max_slots`` and ``margin`` (context t
 needs past its budget), and four calls, all made from the scheduler's thread:
 
 * ``add(slot, prompt, params, max_new) -> int``: admit a sequence (prefill it, sample its first
-  token); returns how many prompt tokens were evaluated. Raises :class:`NoRoom` when the KV cache
-  cannot hold it right now (the scheduler keeps it waiting).
+  token); returns how many prompt tokens were evaluated (the rest came from the prefix cache).
+  Raises :class:`NoRoom` when the KV cache cannot hold it right now (the scheduler keeps it
+  waiting).
 * ``step() -> {slot: [token, ...]}``: advance every admitted sequence; returns the tokens that
   became readable (in order; possibly none for a slot, possibly several).
 * ``release(slot)``: forget the sequence; its slot and KV pages are free at once.
@@ -33,10 +34,11 @@ class NoRoom(Exception):
     """The KV cache has no pages for this sequence now; try again when one finishes."""
 
 
-def make_adapter(engine, depth: int = 2, progress: Callable[[str, int, int], None] | None = None):
+def make_adapter(engine, depth: int = 2, progress: Callable[[str, int, int], None] | None = None,
+                 prefix_cache: bool = True):
     """The adapter for the engine's backend: CUDA (batched) or numpy (one sequence at a time)."""
     if getattr(engine.backend, "name", "") == "cuda":
-        return CudaAdapter(engine, depth=depth, progress=progress)
+        return CudaAdapter(engine, depth=depth, progress=progress, prefix_cache=prefix_cache)
     return NumpyAdapter(engine)
 
 
@@ -120,12 +122,18 @@ class CudaAdapter:
     reserved for that, and the scheduler clips budgets so they stay inside the context. A slot
     released while steps are in flight is safe to reuse at once: everything is ordered on the
     backend's one stream, and tokens of the old sequence are dropped by their admission number.
+
+    The prefix cache (``prefix_cache``, backends/page_pool.py): a prompt's leading full pages that
+    an earlier or running sequence wrote are taken as they are; at release a sequence's pages are
+    kept under the tokens whose K/V it wrote: the prompt and every generated token but the last one
+    the host has read (the step that produced that one wrote its predecessor's K/V).
     """
 
     name = "cuda"
 
     def __init__(self, engine, depth: int = 2, new_event: Callable[[], object] | None = None,
-                 capture: bool = True, progress: Callable[[str, int, int], None] | None = None) -> None:
+                 capture: bool = True, progress: Callable[[str, int, int], None] | None = None,
+                 prefix_cache: bool = True) -> None:
         be = engine.backend
         ring = getattr(be, "ring", None)
         ring_len = len(ring) if ring is not None else 64  # tokens a slot the pinned ring holds
@@ -133,6 +141,8 @@ class CudaAdapter:
         self.n_ctx, self.max_slots = be.n_ctx, be.max_batch
         self.depth = max(1, min(int(depth), ring_len // 2))
         self.margin = self.depth
+        self.prefix_cache = prefix_cache
+        self._tokens: dict[int, tuple[int, list[int]]] = {}  # slot -> (prompt length, prompt + tokens read)
         self.loop = LaunchAhead(be, self.depth, margin=self.margin, new_event=new_event)
         if capture and getattr(be, "use_graph", False) and hasattr(be, "capture_buckets"):
             be.capture_buckets(progress=progress)  # before serving: no capture pause mid-stream
@@ -149,13 +159,10 @@ class CudaAdapter:
             raise BackendError("structured output (format / response_format) and forced tool calls (tool_choice "
                                "\"required\" or a named function) are not served on the CUDA backend yet; serve with "
                                "--backend numpy, or use `gguf-run run --json-schema` for one answer")
-        be, kv = self.be, self.be.kv
-        n = min(self.n_ctx, len(prompt) + max_new + self.margin)
-        need = -(-n // kv.page_size) - kv.capacity(slot) // kv.page_size
-        if need > kv.free_pages():
-            raise NoRoom
+        be = self.be
         try:
-            be.seq_add(slot, list(prompt), self._params(params), max_new + self.margin, params.seed)
+            evaluated = be.seq_add(slot, list(prompt), self._params(params), max_new + self.margin, params.seed,
+                                   reuse=self.prefix_cache)
         except KVCacheFullError:
             raise NoRoom from None
         except BackendError:
@@ -165,10 +172,15 @@ class CudaAdapter:
             be.seq_release(slot)
             raise
         self.loop.admit(slot, max_new)
-        return len(prompt)
+        self._tokens[slot] = (len(prompt), list(prompt))
+        return evaluated
 
     def step(self) -> dict[int, list[int]]:
-        return self.loop.step()
+        out = self.loop.step()
+        for slot, toks in out.items():
+            if slot in self._tokens:
+                self._tokens[slot][1].extend(toks)
+        return out
 
     embed_slot = True  # the evaluation runs in a free slot's KV pages (reserved for it, released after)
 
@@ -181,4 +193,6 @@ class CudaAdapter:
 
     def release(self, slot: int) -> None:
         self.loop.drop(slot)
-        self.be.seq_release(slot)
+        n_prompt, toks = self._tokens.pop(slot, (0, []))
+        written = toks[:max(n_prompt, len(toks) - 1)] if self.prefix_cache else []
+        self.be.seq_release(slot, written)

@@ -184,7 +184,10 @@ class Scheduler:
              "slots": getattr(self.adapter, "max_slots", 0), "free_slots": len(self._free)}
         kv = getattr(getattr(self.adapter, "be", None), "kv", None)
         if kv is not None and hasattr(kv, "free_pages"):
-            s.update(kv_pages=kv.n_pages, free_kv_pages=kv.free_pages())
+            s.update(kv_pages=kv.n_pages, free_kv_pages=kv.free_pages())  # (cached pages count as free)
+            pool = getattr(kv, "pool", None)
+            if pool is not None:
+                s.update(kv_cached_pages=pool.cached(), prefix_hit_tokens=pool.hits)
         return s
 
     # ---- the scheduler's thread -------------------------------------------------------------
@@ -288,7 +291,7 @@ class Scheduler:
                 self._end(job, "failed", e)
                 continue
             self.waiting.popleft()
-            room -= len(job.prompt)
+            room -= job.prompt_eval  # (what the prefix cache supplied costs nothing)
             job.slot, job.state = slot, "active"
             self.active[slot] = job
             self._state[job] = (self.adapter.tokenizer.stream(skip_special=True, keep=job.keep_special),

@@ -324,17 +324,22 @@ class ModelCard:
 
 # ---- responses -----------------------------------------------------------------------------------
 def ollama_final(job, load_s: float) -> dict:
-    """The figures of a finished job, in Ollama's final-chunk fields (nanoseconds)."""
+    """The figures of a finished job, in Ollama's final-chunk fields (nanoseconds). As Ollama fills
+    them on a cache hit (llm/llama_server.go: prompt_eval_count = cache_n + prompt_n since 0.30):
+    prompt_eval_count is the whole prompt, prompt_eval_cached_count the part the cache supplied
+    (left out when none), prompt_eval_duration the time spent evaluating the rest."""
     t_first = job.t_first or job.t_end
+    cached = max(0, len(job.prompt) - job.prompt_eval)
     return {"done": True, "done_reason": job.reason,
             "total_duration": ns(job.t_end - job.t_submit + load_s), "load_duration": ns(load_s),
-            "prompt_eval_count": job.prompt_eval, "prompt_eval_duration": ns(t_first - job.t_admit),
+            "prompt_eval_count": len(job.prompt), **({"prompt_eval_cached_count": cached} if cached else {}),
+            "prompt_eval_duration": ns(t_first - job.t_admit),
             "eval_count": len(job.ids), "eval_duration": ns(job.t_end - t_first)}
 
 
 def openai_usage(job) -> dict:
     """OpenAI's usage: prompt_tokens is the whole prompt, the part a cached prefix supplied in
-    prompt_tokens_details.cached_tokens (Ollama's prompt_eval_count counts only what was evaluated)."""
+    prompt_tokens_details.cached_tokens (as Ollama's prompt_eval_count and prompt_eval_cached_count)."""
     n_in, n_out = len(job.prompt), len(job.ids)
     return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out,
             "prompt_tokens_details": {"cached_tokens": max(0, n_in - job.prompt_eval)}}

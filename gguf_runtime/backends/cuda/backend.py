@@ -414,17 +414,24 @@ class CudaBackend(PrefillMixin):
 
     # ---- many sequences --------------------------------------------------------------------------
     def seq_add(self, slot: int, prompt: Sequence[int], params: SamplingParams, max_new: int,
-                seed: int | None = None) -> None:
-        """Admit a sequence into a free slot: reserve pages, prefill, sample its first token."""
+                seed: int | None = None, reuse: bool = False) -> int:
+        """Admit a sequence into a free slot: reserve pages, prefill, sample its first token. With
+        ``reuse`` the prompt's cached leading pages (kv.match) are taken as they are and only the
+        rest is evaluated, and its full pages join the prefix cache. Returns the tokens evaluated."""
         if not self.gpu_sampling(params):
             raise BackendError("batched decoding samples on the GPU: use top-k between 1 and 1024")
-        self.kv.reserve(slot, min(self.n_ctx, len(prompt) + max_new), stream=self.stream)
-        self.slot_len[slot] = 0
-        self._check_finite(self._eval(slot, prompt, all_logits=False))
+        kv = self.kv
+        prefix = kv.match(prompt) if reuse and not kv.capacity(slot) else []
+        kv.reserve(slot, min(self.n_ctx, len(prompt) + max_new), stream=self.stream, prefix=prefix)
+        self.slot_len[slot] = len(prefix) * kv.page_size
+        self._check_finite(self._eval(slot, prompt[self.slot_len[slot]:], all_logits=False))
+        if reuse:
+            kv.publish(slot, prompt)  # (enqueued before any later reader, on the one stream)
         seed = int(seed) if seed is not None else secrets.randbits(63)
         self._prime(slot, prompt, params, seed)
         with self.stream:
             self._sample(*self._mode(params), rows=1, slot0=slot)
+        return len(prompt) - len(prefix) * kv.page_size
 
     def batch_step(self, n_slots: int) -> None:
         """One decode step for every active slot below n_slots (the bucket's graph)."""
@@ -438,10 +445,12 @@ class CudaBackend(PrefillMixin):
         """The i-th token sampled for the slot (after the step that made it has completed)."""
         return int(self.ring[i % RING, slot])
 
-    def seq_release(self, slot: int) -> None:
+    def seq_release(self, slot: int, tokens: Sequence[int] = ()) -> None:
+        """End the slot's sequence; ``tokens``, those whose K/V it wrote from position 0, keep its
+        full pages in the prefix cache."""
         with self.stream:
             self.seq[slot:slot + 1].fill(-1)
-        self.kv.release(slot, stream=self.stream)
+        self.kv.release(slot, stream=self.stream, tokens=list(tokens))
         self.slot_len[slot] = 0
 
     # ---- embeddings ------------------------------------------------------------------------------

@@ -5,19 +5,22 @@ f16 elements, or q8_0 / q4_0 blocks, each (page, KV head) block its rows' values
 scales); sequence slot s's position p lives in page table[s, p // page_size], slot p % page_size
 (page_size a power of two: the kernels shift). Kernels read the table and each token's position
 from device memory, so one launch configuration serves any context length.
-Pages are handed out by a host-side free list when a sequence is admitted (for its prompt plus
-the tokens it may generate) and return to it the moment the sequence ends. Keys and values are
+Pages are handed out by the host-side pool (page_pool.py) when a sequence is admitted (for its
+prompt plus the tokens it may generate) and return to it the moment the sequence ends, where full
+pages stay findable by their tokens (the prefix cache) until the pool needs them. Keys and values are
 float32, f16 (llama.cpp's default cache type), q8_0 or q4_0 (``kv_type``, keys and values alike);
 the kernels compute in float32.
 """
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import cupy as cp
 import numpy as np
 
-from ...errors import KVCacheFullError
 from ...format.model_config import ModelConfig
+from ..page_pool import PagePool
 from ...quant_kernels import kv_layout as KL
 
 PAGE_SIZE = 16
@@ -38,8 +41,7 @@ class PagedKVCache:
         self.v = cp.zeros(blk + (vb,), cp.uint8)
         self._dims = (cfg.head_dim, cfg.head_dim_v)
         self.table = cp.full((n_seqs, self.max_pages), -1, cp.int32)  # -1: no page (kernels skip it)
-        self._free = list(range(self.n_pages - 1, -1, -1))
-        self._owned: list[list[int]] = [[] for _ in range(n_seqs)]
+        self.pool = PagePool(self.n_pages, page_size, n_seqs)
 
     @staticmethod
     def page_bytes(cfg: ModelConfig, page_size: int = PAGE_SIZE, kv_type: str = "f32") -> int:
@@ -58,31 +60,37 @@ class PagedKVCache:
 
     def capacity(self, seq: int) -> int:
         """Tokens sequence ``seq`` can hold with the pages it owns."""
-        return len(self._owned[seq]) * self.page_size
+        return len(self.pool.owned(seq)) * self.page_size
 
     def free_pages(self) -> int:
-        return len(self._free)
+        """Pages a new sequence can get (those kept only by the prefix cache included)."""
+        return self.pool.available()
 
-    def reserve(self, seq: int, n_tokens: int, stream: cp.cuda.Stream | None = None) -> None:
-        """Give sequence ``seq`` pages for positions [0, n_tokens) (keeping those it has)."""
-        need = -(-min(n_tokens, self.max_pages * self.page_size) // self.page_size)
-        owned = self._owned[seq]
-        if need - len(owned) > len(self._free):
-            raise KVCacheFullError(f"the KV cache has {len(self._free)} free pages of {self.page_size} tokens, "
-                                   f"{need - len(owned)} are needed; wait for a sequence to finish or raise the "
-                                   "KV budget")
-        if need <= len(owned):
-            return
-        while len(owned) < need:
-            owned.append(self._free.pop())
-        row = np.full(self.max_pages, -1, np.int32)
-        row[:len(owned)] = owned
-        self.table[seq].set(row, stream=stream)
+    def pages_for(self, n_tokens: int) -> int:
+        return -(-min(n_tokens, self.max_pages * self.page_size) // self.page_size)
 
-    def release(self, seq: int, stream: cp.cuda.Stream | None = None) -> None:
-        """Return the sequence's pages to the pool; its table row points nowhere again."""
-        self._free.extend(reversed(self._owned[seq]))
-        self._owned[seq] = []
+    def reserve(self, seq: int, n_tokens: int, stream: cp.cuda.Stream | None = None,
+                prefix: Sequence[int] = ()) -> None:
+        """Give sequence ``seq`` pages for positions [0, n_tokens) (keeping those it has; one that has
+        none may start with ``prefix``, match's cached pages). KVCacheFullError when the pool is short."""
+        if self.pool.reserve(seq, self.pages_for(n_tokens), prefix):
+            owned = self.pool.owned(seq)
+            row = np.full(self.max_pages, -1, np.int32)
+            row[:len(owned)] = owned
+            self.table[seq].set(row, stream=stream)
+
+    def match(self, tokens: Sequence[int]) -> list[int]:
+        """The cached pages of the longest whole-page prefix of a prompt, its last token left out."""
+        return self.pool.match(tokens, min(len(tokens) - 1, self.max_pages * self.page_size))
+
+    def publish(self, seq: int, tokens: Sequence[int]) -> None:
+        """The sequence's full pages among ``tokens`` (written from position 0) join the prefix cache."""
+        self.pool.publish(seq, tokens)
+
+    def release(self, seq: int, stream: cp.cuda.Stream | None = None, tokens: Sequence[int] = ()) -> None:
+        """Return the sequence's pages to the pool (its full pages among ``tokens``, the tokens whose
+        K/V it wrote, kept for the prefix cache); its table row points nowhere again."""
+        self.pool.release(seq, tokens)
         self.table[seq].set(np.full(self.max_pages, -1, np.int32), stream=stream)
 
     @property
