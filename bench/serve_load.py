@@ -341,10 +341,20 @@ def chat(url: str, model: str, a) -> list[str]:
         errors += [r.error or "HTTP error" for r in results if not r.ok]
         first = [rs[0].ttft for rs in per if rs and rs[0].ok]
         last = [rs[-1].ttft for rs in per if len(rs) == a.turns and rs[-1].ok]
+        # the last turn's TTFT taken apart with the server's own figures (Ollama's final chunk): the
+        # wait for admission, the prompt's evaluation to its first token, and the rest (request
+        # parsing, template and tokenizer before submission; streaming after)
+        fin = [rs[-1] for rs in per if len(rs) == a.turns and rs[-1].ok]
+        ns = lambda r, k: r.final.get(k, 0) / 1e9  # noqa: E731
+        queue = [ns(r, "total_duration") - ns(r, "prompt_eval_duration") - ns(r, "eval_duration") for r in fin]
+        prefill = [ns(r, "prompt_eval_duration") for r in fin]
+        rest = [r.ttft - q - p for r, q, p in zip(fin, queue, prefill)]
         sent = sum(r.final.get("prompt_eval_count", 0) for r in results if r.ok)
         cached = sum(r.final.get("prompt_eval_cached_count", 0) for r in results if r.ok)
         rows.append({**summarize(str(c), results, wall), "clients": c, "turns": a.turns,
                      "ttft_turn1_p50_ms": 1e3 * pct(first, 50), "ttft_last_p50_ms": 1e3 * pct(last, 50),
+                     "last_queue_p50_ms": 1e3 * pct(queue, 50), "last_prefill_p50_ms": 1e3 * pct(prefill, 50),
+                     "last_rest_p50_ms": 1e3 * pct(rest, 50),
                      "prompt_sent": sent, "prompt_evaluated": sent - cached,
                      "evaluated_share": (sent - cached) / sent if sent else float("nan")})
     table(rows, "clients")
@@ -353,7 +363,8 @@ def chat(url: str, model: str, a) -> list[str]:
         print(f"{r['clients']} clients: TTFT p50 turn 1 {r['ttft_turn1_p50_ms']:,.1f} ms, turn {r['turns']} "
               f"{r['ttft_last_p50_ms']:,.1f} ms ({r['ttft_last_p50_ms'] / r['ttft_turn1_p50_ms']:.2f}x); prompt "
               f"tokens evaluated {r['prompt_evaluated']:,} of {r['prompt_sent']:,} sent "
-              f"({100 * r['evaluated_share']:.1f}%)")
+              f"({100 * r['evaluated_share']:.1f}%); turn {r['turns']} TTFT = waiting {r['last_queue_p50_ms']:,.1f} + "
+              f"prompt {r['last_prefill_p50_ms']:,.1f} + the rest {r['last_rest_p50_ms']:,.1f} ms (p50s)")
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"url": url, "model": model, "tokens": a.tokens, "prompt_words": a.prompt_words,

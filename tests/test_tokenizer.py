@@ -364,3 +364,31 @@ def test_long_words_do_not_grow_the_cache():
     short = "hello world"
     tok.encode(short)
     assert bpe._word.cache_info().currsize > before and len(short) <= CACHED_WORD_CHARS
+
+
+@pytest.mark.parametrize("name", VOCABS)
+def test_fragment_cache_gives_the_same_ids_and_skips_known_pieces(name: str) -> None:
+    """Long text pieces between special tokens are kept with their ids: a text that repeats them
+    (a chat history resent with one more message) tokenizes to exactly what a fresh tokenizer
+    gives, tokenizing only the new piece; the cache stays under its character bound."""
+    texts = [t for t, _ in cases(name) if len(t) >= 64]
+    tok, fresh = Tokenizer.from_metadata(vocab_meta(name)), Tokenizer.from_metadata(vocab_meta(name))
+    specials = [tok.tokens[i] for i in range(tok.n_vocab) if tok._attrs[i] & CONTROL and len(tok.tokens[i]) > 2][:1]
+    assert specials, "no control token to split the text at"
+    history = ""
+    for t in texts:
+        history += t + specials[0]
+        seen = []
+        real = tok._impl.encode
+        tok._impl.encode = lambda piece: (seen.append(piece), real(piece))[1]
+        try:
+            got = tok.encode(history, parse_special=True)
+        finally:
+            tok._impl.encode = real
+        assert got == fresh.encode(history, parse_special=True)
+        assert not any(len(p) >= 64 and t.strip() not in p for p in seen), "a known piece was tokenized again"
+    small = Tokenizer.from_metadata(vocab_meta(name))
+    small._fragments.MAX_CHARS = 8 * max(len(t) for t in texts)
+    for t in texts * 3:
+        assert small.encode(t) == fresh.encode(t)
+        assert small._fragments._chars <= small._fragments.MAX_CHARS

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import codecs
 import re
+import threading
+from collections import OrderedDict
 from typing import Any, Iterable
 
 import numpy as np
@@ -103,6 +105,35 @@ def _trie_pattern(words: set[str]) -> str:
     return build(trie)
 
 
+class FragmentCache:
+    """Token ids of recent text pieces of at least MIN_CHARS characters, least recently used out
+    past MAX_CHARS characters in all; thread-safe (the server tokenizes on several threads)."""
+
+    MIN_CHARS, MAX_CHARS = 64, 1 << 23
+
+    def __init__(self) -> None:
+        self._ids: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._chars = 0
+        self._lock = threading.Lock()
+
+    def encode(self, piece: str, fn) -> list[int]:
+        if not self.MIN_CHARS <= len(piece) <= self.MAX_CHARS // 8:
+            return fn(piece)
+        with self._lock:
+            ids = self._ids.get(piece)
+            if ids is not None:
+                self._ids.move_to_end(piece)
+                return list(ids)
+        ids = tuple(fn(piece))
+        with self._lock:
+            if piece not in self._ids:
+                self._ids[piece] = ids
+                self._chars += len(piece)
+                while self._chars > self.MAX_CHARS:
+                    self._chars -= len(self._ids.popitem(last=False)[0])
+        return list(ids)
+
+
 class Tokenizer:
     """A GGUF vocabulary: ``model`` is ``"llama"`` (SPM) or ``"gpt2"`` (BPE)."""
 
@@ -120,6 +151,7 @@ class Tokenizer:
             raise _damaged("tokens", tokens, "an array of strings")
         _checked(meta)
         self.model = model
+        self._fragments = FragmentCache()
         n = len(tokens)
         self.tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
         self.token_to_id: dict[str, int] = dict(zip(reversed(self.tokens), range(n - 1, -1, -1)))
@@ -247,7 +279,9 @@ class Tokenizer:
         return self._max_token_bytes
 
     def encode(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
-        """llama_tokenize(text, add_special, parse_special)."""
+        """llama_tokenize(text, add_special, parse_special). Text pieces between special tokens are
+        tokenized independently, so long ones are kept (FragmentCache): a chat history resent with
+        one more message costs only that message (the server's prefix-cache case)."""
         frags = self.partition(text, parse_special) if text else []
         out: list[int] = []
         if add_special and self.add_bos:
@@ -258,7 +292,7 @@ class Tokenizer:
             if isinstance(f, int):
                 out.append(f)
             else:
-                out.extend(self._impl.encode(" " + f if prefix and prev_special else f))
+                out.extend(self._fragments.encode(" " + f if prefix and prev_special else f, self._impl.encode))
             prev_special = isinstance(f, int)
         if add_special and self.add_eos:
             out.append(self.eos_id)
