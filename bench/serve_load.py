@@ -4,6 +4,7 @@
     python bench/serve_load.py bench --spawn MODEL.gguf [--clients 1,8,32,64] [--tokens 128]
     python bench/serve_load.py bench --url http://127.0.0.1:11434      (a server already running)
     python bench/serve_load.py chat  --spawn MODEL.gguf [--clients 1,32] [--turns 20] [--tokens 64]
+    python bench/serve_load.py mixed --spawn MODEL.gguf [--clients 60] [--long-clients 4] [--long-words 6500]
 
 load: a warm-up burst, 64 concurrent streamed requests (Ollama and OpenAI endpoints, streamed),
 200 sequential ones (streamed and not), 32 clients that disconnect mid-stream, bad input (each
@@ -14,7 +15,9 @@ turn, for each C: aggregate generated tok/s, TTFT and time per output token (p50
 clients each holding a --turns-turn conversation through /api/chat, resending the whole history
 every turn as clients do (the prefix cache's case): TTFT of turn 1 and of the last turn (p50), and
 the share of the prompt tokens sent that the server evaluated (prompt_eval_count less
-prompt_eval_cached_count).
+prompt_eval_cached_count). mixed: C short clients as in bench beside --long-clients clients that
+send --long-words-word documents (64 tokens each) until the short ones are done: the short
+requests' TPOT p50 / p99 (a long prompt must not stall them) and the documents' TTFT.
 --spawn starts the server (port 0) and stops it with SIGINT at the end (it must exit 0).
 """
 
@@ -372,9 +375,58 @@ def chat(url: str, model: str, a) -> list[str]:
     return errors
 
 
+def mixed(url: str, model: str, a) -> list[str]:
+    errors: list[str] = []
+    request(url, *body_for("generate", model, "warm up", 8, True, 1))
+    c, done = a.clients[0], threading.Event()
+
+    def client(i: int) -> list[Res]:
+        r, out = random.Random(7000 + i), []
+        long = i >= c
+        while not (long and done.is_set()) and (long or len(out) < a.requests):
+            words = a.long_words if long else a.prompt_words
+            path, body = body_for("generate", model, prompt(r, words), 64 if long else a.tokens, True,
+                                  r.randrange(1 << 31))
+            st, res, _ = request(url, path, body)
+            res.ok = res.ok and st == 200
+            out.append(res)
+        return out
+
+    per, wall = concurrent(lambda i: client(i) if i >= c else _and_count(client, i, c, done), c + a.long_clients)
+    short = [r for rs in per[:c] for r in rs]
+    long = [r for rs in per[c:] for r in rs]
+    rows = [{**summarize("short", short, wall), "clients": c}, {**summarize("long", long, wall), "clients": a.long_clients}]
+    errors += [r.error or "HTTP error" for r in short + long if not r.ok]
+    table(rows, "phase")
+    s = rows[0]
+    print(f"\nshort requests: TPOT p50 {s['tpot_p50_ms']:.1f} ms, p99 {s['tpot_p99_ms']:.1f} ms "
+          f"({s['tpot_p99_ms'] / s['tpot_p50_ms']:.2f}x); documents ({a.long_words} words): TTFT p50 "
+          f"{rows[1]['ttft_p50_ms']:,.0f} ms over {len(long)} requests")
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump({"url": url, "model": model, "tokens": a.tokens, "long_words": a.long_words, "rows": rows}, fh,
+                      indent=1)
+    return errors
+
+
+_finished = [0]
+_lock = threading.Lock()
+
+
+def _and_count(fn, i: int, c: int, done: threading.Event) -> list:
+    """A short client; when the last of the c finishes, the long ones stop after their request."""
+    try:
+        return fn(i)
+    finally:
+        with _lock:
+            _finished[0] += 1
+            if _finished[0] == c:
+                done.set()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("mode", choices=("load", "bench", "chat"))
+    ap.add_argument("mode", choices=("load", "bench", "chat", "mixed"))
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--url", help="a running server")
     src.add_argument("--spawn", metavar="MODEL", help="start `gguf-run serve MODEL --port 0` (use '' for the default)")
@@ -388,6 +440,8 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=4, help="bench: requests per client per level")
     ap.add_argument("--prompt-words", type=int, default=32, help="bench: prompt length in words")
     ap.add_argument("--turns", type=int, default=20, help="chat: turns per conversation")
+    ap.add_argument("--long-clients", type=int, default=4, help="mixed: clients sending documents")
+    ap.add_argument("--long-words", type=int, default=6500, help="mixed: words a document (~8k tokens)")
     ap.add_argument("--json", help="bench, chat: write the rows here")
     a = ap.parse_args()
     a.tokens = a.tokens or (128 if a.mode == "bench" else 64)
@@ -400,7 +454,7 @@ def main() -> int:
         if a.mode == "load":
             errors = load(url, model, a, server.p.pid if server else None)
         else:
-            errors = (bench if a.mode == "bench" else chat)(url, model, a)
+            errors = {"bench": bench, "chat": chat, "mixed": mixed}[a.mode](url, model, a)
     finally:
         if server:
             rc = server.stop()

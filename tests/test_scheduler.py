@@ -383,30 +383,54 @@ class FakeCudaBackend:
         self.ring = [[None] * max_batch for _ in range(64)]
         self.dev: list = [None] * max_batch  # device-side slot state, as ops leave it
         self.steps = 0
-        self.evaluated: list[tuple[int, int]] = []  # (prompt tokens, evaluated) of each seq_add
+        self.evaluated: list[tuple[int, int]] = []  # (prompt tokens, evaluated) of each admission
+        self.filling: dict = {}  # slot -> [table, tokens in its pages, identities] while its prompt is evaluated
+        self.chunks: list = []  # (slot, tokens, steps launched before) of each seq_prefill
 
     def seq_add(self, slot, prompt, params, max_new, seed, reuse=False):
+        cached = self.seq_start(slot, prompt, params, max_new, reuse)
+        self.seq_prefill(slot, prompt[cached:])
+        self.seq_first(slot, prompt, params, seed, publish=reuse)
+        return len(prompt) - cached
+
+    def seq_start(self, slot, prompt, params, max_new, reuse=False):
         kv = self.kv
         prefix = kv.match(prompt) if reuse and not kv.capacity(slot) else []
         kv.reserve(slot, min(self.n_ctx, len(prompt) + max_new), prefix=prefix)
-        cap, table, past = kv.capacity(slot), list(kv.pool.owned(slot)), len(prefix) * kv.page_size
-        idents = identities(prompt)
+        past = len(prefix) * kv.page_size
+        self.filling[slot] = [list(kv.pool.owned(slot)), past, identities(prompt)]
+        self.evaluated.append((len(prompt), len(prompt) - past))
+        self.chunks.append((slot, past, "start"))
+        return past
+
+    def seq_prefill(self, slot, tokens):
+        table, past, idents = f = self.filling[slot]
+        assert len(tokens) <= len(idents) - past
+        f[1] = past + len(tokens)
+        self.chunks.append((slot, len(tokens), self.steps))
 
         def op():
-            assert len(prompt) <= cap
-            kv.check(table, idents[:past])  # the cached pages hold this prompt's start
-            for p in range(past, len(prompt)):
-                kv.write(table, p, idents[p])
+            self.kv.check(table, idents[:past])  # what the prompt's earlier part left (or the cache)
+            for p in range(past, past + len(tokens)):
+                self.kv.write(table, p, idents[p])
+
+        self.stream.ops.append(op)
+
+    def seq_first(self, slot, prompt, params, seed, publish=False):
+        table, past, idents = self.filling.pop(slot)
+        assert past == len(prompt), "sampled before the prompt's last token was evaluated"
+        cap = self.kv.capacity(slot)
+        if publish:
+            self.kv.publish(slot, prompt)
+
+        def op():
+            self.kv.check(table, idents)
             t0 = script(seed, 0)
             self.dev[slot] = {"pos": len(prompt), "n": 1, "uid": seed, "cap": cap, "table": table,
-                              "idents": idents, "last": t0}
+                              "idents": list(idents), "last": t0}
             self.ring[0][slot] = t0
 
         self.stream.ops.append(op)
-        if reuse:
-            kv.publish(slot, prompt)
-        self.evaluated.append((len(prompt), len(prompt) - past))
-        return len(prompt) - past
 
     def batch_step(self, n_slots):
         rows = next(b for b in (1, 2, 4, 8, 16, 32, 64) if b >= n_slots)
@@ -433,6 +457,7 @@ class FakeCudaBackend:
         return self.ring[i % 64][slot]
 
     def seq_release(self, slot, tokens=()):
+        self.filling.pop(slot, None)
         self.kv.release(slot, tokens)
 
         def op():
@@ -584,6 +609,67 @@ def test_prefix_cache_evicts_least_recent_and_never_what_is_in_use():
     hits = sum(n - e for n, e in be.evaluated)
     assert 0 < hits < sum(n for n, _ in be.evaluated)
     assert be.kv.free_pages() == be.kv.n_pages
+
+
+def test_long_prompt_is_evaluated_in_chunks_between_decode_steps():
+    """With another sequence decoding, a 100-token prompt is evaluated 16 tokens per step (the first
+    chunk at admission), the running stream getting a token every step meanwhile; it then decodes
+    as if alone. With nothing else running, a prompt is evaluated whole at admission."""
+    a, be = cuda_adapter(2, n_ctx=512, max_batch=4)
+    a.chunk = 16
+    s = make(a)
+    lone = chat_job(1, list(range(1, 101)), 3)
+    run(s, lone)
+    assert [c[1] for c in be.chunks if c[0] == lone.slot and c[2] != "start"] == [100]
+    runner, late = chat_job(2, [7, 8, 9], 60), chat_job(3, list(range(300, 400)), 10)
+    s.submit(runner)
+    for _ in range(3):
+        s._pump()
+    s.submit(late)
+    seen = []
+    for _ in range(10):
+        s._pump()
+        seen.append(len(runner.ids))
+    parts = [c for c in be.chunks if c[0] == late.slot and c[2] != "start"]
+    assert [n for _, n, _ in parts] == [16] * 6 + [4]  # (none at admission: the next step takes the first)
+    assert all(b[2] > a_[2] for a_, b in zip(parts, parts[1:])), "two chunks without a decode step between"
+    assert seen == sorted(seen) and seen[-1] - seen[0] >= 8  # the running stream kept going
+    run(s)
+    assert "".join(late.emit.text) == expected(3, 10) and "".join(runner.emit.text) == expected(2, 60)
+    assert be.kv.free_pages() == be.kv.n_pages
+
+
+def test_a_prompt_cancelled_or_failing_mid_evaluation_ends_alone():
+    """A request cancelled while its prompt is evaluated in chunks frees its slot (the pages its
+    chunks wrote stay findable: the same prompt again evaluates only the rest); one whose later
+    chunk fails gets that error, and the running stream is untouched by either."""
+    a, be = cuda_adapter(2, n_ctx=512, max_batch=4)
+    a.chunk = 16
+    s = make(a)
+    runner = chat_job(1, [5, 6], 80)
+    s.submit(runner)
+    s._pump()
+    doc = list(range(500, 600))
+    gone = chat_job(2, doc, 5)
+    s.submit(gone)
+    for _ in range(4):
+        s._pump()
+    written = sum(n for slot, n, at in be.chunks if slot == gone.slot and at != "start")
+    s.cancel(gone)
+    s._pump()
+    assert gone.state == "cancelled" and gone.slot not in s.active and written == 4 * 16
+    again = chat_job(3, doc, 5)
+    s.submit(again)
+    s._pump()
+    assert be.evaluated[-1] == (100, 100 - written)  # the chunks it wrote were kept
+    real = be.seq_prefill
+    be.seq_prefill = lambda slot, toks: (_ for _ in ()).throw(RuntimeError("device fault")) \
+        if slot == again.slot else real(slot, toks)
+    s._pump()
+    be.seq_prefill = real
+    assert again.state == "failed" and isinstance(again.emit.error, RuntimeError)
+    run(s)
+    assert "".join(runner.emit.text) == expected(1, 80) and be.kv.free_pages() == be.kv.n_pages
 
 
 def test_cuda_adapter_clamps_top_k():

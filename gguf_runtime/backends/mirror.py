@@ -20,7 +20,7 @@ from typing import Any, Iterable
 from ..errors import GGUFRunError
 
 MIRRORED = ("prefill", "eval", "truncate", "start_decode", "run_steps", "batch_step", "seq_release", "hidden",
-            "capture_buckets", "end_single", "retune")
+            "capture_buckets", "end_single", "retune", "seq_start", "seq_prefill")
 MIRRORED_ATTRS = ("prefill_graph", "use_graph")
 
 
@@ -87,6 +87,10 @@ class MirrorFront:
     def seq_add(self, slot, prompt, params, max_new, seed=None, reuse=False) -> int:
         seed = int(seed) if seed is not None else secrets.randbits(63)  # (the same on every rank)
         return self._mirror("seq_add", slot, list(prompt), params, max_new, seed, reuse)
+
+    def seq_first(self, slot, prompt, params, seed=None, publish=False) -> None:
+        seed = int(seed) if seed is not None else secrets.randbits(63)  # (the same on every rank)
+        return self._mirror("seq_first", slot, list(prompt), params, seed, publish)
 
     def start_single(self, history, params, seed):
         local = self._mirror("start_single", list(history), params, seed)

@@ -73,6 +73,10 @@ class LaunchAhead:
         """Forget the slot's sequence; tokens of it still in flight are discarded."""
         self._seqs.pop(slot, None)
 
+    def busy(self) -> bool:
+        """Whether any admitted sequence is decoding."""
+        return bool(self._seqs)
+
     def pending(self) -> bool:
         """Whether ``step`` has anything left to read or launch."""
         return bool(self._fifo) or (bool(self._seqs) and self._may_launch())

@@ -8,7 +8,9 @@ needs past its budget), and four calls, all made from the scheduler's thread:
   Raises :class:`NoRoom` when the KV cache cannot hold it right now (the scheduler keeps it
   waiting).
 * ``step() -> {slot: [token, ...]}``: advance every admitted sequence; returns the tokens that
-  became readable (in order; possibly none for a slot, possibly several).
+  became readable (in order; possibly none for a slot, possibly several). A slot whose admission
+  failed after ``add`` returned (a later chunk of its prompt) shows in ``failed`` (slot ->
+  exception) until released.
 * ``release(slot)``: forget the sequence; its slot and KV pages are free at once.
 * ``embed(slot, ids) -> vector``: the pooled final hidden states of ``ids`` as a sequence of their
   own (engine/embed.py: not yet normalized), between steps, leaving the admitted sequences as they
@@ -112,6 +114,14 @@ class NumpyAdapter:
         self.be.truncate(n)
 
 
+@dataclasses.dataclass
+class _Filling:
+    prompt: list[int]
+    params: SamplingParams
+    max_new: int
+    done: int  # prompt tokens in the slot's pages (cached or evaluated)
+
+
 class CudaAdapter:
     """Every admitted sequence in its own slot of the CUDA backend's batch graphs.
 
@@ -122,6 +132,12 @@ class CudaAdapter:
     reserved for that, and the scheduler clips budgets so they stay inside the context. A slot
     released while steps are in flight is safe to reuse at once: everything is ordered on the
     backend's one stream, and tokens of the old sequence are dropped by their admission number.
+
+    A prompt admitted while other sequences decode, with more than ``chunk`` tokens to evaluate
+    (the tuning table's serve_chunk), is evaluated ``chunk`` tokens per ``step`` call, before that
+    step's decode launch, so the running streams keep a token every step; it joins the decode steps
+    once its last chunk is evaluated and its first token sampled (prompts first come, first served;
+    a prompt admitted while nothing decodes is evaluated whole at once).
 
     The prefix cache (``prefix_cache``, backends/page_pool.py): a prompt's leading full pages that
     an earlier or running sequence wrote are taken as they are; at release a sequence's pages are
@@ -142,7 +158,10 @@ class CudaAdapter:
         self.depth = max(1, min(int(depth), ring_len // 2))
         self.margin = self.depth
         self.prefix_cache = prefix_cache
+        self.chunk = getattr(getattr(be, "tune", None), "serve_chunk", 512)
         self._tokens: dict[int, tuple[int, list[int]]] = {}  # slot -> (prompt length, prompt + tokens read)
+        self._filling: dict[int, _Filling] = {}  # slots whose prompts are being evaluated, in admission order
+        self.failed: dict[int, BaseException] = {}  # slots whose prompt failed in a later chunk (scheduler: fail them)
         self.loop = LaunchAhead(be, self.depth, margin=self.margin, new_event=new_event)
         if capture and getattr(be, "use_graph", False) and hasattr(be, "capture_buckets"):
             be.capture_buckets(progress=progress)  # before serving: no capture pause mid-stream
@@ -159,23 +178,44 @@ class CudaAdapter:
             raise BackendError("structured output (format / response_format) and forced tool calls (tool_choice "
                                "\"required\" or a named function) are not served on the CUDA backend yet; serve with "
                                "--backend numpy, or use `gguf-run run --json-schema` for one answer")
-        be = self.be
+        be, prompt, params = self.be, list(prompt), self._params(params)
         try:
-            evaluated = be.seq_add(slot, list(prompt), self._params(params), max_new + self.margin, params.seed,
-                                   reuse=self.prefix_cache)
+            cached = be.seq_start(slot, prompt, params, max_new + self.margin, reuse=self.prefix_cache)
         except KVCacheFullError:
             raise NoRoom from None
-        except BackendError:
-            be.seq_release(slot)
-            raise
+        self._filling[slot] = _Filling(prompt, params, max_new, cached)
+        if self.loop.busy() and self.chunk > 0:
+            return len(prompt) - cached  # others decode: step() evaluates it a chunk a step
+        try:
+            self._fill(slot, len(prompt))
         except BaseException:
+            del self._filling[slot]
             be.seq_release(slot)
             raise
-        self.loop.admit(slot, max_new)
-        self._tokens[slot] = (len(prompt), list(prompt))
-        return evaluated
+        return len(prompt) - cached
+
+    def _fill(self, slot: int, n: int) -> None:
+        """Evaluate up to n more tokens of the slot's prompt; after its last, sample its first token
+        and admit it to the decode steps."""
+        f = self._filling[slot]
+        part = f.prompt[f.done:f.done + n]
+        self.be.seq_prefill(slot, part)
+        f.done += len(part)
+        if f.done < len(f.prompt):
+            return
+        self.be.seq_first(slot, f.prompt, f.params, f.params.seed, publish=self.prefix_cache)
+        del self._filling[slot]
+        self.loop.admit(slot, f.max_new)
+        self._tokens[slot] = (len(f.prompt), list(f.prompt))
 
     def step(self) -> dict[int, list[int]]:
+        if self._filling:  # one chunk of the oldest prompt being evaluated, then the decode steps
+            slot = next(iter(self._filling))
+            try:
+                self._fill(slot, self.chunk)
+            except Exception as e:  # noqa: BLE001 - this prompt's failure is its request's alone
+                self._filling.pop(slot, None)
+                self.failed[slot] = e
         out = self.loop.step()
         for slot, toks in out.items():
             if slot in self._tokens:
@@ -193,6 +233,9 @@ class CudaAdapter:
 
     def release(self, slot: int) -> None:
         self.loop.drop(slot)
+        self.failed.pop(slot, None)
         n_prompt, toks = self._tokens.pop(slot, (0, []))
-        written = toks[:max(n_prompt, len(toks) - 1)] if self.prefix_cache else []
-        self.be.seq_release(slot, written)
+        written = toks[:max(n_prompt, len(toks) - 1)]
+        if (f := self._filling.pop(slot, None)) is not None:  # cancelled while its prompt was evaluated
+            written = f.prompt[:f.done]
+        self.be.seq_release(slot, written if self.prefix_cache else [])

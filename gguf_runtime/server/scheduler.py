@@ -254,6 +254,10 @@ class Scheduler:
                     except Exception as e:  # noqa: BLE001 - this request's tokens or text: fail it alone
                         log.exception("finishing a step of a request failed")
                         self._end(job, "failed", e)
+            for slot, e in list(getattr(self.adapter, "failed", {}).items()):  # a prompt's later chunk failed
+                job = self.active.get(slot)
+                if job is not None:
+                    self._end(job, "failed", e)
         return True
 
     def _enqueue(self, job: Job | EmbedJob) -> None:

@@ -418,20 +418,40 @@ class CudaBackend(PrefillMixin):
         """Admit a sequence into a free slot: reserve pages, prefill, sample its first token. With
         ``reuse`` the prompt's cached leading pages (kv.match) are taken as they are and only the
         rest is evaluated, and its full pages join the prefix cache. Returns the tokens evaluated."""
+        cached = self.seq_start(slot, prompt, params, max_new, reuse)
+        self.seq_prefill(slot, prompt[cached:])
+        self.seq_first(slot, prompt, params, seed, publish=reuse)
+        return len(prompt) - cached
+
+    # seq_add in three parts, for a prompt evaluated in chunks between other sequences' decode steps
+    def seq_start(self, slot: int, prompt: Sequence[int], params: SamplingParams, max_new: int,
+                  reuse: bool = False) -> int:
+        """Reserve the slot's pages for the prompt and max_new tokens (with ``reuse``, starting with
+        the prompt's cached leading pages); returns the prompt tokens already there."""
         if not self.gpu_sampling(params):
             raise BackendError("batched decoding samples on the GPU: use top-k between 1 and 1024")
         kv = self.kv
         prefix = kv.match(prompt) if reuse and not kv.capacity(slot) else []
         kv.reserve(slot, min(self.n_ctx, len(prompt) + max_new), stream=self.stream, prefix=prefix)
         self.slot_len[slot] = len(prefix) * kv.page_size
-        self._check_finite(self._eval(slot, prompt[self.slot_len[slot]:], all_logits=False))
-        if reuse:
-            kv.publish(slot, prompt)  # (enqueued before any later reader, on the one stream)
+        return self.slot_len[slot]
+
+    def seq_prefill(self, slot: int, tokens: Sequence[int]) -> None:
+        """Evaluate the next tokens of the slot's prompt (the slot stays out of the decode steps)."""
+        if len(tokens):
+            self._eval(slot, tokens, all_logits=False)
+
+    def seq_first(self, slot: int, prompt: Sequence[int], params: SamplingParams, seed: int | None = None,
+                  publish: bool = False) -> None:
+        """After the prompt's last token was evaluated (nothing evaluated since): sample the first
+        token and let the decode steps take the slot; ``publish``: its full pages join the prefix cache."""
+        self._check_finite(self.last_logits)
+        if publish:
+            self.kv.publish(slot, prompt)  # (enqueued before any later reader, on the one stream)
         seed = int(seed) if seed is not None else secrets.randbits(63)
         self._prime(slot, prompt, params, seed)
         with self.stream:
             self._sample(*self._mode(params), rows=1, slot0=slot)
-        return len(prompt) - len(prefix) * kv.page_size
 
     def batch_step(self, n_slots: int) -> None:
         """One decode step for every active slot below n_slots (the bucket's graph)."""

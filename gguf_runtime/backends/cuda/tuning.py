@@ -81,6 +81,9 @@ class Tuning:
     pdl_any_rows: bool = True  # PDL in every graph (small models); big: matvec steps only
     pdl_big_graph_kernels: tuple[str, ...] = ("rmsnorm",)  # ... in larger graphs these only (products lose)
     lookahead: int = 4  # decode steps enqueued ahead of the token the host reads (one sequence, batches)
+    # -- serving
+    serve_chunk: int = 512  # a prompt admitted while others decode: tokens evaluated between two of their steps
+    # (0: the whole prompt at once; bench/RESULTS.md, the mixed run)
     # -- tensor parallelism
     tp_oneshot_rows: int = 0  # sums of up to this many rows on allreduce.cu (peer memory): 0, NCCL was faster (row 122)
     tp_reduce_off: bool = False  # measuring only: no all-reduce at all (wrong sums): a split's compute alone
@@ -208,6 +211,8 @@ def _check(t: Tuning) -> None:
     if not (t.moe_rows[0] in (2, 4, 6, 8) and 1 <= t.moe_rows[1] <= 8):
         raise BackendError(f"{ENV}: moe_rows={t.moe_rows[0]}:{t.moe_rows[1]}: give GLU rows 2, 4, 6 or 8 "
                            "and down rows 1 to 8")
+    if t.serve_chunk < 0:
+        raise BackendError(f"{ENV}: serve_chunk={t.serve_chunk}: give 0 (whole prompts) or a number of tokens")
     if not 1 <= t.lookahead <= 32:  # (the pinned ring holds 64 tokens a slot)
         raise BackendError(f"{ENV}: lookahead={t.lookahead}: give a number of steps from 1 to 32")
     if not 1 <= t.decode_splits <= ATTN_MAX_SPLITS:
