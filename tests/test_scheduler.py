@@ -634,8 +634,16 @@ def test_long_prompt_is_evaluated_in_chunks_between_decode_steps():
     assert [n for _, n, _ in parts] == [16] * 6 + [4]  # (none at admission: the next step takes the first)
     assert all(b[2] > a_[2] for a_, b in zip(parts, parts[1:])), "two chunks without a decode step between"
     assert seen == sorted(seen) and seen[-1] - seen[0] >= 8  # the running stream kept going
+    doc, short = chat_job(4, list(range(600, 700)), 5), chat_job(5, [1, 2, 3, 4], 5)
+    s.submit(doc)
+    s._pump()
+    s.submit(short)
+    s._pump()  # the short prompt is evaluated at admission, not behind the document's chunks
+    assert [c[1] for c in be.chunks if c[0] == short.slot and c[2] != "start"] == [4]
+    assert doc.slot in a._filling and short.slot not in a._filling
     run(s)
-    assert "".join(late.emit.text) == expected(3, 10) and "".join(runner.emit.text) == expected(2, 60)
+    for j, uid, n in ((late, 3, 10), (runner, 2, 60), (doc, 4, 5), (short, 5, 5)):
+        assert "".join(j.emit.text) == expected(uid, n)
     assert be.kv.free_pages() == be.kv.n_pages
 
 

@@ -136,8 +136,9 @@ class CudaAdapter:
     A prompt admitted while other sequences decode, with more than ``chunk`` tokens to evaluate
     (the tuning table's serve_chunk), is evaluated ``chunk`` tokens per ``step`` call, before that
     step's decode launch, so the running streams keep a token every step; it joins the decode steps
-    once its last chunk is evaluated and its first token sampled (prompts first come, first served;
-    a prompt admitted while nothing decodes is evaluated whole at once).
+    once its last chunk is evaluated and its first token sampled (long prompts first come, first
+    served). A prompt of at most ``chunk`` tokens to evaluate, or admitted while nothing decodes, is
+    evaluated whole at admission: short requests do not wait behind a document.
 
     The prefix cache (``prefix_cache``, backends/page_pool.py): a prompt's leading full pages that
     an earlier or running sequence wrote are taken as they are; at release a sequence's pages are
@@ -184,8 +185,8 @@ class CudaAdapter:
         except KVCacheFullError:
             raise NoRoom from None
         self._filling[slot] = _Filling(prompt, params, max_new, cached)
-        if self.loop.busy() and self.chunk > 0:
-            return len(prompt) - cached  # others decode: step() evaluates it a chunk a step
+        if self.loop.busy() and 0 < self.chunk < len(prompt) - cached:
+            return len(prompt) - cached  # a long prompt while others decode: step() evaluates a chunk a step
         try:
             self._fill(slot, len(prompt))
         except BaseException:

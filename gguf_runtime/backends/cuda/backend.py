@@ -229,6 +229,7 @@ class CudaBackend(PrefillMixin):
             temp=self.p_temp.data.ptr, seed=self.p_seed.data.ptr, penalty=self.p_penalty.data.ptr,
             last_n=self.p_last_n.data.ptr, seq=self.seq.data.ptr)
         self.slot_len = [0] * n  # tokens whose K/V sit in the slot's pages
+        self.decoding = [False] * n  # slots the batch steps advance (seq_first .. seq_release)
 
     # ---- sampling -------------------------------------------------------------------------------
     @staticmethod
@@ -434,6 +435,7 @@ class CudaBackend(PrefillMixin):
         prefix = kv.match(prompt) if reuse and not kv.capacity(slot) else []
         kv.reserve(slot, min(self.n_ctx, len(prompt) + max_new), stream=self.stream, prefix=prefix)
         self.slot_len[slot] = len(prefix) * kv.page_size
+        self.decoding[slot] = False
         return self.slot_len[slot]
 
     def seq_prefill(self, slot: int, tokens: Sequence[int]) -> None:
@@ -452,6 +454,7 @@ class CudaBackend(PrefillMixin):
         self._prime(slot, prompt, params, seed)
         with self.stream:
             self._sample(*self._mode(params), rows=1, slot0=slot)
+        self.decoding[slot] = True
 
     def batch_step(self, n_slots: int) -> None:
         """One decode step for every active slot below n_slots (the bucket's graph)."""
@@ -459,7 +462,8 @@ class CudaBackend(PrefillMixin):
         mode = (False, True)  # the general sampler: greedy and sampled rows, with penalties
         self._launch(self._graph_for(rows, mode), rows, mode)
         for s in range(rows):
-            self.slot_len[s] += 1
+            if self.decoding[s]:  # (a slot whose prompt is evaluated in chunks meanwhile keeps its length)
+                self.slot_len[s] += 1
 
     def seq_token(self, slot: int, i: int) -> int:
         """The i-th token sampled for the slot (after the step that made it has completed)."""
@@ -472,6 +476,7 @@ class CudaBackend(PrefillMixin):
             self.seq[slot:slot + 1].fill(-1)
         self.kv.release(slot, stream=self.stream, tokens=list(tokens))
         self.slot_len[slot] = 0
+        self.decoding[slot] = False
 
     # ---- embeddings ------------------------------------------------------------------------------
     def hidden(self, tokens: Sequence[int], slot: int = 0) -> np.ndarray:
