@@ -159,7 +159,7 @@ class CudaAdapter:
         self.depth = max(1, min(int(depth), ring_len // 2))
         self.margin = self.depth
         self.prefix_cache = prefix_cache
-        self.chunk = getattr(getattr(be, "tune", None), "serve_chunk", 512)
+        self.chunk = getattr(getattr(be, "tune", None), "serve_chunk", 0)
         self._tokens: dict[int, tuple[int, list[int]]] = {}  # slot -> (prompt length, prompt + tokens read)
         self._filling: dict[int, _Filling] = {}  # slots whose prompts are being evaluated, in admission order
         self.failed: dict[int, BaseException] = {}  # slots whose prompt failed in a later chunk (scheduler: fail them)
