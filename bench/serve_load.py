@@ -399,9 +399,15 @@ def mixed(url: str, model: str, a) -> list[str]:
     errors += [r.error or "HTTP error" for r in short + long if not r.ok]
     table(rows, "phase")
     s = rows[0]
+    # the gaps between a stream's chunks: where a long prompt stalls the others (a request's mean
+    # TPOT spreads a stall over its tokens)
+    gaps = [b - a_ for r in short if r.ok for a_, b in zip(r.chunks, r.chunks[1:])]
+    s["itl_p50_ms"], s["itl_p99_ms"], s["itl_max_ms"] = (1e3 * pct(gaps, 50), 1e3 * pct(gaps, 99),
+                                                       1e3 * max(gaps, default=float("nan")))
     print(f"\nshort requests: TPOT p50 {s['tpot_p50_ms']:.1f} ms, p99 {s['tpot_p99_ms']:.1f} ms "
-          f"({s['tpot_p99_ms'] / s['tpot_p50_ms']:.2f}x); documents ({a.long_words} words): TTFT p50 "
-          f"{rows[1]['ttft_p50_ms']:,.0f} ms over {len(long)} requests")
+          f"({s['tpot_p99_ms'] / s['tpot_p50_ms']:.2f}x); gaps between chunks p50 {s['itl_p50_ms']:.1f} ms, "
+          f"p99 {s['itl_p99_ms']:.1f} ms, max {s['itl_max_ms']:.0f} ms; documents ({a.long_words} words): "
+          f"TTFT p50 {rows[1]['ttft_p50_ms']:,.0f} ms over {len(long)} requests")
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"url": url, "model": model, "tokens": a.tokens, "long_words": a.long_words, "rows": rows}, fh,
