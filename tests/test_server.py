@@ -217,7 +217,9 @@ BAD = [
     ("/api/chat", {"model": NAME, "messages": [{"role": "user", "content": {"a": 1}}]}, 400),
     ("/api/show", {"model": "nope"}, 404),
     ("/v1/chat/completions", {"model": NAME, "messages": HI, "max_tokens": -1}, 400),
-    ("/v1/chat/completions", {"model": NAME, "messages": HI, "n": 2}, 400),
+    ("/v1/chat/completions", {"model": NAME, "messages": HI, "n": 2, "stream": True}, 400),
+    ("/v1/chat/completions", {"model": NAME, "messages": HI, "n": 17}, 400),
+    ("/v1/completions", {"model": NAME, "prompt": "x", "n": 0}, 400),
     ("/v1/chat/completions", {"model": NAME, "messages": HI, "temperature": 3}, 400),
     ("/v1/chat/completions", {"model": NAME, "messages": HI, "presence_penalty": 0.5}, 400),
     ("/v1/completions", {"model": NAME, "prompt": "x", "frequency_penalty": -1}, 400),
@@ -332,6 +334,32 @@ def test_cached_prefix_counts_in_each_api(url):
                                             "options": {"num_predict": 2, "temperature": 0}}).json()
     assert r["prompt_eval_count"] == second["prompt_tokens"]
     assert r["prompt_eval_cached_count"] == second["prompt_tokens_details"]["cached_tokens"]
+    good(url)
+
+
+def test_n_choices(url):
+    """OpenAI's n: n choices of one prompt (indices 0..n-1), each its own sample (seeds seed,
+    seed + 1, ...: the same request gives the same choices); usage counts the prompt once and all
+    the choices' tokens. Greedy choices are alike."""
+    body = {"model": NAME, "messages": HI, "max_tokens": 6, "temperature": 1.5, "seed": 5, "n": 3}
+    r = httpx.post(url + "/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    texts = [c["message"]["content"] for c in out["choices"]]
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2] and len(set(texts)) > 1
+    assert httpx.post(url + "/v1/chat/completions", json=body).json()["choices"] == out["choices"]
+    single = httpx.post(url + "/v1/chat/completions", json={**body, "n": 1}).json()
+    assert single["choices"][0]["message"]["content"] == texts[0]  # choice 0 is the seed's own
+    u = out["usage"]
+    assert u["prompt_tokens"] == single["usage"]["prompt_tokens"]
+    if all(c["finish_reason"] == "length" for c in out["choices"]):
+        assert u["completion_tokens"] == 3 * 6
+    else:
+        assert 3 <= u["completion_tokens"] < 3 * 6
+    assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+    r = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "The sky is", "max_tokens": 4,
+                                                 "temperature": 0, "n": 2}).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1] and r["choices"][0]["text"] == r["choices"][1]["text"]
     good(url)
 
 

@@ -28,7 +28,7 @@ from . import schemas as S
 from . import tools as T
 from .formats import FORMATS
 from .guard import Guard
-from .service import MAX_BODY, Service, error_response, read_json, run_embed, run_job, status_of
+from .service import MAX_BODY, Service, error_response, read_json, run_choices, run_embed, run_job, status_of
 
 __all__ = ["MAX_BODY", "Service", "build_app"]
 log = logging.getLogger("gguf_runtime.server")
@@ -215,27 +215,30 @@ def _openai_common(svc: Service, body: dict):
     so = body.get("stream_options") or {}
     if not isinstance(so, dict):
         raise S.bad("stream_options must be an object")
-    return name, params, requested, stop, stream, S.get_bool(so, "include_usage", False)
+    return name, params, requested, stop, stream, S.get_bool(so, "include_usage", False), S.openai_n(body, stream)
 
 
 @route(openai=True)
 async def v1_chat(svc: Service, request: Request) -> Response:
     body = await read_json(request, svc.max_body)
-    name, params, requested, stop, stream, usage = _openai_common(svc, body)
+    name, params, requested, stop, stream, usage, n = _openai_common(svc, body)
     msgs = S.messages(body.get("messages"), T.message_tool_fields)
     if not msgs:
         raise S.bad("messages must not be empty")
     think = S.think_kwargs(body, ollama=False)
     tools, msgs, grammar = _chat_tools(svc, body, name, msgs, S.structured_output(body, ollama=False))
+    encode = lambda: svc.engine.encode_chat(msgs, tools=tools.tools, **think)  # noqa: E731
+    if n > 1:
+        return await run_choices(svc, request, lambda: FORMATS["chat.completion"](name, usage, tools.parser()),
+                                 encode, params, requested, stop, n, grammar=grammar, keep=tools.keep)
     fmt = FORMATS["chat.completion"](name, usage, tools.parser())
-    return await run_job(svc, request, fmt, lambda: svc.engine.encode_chat(msgs, tools=tools.tools, **think), params,
-                         requested, stop, stream, grammar=grammar, keep=tools.keep)
+    return await run_job(svc, request, fmt, encode, params, requested, stop, stream, grammar=grammar, keep=tools.keep)
 
 
 @route(openai=True)
 async def v1_completions(svc: Service, request: Request) -> Response:
     body = await read_json(request, svc.max_body)
-    name, params, requested, stop, stream, usage = _openai_common(svc, body)
+    name, params, requested, stop, stream, usage, n = _openai_common(svc, body)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
@@ -247,9 +250,12 @@ async def v1_completions(svc: Service, request: Request) -> Response:
         encode = lambda: eng.encode_raw(prompt)  # noqa: E731
     else:
         raise S.bad("prompt must be a non-empty string (or one string, or a list of token ids)")
+    grammar = S.structured_output(body, ollama=False)
+    if n > 1:
+        return await run_choices(svc, request, lambda: FORMATS["text_completion"](name, usage), encode, params,
+                                 requested, stop, n, grammar=grammar)
     fmt = FORMATS["text_completion"](name, usage)
-    return await run_job(svc, request, fmt, encode, params, requested, stop, stream,
-                         grammar=S.structured_output(body, ollama=False))
+    return await run_job(svc, request, fmt, encode, params, requested, stop, stream, grammar=grammar)
 
 
 @route(openai=True)

@@ -212,11 +212,23 @@ def ollama_options(body: dict) -> tuple[SamplingParams, int | None, tuple[str, .
             num_ctx)
 
 
+MAX_CHOICES = 16  # OpenAI's n: choices one request may ask for
+
+
+def openai_n(body: dict, stream: bool) -> int:
+    """OpenAI's ``n`` (choices of one prompt): 1 to MAX_CHOICES, above 1 unstreamed for now."""
+    n = get_int(body, "n")
+    if n is None:
+        return 1
+    if not 1 <= n <= MAX_CHOICES:
+        raise bad(f"n must be between 1 and {MAX_CHOICES}, got {n}")
+    if n > 1 and stream:
+        raise bad("n above 1 is not streamed yet: set stream to false, or send n requests")
+    return n
+
+
 def openai_options(body: dict) -> tuple[SamplingParams, int | None, tuple[str, ...]]:
     refuse_logprobs(body)
-    n = get_int(body, "n")
-    if n is not None and n != 1:
-        raise bad("only n=1 is supported")
     temp = get_number(body, "temperature")
     if temp is not None and not 0 <= temp <= 2:
         raise bad(f"temperature must be between 0 and 2, got {temp}")
