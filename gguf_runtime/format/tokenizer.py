@@ -14,6 +14,7 @@ from __future__ import annotations
 import codecs
 import re
 import threading
+from array import array
 from collections import OrderedDict
 from typing import Any, Iterable
 
@@ -107,12 +108,13 @@ def _trie_pattern(words: set[str]) -> str:
 
 class FragmentCache:
     """Token ids of recent text pieces of at least MIN_CHARS characters, least recently used out
-    past MAX_CHARS characters in all; thread-safe (the server tokenizes on several threads)."""
+    past MAX_CHARS characters in all (8 M characters, and about as many bytes of int32 ids); thread-safe
+    (the server tokenizes on several threads)."""
 
     MIN_CHARS, MAX_CHARS = 64, 1 << 23
 
     def __init__(self) -> None:
-        self._ids: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._ids: OrderedDict[str, array] = OrderedDict()
         self._chars = 0
         self._lock = threading.Lock()
 
@@ -123,15 +125,15 @@ class FragmentCache:
             ids = self._ids.get(piece)
             if ids is not None:
                 self._ids.move_to_end(piece)
-                return list(ids)
-        ids = tuple(fn(piece))
+                return ids.tolist()
+        ids = array("i", fn(piece))
         with self._lock:
             if piece not in self._ids:
                 self._ids[piece] = ids
                 self._chars += len(piece)
                 while self._chars > self.MAX_CHARS:
                     self._chars -= len(self._ids.popitem(last=False)[0])
-        return list(ids)
+        return ids.tolist()
 
 
 class Tokenizer:
