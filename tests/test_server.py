@@ -363,6 +363,31 @@ def test_n_choices(url):
     good(url)
 
 
+def test_completions_with_several_prompts(url):
+    """/v1/completions' prompt as a list of prompts (strings or token-id lists): choice p * n + j is
+    prompt p's j-th, each as that prompt alone with seed + j; usage sums the prompts; too many
+    choices, or streaming them, is a 400."""
+    body = {"model": NAME, "max_tokens": 5, "temperature": 1.2, "seed": 9}
+    prompts = ["Once upon a time", [504, 3575, 282]]
+    r = httpx.post(url + "/v1/completions", json={**body, "prompt": prompts, "n": 2})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    for p, prompt in enumerate(prompts):
+        for j in range(2):
+            alone = httpx.post(url + "/v1/completions", json={**body, "prompt": prompt, "seed": 9 + j}).json()
+            assert out["choices"][2 * p + j]["text"] == alone["choices"][0]["text"], (p, j)
+    n_in = sum(httpx.post(url + "/v1/completions", json={**body, "prompt": p}).json()["usage"]["prompt_tokens"]
+               for p in prompts)
+    assert out["usage"]["prompt_tokens"] == n_in
+    for bad in ({"prompt": ["a"] * 17}, {"prompt": ["a", "b"], "stream": True}, {"prompt": ["a", "b", "c"], "n": 6},
+                {"prompt": ["a", ""]}, {"prompt": ["a", [10**9]]}):
+        r = httpx.post(url + "/v1/completions", json={**body, **bad})
+        assert r.status_code == 400, (bad, r.text)
+        assert any(w in r.json()["error"]["message"] for w in ("prompt", "choices")), (bad, r.text)
+    good(url)
+
+
 def test_wrong_method_is_json(url):
     r = httpx.get(url + "/api/generate")
     assert r.status_code == 405 and "error" in r.json()

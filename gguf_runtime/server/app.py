@@ -230,7 +230,7 @@ async def v1_chat(svc: Service, request: Request) -> Response:
     encode = lambda: svc.engine.encode_chat(msgs, tools=tools.tools, **think)  # noqa: E731
     if n > 1:
         return await run_choices(svc, request, lambda: FORMATS["chat.completion"](name, usage, tools.parser()),
-                                 encode, params, requested, stop, n, grammar=grammar, keep=tools.keep)
+                                 lambda: [encode()], params, requested, stop, n, grammar=grammar, keep=tools.keep)
     fmt = FORMATS["chat.completion"](name, usage, tools.parser())
     return await run_job(svc, request, fmt, encode, params, requested, stop, stream, grammar=grammar, keep=tools.keep)
 
@@ -240,20 +240,34 @@ async def v1_completions(svc: Service, request: Request) -> Response:
     body = await read_json(request, svc.max_body)
     name, params, requested, stop, stream, usage, n = _openai_common(svc, body)
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
     eng = svc.engine
-    if isinstance(prompt, list):
-        ids = _ids(prompt, eng.tokenizer.n_vocab, "prompt")
-        encode = lambda: list(ids)  # noqa: E731
-    elif isinstance(prompt, str) and prompt:
-        encode = lambda: eng.encode_raw(prompt)  # noqa: E731
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        many = prompt  # several prompts: strings or lists of token ids, a choice (or n) each
+    elif isinstance(prompt, list) or (isinstance(prompt, str) and prompt):
+        many = [prompt]
     else:
-        raise S.bad("prompt must be a non-empty string (or one string, or a list of token ids)")
+        raise S.bad("prompt must be a non-empty string, a list of token ids, or a list of those")
+    if len(many) > S.MAX_CHOICES:
+        raise S.bad(f"prompt holds {len(many)} prompts: send at most {S.MAX_CHOICES} a request")
+    parts = []
+    for k, p in enumerate(many):
+        where = "prompt" if len(many) == 1 else f"prompt[{k}]"
+        if isinstance(p, list):
+            ids = _ids(p, eng.tokenizer.n_vocab, where)
+            parts.append(lambda ids=ids: list(ids))
+        elif isinstance(p, str) and p:
+            parts.append(lambda p=p: eng.encode_raw(p))
+        else:
+            raise S.bad(f"{where} must be a non-empty string or a list of token ids")
+    encode = parts[0]
     grammar = S.structured_output(body, ollama=False)
-    if n > 1:
-        return await run_choices(svc, request, lambda: FORMATS["text_completion"](name, usage), encode, params,
-                                 requested, stop, n, grammar=grammar)
+    if n > 1 or len(parts) > 1:
+        if stream:
+            raise S.bad("several prompts are not streamed yet: set stream to false, or send one prompt a request")
+        if n * len(parts) > S.MAX_CHOICES:
+            raise S.bad(f"{len(parts)} prompts x n={n} is {n * len(parts)} choices: ask for at most {S.MAX_CHOICES}")
+        return await run_choices(svc, request, lambda: FORMATS["text_completion"](name, usage),
+                                 lambda: [f() for f in parts], params, requested, stop, n, grammar=grammar)
     fmt = FORMATS["text_completion"](name, usage)
     return await run_job(svc, request, fmt, encode, params, requested, stop, stream, grammar=grammar)
 

@@ -241,23 +241,25 @@ async def run_job(svc: Service, request: Request, fmt, encode: Callable[[], list
     return _Stream(body(), close, media_type=fmt.media_type, headers={"Cache-Control": "no-cache"})
 
 
-async def run_choices(svc: Service, request: Request, make_fmt: Callable[[], Any], encode: Callable[[], list[int]],
-                      params, requested: int | None, stop: tuple[str, ...], n: int, grammar: str | None = None,
-                      keep: frozenset[int] = frozenset()) -> Response:
-    """OpenAI's ``n`` above 1, unstreamed: n jobs of one prompt (tokenized once; the prefix cache
-    evaluates it once where the backend has one), seeds seed, seed + 1, ... where a seed is given,
-    answered together as choices 0..n-1; usage counts the prompt once and every choice's tokens.
-    A failing choice fails the request and cancels the others; so does the client leaving."""
+async def run_choices(svc: Service, request: Request, make_fmt: Callable[[], Any],
+                      encode: Callable[[], list[list[int]]], params, requested: int | None, stop: tuple[str, ...],
+                      n: int, grammar: str | None = None, keep: frozenset[int] = frozenset()) -> Response:
+    """Several choices, unstreamed: OpenAI's ``n`` and /v1/completions' list of prompts. ``encode``
+    gives the prompts (tokenized once each); each gets n jobs (the prefix cache evaluates a prompt
+    once where the backend has one), seeds seed, seed + 1, ... where a seed is given; choice
+    p * n + j is prompt p's j-th. Usage counts each prompt once and every choice's tokens. A
+    failing choice fails the request and cancels the others; so does the client leaving."""
     t0 = time.perf_counter()
-    ids = await asyncio.get_running_loop().run_in_executor(svc.prep, encode)
+    prompts = await asyncio.get_running_loop().run_in_executor(svc.prep, encode)
     sched, mail = svc.scheduler, svc.mailbox()
-    max_new = sched.budget(len(ids), requested)
-    queues: list[asyncio.Queue] = [asyncio.Queue() for _ in range(n)]
-    jobs = [Job(ids, params if params.seed is None else dataclasses.replace(params, seed=params.seed + i), max_new,
-                lambda kind, data, q=q: mail.put(q, (kind, data)), stop, t_submit=t0, grammar=grammar,
-                keep_special=keep) for i, q in enumerate(queues)]
+    budgets = [sched.budget(len(ids), requested) for ids in prompts]
+    k = len(prompts) * n
+    queues: list[asyncio.Queue] = [asyncio.Queue() for _ in range(k)]
+    jobs = [Job(prompts[c // n], params if params.seed is None else dataclasses.replace(params, seed=params.seed + c % n),
+                budgets[c // n], lambda kind, data, q=q: mail.put(q, (kind, data)), stop, t_submit=t0,
+                grammar=grammar, keep_special=keep) for c, q in enumerate(queues)]
     submitted: list[Job] = []
-    parts: list[list[str]] = [[] for _ in range(n)]
+    parts: list[list[str]] = [[] for _ in range(k)]
     done = 0
     gets: dict[asyncio.Future, int] = {}
     watch = asyncio.ensure_future(_wait_disconnect(request.receive))
@@ -265,21 +267,21 @@ async def run_choices(svc: Service, request: Request, make_fmt: Callable[[], Any
         for job in jobs:
             sched.submit(job)
             submitted.append(job)
-        gets = {asyncio.ensure_future(q.get()): i for i, q in enumerate(queues)}
-        while done < n:
+        gets = {asyncio.ensure_future(q.get()): c for c, q in enumerate(queues)}
+        while done < k:
             ready, _ = await asyncio.wait({*gets, watch}, return_when=asyncio.FIRST_COMPLETED)
             if watch in ready:
                 return Response(status_code=499)  # the client is gone (nobody reads this)
             for fut in ready:
-                i = gets.pop(fut)
+                c = gets.pop(fut)
                 kind, data = fut.result()
                 if kind == "error":
                     raise data
                 if kind == "done":
                     done += 1
                 else:
-                    parts[i].append(data)
-                    gets[asyncio.ensure_future(queues[i].get())] = i
+                    parts[c].append(data)
+                    gets[asyncio.ensure_future(queues[c].get())] = c
     finally:
         watch.cancel()
         for fut in gets:
@@ -290,9 +292,12 @@ async def run_choices(svc: Service, request: Request, make_fmt: Callable[[], Any
     load = svc.take_load_s()
     wholes = [make_fmt().whole("".join(p), job, load) for p, job in zip(parts, jobs)]
     out = wholes[0]
-    out["choices"] = [{**w["choices"][0], "index": i} for i, w in enumerate(wholes)]
-    n_out = sum(len(job.ids) for job in jobs)
-    out["usage"] = {**out["usage"], "completion_tokens": n_out, "total_tokens": len(ids) + n_out}
+    out["choices"] = [{**w["choices"][0], "index": c} for c, w in enumerate(wholes)]
+    firsts = jobs[::n]  # each prompt's first job: its cached part
+    n_in, n_out = sum(map(len, prompts)), sum(len(job.ids) for job in jobs)
+    out["usage"] = {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out,
+                    "prompt_tokens_details": {"cached_tokens": sum(max(0, len(j.prompt) - j.prompt_eval)
+                                                                   for j in firsts)}}
     return JSONResponse(out)
 
 
