@@ -378,21 +378,29 @@ def chat(url: str, model: str, a) -> list[str]:
 def mixed(url: str, model: str, a) -> list[str]:
     errors: list[str] = []
     request(url, *body_for("generate", model, "warm up", 8, True, 1))
-    c, done = a.clients[0], threading.Event()
+    c, done, lock, finished = a.clients[0], threading.Event(), threading.Lock(), [0]
 
     def client(i: int) -> list[Res]:
+        """Client i < c: a.requests short requests; the others send documents until those are done."""
         r, out = random.Random(7000 + i), []
         long = i >= c
-        while not (long and done.is_set()) and (long or len(out) < a.requests):
-            words = a.long_words if long else a.prompt_words
-            path, body = body_for("generate", model, prompt(r, words), 64 if long else a.tokens, True,
-                                  r.randrange(1 << 31))
-            st, res, _ = request(url, path, body)
-            res.ok = res.ok and st == 200
-            out.append(res)
-        return out
+        try:
+            while (long and not done.is_set()) or (not long and len(out) < a.requests):
+                words = a.long_words if long else a.prompt_words
+                path, body = body_for("generate", model, prompt(r, words), 64 if long else a.tokens, True,
+                                      r.randrange(1 << 31))
+                st, res, _ = request(url, path, body)
+                res.ok = res.ok and st == 200
+                out.append(res)
+            return out
+        finally:
+            if not long:
+                with lock:
+                    finished[0] += 1
+                    if finished[0] == c:
+                        done.set()
 
-    per, wall = concurrent(lambda i: client(i) if i >= c else _and_count(client, i, c, done), c + a.long_clients)
+    per, wall = concurrent(client, c + a.long_clients)
     short = [r for rs in per[:c] for r in rs]
     long = [r for rs in per[c:] for r in rs]
     rows = [{**summarize("short", short, wall), "clients": c}, {**summarize("long", long, wall), "clients": a.long_clients}]
@@ -413,21 +421,6 @@ def mixed(url: str, model: str, a) -> list[str]:
             json.dump({"url": url, "model": model, "tokens": a.tokens, "long_words": a.long_words, "rows": rows}, fh,
                       indent=1)
     return errors
-
-
-_finished = [0]
-_lock = threading.Lock()
-
-
-def _and_count(fn, i: int, c: int, done: threading.Event) -> list:
-    """A short client; when the last of the c finishes, the long ones stop after their request."""
-    try:
-        return fn(i)
-    finally:
-        with _lock:
-            _finished[0] += 1
-            if _finished[0] == c:
-                done.set()
 
 
 def main() -> int:

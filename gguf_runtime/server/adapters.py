@@ -160,7 +160,7 @@ class CudaAdapter:
         self.margin = self.depth
         self.prefix_cache = prefix_cache
         self.chunk = getattr(getattr(be, "tune", None), "serve_chunk", 0)
-        self._tokens: dict[int, tuple[int, list[int]]] = {}  # slot -> (prompt length, prompt + tokens read)
+        self._tokens: dict[int, tuple[int, list[int]]] = {}  # slot -> (prompt length, prompt + tokens read), cache on
         self._filling: dict[int, _Filling] = {}  # slots whose prompts are being evaluated, in admission order
         self.failed: dict[int, BaseException] = {}  # slots whose prompt failed in a later chunk (scheduler: fail them)
         self.loop = LaunchAhead(be, self.depth, margin=self.margin, new_event=new_event)
@@ -190,7 +190,7 @@ class CudaAdapter:
         try:
             self._fill(slot, len(prompt))
         except BaseException:
-            del self._filling[slot]
+            self._filling.pop(slot, None)
             be.seq_release(slot)
             raise
         return len(prompt) - cached
@@ -207,7 +207,8 @@ class CudaAdapter:
         self.be.seq_first(slot, f.prompt, f.params, f.params.seed, publish=self.prefix_cache)
         del self._filling[slot]
         self.loop.admit(slot, f.max_new)
-        self._tokens[slot] = (len(f.prompt), list(f.prompt))
+        if self.prefix_cache:  # (the tokens it writes, kept at release)
+            self._tokens[slot] = (len(f.prompt), f.prompt)
 
     def step(self) -> dict[int, list[int]]:
         if self._filling:  # one chunk of the oldest prompt being evaluated, then the decode steps
