@@ -3,6 +3,8 @@
 #   source .device/env.sh && source bench/cupy_cache.sh unpack .cupy_cache.tgz   (sets CUPY_CACHE_DIR)
 #   ... work ...
 #   bash bench/cupy_cache.sh pack     -> $OUT/cupy_cache.tgz: only the kernels this call loaded or built
+# A call returns files of at most 16 MiB: a bigger archive comes back as cupy_cache.tgz.00, .01, ...
+# (unpack joins the parts of "$2".NN when "$2" itself is not there).
 # Every header edit changes every kernel's cache key (sources.py), so the cache would grow with
 # stale entries: past 15 MB (a returned file may have 16 MiB) pack keeps only the files written or
 # read in the call (unpacked files get an old access time; reads renew it where the mount allows).
@@ -10,7 +12,9 @@ D=${CUPY_CACHE_DIR:-/tmp/cupy_cache}
 case "$1" in
   unpack)
     export CUPY_CACHE_DIR=$D; mkdir -p "$D"
-    [ -f "${2-}" ] && tar -xzf "$2" -C "$D" --skip-old-files
+    if [ -f "${2-}" ]; then tar -xzf "$2" -C "$D" --skip-old-files
+    elif [ -n "${2-}" ] && ls "$2".[0-9][0-9] >/dev/null 2>&1; then cat "$2".[0-9][0-9] | tar -xz -C "$D" --skip-old-files
+    fi
     find "$D" -type f -exec touch -a -d 2000-01-01 {} +
     touch "$D/.marker"
     echo "cupy cache: $(find "$D" -type f -name '*.cubin' | wc -l) kernels unpacked into $D" ;;
@@ -22,6 +26,10 @@ case "$1" in
     if [ "$(stat -c %s "$OUT/cupy_cache.tgz")" -gt 15000000 ]; then
       tar -czf "$OUT/cupy_cache.tgz" -C "$D" -T /tmp/cupy_used.txt; echo "cupy cache: used files only"
     fi
+    if [ "$(stat -c %s "$OUT/cupy_cache.tgz")" -gt 15000000 ]; then
+      split -b 15000000 -d -a 2 "$OUT/cupy_cache.tgz" "$OUT/cupy_cache.tgz." && rm "$OUT/cupy_cache.tgz"
+      echo "cupy cache: in $(ls "$OUT"/cupy_cache.tgz.* | wc -l) parts"
+    fi
     echo "cupy cache: $(wc -l < /tmp/cupy_all.txt) files, $(wc -l < /tmp/cupy_used.txt) read or written in this call," \
-         "$(du -h "$OUT/cupy_cache.tgz" | cut -f1)" ;;
+         "$(du -ch "$OUT"/cupy_cache.tgz* | tail -1 | cut -f1)" ;;
 esac
