@@ -227,3 +227,35 @@ def test_prompt_in_chunks_between_decode_steps_gives_the_logits_of_a_whole_prefi
     assert err < bar
     assert tokens == (int(chunked.argmax()), int(whole.argmax()))
     assert be.kv.free_pages() == free
+
+
+def test_prompts_packed_in_one_forward_give_each_prompt_alone(backend):
+    """seq_prefill_many (the server's admissions of one step): prompts of 19 and 45 tokens and the
+    last 38 of a 70-token prompt whose first 32 were evaluated before, in one forward (each part
+    padded in front to the flash kernel's query block): each one's first-token logits match the
+    prompt prefilled alone in another slot (cuBLAS sums rows in another order: the f32 bar), and
+    the first tokens sampled are the same."""
+    be = backend
+    assert be.part_align() > 0
+    free = be.kv.free_pages()
+    rng = np.random.default_rng(12)
+    ps = [rng.integers(10, 30000, n).tolist() for n in (19, 45, 70)]
+    for slot, p in zip((3, 4, 5), ps):
+        assert be.seq_start(slot, p, GREEDY, 10) == 0
+    be.seq_prefill(5, ps[2][:32])
+    be.seq_prefill_many([(3, ps[0], (ps[0], GREEDY, 0, False)), (4, ps[1], (ps[1], GREEDY, 0, False)),
+                         (5, ps[2][32:], (ps[2], GREEDY, 0, False))])
+    packed = cp.asnumpy(be.last_logits[:3], stream=be.stream).astype(np.float64)
+    alone = []
+    for slot, p in zip((6, 7, 8), ps):
+        be.seq_add(slot, p, GREEDY, 10)
+        alone.append(cp.asnumpy(be.last_logits[-1], stream=be.stream).astype(np.float64))
+    be.stream.synchronize()
+    firsts = [(be.seq_token(a, 0), be.seq_token(b, 0)) for a, b in zip((3, 4, 5), (6, 7, 8))]
+    for s in range(3, 9):
+        be.seq_release(s)
+    errs = [np.linalg.norm(a - b) / np.linalg.norm(b) for a, b in zip(packed, alone)]
+    print(f"packed prompt parts against each alone: relative differences {', '.join(f'{e:.1e}' for e in errs)}")
+    assert max(errs) < 1e-2
+    assert all(a == b for a, b in firsts), firsts
+    assert be.kv.free_pages() == free

@@ -466,17 +466,33 @@ class FakeCudaBackend:
         self.stream.ops.append(op)
 
 
-def cuda_adapter(depth: int, seed: int = 0, **kw):
-    be = FakeCudaBackend(**kw)
+class PackingFakeBackend(FakeCudaBackend):
+    """... with the real backend's seq_prefill_many: the parts of one call are one forward (recorded)."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.forwards: list[list[tuple[int, int, bool]]] = []  # (slot, tokens, first token sampled) of each call
+
+    def seq_prefill_many(self, parts):
+        self.forwards.append([(slot, len(toks), first is not None) for slot, toks, first in parts])
+        for slot, toks, first in parts:
+            if len(toks):
+                self.seq_prefill(slot, toks)
+            if first is not None:
+                self.seq_first(slot, *first)
+
+
+def cuda_adapter(depth: int, seed: int = 0, packing: bool = True, **kw):
+    be = (PackingFakeBackend if packing else FakeCudaBackend)(**kw)
     rng = random.Random(seed)
     eng = SimpleNamespace(backend=be, tokenizer=FAKE_TOK)
     return CudaAdapter(eng, depth=depth, new_event=lambda: FakeEvent(be.stream, rng)), be
 
 
-@pytest.mark.parametrize("depth", [1, 2, 4])
-def test_cuda_adapter_many_jobs(depth):
+@pytest.mark.parametrize("depth,packing", [(1, True), (2, True), (4, True), (2, False)])
+def test_cuda_adapter_many_jobs(depth, packing):
     rng = random.Random(depth)
-    a, be = cuda_adapter(depth, seed=depth)
+    a, be = cuda_adapter(depth, seed=depth, packing=packing)
     s = make(a)
     jobs = []
     for u in range(1, 41):
@@ -574,8 +590,12 @@ def test_prefix_cache_shared_by_concurrent_sequences_and_cancels():
     for j in jobs:
         s.submit(j)
     s._pump()
-    assert len(s.active) == 8 and be.evaluated[0] == (53, 53)
-    assert all(e == (53, 53 - 48) for e in be.evaluated[1:])
+    # all eight evaluated in the first step: the first whole, then the others (they waited for its
+    # pages, so took them back with them) only their own last 5 tokens
+    evaluated = [sum(n for slot, n, at in be.chunks if slot == j.slot and at != "start") for j in jobs]
+    assert len(s.active) == 8 and evaluated == [53] + [5] * 7
+    assert [j.prompt_eval for j in jobs] == evaluated
+    assert [[(slot, n) for slot, n, _ in f] for f in be.forwards] == [[(0, 53)], [(s_, 5) for s_ in range(1, 8)]]
     shared = be.kv.pool.owned(jobs[0].slot)[:3]
     assert all(be.kv.pool.owned(j.slot)[:3] == shared for j in jobs)
     for _ in range(3):
@@ -586,6 +606,28 @@ def test_prefix_cache_shared_by_concurrent_sequences_and_cancels():
     for j in jobs[1:5] + jobs[6:]:
         assert j.reason == "length" and "".join(j.emit.text) == expected(j.params.seed, 30)
     assert be.kv.free_pages() == be.kv.n_pages and be.kv.pool.cached() > 0
+
+
+def test_prompts_arriving_together_are_evaluated_in_one_forward():
+    """Sixteen different prompts submitted at once: one seq_prefill_many call holds them all (the
+    backend packs it into forwards), each part whole and sampling its first token; arrivals while
+    they decode go into the next step's call, and every answer is the script's."""
+    a, be = cuda_adapter(2, n_ctx=256, max_batch=32)
+    s = make(a)
+    jobs = [chat_job(uid, [1000 * uid + i for i in range(5 + uid)], 12) for uid in range(1, 17)]
+    for j in jobs:
+        s.submit(j)
+    s._pump()
+    assert be.forwards == [[(j.slot, 5 + j.params.seed, True) for j in jobs]]
+    late = [chat_job(uid, [1000 * uid + i for i in range(9)], 6) for uid in range(17, 21)]
+    for j in late:
+        s.submit(j)
+    s._pump()
+    assert be.forwards[1] == [(j.slot, 9, True) for j in late]
+    run(s)
+    for j in jobs + late:
+        assert j.reason == "length" and "".join(j.emit.text) == expected(j.params.seed, j.max_new)
+    assert be.kv.free_pages() == be.kv.n_pages
 
 
 def test_prefix_cache_evicts_least_recent_and_never_what_is_in_use():

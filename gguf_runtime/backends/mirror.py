@@ -20,7 +20,7 @@ from typing import Any, Iterable
 from ..errors import GGUFRunError
 
 MIRRORED = ("prefill", "eval", "truncate", "start_decode", "run_steps", "batch_step", "seq_release", "hidden",
-            "capture_buckets", "end_single", "retune", "seq_start", "seq_prefill")
+            "capture_buckets", "end_single", "retune", "seq_start", "seq_prefill", "seq_prefill_many")
 MIRRORED_ATTRS = ("prefill_graph", "use_graph")
 
 
@@ -88,9 +88,9 @@ class MirrorFront:
         seed = int(seed) if seed is not None else secrets.randbits(63)  # (the same on every rank)
         return self._mirror("seq_add", slot, list(prompt), params, max_new, seed, reuse)
 
-    def seq_first(self, slot, prompt, params, seed=None, publish=False) -> None:
+    def seq_first(self, slot, prompt, params, seed=None, publish=False, row=0) -> None:
         seed = int(seed) if seed is not None else secrets.randbits(63)  # (the same on every rank)
-        return self._mirror("seq_first", slot, list(prompt), params, seed, publish)
+        return self._mirror("seq_first", slot, list(prompt), params, seed, publish, row)
 
     def start_single(self, history, params, seed):
         local = self._mirror("start_single", list(history), params, seed)

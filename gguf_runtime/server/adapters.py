@@ -4,9 +4,10 @@ An adapter has ``tokenizer``, ``n_ctx``, ``max_slots`` and ``margin`` (context t
 needs past its budget), and four calls, all made from the scheduler's thread:
 
 * ``add(slot, prompt, params, max_new) -> int``: admit a sequence (prefill it, sample its first
-  token); returns how many prompt tokens were evaluated (the rest came from the prefix cache).
-  Raises :class:`NoRoom` when the KV cache cannot hold it right now (the scheduler keeps it
-  waiting).
+  token: at once, or in the next ``step`` with the other admissions); returns how many prompt
+  tokens it will evaluate (the rest comes from the prefix cache; ``prompt_eval`` may lower it
+  before the first token). Raises :class:`NoRoom` when the KV cache cannot hold it right now (the
+  scheduler keeps it waiting).
 * ``step() -> {slot: [token, ...]}``: advance every admitted sequence; returns the tokens that
   became readable (in order; possibly none for a slot, possibly several). A slot whose admission
   failed after ``add`` returned (a later chunk of its prompt) shows in ``failed`` (slot ->
@@ -21,6 +22,7 @@ needs past its budget), and four calls, all made from the scheduler's thread:
 from __future__ import annotations
 
 import dataclasses
+import secrets
 from typing import Callable, Sequence
 
 from ..errors import BackendError, KVCacheFullError
@@ -120,6 +122,7 @@ class _Filling:
     params: SamplingParams
     max_new: int
     done: int  # prompt tokens in the slot's pages (cached or evaluated)
+    after: int = -1  # an earlier admission's slot whose prompt shares full pages with this one (it waits)
 
 
 class CudaAdapter:
@@ -133,12 +136,14 @@ class CudaAdapter:
     released while steps are in flight is safe to reuse at once: everything is ordered on the
     backend's one stream, and tokens of the old sequence are dropped by their admission number.
 
-    A prompt admitted while other sequences decode, with more than ``chunk`` tokens to evaluate
-    (the tuning table's serve_chunk), is evaluated ``chunk`` tokens per ``step`` call, before that
-    step's decode launch, so the running streams keep a token every step; it joins the decode steps
-    once its last chunk is evaluated and its first token sampled (long prompts first come, first
-    served). A prompt of at most ``chunk`` tokens to evaluate, or admitted while nothing decodes, is
-    evaluated whole at admission: short requests do not wait behind a document.
+    Prompts are evaluated in ``step``, before its decode launch: every prompt admitted since the
+    last step together (the backend packs them into as few forwards as its workspace allows:
+    64 arrivals cost one forward, not 64), and, while other sequences decode, a prompt with more
+    than ``chunk`` tokens to evaluate (the tuning table's serve_chunk) ``chunk`` tokens a step, the
+    oldest first, so the running streams keep a token every step; short prompts never wait behind
+    a document's chunks. A sequence joins the decode steps once its last part is evaluated and its
+    first token sampled. A prompt that shares full pages with an earlier one admitted but not yet
+    evaluated (the same system prompt arriving together) waits for it and then takes its pages.
 
     The prefix cache (``prefix_cache``, backends/page_pool.py): a prompt's leading full pages that
     an earlier or running sequence wrote are taken as they are; at release a sequence's pages are
@@ -160,9 +165,11 @@ class CudaAdapter:
         self.margin = self.depth
         self.prefix_cache = prefix_cache
         self.chunk = getattr(getattr(be, "tune", None), "serve_chunk", 0)
+        self.pack = hasattr(be, "seq_prefill_many") and getattr(getattr(be, "tune", None), "serve_pack", True)
         self._tokens: dict[int, tuple[int, list[int]]] = {}  # slot -> (prompt length, prompt + tokens read), cache on
         self._filling: dict[int, _Filling] = {}  # slots whose prompts are being evaluated, in admission order
-        self.failed: dict[int, BaseException] = {}  # slots whose prompt failed in a later chunk (scheduler: fail them)
+        self.failed: dict[int, BaseException] = {}  # slots whose prompt failed after add (scheduler: fail them)
+        self.prompt_eval: dict[int, int] = {}  # slot -> prompt tokens it evaluates (scheduler reads it at the first token)
         self.loop = LaunchAhead(be, self.depth, margin=self.margin, new_event=new_event)
         if capture and getattr(be, "use_graph", False) and hasattr(be, "capture_buckets"):
             be.capture_buckets(progress=progress)  # before serving: no capture pause mid-stream
@@ -184,40 +191,107 @@ class CudaAdapter:
             cached = be.seq_start(slot, prompt, params, max_new + self.margin, reuse=self.prefix_cache)
         except KVCacheFullError:
             raise NoRoom from None
-        self._filling[slot] = _Filling(prompt, params, max_new, cached)
-        if self.loop.busy() and 0 < self.chunk < len(prompt) - cached:
-            return len(prompt) - cached  # a long prompt while others decode: step() evaluates a chunk a step
-        try:
-            self._fill(slot, len(prompt))
-        except BaseException:
-            self._filling.pop(slot, None)
-            be.seq_release(slot)
-            raise
+        f = self._filling[slot] = _Filling(prompt, params, max_new, cached)
+        if self.prefix_cache:
+            f.after = self._shares_with(slot, prompt, cached)
+        self.prompt_eval[slot] = len(prompt) - cached
         return len(prompt) - cached
 
-    def _fill(self, slot: int, n: int) -> None:
-        """Evaluate up to n more tokens of the slot's prompt; after its last, sample its first token
-        and admit it to the decode steps."""
-        f = self._filling[slot]
-        part = f.prompt[f.done:f.done + n]
-        self.be.seq_prefill(slot, part)
-        f.done += len(part)
-        if f.done < len(f.prompt):
+    def _shares_with(self, slot: int, prompt: list[int], cached: int) -> int:
+        """An earlier prompt still to be evaluated whose full pages this one shares past its cached
+        part (its slot), else -1: waiting for it costs a step and saves evaluating those pages."""
+        page = self.be.kv.page_size
+        for other, g in self._filling.items():
+            if other == slot or g.after >= 0:
+                continue
+            n = min(len(prompt) - 1, len(g.prompt)) // page * page
+            if n > cached and prompt[:cached + page] == g.prompt[:cached + page]:
+                return other
+        return -1
+
+    def _restart(self, slot: int, f: _Filling) -> None:
+        """The pages of the prompt it waited for are cached now: take the slot's pages again, with
+        them (only fewer pages are needed: it fits)."""
+        if len(self.be.kv.match(f.prompt)) * self.be.kv.page_size <= f.done:
             return
-        self.be.seq_first(slot, f.prompt, f.params, f.params.seed, publish=self.prefix_cache)
-        del self._filling[slot]
-        self.loop.admit(slot, f.max_new)
-        if self.prefix_cache:  # (the tokens it writes, kept at release)
-            self._tokens[slot] = (len(f.prompt), f.prompt)
+        self.be.seq_release(slot)
+        f.done = self.be.seq_start(slot, f.prompt, f.params, f.max_new + self.margin, reuse=True)
+        self.prompt_eval[slot] = len(f.prompt) - f.done
+
+    def _evaluate(self) -> None:
+        """This step's prompt parts: each admitted prompt whole where it has at most ``chunk`` tokens
+        left or nothing decodes, else a chunk of the oldest long one; then those that waited for an
+        earlier prompt's pages, once it is done."""
+        touched: set[int] = set()
+        budget = self.chunk if self.chunk > 0 and self.loop.busy() else None
+        while True:
+            parts, chunked = [], False
+            for slot, f in self._filling.items():
+                if slot in touched or f.after in self._filling:
+                    continue
+                if f.after >= 0:
+                    f.after = -1
+                    try:
+                        self._restart(slot, f)
+                    except Exception as e:  # noqa: BLE001 - this request's alone
+                        self.failed[slot] = e
+                        touched.add(slot)
+                        continue
+                left = len(f.prompt) - f.done
+                if budget is None or left <= budget:
+                    parts.append((slot, left))
+                elif not chunked:
+                    parts.append((slot, budget))
+                    chunked = True
+            if not parts:
+                return
+            touched.update(slot for slot, _ in parts)
+            self._run(parts)
+
+    def _run(self, parts: list[tuple[int, int]]) -> None:
+        be, calls = self.be, []
+        for slot, n in parts:
+            f = self._filling[slot]
+            first = None
+            if f.done + n >= len(f.prompt):  # (the seed chosen here: every rank of a split model alike)
+                seed = f.params.seed if f.params.seed is not None else secrets.randbits(63)
+                first = (f.prompt, f.params, seed, self.prefix_cache)
+            calls.append((slot, f.prompt[f.done:f.done + n], first))
+        if self.pack:
+            try:
+                be.seq_prefill_many(calls)
+            except Exception as e:  # noqa: BLE001 - these prompts' requests fail; the rest keep serving
+                for slot, _, _ in calls:
+                    self._filling.pop(slot, None)
+                    self.failed[slot] = e
+                return
+            done = calls
+        else:
+            done = []
+            for call in calls:
+                slot, toks, first = call
+                try:
+                    be.seq_prefill(slot, toks)
+                    if first is not None:
+                        be.seq_first(slot, *first)
+                except Exception as e:  # noqa: BLE001 - this prompt's failure is its request's alone
+                    self._filling.pop(slot, None)
+                    self.failed[slot] = e
+                    continue
+                done.append(call)
+        for slot, toks, first in done:
+            f = self._filling[slot]
+            f.done += len(toks)
+            if first is None:
+                continue
+            del self._filling[slot]
+            self.loop.admit(slot, f.max_new)
+            if self.prefix_cache:  # (the tokens it writes, kept at release)
+                self._tokens[slot] = (len(f.prompt), f.prompt)
 
     def step(self) -> dict[int, list[int]]:
-        if self._filling:  # one chunk of the oldest prompt being evaluated, then the decode steps
-            slot = next(iter(self._filling))
-            try:
-                self._fill(slot, self.chunk)
-            except Exception as e:  # noqa: BLE001 - this prompt's failure is its request's alone
-                self._filling.pop(slot, None)
-                self.failed[slot] = e
+        if self._filling:
+            self._evaluate()
         out = self.loop.step()
         for slot, toks in out.items():
             if slot in self._tokens:
@@ -236,6 +310,7 @@ class CudaAdapter:
     def release(self, slot: int) -> None:
         self.loop.drop(slot)
         self.failed.pop(slot, None)
+        self.prompt_eval.pop(slot, None)
         n_prompt, toks = self._tokens.pop(slot, (0, []))
         written = toks[:max(n_prompt, len(toks) - 1)]
         if (f := self._filling.pop(slot, None)) is not None:  # cancelled while its prompt was evaluated

@@ -343,6 +343,8 @@ class Scheduler:
     def _feed(self, job: Job, toks: list[int]) -> None:
         decoder, matcher = self._state[job]
         parts, reason, cut = [], "", False
+        if not job.t_first:  # (the adapter may have evaluated less than add said: a prefix shared meanwhile)
+            job.prompt_eval = getattr(self.adapter, "prompt_eval", {}).get(job.slot, job.prompt_eval)
         for tok in toks:
             if not job.t_first:
                 job.t_first = time.perf_counter()

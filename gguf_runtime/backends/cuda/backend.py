@@ -237,16 +237,17 @@ class CudaBackend(PrefillMixin):
         """(greedy, penalty): which sampling kernels a step launches."""
         return params.greedy, params.repeat_penalty != 1.0 and params.repeat_last_n != 0
 
-    def _sample(self, greedy: bool, penalty: bool, rows: int, slot0: int = 0) -> None:
-        """Sample the next token of slots slot0.. from the first ``rows`` rows of ws.logits."""
+    def _sample(self, greedy: bool, penalty: bool, rows: int, slot0: int = 0, row: int = 0) -> None:
+        """Sample the next token of slots slot0.. from ``rows`` rows of ws.logits from ``row`` on."""
         st, k, cfg, logits = self.sampler_state, self.kernels, self.cfg, self.ws.logits
         ld = logits.strides[0] // 4
+        ptr = logits[row:].data.ptr
         if penalty:
-            LS.repeat_penalty(k, logits.data.ptr, ld, cfg.n_vocab, st, rows, slot0)
+            LS.repeat_penalty(k, ptr, ld, cfg.n_vocab, st, rows, slot0)
         if greedy:
-            LS.argmax_sample(k, logits.data.ptr, ld, cfg.n_vocab, st, rows, slot0)
+            LS.argmax_sample(k, ptr, ld, cfg.n_vocab, st, rows, slot0)
         else:
-            LS.topk_sample(k, logits.data.ptr, ld, cfg.n_vocab, st, rows, slot0)
+            LS.topk_sample(k, ptr, ld, cfg.n_vocab, st, rows, slot0)
 
     def _check_finite(self, logits: cp.ndarray) -> None:
         """Damaged weights show in a prompt's logits: one line, where the GPU sampler would pick
@@ -444,17 +445,51 @@ class CudaBackend(PrefillMixin):
             self._eval(slot, tokens, all_logits=False)
 
     def seq_first(self, slot: int, prompt: Sequence[int], params: SamplingParams, seed: int | None = None,
-                  publish: bool = False) -> None:
+                  publish: bool = False, row: int = 0) -> None:
         """After the prompt's last token was evaluated (nothing evaluated since): sample the first
-        token and let the decode steps take the slot; ``publish``: its full pages join the prefix cache."""
-        self._check_finite(self.last_logits)
+        token (from row ``row`` of the last evaluation's logits: its part, after seq_prefill_many)
+        and let the decode steps take the slot; ``publish``: its full pages join the prefix cache."""
+        self._check_finite(self.last_logits[row:row + 1])
         if publish:
             self.kv.publish(slot, prompt)  # (enqueued before any later reader, on the one stream)
         seed = int(seed) if seed is not None else secrets.randbits(63)
         self._prime(slot, prompt, params, seed)
         with self.stream:
-            self._sample(*self._mode(params), rows=1, slot0=slot)
+            self._sample(*self._mode(params), rows=1, slot0=slot, row=row)
         self.decoding[slot] = True
+
+    def seq_prefill_many(self, parts: Sequence[tuple[int, Sequence[int], tuple | None]]) -> None:
+        """Evaluate several slots' next prompt tokens, as few forwards as the workspace allows:
+        ``parts`` = (slot, tokens, first) in order, ``first`` = None or seq_first's (prompt, params,
+        seed, publish) to sample the slot's first token once its part is evaluated (seed given:
+        every rank of a split model samples alike). Parts are packed into forwards of at most
+        the workspace's rows and logits rows (_forward_parts, flash prefill); a part alone in its
+        forward, or every part where the flash kernel does not take prompt chunks, runs as seq_prefill."""
+        parts = [(s, list(t), f) for s, t, f in parts if len(t) or f is not None]
+        cap = self.ws.max_rows if self.part_align() else 0
+        group: list = []
+        rows = 0
+        for i, part in enumerate(parts + [None]):
+            fits = part is not None and len(group) < min(64, self.ws.logits.shape[0]) and \
+                rows + self.part_rows(len(part[1])) <= cap
+            if group and not fits:
+                self._run_parts(group)
+                group, rows = [], 0
+            if part is not None:
+                group.append(part)
+                rows += self.part_rows(len(part[1]))
+
+    def _run_parts(self, group: list) -> None:
+        if len(group) > 1 and all(len(t) for _, t, _ in group):
+            self._forward_parts([(s, t) for s, t, _ in group])
+            for row, (s, _, first) in enumerate(group):
+                if first is not None:
+                    self.seq_first(s, *first, row=row)
+            return
+        for s, t, first in group:
+            self.seq_prefill(s, t)
+            if first is not None:
+                self.seq_first(s, *first)
 
     def batch_step(self, n_slots: int) -> None:
         """One decode step for every active slot below n_slots (the bucket's graph)."""

@@ -16,7 +16,8 @@ import numpy as np
 
 from ...errors import ContextOverflowError
 from ...graphs.manager import CaptureError
-from ...model import forward
+from ...model import forward, layers
+from ...quant_kernels import launch_attention as LA
 from ...quant_kernels import launchers as L
 
 class PrefillMixin:
@@ -92,6 +93,64 @@ class PrefillMixin:
         ws.pos[:rows].set(i32(np.concatenate([np.full(pad, past + t), np.arange(past, past + t)])), stream=self.stream)
         ws.seq[:rows].set(i32(np.concatenate([np.full(pad, -1), np.full(t, slot)])), stream=self.stream)
         return rows, pad
+
+    # ---- several sequences' prompt parts in one forward -------------------------------------------
+    def part_align(self) -> int:
+        """Rows each part of a several-sequence forward starts at a multiple of: the flash prefill
+        kernel's query block (its contract: a block's rows are one sequence's); 0 where prompt
+        chunks do not take that kernel (then parts run one by one)."""
+        b, cfg = self.blocks, self.cfg
+        if not (self.tune.flash or b.flash_only) or not LA.flash_ok(cfg.head_dim, cfg.head_dim_v,
+                                                                   cfg.n_head // cfg.n_head_kv):
+            return 0
+        return 16 * LA.flash_config(cfg.head_dim, cfg.n_head // cfg.n_head_kv, self.kv.kv_type,
+                                    self.kernels.knobs.flash)[0]
+
+    def part_rows(self, n: int) -> int:
+        """Rows a part of n tokens takes in a several-sequence forward (padded to part_align)."""
+        a = self.part_align()
+        return -(-n // a) * a if a else n
+
+    def _forward_parts(self, parts: Sequence[tuple[int, Sequence[int]]]) -> cp.ndarray:
+        """The next tokens of several slots' prompts in one eager forward: part i's rows padded in
+        front (sequence -1) to a multiple of part_align, so no query block of the flash kernel
+        holds two sequences; returns the logits of each part's last token (ws.logits[:len(parts)])."""
+        ws, align = self.ws, self.part_align()
+        assert align and 1 < len(parts) <= min(64, ws.logits.shape[0])
+        toks, pos, seq, last = [], [], [], []
+        for slot, tokens in parts:
+            t, past = len(tokens), self.slot_len[slot]
+            if not t:
+                raise ValueError("an empty prompt part")
+            if past + t > self.kv.capacity(slot):
+                raise ContextOverflowError(f"{past + t} tokens do not fit the context of {self.kv.capacity(slot)}; "
+                                           "raise --ctx-size or shorten the input")
+            pad = -t % align
+            toks += [0] * pad + list(tokens)
+            pos += [past + t] * pad + list(range(past, past + t))
+            seq += [-1] * pad + [slot] * t
+            last.append(len(toks) - 1)
+        rows = len(toks)
+        if rows > ws.max_rows:
+            raise ValueError(f"{rows} rows of prompt parts exceed the workspace's {ws.max_rows}")
+        i32 = lambda a: np.asarray(a, np.int32)  # noqa: E731
+        ws.tokens[:rows].set(i32(toks), stream=self.stream)
+        ws.pos[:rows].set(i32(pos), stream=self.stream)
+        ws.seq[:rows].set(i32(seq), stream=self.stream)
+        # the head over the parts' last rows padded to a batch bucket, as a decode step of that
+        # bucket runs it: kernels compiled at load (another row count would compile mid-serving)
+        k = len(last)
+        bucket = next(b for b in (1, 2, 4, 8, 16, 32, 64) if b >= k)
+        with self.stream:
+            b = self._prefill_mode()
+            x = layers(b, self.cfg, ws.tokens[:rows], ws.pos[:rows])
+            xk = x[cp.asarray(i32(last + [last[-1]] * (bucket - k)))]
+            b.mma, b.decode, b.mmv_rows = bucket > b.decode_mmv_rows, True, b.decode_mmv_rows
+            logits = b.logits(xk)[:k]
+        for slot, tokens in parts:
+            self.slot_len[slot] += len(tokens)
+        self.last_logits = logits
+        return logits
 
     def _prefill_mode(self):
         """The blocks set for a prompt chunk (one sequence's rows, matvecs up to MAX_MMV_TOKENS)."""

@@ -85,6 +85,7 @@ class Tuning:
     serve_chunk: int = 2048  # a prompt admitted while others decode: tokens evaluated between two of their steps
     # (0: the whole prompt at admission). 8B mixed run: 2048 halves the running streams' p99 gap between
     # tokens (347 -> 194 ms) at the same throughput and document TTFT; 512 costs TTFT (bench/RESULTS.md row 130)
+    serve_pack: bool = True  # prompts admitted in one step evaluated in shared forwards (seq_prefill_many); off: one by one
     # -- tensor parallelism
     tp_oneshot_rows: int = 0  # sums of up to this many rows on allreduce.cu (peer memory): 0, NCCL was faster (row 122)
     tp_reduce_off: bool = False  # measuring only: no all-reduce at all (wrong sums): a split's compute alone
