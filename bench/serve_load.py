@@ -292,6 +292,19 @@ def load(url: str, model: str, a, pid: int | None) -> list[str]:
     return errors
 
 
+def ttft_parts(results: list[Res]) -> dict:
+    """TTFT taken apart with the server's own figures (Ollama's final chunk): waiting (request
+    parsing, template and tokenizer, admission), the prompt's evaluation to its first token, and the
+    rest (HTTP and streaming both ways, the client itself)."""
+    fin = [r for r in results if r.ok and r.final]
+    ns = lambda r, k: r.final.get(k, 0) / 1e9  # noqa: E731
+    queue = [ns(r, "total_duration") - ns(r, "prompt_eval_duration") - ns(r, "eval_duration") for r in fin]
+    prefill = [ns(r, "prompt_eval_duration") for r in fin]
+    rest = [r.ttft - q - p for r, q, p in zip(fin, queue, prefill)]
+    return {"queue_p50_ms": 1e3 * pct(queue, 50), "prefill_p50_ms": 1e3 * pct(prefill, 50),
+            "rest_p50_ms": 1e3 * pct(rest, 50)}
+
+
 def bench(url: str, model: str, a) -> list[str]:
     rows, errors = [], []
     request(url, *body_for("generate", model, "warm up", 8, True, 1))
@@ -309,9 +322,13 @@ def bench(url: str, model: str, a) -> list[str]:
 
         per, wall = concurrent(client, c)
         results = [r for rs in per for r in rs]
-        rows.append({**summarize(str(c), results, wall), "clients": c})
+        rows.append({**summarize(str(c), results, wall), "clients": c, **ttft_parts(results)})
         errors += [r.error or "HTTP error" for r in results if not r.ok]
     table(rows, "clients")
+    print()
+    for r in rows:
+        print(f"{r['clients']} clients: TTFT p50 = waiting {r['queue_p50_ms']:,.1f} + prompt {r['prefill_p50_ms']:,.1f} "
+              f"+ the rest {r['rest_p50_ms']:,.1f} ms (p50s of the server's own figures)")
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"url": url, "model": model, "tokens": a.tokens, "prompt_words": a.prompt_words,
