@@ -22,6 +22,7 @@ template machinery swallows it); chat.py turns it into one TemplateError line.
 from __future__ import annotations
 
 import ctypes
+import heapq
 import itertools
 import re
 import threading
@@ -64,25 +65,60 @@ class Budget:
         may reach MAX_CHARS plus four times the messages' own size (a template copies them)."""
         cls._local.deadline = time.monotonic() + seconds
         cls._local.max_chars = MAX_CHARS + 4 * input_chars
-        lock, state = threading.Lock(), {"done": False}
-        tid = threading.get_ident()
-
-        def fire() -> None:
-            with lock:
-                if not state["done"]:
-                    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), ctypes.py_object(TemplateLimit))
-
-        timer = threading.Timer(seconds + 0.25, fire)
-        timer.daemon = True
-        timer.start()
+        entry = _WATCHDOG.arm(time.monotonic() + seconds + 0.25, threading.get_ident())
         try:
             yield
         finally:
-            with lock:
-                state["done"] = True  # from here on the watchdog cannot fire
-            timer.cancel()
+            _WATCHDOG.disarm(entry)  # from here on the watchdog cannot fire
             cls._local.deadline = None
             cls._local.max_chars = MAX_CHARS
+
+
+class _Watchdog:
+    """One daemon thread for every render's deadline: at a deadline whose render has not ended it
+    raises TemplateLimit in the rendering thread. (A timer thread per render cost ~1 ms a request,
+    half of a long chat history's template and tokenizer work.)"""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._heap: list = []  # (deadline, order, entry); entry: {"tid", "done"}
+        self._order = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def arm(self, deadline: float, tid: int) -> dict:
+        entry = {"tid": tid, "done": False}
+        with self._cv:
+            heapq.heappush(self._heap, (deadline, next(self._order), entry))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="gguf-template-watchdog", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+        return entry
+
+    def disarm(self, entry: dict) -> None:
+        with self._cv:  # (the watchdog fires under this lock, only for entries not done)
+            entry["done"] = True
+
+    def _run(self) -> None:
+        with self._cv:
+            while True:
+                while self._heap and self._heap[0][2]["done"]:
+                    heapq.heappop(self._heap)
+                if not self._heap:
+                    self._cv.wait()
+                    continue
+                deadline, _, entry = self._heap[0]
+                wait = deadline - time.monotonic()
+                if wait > 0:
+                    self._cv.wait(wait)
+                    continue
+                heapq.heappop(self._heap)
+                entry["done"] = True
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(entry["tid"]),
+                                                           ctypes.py_object(TemplateLimit))
+
+
+_WATCHDOG = _Watchdog()
 
 
 def check_size(n: int, what: str) -> None:
