@@ -7,7 +7,9 @@
     python bench/serve_load.py mixed --spawn MODEL.gguf [--clients 60] [--long-clients 4] [--long-words 6500]
 
 load: a warm-up burst, 64 concurrent streamed requests (Ollama and OpenAI endpoints, streamed),
-200 sequential ones (streamed and not), 32 clients that disconnect mid-stream, bad input (each
+200 sequential ones (streamed and not), 32 clients that disconnect mid-stream, --shared requests
+(64 at a time) sharing one --system-words-word system prompt, every tenth dropped after its first
+chunk (the share the prefix cache served is printed), bad input (each
 must get a 4xx JSON error), 64 concurrent again; then the scheduler must be idle with every KV
 page free and the GPU memory (nvidia-smi) no larger than after the warm-up (--mem-tolerance-mib).
 Exits 1 on any error. bench: C clients each sending --requests streamed /api/generate requests in
@@ -262,6 +264,32 @@ def load(url: str, model: str, a, pid: int | None) -> list[str]:
         return res
 
     phase("32 disconnects", *concurrent(drop, 32))
+    # many clients sharing one long system prompt (the prefix cache's case), some cancelled mid-stream
+    system = prompt(random.Random(7), a.system_words)
+    shared: list[Res] = []
+    lock = threading.Lock()
+
+    def sharer(c: int) -> list[Res]:
+        out = []
+        for k in range(c, a.shared, a.concurrency):
+            r = random.Random(5000 + k)
+            body = {"model": model, "stream": True, "options": {"num_predict": 8, "seed": k},
+                    "messages": [{"role": "system", "content": system},
+                                 {"role": "user", "content": prompt(r, r.randint(3, 12))}]}
+            st, res, _ = request(url, "/api/chat", body, drop_after_first=k % 10 == 9)
+            res.ok = st == 200 and (bool(res.final) or (k % 10 == 9 and bool(res.chunks)))
+            res.error = "" if res.ok else f"shared system prompt: HTTP {st} {res.error}"
+            out.append(res)
+        with lock:
+            shared.extend(out)
+        return out
+
+    _, wall = concurrent(sharer, min(a.concurrency, a.shared))
+    phase(f"{a.shared} sharing a system prompt", shared, wall)
+    sent = sum(r.final.get("prompt_eval_count", 0) for r in shared if r.final)
+    cached = sum(r.final.get("prompt_eval_cached_count", 0) for r in shared if r.final)
+    print(f"shared system prompt ({a.system_words} words): {cached:,} of {sent:,} prompt tokens came from the "
+          f"prefix cache ({100 * cached / max(sent, 1):.1f}%)")
     bad = [("/api/generate", b"{oops"), ("/api/generate", {"model": "nope", "prompt": "x"}),
            ("/api/generate", {"model": model, "prompt": "x", "options": {"num_predict": -7}}),
            ("/v1/chat/completions", {"model": model, "messages": "x"}),
@@ -451,6 +479,8 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=64, help="load: concurrent requests per burst")
     ap.add_argument("--sequential", type=int, default=200, help="load: sequential requests")
     ap.add_argument("--max-words", type=int, default=200, help="load: prompt length, words at most")
+    ap.add_argument("--shared", type=int, default=1000, help="load: requests sharing one system prompt")
+    ap.add_argument("--system-words", type=int, default=1500, help="load: the shared system prompt's words")
     ap.add_argument("--mem-tolerance-mib", type=float, default=64.0)
     ap.add_argument("--clients", default="1,8,32,64", help="bench: concurrency levels")
     ap.add_argument("--requests", type=int, default=4, help="bench: requests per client per level")
