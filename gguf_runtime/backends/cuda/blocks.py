@@ -53,6 +53,7 @@ class CudaBlocks:
         self.mma = False  # tensor-core kernels for > mmv_rows rows (capturable) instead of cuBLAS
         # the current call's matvec rows: MAX_MMV_TOKENS, or for decode steps tune.decode_mmv_rows
         self.mmv_rows = L.MAX_MMV_TOKENS
+        self.flash_rows = 0  # query rows a flash prefill block takes (0: flash_config's; packed prompts: 16)
         self.decode = False  # every row one token of its own sequence (a decode step), else prefill
         self._rope: L.RopeKV | None = None  # the RoPE + KV write attn_in left to attend's kernel
         self.retune(tune)
@@ -257,7 +258,7 @@ class CudaBlocks:
                              self.kv.table.data.ptr, self.kv.max_pages, self.kv.page_size, cfg.n_head, cfg.n_head_kv,
                              cfg.head_dim, self.attn_scale, cfg.attn_softcap or 0.0, cfg.layer_window[layer],
                              out.data.ptr, out.strides[0] // 4, ws.x16.data.ptr, ws.x16.strides[0] // 2,
-                             kv=self.kv.kv_type, sinks=self._sinks(layer))
+                             kv=self.kv.kv_type, sinks=self._sinks(layer), config=self._flash_config())
             return out
         if self.decode_flash(t):  # a decode step on the matvecs: tensor-core attention, keys split
             LA.flash_decode(self.k, q.data.ptr, q.strides[0] // 4, t, kc, vc, positions.data.ptr, self.seq.data.ptr,
@@ -280,6 +281,14 @@ class CudaBlocks:
                     shape=self.attn_shapes[not self._small(t)],
                     early=self.decode and self.tune.attn_early, kv=self.kv.kv_type, sinks=self._sinks(layer))
         return out
+
+    def _flash_config(self) -> tuple[int, int, int] | None:
+        """flash_prefill's (WT, KT, ST) with flash_rows query rows a block, or None (its rule)."""
+        if not self.flash_rows:
+            return None
+        cfg = self.cfg
+        _, kt, st = LA.flash_config(cfg.head_dim, cfg.n_head // cfg.n_head_kv, self.kv.kv_type, self.k.knobs.flash)
+        return max(1, self.flash_rows // 16), kt, st
 
     def _sinks(self, layer: int) -> int:
         """The layer's attention sink logits (gpt-oss: one a head), or 0."""

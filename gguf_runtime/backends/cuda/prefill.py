@@ -96,15 +96,16 @@ class PrefillMixin:
 
     # ---- several sequences' prompt parts in one forward -------------------------------------------
     def part_align(self) -> int:
-        """Rows each part of a several-sequence forward starts at a multiple of: the flash prefill
-        kernel's query block (its contract: a block's rows are one sequence's); 0 where prompt
-        chunks do not take that kernel (then parts run one by one)."""
+        """Rows each part of a several-sequence forward starts at a multiple of: the query block of
+        the flash prefill kernel those forwards launch (the tuning table's serve_pack_rows, else the
+        kernel's rule; its contract: a block's rows are one sequence's); 0 where prompt chunks do
+        not take that kernel (then parts run one by one)."""
         b, cfg = self.blocks, self.cfg
         if not (self.tune.flash or b.flash_only) or not LA.flash_ok(cfg.head_dim, cfg.head_dim_v,
                                                                    cfg.n_head // cfg.n_head_kv):
             return 0
-        return 16 * LA.flash_config(cfg.head_dim, cfg.n_head // cfg.n_head_kv, self.kv.kv_type,
-                                    self.kernels.knobs.flash)[0]
+        return self.tune.serve_pack_rows or 16 * LA.flash_config(cfg.head_dim, cfg.n_head // cfg.n_head_kv,
+                                                                 self.kv.kv_type, self.kernels.knobs.flash)[0]
 
     def part_rows(self, n: int) -> int:
         """Rows a part of n tokens takes in a several-sequence forward (padded to part_align)."""
@@ -137,20 +138,28 @@ class PrefillMixin:
         ws.tokens[:rows].set(i32(toks), stream=self.stream)
         ws.pos[:rows].set(i32(pos), stream=self.stream)
         ws.seq[:rows].set(i32(seq), stream=self.stream)
-        # the head over the parts' last rows padded to a batch bucket, as a decode step of that
-        # bucket runs it: kernels compiled at load (another row count would compile mid-serving)
-        k = len(last)
-        bucket = next(b for b in (1, 2, 4, 8, 16, 32, 64) if b >= k)
         with self.stream:
-            b = self._prefill_mode()
-            x = layers(b, self.cfg, ws.tokens[:rows], ws.pos[:rows])
-            xk = x[cp.asarray(i32(last + [last[-1]] * (bucket - k)))]
-            b.mma, b.decode, b.mmv_rows = bucket > b.decode_mmv_rows, True, b.decode_mmv_rows
-            logits = b.logits(xk)[:k]
+            logits = self._packed_rows(rows, last)
         for slot, tokens in parts:
             self.slot_len[slot] += len(tokens)
         self.last_logits = logits
         return logits
+
+    def _packed_rows(self, rows: int, last: list[int]) -> cp.ndarray:
+        """The model over ws.tokens/pos/seq[:rows] with part_align-row flash blocks; logits of the
+        rows ``last``: the head over them padded to a batch bucket, as a decode step of that bucket
+        runs it (kernels compiled at load: another row count would compile mid-serving)."""
+        k = len(last)
+        bucket = next(b for b in (1, 2, 4, 8, 16, 32, 64) if b >= k)
+        b = self._prefill_mode()
+        b.flash_rows = self.part_align()
+        try:
+            x = layers(b, self.cfg, self.ws.tokens[:rows], self.ws.pos[:rows])
+        finally:
+            b.flash_rows = 0
+        xk = x[cp.asarray(np.asarray(last + [last[-1]] * (bucket - k), np.int32))]
+        b.mma, b.decode, b.mmv_rows = bucket > b.decode_mmv_rows, True, b.decode_mmv_rows
+        return b.logits(xk)[:k]
 
     def _prefill_mode(self):
         """The blocks set for a prompt chunk (one sequence's rows, matvecs up to MAX_MMV_TOKENS)."""

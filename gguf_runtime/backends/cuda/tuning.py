@@ -86,6 +86,7 @@ class Tuning:
     # (0: the whole prompt at admission). 8B mixed run: 2048 halves the running streams' p99 gap between
     # tokens (347 -> 194 ms) at the same throughput and document TTFT; 512 costs TTFT (bench/RESULTS.md row 130)
     serve_pack: bool = True  # prompts admitted in one step evaluated in shared forwards (seq_prefill_many); off: one by one
+    serve_pack_rows: int = 16  # ... their flash blocks' query rows, so parts pad to this (0: flash_config's 32-64)
     # -- tensor parallelism
     tp_oneshot_rows: int = 0  # sums of up to this many rows on allreduce.cu (peer memory): 0, NCCL was faster (row 122)
     tp_reduce_off: bool = False  # measuring only: no all-reduce at all (wrong sums): a split's compute alone
@@ -213,6 +214,8 @@ def _check(t: Tuning) -> None:
     if not (t.moe_rows[0] in (2, 4, 6, 8) and 1 <= t.moe_rows[1] <= 8):
         raise BackendError(f"{ENV}: moe_rows={t.moe_rows[0]}:{t.moe_rows[1]}: give GLU rows 2, 4, 6 or 8 "
                            "and down rows 1 to 8")
+    if t.serve_pack_rows not in (0, 16, 32, 48, 64):
+        raise BackendError(f"{ENV}: serve_pack_rows={t.serve_pack_rows}: give 16, 32, 48 or 64 (or 0: the flash rule's)")
     if t.serve_chunk < 0:
         raise BackendError(f"{ENV}: serve_chunk={t.serve_chunk}: give 0 (whole prompts) or a number of tokens")
     if not 1 <= t.lookahead <= 32:  # (the pinned ring holds 64 tokens a slot)
