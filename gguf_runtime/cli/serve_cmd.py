@@ -59,6 +59,11 @@ def serve(
     allow_origin: Optional[list[str]] = typer.Option(None, "--allow-origin", metavar="ORIGIN",
                                                      help="a browser origin allowed besides localhost ones "
                                                           "(repeatable; '*': any), like Ollama's OLLAMA_ORIGINS"),
+    keep_alive: str = typer.Option("-1", "--keep-alive", metavar="DURATION",
+                                   help="how long the model stays loaded after the last request (\"5m\", \"1h\", "
+                                        "0; -1: for ever), unless a request's keep_alive says otherwise; unloaded, "
+                                        "the next request loads it again (as Ollama's OLLAMA_KEEP_ALIVE, whose "
+                                        "default is 5m)"),
     log_level: str = typer.Option("warning", "--log-level", help="uvicorn's: critical|error|warning|info|debug "
                                   "(info logs every request)"),
     quiet: bool = Quiet,
@@ -76,12 +81,17 @@ def serve(
         from ..server.adapters import make_adapter
         from ..server.app import Service, build_app
         from ..server.guard import is_loopback
+        from ..server import schemas as S
     except ImportError as e:
         raise GGUFRunError(f"the server needs {e.name}: pip install 'gguf-run[serve]'") from None
     if max_batch not in BATCHES:
         raise typer.BadParameter(f"must be one of {', '.join(map(str, BATCHES))}", param_hint="'--max-batch'")
     if log_level not in ("critical", "error", "warning", "info", "debug"):
         raise typer.BadParameter("must be critical, error, warning, info or debug", param_hint="'--log-level'")
+    try:
+        keep = S.keep_alive(keep_alive, "--keep-alive")
+    except S.ApiError as e:
+        raise typer.BadParameter(str(e).removeprefix("--keep-alive "), param_hint="'--keep-alive'") from None
     kv = kv_types(cache_type_k, cache_type_v)
     path = resolve_model(model)
     if name is None and model and path != model:  # an Ollama name (a blob's file name means nothing to clients)
@@ -99,7 +109,7 @@ def serve(
             return make_adapter(eng, depth=lookahead, progress=progress, prefix_cache=not no_prefix_cache)
 
     try:
-        svc = Service(factory, name=name, max_body=max_body, max_queue=max_queue).start()
+        svc = Service(factory, name=name, max_body=max_body, max_queue=max_queue, keep_alive=keep).start()
     except BaseException:
         sock.close()
         raise
@@ -110,7 +120,9 @@ def serve(
                 self.force_exit = True
             else:
                 self.should_exit = True
-            svc.scheduler.shutdown(wait=False)  # running streams end now, so connections close
+            sched = svc.scheduler
+            if sched is not None:
+                sched.shutdown(wait=False)  # running streams end now, so connections close
 
     config = uvicorn.Config(build_app(svc, check_host=is_loopback(host), allow_origins=tuple(allow_origin or ())),
                             log_level=log_level, timeout_graceful_shutdown=3,

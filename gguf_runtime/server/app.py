@@ -9,7 +9,9 @@ JSON 500); the server keeps serving.
 from __future__ import annotations
 
 import asyncio
+import datetime as _dt
 import json
+import math
 import logging
 import time
 from typing import Any, Callable
@@ -73,15 +75,33 @@ def route(openai: bool):
 async def api_generate(svc: Service, request: Request) -> Response:
     body = await read_json(request, svc.max_body)
     name = _model(svc, body)
+    ka = S.keep_alive(body.get("keep_alive"))
     prompt, system = S.get_str(body, "prompt", ""), S.get_str(body, "system")
+    if not prompt and not body.get("context"):  # Ollama: an empty prompt loads the model (keep_alive 0: unloads it)
+        return await _load_or_unload(svc, name, ka, {"response": ""})
+    async with svc.using(ka):
+        return await _generate(svc, request, body, name, prompt, system)
+
+
+async def _load_or_unload(svc: Service, name: str, ka: float | None, reply: dict) -> Response:
+    """Ollama's answer to a request with nothing to generate: the model loaded and kept for
+    keep_alive, or with keep_alive 0 unloaded (once nothing else runs)."""
+    if ka == 0:
+        done = await asyncio.get_running_loop().run_in_executor(None, svc.unload)
+        reason = "unload" if done else "load"
+    else:
+        async with svc.using(ka):
+            reason = "load"
+    return JSONResponse({"model": name, "created_at": S.now_rfc3339(), **reply, "done": True, "done_reason": reason})
+
+
+async def _generate(svc: Service, request: Request, body: dict, name: str, prompt: str, system: str | None
+                    ) -> Response:
     raw, stream = S.get_bool(body, "raw", False), S.get_bool(body, "stream", True)
     context = _ids(body["context"], svc.engine.tokenizer.n_vocab, "context") if body.get("context") else []
     params, requested, stop, num_ctx = S.ollama_options(body)
     grammar = S.structured_output(body, ollama=True)
     think = S.think_kwargs(body, ollama=True)
-    if not prompt and not context:  # Ollama: an empty prompt just loads the model
-        return JSONResponse({"model": name, "created_at": S.now_rfc3339(), "response": "", "done": True,
-                             "done_reason": "load"})
     eng = svc.engine
 
     def encode() -> list[int]:
@@ -108,14 +128,19 @@ def _chat_tools(svc: Service, body: dict, name: str, msgs: list[dict], grammar: 
 async def api_chat(svc: Service, request: Request) -> Response:
     body = await read_json(request, svc.max_body)
     name = _model(svc, body)
+    ka = S.keep_alive(body.get("keep_alive"))
     msgs = S.messages(body.get("messages", []), T.message_tool_fields)
+    if not msgs:
+        return await _load_or_unload(svc, name, ka, {"message": {"role": "assistant", "content": ""}})
+    async with svc.using(ka):
+        return await _chat(svc, request, body, name, msgs)
+
+
+async def _chat(svc: Service, request: Request, body: dict, name: str, msgs: list[dict]) -> Response:
     stream = S.get_bool(body, "stream", True)
     params, requested, stop, num_ctx = S.ollama_options(body)
     think = S.think_kwargs(body, ollama=True)
     tools, msgs, grammar = _chat_tools(svc, body, name, msgs, S.structured_output(body, ollama=True))
-    if not msgs:
-        return JSONResponse({"model": name, "created_at": S.now_rfc3339(),
-                             "message": {"role": "assistant", "content": ""}, "done": True, "done_reason": "load"})
     return await run_job(svc, request, FORMATS["chat"](name, tools.parser()),
                          lambda: svc.engine.encode_chat(msgs, tools=tools.tools, **think), params, requested, stop,
                          stream, num_ctx, grammar, keep=tools.keep)
@@ -144,6 +169,12 @@ async def _embed(svc: Service, request: Request, inputs: list, truncate: bool,
 async def api_embed(svc: Service, request: Request) -> Response:
     body = await read_json(request, svc.max_body)
     name = _model(svc, body)
+    ka = S.keep_alive(body.get("keep_alive"))
+    async with svc.using(ka):
+        return await _api_embed(svc, request, body, name)
+
+
+async def _api_embed(svc: Service, request: Request, body: dict, name: str) -> Response:
     inputs = EM.ollama_inputs(body)
     truncate = S.get_bool(body, "truncate", True)
     dims = EM.dimensions(body, svc.engine.cfg.n_embd)
@@ -165,6 +196,12 @@ async def api_embeddings(svc: Service, request: Request) -> Response:
     """Ollama's legacy route: one prompt, {"embedding": [...]}; too long a prompt is a 400."""
     body = await read_json(request, svc.max_body)
     _model(svc, body)
+    ka = S.keep_alive(body.get("keep_alive"))
+    async with svc.using(ka):
+        return await _api_embeddings(svc, request, body)
+
+
+async def _api_embeddings(svc: Service, request: Request, body: dict) -> Response:
     prompt = S.get_str(body, "prompt", "")
     n = EM.limit(body, svc.engine.n_ctx)
     if not prompt:  # Ollama: an empty request loads the model
@@ -190,9 +227,14 @@ async def api_show(svc: Service, request: Request) -> Response:
 
 @route(openai=False)
 async def api_ps(svc: Service, request: Request) -> Response:
-    card = svc.card
-    return JSONResponse({"models": [{**card.tag(), "expires_at": "0001-01-01T00:00:00Z", "size_vram":
-                                     card.size if svc.engine.backend.name == "cuda" else 0,
+    card, eng = svc.card, svc.engine
+    if not svc.loaded or eng is None:
+        return JSONResponse({"models": []})
+    left = svc.expires_in()
+    expires = (_dt.datetime.now(_dt.timezone.utc) + _dt.timedelta(seconds=left) if left != math.inf
+               else _dt.datetime(2318, 1, 1, tzinfo=_dt.timezone.utc))  # (Ollama's "Forever")
+    return JSONResponse({"models": [{**card.tag(), "expires_at": expires.isoformat().replace("+00:00", "Z"),
+                                     "size_vram": card.size if eng.backend.name == "cuda" else 0,
                                      "context_length": card.n_ctx}]})
 
 
@@ -204,7 +246,10 @@ async def api_version(svc: Service, request: Request) -> Response:
 @route(openai=False)
 async def api_scheduler(svc: Service, request: Request) -> Response:
     """Not Ollama's: the scheduler's counters (active, waiting, free slots and KV pages)."""
-    return JSONResponse({"backend": svc.engine.backend.name, **svc.scheduler.stats()})
+    sched, eng = svc.scheduler, svc.engine
+    if sched is None or eng is None:
+        return JSONResponse({"backend": None, "loaded": False, "active": 0, "waiting": 0, "pending": 0})
+    return JSONResponse({"backend": eng.backend.name, "loaded": True, **sched.stats()})
 
 
 # ---- OpenAI ---------------------------------------------------------------------------------------
@@ -220,6 +265,11 @@ def _openai_common(svc: Service, body: dict):
 
 @route(openai=True)
 async def v1_chat(svc: Service, request: Request) -> Response:
+    async with svc.using():
+        return await _v1_chat(svc, request)
+
+
+async def _v1_chat(svc: Service, request: Request) -> Response:
     body = await read_json(request, svc.max_body)
     name, params, requested, stop, stream, usage, n = _openai_common(svc, body)
     msgs = S.messages(body.get("messages"), T.message_tool_fields)
@@ -237,6 +287,11 @@ async def v1_chat(svc: Service, request: Request) -> Response:
 
 @route(openai=True)
 async def v1_completions(svc: Service, request: Request) -> Response:
+    async with svc.using():
+        return await _v1_completions(svc, request)
+
+
+async def _v1_completions(svc: Service, request: Request) -> Response:
     body = await read_json(request, svc.max_body)
     name, params, requested, stop, stream, usage, n = _openai_common(svc, body)
     prompt = body.get("prompt")
@@ -274,6 +329,11 @@ async def v1_completions(svc: Service, request: Request) -> Response:
 
 @route(openai=True)
 async def v1_embeddings(svc: Service, request: Request) -> Response:
+    async with svc.using():
+        return await _v1_embeddings(svc, request)
+
+
+async def _v1_embeddings(svc: Service, request: Request) -> Response:
     body = await read_json(request, svc.max_body)
     name = _model(svc, body)
     inputs = EM.openai_inputs(body)

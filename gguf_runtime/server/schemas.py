@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import os
+import re
 from typing import Any, Callable
 
 import numpy as np
@@ -35,6 +36,39 @@ def bad(message: str) -> ApiError:
 
 def now_rfc3339() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+_DURATION = re.compile(r"([0-9]*\.?[0-9]+)(ns|us|µs|ms|s|m|h)")
+_UNIT = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def keep_alive(v: Any, what: str = "keep_alive") -> float | None:
+    """Ollama's keep_alive in seconds: a Go duration ("5m", "1h30m", "250ms", "-1s"), a number of
+    seconds (also as a string), any negative value: for ever (inf); absent or null: None (the
+    server's default). Anything else is a 400 naming it."""
+    if v is None:
+        return None
+    if isinstance(v, bool):
+        raise bad(f"{what} must be a duration like \"5m\" or a number of seconds, not {json.dumps(v)}")
+    if isinstance(v, (int, float)):
+        secs = float(v)
+    elif isinstance(v, str):
+        t = v.strip()
+        try:
+            secs = float(t)
+        except ValueError:
+            sign = -1.0 if t.startswith("-") else 1.0
+            body = t[1:] if t[:1] in ("+", "-") else t
+            parts = _DURATION.findall(body)
+            if not body or "".join(a + u for a, u in parts) != body:
+                raise bad(f"{what} {json.dumps(v)[:60]} is not a duration: give e.g. \"5m\", \"1h\", \"30s\", 0 "
+                          "(unload after the request) or -1 (keep loaded)") from None
+            secs = sign * sum(float(a) * _UNIT[u] for a, u in parts)
+    else:
+        raise bad(f"{what} must be a duration like \"5m\" or a number of seconds")
+    if secs != secs:
+        raise bad(f"{what} is not a number")
+    return math.inf if secs < 0 else secs
 
 
 def ns(seconds: float) -> int:

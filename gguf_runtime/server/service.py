@@ -13,8 +13,11 @@ are free at once).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import gc
 import json
+import math
 import os
 import sys
 import threading
@@ -67,15 +70,30 @@ PREP_THREADS = 4  # prompts rendered and tokenized at once (templates stop at 2 
 
 
 class Service:
-    """The scheduler, the model's card and the request limits, shared by every route."""
+    """The scheduler, the model's card and the request limits, shared by every route.
+
+    The model stays loaded for ``keep_alive`` seconds (inf: for ever; Ollama's keep_alive, the
+    last request's or the server's default) after the last request ends; then a watchdog thread
+    unloads it (scheduler stopped, GPU memory returned) and the next request loads it again, as
+    Ollama does. Routes that need the model run inside ``using``."""
 
     def __init__(self, factory: Callable[[], Any], name: str | None = None, max_body: int = MAX_BODY,
                  max_queue: int = 1024, admit_tokens: int = 4096,
-                 on_fatal: Callable[[BaseException], None] | None = exit_process) -> None:
-        self.scheduler = Scheduler(factory, admit_tokens=admit_tokens, max_queue=max_queue, on_fatal=on_fatal)
+                 on_fatal: Callable[[BaseException], None] | None = exit_process,
+                 keep_alive: float = math.inf) -> None:
+        self._make = lambda: Scheduler(factory, admit_tokens=admit_tokens, max_queue=max_queue, on_fatal=on_fatal)
+        self.scheduler: Scheduler | None = self._make()
+        self.engine: Any = None
         self.name, self.max_body = name, max_body
         self.prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="gguf-prep")
         self._mail: dict[asyncio.AbstractEventLoop, _Mailbox] = {}
+        self.keep_default = self.keep = keep_alive
+        self._lock = threading.Lock()  # holds, keep, last_busy, scheduler (swaps)
+        self._load_lock = threading.Lock()  # one load or unload at a time
+        self._holds = 0  # requests inside ``using``
+        self._last_busy = time.monotonic()
+        self._closed = False
+        self._reaper = threading.Thread(target=self._reap, name="gguf-keep-alive", daemon=True)
 
     def mailbox(self) -> _Mailbox:
         loop = asyncio.get_running_loop()
@@ -84,20 +102,126 @@ class Service:
         return self._mail[loop]
 
     def start(self) -> "Service":
+        self._started()
+        self._reaper.start()
+        return self
+
+    def _started(self) -> None:
         adapter = self.scheduler.start()
         self.engine = adapter.engine
-        self.card = S.ModelCard(self.engine, self.name)
+        if not hasattr(self, "card"):
+            self.card = S.ModelCard(self.engine, self.name)
         self._load_s = self.engine.load_s
-        return self
+        self._last_busy = time.monotonic()
+
+    @property
+    def loaded(self) -> bool:
+        return self.scheduler is not None
 
     def take_load_s(self) -> float:
         """The model's load time, reported once (in the first response), as Ollama does."""
         v, self._load_s = self._load_s, 0.0
         return v
 
+    @contextlib.asynccontextmanager
+    async def using(self, keep_alive: float | None = None):
+        """The model loaded (loading it again if it was unloaded) for a request; when the request
+        is over (streams: when their job is), it stays loaded for ``keep_alive`` (None: the
+        server's default) before the watchdog unloads it."""
+        with self._lock:
+            self._holds += 1
+        try:
+            if self.scheduler is None:
+                await asyncio.get_running_loop().run_in_executor(None, self._load)
+            yield
+        finally:
+            with self._lock:
+                self._holds -= 1
+                self.keep = self.keep_default if keep_alive is None else keep_alive
+                self._last_busy = time.monotonic()
+
+    def _load(self) -> None:
+        with self._load_lock:
+            if self.scheduler is not None or self._closed:
+                return
+            sched = self._make()
+            self.scheduler = sched
+            try:
+                self._started()
+            except BaseException:
+                self.scheduler = None
+                raise
+
+    def expires_in(self) -> float:
+        """Seconds until the watchdog may unload the model (inf: never; 0: once idle)."""
+        with self._lock:
+            if self._holds or (self.scheduler is not None and self.scheduler.stats()["pending"]):
+                return self.keep
+            return max(0.0, self.keep - (time.monotonic() - self._last_busy))
+
+    def unload(self) -> bool:
+        """Unload now if nothing runs (Ollama's keep_alive 0 with no prompt); whether it was."""
+        with self._load_lock:
+            with self._lock:
+                sched = self.scheduler
+                if sched is None or sched.stats()["pending"] or self._holds > 1:
+                    return sched is None
+                self.scheduler, engine = None, self.engine
+                self.engine = None
+            sched.shutdown(wait=True)
+            del sched
+            _free(engine)
+            return True
+
+    def _reap(self) -> None:
+        while not self._closed:
+            time.sleep(0.25)
+            with self._lock:
+                sched = self.scheduler
+                if sched is None or self.keep == math.inf:
+                    continue
+                now = time.monotonic()
+                if self._holds or sched.stats()["pending"]:
+                    self._last_busy = now
+                    continue
+                if now - self._last_busy < self.keep:
+                    continue
+            with self._load_lock:
+                with self._lock:  # (a request may have come meanwhile)
+                    sched = self.scheduler
+                    if sched is None or self._holds or sched.stats()["pending"] or \
+                            time.monotonic() - self._last_busy < self.keep:
+                        continue
+                    self.scheduler, engine = None, self.engine
+                    self.engine = None
+                sched.shutdown(wait=True)
+                del sched
+                _free(engine)
+
     def shutdown(self) -> None:
-        self.scheduler.shutdown()
+        self._closed = True
+        with self._lock:
+            sched = self.scheduler
+        if sched is not None:
+            sched.shutdown()
         self.prep.shutdown(wait=False, cancel_futures=True)
+
+
+def _free(engine: Any) -> None:
+    """Give the unloaded model's GPU memory back: close what the backend holds open (tensor-parallel
+    workers), collect it, and empty CuPy's pools (where CuPy is in use)."""
+    close = getattr(getattr(engine, "backend", None), "close", None)
+    if callable(close):
+        try:
+            close()
+        except Exception:  # noqa: BLE001 - unloading goes on
+            pass
+    del engine
+    gc.collect()
+    cupy = sys.modules.get("cupy")
+    if cupy is not None:
+        cupy.get_default_memory_pool().free_all_blocks()
+        cupy.get_default_pinned_memory_pool().free_all_blocks()
 
 
 # ---- errors and bodies ----------------------------------------------------------------------------
