@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import sys
@@ -59,6 +60,11 @@ def serve(
     allow_origin: Optional[list[str]] = typer.Option(None, "--allow-origin", metavar="ORIGIN",
                                                      help="a browser origin allowed besides localhost ones "
                                                           "(repeatable; '*': any), like Ollama's OLLAMA_ORIGINS"),
+    models: Optional[str] = typer.Option(None, "--models", metavar="DIR",
+                                         help="also serve this folder's .gguf files (by their stems) and the local "
+                                              "Ollama store's models: listed in /api/tags, loaded when a request "
+                                              "names one (one at a time: the loaded one is unloaded once its "
+                                              "requests are done)"),
     keep_alive: str = typer.Option("-1", "--keep-alive", metavar="DURATION",
                                    help="how long the model stays loaded after the last request (\"5m\", \"1h\", "
                                         "0; -1: for ever), unless a request's keep_alive says otherwise; unloaded, "
@@ -82,6 +88,7 @@ def serve(
         from ..server.app import Service, build_app
         from ..server.guard import is_loopback
         from ..server import schemas as S
+        from ..format.model_store import list_models
     except ImportError as e:
         raise GGUFRunError(f"the server needs {e.name}: pip install 'gguf-run[serve]'") from None
     if max_batch not in BATCHES:
@@ -93,23 +100,26 @@ def serve(
     except S.ApiError as e:
         raise typer.BadParameter(str(e).removeprefix("--keep-alive "), param_hint="'--keep-alive'") from None
     kv = kv_types(cache_type_k, cache_type_v)
-    path = resolve_model(model)
-    if name is None and model and path != model:  # an Ollama name (a blob's file name means nothing to clients)
-        name = model
+    path = resolve_model(model, models)
+    if name is None and model and path != model:  # a name (a blob's file name means nothing to clients)
+        in_folder = models and os.path.realpath(os.path.dirname(path)) == os.path.realpath(models)
+        name = os.path.splitext(os.path.basename(path))[0] if in_folder else model
+    catalog = [(m.name, str(m.path)) for m in list_models(models)] if models else []
     note = note_printer(quiet)
     sock = _bind(host, port)
 
-    def factory():
+    def loader(file: str):
         from ..engine.engine import Engine
 
         with progress_bars(quiet) as progress:
-            eng = Engine(path, backend=backend, n_ctx=ctx_size, progress=progress, note=note,
+            eng = Engine(file, backend=backend, n_ctx=ctx_size, progress=progress, note=note,
                          use_graph=not no_graph, max_batch=max_batch, kv_types=kv,
                          tensor_parallel=tensor_parallel)
             return make_adapter(eng, depth=lookahead, progress=progress, prefix_cache=not no_prefix_cache)
 
     try:
-        svc = Service(factory, name=name, max_body=max_body, max_queue=max_queue, keep_alive=keep).start()
+        svc = Service(lambda: loader(path), name=name, max_body=max_body, max_queue=max_queue, keep_alive=keep,
+                      catalog=catalog, loader=loader).start()
     except BaseException:
         sock.close()
         raise

@@ -40,9 +40,12 @@ def _model(svc: Service, body: dict, key: str = "model") -> str:
     model = body.get(key)
     if model is None or model == "":
         raise S.bad("model is required")
-    if not svc.card.matches(model):
-        raise S.ApiError(404, f"model {json.dumps(model)[:200]} not found, try pulling it first")
-    return svc.card.name
+    card = svc.find(model)
+    if card is None:
+        names = sorted(svc.cards)
+        raise S.ApiError(404, f"model {json.dumps(model)[:200]} not found, try pulling it first (this server has "
+                              f"{', '.join(names[:20])}{' ...' if len(names) > 20 else ''})")
+    return card.name
 
 
 def _ids(v: Any, n_vocab: int, key: str) -> list[int]:
@@ -79,7 +82,7 @@ async def api_generate(svc: Service, request: Request) -> Response:
     prompt, system = S.get_str(body, "prompt", ""), S.get_str(body, "system")
     if not prompt and not body.get("context"):  # Ollama: an empty prompt loads the model (keep_alive 0: unloads it)
         return await _load_or_unload(svc, name, ka, {"response": ""})
-    async with svc.using(ka):
+    async with svc.using(ka, name):
         return await _generate(svc, request, body, name, prompt, system)
 
 
@@ -87,10 +90,10 @@ async def _load_or_unload(svc: Service, name: str, ka: float | None, reply: dict
     """Ollama's answer to a request with nothing to generate: the model loaded and kept for
     keep_alive, or with keep_alive 0 unloaded (once nothing else runs)."""
     if ka == 0:
-        done = await asyncio.get_running_loop().run_in_executor(None, svc.unload)
+        done = await asyncio.get_running_loop().run_in_executor(None, svc.unload, name)
         reason = "unload" if done else "load"
     else:
-        async with svc.using(ka):
+        async with svc.using(ka, name):
             reason = "load"
     return JSONResponse({"model": name, "created_at": S.now_rfc3339(), **reply, "done": True, "done_reason": reason})
 
@@ -132,7 +135,7 @@ async def api_chat(svc: Service, request: Request) -> Response:
     msgs = S.messages(body.get("messages", []), T.message_tool_fields)
     if not msgs:
         return await _load_or_unload(svc, name, ka, {"message": {"role": "assistant", "content": ""}})
-    async with svc.using(ka):
+    async with svc.using(ka, name):
         return await _chat(svc, request, body, name, msgs)
 
 
@@ -170,7 +173,7 @@ async def api_embed(svc: Service, request: Request) -> Response:
     body = await read_json(request, svc.max_body)
     name = _model(svc, body)
     ka = S.keep_alive(body.get("keep_alive"))
-    async with svc.using(ka):
+    async with svc.using(ka, name):
         return await _api_embed(svc, request, body, name)
 
 
@@ -195,9 +198,9 @@ async def _api_embed(svc: Service, request: Request, body: dict, name: str) -> R
 async def api_embeddings(svc: Service, request: Request) -> Response:
     """Ollama's legacy route: one prompt, {"embedding": [...]}; too long a prompt is a 400."""
     body = await read_json(request, svc.max_body)
-    _model(svc, body)
+    name = _model(svc, body)
     ka = S.keep_alive(body.get("keep_alive"))
-    async with svc.using(ka):
+    async with svc.using(ka, name):
         return await _api_embeddings(svc, request, body)
 
 
@@ -215,14 +218,14 @@ async def _api_embeddings(svc: Service, request: Request, body: dict) -> Respons
 
 @route(openai=False)
 async def api_tags(svc: Service, request: Request) -> Response:
-    return JSONResponse({"models": [svc.card.tag()]})
+    return JSONResponse({"models": [c.tag() for c in svc.cards.values()]})
 
 
 @route(openai=False)
 async def api_show(svc: Service, request: Request) -> Response:
     body = await read_json(request, svc.max_body)
-    _model(svc, body, "model" if body.get("model") else "name")
-    return JSONResponse(svc.card.show())
+    name = _model(svc, body, "model" if body.get("model") else "name")
+    return JSONResponse(svc.cards[name].show())
 
 
 @route(openai=False)
@@ -265,12 +268,12 @@ def _openai_common(svc: Service, body: dict):
 
 @route(openai=True)
 async def v1_chat(svc: Service, request: Request) -> Response:
-    async with svc.using():
-        return await _v1_chat(svc, request)
-
-
-async def _v1_chat(svc: Service, request: Request) -> Response:
     body = await read_json(request, svc.max_body)
+    async with svc.using(None, _model(svc, body)):
+        return await _v1_chat(svc, request, body)
+
+
+async def _v1_chat(svc: Service, request: Request, body: dict) -> Response:
     name, params, requested, stop, stream, usage, n = _openai_common(svc, body)
     msgs = S.messages(body.get("messages"), T.message_tool_fields)
     if not msgs:
@@ -287,12 +290,12 @@ async def _v1_chat(svc: Service, request: Request) -> Response:
 
 @route(openai=True)
 async def v1_completions(svc: Service, request: Request) -> Response:
-    async with svc.using():
-        return await _v1_completions(svc, request)
-
-
-async def _v1_completions(svc: Service, request: Request) -> Response:
     body = await read_json(request, svc.max_body)
+    async with svc.using(None, _model(svc, body)):
+        return await _v1_completions(svc, request, body)
+
+
+async def _v1_completions(svc: Service, request: Request, body: dict) -> Response:
     name, params, requested, stop, stream, usage, n = _openai_common(svc, body)
     prompt = body.get("prompt")
     eng = svc.engine
@@ -329,12 +332,12 @@ async def _v1_completions(svc: Service, request: Request) -> Response:
 
 @route(openai=True)
 async def v1_embeddings(svc: Service, request: Request) -> Response:
-    async with svc.using():
-        return await _v1_embeddings(svc, request)
-
-
-async def _v1_embeddings(svc: Service, request: Request) -> Response:
     body = await read_json(request, svc.max_body)
+    async with svc.using(None, _model(svc, body)):
+        return await _v1_embeddings(svc, request, body)
+
+
+async def _v1_embeddings(svc: Service, request: Request, body: dict) -> Response:
     name = _model(svc, body)
     inputs = EM.openai_inputs(body)
     dims = EM.dimensions(body, svc.engine.cfg.n_embd)
@@ -353,13 +356,13 @@ async def _v1_embeddings(svc: Service, request: Request) -> Response:
 
 @route(openai=True)
 async def v1_models(svc: Service, request: Request) -> Response:
-    return JSONResponse({"object": "list", "data": [svc.card.openai()]})
+    return JSONResponse({"object": "list", "data": [c.openai() for c in svc.cards.values()]})
 
 
 @route(openai=True)
 async def v1_model(svc: Service, request: Request) -> Response:
-    _model(svc, {"model": request.path_params["model"]})
-    return JSONResponse(svc.card.openai())
+    name = _model(svc, {"model": request.path_params["model"]})
+    return JSONResponse(svc.cards[name].openai())
 
 
 async def root(request: Request) -> Response:

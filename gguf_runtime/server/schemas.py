@@ -312,16 +312,33 @@ class ModelCard:
     """The loaded model as /api/tags, /api/show and /v1/models describe it."""
 
     def __init__(self, engine, name: str | None = None) -> None:
-        f = engine.gguf
-        stem = os.path.splitext(os.path.basename(engine.path))[0]
+        self._fill(engine.path, engine.gguf, engine.template, engine.cfg.pooling_type, engine.n_ctx, name)
+
+    @classmethod
+    def from_file(cls, path: str, name: str, n_ctx: int | None = None) -> "ModelCard":
+        """The card of a model not loaded, from its file's header (context: the server's, else the
+        model's own); one line naming the file where it does not read."""
+        from ..format.chat_template import ChatTemplate
+        from ..format.gguf_file import open_gguf
+        from ..format.model_config import config_from_gguf
+
+        card = cls.__new__(cls)
+        with open_gguf(path, check_data=False) as f:
+            cfg = config_from_gguf(f)
+            template = ChatTemplate(f.metadata.get("tokenizer.chat_template"))
+            card._fill(path, f, template, cfg.pooling_type, min(n_ctx or cfg.n_ctx_train, cfg.n_ctx_train), name)
+        return card
+
+    def _fill(self, path: str, f, template, pooling_type: int | None, n_ctx: int, name: str | None) -> None:
+        stem = os.path.splitext(os.path.basename(path))[0]
         base = (name or stem).strip()
         self.name = base if ":" in base else base + ":latest"
         self.aliases = {self.name.lower(), self.name.lower().removesuffix(":latest")}
-        st = os.stat(engine.path)
+        st = os.stat(path)
         self.size = st.st_size
         self.modified_at = _dt.datetime.fromtimestamp(st.st_mtime, _dt.timezone.utc).isoformat()
         h = hashlib.sha256(f"{st.st_size}:{st.st_mtime_ns}:".encode())
-        with open(engine.path, "rb") as fh:
+        with open(path, "rb") as fh:
             h.update(fh.read(1 << 20))  # the header, not the whole file: quick at startup
         self.digest = h.hexdigest()
         meta = f.metadata
@@ -338,13 +355,13 @@ class ModelCard:
                         "parameter_size": _size_label(self.n_params), "quantization_level": quant}
         self.model_info = {k: _plain(v) for k, v in meta.items()}
         self.model_info["general.parameter_count"] = self.n_params
-        self.template = engine.template.source or ""
+        self.template = template.source or ""
         harmony = template_family(self.template) == "harmony"  # reasoning apart from the answer
-        self.capabilities = (["completion"] + (["tools"] if engine.template.supports_tools else [])
+        self.capabilities = (["completion"] + (["tools"] if template.supports_tools else [])
                              + (["thinking"] if harmony else [])
-                             + (["embedding"] if engine.cfg.pooling_type is not None else []))  # an embedding model
-        self.n_ctx = engine.n_ctx
-        self.path = engine.path
+                             + (["embedding"] if pooling_type is not None else []))  # an embedding model
+        self.n_ctx = n_ctx
+        self.path = path
 
     def matches(self, model: Any) -> bool:
         return isinstance(model, str) and model.strip().lower() in self.aliases

@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import anyio
 from starlette.requests import Request
@@ -70,29 +70,37 @@ PREP_THREADS = 4  # prompts rendered and tokenized at once (templates stop at 2 
 
 
 class Service:
-    """The scheduler, the model's card and the request limits, shared by every route.
+    """The scheduler, the models' cards and the request limits, shared by every route.
 
-    The model stays loaded for ``keep_alive`` seconds (inf: for ever; Ollama's keep_alive, the
-    last request's or the server's default) after the last request ends; then a watchdog thread
-    unloads it (scheduler stopped, GPU memory returned) and the next request loads it again, as
-    Ollama does. Routes that need the model run inside ``using``."""
+    One model is loaded at a time: the one ``factory`` loads at start, or one of ``catalog``
+    ((name, path) pairs: a --models folder, the Ollama store) that ``loader(path)`` loads when a
+    request names it; the one loaded is unloaded first, once its requests are done (requests for
+    it that arrive meanwhile wait their turn). A model stays loaded for ``keep_alive`` seconds (inf:
+    for ever; Ollama's keep_alive, the last request's or the server's default) after the last
+    request ends; then a watchdog thread unloads it (scheduler stopped, GPU memory returned) and
+    the next request loads it again, as Ollama does. Routes that need a model run inside ``using``."""
 
     def __init__(self, factory: Callable[[], Any], name: str | None = None, max_body: int = MAX_BODY,
                  max_queue: int = 1024, admit_tokens: int = 4096,
                  on_fatal: Callable[[BaseException], None] | None = exit_process,
-                 keep_alive: float = math.inf) -> None:
-        self._make = lambda: Scheduler(factory, admit_tokens=admit_tokens, max_queue=max_queue, on_fatal=on_fatal)
-        self.scheduler: Scheduler | None = self._make()
+                 keep_alive: float = math.inf, catalog: Sequence[tuple[str, str]] = (),
+                 loader: Callable[[str], Any] | None = None) -> None:
+        self._sched = lambda f: Scheduler(f, admit_tokens=admit_tokens, max_queue=max_queue, on_fatal=on_fatal)
+        self._factory, self._loader, self._catalog = factory, loader, list(catalog)
+        self.scheduler: Scheduler | None = self._sched(factory)
         self.engine: Any = None
         self.name, self.max_body = name, max_body
         self.prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="gguf-prep")
         self._mail: dict[asyncio.AbstractEventLoop, _Mailbox] = {}
         self.keep_default = self.keep = keep_alive
-        self._lock = threading.Lock()  # holds, keep, last_busy, scheduler (swaps)
+        self._lock = threading.Lock()  # holds, keep, last_busy, current, wanted, scheduler (swaps)
         self._load_lock = threading.Lock()  # one load or unload at a time
         self._holds = 0  # requests inside ``using``
         self._last_busy = time.monotonic()
         self._closed = False
+        self.cards: dict[str, S.ModelCard] = {}  # by name: the loaded model's, and header-only ones
+        self.current = ""  # the name of the model the scheduler serves (or last served)
+        self._wanted: str | None = None  # a model requests wait to swap to
         self._reaper = threading.Thread(target=self._reap, name="gguf-keep-alive", daemon=True)
 
     def mailbox(self) -> _Mailbox:
@@ -103,16 +111,33 @@ class Service:
 
     def start(self) -> "Service":
         self._started()
+        for name, path in self._catalog:  # (a file whose header does not read is left out)
+            if self.find(name) is None and os.path.realpath(path) != os.path.realpath(self.card.path):
+                try:
+                    card = S.ModelCard.from_file(path, name, self.engine.n_ctx)
+                except Exception:  # noqa: BLE001 - listed only if it reads
+                    continue
+                self.cards.setdefault(card.name, card)
         self._reaper.start()
         return self
 
-    def _started(self) -> None:
+    def _started(self, name: str | None = None) -> None:
         adapter = self.scheduler.start()
         self.engine = adapter.engine
-        if not hasattr(self, "card"):
-            self.card = S.ModelCard(self.engine, self.name)
+        card = S.ModelCard(self.engine, name or self.name)
+        self.cards[card.name] = card
+        self.current = card.name
         self._load_s = self.engine.load_s
         self._last_busy = time.monotonic()
+
+    @property
+    def card(self) -> S.ModelCard:
+        """The card of the model loaded (or last loaded)."""
+        return self.cards[self.current]
+
+    def find(self, model: Any) -> S.ModelCard | None:
+        """The card a request's model name means, or None."""
+        return next((c for c in self.cards.values() if c.matches(model)), None)
 
     @property
     def loaded(self) -> bool:
@@ -124,15 +149,28 @@ class Service:
         return v
 
     @contextlib.asynccontextmanager
-    async def using(self, keep_alive: float | None = None):
-        """The model loaded (loading it again if it was unloaded) for a request; when the request
-        is over (streams: when their job is), it stays loaded for ``keep_alive`` (None: the
-        server's default) before the watchdog unloads it."""
-        with self._lock:
-            self._holds += 1
+    async def using(self, keep_alive: float | None = None, name: str | None = None):
+        """The model ``name`` (default: the current one) loaded for a request, swapping it in
+        (once the loaded one's requests are done) or loading it again where it was unloaded; when
+        the request is over (streams: when their job is), it stays loaded for ``keep_alive`` (None:
+        the server's default) before the watchdog unloads it."""
+        name = name or self.current
+        while True:
+            if self._closed:
+                raise ShuttingDown("the server is shutting down")
+            with self._lock:
+                if self.current == name and self.scheduler is not None and self._wanted in (None, name):
+                    self._holds += 1
+                    break
+                if self._wanted is None:
+                    self._wanted = name
+                ready = self._wanted == name and self._holds == 0 and (
+                    self.scheduler is None or not self.scheduler.stats()["pending"])
+            if ready:
+                await asyncio.get_running_loop().run_in_executor(None, self._swap, name)
+            else:
+                await asyncio.sleep(0.02)
         try:
-            if self.scheduler is None:
-                await asyncio.get_running_loop().run_in_executor(None, self._load)
             yield
         finally:
             with self._lock:
@@ -140,17 +178,36 @@ class Service:
                 self.keep = self.keep_default if keep_alive is None else keep_alive
                 self._last_busy = time.monotonic()
 
-    def _load(self) -> None:
+    def _swap(self, name: str) -> None:
+        """Unload the model loaded if it is another, then load ``name`` (the caller saw both idle)."""
         with self._load_lock:
-            if self.scheduler is not None or self._closed:
-                return
-            sched = self._make()
-            self.scheduler = sched
             try:
-                self._started()
-            except BaseException:
-                self.scheduler = None
-                raise
+                if self.scheduler is not None and self.current != name:
+                    self._unload_locked()
+                if self.scheduler is None and not self._closed:
+                    card = self.cards[name]
+                    first = name == next(iter(self.cards))  # the model serve started with
+                    load = self._factory if first or self._loader is None else \
+                        (lambda path=card.path: self._loader(path))
+                    self.scheduler = self._sched(load)
+                    try:
+                        self._started(name)
+                    except BaseException:
+                        self.scheduler = None
+                        raise
+            finally:
+                with self._lock:
+                    if self._wanted == name:
+                        self._wanted = None
+
+    def _unload_locked(self) -> None:
+        with self._lock:
+            sched, engine = self.scheduler, self.engine
+            self.scheduler, self.engine = None, None
+        if sched is not None:
+            sched.shutdown(wait=True)
+        del sched
+        _free(engine)
 
     def expires_in(self) -> float:
         """Seconds until the watchdog may unload the model (inf: never; 0: once idle)."""
@@ -159,18 +216,17 @@ class Service:
                 return self.keep
             return max(0.0, self.keep - (time.monotonic() - self._last_busy))
 
-    def unload(self) -> bool:
-        """Unload now if nothing runs (Ollama's keep_alive 0 with no prompt); whether it was."""
+    def unload(self, name: str | None = None) -> bool:
+        """Unload the model ``name`` (default: the one loaded) now if nothing else runs (Ollama's
+        keep_alive 0 with no prompt); whether it is not loaded afterwards."""
         with self._load_lock:
             with self._lock:
                 sched = self.scheduler
-                if sched is None or sched.stats()["pending"] or self._holds > 1:
-                    return sched is None
-                self.scheduler, engine = None, self.engine
-                self.engine = None
-            sched.shutdown(wait=True)
-            del sched
-            _free(engine)
+                if sched is None or (name is not None and name != self.current):
+                    return True
+                if sched.stats()["pending"] or self._holds:
+                    return False
+            self._unload_locked()
             return True
 
     def _reap(self) -> None:
@@ -192,11 +248,7 @@ class Service:
                     if sched is None or self._holds or sched.stats()["pending"] or \
                             time.monotonic() - self._last_busy < self.keep:
                         continue
-                    self.scheduler, engine = None, self.engine
-                    self.engine = None
-                sched.shutdown(wait=True)
-                del sched
-                _free(engine)
+                self._unload_locked()
 
     def shutdown(self) -> None:
         self._closed = True
