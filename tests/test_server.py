@@ -217,7 +217,6 @@ BAD = [
     ("/api/chat", {"model": NAME, "messages": [{"role": "user", "content": {"a": 1}}]}, 400),
     ("/api/show", {"model": "nope"}, 404),
     ("/v1/chat/completions", {"model": NAME, "messages": HI, "max_tokens": -1}, 400),
-    ("/v1/chat/completions", {"model": NAME, "messages": HI, "n": 2, "stream": True}, 400),
     ("/v1/chat/completions", {"model": NAME, "messages": HI, "n": 17}, 400),
     ("/v1/completions", {"model": NAME, "prompt": "x", "n": 0}, 400),
     ("/v1/chat/completions", {"model": NAME, "messages": HI, "temperature": 3}, 400),
@@ -366,7 +365,7 @@ def test_n_choices(url):
 def test_completions_with_several_prompts(url):
     """/v1/completions' prompt as a list of prompts (strings or token-id lists): choice p * n + j is
     prompt p's j-th, each as that prompt alone with seed + j; usage sums the prompts; too many
-    choices, or streaming them, is a 400."""
+    choices (streamed or not) is a 400."""
     body = {"model": NAME, "max_tokens": 5, "temperature": 1.2, "seed": 9}
     prompts = ["Once upon a time", [504, 3575, 282]]
     r = httpx.post(url + "/v1/completions", json={**body, "prompt": prompts, "n": 2})
@@ -380,11 +379,56 @@ def test_completions_with_several_prompts(url):
     n_in = sum(httpx.post(url + "/v1/completions", json={**body, "prompt": p}).json()["usage"]["prompt_tokens"]
                for p in prompts)
     assert out["usage"]["prompt_tokens"] == n_in
-    for bad in ({"prompt": ["a"] * 17}, {"prompt": ["a", "b"], "stream": True}, {"prompt": ["a", "b", "c"], "n": 6},
+    for bad in ({"prompt": ["a"] * 17}, {"prompt": ["a", "b", "c"], "n": 6, "stream": True}, {"prompt": ["a", "b", "c"], "n": 6},
                 {"prompt": ["a", ""]}, {"prompt": ["a", [10**9]]}):
         r = httpx.post(url + "/v1/completions", json={**body, **bad})
         assert r.status_code == 400, (bad, r.text)
         assert any(w in r.json()["error"]["message"] for w in ("prompt", "choices")), (bad, r.text)
+    good(url)
+
+
+def sse_events(r) -> list:
+    """The data of a streamed response's server-sent events, JSON-decoded ("[DONE]" kept as is)."""
+    out = []
+    for line in r.text.splitlines():
+        if line.startswith("data: "):
+            data = line[6:]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def test_several_choices_streamed(url):
+    """n > 1 and lists of prompts streamed: every chunk names its choice, each choice's pieces join
+    into the text it has unstreamed (same seeds), each ends with its finish_reason, one id for all,
+    one usage chunk (include_usage) with the unstreamed totals (the cached part may differ: the
+    first request left its prefix), then [DONE]."""
+    body = {"model": NAME, "messages": HI, "max_tokens": 6, "temperature": 1.5, "seed": 5, "n": 3}
+    whole = httpx.post(url + "/v1/chat/completions", json=body).json()
+    r = httpx.post(url + "/v1/chat/completions", json={**body, "stream": True,
+                                                      "stream_options": {"include_usage": True}})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    ev = sse_events(r)
+    counts = lambda u: {k: u[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}  # noqa: E731
+    assert ev[-1] == "[DONE]" and ev[-2]["choices"] == [] and counts(ev[-2]["usage"]) == counts(whole["usage"])
+    chunks = ev[:-2]
+    assert len({c["id"] for c in chunks}) == 1
+    texts, reasons = ["", "", ""], [None] * 3
+    for c in chunks:
+        (ch,) = c["choices"]
+        texts[ch["index"]] += ch["delta"].get("content") or ""
+        if ch["finish_reason"]:
+            reasons[ch["index"]] = ch["finish_reason"]
+    assert texts == [c["message"]["content"] for c in whole["choices"]]
+    assert reasons == [c["finish_reason"] for c in whole["choices"]]
+    body = {"model": NAME, "max_tokens": 4, "temperature": 1.2, "seed": 3, "prompt": ["Once upon", "The sky"], "n": 2}
+    whole = httpx.post(url + "/v1/completions", json=body).json()
+    ev = sse_events(httpx.post(url + "/v1/completions", json={**body, "stream": True}))
+    assert ev[-1] == "[DONE]"
+    texts = [""] * 4
+    for c in ev[:-1]:
+        for ch in c["choices"]:
+            texts[ch["index"]] += ch["text"]
+    assert texts == [c["text"] for c in whole["choices"]]
     good(url)
 
 

@@ -283,7 +283,8 @@ async def _v1_chat(svc: Service, request: Request, body: dict) -> Response:
     encode = lambda: svc.engine.encode_chat(msgs, tools=tools.tools, **think)  # noqa: E731
     if n > 1:
         return await run_choices(svc, request, lambda: FORMATS["chat.completion"](name, usage, tools.parser()),
-                                 lambda: [encode()], params, requested, stop, n, grammar=grammar, keep=tools.keep)
+                                 lambda: [encode()], params, requested, stop, n, grammar=grammar, keep=tools.keep,
+                                 stream=stream)
     fmt = FORMATS["chat.completion"](name, usage, tools.parser())
     return await run_job(svc, request, fmt, encode, params, requested, stop, stream, grammar=grammar, keep=tools.keep)
 
@@ -320,12 +321,11 @@ async def _v1_completions(svc: Service, request: Request, body: dict) -> Respons
     encode = parts[0]
     grammar = S.structured_output(body, ollama=False)
     if n > 1 or len(parts) > 1:
-        if stream:
-            raise S.bad("several prompts are not streamed yet: set stream to false, or send one prompt a request")
         if n * len(parts) > S.MAX_CHOICES:
             raise S.bad(f"{len(parts)} prompts x n={n} is {n * len(parts)} choices: ask for at most {S.MAX_CHOICES}")
         return await run_choices(svc, request, lambda: FORMATS["text_completion"](name, usage),
-                                 lambda: [f() for f in parts], params, requested, stop, n, grammar=grammar)
+                                 lambda: [f() for f in parts], params, requested, stop, n, grammar=grammar,
+                                 stream=stream)
     fmt = FORMATS["text_completion"](name, usage)
     return await run_job(svc, request, fmt, encode, params, requested, stop, stream, grammar=grammar)
 

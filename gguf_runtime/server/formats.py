@@ -124,8 +124,14 @@ class OpenAIChat:
         self.model, self.usage, self.tools = model, include_usage, tools
         self.id = self.prefix + secrets.token_hex(12)
         self.created = int(time.time())
+        self.index = 0  # the choice this formats (several streamed: one formatter each, one id)
         self._first = True
         self._calls = 0  # tool calls sent so far
+
+    def as_choice(self, index: int, first: "OpenAIChat") -> "OpenAIChat":
+        """This formatter as choice ``index`` of the stream ``first`` began (its id and time)."""
+        self.index, self.id, self.created = index, first.id, first.created
+        return self
 
     def _base(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -135,7 +141,7 @@ class OpenAIChat:
         delta: dict = {} if text is None else {"content": text}
         if self._first and text is not None:
             delta, self._first = {"role": "assistant", **delta}, False
-        return {"index": 0, "delta": delta, "finish_reason": reason}
+        return {"index": self.index, "delta": delta, "finish_reason": reason}
 
     def _text_chunk(self, text: str) -> str:
         return _sse({**self._base(self.obj + ".chunk"), "choices": [self._choice(text, None)]})
@@ -145,7 +151,7 @@ class OpenAIChat:
         if self._first:
             delta, self._first = {"role": "assistant", "content": None, **delta}, False
         return _sse({**self._base(self.obj + ".chunk"),
-                     "choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
+                     "choices": [{"index": self.index, "delta": delta, "finish_reason": None}]})
 
     def _calls_chunk(self, calls: list[ToolCall]) -> str:
         delta: dict = {"tool_calls": [T.openai_call(c, self._calls + k) for k, c in enumerate(calls)]}
@@ -153,7 +159,7 @@ class OpenAIChat:
         if self._first:
             delta, self._first = {"role": "assistant", "content": None, **delta}, False
         return _sse({**self._base(self.obj + ".chunk"),
-                     "choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
+                     "choices": [{"index": self.index, "delta": delta, "finish_reason": None}]})
 
     def _events(self, events: list) -> str:
         return "".join(self._text_chunk(r) if isinstance(r, str) else self._reasoning_chunk(r.text)
@@ -166,13 +172,19 @@ class OpenAIChat:
         return self._text_chunk(text) if self.tools is None else self._events(self.tools.feed(text))
 
     def final(self, job, load_s: float) -> str:
+        return self.end(job) + self.tail(S.openai_usage(job))
+
+    def end(self, job) -> str:
+        """The choice's last chunks: what the tool parser held back, and its finish_reason."""
         out = "" if self.tools is None else self._events(self.tools.finish())
         if self._first:  # nothing was generated: still say who speaks
             out += self._text_chunk("")
         end = self._choice(None, self._reason(job, self._calls))
-        out += _sse({**self._base(self.obj + ".chunk"), "choices": [end]})
-        if self.usage:
-            out += _sse({**self._base(self.obj + ".chunk"), "choices": [], "usage": S.openai_usage(job)})
+        return out + _sse({**self._base(self.obj + ".chunk"), "choices": [end]})
+
+    def tail(self, usage: dict) -> str:
+        """The stream's end: the usage chunk where asked for, then [DONE]."""
+        out = _sse({**self._base(self.obj + ".chunk"), "choices": [], "usage": usage}) if self.usage else ""
         return out + _sse("[DONE]")
 
     def error(self, msg: str, status: int) -> str:
@@ -200,16 +212,17 @@ class OpenAICompletion(OpenAIChat):
     prefix, obj = "cmpl-", "text_completion"
 
     def _choice(self, text: str | None, reason: str | None) -> dict:
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+        return {"index": self.index, "text": text or "", "logprobs": None, "finish_reason": reason}
 
     def chunk(self, text: str) -> str:
         self._first = False
         return _sse({**self._base(self.obj), "choices": [self._choice(text, None)]})
 
-    def final(self, job, load_s: float) -> str:
-        out = _sse({**self._base(self.obj), "choices": [self._choice(None, job.reason)]})
-        if self.usage:
-            out += _sse({**self._base(self.obj), "choices": [], "usage": S.openai_usage(job)})
+    def end(self, job) -> str:
+        return _sse({**self._base(self.obj), "choices": [self._choice(None, job.reason)]})
+
+    def tail(self, usage: dict) -> str:
+        out = _sse({**self._base(self.obj), "choices": [], "usage": usage}) if self.usage else ""
         return out + _sse("[DONE]")
 
     def whole(self, text: str, job, load_s: float) -> dict:

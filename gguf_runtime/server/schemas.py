@@ -250,14 +250,12 @@ MAX_CHOICES = 16  # OpenAI's n: choices one request may ask for
 
 
 def openai_n(body: dict, stream: bool) -> int:
-    """OpenAI's ``n`` (choices of one prompt): 1 to MAX_CHOICES, above 1 unstreamed for now."""
+    """OpenAI's ``n`` (choices of one prompt): 1 to MAX_CHOICES, streamed or not."""
     n = get_int(body, "n")
     if n is None:
         return 1
     if not 1 <= n <= MAX_CHOICES:
         raise bad(f"n must be between 1 and {MAX_CHOICES}, got {n}")
-    if n > 1 and stream:
-        raise bad("n above 1 is not streamed yet: set stream to false, or send n requests")
     return n
 
 

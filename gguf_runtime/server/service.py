@@ -419,17 +419,21 @@ async def run_job(svc: Service, request: Request, fmt, encode: Callable[[], list
 
 async def run_choices(svc: Service, request: Request, make_fmt: Callable[[], Any],
                       encode: Callable[[], list[list[int]]], params, requested: int | None, stop: tuple[str, ...],
-                      n: int, grammar: str | None = None, keep: frozenset[int] = frozenset()) -> Response:
-    """Several choices, unstreamed: OpenAI's ``n`` and /v1/completions' list of prompts. ``encode``
-    gives the prompts (tokenized once each); each gets n jobs (the prefix cache evaluates a prompt
-    once where the backend has one), seeds seed, seed + 1, ... where a seed is given; choice
-    p * n + j is prompt p's j-th. Usage counts each prompt once and every choice's tokens. A
-    failing choice fails the request and cancels the others; so does the client leaving."""
+                      n: int, grammar: str | None = None, keep: frozenset[int] = frozenset(),
+                      stream: bool = False) -> Response:
+    """Several choices: OpenAI's ``n`` and /v1/completions' list of prompts. ``encode`` gives the
+    prompts (tokenized once each); each gets n jobs (the prefix cache evaluates a prompt once where
+    the backend has one), seeds seed, seed + 1, ... where a seed is given; choice p * n + j is
+    prompt p's j-th. Usage counts each prompt once and every choice's tokens. A failing choice
+    fails the request and cancels the others; so does the client leaving. Streamed, the choices'
+    chunks interleave as their tokens come (each with its index), one usage chunk and [DONE] last."""
     t0 = time.perf_counter()
     prompts = await asyncio.get_running_loop().run_in_executor(svc.prep, encode)
     sched, mail = svc.scheduler, svc.mailbox()
     budgets = [sched.budget(len(ids), requested) for ids in prompts]
     k = len(prompts) * n
+    if stream:
+        return await _stream_choices(svc, request, make_fmt, prompts, budgets, params, stop, n, grammar, keep, t0)
     queues: list[asyncio.Queue] = [asyncio.Queue() for _ in range(k)]
     jobs = [Job(prompts[c // n], params if params.seed is None else dataclasses.replace(params, seed=params.seed + c % n),
                 budgets[c // n], lambda kind, data, q=q: mail.put(q, (kind, data)), stop, t_submit=t0,
@@ -469,12 +473,87 @@ async def run_choices(svc: Service, request: Request, make_fmt: Callable[[], Any
     wholes = [make_fmt().whole("".join(p), job, load) for p, job in zip(parts, jobs)]
     out = wholes[0]
     out["choices"] = [{**w["choices"][0], "index": c} for c, w in enumerate(wholes)]
+    out["usage"] = _choices_usage(prompts, jobs, n)
+    return JSONResponse(out)
+
+
+def _choices_usage(prompts: list[list[int]], jobs: list[Job], n: int) -> dict:
     firsts = jobs[::n]  # each prompt's first job: its cached part
     n_in, n_out = sum(map(len, prompts)), sum(len(job.ids) for job in jobs)
-    out["usage"] = {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out,
-                    "prompt_tokens_details": {"cached_tokens": sum(max(0, len(j.prompt) - j.prompt_eval)
-                                                                   for j in firsts)}}
-    return JSONResponse(out)
+    return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out,
+            "prompt_tokens_details": {"cached_tokens": sum(max(0, len(j.prompt) - j.prompt_eval) for j in firsts)}}
+
+
+async def _stream_choices(svc: Service, request: Request, make_fmt: Callable[[], Any], prompts: list[list[int]],
+                          budgets: list[int], params, stop: tuple[str, ...], n: int, grammar: str | None,
+                          keep: frozenset[int], t0: float) -> Response:
+    """run_choices streamed: one queue of (choice, kind, data) for every job; the response starts
+    with the first event (an error at admission keeps its status)."""
+    sched, mail = svc.scheduler, svc.mailbox()
+    k = len(prompts) * n
+    q: asyncio.Queue = asyncio.Queue()
+    jobs = [Job(prompts[c // n], params if params.seed is None else dataclasses.replace(params, seed=params.seed + c % n),
+                budgets[c // n], lambda kind, data, c=c: mail.put(q, (c, kind, data)), stop, t_submit=t0,
+                grammar=grammar, keep_special=keep) for c in range(k)]
+    fmts = [make_fmt() for _ in range(k)]
+    for c, f in enumerate(fmts):
+        f.as_choice(c, fmts[0])
+
+    def cancel_all() -> None:
+        for job in jobs:
+            if job.state in ("new", "waiting", "active"):
+                sched.cancel(job)
+
+    for job in jobs:
+        sched.submit(job)
+    watch = asyncio.ensure_future(_wait_disconnect(request.receive))
+    started = False
+    try:
+        get = asyncio.ensure_future(q.get())
+        await asyncio.wait({get, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if not get.done():
+            get.cancel()
+            return Response(status_code=499)  # the client is gone (nobody reads this)
+        first = get.result()
+        if first[1] == "error":
+            raise first[2]
+        started = True
+    finally:
+        watch.cancel()
+        if not started:
+            cancel_all()
+
+    async def body():
+        done, item, over = 0, first, False
+        try:
+            while True:
+                out = []
+                while True:
+                    c, kind, data = item
+                    if kind == "text":
+                        out.append(fmts[c].chunk(data))
+                    elif kind == "done":
+                        out.append(fmts[c].end(data))
+                        done += 1
+                        if done == k:
+                            out.append(fmts[0].tail(_choices_usage(prompts, jobs, n)))
+                            over = True
+                            break
+                    else:
+                        out.append(fmts[0].error(str(data), status_of(data)))
+                        over = True
+                        break
+                    if q.empty():
+                        break
+                    item = q.get_nowait()
+                yield "".join(out)
+                if over:
+                    return
+                item = await q.get()
+        finally:
+            cancel_all()
+
+    return _Stream(body(), cancel_all, media_type=fmts[0].media_type, headers={"Cache-Control": "no-cache"})
 
 
 async def run_embed(svc: Service, request: Request, encode: Callable[[], list[list[int]]]) -> EmbedJob | None:
