@@ -226,7 +226,7 @@ class CudaAdapter:
         budget = self.chunk if self.chunk > 0 and self.loop.busy() else None
         while True:
             parts, chunked = [], False
-            for slot, f in self._filling.items():
+            for slot, f in list(self._filling.items()):
                 if slot in touched or f.after in self._filling:
                     continue
                 if f.after >= 0:
@@ -234,8 +234,8 @@ class CudaAdapter:
                     try:
                         self._restart(slot, f)
                     except Exception as e:  # noqa: BLE001 - this request's alone
+                        del self._filling[slot]
                         self.failed[slot] = e
-                        touched.add(slot)
                         continue
                 left = len(f.prompt) - f.done
                 if budget is None or left <= budget:

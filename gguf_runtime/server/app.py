@@ -231,7 +231,7 @@ async def api_show(svc: Service, request: Request) -> Response:
 @route(openai=False)
 async def api_ps(svc: Service, request: Request) -> Response:
     card, eng = svc.card, svc.engine
-    if not svc.loaded or eng is None:
+    if eng is None:  # (unloaded)
         return JSONResponse({"models": []})
     left = svc.expires_in()
     expires = (_dt.datetime.now(_dt.timezone.utc) + _dt.timedelta(seconds=left) if left != math.inf
@@ -250,7 +250,7 @@ async def api_version(svc: Service, request: Request) -> Response:
 async def api_scheduler(svc: Service, request: Request) -> Response:
     """Not Ollama's: the scheduler's counters (active, waiting, free slots and KV pages)."""
     sched, eng = svc.scheduler, svc.engine
-    if sched is None or eng is None:
+    if sched is None or eng is None:  # (unloaded, or loading)
         return JSONResponse({"backend": None, "loaded": False, "active": 0, "waiting": 0, "pending": 0})
     return JSONResponse({"backend": eng.backend.name, "loaded": True, **sched.stats()})
 

@@ -139,10 +139,6 @@ class Service:
         """The card a request's model name means, or None."""
         return next((c for c in self.cards.values() if c.matches(model)), None)
 
-    @property
-    def loaded(self) -> bool:
-        return self.scheduler is not None
-
     def take_load_s(self) -> float:
         """The model's load time, reported once (in the first response), as Ollama does."""
         v, self._load_s = self._load_s, 0.0
@@ -216,15 +212,17 @@ class Service:
                 return self.keep
             return max(0.0, self.keep - (time.monotonic() - self._last_busy))
 
-    def unload(self, name: str | None = None) -> bool:
-        """Unload the model ``name`` (default: the one loaded) now if nothing else runs (Ollama's
-        keep_alive 0 with no prompt); whether it is not loaded afterwards."""
+    def unload(self, name: str | None = None, expired: bool = False) -> bool:
+        """Unload the model ``name`` (default: the one loaded) now if nothing runs on it (Ollama's
+        keep_alive 0 with no prompt; ``expired``: only once idle for keep_alive, the watchdog's
+        call); whether it is not loaded afterwards."""
         with self._load_lock:
             with self._lock:
                 sched = self.scheduler
                 if sched is None or (name is not None and name != self.current):
                     return True
-                if sched.stats()["pending"] or self._holds:
+                if self._holds or sched.stats()["pending"] or \
+                        (expired and time.monotonic() - self._last_busy < self.keep):
                     return False
             self._unload_locked()
             return True
@@ -236,19 +234,12 @@ class Service:
                 sched = self.scheduler
                 if sched is None or self.keep == math.inf:
                     continue
-                now = time.monotonic()
                 if self._holds or sched.stats()["pending"]:
-                    self._last_busy = now
+                    self._last_busy = time.monotonic()
                     continue
-                if now - self._last_busy < self.keep:
+                if time.monotonic() - self._last_busy < self.keep:
                     continue
-            with self._load_lock:
-                with self._lock:  # (a request may have come meanwhile)
-                    sched = self.scheduler
-                    if sched is None or self._holds or sched.stats()["pending"] or \
-                            time.monotonic() - self._last_busy < self.keep:
-                        continue
-                self._unload_locked()
+            self.unload(expired=True)  # (checks again: a request may have come meanwhile)
 
     def shutdown(self) -> None:
         self._closed = True
@@ -432,43 +423,46 @@ async def run_choices(svc: Service, request: Request, make_fmt: Callable[[], Any
     sched, mail = svc.scheduler, svc.mailbox()
     budgets = [sched.budget(len(ids), requested) for ids in prompts]
     k = len(prompts) * n
-    if stream:
-        return await _stream_choices(svc, request, make_fmt, prompts, budgets, params, stop, n, grammar, keep, t0)
-    queues: list[asyncio.Queue] = [asyncio.Queue() for _ in range(k)]
+    q: asyncio.Queue = asyncio.Queue()  # (choice, kind, data) of every job
     jobs = [Job(prompts[c // n], params if params.seed is None else dataclasses.replace(params, seed=params.seed + c % n),
-                budgets[c // n], lambda kind, data, q=q: mail.put(q, (kind, data)), stop, t_submit=t0,
-                grammar=grammar, keep_special=keep) for c, q in enumerate(queues)]
+                budgets[c // n], lambda kind, data, c=c: mail.put(q, (c, kind, data)), stop, t_submit=t0,
+                grammar=grammar, keep_special=keep) for c in range(k)]
     submitted: list[Job] = []
+
+    def cancel_all() -> None:
+        for job in submitted:
+            if job.state in ("new", "waiting", "active"):
+                sched.cancel(job)
+
     parts: list[list[str]] = [[] for _ in range(k)]
-    done = 0
-    gets: dict[asyncio.Future, int] = {}
+    done, started = 0, False
     watch = asyncio.ensure_future(_wait_disconnect(request.receive))
     try:
         for job in jobs:
             sched.submit(job)
             submitted.append(job)
-        gets = {asyncio.ensure_future(q.get()): c for c, q in enumerate(queues)}
         while done < k:
-            ready, _ = await asyncio.wait({*gets, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if watch in ready:
+            get = asyncio.ensure_future(q.get())
+            await asyncio.wait({get, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if not get.done():
+                get.cancel()
                 return Response(status_code=499)  # the client is gone (nobody reads this)
-            for fut in ready:
-                c = gets.pop(fut)
-                kind, data = fut.result()
-                if kind == "error":
-                    raise data
-                if kind == "done":
-                    done += 1
-                else:
-                    parts[c].append(data)
-                    gets[asyncio.ensure_future(queues[c].get())] = c
+            item = c, kind, data = get.result()
+            if kind == "error":
+                raise data
+            if stream:  # the body streams from this first event on (an error before it keeps its status)
+                started = True
+                break
+            if kind == "done":
+                done += 1
+            else:
+                parts[c].append(data)
     finally:
         watch.cancel()
-        for fut in gets:
-            fut.cancel()
-        for job in submitted:
-            if job.state in ("new", "waiting", "active"):
-                sched.cancel(job)
+        if not started:
+            cancel_all()
+    if stream:
+        return _stream_choices(make_fmt, q, item, jobs, prompts, n, cancel_all)
     load = svc.take_load_s()
     wholes = [make_fmt().whole("".join(p), job, load) for p, job in zip(parts, jobs)]
     out = wholes[0]
@@ -484,50 +478,20 @@ def _choices_usage(prompts: list[list[int]], jobs: list[Job], n: int) -> dict:
             "prompt_tokens_details": {"cached_tokens": sum(max(0, len(j.prompt) - j.prompt_eval) for j in firsts)}}
 
 
-async def _stream_choices(svc: Service, request: Request, make_fmt: Callable[[], Any], prompts: list[list[int]],
-                          budgets: list[int], params, stop: tuple[str, ...], n: int, grammar: str | None,
-                          keep: frozenset[int], t0: float) -> Response:
-    """run_choices streamed: one queue of (choice, kind, data) for every job; the response starts
-    with the first event (an error at admission keeps its status)."""
-    sched, mail = svc.scheduler, svc.mailbox()
-    k = len(prompts) * n
-    q: asyncio.Queue = asyncio.Queue()
-    jobs = [Job(prompts[c // n], params if params.seed is None else dataclasses.replace(params, seed=params.seed + c % n),
-                budgets[c // n], lambda kind, data, c=c: mail.put(q, (c, kind, data)), stop, t_submit=t0,
-                grammar=grammar, keep_special=keep) for c in range(k)]
+def _stream_choices(make_fmt: Callable[[], Any], q: asyncio.Queue, first: tuple, jobs: list[Job],
+                    prompts: list[list[int]], n: int, cancel_all: Callable[[], None]) -> Response:
+    """run_choices streamed from its first event: each choice's chunks through its own formatter
+    (its index, the first one's id), one usage chunk and [DONE] once every choice is done."""
+    k = len(jobs)
     fmts = [make_fmt() for _ in range(k)]
     for c, f in enumerate(fmts):
         f.as_choice(c, fmts[0])
-
-    def cancel_all() -> None:
-        for job in jobs:
-            if job.state in ("new", "waiting", "active"):
-                sched.cancel(job)
-
-    for job in jobs:
-        sched.submit(job)
-    watch = asyncio.ensure_future(_wait_disconnect(request.receive))
-    started = False
-    try:
-        get = asyncio.ensure_future(q.get())
-        await asyncio.wait({get, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if not get.done():
-            get.cancel()
-            return Response(status_code=499)  # the client is gone (nobody reads this)
-        first = get.result()
-        if first[1] == "error":
-            raise first[2]
-        started = True
-    finally:
-        watch.cancel()
-        if not started:
-            cancel_all()
 
     async def body():
         done, item, over = 0, first, False
         try:
             while True:
-                out = []
+                out = []  # everything queued goes out in one write
                 while True:
                     c, kind, data = item
                     if kind == "text":

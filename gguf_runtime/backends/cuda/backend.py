@@ -469,7 +469,7 @@ class CudaBackend(PrefillMixin):
         cap = self.ws.max_rows if self.part_align() else 0
         group: list = []
         rows = 0
-        for i, part in enumerate(parts + [None]):
+        for part in parts + [None]:
             fits = part is not None and len(group) < min(64, self.ws.logits.shape[0]) and \
                 rows + self.part_rows(len(part[1])) <= cap
             if group and not fits:

@@ -150,7 +150,7 @@ class PrefillMixin:
         rows ``last``: the head over them padded to a batch bucket, as a decode step of that bucket
         runs it (kernels compiled at load: another row count would compile mid-serving)."""
         k = len(last)
-        bucket = next(b for b in (1, 2, 4, 8, 16, 32, 64) if b >= k)
+        bucket = 1 << (k - 1).bit_length()  # (the batch buckets are the powers of two up to 64)
         b = self._prefill_mode()
         b.flash_rows = self.part_align()
         try:

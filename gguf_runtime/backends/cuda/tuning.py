@@ -83,8 +83,8 @@ class Tuning:
     lookahead: int = 4  # decode steps enqueued ahead of the token the host reads (one sequence, batches)
     # -- serving
     serve_chunk: int = 2048  # a prompt admitted while others decode: tokens evaluated between two of their steps
-    # (0: the whole prompt at admission). 8B mixed run: 2048 halves the running streams' p99 gap between
-    # tokens (347 -> 194 ms) at the same throughput and document TTFT; 512 costs TTFT (bench/RESULTS.md row 130)
+    # (0: the whole prompt at admission): bounds the running streams' wait for a document; smaller chunks cost
+    # the documents' TTFT (bench/RESULTS.md row 130)
     serve_pack: bool = True  # prompts admitted in one step evaluated in shared forwards (seq_prefill_many); off: one by one
     serve_pack_rows: int = 16  # ... their flash blocks' query rows, so parts pad to this (0: flash_config's 32-64)
     # -- tensor parallelism
