@@ -593,12 +593,14 @@ def test_rejected_giant_prompts_do_not_grow_memory(model_path):
 
 
 def test_a_slow_prompt_does_not_hold_up_the_others(model_path):
-    """A 600 KB one-word prompt (it fits the byte check at context 8,192, and its BPE takes
+    """A 1.2 MB one-word prompt (it fits the byte check at context 16,384, and its BPE takes
     seconds) is tokenized while a short request is rendered, tokenized and answered: prompts are
-    prepared on several threads. (The giant one is then refused: 150,030 tokens.) The threads share
-    the GIL, so the short request is slowed while the giant one is tokenized (0.06 s alone, 0.5 s
-    beside it on a fast 2-core machine): the giant prompt is long enough to take several times that."""
-    p, url, _ = spawn_serve(8192)
+    prepared on several threads. (The giant one is then refused: 300,030 tokens.) The threads share
+    the GIL, so the short request is slowed while the giant one is tokenized (0.06 s alone, 0.13 s
+    beside a 600 KB one with the server's 1 ms switch interval, 0.4 s at Python's 5 ms, on a fast
+    2-core machine; CI once took longer than a 600 KB prompt's tokenization): the giant prompt is
+    long enough to take many times that (4 s alone on that machine)."""
+    p, url, _ = spawn_serve(16384, ("--name", "tiny", "--max-body", str(2 << 20)))
     small = {"model": "tiny", "prompt": "Hi", "raw": True, "stream": False,
              "options": {"num_predict": 1, "temperature": 0}}
     try:
@@ -608,7 +610,7 @@ def test_a_slow_prompt_does_not_hold_up_the_others(model_path):
         result = {}
 
         def giant():
-            r = httpx.post(url + "/api/generate", json={"model": "tiny", "prompt": "a" * 600_000, "stream": False},
+            r = httpx.post(url + "/api/generate", json={"model": "tiny", "prompt": "a" * 1_200_000, "stream": False},
                            timeout=120)
             result["giant"] = (time.monotonic(), r.status_code, r.text[:200])
 
