@@ -300,3 +300,18 @@ class Sampler:
         if ids.shape[0] == 1:
             return int(ids[0])
         return int(ids[draw(probs, float(self.rng.random()))])
+
+
+MAX_TOP_LOGPROBS = 20  # alternatives per token the APIs may ask for (OpenAI's and Ollama's limit)
+
+
+def token_logprobs(logits: np.ndarray, tok: int, k: int) -> tuple[int, float, tuple[tuple[int, float], ...]]:
+    """(``tok``, its log-probability, the ``k`` most likely tokens' (id, log-probability) in descending
+    order, ties by lower id) under the model's own distribution: log-softmax of the raw logits, before
+    penalties, temperature, truncation or a grammar's mask (as Ollama and vLLM report them). The
+    log-sum-exp is taken in float64 after subtracting the maximum."""
+    x = np.asarray(logits, dtype=np.float32)
+    m = float(x.max())
+    lse = m + math.log(float(np.exp((x - np.float32(m)).astype(np.float64)).sum()))
+    top = top_k_indices(x, k) if k > 0 else np.empty(0, np.int64)
+    return int(tok), float(x[tok]) - lse, tuple((int(i), float(x[i]) - lse) for i in top[:k])

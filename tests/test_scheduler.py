@@ -78,11 +78,13 @@ class FakeAdapter:
 
 class Events:
     def __init__(self) -> None:
-        self.text, self.done, self.error = [], None, None
+        self.text, self.done, self.error, self.logprobs = [], None, None, []
 
     def __call__(self, kind, data) -> None:
         if kind == "text":
             self.text.append(data)
+        elif kind == "logprobs":
+            self.logprobs.append(list(data))
         elif kind == "done":
             self.done = data
         else:
@@ -720,6 +722,63 @@ def test_a_prompt_cancelled_or_failing_mid_evaluation_ends_alone():
     assert again.state == "failed" and isinstance(again.emit.error, RuntimeError)
     run(s)
     assert "".join(runner.emit.text) == expected(1, 80) and be.kv.free_pages() == be.kv.n_pages
+
+
+class BurstAdapter(FakeAdapter):
+    """Three tokens per slot a step (as the launch-ahead loop returns them), each with a logprobs
+    entry (token, -token, ()) for the slots admitted with logprobs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logprobs: dict[int, list] = {}
+
+    def add(self, slot, prompt, params, max_new, logprobs=-1):
+        if logprobs >= 0:
+            self.logprobs[slot] = []
+        return super().add(slot, prompt, params, max_new)
+
+    def step(self):
+        out = {}
+        for _ in range(3):
+            for slot, toks in super().step().items():
+                out.setdefault(slot, []).extend(toks)
+        for slot in self.logprobs:
+            self.logprobs[slot] = [(t, -float(t), ()) for t in out.get(slot, [])]
+        return out
+
+    def release(self, slot):
+        self.logprobs.pop(slot, None)
+        super().release(slot)
+
+
+@pytest.mark.parametrize("uid,max_new,stop,reason", [(7, 7, False, "length"), (4007, 50, False, "stop"),
+                                                     (11, 20, True, "stop")])
+def test_logprobs_follow_the_tokens_kept(uid, max_new, stop, reason):
+    """A job with logprobs gets one entry per token of job.ids, in order, through "logprobs" events
+    sent before each step's text, however the step's tokens end: the budget (7 of 9 returned), an
+    end-of-generation token, a stop string. A job without logprobs beside it gets none."""
+    s = make(BurstAdapter())
+    j = job(uid, max_new=max_new, stop=[expected(uid, 20)[5:8]] if stop else ())
+    other = job(uid + 1, max_new=max_new)
+    j.logprobs = 0
+    run(s, j, other)
+    assert j.reason == reason and j.ids
+    assert [e[0] for e in j.logprobs_seen] == j.ids
+    assert [e for batch in j.emit.logprobs for e in batch] == j.logprobs_seen
+    assert len(j.emit.logprobs) == -(-len(j.ids) // 3)  # one event per step
+    assert other.logprobs_seen == [] and other.emit.logprobs == []
+
+
+def test_cuda_adapter_refuses_logprobs_for_now():
+    """The batch step keeps no logits the host could read: a request with logprobs fails alone, saying
+    so; one without keeps going."""
+    a, be = cuda_adapter(depth=2)
+    s = make(a)
+    j, ok = job(5, max_new=4), job(6, max_new=4)
+    j.logprobs = 2
+    run(s, j, ok)
+    assert isinstance(j.emit.error, BackendError) and "logprobs" in str(j.emit.error)
+    assert ok.reason == "length" and len(ok.ids) == 4
 
 
 def test_cuda_adapter_clamps_top_k():

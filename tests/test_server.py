@@ -224,10 +224,14 @@ BAD = [
     ("/v1/completions", {"model": NAME, "prompt": "x", "frequency_penalty": -1}, 400),
     ("/api/generate", gen(options={"presence_penalty": 1.0}), 400),
     ("/api/chat", {"model": NAME, "messages": HI, "options": {"frequency_penalty": 0.2}}, 400),
-    ("/v1/chat/completions", {"model": NAME, "messages": HI, "logprobs": True}, 400),
+    ("/v1/chat/completions", {"model": NAME, "messages": HI, "logprobs": 1}, 400),
     ("/v1/chat/completions", {"model": NAME, "messages": HI, "logprobs": False, "top_logprobs": 3}, 400),
-    ("/v1/completions", {"model": NAME, "prompt": "x", "logprobs": 0}, 400),
-    ("/api/generate", gen(logprobs=True), 400),
+    ("/v1/chat/completions", {"model": NAME, "messages": HI, "logprobs": True, "top_logprobs": 21}, 400),
+    ("/v1/completions", {"model": NAME, "prompt": "x", "logprobs": True}, 400),
+    ("/v1/completions", {"model": NAME, "prompt": "x", "logprobs": 21}, 400),
+    ("/v1/completions", {"model": NAME, "prompt": "x", "logprobs": 1, "top_logprobs": 1}, 400),
+    ("/api/generate", gen(logprobs="yes"), 400),
+    ("/api/chat", {"model": NAME, "messages": HI, "top_logprobs": 2}, 400),
     ("/v1/chat/completions", {"model": NAME, "messages": []}, 400),
     ("/v1/chat/completions", {"model": "nope", "messages": HI}, 404),
     ("/v1/completions", {"model": NAME, "prompt": 5}, 400),
@@ -289,7 +293,7 @@ def test_structured_output_in_both_apis(url):
 def test_penalties_zero_accepted_others_refused(url):
     """presence / frequency penalties are not implemented: 0 (what clients send by default) passes,
     anything else is a 400 naming the field and repeat_penalty, never silently ignored; logprobs
-    false passes too (true: the 400s above)."""
+    false passes too."""
     body = {"model": NAME, "messages": HI, "max_tokens": 1, "presence_penalty": 0, "frequency_penalty": 0.0,
             "logprobs": False}
     assert httpx.post(url + "/v1/chat/completions", json=body).status_code == 200

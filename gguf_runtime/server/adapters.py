@@ -11,7 +11,8 @@ needs past its budget), and four calls, all made from the scheduler's thread:
 * ``step() -> {slot: [token, ...]}``: advance every admitted sequence; returns the tokens that
   became readable (in order; possibly none for a slot, possibly several). A slot whose admission
   failed after ``add`` returned (a later chunk of its prompt) shows in ``failed`` (slot ->
-  exception) until released.
+  exception) until released. A slot admitted with ``logprobs=k`` (k >= 0) has, after each step,
+  ``logprobs[slot]``: one ``sampling.token_logprobs`` entry per token returned, in order.
 * ``release(slot)``: forget the sequence; its slot and KV pages are free at once.
 * ``embed(slot, ids) -> vector``: the pooled final hidden states of ``ids`` as a sequence of their
   own (engine/embed.py: not yet normalized), between steps, leaving the admitted sequences as they
@@ -29,7 +30,7 @@ from ..errors import BackendError, KVCacheFullError
 from ..engine import embed as E
 from ..engine.constraint import Constraint
 from ..engine.decode_loop import LaunchAhead
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, token_logprobs
 
 MAX_GPU_TOP_K = 1024  # the CUDA sampler's top-k limit (backends/cuda/backend.MAX_GPU_TOP_K)
 
@@ -66,9 +67,10 @@ class NumpyAdapter:
         self.n_ctx = engine.n_ctx
         self._it = None
         self._seq: list[int] = []
+        self.logprobs: dict[int, list] = {}
 
     def add(self, slot: int, prompt: Sequence[int], params: SamplingParams, max_new: int,
-            grammar: str | None = None) -> int:
+            grammar: str | None = None, logprobs: int = -1) -> int:
         eng, be = self.engine, self.be
         constraint = Constraint(self.tokenizer, eng.cfg.n_vocab, grammar) if grammar else None
         prompt = list(prompt)
@@ -84,12 +86,19 @@ class NumpyAdapter:
         except BaseException:
             self._trim()
             raise
-        self._it = be.sample_loop(max_new, params, list(prompt), frozenset(), constraint=constraint)
+        on_token = None
+        if logprobs >= 0:
+            seen = self.logprobs[slot] = []
+            on_token = lambda logits, tok: seen.append(token_logprobs(logits, tok, logprobs))  # noqa: E731
+        self._it = be.sample_loop(max_new, params, list(prompt), frozenset(), constraint=constraint,
+                                  on_token=on_token)
         return len(prompt) - keep
 
     def step(self) -> dict[int, list[int]]:
         if self._it is None:
             return {}
+        if 0 in self.logprobs:
+            self.logprobs[0].clear()  # this step's entries only (on_token appends to this list)
         try:
             tok = next(self._it)
         except StopIteration:
@@ -107,6 +116,7 @@ class NumpyAdapter:
         if self._it is not None:
             self._it.close()
             self._it = None
+        self.logprobs.pop(slot, None)
         self._trim()
 
     def _trim(self) -> None:
@@ -181,7 +191,10 @@ class CudaAdapter:
         return p
 
     def add(self, slot: int, prompt: Sequence[int], params: SamplingParams, max_new: int,
-            grammar: str | None = None) -> int:
+            grammar: str | None = None, logprobs: int = -1) -> int:
+        if logprobs >= 0:  # the batch step keeps no logits the host could read them from yet
+            raise BackendError("logprobs are not served on the CUDA backend yet; serve with --backend numpy, "
+                               "or leave logprobs and top_logprobs unset")
         if grammar:  # the batch step samples on the GPU; its grammar masks are not there yet
             raise BackendError("structured output (format / response_format) and forced tool calls (tool_choice "
                                "\"required\" or a named function) are not served on the CUDA backend yet; serve with "

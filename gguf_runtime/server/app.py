@@ -115,8 +115,9 @@ async def _generate(svc: Service, request: Request, body: dict, name: str, promp
         return context + eng.tokenizer.encode(text, add_special=False, parse_special=not raw)
 
     parser, keep = (None, frozenset()) if raw else T.generate_setup(eng)  # Harmony: thinking and response apart
-    return await run_job(svc, request, FORMATS["generate"](name, parser), encode, params, requested, stop, stream,
-                         num_ctx, grammar, keep=keep)
+    lp = S.logprobs(body, "chat")
+    return await run_job(svc, request, FORMATS["generate"](name, parser).with_logprobs(eng.tokenizer, lp), encode,
+                         params, requested, stop, stream, num_ctx, grammar, keep=keep, logprobs=lp)
 
 
 def _chat_tools(svc: Service, body: dict, name: str, msgs: list[dict], grammar: str | None):
@@ -144,9 +145,10 @@ async def _chat(svc: Service, request: Request, body: dict, name: str, msgs: lis
     params, requested, stop, num_ctx = S.ollama_options(body)
     think = S.think_kwargs(body, ollama=True)
     tools, msgs, grammar = _chat_tools(svc, body, name, msgs, S.structured_output(body, ollama=True))
-    return await run_job(svc, request, FORMATS["chat"](name, tools.parser()),
+    lp = S.logprobs(body, "chat")
+    return await run_job(svc, request, FORMATS["chat"](name, tools.parser()).with_logprobs(svc.engine.tokenizer, lp),
                          lambda: svc.engine.encode_chat(msgs, tools=tools.tools, **think), params, requested, stop,
-                         stream, num_ctx, grammar, keep=tools.keep)
+                         stream, num_ctx, grammar, keep=tools.keep, logprobs=lp)
 
 
 async def _off_loop(svc: Service, make: Callable[[], Response]) -> Response:
@@ -281,12 +283,13 @@ async def _v1_chat(svc: Service, request: Request, body: dict) -> Response:
     think = S.think_kwargs(body, ollama=False)
     tools, msgs, grammar = _chat_tools(svc, body, name, msgs, S.structured_output(body, ollama=False))
     encode = lambda: svc.engine.encode_chat(msgs, tools=tools.tools, **think)  # noqa: E731
+    lp, tok = S.logprobs(body, "chat"), svc.engine.tokenizer
+    make = lambda: FORMATS["chat.completion"](name, usage, tools.parser()).with_logprobs(tok, lp)  # noqa: E731
     if n > 1:
-        return await run_choices(svc, request, lambda: FORMATS["chat.completion"](name, usage, tools.parser()),
-                                 lambda: [encode()], params, requested, stop, n, grammar=grammar, keep=tools.keep,
-                                 stream=stream)
-    fmt = FORMATS["chat.completion"](name, usage, tools.parser())
-    return await run_job(svc, request, fmt, encode, params, requested, stop, stream, grammar=grammar, keep=tools.keep)
+        return await run_choices(svc, request, make, lambda: [encode()], params, requested, stop, n, grammar=grammar,
+                                 keep=tools.keep, stream=stream, logprobs=lp)
+    return await run_job(svc, request, make(), encode, params, requested, stop, stream, grammar=grammar,
+                         keep=tools.keep, logprobs=lp)
 
 
 @route(openai=True)
@@ -320,14 +323,14 @@ async def _v1_completions(svc: Service, request: Request, body: dict) -> Respons
             raise S.bad(f"{where} must be a non-empty string or a list of token ids")
     encode = parts[0]
     grammar = S.structured_output(body, ollama=False)
+    lp = S.logprobs(body, "completions")
+    make = lambda: FORMATS["text_completion"](name, usage).with_logprobs(eng.tokenizer, lp)  # noqa: E731
     if n > 1 or len(parts) > 1:
         if n * len(parts) > S.MAX_CHOICES:
             raise S.bad(f"{len(parts)} prompts x n={n} is {n * len(parts)} choices: ask for at most {S.MAX_CHOICES}")
-        return await run_choices(svc, request, lambda: FORMATS["text_completion"](name, usage),
-                                 lambda: [f() for f in parts], params, requested, stop, n, grammar=grammar,
-                                 stream=stream)
-    fmt = FORMATS["text_completion"](name, usage)
-    return await run_job(svc, request, fmt, encode, params, requested, stop, stream, grammar=grammar)
+        return await run_choices(svc, request, make, lambda: [f() for f in parts], params, requested, stop, n,
+                                 grammar=grammar, stream=stream, logprobs=lp)
+    return await run_job(svc, request, make(), encode, params, requested, stop, stream, grammar=grammar, logprobs=lp)
 
 
 @route(openai=True)

@@ -9,6 +9,12 @@ has tools: text that may be a call is held back, and each call goes out as Ollam
 always go through its parser: the analysis channel becomes Ollama's ``message.thinking``
 (/api/generate: ``thinking``) or OpenAI's ``message.reasoning_content`` (``delta.reasoning_content``
 when streamed, as llama.cpp and vLLM name it), streamed as it comes.
+
+Log-probabilities (``with_logprobs``): the scheduler's ``("logprobs", entries)`` events reach
+``logprobs(entries)`` and go out with the next piece of the stream (the last with the final
+chunk): Ollama's ``logprobs`` list beside each chunk's text, OpenAI chat's
+``choices[].logprobs.content``, /v1/completions' ``tokens``/``token_logprobs``/``top_logprobs``/
+``text_offset``. Whole bodies take every token's entry from the job.
 """
 
 from __future__ import annotations
@@ -56,12 +62,61 @@ def _line(obj: dict) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n"
 
 
+def _token(tok, tid: int, lp: float) -> dict:
+    b = tok.token_to_bytes(tid)
+    return {"token": b.decode("utf-8", "replace"), "logprob": lp, "bytes": list(b)}
+
+
+def token_entry(tok, entry, always_top: bool = True) -> dict:
+    """A token's entry as Ollama and OpenAI chat write it: token, logprob, bytes, top_logprobs
+    (Ollama leaves an empty list out)."""
+    tid, lp, top = entry
+    alts = [_token(tok, i, v) for i, v in top]
+    return {**_token(tok, tid, lp), **({"top_logprobs": alts} if alts or always_top else {})}
+
+
+def completion_logprobs(tok, entries: list, offset: int = 0) -> tuple[dict, int]:
+    """/v1/completions' logprobs object of ``entries`` whose text starts at character ``offset``,
+    and the offset after them. Each top_logprobs dict holds the alternatives and the chosen token
+    (as vLLM's do), keyed by text."""
+    texts = [tok.token_to_piece(tid) for tid, _, _ in entries]
+    offsets = []
+    for t in texts:
+        offsets.append(offset)
+        offset += len(t)
+    tops = []
+    for (tid, lp, top), text in zip(entries, texts):
+        d = {tok.token_to_piece(i): v for i, v in top}
+        d.setdefault(text, lp)
+        tops.append(d)
+    return {"tokens": texts, "token_logprobs": [lp for _, lp, _ in entries], "top_logprobs": tops,
+            "text_offset": offsets}, offset
+
+
+class _Logprobs:
+    """Entries waiting to go out with the next piece (with_logprobs: the request asked for them)."""
+
+    lp_tok = None  # the tokenizer, when logprobs were asked for
+
+    def with_logprobs(self, tokenizer, k: int):
+        if k >= 0:
+            self.lp_tok, self._lp = tokenizer, []
+        return self
+
+    def logprobs(self, entries: list) -> None:
+        self._lp.extend(entries)
+
+    def _take(self) -> list:
+        out, self._lp = self._lp, []
+        return out
+
+
 def _sse(obj: dict | str) -> str:
     return "data: " + (obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False,
                                                                      separators=(",", ":"))) + "\n\n"
 
 
-class OllamaGenerate:
+class OllamaGenerate(_Logprobs):
     media_type = "application/x-ndjson"
     key = "response"
 
@@ -77,28 +132,39 @@ class OllamaGenerate:
     def _end(self, job, load_s: float) -> dict:
         return {**S.ollama_final(job, load_s), "context": list(job.prompt) + list(job.ids)}
 
+    def _lps(self) -> dict:
+        """Ollama's ``logprobs`` of the tokens not yet sent (none: no field)."""
+        if self.lp_tok is None or not self._lp:
+            return {}
+        return {"logprobs": [token_entry(self.lp_tok, e, always_top=False) for e in self._take()]}
+
     def _events(self, events: list) -> str:
         return "".join(_line({**self._head(), **(self._piece(r) if isinstance(r, str) else self._piece(
-            "", thinking=r.text) if isinstance(r, Reasoning) else self._piece("", r)), "done": False})
+            "", thinking=r.text) if isinstance(r, Reasoning) else self._piece("", r)), **self._lps(), "done": False})
             for r in _runs(events))
 
     def chunk(self, text: str) -> str:
         if self.tools is not None:
             return self._events(self.tools.feed(text))
-        return _line({**self._head(), **self._piece(text), "done": False})
+        return _line({**self._head(), **self._piece(text), **self._lps(), "done": False})
 
     def final(self, job, load_s: float) -> str:
         return (("" if self.tools is None else self._events(self.tools.finish()))
-                + _line({**self._head(), **self._piece(""), **self._end(job, load_s)}))
+                + _line({**self._head(), **self._piece(""), **self._lps(), **self._end(job, load_s)}))
+
+    def _all_lps(self, job) -> dict:
+        if self.lp_tok is None:
+            return {}
+        return {"logprobs": [token_entry(self.lp_tok, e, always_top=False) for e in job.logprobs_seen]}
 
     def error(self, msg: str, status: int) -> str:
         return _line({"error": msg})
 
     def whole(self, text: str, job, load_s: float) -> dict:
         if self.tools is None:
-            return {**self._head(), **self._piece(text), **self._end(job, load_s)}
+            return {**self._head(), **self._piece(text), **self._all_lps(job), **self._end(job, load_s)}
         thinking, content, calls = _split(self.tools.feed(text) + self.tools.finish())
-        return {**self._head(), **self._piece(content, calls, thinking), **self._end(job, load_s)}
+        return {**self._head(), **self._piece(content, calls, thinking), **self._all_lps(job), **self._end(job, load_s)}
 
 
 class OllamaChat(OllamaGenerate):
@@ -114,7 +180,7 @@ class OllamaChat(OllamaGenerate):
         return S.ollama_final(job, load_s)
 
 
-class OpenAIChat:
+class OpenAIChat(_Logprobs):
     """/v1/chat/completions: ``chat.completion`` or ``chat.completion.chunk`` events."""
 
     media_type = "text/event-stream"
@@ -137,11 +203,18 @@ class OpenAIChat:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": "fp_gguf_run"}
 
+    def _lps(self) -> dict:
+        """The choice's ``logprobs`` of the tokens not yet sent (a request without them: no field)."""
+        if self.lp_tok is None:
+            return {}
+        entries = self._take()
+        return {"logprobs": {"content": [token_entry(self.lp_tok, e) for e in entries]} if entries else None}
+
     def _choice(self, text: str | None, reason: str | None) -> dict:
         delta: dict = {} if text is None else {"content": text}
         if self._first and text is not None:
             delta, self._first = {"role": "assistant", **delta}, False
-        return {"index": self.index, "delta": delta, "finish_reason": reason}
+        return {"index": self.index, "delta": delta, **self._lps(), "finish_reason": reason}
 
     def _text_chunk(self, text: str) -> str:
         return _sse({**self._base(self.obj + ".chunk"), "choices": [self._choice(text, None)]})
@@ -151,7 +224,7 @@ class OpenAIChat:
         if self._first:
             delta, self._first = {"role": "assistant", "content": None, **delta}, False
         return _sse({**self._base(self.obj + ".chunk"),
-                     "choices": [{"index": self.index, "delta": delta, "finish_reason": None}]})
+                     "choices": [{"index": self.index, "delta": delta, **self._lps(), "finish_reason": None}]})
 
     def _calls_chunk(self, calls: list[ToolCall]) -> str:
         delta: dict = {"tool_calls": [T.openai_call(c, self._calls + k) for k, c in enumerate(calls)]}
@@ -159,7 +232,7 @@ class OpenAIChat:
         if self._first:
             delta, self._first = {"role": "assistant", "content": None, **delta}, False
         return _sse({**self._base(self.obj + ".chunk"),
-                     "choices": [{"index": self.index, "delta": delta, "finish_reason": None}]})
+                     "choices": [{"index": self.index, "delta": delta, **self._lps(), "finish_reason": None}]})
 
     def _events(self, events: list) -> str:
         return "".join(self._text_chunk(r) if isinstance(r, str) else self._reasoning_chunk(r.text)
@@ -201,8 +274,10 @@ class OpenAIChat:
             msg["reasoning_content"] = reasoning
         if calls:
             msg["tool_calls"] = [T.openai_call(c) for c in calls]
+        lps = None if self.lp_tok is None else {
+            "content": [token_entry(self.lp_tok, e) for e in job.logprobs_seen], "refusal": None}
         return {**self._base(self.obj), "choices": [
-            {"index": 0, "message": msg, "finish_reason": self._reason(job, len(calls))}],
+            {"index": 0, "message": msg, "logprobs": lps, "finish_reason": self._reason(job, len(calls))}],
             "usage": S.openai_usage(job)}
 
 
@@ -210,9 +285,16 @@ class OpenAICompletion(OpenAIChat):
     """/v1/completions: ``text_completion`` objects, streamed or whole."""
 
     prefix, obj = "cmpl-", "text_completion"
+    _offset = 0  # characters of text sent before the pending logprobs' tokens
+
+    def _lps(self) -> dict:
+        if self.lp_tok is None or not self._lp:
+            return {"logprobs": None}
+        lps, self._offset = completion_logprobs(self.lp_tok, self._take(), self._offset)
+        return {"logprobs": lps}
 
     def _choice(self, text: str | None, reason: str | None) -> dict:
-        return {"index": self.index, "text": text or "", "logprobs": None, "finish_reason": reason}
+        return {"index": self.index, "text": text or "", **self._lps(), "finish_reason": reason}
 
     def chunk(self, text: str) -> str:
         self._first = False
@@ -226,6 +308,8 @@ class OpenAICompletion(OpenAIChat):
         return out + _sse("[DONE]")
 
     def whole(self, text: str, job, load_s: float) -> dict:
+        if self.lp_tok is not None:
+            self._lp = list(job.logprobs_seen)
         return {**self._base(self.obj), "choices": [self._choice(text, job.reason)], "usage": S.openai_usage(job)}
 
 

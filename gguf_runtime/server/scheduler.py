@@ -9,7 +9,9 @@ tokens, stop strings, the token budget); release finished and cancelled slots at
 
 A job reports through ``job.emit(kind, data)``, called on the scheduler's thread: ``("text",
 str)`` as text arrives, then ``("done", job)`` (``job.reason`` is "stop" or "length") or
-``("error", exception)``. Nothing is emitted after a cancel.
+``("error", exception)``. Nothing is emitted after a cancel. A job that asked for ``logprobs``
+(k >= 0 alternatives) also gets ``("logprobs", [entry, ...])`` before the text of each step: one
+``sampling.token_logprobs`` entry per token added to ``job.ids``, kept in ``job.logprobs_seen``.
 
 An :class:`EmbedJob` (embeddings of several inputs) waits in a queue of its own; each round runs
 inputs of the first one (``adapter.embed``, each input its own sequence) up to ``admit_tokens``
@@ -82,10 +84,12 @@ class Job:
     t_submit: float = field(default_factory=time.perf_counter)
     grammar: str | None = None  # structured output: the compiled grammar (schemas.structured_output)
     keep_special: frozenset[int] = frozenset()  # special tokens shown in the text (tool-call markers)
+    logprobs: int = -1  # -1: none; k >= 0: each token's log-probability and its k most likely alternatives
     # filled in by the scheduler
     state: str = "new"  # waiting, active, done, cancelled, failed
     slot: int = -1
     ids: list[int] = field(default_factory=list)  # generated tokens (no end-of-generation token)
+    logprobs_seen: list = field(default_factory=list)  # with logprobs: an entry per token of ids
     prompt_eval: int = 0  # prompt tokens evaluated (the rest came from a cached prefix)
     reason: str = ""
     t_admit: float = 0.0
@@ -279,7 +283,8 @@ class Scheduler:
             slot = heapq.heappop(self._free)  # the lowest free slot keeps the batch bucket small
             job.t_admit = time.perf_counter()
             try:
-                more = {"grammar": job.grammar} if job.grammar else {}
+                more = {**({"grammar": job.grammar} if job.grammar else {}),
+                        **({"logprobs": job.logprobs} if job.logprobs >= 0 else {})}
                 job.prompt_eval = self.adapter.add(slot, job.prompt, job.params, job.max_new, **more)
             except NoRoom:
                 heapq.heappush(self._free, slot)
@@ -345,13 +350,17 @@ class Scheduler:
         parts, reason, cut = [], "", False
         if not job.t_first:  # (the adapter may have evaluated less than add said: a prefix shared meanwhile)
             job.prompt_eval = getattr(self.adapter, "prompt_eval", {}).get(job.slot, job.prompt_eval)
-        for tok in toks:
+        entries = self.adapter.logprobs.get(job.slot, ()) if job.logprobs >= 0 else ()
+        seen = len(job.logprobs_seen)
+        for i, tok in enumerate(toks):
             if not job.t_first:
                 job.t_first = time.perf_counter()
             if tok in self.eog:
                 reason = "stop"
                 break
             job.ids.append(tok)
+            if i < len(entries):
+                job.logprobs_seen.append(entries[i])
             piece = decoder.push(tok)
             if piece:
                 text, cut = matcher.push(piece)
@@ -366,6 +375,8 @@ class Scheduler:
             text, cut = matcher.push(decoder.flush())
             parts += [text, "" if cut else matcher.flush()]
         text = "".join(parts)
+        if len(job.logprobs_seen) > seen and not self._send(job, "logprobs", job.logprobs_seen[seen:]):
+            return
         if text and not self._send(job, "text", text):
             return
         if reason:

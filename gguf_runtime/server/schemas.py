@@ -21,7 +21,7 @@ import numpy as np
 from ..engine.constraint import compile_grammar
 from ..format.model_info import quant_histogram
 from ..format.tool_calls import template_family
-from ..sampling import SamplingParams
+from ..sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 
 class ApiError(Exception):
@@ -222,18 +222,32 @@ def think_kwargs(body: dict, ollama: bool) -> dict:
     raise bad(f'reasoning_effort must be "low", "medium" or "high", got {json.dumps(v)[:60]}')
 
 
-def refuse_logprobs(body: dict) -> None:
-    """logprobs / top_logprobs (OpenAI chat and completions, Ollama) are not computed yet: asking
-    for them is a 400, never an answer without them (unset, false or 0 top_logprobs pass)."""
-    lp, top = body.get("logprobs"), body.get("top_logprobs")
-    if (lp is not None and lp is not False) or (top is not None and top != 0):
-        raise bad("logprobs are not supported yet: leave logprobs and top_logprobs unset")
+def logprobs(body: dict, api: str) -> int:
+    """How many alternatives each generated token's log-probability comes with: -1 for none asked.
+    ``api``: "chat" (OpenAI chat and Ollama: ``logprobs`` true/false, ``top_logprobs`` 0..20, which
+    needs ``logprobs``) or "completions" (OpenAI's legacy ``logprobs``: a number of alternatives)."""
+    if api == "completions":
+        if body.get("top_logprobs") is not None:
+            raise bad("/v1/completions takes logprobs: N (alternatives per token), not top_logprobs")
+        if isinstance(body.get("logprobs"), bool):
+            raise bad("logprobs on /v1/completions is a number of alternatives per token (0 to "
+                      f"{MAX_TOP_LOGPROBS}), not true or false")
+        k = get_int(body, "logprobs")
+        if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+            raise bad(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {k}")
+        return -1 if k is None else k
+    on = get_bool(body, "logprobs", False)
+    top = get_int(body, "top_logprobs")
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise bad(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {top}")
+    if top and not on:
+        raise bad("top_logprobs needs logprobs: true")
+    return (top or 0) if on else -1
 
 
 def ollama_options(body: dict) -> tuple[SamplingParams, int | None, tuple[str, ...], int | None]:
     """(sampling, num_predict, stop, num_ctx): num_ctx is the request's context window (prompt and
     generation), None for the server's whole context (Scheduler.budget checks it against that)."""
-    refuse_logprobs(body)
     opts = body.get("options")
     if opts is None:
         opts = {}
@@ -260,7 +274,6 @@ def openai_n(body: dict, stream: bool) -> int:
 
 
 def openai_options(body: dict) -> tuple[SamplingParams, int | None, tuple[str, ...]]:
-    refuse_logprobs(body)
     temp = get_number(body, "temperature")
     if temp is not None and not 0 <= temp <= 2:
         raise bad(f"temperature must be between 0 and 2, got {temp}")

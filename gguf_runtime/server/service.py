@@ -346,14 +346,14 @@ class _Stream(StreamingResponse):
 async def run_job(svc: Service, request: Request, fmt, encode: Callable[[], list[int]],
                   params, requested: int | None, stop: tuple[str, ...], stream: bool,
                   n_ctx: int | None = None, grammar: str | None = None,
-                  keep: frozenset[int] = frozenset()) -> Response:
+                  keep: frozenset[int] = frozenset(), logprobs: int = -1) -> Response:
     t0 = time.perf_counter()
     ids = await asyncio.get_running_loop().run_in_executor(svc.prep, encode)
     sched, mail = svc.scheduler, svc.mailbox()
     max_new = sched.budget(len(ids), requested, n_ctx)
     q: asyncio.Queue = asyncio.Queue()
     job = Job(ids, params, max_new, lambda kind, data: mail.put(q, (kind, data)), stop, t_submit=t0,
-              grammar=grammar, keep_special=keep)
+              grammar=grammar, keep_special=keep, logprobs=logprobs)
     sched.submit(job)
     finished = False
     watch = asyncio.ensure_future(_wait_disconnect(request.receive))
@@ -375,7 +375,8 @@ async def run_job(svc: Service, request: Request, fmt, encode: Callable[[], list
                 break
             if finished:
                 return JSONResponse(fmt.whole("".join(parts), data, svc.take_load_s()))
-            parts.append(data)
+            if kind == "text":
+                parts.append(data)
     finally:
         watch.cancel()
         if not finished:
@@ -391,6 +392,8 @@ async def run_job(svc: Service, request: Request, fmt, encode: Callable[[], list
                     kind, data = item
                     if kind == "text":
                         out.append(fmt.chunk(data))
+                    elif kind == "logprobs":
+                        fmt.logprobs(data)  # (they go out with the next chunk)
                     else:
                         done = True
                         out.append(fmt.final(data, svc.take_load_s()) if kind == "done"
@@ -417,7 +420,7 @@ async def run_job(svc: Service, request: Request, fmt, encode: Callable[[], list
 async def run_choices(svc: Service, request: Request, make_fmt: Callable[[], Any],
                       encode: Callable[[], list[list[int]]], params, requested: int | None, stop: tuple[str, ...],
                       n: int, grammar: str | None = None, keep: frozenset[int] = frozenset(),
-                      stream: bool = False) -> Response:
+                      stream: bool = False, logprobs: int = -1) -> Response:
     """Several choices: OpenAI's ``n`` and /v1/completions' list of prompts. ``encode`` gives the
     prompts (tokenized once each); each gets n jobs (the prefix cache evaluates a prompt once where
     the backend has one), seeds seed, seed + 1, ... where a seed is given; choice p * n + j is
@@ -432,7 +435,7 @@ async def run_choices(svc: Service, request: Request, make_fmt: Callable[[], Any
     q: asyncio.Queue = asyncio.Queue()  # (choice, kind, data) of every job
     jobs = [Job(prompts[c // n], params if params.seed is None else dataclasses.replace(params, seed=params.seed + c % n),
                 budgets[c // n], lambda kind, data, c=c: mail.put(q, (c, kind, data)), stop, t_submit=t0,
-                grammar=grammar, keep_special=keep) for c in range(k)]
+                grammar=grammar, keep_special=keep, logprobs=logprobs) for c in range(k)]
     submitted: list[Job] = []
 
     def cancel_all() -> None:
@@ -461,7 +464,7 @@ async def run_choices(svc: Service, request: Request, make_fmt: Callable[[], Any
                 break
             if kind == "done":
                 done += 1
-            else:
+            elif kind == "text":
                 parts[c].append(data)
     finally:
         watch.cancel()
@@ -502,6 +505,8 @@ def _stream_choices(make_fmt: Callable[[], Any], q: asyncio.Queue, first: tuple,
                     c, kind, data = item
                     if kind == "text":
                         out.append(fmts[c].chunk(data))
+                    elif kind == "logprobs":
+                        fmts[c].logprobs(data)
                     elif kind == "done":
                         out.append(fmts[c].end(data))
                         done += 1

@@ -252,5 +252,6 @@ class NumpyBackend:
             self.k_cache, self.v_cache = saved
         return np.concatenate(outs, axis=0).astype(np.float32, copy=False)
 
-    def sample_loop(self, n: int, params, history: list[int], stop: frozenset[int], constraint=None):
-        return host_sample_loop(self, n, params, history, stop, constraint=constraint)
+    def sample_loop(self, n: int, params, history: list[int], stop: frozenset[int], constraint=None,
+                    on_token=None):
+        return host_sample_loop(self, n, params, history, stop, constraint=constraint, on_token=on_token)
