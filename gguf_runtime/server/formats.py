@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
+from json.encoder import encode_basestring as _str  # a JSON string as json.dumps(ensure_ascii=False) writes it
 
 from ..format.tool_calls import HarmonyParser, Reasoning, ToolCall, ToolCallParser
 from . import schemas as S
@@ -119,9 +120,13 @@ def _sse(obj: dict | str) -> str:
 class OllamaGenerate(_Logprobs):
     media_type = "application/x-ndjson"
     key = "response"
+    # a text chunk's line is built from strings (its fields as _line's json.dumps writes them): at 64
+    # streams the event loop writes tens of thousands a second
+    _open, _close = '"response":', ',"done":false}\n'
 
     def __init__(self, model: str, tools: Parser | None = None) -> None:
         self.model, self.tools = model, tools
+        self._pre = '{"model":' + _str(model) + ',"created_at":"'
 
     def _piece(self, text: str, calls: list[ToolCall] | None = None, thinking: str = "") -> dict:
         return {self.key: text, **({"thinking": thinking} if thinking else {})}
@@ -146,6 +151,8 @@ class OllamaGenerate(_Logprobs):
     def chunk(self, text: str) -> str:
         if self.tools is not None:
             return self._events(self.tools.feed(text))
+        if self.lp_tok is None:
+            return self._pre + S.now_rfc3339() + '",' + self._open + _str(text) + self._close
         return _line({**self._head(), **self._piece(text), **self._lps(), "done": False})
 
     def final(self, job, load_s: float) -> str:
@@ -168,6 +175,8 @@ class OllamaGenerate(_Logprobs):
 
 
 class OllamaChat(OllamaGenerate):
+    _open, _close = '"message":{"role":"assistant","content":', '},"done":false}\n'
+
     def _piece(self, text: str, calls: list[ToolCall] | None = None, thinking: str = "") -> dict:
         msg: dict = {"role": "assistant", "content": text}
         if thinking:
@@ -191,6 +200,7 @@ class OpenAIChat(_Logprobs):
         self.id = self.prefix + secrets.token_hex(12)
         self.created = int(time.time())
         self.index = 0  # the choice this formats (several streamed: one formatter each, one id)
+        self._pre: str | None = None  # a text chunk's start (_text_chunk)
         self._first = True
         self._calls = 0  # tool calls sent so far
 
@@ -217,6 +227,12 @@ class OpenAIChat(_Logprobs):
         return {"index": self.index, "delta": delta, **self._lps(), "finish_reason": reason}
 
     def _text_chunk(self, text: str) -> str:
+        if not self._first and self.lp_tok is None:  # (as _sse would write it, from strings)
+            if self._pre is None:
+                self._pre = "data: " + json.dumps(self._base(self.obj + ".chunk"), ensure_ascii=False,
+                                                  separators=(",", ":"))[:-1] + ',"choices":[{"index":' + \
+                    str(self.index) + ',"delta":{"content":'
+            return self._pre + _str(text) + '},"finish_reason":null}]}\n\n'
         return _sse({**self._base(self.obj + ".chunk"), "choices": [self._choice(text, None)]})
 
     def _reasoning_chunk(self, text: str) -> str:
