@@ -1,0 +1,297 @@
+"""The server's host path alone: `serve` with the CUDA adapter over a timed stand-in of the GPU.
+
+    python bench/host_serve.py [--clients 64] [--tokens 128] [--step-ms 0.45,0.0208] [--profile]
+
+The stand-in (``TimedBackend``) has the CUDA backend's batch API (seq_start, seq_prefill_many,
+batch_step, the pinned ring, events) and a device timeline instead of a GPU: each launch takes
+the time the H100 measured (a decode step of bucket B: a + b * B ms, by default SmolLM2's: 0.42 ms at
+B=1 and 1.78 ms at B=64, anchors.md; a packed prompt forward: 0.5 ms + its tokens at 110k tok/s), events complete at
+their point of that timeline, and a wait for one sleeps (the GIL is free meanwhile, as in a CUDA
+event wait). Tokens are a real text's, through the real tokenizer and template (the default model's),
+so detokenizing, stop strings, formats and HTTP cost what they cost.
+
+The load is `bench/serve_load.py bench` in another process. What it prints: tok/s beside the
+stand-in's own B = clients rate (the ceiling), the share of wall time the "device" was busy, and
+(--profile) where the scheduler thread and the event loop spend their time. Runs on any machine:
+the host's work is Python, the same on the GPU machine's CPUs (there faster per core)."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from types import SimpleNamespace
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from gguf_runtime.backends.page_pool import PagePool  # noqa: E402
+from gguf_runtime.cli.default_model import default_model_path  # noqa: E402
+from gguf_runtime.engine.engine import Engine  # noqa: E402
+from gguf_runtime.server.adapters import make_adapter  # noqa: E402
+from gguf_runtime.server.app import Service, build_app  # noqa: E402
+
+RING = 64
+TEXT = ("The river runs past the old mills toward the grey sea, and the wizards of the valley count "
+        "the boats that come home each evening. ") * 8
+
+
+class Device:
+    """A timeline: each launch starts when the device is free (or now) and takes its duration."""
+
+    def __init__(self) -> None:
+        self.free_at = 0.0
+        self.busy = 0.0  # seconds of launched work
+
+    def launch(self, seconds: float) -> float:
+        now = time.perf_counter()
+        self.free_at = max(self.free_at, now) + seconds
+        self.busy += seconds
+        return self.free_at
+
+
+class TimedEvent:
+    def __init__(self, dev: Device) -> None:
+        self.dev, self.t = dev, 0.0
+
+    def record(self, stream) -> None:
+        self.t = self.dev.free_at
+
+    def synchronize(self) -> None:
+        left = self.t - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+
+    @property
+    def done(self) -> bool:
+        return time.perf_counter() >= self.t
+
+
+class TimedKV:
+    page_size = 16
+
+    def __init__(self, n_pages: int, slots: int) -> None:
+        self.n_pages, self.pool = n_pages, PagePool(n_pages, self.page_size, slots)
+
+    def capacity(self, s):
+        return len(self.pool.owned(s)) * self.page_size
+
+    def free_pages(self):
+        return self.pool.available()
+
+    def match(self, tokens):
+        return self.pool.match(tokens, len(tokens) - 1)
+
+    def reserve(self, s, n, stream=None, prefix=()):
+        self.pool.reserve(s, -(-n // self.page_size), prefix)
+
+    def publish(self, s, tokens):
+        self.pool.publish(s, tokens)
+
+    def release(self, s, tokens=()):
+        self.pool.release(s, tokens)
+
+
+class TimedBackend:
+    """The CUDA backend's batch API over a Device timeline (see the module)."""
+
+    name, use_graph = "cuda", False
+
+    def __init__(self, tokens: list[int], n_ctx: int, max_batch: int, step: tuple[float, float],
+                 prefill: tuple[float, float]) -> None:
+        self.n_ctx, self.max_batch, self.step_ab, self.prefill_ab = n_ctx, max_batch, step, prefill
+        self.dev, self.stream = Device(), object()
+        self.tune = SimpleNamespace(serve_chunk=2048, serve_pack=True, lookahead=2)
+        self.kv = TimedKV(n_ctx // 16 * max_batch, max_batch)
+        self.ring = [[0] * max_batch for _ in range(RING)]
+        self.text = tokens
+        self.seq: dict[int, list[int]] = {}  # slot -> [offset into text, tokens produced]
+        self.steps = 0
+
+    def new_event(self):
+        return TimedEvent(self.dev)
+
+    def gpu_sampling(self, params) -> bool:
+        return True
+
+    def _next(self, slot: int) -> None:
+        q = self.seq[slot]
+        self.ring[q[1] % RING][slot] = self.text[(q[0] + q[1]) % len(self.text)]
+        q[1] += 1
+
+    def seq_start(self, slot, prompt, params, max_new, reuse=False):
+        kv = self.kv
+        prefix = kv.match(prompt) if reuse and not kv.capacity(slot) else []
+        kv.reserve(slot, min(self.n_ctx, len(prompt) + max_new), prefix=prefix)
+        return len(prefix) * kv.page_size
+
+    def seq_prefill_many(self, parts) -> None:
+        a, rate = self.prefill_ab
+        self.dev.launch(a + sum(len(t) for _, t, _ in parts) / rate)
+        for slot, _, first in parts:
+            if first is not None:
+                self.seq_first(slot, *first, launch=False)
+
+    def seq_prefill(self, slot, tokens) -> None:
+        a, rate = self.prefill_ab
+        self.dev.launch(a + len(tokens) / rate)
+
+    def seq_first(self, slot, prompt, params, seed=None, publish=False, launch=True) -> None:
+        if publish:
+            self.kv.publish(slot, prompt)
+        self.seq[slot] = [(seed or 0) % len(self.text), 0]
+        self._next(slot)
+
+    def batch_step(self, n_slots: int) -> None:
+        bucket = 1 << (n_slots - 1).bit_length()
+        a, b = self.step_ab
+        self.dev.launch((a + b * bucket) / 1e3)
+        self.steps += 1
+        for slot in list(self.seq):
+            if slot < n_slots:
+                self._next(slot)
+
+    def seq_token(self, slot, i):
+        return self.ring[i % RING][slot]
+
+    def seq_release(self, slot, tokens=()):
+        self.seq.pop(slot, None)
+        self.kv.release(slot, tokens)
+
+
+def cpu_seconds(native_id: int) -> float:
+    """A thread's user + system CPU time (Linux /proc; 0 elsewhere)."""
+    try:
+        with open(f"/proc/self/task/{native_id}/stat") as fh:
+            f = fh.read().rsplit(")", 1)[1].split()
+        return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+    except OSError:
+        return 0.0
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds of the server's threads so far: the event loop, the scheduler, prompt preparation."""
+    out: dict[str, float] = collections.Counter()
+    for t in threading.enumerate():
+        name = ("scheduler" if t.name == "gguf-scheduler" else "prep" if t.name.startswith("gguf-prep")
+                else "event loop" if t.name.startswith("Thread-") else None)
+        if name and t.native_id:
+            out[name] += cpu_seconds(t.native_id)
+    return out
+
+
+class Sampler:
+    """Every 5 ms, each thread's innermost frames, counted (--profile)."""
+
+    def __init__(self, depth: int = 4) -> None:
+        self.depth = depth
+        self.counts = collections.defaultdict(collections.Counter)
+        self.total = collections.Counter()
+        self.stop = False
+        self.th = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        me = threading.get_ident()
+        while not self.stop:
+            time.sleep(0.005)
+            names = {t.ident: t.name for t in threading.enumerate()}
+            for tid, frame in sys._current_frames().items():
+                if tid == me:
+                    continue
+                name = names.get(tid, str(tid))
+                name = "prep" if name.startswith("gguf-prep") else name
+                st = traceback.extract_stack(frame)[-self.depth:]
+                key = " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno}:{f.name}" for f in reversed(st))
+                self.counts[name][key] += 1
+                self.total[name] += 1
+
+    def report(self, top: int = 14) -> str:
+        out = []
+        for name, n in self.total.most_common():
+            if name == "MainThread" or not n:
+                continue
+            out.append(f"== {name}: {n} samples")
+            for key, c in self.counts[name].most_common(top):
+                out.append(f"{100 * c / n:5.1f}%  {key}")
+        return "\n".join(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--clients", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=4, help="per client")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--step-ms", default="0.40,0.0216", help="a decode step of bucket B takes a + b * B ms")
+    ap.add_argument("--prefill", default="0.0005,110000", help="a prompt forward: seconds + tokens / rate")
+    ap.add_argument("--ctx", type=int, default=2048)
+    ap.add_argument("--profile", action="store_true", help="sample every thread's stack")
+    ap.add_argument("--cprofile", action="store_true", help="the event loop under cProfile (slows it)")
+    ap.add_argument("--loop", default="auto", help="uvicorn's: auto, asyncio, uvloop")
+    ap.add_argument("--http", default="auto", help="uvicorn's: auto, h11, httptools")
+    a = ap.parse_args()
+    import uvicorn
+
+    step = tuple(float(x) for x in a.step_ms.split(","))
+    prefill = tuple(float(x) for x in a.prefill.split(","))
+    eng = Engine(default_model_path(), backend="numpy", n_ctx=a.ctx)
+    eos = set(eng.tokenizer.eog_ids)
+    text = [t for t in eng.tokenizer.encode(TEXT, add_special=False) if t not in eos]
+    max_batch = 1 << (a.clients - 1).bit_length()
+    be = TimedBackend(text, a.ctx, max(max_batch, 1), step, prefill)
+    eng.backend = be
+    svc = Service(lambda: make_adapter(eng), name="host").start()
+    import socket
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    config = uvicorn.Config(build_app(svc), log_level="warning", loop=a.loop, http=a.http)
+    config.install_signal_handlers = False
+    srv = uvicorn.Server(config)
+    prof_loop = None
+    if a.cprofile:  # the event loop's thread under cProfile
+        import cProfile
+        prof_loop = cProfile.Profile()
+        run_loop = lambda **kw: prof_loop.runcall(srv.run, **kw)  # noqa: E731
+    th = threading.Thread(target=run_loop if prof_loop else srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    th.start()
+    while not srv.started:
+        time.sleep(0.02)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    prof = Sampler() if a.profile else None
+    if prof:
+        prof.th.start()
+    import resource
+    busy0, t0, cpu0 = be.dev.busy, time.perf_counter(), thread_cpu()
+    load = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "serve_load.py"), "bench",
+                           "--url", url, "--clients", str(a.clients), "--requests", str(a.requests),
+                           "--tokens", str(a.tokens)], capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    cpu = thread_cpu()
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if prof:
+        prof.stop = True
+    srv.should_exit = True
+    th.join(10)
+    svc.shutdown()
+    print(load.stdout[-3000:], load.stderr[-2000:])
+    ceiling = a.clients / ((step[0] + step[1] * max_batch) / 1e3)
+    print(f"stand-in B={a.clients} step {step[0] + step[1] * max_batch:.3f} ms: ceiling {ceiling:,.0f} tok/s; "
+          f"device busy {100 * (be.dev.busy - busy0) / wall:.1f}% of {wall:.1f} s (warm-up included)")
+    n_tok = a.clients * a.requests * a.tokens
+    print(f"the load's process: {ru.ru_utime + ru.ru_stime:.2f} s of CPU in {wall:.2f} s (its own start and "
+          "warm-up included)")
+    print("host CPU per generated token: " + ", ".join(
+        f"{k} {1e6 * (cpu[k] - cpu0.get(k, 0)) / n_tok:.1f} us" for k in ("event loop", "scheduler", "prep")))
+    if prof:
+        print(prof.report())
+    if prof_loop:
+        import pstats
+        pstats.Stats(prof_loop).sort_stats("tottime").print_stats(30)
+    return load.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
