@@ -231,6 +231,14 @@ BAD = [
     ("/v1/completions", {"model": NAME, "prompt": "x", "logprobs": 21}, 400),
     ("/v1/completions", {"model": NAME, "prompt": "x", "logprobs": 1, "top_logprobs": 1}, 400),
     ("/api/generate", gen(logprobs="yes"), 400),
+    ("/v1/chat/completions", {"model": NAME, "messages": HI, "logit_bias": {"42": 5}}, 400),
+    ("/v1/chat/completions", {"model": NAME, "messages": HI, "functions": [{"name": "f"}]}, 400),
+    ("/v1/chat/completions", {"model": NAME, "messages": HI, "modalities": ["text", "audio"]}, 400),
+    ("/v1/completions", {"model": NAME, "prompt": "x", "echo": True}, 400),
+    ("/v1/completions", {"model": NAME, "prompt": "x", "suffix": "end"}, 400),
+    ("/v1/completions", {"model": NAME, "prompt": "x", "best_of": 3}, 400),
+    ("/api/generate", gen(options={"mirostat": 2}), 400),
+    ("/api/chat", {"model": NAME, "messages": HI, "options": {"typical_p": 0.5}}, 400),
     ("/api/chat", {"model": NAME, "messages": HI, "top_logprobs": 2}, 400),
     ("/v1/chat/completions", {"model": NAME, "messages": []}, 400),
     ("/v1/chat/completions", {"model": "nope", "messages": HI}, 404),
@@ -292,11 +300,16 @@ def test_structured_output_in_both_apis(url):
 
 def test_penalties_zero_accepted_others_refused(url):
     """presence / frequency penalties are not implemented: 0 (what clients send by default) passes,
-    anything else is a 400 naming the field and repeat_penalty, never silently ignored; logprobs
-    false passes too."""
+    anything else is a 400 naming the field and repeat_penalty, never silently ignored; so do the
+    other fields not implemented at their no-op values (logit_bias {}, echo false, Ollama's mirostat
+    0 ...) and hints that change no answer (user, store)."""
     body = {"model": NAME, "messages": HI, "max_tokens": 1, "presence_penalty": 0, "frequency_penalty": 0.0,
-            "logprobs": False}
+            "logprobs": False, "logit_bias": {}, "modalities": ["text"], "user": "u1", "store": False}
     assert httpx.post(url + "/v1/chat/completions", json=body).status_code == 200
+    done = {"model": NAME, "prompt": "x", "max_tokens": 1, "echo": False, "suffix": "", "best_of": 1}
+    assert httpx.post(url + "/v1/completions", json=done).status_code == 200
+    ollama_defaults = {"mirostat": 0, "typical_p": 1.0, "tfs_z": 1, "num_predict": 1}
+    assert httpx.post(url + "/api/generate", json=gen(options=ollama_defaults, stream=False)).status_code == 200
     r = httpx.post(url + "/v1/chat/completions", json={**body, "frequency_penalty": 0.3})
     msg = r.json()["error"]["message"]
     assert r.status_code == 400 and "frequency_penalty" in msg and "repeat_penalty" in msg

@@ -276,6 +276,7 @@ async def v1_chat(svc: Service, request: Request) -> Response:
 
 
 async def _v1_chat(svc: Service, request: Request, body: dict) -> Response:
+    S.unsupported_openai(body, "chat")
     name, params, requested, stop, stream, usage, n = _openai_common(svc, body)
     msgs = S.messages(body.get("messages"), T.message_tool_fields)
     if not msgs:
@@ -300,6 +301,7 @@ async def v1_completions(svc: Service, request: Request) -> Response:
 
 
 async def _v1_completions(svc: Service, request: Request, body: dict) -> Response:
+    S.unsupported_openai(body, "completions")
     name, params, requested, stop, stream, usage, n = _openai_common(svc, body)
     prompt = body.get("prompt")
     eng = svc.engine

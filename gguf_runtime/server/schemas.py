@@ -265,6 +265,10 @@ def ollama_options(body: dict) -> tuple[SamplingParams, int | None, tuple[str, .
         opts = {}
     if not isinstance(opts, dict):
         raise bad("options must be an object")
+    for key, noop in OLLAMA_UNSUPPORTED.items():
+        v = get_number(opts, key)
+        if v is not None and v != noop:
+            raise bad(f"options.{key} is not supported (only {noop}); use temperature, top_k, top_p and min_p")
     num_ctx = get_int(opts, "num_ctx")
     if num_ctx is not None and num_ctx < 1:
         raise bad(f"options.num_ctx must be a positive number of tokens, got {num_ctx}")
@@ -283,6 +287,33 @@ def openai_n(body: dict, stream: bool) -> int:
     if not 1 <= n <= MAX_CHOICES:
         raise bad(f"n must be between 1 and {MAX_CHOICES}, got {n}")
     return n
+
+
+# Ollama options that would change the answer and are not implemented, with their no-op values
+# (what clients send by default passes; anything else is a 400, never silently ignored)
+OLLAMA_UNSUPPORTED = {"mirostat": 0, "typical_p": 1.0, "tfs_z": 1.0}
+
+
+def unsupported_openai(body: dict, api: str) -> None:
+    """OpenAI fields that would change the answer and are not implemented (``api``: "chat" or
+    "completions"): a 400 naming the field, never an answer that ignored it. Hints that change no
+    answer (user, store, metadata, service_tier, prediction) pass."""
+    if body.get("logit_bias") not in (None, {}):
+        raise bad("logit_bias is not supported yet: leave it unset or empty")
+    if api == "chat":
+        if body.get("functions") is not None or body.get("function_call") is not None:
+            raise bad("functions and function_call (deprecated) are not supported: send tools and tool_choice")
+        mods = body.get("modalities")
+        if body.get("audio") is not None or (isinstance(mods, list) and "audio" in mods):
+            raise bad("audio output is not supported: this model writes text (leave audio unset, modalities [\"text\"])")
+        return
+    if body.get("echo") not in (None, False):
+        raise bad("echo is not supported yet: leave it unset or false")
+    if body.get("suffix") not in (None, ""):
+        raise bad("suffix (text after the insertion point) is not supported yet: leave it unset")
+    best_of, n = get_int(body, "best_of"), get_int(body, "n") or 1
+    if best_of is not None and best_of != n and best_of > 1:
+        raise bad(f"best_of is not supported (only equal to n, {n}): ask for n choices instead")
 
 
 def openai_options(body: dict) -> tuple[SamplingParams, int | None, tuple[str, ...]]:
