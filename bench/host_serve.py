@@ -228,6 +228,7 @@ def main() -> int:
     ap.add_argument("--step-ms", default="0.40,0.0216", help="a decode step of bucket B takes a + b * B ms")
     ap.add_argument("--prefill", default="0.0005,110000", help="a prompt forward: seconds + tokens / rate")
     ap.add_argument("--ctx", type=int, default=2048)
+    ap.add_argument("--stream-interval", type=float, default=None, help="the server's (seconds; default its own)")
     ap.add_argument("--profile", action="store_true", help="sample every thread's stack")
     ap.add_argument("--cprofile", action="store_true", help="the event loop under cProfile (slows it)")
     ap.add_argument("--loop", default="auto", help="uvicorn's: auto, asyncio, uvloop")
@@ -244,6 +245,8 @@ def main() -> int:
     be = TimedBackend(text, a.ctx, max(max_batch, 1), step, prefill)
     eng.backend = be
     svc = Service(lambda: make_adapter(eng), name="host").start()
+    if a.stream_interval is not None:
+        svc.stream_interval = a.stream_interval
     import socket
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from contextlib import contextmanager
 
 import pytest
@@ -69,6 +70,11 @@ class Scripted(NumpyAdapter):
             self._it = (t for t in list(self.script))
         return n
 
+    def step(self):
+        if self.script is not None:
+            time.sleep(0.005)  # a token every 5 ms, as a model makes them: streamed, each is its own chunk
+        return super().step()
+
 
 @contextmanager
 def serve(path):
@@ -91,6 +97,7 @@ def play(server):
     """Set the answer the model gives next: (text, its end-of-generation token); None: sample."""
     url, svc = server
     adapter, tok = svc.scheduler.adapter, svc.engine.tokenizer
+    svc.stream_interval = 0  # a chunk each token (the streamed tests count them)
 
     def set_(answer: tuple[str, str] | None) -> list[int]:
         if answer is None:

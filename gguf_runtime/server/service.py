@@ -72,6 +72,11 @@ PREP_THREADS = 4  # prompts rendered and tokenized at once (templates stop at 2 
 # to have it back, every time: a short request beside a 600 KB prompt took 6x as long as alone at
 # 5 ms, 3x at 1 ms (commit message of this line).
 SWITCH_INTERVAL_S = 0.001
+# A stream writes at most once per this interval while its request runs (the first chunk and the
+# last go at once): the tokens meanwhile go out together, one write and one socket send instead of
+# one a token (64 streams of a small model make tens of thousands a second; 10 ms of tokens is
+# below what a reader sees, and clients parse a few times fewer chunks).
+STREAM_INTERVAL_S = 0.01
 
 
 class Service:
@@ -98,6 +103,7 @@ class Service:
         self.prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="gguf-prep")
         self._mail: dict[asyncio.AbstractEventLoop, _Mailbox] = {}
         self.keep_default = self.keep = keep_alive
+        self.stream_interval = STREAM_INTERVAL_S
         self._lock = threading.Lock()  # holds, keep, last_busy, current, wanted, scheduler (swaps)
         self._load_lock = threading.Lock()  # one load or unload at a time
         self._holds = 0  # requests inside ``using``
@@ -385,27 +391,36 @@ async def run_job(svc: Service, request: Request, fmt, encode: Callable[[], list
     async def body():
         done = False
         item = first
+        loop = asyncio.get_running_loop()
         try:
             while True:
-                out = []  # everything queued goes out in one write
+                out, texts = [], []  # everything queued goes out in one write, its text as one chunk
                 while True:
                     kind, data = item
                     if kind == "text":
-                        out.append(fmt.chunk(data))
+                        texts.append(data)
                     elif kind == "logprobs":
                         fmt.logprobs(data)  # (they go out with the next chunk)
                     else:
                         done = True
+                        if texts:
+                            out.append(fmt.chunk("".join(texts)))
+                            texts = []
                         out.append(fmt.final(data, svc.take_load_s()) if kind == "done"
                                    else fmt.error(str(data), status_of(data)))
                         break
                     if q.empty():
                         break
                     item = q.get_nowait()
+                if texts:
+                    out.append(fmt.chunk("".join(texts)))
                 yield "".join(out)
                 if done:
                     return
+                last = loop.time()
                 item = await q.get()
+                if job.state == "active" and (wait := last + svc.stream_interval - loop.time()) > 0:
+                    await asyncio.sleep(wait)  # (read across threads: a stale state costs one wait)
         finally:
             if not done:
                 sched.cancel(job)
@@ -471,7 +486,7 @@ async def run_choices(svc: Service, request: Request, make_fmt: Callable[[], Any
         if not started:
             cancel_all()
     if stream:
-        return _stream_choices(make_fmt, q, item, jobs, prompts, n, cancel_all)
+        return _stream_choices(make_fmt, q, item, jobs, prompts, n, cancel_all, svc.stream_interval)
     load = svc.take_load_s()
     wholes = [make_fmt().whole("".join(p), job, load) for p, job in zip(parts, jobs)]
     out = wholes[0]
@@ -488,9 +503,10 @@ def _choices_usage(prompts: list[list[int]], jobs: list[Job], n: int) -> dict:
 
 
 def _stream_choices(make_fmt: Callable[[], Any], q: asyncio.Queue, first: tuple, jobs: list[Job],
-                    prompts: list[list[int]], n: int, cancel_all: Callable[[], None]) -> Response:
+                    prompts: list[list[int]], n: int, cancel_all: Callable[[], None], interval: float) -> Response:
     """run_choices streamed from its first event: each choice's chunks through its own formatter
-    (its index, the first one's id), one usage chunk and [DONE] once every choice is done."""
+    (its index, the first one's id), one usage chunk and [DONE] once every choice is done; a write
+    at most every ``interval`` seconds while a choice runs."""
     k = len(jobs)
     fmts = [make_fmt() for _ in range(k)]
     for c, f in enumerate(fmts):
@@ -498,16 +514,19 @@ def _stream_choices(make_fmt: Callable[[], Any], q: asyncio.Queue, first: tuple,
 
     async def body():
         done, item, over = 0, first, False
+        loop = asyncio.get_running_loop()
         try:
             while True:
-                out = []  # everything queued goes out in one write
+                out, texts = [], {}  # everything queued goes out in one write, a choice's text as one chunk
                 while True:
                     c, kind, data = item
                     if kind == "text":
-                        out.append(fmts[c].chunk(data))
+                        texts.setdefault(c, []).append(data)
                     elif kind == "logprobs":
                         fmts[c].logprobs(data)
                     elif kind == "done":
+                        if c in texts:
+                            out.append(fmts[c].chunk("".join(texts.pop(c))))
                         out.append(fmts[c].end(data))
                         done += 1
                         if done == k:
@@ -521,10 +540,15 @@ def _stream_choices(make_fmt: Callable[[], Any], q: asyncio.Queue, first: tuple,
                     if q.empty():
                         break
                     item = q.get_nowait()
+                if not over:
+                    out += [fmts[c].chunk("".join(t)) for c, t in texts.items()]
                 yield "".join(out)
                 if over:
                     return
+                last = loop.time()
                 item = await q.get()
+                if any(j.state == "active" for j in jobs) and (wait := last + interval - loop.time()) > 0:
+                    await asyncio.sleep(wait)
         finally:
             cancel_all()
 

@@ -1,0 +1,69 @@
+"""A stream writes at most once per the server's stream interval while its request runs (service.py
+STREAM_INTERVAL_S), the text queued meanwhile as one chunk: on the CUDA adapter over
+bench/host_serve.py's timed stand-in of the GPU (a decode step every ~0.6 ms), a 120-token stream
+comes in a handful of chunks, 10 ms or more apart but for the last, and every token arrives; with
+the interval 0 it comes in many more."""
+
+from __future__ import annotations
+
+import datetime as dt
+import importlib.util
+import json
+import os
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+
+from gguf_runtime.cli.default_model import default_model_path  # noqa: E402
+from gguf_runtime.engine.engine import Engine  # noqa: E402
+from gguf_runtime.server.adapters import make_adapter  # noqa: E402
+from gguf_runtime.server.app import Service  # noqa: E402
+from live_server import live  # noqa: E402
+
+spec = importlib.util.spec_from_file_location(
+    "host_serve", os.path.join(os.path.dirname(__file__), "..", "bench", "host_serve.py"))
+HS = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(HS)
+
+
+@pytest.fixture(scope="module")
+def served():
+    eng = Engine(default_model_path(), backend="numpy", n_ctx=512)
+    eos = set(eng.tokenizer.eog_ids)
+    text = [t for t in eng.tokenizer.encode(HS.TEXT, add_special=False) if t not in eos]
+    eng.backend = HS.TimedBackend(text, 512, 4, step=(0.5, 0.02), prefill=(0.0005, 1e6))
+    svc = Service(lambda: make_adapter(eng), name="timed").start()
+    with live(svc) as url:
+        yield url, svc
+
+
+def lines(url: str) -> list[dict]:
+    body = {"model": "timed", "prompt": "Hi", "raw": True, "options": {"num_predict": 120, "seed": 5}}
+    with httpx.stream("POST", url + "/api/generate", json=body, timeout=60) as r:
+        return [json.loads(x) for x in r.iter_lines() if x]
+
+
+def stamp(x: dict) -> float:
+    return dt.datetime.fromisoformat(x["created_at"].replace("Z", "+00:00")).timestamp()
+
+
+def test_chunks_per_interval(served):
+    url, svc = served
+    assert svc.stream_interval == 0.01
+    got = lines(url)
+    text = [x for x in got if not x["done"]]
+    assert got[-1]["done"] and got[-1]["eval_count"] == 120
+    # 120 steps of ~0.6 ms: ~72 ms of tokens, so about 8 writes at 10 ms (and the first at once)
+    assert 2 <= len(text) <= 16, len(text)
+    gaps = [stamp(b) - stamp(a) for a, b in zip(text, text[1:])]
+    assert min(gaps[:-1]) >= 0.009, gaps  # (the last may come sooner: the request ended)
+    svc.stream_interval = 0.0
+    try:
+        every = [x for x in lines(url) if not x["done"]]
+    finally:
+        svc.stream_interval = 0.01
+    assert len(every) > 3 * len(text), (len(every), len(text))
+    assert "".join(x["response"] for x in every) == "".join(x["response"] for x in text)
