@@ -102,8 +102,12 @@ class TimedBackend:
     name, use_graph = "cuda", False
 
     def __init__(self, tokens: list[int], n_ctx: int, max_batch: int, step: tuple[float, float],
-                 prefill: tuple[float, float]) -> None:
+                 prefill: tuple[float, float], first_cost: tuple[bool, float] = (False, 0.0)) -> None:
         self.n_ctx, self.max_batch, self.step_ab, self.prefill_ab = n_ctx, max_batch, step, prefill
+        # seq_first as the CUDA backend's costs it (--first-cost): a wait for the device (its check
+        # of the prompt's logits) and host work holding the GIL (the slot's parameter uploads)
+        self.first_sync, self.first_host = first_cost
+        self.forward_host = 0.0  # host seconds a prompt forward holds the GIL (its eager launches: --forward-host)
         self.dev, self.stream = Device(), object()
         self.tune = SimpleNamespace(serve_chunk=2048, serve_pack=True, lookahead=2)
         self.kv = TimedKV(n_ctx // 16 * max_batch, max_batch)
@@ -111,6 +115,7 @@ class TimedBackend:
         self.text = tokens
         self.seq: dict[int, list[int]] = {}  # slot -> [offset into text, tokens produced]
         self.steps = 0
+        self.forwards = 0  # prompt forwards (packed or not)
 
     def new_event(self):
         return TimedEvent(self.dev)
@@ -129,7 +134,14 @@ class TimedBackend:
         kv.reserve(slot, min(self.n_ctx, len(prompt) + max_new), prefix=prefix)
         return len(prefix) * kv.page_size
 
+    def _hold(self, seconds: float) -> None:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
     def seq_prefill_many(self, parts) -> None:
+        self.forwards += 1
+        self._hold(self.forward_host)
         a, rate = self.prefill_ab
         self.dev.launch(a + sum(len(t) for _, t, _ in parts) / rate)
         for slot, _, first in parts:
@@ -137,10 +149,15 @@ class TimedBackend:
                 self.seq_first(slot, *first, launch=False)
 
     def seq_prefill(self, slot, tokens) -> None:
+        self.forwards += 1
+        self._hold(self.forward_host)
         a, rate = self.prefill_ab
         self.dev.launch(a + len(tokens) / rate)
 
     def seq_first(self, slot, prompt, params, seed=None, publish=False, launch=True) -> None:
+        if self.first_sync and (left := self.dev.free_at - time.perf_counter()) > 0:
+            time.sleep(left)
+        self._hold(self.first_host)
         if publish:
             self.kv.publish(slot, prompt)
         self.seq[slot] = [(seed or 0) % len(self.text), 0]
@@ -228,6 +245,10 @@ def main() -> int:
     ap.add_argument("--step-ms", default="0.40,0.0216", help="a decode step of bucket B takes a + b * B ms")
     ap.add_argument("--prefill", default="0.0005,110000", help="a prompt forward: seconds + tokens / rate")
     ap.add_argument("--ctx", type=int, default=2048)
+    ap.add_argument("--depth", type=int, default=2, help="decode steps in flight (the adapter's launch-ahead)")
+    ap.add_argument("--forward-host", type=float, default=0.0, help="host seconds a prompt forward holds the GIL")
+    ap.add_argument("--first-cost", default="", help="SYNC,HOST_S: each first token waits for the device "
+                    "(SYNC 1) and holds the host HOST_S seconds, as the CUDA backend's seq_first does")
     ap.add_argument("--stream-interval", type=float, default=None, help="the server's (seconds; default its own)")
     ap.add_argument("--profile", action="store_true", help="sample every thread's stack")
     ap.add_argument("--cprofile", action="store_true", help="the event loop under cProfile (slows it)")
@@ -242,9 +263,11 @@ def main() -> int:
     eos = set(eng.tokenizer.eog_ids)
     text = [t for t in eng.tokenizer.encode(TEXT, add_special=False) if t not in eos]
     max_batch = 1 << (a.clients - 1).bit_length()
-    be = TimedBackend(text, a.ctx, max(max_batch, 1), step, prefill)
+    fc = a.first_cost.split(",") if a.first_cost else ["0", "0"]
+    be = TimedBackend(text, a.ctx, max(max_batch, 1), step, prefill, (fc[0] == "1", float(fc[1])))
+    be.forward_host = a.forward_host
     eng.backend = be
-    svc = Service(lambda: make_adapter(eng), name="host").start()
+    svc = Service(lambda: make_adapter(eng, depth=a.depth), name="host").start()
     if a.stream_interval is not None:
         svc.stream_interval = a.stream_interval
     import socket
@@ -281,6 +304,7 @@ def main() -> int:
     svc.shutdown()
     print(load.stdout[-3000:], load.stderr[-2000:])
     ceiling = a.clients / ((step[0] + step[1] * max_batch) / 1e3)
+    print(f"{be.forwards:,} prompt forwards, {be.steps:,} decode steps")
     print(f"stand-in B={a.clients} step {step[0] + step[1] * max_batch:.3f} ms: ceiling {ceiling:,.0f} tok/s; "
           f"device busy {100 * (be.dev.busy - busy0) / wall:.1f}% of {wall:.1f} s (warm-up included)")
     n_tok = a.clients * a.requests * a.tokens
