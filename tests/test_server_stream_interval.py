@@ -29,15 +29,12 @@ HS = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(HS)
 
 
-@pytest.fixture(scope="module")
-def served():
+def timed_service(**kw) -> Service:
     eng = Engine(default_model_path(), backend="numpy", n_ctx=512)
     eos = set(eng.tokenizer.eog_ids)
     text = [t for t in eng.tokenizer.encode(HS.TEXT, add_special=False) if t not in eos]
     eng.backend = HS.TimedBackend(text, 512, 4, step=(0.5, 0.02), prefill=(0.0005, 1e6))
-    svc = Service(lambda: make_adapter(eng), name="timed").start()
-    with live(svc) as url:
-        yield url, svc
+    return Service(lambda: make_adapter(eng), name="timed", **kw).start()
 
 
 def lines(url: str) -> list[dict]:
@@ -50,20 +47,18 @@ def stamp(x: dict) -> float:
     return dt.datetime.fromisoformat(x["created_at"].replace("Z", "+00:00")).timestamp()
 
 
-def test_chunks_per_interval(served):
-    url, svc = served
+def test_chunks_per_interval():
+    svc = timed_service()
     assert svc.stream_interval == 0.01
-    got = lines(url)
+    with live(svc) as url:
+        got = lines(url)
     text = [x for x in got if not x["done"]]
     assert got[-1]["done"] and got[-1]["eval_count"] == 120
     # 120 steps of ~0.6 ms: ~72 ms of tokens, so about 8 writes at 10 ms (and the first at once)
     assert 2 <= len(text) <= 16, len(text)
     gaps = [stamp(b) - stamp(a) for a, b in zip(text, text[1:])]
     assert min(gaps[:-1]) >= 0.009, gaps  # (the last may come sooner: the request ended)
-    svc.stream_interval = 0.0
-    try:
+    with live(timed_service(stream_interval=0.0)) as url:  # (serve --stream-interval 0)
         every = [x for x in lines(url) if not x["done"]]
-    finally:
-        svc.stream_interval = 0.01
     assert len(every) > 3 * len(text), (len(every), len(text))
     assert "".join(x["response"] for x in every) == "".join(x["response"] for x in text)

@@ -54,6 +54,11 @@ def serve(
     max_queue: int = typer.Option(1024, "--max-queue", min=1, help="requests in progress at most (503 above)"),
     lookahead: int = typer.Option(2, "--lookahead", min=1, max=8, help="cuda: decode steps in flight ahead of "
                                   "the tokens being read (hides host time; each costs a token of context)"),
+    stream_interval: Optional[float] = typer.Option(None, "--stream-interval", min=0.0, max=1000.0, metavar="MS",
+                                                    help="a stream is written at most every MS milliseconds while "
+                                                         "its request runs (the first and last token at once; tokens "
+                                                         "meanwhile go out as one chunk); 0: a write a step "
+                                                         "[default: 10]"),
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="cuda: evaluate every prompt whole "
                                          "(by default KV pages of earlier prompts and answers are kept and reused "
                                          "for prompts that start with the same tokens, until the pool needs them)"),
@@ -119,7 +124,8 @@ def serve(
 
     try:
         svc = Service(lambda: loader(path), name=name, max_body=max_body, max_queue=max_queue, keep_alive=keep,
-                      catalog=catalog, loader=loader).start()
+                      catalog=catalog, loader=loader,
+                      **({} if stream_interval is None else {"stream_interval": stream_interval / 1e3})).start()
     except BaseException:
         sock.close()
         raise

@@ -94,7 +94,7 @@ class Service:
                  max_queue: int = 1024, admit_tokens: int = 4096,
                  on_fatal: Callable[[BaseException], None] | None = exit_process,
                  keep_alive: float = math.inf, catalog: Sequence[tuple[str, str]] = (),
-                 loader: Callable[[str], Any] | None = None) -> None:
+                 loader: Callable[[str], Any] | None = None, stream_interval: float = STREAM_INTERVAL_S) -> None:
         self._sched = lambda f: Scheduler(f, admit_tokens=admit_tokens, max_queue=max_queue, on_fatal=on_fatal)
         self._factory, self._loader, self._catalog = factory, loader, list(catalog)
         self.scheduler: Scheduler | None = self._sched(factory)
@@ -103,7 +103,7 @@ class Service:
         self.prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="gguf-prep")
         self._mail: dict[asyncio.AbstractEventLoop, _Mailbox] = {}
         self.keep_default = self.keep = keep_alive
-        self.stream_interval = STREAM_INTERVAL_S
+        self.stream_interval = stream_interval  # seconds
         self._lock = threading.Lock()  # holds, keep, last_busy, current, wanted, scheduler (swaps)
         self._load_lock = threading.Lock()  # one load or unload at a time
         self._holds = 0  # requests inside ``using``
