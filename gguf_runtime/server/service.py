@@ -414,7 +414,8 @@ async def run_job(svc: Service, request: Request, fmt, encode: Callable[[], list
                     item = q.get_nowait()
                 if texts:
                     out.append(fmt.chunk("".join(texts)))
-                yield "".join(out)
+                if out:  # (logprobs alone wait for their text)
+                    yield "".join(out)
                 if done:
                     return
                 last = loop.time()
@@ -542,7 +543,8 @@ def _stream_choices(make_fmt: Callable[[], Any], q: asyncio.Queue, first: tuple,
                     item = q.get_nowait()
                 if not over:
                     out += [fmts[c].chunk("".join(t)) for c, t in texts.items()]
-                yield "".join(out)
+                if out:
+                    yield "".join(out)
                 if over:
                     return
                 last = loop.time()
