@@ -245,6 +245,7 @@ def main() -> int:
     ap.add_argument("--step-ms", default="0.40,0.0216", help="a decode step of bucket B takes a + b * B ms")
     ap.add_argument("--prefill", default="0.0005,110000", help="a prompt forward: seconds + tokens / rate")
     ap.add_argument("--ctx", type=int, default=2048)
+    ap.add_argument("--switch-interval", type=float, default=None, help="the GIL's (seconds; default the server's)")
     ap.add_argument("--depth", type=int, default=2, help="decode steps in flight (the adapter's launch-ahead)")
     ap.add_argument("--forward-host", type=float, default=0.0, help="host seconds a prompt forward holds the GIL")
     ap.add_argument("--first-cost", default="", help="SYNC,HOST_S: each first token waits for the device "
@@ -270,6 +271,8 @@ def main() -> int:
     svc = Service(lambda: make_adapter(eng, depth=a.depth), name="host").start()
     if a.stream_interval is not None:
         svc.stream_interval = a.stream_interval
+    if a.switch_interval is not None:
+        sys.setswitchinterval(a.switch_interval)
     import socket
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

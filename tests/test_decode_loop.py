@@ -141,3 +141,19 @@ def test_depth_bounds_steps_in_flight(depth):
         n += len(loop.step().get(0, []))
         assert loop._steps <= depth
     assert n == 20 and d.launches == 19
+
+
+def test_a_first_token_is_read_with_the_step_before_it():
+    """A sequence admitted while steps are in flight: its first token (sampled after them on the
+    stream) is read as soon as the step before it is, not with a step launched after it (that
+    step's time would add to the time to first token)."""
+    d = Device()
+    loop = LaunchAhead(d, depth=2)
+    d.seq_add(0, [1], None, 50, None)
+    loop.admit(0, 50)
+    loop.step()  # two steps in flight now
+    d.seq_add(1, [1], None, 50, None)  # token 0 of slot 1, on the stream behind them
+    loop.admit(1, 50)
+    first = loop.step()  # waits for the oldest step in flight
+    assert first.get(1) == [100]  # read now; before: only with the step launched after it
+    assert loop._steps <= 2
