@@ -108,9 +108,10 @@ class LaunchAhead:
         self._fifo[k].event.synchronize()  # the oldest step: all before it is done too
         k += 1
         while k < len(self._fifo) and (not self._fifo[k].is_step or self._fifo[k].event.done):
-            # a first token sampled after that step (an admission): waited for and read now, not
-            # with the next step, which was launched after it and would add its time to the TTFT
-            self._fifo[k].event.synchronize()
+            if not self._fifo[k].is_step:
+                # a first token sampled after that step (an admission): waited for and read now, not
+                # with the next step, which was launched after it and would add its time to the TTFT
+                self._fifo[k].event.synchronize()
             k += 1
         out: dict[int, list[int]] = {}
         for _ in range(k):

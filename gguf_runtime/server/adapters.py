@@ -97,8 +97,8 @@ class NumpyAdapter:
     def step(self) -> dict[int, list[int]]:
         if self._it is None:
             return {}
-        if 0 in self.logprobs:
-            self.logprobs[0].clear()  # this step's entries only (on_token appends to this list)
+        for entries in self.logprobs.values():
+            entries.clear()  # this step's entries only (on_token appends to this list)
         try:
             tok = next(self._it)
         except StopIteration:

@@ -160,9 +160,10 @@ class OllamaGenerate(_Logprobs):
                 + _line({**self._head(), **self._piece(""), **self._lps(), **self._end(job, load_s)}))
 
     def _all_lps(self, job) -> dict:
-        if self.lp_tok is None:
-            return {}
-        return {"logprobs": [token_entry(self.lp_tok, e, always_top=False) for e in job.logprobs_seen]}
+        """A whole body's ``logprobs``: every token's."""
+        if self.lp_tok is not None:
+            self._lp = list(job.logprobs_seen)
+        return self._lps()
 
     def error(self, msg: str, status: int) -> str:
         return _line({"error": msg})

@@ -69,13 +69,12 @@ def exit_process(e: BaseException) -> None:
 PREP_THREADS = 4  # prompts rendered and tokenized at once (templates stop at 2 s; a 1 MB word takes seconds)
 # The GIL's switch interval while serving (Python's default is 5 ms). The scheduler thread gives the
 # GIL up at each numpy or CUDA call, and while a long prompt is tokenized it waits up to the interval
-# to have it back, every time: a short request beside a 600 KB prompt took 6x as long as alone at
-# 5 ms, 3x at 1 ms (commit message of this line).
+# to have it back, every time (bench/RESULTS.md row 136).
 SWITCH_INTERVAL_S = 0.001
 # A stream writes at most once per this interval while its request runs (the first chunk and the
 # last go at once): the tokens meanwhile go out together, one write and one socket send instead of
-# one a token (64 streams of a small model make tens of thousands a second; 10 ms of tokens is
-# below what a reader sees, and clients parse a few times fewer chunks).
+# one a token, which at many streams of a small model bounds the event loop's work; the interval
+# is below what a reader sees (bench/RESULTS.md row 139).
 STREAM_INTERVAL_S = 0.01
 
 
