@@ -259,3 +259,35 @@ def test_prompts_packed_in_one_forward_give_each_prompt_alone(backend):
     assert max(errs) < 1e-2
     assert all(a == b for a, b in firsts), firsts
     assert be.kv.free_pages() == free
+
+
+def test_packed_first_tokens_mix_greedy_sampled_and_penalized(backend):
+    """The first tokens of one packed forward's prompts, sampled in one launch through the slot map
+    (a greedy prompt, a sampled one, a sampled one with a repetition penalty, and a chunk that is
+    not its prompt's last part, which samples nothing): each slot's sampler state and first token
+    are those of the prompt admitted alone with the same seed (seq_add)."""
+    be = backend
+    free = be.kv.free_pages()
+    rng = np.random.default_rng(21)
+    ps = [rng.integers(10, 30000, n).tolist() for n in (23, 50, 37, 90)]
+    params = [GREEDY, SamplingParams(temperature=0.9, top_k=50, seed=5),
+              SamplingParams(temperature=0.7, top_k=20, repeat_penalty=1.3, repeat_last_n=32, seed=6), GREEDY]
+    seeds = [11, 12, 13, 14]
+    for slot, p, q in zip((9, 3, 7, 5), ps, params):
+        assert be.seq_start(slot, p, q, 10) == 0
+    be.seq_prefill_many([(9, ps[0], (ps[0], params[0], seeds[0], False)), (3, ps[1], (ps[1], params[1], seeds[1], False)),
+                         (5, ps[3][:40], None), (7, ps[2], (ps[2], params[2], seeds[2], False))])
+    for slot, p, q, seed in zip((20, 21, 22), ps, params, seeds):
+        be.seq_add(slot, p, q, 10, seed=seed)
+    be.stream.synchronize()
+    state = lambda a, s, w=1: a[s * w:(s + 1) * w].get().tolist()  # noqa: E731
+    for packed, alone in ((9, 20), (3, 21), (7, 22)):
+        assert be.seq_token(packed, 0) == be.seq_token(alone, 0), (packed, alone)
+        for a, w in ((be.pos, 1), (be.hist_n, 1), (be.hist, 64), (be.step, 1), (be.p_temp, 1), (be.p_seed, 1),
+                     (be.p_penalty, 1), (be.p_last_n, 1), (be.p_top_k, 1)):
+            assert state(a, packed, w) == state(a, alone, w)
+        assert state(be.seq, packed) == [packed] and be.decoding[packed]
+    assert not be.decoding[5] and int(be.seq[5].get()) == -1  # the unfinished prompt: nothing sampled
+    for s in (9, 3, 7, 5, 20, 21, 22):
+        be.seq_release(s)
+    assert be.kv.free_pages() == free

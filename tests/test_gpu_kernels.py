@@ -499,6 +499,83 @@ def test_topk_sample_rows_vocab_and_ties(k, rng):
     assert keep["pos"].get().tolist() == [64] * rows
 
 
+def test_finite_rows_flags_each_bad_row(k, rng):
+    """finite_rows over 6 rows of a strided buffer: a NaN first, an inf last, a -inf in the middle
+    of a row, two clean rows and a clean row whose padding past n_vocab is NaN; flags start poisoned."""
+    n, ld = 5003, 5120
+    x = rng.standard_normal((6, ld)).astype(np.float32) * 50
+    x[0, 0], x[1, n - 1], x[3, 2500] = np.nan, np.inf, -np.inf
+    x[5, n:] = np.nan  # past the vocabulary: not read
+    bad = cp.full(6, 7, cp.int32)
+    d = cp.asarray(x)
+    LS.finite_rows(k, d.data.ptr, ld, n, 6, bad.data.ptr)
+    assert bad.get().tolist() == [1, 1, 0, 1, 0, 0]
+
+
+def test_prime_slots_writes_each_slot_and_nothing_else(k, rng):
+    """prime_slots (a sequence's start) against the values prime_table was given: slots 5, 0, 2 of
+    8 with their histories (one past HIST: its tail kept), positions, parameters and 64-bit seeds;
+    the other slots keep their poison, step and counter restart at 0, seq turns to the slot."""
+    n, poison = 8, 77
+    st, keep, _ring, _mem = sampler_state(1000, rows=n)
+    for name, a in keep.items():
+        if name not in ("pval", "pidx", "cand_v", "cand_i", "cand_n"):
+            a.fill(poison)
+    seqs = [(5, rng.integers(0, 1000, 70).tolist(), 31, 40, 64, 0.95, 0.05, 0.8, 1.1, (1 << 63) + 12345),
+            (0, [7], 0, 1024, 0, 1.0, 0.0, 0.0, 1.0, 3),
+            (2, rng.integers(0, 1000, 9).tolist(), 4096, 5, 32, 0.5, 0.2, 1.7, 1.3, 0xDEADBEEFCAFEF00D)]
+    table = cp.asarray(LS.prime_table(seqs))
+    LS.prime_slots(k, table.data.ptr, len(seqs), st)
+    cp.cuda.runtime.deviceSynchronize()
+    got = {name: a.get() for name, a in keep.items()}
+    for slot, hist, pos, top_k, last_n, top_p, min_p, temp, pen, seed in seqs:
+        tail = hist[-64:]
+        assert got["hist"][slot * 64:slot * 64 + len(tail)].tolist() == tail
+        assert (got["hist"][slot * 64 + len(tail):(slot + 1) * 64] == 0).all()
+        ints = ("hist_n", "pos", "top_k", "last_n", "step", "counter", "seq")
+        assert [int(got[x][slot]) for x in ints] == [len(tail), pos, top_k, last_n, 0, 0, slot]
+        assert [float(got[x][slot]) for x in ("top_p", "min_p", "temp", "penalty")] == \
+            [float(np.float32(v)) for v in (top_p, min_p, temp, pen)]
+        assert int(got["seed"][slot]) == seed
+    for slot in set(range(n)) - {s[0] for s in seqs}:
+        assert (got["hist"][slot * 64:(slot + 1) * 64] == poison).all()
+        for x in ("hist_n", "pos", "top_k", "step", "seq", "top_p", "temp"):
+            assert got[x][slot] == got[x].dtype.type(poison), x
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_slot_map_sends_each_row_to_its_slot(k, greedy, rng):
+    """A packed forward's first tokens: logits row r is sampled into slot slots[r] (rows 0..3 ->
+    slots 6, -1 (skipped), 1, 4), with its penalty; the same as sampling each row alone into its slot."""
+    n, rows, slots = 5000, 4, [6, -1, 1, 4]
+    logits = (rng.standard_normal((rows, n)) * 3).astype(np.float32)
+    runs = []
+    for mapped in (True, False):
+        st, keep, ring, _mem = sampler_state(n, rows=8, temp=0.0 if greedy else 0.9, seed=99, penalty=1.3, last_n=16)
+        keep["hist"].set(np.tile(rng.integers(0, 50, 64).astype(np.int32), 8) if not runs else runs[0][2])
+        hist = keep["hist"].get()
+        keep["hist_n"].fill(20)
+        d = cp.asarray(logits)
+        if mapped:
+            sm = cp.asarray(np.array(slots, np.int32))
+            LS.repeat_penalty(k, d.data.ptr, n, n, st, rows, slots=sm.data.ptr)
+            (LS.argmax_sample if greedy else LS.topk_sample)(k, d.data.ptr, n, n, st, rows, slots=sm.data.ptr)
+        else:
+            for r, s in enumerate(slots):
+                if s >= 0:
+                    LS.repeat_penalty(k, d[r:].data.ptr, n, n, st, 1, slot0=s)
+                    (LS.argmax_sample if greedy else LS.topk_sample)(k, d[r:].data.ptr, n, n, st, 1, slot0=s)
+        cp.cuda.runtime.deviceSynchronize()
+        runs.append((keep["tokens"].get(), keep["step"].get(), hist, d.get()))
+    (tok_m, step_m, _, d_m), (tok_a, step_a, _, d_a) = runs
+    assert step_m.tolist() == [0, 1, 0, 0, 1, 0, 1, 0] == step_a.tolist()
+    assert tok_m.tolist() == tok_a.tolist()
+    np.testing.assert_array_equal(d_m, d_a)  # penalized rows alike; the skipped row untouched
+    np.testing.assert_array_equal(d_m[1], logits[1])
+    if greedy:
+        assert tok_m[6] == int(np.argmax(d_m[0]))
+
+
 def test_topk_sample_top1_ties_and_edges(k, rng):
     """The top-1 path (greedy rows and top_k = 1: a max reduction, not the radix select): ties go
     to the lowest id inside a thread, across threads and across blocks; an odd vocabulary's last

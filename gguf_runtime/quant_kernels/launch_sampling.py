@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from .launch_core import Kernels, i32, ptr
 
 
@@ -45,29 +47,61 @@ def topk_blocks(n_vocab: int) -> int:
     return -(-n_vocab // (1024 * TOPK_PER_THREAD))
 
 
+HIST, PRIME_COLS = 64, 12  # sampling.cu's history length and prime_slots' columns before it
+
+
+def prime_table(rows) -> np.ndarray:
+    """prime_slots' table: one row per (slot, history, pos, top_k, last_n, top_p, min_p, temp,
+    penalty, seed) tuple; the history's last HIST tokens are kept."""
+    t = np.zeros((len(rows), PRIME_COLS + HIST), np.int32)
+    f = t.view(np.float32)
+    for i, (slot, history, pos, top_k, last_n, top_p, min_p, temp, penalty, seed) in enumerate(rows):
+        tail = np.asarray(list(history)[-HIST:], np.int32)
+        t[i, :5] = slot, tail.shape[0], pos, top_k, last_n
+        f[i, 5:9] = top_p, min_p, temp, penalty
+        seed = int(seed) & (1 << 64) - 1
+        t[i, 9:11] = np.array([seed & 0xFFFFFFFF, seed >> 32], np.uint32).view(np.int32)
+        t[i, PRIME_COLS:PRIME_COLS + tail.shape[0]] = tail
+    return t
+
+
+def prime_slots(k: Kernels, table: int, n: int, st: SamplerState) -> None:
+    """Start the sequences of a device copy of prime_table's n rows (sampling.cu prime_slots)."""
+    k.fn("sampling.cu", "prime_slots")((n,), (64,), (ptr(table), ptr(st.hist), ptr(st.hist_n), ptr(st.step),
+                                                     ptr(st.counter), ptr(st.pos), ptr(st.seq), ptr(st.top_k),
+                                                     ptr(st.last_n), ptr(st.top_p), ptr(st.min_p), ptr(st.temp),
+                                                     ptr(st.penalty), ptr(st.seed)))
+
+
+def finite_rows(k: Kernels, logits: int, ld: int, n_vocab: int, rows: int, bad: int) -> None:
+    """bad[r] (int32) = 1 where logits row r has a NaN or an infinity, else 0 (sampling.cu)."""
+    k.fn("sampling.cu", "finite_rows")((rows,), (1024,), (ptr(logits), i32(ld), i32(n_vocab), ptr(bad)))
+
+
 # Logits row r belongs to sequence slot slot0 + r (a decode step: slot0 = 0, one row per slot;
-# after a prefill: the prompt's last row, for its slot).
+# after a prefill: the prompt's last row, for its slot), or to slots[r] given a device slot map
+# (int32 per row, -1: skip the row; the prompts of one packed forward).
 def repeat_penalty(k: Kernels, logits: int, ld: int, n_vocab: int, st: SamplerState, rows: int,
-                   slot0: int = 0) -> None:
+                   slot0: int = 0, slots: int = 0) -> None:
     k.fn("sampling.cu", "repeat_penalty")((rows,), (64,), (ptr(logits), i32(ld), ptr(st.hist), ptr(st.hist_n),
                                                            ptr(st.last_n), ptr(st.penalty), i32(n_vocab),
-                                                           ptr(st.seq), i32(slot0)))
+                                                           ptr(st.seq), i32(slot0), ptr(slots)))
 
 
 def argmax_sample(k: Kernels, logits: int, ld: int, n_vocab: int, st: SamplerState, rows: int,
-                  slot0: int = 0) -> None:
+                  slot0: int = 0, slots: int = 0) -> None:
     k.fn("sampling.cu", "argmax_sample")(
         (ARGMAX_BLOCKS, rows), (1024,),
         (ptr(logits), i32(ld), i32(n_vocab), ptr(st.pval), ptr(st.pidx), ptr(st.counter), ptr(st.tokens),
          ptr(st.pos), ptr(st.hist), ptr(st.hist_n), ptr(st.step), ptr(st.ring), i32(st.ring_len), i32(st.n_seq),
-         ptr(st.seq), i32(slot0)))
+         ptr(st.seq), i32(slot0), ptr(slots)))
 
 
 def topk_sample(k: Kernels, logits: int, ld: int, n_vocab: int, st: SamplerState, rows: int,
-                slot0: int = 0) -> None:
+                slot0: int = 0, slots: int = 0) -> None:
     """Per row: greedy when temp <= 0, else top-k/top-p/min-p/temperature with the row's seed."""
     k.fn("sampling.cu", "topk_sample")(
         (topk_blocks(n_vocab), rows), (1024,),
         (ptr(logits), i32(ld), i32(n_vocab), ptr(st.top_k), ptr(st.top_p), ptr(st.min_p), ptr(st.temp),
          ptr(st.seed), ptr(st.cand_v), ptr(st.cand_i), ptr(st.cand_n), ptr(st.counter), ptr(st.tokens), ptr(st.pos), ptr(st.hist), ptr(st.hist_n), ptr(st.step), ptr(st.ring),
-         i32(st.ring_len), i32(st.n_seq), ptr(st.seq), i32(slot0)))
+         i32(st.ring_len), i32(st.n_seq), ptr(st.seq), i32(slot0), ptr(slots)))

@@ -4,6 +4,7 @@
 //
 // Per sequence slot b the state is: tokens[b] (next input), pos[b], hist[b][HIST] + hist_n[b],
 // step[b] (tokens sampled so far; ring slot and RNG counter). Row r of the logits belongs to slot
+// slot_map[r] where a slot map is given (a forward of several prompts: -1 skips the row), else to
 // slot0 + r; slots with seq[b] < 0 (padding) are skipped.
 #include "common.cuh"
 
@@ -19,15 +20,57 @@ DEV void commit(int b, int tok, int* tokens, int* pos, int* hist, int* hist_n, i
     step[b] += 1;
 }
 
+// Damaged weights show in a prompt's logits: bad[r] = 1 where row r holds a NaN or an infinity,
+// else 0 (one block per row; a fixed kernel, where CuPy's reductions compile per shape).
+extern "C" __global__ void finite_rows(const float* __restrict__ logits, int ld, int n_vocab, int* bad) {
+    const float* x = logits + (long)blockIdx.x * ld;
+    pdl_enter();
+    int any = 0;
+    for (int i = threadIdx.x; i < n_vocab; i += blockDim.x) any |= !isfinite(x[i]);
+    any = __syncthreads_or(any);
+    if (threadIdx.x == 0) bad[blockIdx.x] = any;
+}
+
+// A sequence's start in its slot (admission, never between steps): one block per row of ``table``,
+// int32 [n, PRIME_COLS + HIST]: slot, hist_n, pos, top_k, last_n, top_p, min_p, temp, penalty (f32
+// bits), seed (low, high word), 0, then the history (hist_n tokens, zero-padded). The step and the
+// RNG counter restart at 0 and the slot turns active (seq[slot] = slot). One launch for a forward's
+// prompts in place of a dozen host copies each.
+#define PRIME_COLS 12
+extern "C" __global__ void prime_slots(const int* __restrict__ table, int* hist, int* hist_n, int* step,
+                                       unsigned* counter, int* pos, int* seq, int* top_k, int* last_n,
+                                       float* top_p, float* min_p, float* temp, float* penalty,
+                                       unsigned long long* seed) {
+    const int* row = table + (long)blockIdx.x * (PRIME_COLS + HIST);
+    pdl_enter();
+    const int b = row[0];
+    for (int i = threadIdx.x; i < HIST; i += blockDim.x) hist[b * HIST + i] = row[PRIME_COLS + i];
+    if (threadIdx.x != 0) return;
+    hist_n[b] = row[1];
+    step[b] = 0;
+    counter[b] = 0;
+    pos[b] = row[2];
+    seq[b] = b;
+    top_k[b] = row[3];
+    last_n[b] = row[4];
+    top_p[b] = __int_as_float(row[5]);
+    min_p[b] = __int_as_float(row[6]);
+    temp[b] = __int_as_float(row[7]);
+    penalty[b] = __int_as_float(row[8]);
+    seed[b] = (unsigned long long)(unsigned)row[9] | ((unsigned long long)(unsigned)row[10] << 32);
+}
+
 // llama.cpp's repetition penalty on the distinct tokens among the last last_n[b] of the history
 // (penalty[b] == 1: nothing). One block (>= HIST threads) per sequence.
 extern "C" __global__ void repeat_penalty(float* logits, int ld, const int* __restrict__ hist,
                                           const int* __restrict__ hist_n, const int* __restrict__ last_n,
                                           const float* __restrict__ penalty, int n_vocab,
-                                          const int* __restrict__ seq, int slot0) {
-    const int r = blockIdx.x, b = slot0 + r, i = threadIdx.x;
+                                          const int* __restrict__ seq, int slot0,
+                                          const int* __restrict__ slot_map) {
+    const int r = blockIdx.x, i = threadIdx.x;
     pdl_enter();
-    if (seq[b] < 0) return;
+    const int b = slot_map ? slot_map[r] : slot0 + r;
+    if (b < 0 || seq[b] < 0) return;
     const float pen = penalty[b];
     const int n = min(min(hist_n[b], HIST), last_n[b]);
     if (pen == 1.f || i >= n) return;
@@ -46,13 +89,14 @@ extern "C" __global__ void repeat_penalty(float* logits, int ld, const int* __re
 extern "C" __global__ void __launch_bounds__(1024) argmax_sample(
         const float* __restrict__ logits, int ld, int n_vocab, float* pval, int* pidx, unsigned* counter,
         int* tokens, int* pos, int* hist, int* hist_n, int* step, int* ring, int ring_len, int n_seq,
-        const int* __restrict__ seq, int slot0) {
+        const int* __restrict__ seq, int slot0, const int* __restrict__ slot_map) {
     __shared__ float sv[32];
     __shared__ int si[32];
     __shared__ bool last;
-    const int b = slot0 + blockIdx.y, nb = gridDim.x;
+    const int nb = gridDim.x;
     pdl_enter();
-    if (seq[b] < 0) return;
+    const int b = slot_map ? slot_map[blockIdx.y] : slot0 + blockIdx.y;
+    if (b < 0 || seq[b] < 0) return;
     const float* x = logits + (long)blockIdx.y * ld;
     const int per = (n_vocab + nb - 1) / nb, lo = blockIdx.x * per, hi = min(n_vocab, lo + per);
     float best = -INFINITY; int bi = 0x7fffffff;
@@ -208,7 +252,8 @@ extern "C" __global__ void __launch_bounds__(1024, 2) topk_sample(
         const float* __restrict__ top_p_, const float* __restrict__ min_p_, const float* __restrict__ temp_,
         const unsigned long long* __restrict__ seed_, float* cand_v, int* cand_i, int* cand_n,
         unsigned* counter, int* tokens, int* pos, int* hist, int* hist_n, int* step,
-        int* ring, int ring_len, int n_seq, const int* __restrict__ seq, int slot0) {
+        int* ring, int ring_len, int n_seq, const int* __restrict__ seq, int slot0,
+        const int* __restrict__ slot_map) {
     __shared__ u32 hist_c[256];
     __shared__ u32 prefix, prefix_mask;
     __shared__ int remaining, n_cand, n_ties, first;
@@ -216,9 +261,10 @@ extern "C" __global__ void __launch_bounds__(1024, 2) topk_sample(
     __shared__ float cv[CAP];
     __shared__ int ci[CAP];
     __shared__ float ws[32];
-    const int b = slot0 + blockIdx.y, tid = threadIdx.x, nb = gridDim.x, blk = blockIdx.x;
+    const int tid = threadIdx.x, nb = gridDim.x, blk = blockIdx.x;
     pdl_enter();
-    if (seq[b] < 0) return;
+    const int b = slot_map ? slot_map[blockIdx.y] : slot0 + blockIdx.y;
+    if (b < 0 || seq[b] < 0) return;
     const float* x = logits + (long)blockIdx.y * ld;
     const float temp = temp_[b];
     const int top_k = temp <= 0.f ? 1 : min(max(top_k_[b], 1), min(n_vocab, TK_MAX));

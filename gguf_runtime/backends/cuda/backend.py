@@ -47,7 +47,7 @@ from ..host_loop import NOT_FINITE, host_sample_loop
 from ...sampling import SamplingParams
 
 RING = 64  # tokens per slot the pinned ring holds
-HIST = 64
+HIST = LS.HIST  # tokens of penalty history a slot keeps
 MAX_GPU_TOP_K = 1024
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 KV_RESERVE = 1 << 30  # GPU memory kept beside the KV cache and the workspace: f16 prefill copies, cuBLAS, graphs
@@ -228,6 +228,9 @@ class CudaBackend(PrefillMixin):
             top_k=self.p_top_k.data.ptr, top_p=self.p_top_p.data.ptr, min_p=self.p_min_p.data.ptr,
             temp=self.p_temp.data.ptr, seed=self.p_seed.data.ptr, penalty=self.p_penalty.data.ptr,
             last_n=self.p_last_n.data.ptr, seq=self.seq.data.ptr)
+        # _prime_many's table, a row per slot at most, and a slot map of up to 64 rows
+        self._prime_buf = cp.empty(n * (LS.PRIME_COLS + HIST) + 64, cp.int32)
+        self._bad_rows = cp.zeros(64, cp.int32)  # _finite_rows' flags
         self.slot_len = [0] * n  # tokens whose K/V sit in the slot's pages
         self.decoding = [False] * n  # slots the batch steps advance (seq_first .. seq_release)
 
@@ -237,50 +240,64 @@ class CudaBackend(PrefillMixin):
         """(greedy, penalty): which sampling kernels a step launches."""
         return params.greedy, params.repeat_penalty != 1.0 and params.repeat_last_n != 0
 
-    def _sample(self, greedy: bool, penalty: bool, rows: int, slot0: int = 0, row: int = 0) -> None:
-        """Sample the next token of slots slot0.. from ``rows`` rows of ws.logits from ``row`` on."""
+    def _sample(self, greedy: bool, penalty: bool, rows: int, slot0: int = 0, row: int = 0,
+                slots: int = 0) -> None:
+        """Sample the next token of slots slot0.. (or of the device slot map ``slots``: one int32 per
+        row, -1 skips it) from ``rows`` rows of ws.logits from ``row`` on."""
         st, k, cfg, logits = self.sampler_state, self.kernels, self.cfg, self.ws.logits
         ld = logits.strides[0] // 4
         ptr = logits[row:].data.ptr
         if penalty:
-            LS.repeat_penalty(k, ptr, ld, cfg.n_vocab, st, rows, slot0)
+            LS.repeat_penalty(k, ptr, ld, cfg.n_vocab, st, rows, slot0, slots)
         if greedy:
-            LS.argmax_sample(k, ptr, ld, cfg.n_vocab, st, rows, slot0)
+            LS.argmax_sample(k, ptr, ld, cfg.n_vocab, st, rows, slot0, slots)
         else:
-            LS.topk_sample(k, ptr, ld, cfg.n_vocab, st, rows, slot0)
+            LS.topk_sample(k, ptr, ld, cfg.n_vocab, st, rows, slot0, slots)
+
+    def _finite_rows(self, logits: cp.ndarray) -> np.ndarray:
+        """Whether each row of ``logits`` (at most 64) is free of NaNs and infinities (one kernel and
+        a wait for the stream)."""
+        rows = logits.shape[0]
+        bad = self._bad_rows[:rows]
+        with self.stream:
+            LS.finite_rows(self.kernels, logits.data.ptr, logits.strides[0] // 4, logits.shape[1], rows, bad.data.ptr)
+        return cp.asnumpy(bad, stream=self.stream) == 0
 
     def _check_finite(self, logits: cp.ndarray) -> None:
         """Damaged weights show in a prompt's logits: one line, where the GPU sampler would pick
-        token 0 from NaNs for ever (one reduction and a wait per prompt)."""
-        with self.stream:
-            ok = bool(cp.isfinite(logits).all())
-        if not ok:
+        token 0 from NaNs for ever (one kernel and a wait per prompt)."""
+        if not self._finite_rows(logits).all():
             raise GGUFError(NOT_FINITE)
 
     def gpu_sampling(self, params: SamplingParams) -> bool:
         """Whether the GPU sampler covers these parameters (else the host samples)."""
         return params.greedy or 0 < params.top_k <= MAX_GPU_TOP_K
 
-    def _prime(self, slot: int, history: Sequence[int], params: SamplingParams, seed: int) -> None:
-        """Host writes that start a slot's decoding (at admission, never between tokens)."""
-        s = self.stream
-        one = lambda a, v, t: a[slot:slot + 1].set(np.array([v], t), stream=s)  # noqa: E731
-        tail = np.asarray(list(history)[-HIST:], np.int32)
-        hist = np.zeros(HIST, np.int32)
-        hist[:tail.shape[0]] = tail
-        self.hist[slot * HIST:(slot + 1) * HIST].set(hist, stream=s)
-        one(self.hist_n, tail.shape[0], np.int32)
-        one(self.step, 0, np.int32)
-        one(self.counter, 0, np.uint32)
-        one(self.pos, self.slot_len[slot] - 1, np.int32)
-        one(self.seq, slot, np.int32)
-        one(self.p_top_k, params.top_k if 0 < params.top_k <= MAX_GPU_TOP_K else MAX_GPU_TOP_K, np.int32)
-        one(self.p_last_n, HIST if params.repeat_last_n < 0 else min(HIST, params.repeat_last_n), np.int32)
-        one(self.p_top_p, params.top_p, np.float32)
-        one(self.p_min_p, params.min_p, np.float32)
-        one(self.p_temp, 0.0 if params.greedy else params.temperature, np.float32)
-        one(self.p_penalty, params.repeat_penalty, np.float32)
-        one(self.p_seed, seed, np.uint64)
+    def _prime(self, slot: int, history: Sequence[int], params: SamplingParams, seed: int,
+               slots: Sequence[int] = ()) -> None:
+        """Start a slot's decoding (at admission, never between tokens): its history, position and
+        sampler parameters, in one copy and one kernel (sampling.cu prime_slots). With ``slots``,
+        after the table: the slot map of a packed forward's rows for _sample (read back by it)."""
+        self._prime_many([(slot, history, params, seed)], slots)
+
+    def _prime_many(self, seqs: Sequence[tuple[int, Sequence[int], SamplingParams, int]],
+                    slots: Sequence[int] = ()) -> int:
+        """_prime for several (slot, history, params, seed); returns the device address of the slot
+        map ``slots`` copied after the table (0 without one)."""
+        rows = [(slot, history, self.slot_len[slot] - 1,
+                 p.top_k if 0 < p.top_k <= MAX_GPU_TOP_K else MAX_GPU_TOP_K,
+                 HIST if p.repeat_last_n < 0 else min(HIST, p.repeat_last_n),
+                 p.top_p, p.min_p, 0.0 if p.greedy else p.temperature, p.repeat_penalty, seed)
+                for slot, history, p, seed in seqs]
+        table = LS.prime_table(rows).ravel()
+        n = table.shape[0]
+        if len(slots):
+            table = np.concatenate([table, np.asarray(slots, np.int32)])
+        dev = self._prime_buf[:table.shape[0]]  # (reused in stream order: the copy waits for earlier readers)
+        dev.set(table, stream=self.stream)
+        with self.stream:
+            LS.prime_slots(self.kernels, dev.data.ptr, len(rows), self.sampler_state)
+        return dev[n:].data.ptr if len(slots) else 0
 
     # ---- the decode step and its graphs ---------------------------------------------------------
     def _set_pdl_rows(self) -> None:
@@ -482,14 +499,36 @@ class CudaBackend(PrefillMixin):
     def _run_parts(self, group: list) -> None:
         if len(group) > 1 and all(len(t) for _, t, _ in group):
             self._forward_parts([(s, t) for s, t, _ in group])
-            for row, (s, _, first) in enumerate(group):
-                if first is not None:
-                    self.seq_first(s, *first, row=row)
+            self._first_many([(row, s, first) for row, (s, _, first) in enumerate(group) if first is not None],
+                             len(group))
             return
         for s, t, first in group:
             self.seq_prefill(s, t)
             if first is not None:
                 self.seq_first(s, *first)
+
+    def _first_many(self, firsts: list, rows: int) -> None:
+        """seq_first of several slots after one packed forward: ``firsts`` = (logits row, slot,
+        seq_first's (prompt, params, seed, publish)). One finiteness check (one wait), one prime
+        launch and one sampling launch for all of them (the slot map sends row r to its slot)."""
+        if not firsts:
+            return
+        ok = self._finite_rows(self.last_logits[:rows])
+        if not all(ok[row] for row, _, _ in firsts):
+            raise GGUFError(NOT_FINITE)
+        slots = [-1] * rows
+        for row, slot, (prompt, _, _, publish) in firsts:
+            slots[row] = slot
+            if publish:
+                self.kv.publish(slot, prompt)
+        seeds = [(slot, prompt, params, int(seed) if seed is not None else secrets.randbits(63))
+                 for _, slot, (prompt, params, seed, _) in firsts]
+        slot_map = self._prime_many(seeds, slots)
+        modes = [self._mode(params) for _, _, (_, params, _, _) in firsts]
+        with self.stream:  # greedy rows take the top-k kernel's greedy path where the group mixes both
+            self._sample(all(g for g, _ in modes), any(p for _, p in modes), rows=rows, slots=slot_map)
+        for _, slot, _ in firsts:
+            self.decoding[slot] = True
 
     def batch_step(self, n_slots: int) -> None:
         """One decode step for every active slot below n_slots (the bucket's graph)."""

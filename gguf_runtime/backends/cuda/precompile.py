@@ -3,7 +3,7 @@ kernel compiles on the first token or inside a graph capture.
 
 The list is not derived from the dispatch rules: the backend's own calls run once against a
 recording launcher (``Kernels.record``), which notes each kernel a launch would use and runs
-nothing: every decode step size and sampling mode, prompt chunks of 1 to MAX_MMV_TOKENS rows and
+nothing: every decode step size and sampling mode, a sequence's start, prompt chunks of 1 to MAX_MMV_TOKENS rows and
 a full chunk (with and without every row's logits), and the f16 copies of the cuBLAS prefill.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from ...quant_kernels import launch_sampling as LS
 from ...quant_kernels import launchers as L
 
 MODES = ((True, False), (True, True), (False, False), (False, True))  # (greedy, penalty) samplers
@@ -34,6 +35,8 @@ def precompile(backend, buckets: Sequence[int]) -> None:
             for rows in (b for b in buckets if b <= backend.max_batch):
                 for mode in MODES:
                     backend._step(rows, mode)
+            LS.prime_slots(k, 0, 1, backend.sampler_state)  # every admission's (records only)
+            LS.finite_rows(k, 0, 0, 0, 1, 0)
             chunk = backend.ws.max_rows
             for rows in [*range(1, L.MAX_MMV_TOKENS + 1), chunk] if chunk > L.MAX_MMV_TOKENS else range(1, chunk + 1):
                 for all_logits in (False, True):
