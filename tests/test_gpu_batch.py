@@ -265,7 +265,8 @@ def test_packed_first_tokens_mix_greedy_sampled_and_penalized(backend):
     """The first tokens of one packed forward's prompts, sampled in one launch through the slot map
     (a greedy prompt, a sampled one, a sampled one with a repetition penalty, and a chunk that is
     not its prompt's last part, which samples nothing): each slot's sampler state and first token
-    are those of the prompt admitted alone with the same seed (seq_add)."""
+    are those of its logits row sampled alone (seq_first's kernels, per mode) into another slot
+    with the same seed, from a copy of the same logits (the penalty edits them in place)."""
     be = backend
     free = be.kv.free_pages()
     rng = np.random.default_rng(21)
@@ -273,21 +274,77 @@ def test_packed_first_tokens_mix_greedy_sampled_and_penalized(backend):
     params = [GREEDY, SamplingParams(temperature=0.9, top_k=50, seed=5),
               SamplingParams(temperature=0.7, top_k=20, repeat_penalty=1.3, repeat_last_n=32, seed=6), GREEDY]
     seeds = [11, 12, 13, 14]
-    for slot, p, q in zip((9, 3, 7, 5), ps, params):
+    slots, alone = (9, 3, 5, 7), (20, 21, 22, 23)
+    for slot, other, p, q in zip(slots, alone, ps, params):
         assert be.seq_start(slot, p, q, 10) == 0
-    be.seq_prefill_many([(9, ps[0], (ps[0], params[0], seeds[0], False)), (3, ps[1], (ps[1], params[1], seeds[1], False)),
-                         (5, ps[3][:40], None), (7, ps[2], (ps[2], params[2], seeds[2], False))])
-    for slot, p, q, seed in zip((20, 21, 22), ps, params, seeds):
-        be.seq_add(slot, p, q, 10, seed=seed)
+        assert be.seq_start(other, p, q, 10) == 0
+    parts = [(9, ps[0]), (3, ps[1]), (5, ps[3][:40]), (7, ps[2])]
+    be._forward_parts(parts)
+    with be.stream:
+        saved = be.last_logits.copy()
+    firsts = [(0, 9, (ps[0], params[0], seeds[0], False)), (1, 3, (ps[1], params[1], seeds[1], False)),
+              (3, 7, (ps[2], params[2], seeds[2], False))]
+    be._first_many(firsts, 4)
+    for row, slot, (p, q, seed, _) in firsts:
+        other = alone[slots.index(slot)]
+        be.slot_len[other] = be.slot_len[slot]
+        be._prime(other, p, q, seed)
+        with be.stream:
+            be.last_logits[:4] = saved
+            be._sample(*be._mode(q), rows=1, slot0=other, row=row)
     be.stream.synchronize()
     state = lambda a, s, w=1: a[s * w:(s + 1) * w].get().tolist()  # noqa: E731
-    for packed, alone in ((9, 20), (3, 21), (7, 22)):
-        assert be.seq_token(packed, 0) == be.seq_token(alone, 0), (packed, alone)
+    for row, slot, _ in firsts:
+        other = alone[slots.index(slot)]
+        assert be.seq_token(slot, 0) == be.seq_token(other, 0), (slot, other)
         for a, w in ((be.pos, 1), (be.hist_n, 1), (be.hist, 64), (be.step, 1), (be.p_temp, 1), (be.p_seed, 1),
-                     (be.p_penalty, 1), (be.p_last_n, 1), (be.p_top_k, 1)):
-            assert state(a, packed, w) == state(a, alone, w)
-        assert state(be.seq, packed) == [packed] and be.decoding[packed]
+                     (be.p_penalty, 1), (be.p_last_n, 1), (be.p_top_k, 1), (be.counter, 1)):
+            assert state(a, slot, w) == state(a, other, w)
+        assert state(be.seq, slot) == [slot] and be.decoding[slot]
     assert not be.decoding[5] and int(be.seq[5].get()) == -1  # the unfinished prompt: nothing sampled
-    for s in (9, 3, 7, 5, 20, 21, 22):
+    for s in slots + alone:
         be.seq_release(s)
+    assert be.kv.free_pages() == free
+
+
+def test_packed_forward_graph_replays_equal_eager_runs(backend):
+    """A packed forward's padded size runs eagerly first, then as a captured graph: the graph
+    reads each call's prompts, positions and last rows from device memory (one set of prompts
+    replayed, then another of the same padded size), and its logits are bitwise those of the
+    eager forward of the same prompts."""
+    be = backend
+    if not (be.use_graph and be.pack_graph):
+        pytest.skip("packed forwards are not graphed here")
+    free = be.kv.free_pages()
+    rng = np.random.default_rng(33)
+    sets = [[rng.integers(10, 30000, n).tolist() for n in lens] for lens in ((30, 47, 9), (12, 60, 33))]
+
+    def run(ps, graph):
+        be.pack_graph = graph
+        try:
+            for slot, p in zip((30, 31, 32), ps):
+                be.seq_start(slot, p, GREEDY, 4)
+            be.seq_prefill_many([(s, p, (p, GREEDY, 0, False)) for s, p in zip((30, 31, 32), ps)])
+            out = cp.asnumpy(be.last_logits[:3], stream=be.stream)
+            be.stream.synchronize()
+            return out, [be.seq_token(s, 0) for s in (30, 31, 32)]
+        finally:
+            for s in (30, 31, 32):
+                be.seq_release(s)
+            be.pack_graph = True
+
+    rows = be.part_rows(30) + be.part_rows(47) + be.part_rows(9)
+    key = ("packed", -(-rows // be.tune.prefill_quantum) * be.tune.prefill_quantum)
+    be._prefill_runs.pop(key, None)
+    be.graphs.graphs.pop(key, None)
+    eager = [run(ps, False) for ps in sets]
+    be._prefill_runs.pop(key, None)
+    run(sets[0], True)  # first sight of the size: eager, the warm-up
+    assert not be.graphs.has(key)
+    launches = be.graphs.launches
+    graphed = [run(ps, True) for ps in sets]  # captured, then replayed with other prompts
+    assert be.graphs.has(key) and be.graphs.launches == launches + 2
+    for (le, te), (lg, tg) in zip(eager, graphed):
+        np.testing.assert_array_equal(lg, le)
+        assert tg == te
     assert be.kv.free_pages() == free

@@ -24,7 +24,7 @@ from ...model import rope_inv_freq
 from .blocks import CudaBlocks
 from .workspace import Workspace
 from .precompile import precompile
-from .prefill import PrefillMixin
+from .prefill import PACK_HEAD, PrefillMixin
 from .weights import DeviceWeights
 from ...errors import BackendError, ContextOverflowError, GGUFError, UnsupportedModelError
 from ...format.gguf_file import GGUFFile
@@ -113,6 +113,7 @@ class CudaBackend(PrefillMixin):
                                           moe=cfg.n_expert > 0)
         self.prefill_graph = use_graph and self.tune.prefill_graph  # prefill chunks as graphs, one per padded size
         self._prefill_runs: dict[tuple, int] = {}
+        self.pack_graph = self.prefill_graph  # packed prompt forwards as graphs, one per padded size
         self.pdl = pdl.supported(cp.cuda.Device()) and self.tune.pdl != "off"
         try:
             self.stream = cp.cuda.Stream(non_blocking=True)
@@ -230,6 +231,9 @@ class CudaBackend(PrefillMixin):
             last_n=self.p_last_n.data.ptr, seq=self.seq.data.ptr)
         # _prime_many's table, a row per slot at most, and a slot map of up to 64 rows
         self._prime_buf = cp.empty(n * (LS.PRIME_COLS + HIST) + 64, cp.int32)
+        # a packed forward's last rows (indices, then their residual rows) for its head: prefill.py
+        self._pack_last = cp.zeros(PACK_HEAD, cp.int32)
+        self._pack_x = cp.zeros((PACK_HEAD, self.cfg.n_embd), cp.float32)
         self._bad_rows = cp.zeros(64, cp.int32)  # _finite_rows' flags
         self.slot_len = [0] * n  # tokens whose K/V sit in the slot's pages
         self.decoding = [False] * n  # slots the batch steps advance (seq_first .. seq_release)

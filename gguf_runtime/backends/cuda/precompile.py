@@ -43,7 +43,7 @@ def precompile(backend, buckets: Sequence[int]) -> None:
                     backend._prefill_rows(min(rows, backend.ws.logits.shape[0]) if all_logits else rows,
                                           all_logits)
             if backend.max_batch > 1 and backend.part_align():  # the server's packed prompts (16-row flash blocks)
-                backend._packed_rows(2 * backend.part_align(), [backend.part_align() - 1, 2 * backend.part_align() - 1])
+                backend._packed_rows(max(2 * backend.part_align(), backend.tune.prefill_quantum))
             if blocks.f16 is not None:
                 blocks.f16.fill()
     finally:

@@ -4,7 +4,10 @@ A chunk of more than MAX_MMV_TOKENS rows runs padded in front to a multiple of t
 (padding rows belong to sequence -1 and write nothing), so a padded size always launches the same
 kernels. Its first run is eager and doubles as the warm-up; from its second run on it is a CUDA
 graph (one per padded size and logits mode), which takes the host's launch cost out of prefill:
-hundreds of Python launches per chunk for a small model's 30 layers.
+hundreds of Python launches per chunk for a small model's 30 layers. Several sequences' prompt
+parts packed in one forward (the server's admissions) are graphed the same way, one graph per
+padded size: their rows padded at the end to a multiple of prefill_quantum, their last rows'
+indices in a device buffer, the head always over 64 rows.
 """
 
 from __future__ import annotations
@@ -20,9 +23,12 @@ from ...model import forward, layers
 from ...quant_kernels import launch_attention as LA
 from ...quant_kernels import launchers as L
 
+PACK_HEAD = 64  # rows of the head after a packed forward (the most parts it holds)
+
 class PrefillMixin:
     """``eval``/``prefill``/``truncate`` of CudaBackend (its attributes: ws, kv, blocks, graphs,
-    stream, use_graph, prefill_graph, slot_len, note; its ``_with_pdl`` for the captured step)."""
+    stream, use_graph, prefill_graph, pack_graph, slot_len, note, _pack_last, _pack_x; its
+    ``_with_pdl`` for the captured step)."""
 
     @property
     def n_past(self) -> int:
@@ -113,9 +119,11 @@ class PrefillMixin:
         return -(-n // a) * a if a else n
 
     def _forward_parts(self, parts: Sequence[tuple[int, Sequence[int]]]) -> cp.ndarray:
-        """The next tokens of several slots' prompts in one eager forward: part i's rows padded in
-        front (sequence -1) to a multiple of part_align, so no query block of the flash kernel
-        holds two sequences; returns the logits of each part's last token (ws.logits[:len(parts)])."""
+        """The next tokens of several slots' prompts in one forward: part i's rows padded in front
+        (sequence -1) to a multiple of part_align, so no query block of the flash kernel holds two
+        sequences, the whole padded at the end to a multiple of prefill_quantum (a graph per size
+        from its second run, as a chunk's); returns the logits of each part's last token
+        (ws.logits[:len(parts)])."""
         ws, align = self.ws, self.part_align()
         assert align and 1 < len(parts) <= min(64, ws.logits.shape[0])
         toks, pos, seq, last = [], [], [], []
@@ -131,35 +139,50 @@ class PrefillMixin:
             pos += [past + t] * pad + list(range(past, past + t))
             seq += [-1] * pad + [slot] * t
             last.append(len(toks) - 1)
-        rows = len(toks)
-        if rows > ws.max_rows:
-            raise ValueError(f"{rows} rows of prompt parts exceed the workspace's {ws.max_rows}")
+        if len(toks) > ws.max_rows:
+            raise ValueError(f"{len(toks)} rows of prompt parts exceed the workspace's {ws.max_rows}")
+        q = self.tune.prefill_quantum
+        rows = min(-(-len(toks) // q) * q, ws.max_rows)  # (a multiple of part_align: whole flash blocks of -1)
+        pad = rows - len(toks)
         i32 = lambda a: np.asarray(a, np.int32)  # noqa: E731
-        ws.tokens[:rows].set(i32(toks), stream=self.stream)
-        ws.pos[:rows].set(i32(pos), stream=self.stream)
-        ws.seq[:rows].set(i32(seq), stream=self.stream)
+        ws.tokens[:rows].set(i32(toks + [0] * pad), stream=self.stream)
+        ws.pos[:rows].set(i32(pos + [0] * pad), stream=self.stream)
+        ws.seq[:rows].set(i32(seq + [-1] * pad), stream=self.stream)
+        self._pack_last.set(i32(last + [last[-1]] * (PACK_HEAD - len(last))), stream=self.stream)
+        key = ("packed", rows)
+        seen = self._prefill_runs.get(key, 0)
+        self._prefill_runs[key] = seen + 1
+        graph = self.use_graph and self.pack_graph and seen > 0
+        if graph and not self.graphs.has(key):
+            try:  # the eager first run was its warm-up
+                self.graphs.capture(key, self._with_pdl(lambda: self._packed_rows(rows), rows), warmup=0)
+            except CaptureError as e:
+                self.pack_graph = graph = False
+                if self.note:
+                    self.note(f"warning: CUDA graph capture of packed prompts failed ({e}); evaluating them eagerly")
         with self.stream:
-            logits = self._packed_rows(rows, last)
+            if graph:
+                self.graphs.replay(key)
+            else:
+                self._packed_rows(rows)
         for slot, tokens in parts:
             self.slot_len[slot] += len(tokens)
-        self.last_logits = logits
+        self.last_logits = logits = ws.logits[:len(parts)]
         return logits
 
-    def _packed_rows(self, rows: int, last: list[int]) -> cp.ndarray:
+    def _packed_rows(self, rows: int) -> cp.ndarray:
         """The model over ws.tokens/pos/seq[:rows] with part_align-row flash blocks; logits of the
-        rows ``last``: the head over them padded to a batch bucket, as a decode step of that bucket
-        runs it (kernels compiled at load: another row count would compile mid-serving)."""
-        k = len(last)
-        bucket = 1 << (k - 1).bit_length()  # (the batch buckets are the powers of two up to 64)
+        rows _pack_last names: the head over those 64 rows as a decode step of 64 runs it (kernels
+        compiled at load; one head size, so one graph per row count)."""
         b = self._prefill_mode()
         b.flash_rows = self.part_align()
         try:
             x = layers(b, self.cfg, self.ws.tokens[:rows], self.ws.pos[:rows])
         finally:
             b.flash_rows = 0
-        xk = x[cp.asarray(np.asarray(last + [last[-1]] * (bucket - k), np.int32))]
-        b.mma, b.decode, b.mmv_rows = bucket > b.decode_mmv_rows, True, b.decode_mmv_rows
-        return b.logits(xk)[:k]
+        cp.take(x, self._pack_last, axis=0, out=self._pack_x)
+        b.mma, b.decode, b.mmv_rows = PACK_HEAD > b.decode_mmv_rows, True, b.decode_mmv_rows
+        return b.logits(self._pack_x)
 
     def _prefill_mode(self):
         """The blocks set for a prompt chunk (one sequence's rows, matvecs up to MAX_MMV_TOKENS)."""

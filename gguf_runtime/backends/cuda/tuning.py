@@ -36,7 +36,7 @@ class Tuning:
     # -- prefill
     prefill_chunk: int = 2048  # rows per prefill call (the workspace's height): weights dequantized once per 2048 rows
     prefill_quantum: int = 64  # chunks pad to multiples of this: few graph sizes, mma-friendly rows
-    prefill_graph: bool = True  # chunks replay as graphs from their second run (small models' prefill is host-bound)
+    prefill_graph: bool = True  # chunks (and packed prompts) replay as graphs from a size's second run (small models' prefill is host-bound)
     f16_resident_max_bytes: int = 1 << 30  # f16 prefill copies kept up to this; above, dequantized per group
     # -- the matvec path (decode, short prompts)
     q8: bool = True  # int8 activations + dp4a for integer weights: faster on every reference model
