@@ -611,8 +611,9 @@ def test_rejected_giant_prompts_do_not_grow_memory(model_path):
 
 def test_a_slow_prompt_does_not_hold_up_the_others(model_path):
     """A 1.2 MB one-word prompt (it fits the byte check at context 16,384, and its BPE takes
-    seconds) is tokenized while a short request is rendered, tokenized and answered: prompts are
-    prepared on several threads. (The giant one is then refused: 300,030 tokens.) The threads share
+    seconds) is tokenized while a short request is rendered, tokenized and answered: a large prompt
+    is prepared on a prep thread (a small one on the event loop). (The giant one is then refused:
+    300,030 tokens.) The threads share
     the GIL, so the short request is slowed while the giant one is tokenized (0.06 s alone, 0.13 s
     beside a 600 KB one with the server's 1 ms switch interval, 0.4 s at Python's 5 ms, on a fast
     2-core machine; CI once took longer than a 600 KB prompt's tokenization): the giant prompt is

@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import gc
 import json
+import logging
 import math
 import os
 import sys
@@ -32,6 +33,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from ..errors import GGUFRunError, printable
 from . import schemas as S
 from .scheduler import EmbedJob, Job, Scheduler, ServerBusy, ShuttingDown
+
+log = logging.getLogger("gguf_runtime.server")
 
 MAX_BODY = 1 << 20
 
@@ -67,6 +70,12 @@ def exit_process(e: BaseException) -> None:
 
 
 PREP_THREADS = 4  # prompts rendered and tokenized at once (templates stop at 2 s; a 1 MB word takes seconds)
+# A request body of at most this many bytes is rendered and tokenized on the event loop: the hop to
+# a prep thread and back costs more than the work (bench/RESULTS.md row 145). Once such a render
+# takes longer than INLINE_PREP_MAX_S (a template slow on small input), every prompt goes to the
+# prep threads from then on, so a slow template can hold the event loop at most once.
+INLINE_PREP_BYTES = 8192
+INLINE_PREP_MAX_S = 0.02
 # The GIL's switch interval while serving (Python's default is 5 ms). The scheduler thread gives the
 # GIL up at each numpy or CUDA call, and while a long prompt is tokenized it waits up to the interval
 # to have it back, every time (bench/RESULTS.md row 136).
@@ -108,6 +117,7 @@ class Service:
         self._holds = 0  # requests inside ``using``
         self._last_busy = time.monotonic()
         self._closed = False
+        self.inline_prep = True  # small prompts prepared on the event loop (see INLINE_PREP_BYTES)
         self.cards: dict[str, S.ModelCard] = {}  # by name: the loaded model's, and header-only ones
         self.current = ""  # the name of the model the scheduler serves (or last served)
         self._wanted: str | None = None  # a model requests wait to swap to
@@ -348,12 +358,28 @@ class _Stream(StreamingResponse):
             self.on_close()
 
 
+async def prepare(svc: Service, request: Request, encode: Callable[[], Any]) -> Any:
+    """encode() (template and tokenizer) on the event loop for a small request body, else on a prep
+    thread; a small one that took long sends every later one to the prep threads."""
+    size = request.headers.get("content-length", "")
+    if not (svc.inline_prep and size.isdigit() and int(size) <= INLINE_PREP_BYTES):
+        return await asyncio.get_running_loop().run_in_executor(svc.prep, encode)
+    t0 = time.perf_counter()
+    try:
+        return encode()
+    finally:
+        if time.perf_counter() - t0 > INLINE_PREP_MAX_S:
+            svc.inline_prep = False
+            log.warning("a small prompt took %.0f ms to prepare: prompts are prepared off the event loop from now on",
+                        1e3 * (time.perf_counter() - t0))
+
+
 async def run_job(svc: Service, request: Request, fmt, encode: Callable[[], list[int]],
                   params, requested: int | None, stop: tuple[str, ...], stream: bool,
                   n_ctx: int | None = None, grammar: str | None = None,
                   keep: frozenset[int] = frozenset(), logprobs: int = -1) -> Response:
     t0 = time.perf_counter()
-    ids = await asyncio.get_running_loop().run_in_executor(svc.prep, encode)
+    ids = await prepare(svc, request, encode)
     sched, mail = svc.scheduler, svc.mailbox()
     max_new = sched.budget(len(ids), requested, n_ctx)
     q: asyncio.Queue = asyncio.Queue()
@@ -443,7 +469,7 @@ async def run_choices(svc: Service, request: Request, make_fmt: Callable[[], Any
     fails the request and cancels the others; so does the client leaving. Streamed, the choices'
     chunks interleave as their tokens come (each with its index), one usage chunk and [DONE] last."""
     t0 = time.perf_counter()
-    prompts = await asyncio.get_running_loop().run_in_executor(svc.prep, encode)
+    prompts = await prepare(svc, request, encode)
     sched, mail = svc.scheduler, svc.mailbox()
     budgets = [sched.budget(len(ids), requested) for ids in prompts]
     k = len(prompts) * n
