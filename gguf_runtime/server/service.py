@@ -72,8 +72,8 @@ def exit_process(e: BaseException) -> None:
 PREP_THREADS = 4  # prompts rendered and tokenized at once (templates stop at 2 s; a 1 MB word takes seconds)
 # A request body of at most this many bytes is rendered and tokenized on the event loop: the hop to
 # a prep thread and back costs more than the work (bench/RESULTS.md row 145). Once such a render
-# takes longer than INLINE_PREP_MAX_S (a template slow on small input; SmolLM2's renders a short
-# chat in 0.2 ms, 15 ms the first time), every prompt goes to the prep threads from then on, so a
+# takes longer than INLINE_PREP_MAX_S (a template slow on small input; a normal one stays far
+# below it, its cold first render too), every prompt goes to the prep threads from then on, so a
 # slow template can hold the event loop at most once.
 INLINE_PREP_BYTES = 8192
 INLINE_PREP_MAX_S = 0.1
