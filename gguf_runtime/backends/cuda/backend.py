@@ -277,17 +277,16 @@ class CudaBackend(PrefillMixin):
         """Whether the GPU sampler covers these parameters (else the host samples)."""
         return params.greedy or 0 < params.top_k <= MAX_GPU_TOP_K
 
-    def _prime(self, slot: int, history: Sequence[int], params: SamplingParams, seed: int,
-               slots: Sequence[int] = ()) -> None:
+    def _prime(self, slot: int, history: Sequence[int], params: SamplingParams, seed: int) -> None:
         """Start a slot's decoding (at admission, never between tokens): its history, position and
-        sampler parameters, in one copy and one kernel (sampling.cu prime_slots). With ``slots``,
-        after the table: the slot map of a packed forward's rows for _sample (read back by it)."""
-        self._prime_many([(slot, history, params, seed)], slots)
+        sampler parameters, in one copy and one kernel (sampling.cu prime_slots)."""
+        self._prime_many([(slot, history, params, seed)])
 
     def _prime_many(self, seqs: Sequence[tuple[int, Sequence[int], SamplingParams, int]],
                     slots: Sequence[int] = ()) -> int:
-        """_prime for several (slot, history, params, seed); returns the device address of the slot
-        map ``slots`` copied after the table (0 without one)."""
+        """_prime for several (slot, history, params, seed). ``slots``, a packed forward's slot map
+        for _sample, is copied after the table in the same copy; returns its device address (0
+        without one)."""
         rows = [(slot, history, self.slot_len[slot] - 1,
                  p.top_k if 0 < p.top_k <= MAX_GPU_TOP_K else MAX_GPU_TOP_K,
                  HIST if p.repeat_last_n < 0 else min(HIST, p.repeat_last_n),
