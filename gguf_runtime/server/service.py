@@ -369,10 +369,10 @@ async def prepare(svc: Service, request: Request, encode: Callable[[], Any]) -> 
     try:
         return encode()
     finally:
-        if time.perf_counter() - t0 > INLINE_PREP_MAX_S:
+        if (took := time.perf_counter() - t0) > INLINE_PREP_MAX_S:
             svc.inline_prep = False
             log.warning("a small prompt took %.0f ms to prepare: prompts are prepared off the event loop from now on",
-                        1e3 * (time.perf_counter() - t0))
+                        1e3 * took)
 
 
 async def run_job(svc: Service, request: Request, fmt, encode: Callable[[], list[int]],
