@@ -3,7 +3,10 @@
 // share through per-warp cp.async rings deep enough to keep the cache's bytes in flight at depth.
 //
 // A block takes the G query heads of one KV head for row t and keys [start, end) of the row's
-// range cut into ns = min(n_split, ceil(n / min_keys)) chunks (blocks past ns exit). target > 0:
+// range cut into ns = min(n_split, ceil(n / min_keys)) chunks of whole KT-aligned tiles (blocks past
+// ns exit; keys before the window's start are masked), so that a tile of a page holds one run of
+// rows: one page lookup a tile (bench/RESULTS.md: the per-row lookups were half a q8_0 tile's
+// instructions). target > 0:
 // the splits follow the work of the whole step instead, about ``target`` blocks in all (the SMs'
 // share): a split covers at least total keys x n_head_kv / target keys, so one long row among
 // short ones takes many blocks and each short one a single block. Its NW warps
@@ -33,22 +36,46 @@ template <int D, int G, int NW, int KT, int ST, class KV> struct Dec {
     static_assert(WARP_BYTES >= G * D * 4 + 2 * G * 4, "the merge reuses a warp's ring");
 };
 
-// One warp's cp.async of keys [k0, k0 + KT) into a stage; keys at or past end or without a page are
-// zero-filled (masked later); the key ``skip`` is left alone (its row is requested later: two
-// copies in flight to one address would land in either order).
+// One warp's cp.async of the KT-aligned tile of keys [k0, k0 + KT) into a stage; keys at or past
+// end are zero-filled (masked later); the key ``skip`` is left alone (its row is requested later:
+// two copies in flight to one address would land in either order). A tile inside one page (pages
+// of KT keys or more) is one run of rows: one page lookup, consecutive lanes on consecutive bytes;
+// a tile over several pages looks each row's page up.
 template <class F, int D, class KV>
 DEV void dec_load(int k0, int end, int skip, const int* tab, int max_pages, int page_size, int n_head_kv, int hk,
                   int lane, const KV* kcache, const KV* vcache, char* Ks, char* Vs) {
-    constexpr int P = KvRow<KV, D>::PIECES;
+    using R = KvRow<KV, D>;
+    constexpr int KT = F::KTILE, VP = R::VB / 16;  // 16-byte pieces of a row's values
+    const char* kb = reinterpret_cast<const char*>(kcache);
+    const char* vb = reinterpret_cast<const char*>(vcache);
+    const int valid = min(KT, end - k0);  // rows below end
+    const bool one = page_size >= KT;
+    auto block_of = [&](int key) -> long {  // the (page, hk) block of key, -1 without a page
+        const int pg = kv_page(key, page_size);
+        const int page = key < end && pg < max_pages ? tab[pg] : -1;
+        return page >= 0 ? kv_block<KV, D>(page, hk, n_head_kv, page_size) : -1;
+    };
+    const long blk = one ? block_of(k0) : -1;
 #pragma unroll
-    for (int i = lane; i < F::KTILE * P; i += 32) {
-        const int j = i / P, c = i % P, key = k0 + j;
+    for (int i = lane; i < KT * VP; i += 32) {
+        const int j = i / VP, c = i % VP, key = k0 + j;
         if (key == skip) continue;
-        const int page = key < end && kv_page(key, page_size) < max_pages ? tab[kv_page(key, page_size)] : -1;
-        const bool ok = page >= 0;
-        const long blk = ok ? kv_block<KV, D>(page, hk, n_head_kv, page_size) : 0;
-        kv_stage_piece<KV, D, F::KTILE, F::LDRB>(j, c, kcache, blk, kv_slot(key, page_size), page_size, ok, Ks);
-        kv_stage_piece<KV, D, F::KTILE, F::LDRB>(j, c, vcache, blk, kv_slot(key, page_size), page_size, ok, Vs);
+        const long b = one ? blk : block_of(key);
+        const bool ok = j < valid && b >= 0;
+        const long at = ok ? b + (long)kv_slot(key, page_size) * R::VB + 16 * c : 0;
+        fa_cp16(Ks + j * F::LDRB + 16 * c, kb + at, ok);
+        fa_cp16(Vs + j * F::LDRB + 16 * c, vb + at, ok);
+    }
+    if constexpr (R::SB > 0) {  // the rows' scales, a lane a row
+        static_assert(KT <= 32, "a lane a row");
+        const int key = k0 + lane;
+        if (lane < KT && key != skip) {
+            const long b = one ? blk : block_of(key);
+            const bool ok = lane < valid && b >= 0;
+            const long at = ok ? b + (long)page_size * R::VB + kv_slot(key, page_size) * R::SB : 0;
+            kv_cp<R::SB>(Ks + KT * F::LDRB + lane * R::SB, kb + at, ok);
+            kv_cp<R::SB>(Vs + KT * F::LDRB + lane * R::SB, vb + at, ok);
+        }
     }
 }
 
@@ -71,7 +98,8 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
     const bool pad = seq[t] < 0;  // a padding row of a batch bucket: no keys
     const int p = pad ? 0 : pos[t];
     const int lo = window > 0 ? max(0, p - window + 1) : 0;
-    const int n = p + 1 - lo;
+    const int base = lo / KT * KT;  // tiles start at multiples of KT (keys below lo are masked)
+    const int n = p + 1 - base;
     int ns = min(n_split, (n + min_keys - 1) / min_keys);
     if (target > 0) {  // keys a split from the step's total (every block of the step computes the same)
         long total = 0;
@@ -80,9 +108,11 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
         const int kps = max(min_keys, (int)((total * n_head_kv + target - 1) / target));
         ns = max(1, min(n_split, n / kps));
     }
-    if (s >= ns) return;  // every block of the row computes the same ns
-    const int chunk = (n + ns - 1) / ns;
-    const int start = lo + s * chunk, end = pad ? start : min(p + 1, start + chunk);
+    // a split's keys: whole tiles; ns again so that none is empty (every block computes the same)
+    const int tiles = (n + KT - 1) / KT, chunk = (tiles + ns - 1) / ns * KT;
+    ns = (n + chunk - 1) / chunk;
+    if (s >= ns) return;
+    const int start = base + s * chunk, end = pad ? start : min(p + 1, start + chunk);
     const int* tab = table + (long)(pad ? 0 : seq[t]) * max_pages;
 
     char* ring = reinterpret_cast<char*>(fd_smem) + warp * F::WARP_BYTES;
@@ -183,13 +213,14 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
             for (int e = 0; e < 2; ++e) {
                 float v = sc[nn][e];
                 if (cap > 0.f) v = cap * tanhf(v / cap);
-                v = k0 + 8 * nn + 2 * tig + e < end ? v * LOG2E : -INFINITY;
+                const int key = k0 + 8 * nn + 2 * tig + e;
+                v = key < end && key >= lo ? v * LOG2E : -INFINITY;
                 sc[nn][e] = v;
                 x = fmaxf(x, v);
             }
         x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
         x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-        const float mn = fmaxf(m, x);  // finite: every tile holds at least one key below end
+        const float mn = fmaxf(m, x);  // finite: every tile holds at least one key of [lo, end)
         const float c = exp2f(m - mn);
         m = mn;
         float ts = 0.f;
