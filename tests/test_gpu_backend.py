@@ -244,3 +244,45 @@ def test_a_context_too_large_for_the_gpu_names_the_largest_that_fits(pair):
     be = CudaBackend(f, cfg, 65_536, use_graph=False)  # (not the largest: other tests share the GPU)
     assert be.kv.max_pages * be.kv.page_size == 65_536
 
+
+
+@pytest.mark.parametrize("kv", ["q8_0", "q4_0"])
+def test_quantized_cache_own_row(pair, kv, monkeypatch):
+    """Decode steps leave their keys and values in the QKV rows for flash_decode to quantize into
+    the cache (own_row, the default) in place of a rope_kv launch: the same logits and the same
+    cache bytes as with the launch (three sequences of a bucket of four, eager steps)."""
+    from gguf_runtime.format.model_config import ROPE_NEOX
+    from gguf_runtime.quant_kernels import launch_attention as LA
+    from test_gpu_batch import GREEDY, prompts
+
+    f, cfg, _, _ = pair
+    launches, real = [], LA.flash_decode
+
+    def spy(*a, **kw):
+        launches.append(kw.get("own") is not None)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(LA, "flash_decode", spy)
+    outs, keys, vals = [], [], []
+    for own in ("1", "0"):
+        monkeypatch.setenv("GGUF_RUN_TUNE", f"own_row={own}")
+        be = CudaBackend(f, cfg, 512, max_batch=4, use_graph=False, kv_type=kv)
+        for s, p in enumerate(prompts(3, seed=4)):
+            be.seq_add(s, p, GREEDY, 64)
+        be.stream.synchronize()
+        launches.clear()
+        steps = []
+        with be.stream:
+            for _ in range(4):
+                be._step(4, (False, True))
+                steps.append(be.ws.logits[:3].get())
+        # the own path: rope pairs (2i, 2i+1) and no per-head norm (else rope_kv)
+        fusable = cfg.rope.style != ROPE_NEOX and not cfg.qk_norm
+        assert any(launches) == (own == "1" and fusable), launches
+        outs.append(np.stack(steps))
+        keys.append(be.kv.k[cfg.n_layer - 1].get())
+        vals.append(be.kv.v[cfg.n_layer - 1].get())
+        del be
+    assert np.isfinite(outs[0]).all()
+    assert (keys[0] == keys[1]).all() and (vals[0] == vals[1]).all()
+    assert (outs[0] == outs[1]).all(), np.abs(outs[0] - outs[1]).max()

@@ -161,3 +161,58 @@ def test_flash_decode_work_split(kv, rng):
                    0.0, 0, 32, kv, early=True).reshape(len(depths), hq, d)
     for i, (K, V) in enumerate(KV):
         assert rel(o[i], attention_ref(q[i:i + 1], K, V, pos[i:i + 1], scale, 0.0, 0)[0]) < BAR
+
+
+@pytest.mark.parametrize("kv", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("d,hq,hkv", [(64, 9, 3), (128, 32, 8)])
+@pytest.mark.parametrize("n_split", [1, 4, 32])
+def test_flash_decode_own_row(k, kv, d, hq, hkv, n_split, rng):
+    """own: each row's own key and value are not in the cache yet (their bytes there are poison) but
+    in its QKV row (float32); the kernel quantizes them into the cache. The cache's bytes then
+    equal the reference quantizer's (kv_layout.pack), and the outputs equal an early launch reading
+    the cache that held them already, bit for bit; a padding row writes nothing."""
+    depths = [0, 5, 15, 16, 33, 300, 1000]
+    rows = len(depths) + 1
+    pos = np.array(depths + [7], np.int32)
+    seq = np.array(list(range(len(depths))) + [-1], np.int32)
+    need = [p // PAGE + 1 for p in depths]
+    max_pages, n_pages = max(need), sum(need) + 3
+    order = rng.permutation(n_pages).astype(np.int32)
+    table = np.full((rows, max_pages), -1, np.int32)
+    at = 0
+    for s, n in enumerate(need):
+        table[s, :n] = order[at:at + n]
+        at += n
+    kf = rng.standard_normal((n_pages, hkv, PAGE, d)).astype(np.float32)
+    vf = rng.standard_normal((n_pages, hkv, PAGE, d)).astype(np.float32)
+    kc, vc = KL.pack(kf, kv), KL.pack(vf, kv)  # the caches holding every row, own ones too
+    ld = (hq + 2 * hkv) * d
+    qkv = rng.standard_normal((rows, ld)).astype(np.float32)
+    vb, sb = KL.row_bytes(kv, d)
+    kp, vp = kc.copy(), vc.copy()  # ... and with the own rows' bytes poisoned
+    for s, p in enumerate(depths):
+        page, slot = table[s, p // PAGE], p % PAGE
+        qkv[s, hq * d:(hq + hkv) * d] = kf[page, :, slot].reshape(-1)
+        qkv[s, (hq + hkv) * d:] = vf[page, :, slot].reshape(-1)
+        for c in (kp, vp):
+            c[page, :, slot * vb:(slot + 1) * vb] = 0x7F
+            c[page, :, PAGE * vb + slot * sb:PAGE * vb + (slot + 1) * sb] = 0xFF  # f16 NaN scales
+
+    def launch(kcache, vcache, own):
+        out = cp.full((rows, hq * d), POISON, cp.float32)
+        part_o = cp.full(rows * hq * n_split * d, POISON, cp.float32)
+        part_ml = cp.full(rows * hq * n_split * 2, POISON, cp.float32)
+        counter = cp.zeros(rows * hkv, cp.uint32)
+        qd, posd, seqd, tabd = (cp.asarray(a) for a in (qkv, pos, seq, table))
+        LA.flash_decode(k, qd.data.ptr, ld, rows, kcache.data.ptr, vcache.data.ptr, posd.data.ptr, seqd.data.ptr,
+                        tabd.data.ptr, max_pages, PAGE, hq, hkv, d, 1 / math.sqrt(d), 0.0, 0, n_split,
+                        part_o.data.ptr, part_ml.data.ptr, counter.data.ptr, out.data.ptr, hq * d, early=True,
+                        kv=kv, own=(qd.data.ptr, ld) if own else None)
+        cp.cuda.Device().synchronize()
+        return out.get()
+
+    ref = launch(cp.asarray(kc), cp.asarray(vc), False)
+    kd, vd = cp.asarray(kp), cp.asarray(vp)
+    got = launch(kd, vd, True)
+    assert np.isfinite(ref).all() and (got == ref).all()
+    assert (kd.get() == kc).all() and (vd.get() == vc).all(), "the own rows' bytes as the reference quantizer's"

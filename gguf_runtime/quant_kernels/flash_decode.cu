@@ -17,7 +17,10 @@
 // with V by ldmatrix.trans. The warps merge in shared memory (the stages' space), and the row's
 // splits merge in attn_parts.cuh's merge_splits. early != 0: the keys before the row's own
 // position come from earlier steps, so their tiles are requested before pdl_enter; the row's own
-// key (written by the kernel before) is requested after it. The cache is any of kv_cache.cuh's
+// key (written by the kernel before) is requested after it; or (own_kv, quantized caches) the
+// QKV product left the row's key (rotated) and value in own_kv's row, and the warp whose tile holds
+// the row's position quantizes them into that tile and the cache (kv_own_row: rope_kv's launch
+// saved; the epilogue writes f16 and float caches itself). The cache is any of kv_cache.cuh's
 // types: f16 stages are the tiles; float, q8_0 and q4_0 stages convert into the warp's f16 tiles
 // once they land (the quantized ones read half or a quarter of the bytes, but at depth the
 // kernel's time goes with its tiles, not their bytes: bench/RESULTS.md rows 100-102).
@@ -86,7 +89,7 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
         int page_size, int n_head_kv, float scale, float cap, int window, int n_split, int min_keys, int target,
         int early, float* __restrict__ part_o, float* __restrict__ part_ml, unsigned* __restrict__ counter,
         float* __restrict__ out, int ldo, u16* __restrict__ out16, int ld16, u8* oq, int ldoq, float4* os,
-        int ldos, int ores, const float* __restrict__ sinks) {
+        int ldos, int ores, const float* __restrict__ sinks, const float* __restrict__ own_kv, int ld_own) {
     using F = Dec<D, G, NW, KT, ST, KV>;
     constexpr int KS = D / 16, NS = KT / 8, ND = D / 8, LDH = F::LDH;
     constexpr float LOG2E = 1.4426950408889634f;
@@ -123,9 +126,13 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
     const int n_tiles = end > start ? (end - start + KT - 1) / KT : 0;
     const int mine = n_tiles > warp ? (n_tiles - 1 - warp) / NW + 1 : 0;  // this warp's tiles: warp + NW i
     const int skip = early ? p : -1;
-    // early: this warp's tile holding the row's own key, if the prologue requests it (else -1)
+    constexpr bool QUANT = KvRow<KV, D>::SB > 0;
+    const bool fuse = QUANT && early && own_kv != nullptr;  // this kernel writes the row's own key
+    // this warp's tile (its i) holding the row's own key, else -1; own: the same, where the prologue
+    // requests the key's row from the cache
     const int ot = (p - start) / KT;
-    const int own = early && end == p + 1 && ot % NW == warp && ot / NW < ST - 1 ? ot / NW : -1;
+    const int own_i = early && end == p + 1 && ot % NW == warp ? ot / NW : -1;
+    const int own = !fuse && own_i < ST - 1 ? own_i : -1;
 #pragma unroll
     for (int i = 0; i < ST - 1; ++i) {  // one commit group per tile (empty past the last)
         if (i < mine)
@@ -170,10 +177,21 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
         __syncwarp();                // ... for every lane; the stage computed last iteration is free
         if (i + ST - 1 < mine) {
             const int sn = (i + ST - 1) % ST;
-            dec_load<F, D, KV>(start + (warp + NW * (i + ST - 1)) * KT, end, -1, tab, max_pages, page_size,
-                               n_head_kv, hk, lane, kcache, vcache, Kst + sn * F::STAGE, Vst + sn * F::STAGE);
+            dec_load<F, D, KV>(start + (warp + NW * (i + ST - 1)) * KT, end, fuse ? p : -1, tab, max_pages,
+                               page_size, n_head_kv, hk, lane, kcache, vcache, Kst + sn * F::STAGE,
+                               Vst + sn * F::STAGE);
         }
         fa_commit();
+        if constexpr (QUANT) {
+            if (fuse && i == own_i) {  // the row's own key and value: quantized here (dec_load left the row)
+                const int page = tab[kv_page(p, page_size)], slot = kv_slot(p, page_size), j = p - k0;
+                const float* kx = own_kv + (long)t * ld_own + (n_head_kv * G + hk) * D;
+                kv_own_row<KV, D, KT, F::LDRB>(kx, kx + n_head_kv * D, lane, Kst + st * F::STAGE,
+                                               Vst + st * F::STAGE, j, const_cast<KV*>(kcache),
+                                               const_cast<KV*>(vcache), page, hk, n_head_kv, page_size, slot);
+                __syncwarp();
+            }
+        }
         const u16* Kt;
         const u16* Vt;
         if constexpr (F::RAW) {  // raw stage -> f16 tiles
@@ -303,7 +321,8 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
 #ifdef GGUF_INSTANTIATE_ALL
 #define INST1(D, G, NW, KT, ST, KV) template __global__ void flash_decode<D, G, NW, KT, ST, KV>(const float*, int, \
     const KV*, const KV*, const int*, const int*, const int*, int, int, int, float, float, int, int, int, int, \
-    int, float*, float*, unsigned*, float*, int, u16*, int, u8*, int, float4*, int, int, const float*);
+    int, float*, float*, unsigned*, float*, int, u16*, int, u8*, int, float4*, int, int, const float*, \
+    const float*, int);
 #define INST(D, G, NW, KT, ST) INST1(D, G, NW, KT, ST, float) INST1(D, G, NW, KT, ST, u16) \
     INST1(D, G, NW, KT, ST, kvq8) INST1(D, G, NW, KT, ST, kvq4)
 INST(64, 1, 4, 16, 3) INST(64, 3, 4, 16, 3) INST(128, 4, 4, 16, 3) INST(128, 4, 4, 16, 4) INST(128, 4, 4, 32, 3)

@@ -101,10 +101,55 @@ DEV void kv_to_f16(const char* stage, u16* tile, int tid, int nt) {
     }
 }
 
+// q8_0 / q4_0 (kv 2 / 3) of N values v[n], each of dimension i[n] of a warp's 32 consecutive ones
+// (every lane calls; the N reductions interleaved), as reference_kv.py (llama.cpp's
+// quantize_row_q8_0_ref / q4_0_ref) computes them bit for bit: the byte this lane stores (q4_0:
+// even lanes, the pair's two nibbles), its offset in the row's values, and the block's scale.
+struct KvQuant { u8 byte; int at; bool store; float d; };
+template <int N> DEV void kv_quant(int kv, const int (&i)[N], const float (&v)[N], KvQuant (&r)[N]) {
+    const int lane = threadIdx.x & 31;
+    float a[N];
+    int at[N];
+#pragma unroll
+    for (int n = 0; n < N; ++n) { a[n] = fabsf(v[n]); at[n] = lane; }
+    if (kv == 2) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+            for (int n = 0; n < N; ++n) a[n] = fmaxf(a[n], __shfl_xor_sync(0xffffffffu, a[n], o));
+#pragma unroll
+        for (int n = 0; n < N; ++n) {
+            r[n].d = a[n] / 127.f;
+            const float id = r[n].d > 0.f ? 1.f / r[n].d : 0.f;
+            r[n].byte = (u8)(signed char)roundf(__fmul_rn(v[n], id));
+            r[n].at = i[n];
+            r[n].store = true;
+        }
+    } else {  // the value of largest magnitude (the first such), over -8
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+            for (int n = 0; n < N; ++n) {
+                const float b = __shfl_xor_sync(0xffffffffu, a[n], o);
+                const int bt = __shfl_xor_sync(0xffffffffu, at[n], o);
+                if (b > a[n] || (b == a[n] && bt < at[n])) { a[n] = b; at[n] = bt; }
+            }
+#pragma unroll
+        for (int n = 0; n < N; ++n) {
+            r[n].d = __shfl_sync(0xffffffffu, v[n], at[n]) / -8.f;
+            const float id = r[n].d != 0.f ? 1.f / r[n].d : 0.f;
+            const int q = min(15, (int)__fadd_rn(__fmul_rn(v[n], id), 8.5f));
+            const int hi = __shfl_down_sync(0xffffffffu, q, 1);
+            r[n].byte = (u8)(q | (hi << 4));
+            r[n].at = i[n] / 2;
+            r[n].store = (lane & 1) == 0;
+        }
+    }
+}
+
 // Write value v of dimension i (this thread's; a warp holds 32 consecutive dimensions, D % 32 == 0
 // for the quantized kinds, every lane calls) of key row ``slot`` of the (page, hk) block of a
-// layer's cache of kind kv (0 float, 1 f16, 2 q8_0, 3 q4_0) with D-dim rows. The quantized kinds
-// compute as reference_kv.py (llama.cpp's quantize_row_q8_0_ref / q4_0_ref) bit for bit.
+// layer's cache of kind kv (0 float, 1 f16, 2 q8_0, 3 q4_0) with D-dim rows (kv_quant's arithmetic).
 DEV void kv_store(void* cache, int kv, int page, int hk, int n_head_kv, int page_size, int slot, int D, int i,
               float v) {
     if (kv < 2) {
@@ -115,29 +160,46 @@ DEV void kv_store(void* cache, int kv, int page, int hk, int n_head_kv, int page
     }
     const int vb = kv == 2 ? D : D / 2, sb = D / 16;
     char* blk = static_cast<char*>(cache) + ((long)page * n_head_kv + hk) * page_size * (long)(vb + sb);
-    const int lane = threadIdx.x & 31;
-    float d;
-    if (kv == 2) {
-        float a = fabsf(v);
+    const int ii[1] = {i};
+    const float vv[1] = {v};
+    KvQuant k[1];
+    kv_quant<1>(kv, ii, vv, k);
+    if (k[0].store) reinterpret_cast<u8*>(blk)[(long)slot * vb + k[0].at] = k[0].byte;
+    if ((threadIdx.x & 31) == 0) reinterpret_cast<u16*>(blk + (long)page_size * vb)[slot * (D / 32) + i / 32] = f2h(k[0].d);
+}
+
+// A decode row's own key and value (D floats each at kx and vx, rope applied) quantized by one
+// warp as kv_store does (the 2 D / 32 blocks' reductions interleaved): into row j of a K and a V
+// stage of KT rows (values at j * LDRB, scales after the KT rows) and into row ``slot`` of the
+// caches' (page, hk) blocks (a flash_decode row writes its own key: rope_kv's launch saved).
+template <class KV, int D, int KT, int LDRB>
+DEV void kv_own_row(const float* kx, const float* vx, int lane, char* kst, char* vst, int j, void* kcache,
+                    void* vcache, int page, int hk, int n_head_kv, int page_size, int slot) {
+    using R = KvRow<KV, D>;
+    static_assert(R::SB > 0, "quantized caches");
+    constexpr int kind = R::VB == D ? 2 : 3, C = D / 32, N = 2 * C;
+    const long blk = ((long)page * n_head_kv + hk) * page_size * (long)(R::VB + R::SB);
+    int i[N];
+    float v[N];
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
-        d = a / 127.f;
-        const float id = d > 0.f ? 1.f / d : 0.f;
-        reinterpret_cast<signed char*>(blk)[(long)slot * vb + i] = (signed char)roundf(__fmul_rn(v, id));
-    } else {  // the value of largest magnitude (the first such), over -8
-        float a = fabsf(v);
-        int at = lane;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float b = __shfl_xor_sync(0xffffffffu, a, o);
-            const int bt = __shfl_xor_sync(0xffffffffu, at, o);
-            if (b > a || (b == a && bt < at)) { a = b; at = bt; }
-        }
-        d = __shfl_sync(0xffffffffu, v, at) / -8.f;
-        const float id = d != 0.f ? 1.f / d : 0.f;
-        const int q = min(15, (int)__fadd_rn(__fmul_rn(v, id), 8.5f));
-        const int hi = __shfl_down_sync(0xffffffffu, q, 1);
-        if ((lane & 1) == 0) reinterpret_cast<u8*>(blk)[(long)slot * vb + i / 2] = (u8)(q | (hi << 4));
+    for (int n = 0; n < N; ++n) {
+        i[n] = 32 * (n % C) + lane;
+        v[n] = (n < C ? kx : vx)[i[n]];
     }
-    if (lane == 0) reinterpret_cast<u16*>(blk + (long)page_size * vb)[slot * (D / 32) + i / 32] = f2h(d);
+    KvQuant r[N];
+    kv_quant<N>(kind, i, v, r);
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+        char* st = n < C ? kst : vst;
+        char* cb = static_cast<char*>(n < C ? kcache : vcache) + blk;
+        if (r[n].store) {
+            st[j * LDRB + r[n].at] = (char)r[n].byte;
+            cb[(long)slot * R::VB + r[n].at] = (char)r[n].byte;
+        }
+        if (lane == 0) {
+            const u16 h = f2h(r[n].d);
+            reinterpret_cast<u16*>(st + KT * LDRB + j * R::SB)[n % C] = h;
+            reinterpret_cast<u16*>(cb + (long)page_size * R::VB + slot * R::SB)[n % C] = h;
+        }
+    }
 }

@@ -227,14 +227,18 @@ def flash_decode(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache: i
                  max_pages: int, page_size: int, n_head: int, n_head_kv: int, head_dim: int, scale: float,
                  cap: float, window: int, n_split: int, part_o: int, part_ml: int, counter: int, out: int, ldo: int,
                  out16: int | None = None, ld16: int = 0, q8: Q8Vec | None = None, early: bool = False,
-                 kv: str = "f32", config: tuple[int, int, int] | None = None, sinks: int = 0) -> None:
+                 kv: str = "f32", config: tuple[int, int, int] | None = None, sinks: int = 0,
+                 own: tuple[int, int] | None = None) -> None:
     """attention()'s contract (rows: each one token of its own sequence, or of one sequence without
     ``early``) on the tensor cores: f16 operands (q scaled, K, V, P), f32 accumulation. A split
     covers at least one tile per warp: short contexts run one block per KV head, no merge of splits.
-    sinks: as flash_prefill's."""
+    sinks: as flash_prefill's. own = (qkv, ld), q8_0 / q4_0 caches with ``early``: each row's own
+    key and value are not in the cache yet but in qkv's row (Q, K rotated, V; float32): the kernel
+    quantizes them into the cache (rope_kv's work for the row, without its launch)."""
     g = n_head // n_head_kv
     assert flash_ok(head_dim, head_dim, g) and (q8 is None or head_dim % 16 == 0)
     assert 1 <= n_split <= ATTN_MAX_SPLITS and page_size & (page_size - 1) == 0, (n_split, page_size)
+    assert own is None or (early and kv in KL.QUANT), (own, early, kv)
     config = config or decode_config(head_dim, kv, k.knobs.decode)
     fn = k.fn("flash_decode.cu", decode_kernel_name(head_dim, g, config, kv))
     smem = decode_smem(head_dim, config, kv)
@@ -248,5 +252,5 @@ def flash_decode(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache: i
         i32(page_size), i32(n_head_kv), f32(scale), f32(cap), i32(window), i32(n_split),
         i32(k.knobs.decode_min_keys or config[0] * config[1]), i32(target), i32(1 if early else 0), ptr(part_o),
         ptr(part_ml), ptr(counter), ptr(out), i32(ldo), ptr(out16), i32(ld16), *(q8.ptrs() if q8 else NO_PTRS),
-        ptr(sinks)),
+        ptr(sinks), ptr(own[0] if own else 0), i32(own[1] if own else 0)),
        shared_mem=smem)

@@ -163,12 +163,16 @@ class RopeKV:
     kcache: int
     vcache: int
     kv: str = "f32"  # the caches' type (kv_layout.py)
+    # quantized caches: the epilogue may leave K (rotated) and V in the QKV rows for the decode
+    # attention kernel to quantize into the cache (flash_decode's own); mmv says whether it did
+    own: bool = False
 
     @property
     def fusable(self) -> bool:
         """Whether the QKV matvec's epilogue can do it (rope pairs (2i, 2i+1), no per-head norm)."""
         return (not self.neox and self.qnw is None and self.knw is None and self.head_dim == self.head_dim_v
-                and self.head_dim % 2 == 0 and self.n_rot % 2 == 0 and self.kv in ("f32", "f16"))
+                and self.head_dim % 2 == 0 and self.n_rot % 2 == 0
+                and (self.kv in ("f32", "f16") or (self.own and self.head_dim % 32 == 0)))
 
     def launch(self, k: Kernels, row: int, rows: int) -> None:
         rope_kv(k, self.qkv + 4 * row * self.ld, self.ld, rows, self.n_head, self.n_head_kv, self.head_dim,
@@ -179,7 +183,7 @@ class RopeKV:
     def fused_args(self, row: int) -> tuple:
         return (ptr(self.pos + 4 * row), ptr(self.seq + 4 * row), ptr(self.table), i32(self.max_pages),
                 i32(self.page_size), ptr(self.inv_freq), i32(self.n_rot), i32(self.head_dim), i32(self.n_head_kv),
-                ptr(self.kcache), ptr(self.vcache), i32(self.kv == "f16"))
+                ptr(self.kcache), ptr(self.vcache), i32(2 if self.kv not in ("f32", "f16") else self.kv == "f16"))
 
 
 NO_ROPE = (ptr(0), ptr(0), ptr(0), i32(0), i32(0), ptr(0), i32(0), i32(0), i32(0), ptr(0), ptr(0), i32(0))
@@ -188,7 +192,7 @@ NO_ROPE = (ptr(0), ptr(0), ptr(0), i32(0), i32(0), ptr(0), i32(0), i32(0), i32(0
 def mmv(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases: Sequence[int | None],
         x: int, ldx: int, b: int, mode: int, config: tuple[int, int] | None = None,
         norm: tuple[int, float] | None = None, rope: RopeKV | None = None, q8: Q8Vec | None = None,
-        q8_out: tuple[Q8Vec, int | None] | None = None, kstage: bool = False) -> None:
+        q8_out: tuple[Q8Vec, int | None] | None = None, kstage: bool = False) -> bool:
     """y_i[t, :] (=|+=) W_i x[t, :] (+ bias_i) for up to 3 matrices sharing x; t < b <= 8.
     ``norm`` = (weight, eps): x is RMS-normalized first (fused, see matvec.cu).
     ``q8``: the activations are these int8 ones instead of x (dp4a; no fused norm; quantized types).
@@ -198,13 +202,15 @@ def mmv(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases
     epilogue where the row groups are rope pairs (R = 2; one warp on the f32 path: the tested shapes),
     else a rope_kv launch.
     ``config`` = (R, WG) overrides the automatic choice (the tuning table's ``mmv``, to measure).
-    ``kstage``: with q8, each block's scales staged in shared memory where kstage_bytes allows."""
+    ``kstage``: with q8, each block's scales staged in shared memory where kstage_bytes allows.
+    Returns whether every chunk's epilogue did ``rope`` (else rope_kv launches did)."""
     assert 1 <= len(mats) <= 3 and 1 <= b <= MAX_MMV_TOKENS
     assert q8 is None or (norm is None and q8_capable(mats))
     assert q8_out is None or (q8 is not None and mode == 1 and len(mats) == 1 and mats[0].rows % Q8_OUT_ROWS == 0)
     cols = mats[0].cols
     total = sum(m.rows for m in mats)
     io = (q8 is not None) | (q8_out is not None) << 1 | (q8.io() if q8 else 0) | (q8_out[0].io(True) if q8_out else 0)
+    chunks = []
     for row, n in token_chunks(b):
         r, wg = config or mmv_config([m.struct for m in mats], [m.rows for m in mats], cols, n, q8_out is not None)
         if q8_out and config:  # an override (mmv_config's own choice fits): up to 8 rows, 32 warps a block
@@ -213,6 +219,10 @@ def mmv(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases
         # RoPE in the epilogue: rope pairs in one group (R = 2); the f32 path is tested at one warp
         fused = (rope is not None and mode == 0 and r == 2 and (wg == 1 or q8 is not None) and rope.fusable
                  and len(mats) == 3)
+        chunks.append((row, n, r, wg, fused))
+    all_fused = rope is not None and all(c[4] for c in chunks)
+    for row, n, r, wg, fused in chunks:
+        fused = fused and (all_fused or not rope.own)  # own: every row's cache write in one place
         nw = block_warps(r, wg, io)
         per_block = r * nw // wg
         smem = mmv_kstage_bytes([m.struct for m in mats], cols, r, wg, io) if kstage else 0
@@ -231,6 +241,7 @@ def mmv(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases
             *(rope.fused_args(row) if fused else NO_ROPE)), shared_mem=smem)
         if rope is not None and not fused:
             rope.launch(k, row, n)
+    return all_fused
 
 
 def _norm_args(norm: tuple[int, float] | None) -> tuple[np.uint64, np.float32]:

@@ -24,7 +24,9 @@
 // RoPE and the KV-cache write fused into the QKV product (pos null: off). Needs R == 2 (a rope pair
 // (2i, 2i+1) in one thread: the non-NEOX layout), no per-head norm, head_dim_v == head_dim; Q rows
 // are rotated in place, K rows rotated into the cache at pos[b], V rows copied into the cache.
-// Same arithmetic as layers.cu's rope_kv (double sincos, f32 rotation). kv16: f16 caches.
+// Same arithmetic as layers.cu's rope_kv (double sincos, f32 rotation). kv16: 1 f16 caches, 0 float;
+// 2 (quantized caches): K rows rotated in place as Q's and V rows stored, no cache write (the decode
+// attention kernel quantizes the row into the cache: flash_decode.cu's own_kv).
 struct RopeArgs {
     const int* pos; const int* seq; const int* table; int max_pages, page_size;
     const double* freq; int n_rot, hd, n_kv; void* kc; void* vc; int kv16;
@@ -45,7 +47,7 @@ DEV void rope_store(const RopeArgs& ra, int seg, int row0, float (&v)[R][B], flo
             const float a = y0 * cf - y1 * sf, c = y0 * sf + y1 * cf;
             y0 = a; y1 = c;
         }
-        if (seg == 0) { y[(long)b * ldy + row0] = y0; y[(long)b * ldy + row0 + 1] = y1; continue; }
+        if (seg == 0 || ra.kv16 == 2) { y[(long)b * ldy + row0] = y0; y[(long)b * ldy + row0 + 1] = y1; continue; }
         const int pi = p / ra.page_size;
         const int page = pi < ra.max_pages ? ra.table[(long)ra.seq[b] * ra.max_pages + pi] : -1;
         if (page < 0) continue;  // past the sequence's pages: write nothing (as rope_kv)

@@ -56,6 +56,7 @@ class CudaBlocks:
         self.flash_rows = 0  # query rows a flash prefill block takes (0: flash_config's; packed prompts: 16)
         self.decode = False  # every row one token of its own sequence (a decode step), else prefill
         self._rope: L.RopeKV | None = None  # the RoPE + KV write attn_in left to attend's kernel
+        self._own = False  # attn_in left the rows' K (rotated) and V for attend's flash_decode to cache
         self.retune(tune)
         self.f16: F16Weights | None = None  # made by load_f16
         self.gemm: CublasGemm | None = None  # made by load_f16 (the cuBLAS prefill path)
@@ -166,6 +167,12 @@ class CudaBlocks:
                 and (self._small(t) or self.tune.flash_decode_batch)
                 and LA.flash_ok(cfg.head_dim, cfg.head_dim_v, cfg.n_head // cfg.n_head_kv))
 
+    def _own_ok(self, t: int) -> bool:
+        """Whether a call of t rows may leave its keys and values to flash_decode to quantize into
+        a q8_0 / q4_0 cache (decode rows that load early; the tuning table's own_row)."""
+        return (self.flash_only and self.decode and self.tune.attn_early and self.tune.own_row
+                and self._small(t) and self.decode_flash(t))
+
     def _big_mma(self, t: int) -> bool:
         return self.mma and not self._small(t)
 
@@ -212,12 +219,14 @@ class CudaBlocks:
         rope = L.RopeKV(qkv.data.ptr, ld, cfg.n_head, cfg.n_head_kv, d, cfg.head_dim_v, cfg.rope.n_dims,
                         cfg.rope.style == ROPE_NEOX, qn, kn, cfg.rms_eps, self.inv_freq[cfg.rope_key(layer)].data.ptr,
                         positions.data.ptr, self.seq.data.ptr, self.kv.table.data.ptr, self.kv.max_pages,
-                        self.kv.page_size, kc, vc, self.kv.kv_type)
+                        self.kv.page_size, kc, vc, self.kv.kv_type,
+                        own=self._own_ok(t))
         if self._small(t):  # RoPE + KV write in the matvec's epilogue where it can (else a rope_kv launch)
-            L.mmv(self.k, [self.w.mat(n) for n in names], [(qkv.data.ptr + 4 * c, ld) for c in cols],
-                  [self.w.vec(b).data.ptr if b else None for b in biases], h.data.ptr, h.strides[0] // 4, t,
-                  0, norm=norm, rope=rope, q8=q8, config=self.tune.mmv_override("QKV"),
-                  kstage="qkv" in self.tune.kstage)
+            fused = L.mmv(self.k, [self.w.mat(n) for n in names], [(qkv.data.ptr + 4 * c, ld) for c in cols],
+                          [self.w.vec(b).data.ptr if b else None for b in biases], h.data.ptr, h.strides[0] // 4,
+                          t, 0, norm=norm, rope=rope, q8=q8, config=self.tune.mmv_override("QKV"),
+                          kstage="qkv" in self.tune.kstage)
+            self._own = rope.own and fused  # attend's flash_decode writes the rows' keys and values
             return qkv
         if self.mma:
             LM.mma(self.k, [self.w.mat(n) for n in names], [(qkv.data.ptr + 4 * c, ld) for c in cols],
@@ -240,6 +249,7 @@ class CudaBlocks:
         t = q.shape[0]
         out = ws.att[:t]
         kc, vc = self.kv.layer(layer)
+        own, self._own = self._own, False
         # the int8 copy for the O projection, written by the attention kernel itself (attn_out takes it)
         q8 = self._q8_for(t, [self.w.mat(f"blk.{layer}.attn_output.weight")], ws.q8_plain, "o")
         self._att_q8 = q8 if q8 is not None and cfg.head_dim % 16 == 0 else None
@@ -269,7 +279,7 @@ class CudaBlocks:
                             None if self._small(t) else ws.x16.data.ptr,
                             0 if self._small(t) else ws.x16.strides[0] // 2, q8=self._att_q8,
                             early=self.decode and self.tune.attn_early, kv=self.kv.kv_type,
-                            sinks=self._sinks(layer))
+                            sinks=self._sinks(layer), own=(q.data.ptr, q.strides[0] // 4) if own else None)
             return out
         LA.attention(self.k, q.data.ptr, q.strides[0] // 4, t, kc, vc, positions.data.ptr, self.seq.data.ptr,
                     self.kv.table.data.ptr, self.kv.max_pages, self.kv.page_size, cfg.n_head, cfg.n_head_kv,

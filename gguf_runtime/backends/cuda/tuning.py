@@ -53,6 +53,7 @@ class Tuning:
     # so its q8 epilogue writes down's input), down (the fastest pair measured: bench/RESULTS.md rows 111-112)
     # -- attention
     attn_early: bool = True  # decode rows load keys before waiting for the QKV kernel
+    own_row: bool = True  # q8_0 / q4_0 caches: flash_decode quantizes a decode row's key (no rope_kv launch)
     attn_small: tuple[int, int] = (0, 1)  # (warps, rounds) up to 8 rows: widest block, one round
     attn_big: tuple[int, int] = (4, 1)  # (warps, rounds) of larger calls: 4 warps, one round a split
     attn_parts: int = 2048  # splits x rows budget of the attention partials (workspace)
