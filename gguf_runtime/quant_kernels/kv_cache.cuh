@@ -1,6 +1,6 @@
 // The KV cache's element types and page layout (kv_layout.py on the host side), shared by the
-// kernel that writes the cache (layers.cu's rope_kv) and those that read it on the tensor cores
-// (flash_attn.cu, flash_decode.cu).
+// kernels that write the cache (layers.cu's rope_kv; flash_decode.cu a decode row's own key in a
+// quantized cache) and those that read it on the tensor cores (flash_attn.cu, flash_decode.cu).
 //
 // A layer's cache is pages of [n_head_kv][page_size] key rows. float and u16 (f16): a row is D
 // elements. kvq8 / kvq4 (q8_0 / q4_0, llama.cpp's blocks of 32 values: x = d q, q4_0 x = d (q - 8)):
