@@ -178,7 +178,7 @@ DEV void kv_own_row(const float* kx, const float* vx, int lane, char* kst, char*
     using R = KvRow<KV, D>;
     static_assert(R::SB > 0, "quantized caches");
     constexpr int kind = R::VB == D ? 2 : 3, C = D / 32, N = 2 * C;
-    const long blk = ((long)page * n_head_kv + hk) * page_size * (long)(R::VB + R::SB);
+    const long blk = kv_block<KV, D>(page, hk, n_head_kv, page_size);
     int i[N];
     float v[N];
 #pragma unroll

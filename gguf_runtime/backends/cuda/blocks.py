@@ -170,8 +170,7 @@ class CudaBlocks:
     def _own_ok(self, t: int) -> bool:
         """Whether a call of t rows may leave its keys and values to flash_decode to quantize into
         a q8_0 / q4_0 cache (decode rows that load early; the tuning table's own_row)."""
-        return (self.flash_only and self.decode and self.tune.attn_early and self.tune.own_row
-                and self._small(t) and self.decode_flash(t))
+        return self.flash_only and self.decode and self.tune.attn_early and self.tune.own_row and self._small(t)
 
     def _big_mma(self, t: int) -> bool:
         return self.mma and not self._small(t)
