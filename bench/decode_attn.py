@@ -1,7 +1,9 @@
 """Decode attention alone (flash_decode.cu) at depth: one layer's launch for one row, timed with
 CUDA events over launches back to back, for KV-cache types, ring shapes, split counts and copies of
 the kernel sources (``--src DIR``: another tree's gguf_runtime/quant_kernels, compiled in the same
-process, so two versions of a kernel compare in one run). Reports microseconds a launch and the
+process, so two versions of a kernel compare in one run; they share this tree's launchers, so a
+kernel whose shared-memory layout changed traps at launch: compare those as whole trees in separate
+processes). Reports microseconds a launch and the
 cache bytes read over that time; the outputs of every variant are compared with the first one's.
 
   python3 bench/decode_attn.py --shape 8b --depth 4096,16384 --kv f16,q8_0 \

@@ -36,6 +36,11 @@ def test_decode_splits_fill_one_wave():
     """(KV head, split) blocks of decode attention in one wave: 132 SMs, 8 KV heads: 16 splits;
     3 or 1 KV heads: the kernel's most, 32; unknown device: 32; an override wins."""
     assert tuning.choose(BIG + 1, n_head_kv=8, sm_count=132).decode_splits == 16
+    # q8_0 caches (up to 128-dim heads): two blocks an SM
+    assert tuning.choose(BIG + 1, "q8_0", n_head_kv=8, sm_count=132, head_dim=128).decode_splits == 32
+    assert tuning.choose(BIG + 1, "q8_0", n_head_kv=8, sm_count=132, head_dim=256).decode_splits == 16
+    assert tuning.choose(BIG + 1, "q4_0", n_head_kv=8, sm_count=132, head_dim=128).decode_splits == 16
+    assert tuning.choose(BIG + 1, n_head_kv=8, sm_count=132, head_dim=128, overrides="kv_type=q8_0").decode_splits == 32
     assert tuning.choose(BIG, n_head_kv=3, sm_count=132).decode_splits == 32
     assert tuning.choose(BIG, n_head_kv=1, sm_count=132).decode_splits == 32
     assert tuning.choose(BIG, n_head_kv=8).decode_splits == 32

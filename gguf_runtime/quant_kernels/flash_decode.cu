@@ -21,19 +21,24 @@
 // QKV product left the row's key (rotated) and value in own_kv's row, and the warp whose tile holds
 // the row's position quantizes them into that tile and the cache (kv_own_row: rope_kv's launch
 // saved; the epilogue writes f16 and float caches itself). The cache is any of kv_cache.cuh's
-// types: f16 stages are the tiles; float, q8_0 and q4_0 stages convert into the warp's f16 tiles
-// once they land (the quantized ones read half or a quarter of the bytes, but at depth the
-// kernel's time goes with its tiles, not their bytes: bench/RESULTS.md rows 100-102).
+// types: f16 stages are the tiles; float and q4_0 stages convert into the warp's f16 tiles once
+// they land; q8_0 stages are converted in registers straight into the mma fragments (Dec::REG:
+// K's B fragments with Q's dimensions permuted to match, and O accumulated transposed, so that
+// V's bytes are A fragments and P's C fragments B fragments), which spares the tiles' shared
+// memory and half the registers (two blocks an SM; bench/RESULTS.md row 150).
 #include "kv_cache.cuh"
 
 template <int D, int G, int NW, int KT, int ST, class KV> struct Dec {
     using R = KvRow<KV, D>;
     static constexpr int KTILE = KT, LDH = D + 8;  // f16 tile row (halves), padded as flash_attn.cu's
     static constexpr bool RAW = R::RAW;  // float, q8_0, q4_0: staged raw, converted into f16 tiles
-    static constexpr int LDRB = RAW ? R::VB : 2 * LDH;  // a staged row (bytes): f16 stages are the tiles
+    // q8_0: converted in registers straight into the mma fragments instead (no f16 tiles); its rows
+    // padded by 16 bytes so that the fragments' 32-bit loads of 8 rows meet 32 banks
+    static constexpr bool REG = R::SB > 0 && R::VB == D;
+    static constexpr int LDRB = REG ? R::VB + 16 : RAW ? R::VB : 2 * LDH;  // a staged row (bytes): f16 stages are the tiles
     static constexpr int STAGE = KT * (LDRB + R::SB);  // bytes of one stage of K (or V): rows, then scales
     // a warp's ring (bytes): K and V stages, and (raw) the f16 tiles they convert into
-    static constexpr int WARP_BYTES = 2 * ST * STAGE + (RAW ? 2 * KT * LDH * 2 : 0);
+    static constexpr int WARP_BYTES = 2 * ST * STAGE + (RAW && !REG ? 2 * KT * LDH * 2 : 0);
     static constexpr int BYTES = NW * WARP_BYTES;
     static_assert(KT % 16 == 0 && D % 32 == 0 && ST >= 2 && G <= 8 && STAGE % 16 == 0, "tile shapes");
     static_assert(WARP_BYTES >= G * D * 4 + 2 * G * 4, "the merge reuses a warp's ring");
@@ -81,6 +86,11 @@ DEV void dec_load(int k0, int end, int skip, const int* tab, int max_pages, int 
         }
     }
 }
+
+// q8_0 bytes (XORed with 0x80: q + 128) of w chosen by sel as the f16 pair d q, rounded once as
+// kv_to_f16 does: q8_h2 with one f16 scale h for both, q8_h2s with a pair of scales
+DEV u32 q8_h2s(u32 w, u32 sel, u32 d2) { return hmul2(hsub2(prmt(w, H_MAGIC, sel), 0x64806480u), d2); }
+DEV u32 q8_h2(u32 w, u32 sel, u32 h) { return q8_h2s(w, sel, h | (h << 16)); }
 
 template <int D, int G, int NW, int KT, int ST, class KV>
 __global__ void __launch_bounds__(32 * NW) flash_decode(
@@ -154,21 +164,29 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
         }
         fa_commit();
     }
-    // Q's A fragments: row grp is head grp (< G), rows grp + 8 are zero (a[1], a[3])
+    // Q's A fragments: row grp is head grp (< G), rows grp + 8 are zero (a[1], a[3]). Columns 2 tig
+    // (+ 1) and 2 tig + 8 (+ 1) of k step ks are dimensions 16 ks + 2 tig (+ 1) and + 8 (+ 1); REG:
+    // 16 ks + 4 tig + 0 to 3, the four bytes of one 32-bit word of a q8_0 key row (S's sum over the
+    // dimensions does not care for their order)
     u32 qa[KS][2];
     {
-        const float* qh = q + (long)t * ldq + (hk * G + min(grp, G - 1)) * D + 2 * tig;
+        const float* qh = q + (long)t * ldq + (hk * G + min(grp, G - 1)) * D + (F::REG ? 4 : 2) * tig;
 #pragma unroll
         for (int ks = 0; ks < KS; ++ks) {
+            const int c2 = F::REG ? 2 : 8;
             const float2 x0 = grp < G ? *reinterpret_cast<const float2*>(qh + 16 * ks) : make_float2(0.f, 0.f);
-            const float2 x2 = grp < G ? *reinterpret_cast<const float2*>(qh + 16 * ks + 8) : make_float2(0.f, 0.f);
+            const float2 x2 = grp < G ? *reinterpret_cast<const float2*>(qh + 16 * ks + c2) : make_float2(0.f, 0.f);
             qa[ks][0] = pack_h2(x0.x * scale, x0.y * scale);
             qa[ks][1] = pack_h2(x2.x * scale, x2.y * scale);
         }
     }
-    float o[ND][4], m = -INFINITY, l = 0.f;
+    // O's accumulators: O (rows the heads, ND tiles of 8 dimensions; rows grp + 8 unused) or, REG,
+    // O^T (rows the dimensions, D / 16 tiles; columns the heads 2 tig, 2 tig + 1): P's C fragments
+    // are then the B fragments of P^T, and V^T's A fragments come from the stage's bytes directly
+    constexpr int NO = F::REG ? D / 16 : ND;
+    float o[NO][4], m = -INFINITY, l = 0.f;
 #pragma unroll
-    for (int d = 0; d < ND; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
+    for (int d = 0; d < NO; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
 
     for (int i = 0; i < mine; ++i) {
         const int k0 = start + (warp + NW * i) * KT, st = i % ST;
@@ -192,9 +210,11 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
                 __syncwarp();
             }
         }
-        const u16* Kt;
-        const u16* Vt;
-        if constexpr (F::RAW) {  // raw stage -> f16 tiles
+        const u16* Kt = nullptr;
+        const u16* Vt = nullptr;
+        const char* Kb = Kst + st * F::STAGE;  // REG: the raw stages
+        const char* Vb = Vst + st * F::STAGE;
+        if constexpr (F::RAW && !F::REG) {  // raw stage -> f16 tiles
             kv_to_f16<KV, D, KT, F::LDRB, LDH>(Kst + st * F::STAGE, Kh, lane, 32);
             kv_to_f16<KV, D, KT, F::LDRB, LDH>(Vst + st * F::STAGE, Vh, lane, 32);
             __syncwarp();
@@ -217,7 +237,19 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
 #pragma unroll
             for (int nn = 0; nn < NS; ++nn) {
                 u32 b[4];
-                ldsm4(b, Kt + (8 * nn + (lane & 7)) * LDH + 16 * kp + 8 * (lane >> 3));
+                if constexpr (F::REG) {  // key 8 nn + grp, words 4 kp + tig and 4 (kp + 1) + tig, scale kp / 2
+                    const int key = 8 * nn + grp;
+                    const char* row = Kb + key * F::LDRB + 16 * kp + 4 * tig;
+                    const u32 x0 = *reinterpret_cast<const u32*>(row) ^ 0x80808080u;
+                    const u32 x1 = *reinterpret_cast<const u32*>(row + 16) ^ 0x80808080u;
+                    const u32 h = reinterpret_cast<const u16*>(Kb + KT * F::LDRB)[key * (D / 32) + kp / 2];
+                    b[0] = q8_h2(x0, SEL01, h);
+                    b[1] = q8_h2(x0, SEL23, h);
+                    b[2] = q8_h2(x1, SEL01, h);
+                    b[3] = q8_h2(x1, SEL23, h);
+                } else {
+                    ldsm4(b, Kt + (8 * nn + (lane & 7)) * LDH + 16 * kp + 8 * (lane >> 3));
+                }
                 fa_mma(sc[nn], a0, b[0], b[1]);
                 fa_mma(sd[nn], a1, b[2], b[3]);
             }
@@ -249,18 +281,49 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
             ts += sc[nn][0] + sc[nn][1];
         }
         l = l * c + ts;  // this lane's share of the row's sum (the quad adds them at the end)
+        if constexpr (F::REG) {  // O^T += V^T P^T
+            const float ca = __shfl_sync(0xffffffffu, c, 8 * tig), cb = __shfl_sync(0xffffffffu, c, 8 * tig + 4);
 #pragma unroll
-        for (int d = 0; d < ND; ++d) { o[d][0] *= c; o[d][1] *= c; }
+            for (int d = 0; d < NO; ++d) { o[d][0] *= ca; o[d][1] *= cb; o[d][2] *= ca; o[d][3] *= cb; }
 #pragma unroll
-        for (int kk = 0; kk < KT / 16; ++kk) {  // O += P V: P's C fragments are the A fragments of k step kk
-            const u32 pa[4] = {pack_h2(sc[2 * kk][0], sc[2 * kk][1]), 0u,
-                               pack_h2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]), 0u};
+            for (int kk = 0; kk < KT / 16; ++kk) {
+                // P^T's B fragment of k step kk: keys 16 kk + 2 tig (+ 1) and + 8 (+ 1) of head grp
+                const u32 pb0 = pack_h2(sc[2 * kk][0], sc[2 * kk][1]), pb1 = pack_h2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+                const int r0 = 16 * kk + 2 * tig;  // V^T's A fragments: keys r0, r0 + 1, r0 + 8, r0 + 9
+                const u16* vs = reinterpret_cast<const u16*>(Vb + KT * F::LDRB);
 #pragma unroll
-            for (int d = 0; d < ND; d += 2) {
-                u32 b[4];
-                ldsm4t(b, Vt + (16 * kk + 8 * ((lane >> 3) & 1) + (lane & 7)) * LDH + 8 * d + 8 * (lane >> 4));
-                fa_mma(o[d], pa, b[0], b[1]);
-                fa_mma(o[d + 1], pa, b[2], b[3]);
+                for (int j = 0; j < D / 32; ++j) {  // word grp + 8 j of each key row: dimensions 32 j + 4 grp + 0..3
+                    const char* w = Vb + r0 * F::LDRB + 4 * (grp + 8 * j);
+                    const u32 v0 = *reinterpret_cast<const u32*>(w) ^ 0x80808080u;
+                    const u32 v1 = *reinterpret_cast<const u32*>(w + F::LDRB) ^ 0x80808080u;
+                    const u32 v8 = *reinterpret_cast<const u32*>(w + 8 * F::LDRB) ^ 0x80808080u;
+                    const u32 v9 = *reinterpret_cast<const u32*>(w + 9 * F::LDRB) ^ 0x80808080u;
+                    const u32 d01 = vs[r0 * (D / 32) + j] | (u32)vs[(r0 + 1) * (D / 32) + j] << 16;
+                    const u32 d89 = vs[(r0 + 8) * (D / 32) + j] | (u32)vs[(r0 + 9) * (D / 32) + j] << 16;
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {  // tile 2 j + h: rows grp / grp + 8 are dimensions 2 h / 2 h + 1 of the word
+                        const u32 sel = h ? 0x7362u : 0x5140u;  // (row r's byte, row r + 1's) for the two dimensions
+                        const u32 t01 = prmt(v0, v1, sel), t89 = prmt(v8, v9, sel);
+                        const u32 a[4] = {q8_h2s(t01, SEL01, d01), q8_h2s(t01, SEL23, d01), q8_h2s(t89, SEL01, d89),
+                                          q8_h2s(t89, SEL23, d89)};
+                        fa_mma(o[2 * j + h], a, pb0, pb1);
+                    }
+                }
+            }
+        } else {
+#pragma unroll
+            for (int d = 0; d < ND; ++d) { o[d][0] *= c; o[d][1] *= c; }
+#pragma unroll
+            for (int kk = 0; kk < KT / 16; ++kk) {  // O += P V: P's C fragments are the A fragments of k step kk
+                const u32 pa[4] = {pack_h2(sc[2 * kk][0], sc[2 * kk][1]), 0u,
+                                   pack_h2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]), 0u};
+#pragma unroll
+                for (int d = 0; d < ND; d += 2) {
+                    u32 b[4];
+                    ldsm4t(b, Vt + (16 * kk + 8 * ((lane >> 3) & 1) + (lane & 7)) * LDH + 8 * d + 8 * (lane >> 4));
+                    fa_mma(o[d], pa, b[0], b[1]);
+                    fa_mma(o[d + 1], pa, b[2], b[3]);
+                }
             }
         }
     }
@@ -271,12 +334,19 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
     // weights exp2(m_w - M) and the weighted sums
     float* wo = reinterpret_cast<float*>(ring);  // [G][D] of this warp, then m[G], l[G]
     __syncwarp();
-    if (grp < G) {
+    if constexpr (F::REG) {  // O^T: dimensions 32 j + 4 grp + 2 h (+ 1) of heads 2 tig, 2 tig + 1
+#pragma unroll
+        for (int d = 0; d < NO; ++d) {
+            const int e = 32 * (d / 2) + 4 * grp + 2 * (d % 2);
+            if (2 * tig < G) *reinterpret_cast<float2*>(wo + 2 * tig * D + e) = make_float2(o[d][0], o[d][2]);
+            if (2 * tig + 1 < G) *reinterpret_cast<float2*>(wo + (2 * tig + 1) * D + e) = make_float2(o[d][1], o[d][3]);
+        }
+    } else if (grp < G) {
 #pragma unroll
         for (int d = 0; d < ND; ++d)
             *reinterpret_cast<float2*>(wo + grp * D + 8 * d + 2 * tig) = make_float2(o[d][0], o[d][1]);
-        if (tig == 0) { wo[G * D + grp] = m; wo[G * D + G + grp] = l; }
     }
+    if (grp < G && tig == 0) { wo[G * D + grp] = m; wo[G * D + G + grp] = l; }
     __syncthreads();
     __shared__ float fw[NW][G], sML[G][2];
     if (threadIdx.x < G) {

@@ -220,6 +220,8 @@ def decode_smem(head_dim: int, config: tuple[int, int, int], kv: str) -> int:
     """Bytes of dynamic shared memory (flash_decode.cu's Dec::BYTES)."""
     nw, kt, st = config
     stage, tile = stage_bytes(head_dim, kt, kv)
+    if kv == "q8_0":  # converted in registers (Dec::REG): no f16 tiles, rows padded by 16 bytes
+        stage, tile = stage + kt * 16, 0
     return nw * (2 * st * stage + 2 * tile)
 
 

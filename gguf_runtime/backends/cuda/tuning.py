@@ -123,8 +123,10 @@ def _size_defaults(weight_bytes: int, kv_type: str | None, n_head_kv: int | None
         out["sm_count"] = sm_count
     if n_head_kv and sm_count:
         # decode attention's (KV head, split) blocks in one wave of the SMs: more waste a tail wave,
-        # fewer leave SMs idle at depth (bench/RESULTS.md rows 85-86)
-        out["decode_splits"] = max(1, min(ATTN_MAX_SPLITS, sm_count // n_head_kv))
+        # fewer leave SMs idle at depth (bench/RESULTS.md rows 85-86). q8_0 caches up to 128-dim
+        # heads: two blocks an SM (flash_decode converts them in registers: row 150)
+        per_sm = 2 if out["kv_type"] == "q8_0" and (head_dim or 128) <= 128 else 1
+        out["decode_splits"] = max(1, min(ATTN_MAX_SPLITS, per_sm * sm_count // n_head_kv))
     return out
 
 
@@ -138,10 +140,12 @@ def choose(weight_bytes: int, kv_type: str | None = None, max_rows: int | None =
     (kv_type: the user's choice, "auto" or None; max_rows: the rows of the largest call, default
     prefill_chunk), ``overrides`` (default: $GGUF_RUN_TUNE) applied last. Without calls of more than 8 rows there are no tensor-core
     inputs, so decode steps stay on the matvecs."""
-    values = _size_defaults(weight_bytes, kv_type, n_head_kv, sm_count, head_dim, arch, moe)
     if overrides is None:
         overrides = os.environ.get(ENV, "")
-    items = overrides.items() if isinstance(overrides, Mapping) else _pairs(overrides)
+    items = list(overrides.items() if isinstance(overrides, Mapping) else _pairs(overrides))
+    # an overridden cache type sizes what follows from it (decode_splits) as the user's choice would
+    kv_type = next((str(text) for name, text in items if name == "kv_type"), kv_type)
+    values = _size_defaults(weight_bytes, kv_type, n_head_kv, sm_count, head_dim, arch, moe)
     mmv: dict[str, tuple[int, int]] = {}
     given = set()
     for name, text in items:
