@@ -14,8 +14,9 @@
 // stages, so no warp waits on another inside the loop. Per tile, as flash_attn.cu does for a
 // prompt's rows: S = Q K^T by mma.sync m16n8k16 (the A rows are the G heads, f16, scaled; rows G
 // to 15 zero), mask (keys past end) and soft-cap, an online softmax in the exp2 domain, O += P V
-// with V by ldmatrix.trans. The warps merge in shared memory (the stages' space), and the row's
-// splits merge in attn_parts.cuh's merge_splits. early != 0: the keys before the row's own
+// with V by ldmatrix.trans, or (Dec::TR) O^T += V^T P^T, whose tiles' rows are dimensions, so no
+// accumulator holds a zero head. The warps merge in shared memory (the stages' space), and the
+// row's splits merge in attn_parts.cuh's merge_splits. early != 0: the keys before the row's own
 // position come from earlier steps, so their tiles are requested before pdl_enter; the row's own
 // key (written by the kernel before) is requested after it; or (own_kv, quantized caches) the
 // QKV product left the row's key (rotated) and value in own_kv's row, and the warp whose tile holds
@@ -35,6 +36,9 @@ template <int D, int G, int NW, int KT, int ST, class KV> struct Dec {
     // q8_0: converted in registers straight into the mma fragments instead (no f16 tiles); its rows
     // padded by 16 bytes so that the fragments' 32-bit loads of 8 rows meet 32 banks
     static constexpr bool REG = R::SB > 0 && R::VB == D;
+    // O accumulated transposed (see the kernel): REG needs it; 64-dim heads gain by it, 128-dim f16
+    // caches lost (bench/RESULTS.md row 151)
+    static constexpr bool TR = REG || D <= 64;
     static constexpr int LDRB = REG ? R::VB + 16 : RAW ? R::VB : 2 * LDH;  // a staged row (bytes): f16 stages are the tiles
     static constexpr int STAGE = KT * (LDRB + R::SB);  // bytes of one stage of K (or V): rows, then scales
     // a warp's ring (bytes): K and V stages, and (raw) the f16 tiles they convert into
@@ -101,7 +105,7 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
         float* __restrict__ out, int ldo, u16* __restrict__ out16, int ld16, u8* oq, int ldoq, float4* os,
         int ldos, int ores, const float* __restrict__ sinks, const float* __restrict__ own_kv, int ld_own) {
     using F = Dec<D, G, NW, KT, ST, KV>;
-    constexpr int KS = D / 16, NS = KT / 8, ND = D / 8, LDH = F::LDH;
+    constexpr int KS = D / 16, NS = KT / 8, LDH = F::LDH;
     constexpr float LOG2E = 1.4426950408889634f;
     extern __shared__ float4 fd_smem[];
     if (dynamic_smem() < (u32)F::BYTES) __trap();  // the launcher's size (launch_attention.decode_smem) is short
@@ -180,10 +184,11 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
             qa[ks][1] = pack_h2(x2.x * scale, x2.y * scale);
         }
     }
-    // O's accumulators: O (rows the heads, ND tiles of 8 dimensions; rows grp + 8 unused) or, REG,
-    // O^T (rows the dimensions, D / 16 tiles; columns the heads 2 tig, 2 tig + 1): P's C fragments
-    // are then the B fragments of P^T, and V^T's A fragments come from the stage's bytes directly
-    constexpr int NO = F::REG ? D / 16 : ND;
+    // TR: O^T's accumulators (rows the dimensions, D / 16 tiles; columns the heads 2 tig, 2 tig + 1:
+    // every register holds a head's value, where O's rows 8-15 are zero heads): P's C fragments are
+    // the B fragments of P^T as they stand, V^T's A fragments come by ldmatrix.trans or (REG) from
+    // the stage's bytes. Else O's (rows the heads, D / 8 tiles)
+    constexpr int NO = F::TR ? D / 16 : D / 8;
     float o[NO][4], m = -INFINITY, l = 0.f;
 #pragma unroll
     for (int d = 0; d < NO; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
@@ -281,7 +286,23 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
             ts += sc[nn][0] + sc[nn][1];
         }
         l = l * c + ts;  // this lane's share of the row's sum (the quad adds them at the end)
-        if constexpr (F::REG) {  // O^T += V^T P^T
+        if constexpr (!F::TR) {
+#pragma unroll
+            for (int d = 0; d < NO; ++d) { o[d][0] *= c; o[d][1] *= c; }
+#pragma unroll
+            for (int kk = 0; kk < KT / 16; ++kk) {  // O += P V: P's C fragments are the A fragments of k step kk
+                const u32 pa[4] = {pack_h2(sc[2 * kk][0], sc[2 * kk][1]), 0u,
+                                   pack_h2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]), 0u};
+#pragma unroll
+                for (int d = 0; d < NO; d += 2) {
+                    u32 b[4];
+                    ldsm4t(b, Vt + (16 * kk + 8 * ((lane >> 3) & 1) + (lane & 7)) * LDH + 8 * d + 8 * (lane >> 4));
+                    fa_mma(o[d], pa, b[0], b[1]);
+                    fa_mma(o[d + 1], pa, b[2], b[3]);
+                }
+            }
+        } else {
+            // O^T += V^T P^T; the heads' rescale factors from the lanes holding their rows of S
             const float ca = __shfl_sync(0xffffffffu, c, 8 * tig), cb = __shfl_sync(0xffffffffu, c, 8 * tig + 4);
 #pragma unroll
             for (int d = 0; d < NO; ++d) { o[d][0] *= ca; o[d][1] *= cb; o[d][2] *= ca; o[d][3] *= cb; }
@@ -289,40 +310,34 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
             for (int kk = 0; kk < KT / 16; ++kk) {
                 // P^T's B fragment of k step kk: keys 16 kk + 2 tig (+ 1) and + 8 (+ 1) of head grp
                 const u32 pb0 = pack_h2(sc[2 * kk][0], sc[2 * kk][1]), pb1 = pack_h2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
-                const int r0 = 16 * kk + 2 * tig;  // V^T's A fragments: keys r0, r0 + 1, r0 + 8, r0 + 9
-                const u16* vs = reinterpret_cast<const u16*>(Vb + KT * F::LDRB);
+                if constexpr (F::REG) {
+                    const int r0 = 16 * kk + 2 * tig;  // V^T's A fragments: keys r0, r0 + 1, r0 + 8, r0 + 9
+                    const u16* vs = reinterpret_cast<const u16*>(Vb + KT * F::LDRB);
 #pragma unroll
-                for (int j = 0; j < D / 32; ++j) {  // word grp + 8 j of each key row: dimensions 32 j + 4 grp + 0..3
-                    const char* w = Vb + r0 * F::LDRB + 4 * (grp + 8 * j);
-                    const u32 v0 = *reinterpret_cast<const u32*>(w) ^ 0x80808080u;
-                    const u32 v1 = *reinterpret_cast<const u32*>(w + F::LDRB) ^ 0x80808080u;
-                    const u32 v8 = *reinterpret_cast<const u32*>(w + 8 * F::LDRB) ^ 0x80808080u;
-                    const u32 v9 = *reinterpret_cast<const u32*>(w + 9 * F::LDRB) ^ 0x80808080u;
-                    const u32 d01 = vs[r0 * (D / 32) + j] | (u32)vs[(r0 + 1) * (D / 32) + j] << 16;
-                    const u32 d89 = vs[(r0 + 8) * (D / 32) + j] | (u32)vs[(r0 + 9) * (D / 32) + j] << 16;
+                    for (int j = 0; j < D / 32; ++j) {  // word grp + 8 j of each key row: dimensions 32 j + 4 grp + 0..3
+                        const char* w = Vb + r0 * F::LDRB + 4 * (grp + 8 * j);
+                        const u32 v0 = *reinterpret_cast<const u32*>(w) ^ 0x80808080u;
+                        const u32 v1 = *reinterpret_cast<const u32*>(w + F::LDRB) ^ 0x80808080u;
+                        const u32 v8 = *reinterpret_cast<const u32*>(w + 8 * F::LDRB) ^ 0x80808080u;
+                        const u32 v9 = *reinterpret_cast<const u32*>(w + 9 * F::LDRB) ^ 0x80808080u;
+                        const u32 d01 = vs[r0 * (D / 32) + j] | (u32)vs[(r0 + 1) * (D / 32) + j] << 16;
+                        const u32 d89 = vs[(r0 + 8) * (D / 32) + j] | (u32)vs[(r0 + 9) * (D / 32) + j] << 16;
 #pragma unroll
-                    for (int h = 0; h < 2; ++h) {  // tile 2 j + h: rows grp / grp + 8 are dimensions 2 h / 2 h + 1 of the word
-                        const u32 sel = h ? 0x7362u : 0x5140u;  // (row r's byte, row r + 1's) for the two dimensions
-                        const u32 t01 = prmt(v0, v1, sel), t89 = prmt(v8, v9, sel);
-                        const u32 a[4] = {q8_h2s(t01, SEL01, d01), q8_h2s(t01, SEL23, d01), q8_h2s(t89, SEL01, d89),
-                                          q8_h2s(t89, SEL23, d89)};
-                        fa_mma(o[2 * j + h], a, pb0, pb1);
+                        for (int h = 0; h < 2; ++h) {  // tile 2 j + h: rows grp / grp + 8 are dimensions 2 h / 2 h + 1 of the word
+                            const u32 sel = h ? 0x7362u : 0x5140u;  // (row r's byte, row r + 1's) for the two dimensions
+                            const u32 t01 = prmt(v0, v1, sel), t89 = prmt(v8, v9, sel);
+                            const u32 a[4] = {q8_h2s(t01, SEL01, d01), q8_h2s(t01, SEL23, d01), q8_h2s(t89, SEL01, d89),
+                                              q8_h2s(t89, SEL23, d89)};
+                            fa_mma(o[2 * j + h], a, pb0, pb1);
+                        }
                     }
-                }
-            }
-        } else {
+                } else {  // tile d: dimensions 16 d + grp (+ 8), from the f16 tile's rows by ldmatrix.trans
 #pragma unroll
-            for (int d = 0; d < ND; ++d) { o[d][0] *= c; o[d][1] *= c; }
-#pragma unroll
-            for (int kk = 0; kk < KT / 16; ++kk) {  // O += P V: P's C fragments are the A fragments of k step kk
-                const u32 pa[4] = {pack_h2(sc[2 * kk][0], sc[2 * kk][1]), 0u,
-                                   pack_h2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]), 0u};
-#pragma unroll
-                for (int d = 0; d < ND; d += 2) {
-                    u32 b[4];
-                    ldsm4t(b, Vt + (16 * kk + 8 * ((lane >> 3) & 1) + (lane & 7)) * LDH + 8 * d + 8 * (lane >> 4));
-                    fa_mma(o[d], pa, b[0], b[1]);
-                    fa_mma(o[d + 1], pa, b[2], b[3]);
+                    for (int d = 0; d < NO; ++d) {
+                        u32 a[4];
+                        ldsm4t(a, Vt + (16 * kk + (lane & 7) + 8 * (lane >> 4)) * LDH + 16 * d + 8 * ((lane >> 3) & 1));
+                        fa_mma(o[d], a, pb0, pb1);
+                    }
                 }
             }
         }
@@ -334,17 +349,20 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
     // weights exp2(m_w - M) and the weighted sums
     float* wo = reinterpret_cast<float*>(ring);  // [G][D] of this warp, then m[G], l[G]
     __syncwarp();
-    if constexpr (F::REG) {  // O^T: dimensions 32 j + 4 grp + 2 h (+ 1) of heads 2 tig, 2 tig + 1
+    if constexpr (!F::TR) {
+        if (grp < G) {
 #pragma unroll
-        for (int d = 0; d < NO; ++d) {
-            const int e = 32 * (d / 2) + 4 * grp + 2 * (d % 2);
-            if (2 * tig < G) *reinterpret_cast<float2*>(wo + 2 * tig * D + e) = make_float2(o[d][0], o[d][2]);
-            if (2 * tig + 1 < G) *reinterpret_cast<float2*>(wo + (2 * tig + 1) * D + e) = make_float2(o[d][1], o[d][3]);
+            for (int d = 0; d < NO; ++d)
+                *reinterpret_cast<float2*>(wo + grp * D + 8 * d + 2 * tig) = make_float2(o[d][0], o[d][1]);
         }
-    } else if (grp < G) {
+    } else {
 #pragma unroll
-        for (int d = 0; d < ND; ++d)
-            *reinterpret_cast<float2*>(wo + grp * D + 8 * d + 2 * tig) = make_float2(o[d][0], o[d][1]);
+        for (int d = 0; d < NO; ++d) {  // O^T's rows grp / grp + 8: dimensions e0 / e1 of heads 2 tig, 2 tig + 1
+            // REG: dimensions 32 j + 4 grp + 2 h (+ 1) of tile d = 2 j + h; else 16 d + grp (+ 8)
+            const int e0 = F::REG ? 32 * (d / 2) + 4 * grp + 2 * (d % 2) : 16 * d + grp, e1 = F::REG ? e0 + 1 : e0 + 8;
+            if (2 * tig < G) { wo[2 * tig * D + e0] = o[d][0]; wo[2 * tig * D + e1] = o[d][2]; }
+            if (2 * tig + 1 < G) { wo[(2 * tig + 1) * D + e0] = o[d][1]; wo[(2 * tig + 1) * D + e1] = o[d][3]; }
+        }
     }
     if (grp < G && tig == 0) { wo[G * D + grp] = m; wo[G * D + G + grp] = l; }
     __syncthreads();
