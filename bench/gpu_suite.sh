@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The whole `pytest -m gpu` suite inside one device call: the test files in parallel groups (16
+# cores; the kernel tests split in two, they compile the most), each group stopped at a shared
+# deadline, then CuPy's kernel cache packed into $OUT/cupy_cache.txz within the call's time.
+#   source .device/env.sh
+#   CACHE=.work/cupy_all.txz LIMIT=540 bash bench/gpu_suite.sh     (LIMIT: the call's seconds)
+# A cold cache (any header edited) compiles every kernel: the groups then take 7-9 minutes, so the
+# pack is given its own minute and runs whatever the tests did. One summary line a group is printed
+# last; the logs are $OUT/<group>.log.
+set -u
+OUT=${OUT:-/tmp/out}
+LIMIT=${LIMIT:-540}
+PACK_S=60
+mkdir -p "$OUT" build/twins
+[ -n "${CACHE:-}" ] && source bench/cupy_cache.sh unpack "$CACHE" >/dev/null
+export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy_cache}
+mkdir -p "$CUPY_CACHE_DIR" && touch "$CUPY_CACHE_DIR/.marker"
+for n in smollm2 gemma3; do
+  [ -f build/twins/$n.gguf ] || python3 -m gguf_runtime synth --fill twins/$n.hdr.gguf -o build/twins/$n.gguf -q &
+done
+wait
+export GGUF_TWIN_DIR=build/twins
+left=$(( LIMIT - PACK_S - SECONDS ))
+GROUPS=""
+group() {
+  local name=$1; shift
+  GROUPS="$GROUPS $name"
+  ( timeout $left python3 -m pytest -q -ra -m gpu -p no:cacheprovider "$@" > "$OUT/$name.log" 2>&1
+    echo "rc=$?" >> "$OUT/$name.log" ) &
+}
+group kern_mma tests/test_gpu_kernels.py -k "mma"
+group kern_rest tests/test_gpu_kernels.py -k "not mma"
+group q8_tiles tests/test_gpu_q8.py tests/test_gpu_attention_tiles.py
+group backend tests/test_gpu_backend.py tests/test_gpu_graphs.py tests/test_gpu_constraint.py tests/test_gpu_embed.py
+group batch tests/test_gpu_batch.py tests/test_gpu_sampler.py tests/test_gpu_flash.py
+group moe_tp_fd tests/test_gpu_moe.py tests/test_gpu_tensor_parallel.py tests/test_gpu_flash_decode.py
+group micro_f32 tests/test_gpu_micro.py -k "test_f32_path"
+group micro_int8 tests/test_gpu_micro.py -k "test_int8_path_most or test_int8_rest"
+group micro_rest tests/test_gpu_micro.py -k "f16_prefill or non_finite or long_prompt"
+wait
+echo "tests: ${SECONDS}s"
+timeout $(( PACK_S - 5 )) bash bench/cupy_cache.sh pack >/dev/null 2>&1 || echo "cupy cache: pack cut at ${PACK_S}s"
+for g in $GROUPS; do
+  f="$OUT/$g.log"
+  echo "$g: $(grep -E '(passed|failed|error)' "$f" | tail -1) $(grep '^rc=' "$f")"
+  grep -E "^(FAILED|ERROR)" "$f" | head -5
+done
