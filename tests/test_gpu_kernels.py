@@ -397,11 +397,15 @@ def sampler_state(n_vocab, rows=1, top_k=40, top_p=1.0, min_p=0.0, temp=0.0, see
                 cand_i=z(rows * LS.topk_blocks(n_vocab) * LS.TOPK_MAX), cand_n=z(rows * LS.topk_blocks(n_vocab)),
                 top_k=full(top_k, cp.int32), top_p=full(top_p, cp.float32),
                 min_p=full(min_p, cp.float32), temp=full(temp, cp.float32), seed=full(seed, cp.uint64),
-                penalty=full(penalty, cp.float32), last_n=full(last_n, cp.int32), seq=cp.arange(rows, dtype=cp.int32))
+                penalty=full(penalty, cp.float32), last_n=full(last_n, cp.int32), seq=cp.arange(rows, dtype=cp.int32),
+                lp_k=z(rows), lp_win=z(rows * 64 * 2))
     ring_mem = cp.cuda.alloc_pinned_memory(16 * rows * 4)
     ring = np.frombuffer(ring_mem, np.int32, 16 * rows)
-    st = LS.SamplerState(ring=ring_mem.ptr, ring_len=16, n_seq=rows,
+    lp_mem = cp.cuda.alloc_pinned_memory(16 * rows * LS.LP_COLS * 4)
+    st = LS.SamplerState(ring=ring_mem.ptr, ring_len=16, n_seq=rows, lp_ring=lp_mem.ptr,
                         **{name: a.data.ptr for name, a in keep.items()})
+    keep["lp_ring"] = np.frombuffer(lp_mem, np.float32, 16 * rows * LS.LP_COLS).reshape(16, rows, LS.LP_COLS)
+    keep["lp_mem"] = lp_mem
     return st, keep, ring, ring_mem
 
 
@@ -433,6 +437,51 @@ def test_repeat_penalty_matches_numpy(k, rng):
     LS.repeat_penalty(k, d.data.ptr, n, n, st, 1)
     ref = apply_repeat_penalty(logits, hist.tolist(), 1.3, 32)
     np.testing.assert_array_equal(d.get(), ref)
+
+
+@pytest.mark.parametrize("n", [32000, 1000, 128256])
+def test_logprobs_around_the_sampler(k, n, rng):
+    """logprobs.cu beside the sampler, as a batch step runs them (row_logprobs, repeat_penalty,
+    topk_sample, chosen_logprob), six steps: each reporting row's ring entry equals
+    sampling.token_logprobs of its raw logits and the token the sampler committed, with the k asked
+    for (20, 5, 0); a penalised row reports a penalised token's raw logit (its history's ids lead
+    the logits, so it draws them often: counted); a row that asked for none and a padding slot are
+    left alone; a tie of four at the top keeps ids ascending."""
+    from gguf_runtime.sampling import token_logprobs
+    rows, steps = 5, 6
+    st, keep, ring, _mem = sampler_state(n, rows=rows, top_k=8, temp=1.0, seed=7, penalty=1.5, last_n=64)
+    keep["penalty"].set(np.array([1.5, 1.0, 1.5, 1.5, 1.5], np.float32))
+    keep["lp_k"].set(np.array([21, 6, 1, 0, 21], np.int32))  # k + 1; row 3 reports none
+    keep["seq"].set(np.array([0, 1, 2, 3, -1], np.int32))  # row 4: a padding slot
+    keep["hist"].set(rng.integers(0, 6, rows * 64).astype(np.int32))
+    keep["hist_n"].set(np.array([40, 3, 64, 10, 5], np.int32))
+    lp = keep["lp_ring"]
+    lp[:] = -7.0  # poison: rows left alone keep it
+    penalised = 0
+    for step in range(steps):
+        logits = (rng.standard_normal((rows, n)) * 2).astype(np.float32)
+        logits[:, :6] += 14.0  # the history's ids lead, penalised or not
+        logits[0, 100:104] = logits[0, :6].max() + 1.0  # a tie of four at the top
+        raw = logits.copy()
+        hist, hist_n = keep["hist"].get().reshape(rows, 64).copy(), keep["hist_n"].get().copy()
+        d = cp.asarray(logits)
+        LS.row_logprobs(k, d.data.ptr, n, n, st, rows)
+        LS.repeat_penalty(k, d.data.ptr, n, n, st, rows)
+        LS.topk_sample(k, d.data.ptr, n, n, st, rows)
+        LS.chosen_logprob(k, d.data.ptr, n, st, rows)
+        cp.cuda.runtime.deviceSynchronize()
+        toks = keep["tokens"].get()
+        for r, kk in ((0, 20), (1, 5), (2, 0)):
+            tok = int(toks[r])
+            got, want = LS.lp_entry(lp[step, r], tok), token_logprobs(raw[r], tok, kk)
+            assert got[0] == want[0] and abs(got[1] - want[1]) < 2e-5 * max(1.0, abs(want[1])), (step, r, got, want)
+            assert [i for i, _ in got[2]] == [i for i, _ in want[2]], (step, r)
+            np.testing.assert_allclose([v for _, v in got[2]], [v for _, v in want[2]], rtol=2e-5, atol=2e-5)
+            window = [hist[r][(hist_n[r] - 1 - j) % 64] for j in range(min(hist_n[r], 64))]
+            penalised += r != 1 and tok in window
+        assert (lp[:, 3] == -7.0).all() and (lp[:, 4] == -7.0).all()
+        assert [i for i, _ in LS.lp_entry(lp[step, 0], 0)[2][:4]] == [100, 101, 102, 103]
+    assert penalised >= 2  # the raw logit of a penalised choice was checked
 
 
 @pytest.mark.parametrize("top_k,top_p,min_p,temp", [(40, 0.95, 0.05, 0.8), (5, 1.0, 0.0, 1.5), (1000, 0.9, 0.0, 1.0)])

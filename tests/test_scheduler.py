@@ -769,9 +769,9 @@ def test_logprobs_follow_the_tokens_kept(uid, max_new, stop, reason):
     assert other.logprobs_seen == [] and other.emit.logprobs == []
 
 
-def test_cuda_adapter_refuses_logprobs_for_now():
-    """The batch step keeps no logits the host could read: a request with logprobs fails alone, saying
-    so; one without keeps going."""
+def test_cuda_adapter_refuses_logprobs_where_the_backend_has_none():
+    """A backend without the logprobs kernels: a request with logprobs fails alone, saying so; one
+    without keeps going."""
     a, be = cuda_adapter(depth=2)
     s = make(a)
     j, ok = job(5, max_new=4), job(6, max_new=4)
@@ -779,6 +779,69 @@ def test_cuda_adapter_refuses_logprobs_for_now():
     run(s, j, ok)
     assert isinstance(j.emit.error, BackendError) and "logprobs" in str(j.emit.error)
     assert ok.reason == "length" and len(ok.ids) == 4
+
+
+class _RingRow(list):
+    """A row of the fake token ring that also fills the logprobs ring's row, as the kernels around
+    the GPU sampler do: (the token written, a serial number of the write)."""
+
+    def __init__(self, be, n: int) -> None:
+        super().__init__([None] * be.max_batch)
+        self.be, self.n = be, n
+
+    def __setitem__(self, slot, tok) -> None:
+        super().__setitem__(slot, tok)
+        self.be.writes += 1
+        self.be.lp[self.n][slot] = (tok, self.be.writes)
+
+
+class LogprobsFakeBackend(PackingFakeBackend):
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.writes, self.asked = 0, {}
+        self.lp = [[None] * self.max_batch for _ in range(64)]
+        self.ring = [_RingRow(self, n) for n in range(64)]
+
+    def seq_logprobs(self, slot, k):
+        self.asked[slot] = k
+
+    def seq_logprobs_entry(self, slot, i, tok):
+        written, serial = self.lp[i % 64][slot]
+        return tok, -float(serial), ((written, 0.0),)
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_cuda_adapter_reads_logprobs_beside_each_token(depth):
+    """Jobs with logprobs among jobs without, steps in flight, a cancel and a slot reused: each kept
+    token's entry is read from the ring row its token came from (the token the fake wrote there is
+    the token returned), in the order written, one entry per token of job.ids; the others get none."""
+    be = LogprobsFakeBackend(max_batch=4)
+    rng = random.Random(depth)
+    a = CudaAdapter(SimpleNamespace(backend=be, tokenizer=FAKE_TOK), depth=depth,
+                    new_event=lambda: FakeEvent(be.stream, rng))
+    s = make(a)
+    jobs = [job(u, 12 + u % 5) for u in range(1, 9)]
+    for j in jobs[::2]:
+        j.logprobs = 3
+    victim = job(99, 200)
+    victim.logprobs = 1
+    s.submit(victim)
+    for j in jobs[:3]:
+        s.submit(j)
+    for _ in range(3):
+        s._pump()
+    s.cancel(victim)
+    run(s, *jobs[3:])
+    for j in jobs:
+        assert j.state == "done" and "".join(j.emit.text) == expected(j.params.seed, j.max_new)
+        if j.logprobs < 0:
+            assert j.logprobs_seen == [] and j.emit.logprobs == []
+            continue
+        assert [e[0] for e in j.logprobs_seen] == j.ids
+        assert all(e[2][0][0] == e[0] for e in j.logprobs_seen)  # the same ring row as the token
+        serials = [-e[1] for e in j.logprobs_seen]
+        assert serials == sorted(serials)
+    assert set(be.asked) <= set(range(4)) and a.logprobs == {}
 
 
 def test_cuda_adapter_clamps_top_k():

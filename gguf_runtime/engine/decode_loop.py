@@ -53,9 +53,11 @@ class LaunchAhead:
     """
 
     def __init__(self, backend, depth: int, margin: int = 0, launch: Callable[[], None] | None = None,
-                 new_event: Callable[[], object] | None = None) -> None:
+                 new_event: Callable[[], object] | None = None,
+                 read: Callable[[int, int], int] | None = None) -> None:
         self.be, self.depth, self.margin = backend, max(1, int(depth)), margin
         self._launch = launch or (lambda: backend.batch_step(max(self._seqs) + 1))
+        self._read = read or (lambda s, i: backend.seq_token(s, i))  # (slot, token index) -> token, once readable
         self._new_event = new_event or getattr(backend, "new_event", None) or _cupy_event
         self._pool: list[object] = []
         self._fifo: deque[_Mark] = deque()  # launches in stream order, not yet read
@@ -121,7 +123,7 @@ class LaunchAhead:
             for s, gen, i in m.marks:
                 q = self._seqs.get(s)
                 if q is not None and q.gen == gen:
-                    out.setdefault(s, []).append(self.be.seq_token(s, i))
+                    out.setdefault(s, []).append(self._read(s, i))
         return out
 
 

@@ -36,6 +36,9 @@ class SamplerState:
     penalty: int
     last_n: int
     seq: int  # per slot: >= 0 active, < 0 padding (samples nothing)
+    lp_k: int  # per slot int32: top logprobs + 1 where the slot reports logprobs, else 0 (logprobs.cu)
+    lp_ring: int  # mapped host memory, [ring_len, n_seq, LP_COLS] float32
+    lp_win: int  # int32 [n_seq, HIST, 2]: the penalty window's (token, raw logit bits)
 
 
 ARGMAX_BLOCKS = 32
@@ -48,19 +51,23 @@ def topk_blocks(n_vocab: int) -> int:
 
 
 HIST, PRIME_COLS = 64, 12  # sampling.cu's history length and prime_slots' columns before it
+LP_TOP = 20  # logprobs.cu: top logprobs a token at most
+LP_COLS = 3 + 2 * LP_TOP  # a ring row: log-sum-exp, the chosen token's raw logit, k, k ids, k logits
 
 
 def prime_table(rows) -> np.ndarray:
     """prime_slots' table: one row per (slot, history, pos, top_k, last_n, top_p, min_p, temp,
-    penalty, seed) tuple; the history's last HIST tokens are kept."""
+    penalty, seed[, logprobs]) tuple (logprobs: top entries a token, -1 or absent: none); the
+    history's last HIST tokens are kept."""
     t = np.zeros((len(rows), PRIME_COLS + HIST), np.int32)
     f = t.view(np.float32)
-    for i, (slot, history, pos, top_k, last_n, top_p, min_p, temp, penalty, seed) in enumerate(rows):
+    for i, (slot, history, pos, top_k, last_n, top_p, min_p, temp, penalty, seed, *lp) in enumerate(rows):
         tail = np.asarray(list(history)[-HIST:], np.int32)
         t[i, :5] = slot, tail.shape[0], pos, top_k, last_n
         f[i, 5:9] = top_p, min_p, temp, penalty
         seed = int(seed) & (1 << 64) - 1
         t[i, 9:11] = np.array([seed & 0xFFFFFFFF, seed >> 32], np.uint32).view(np.int32)
+        t[i, 11] = min(int(lp[0]), LP_TOP) + 1 if lp and lp[0] >= 0 else 0
         t[i, PRIME_COLS:PRIME_COLS + tail.shape[0]] = tail
     return t
 
@@ -70,7 +77,33 @@ def prime_slots(k: Kernels, table: int, n: int, st: SamplerState) -> None:
     k.fn("sampling.cu", "prime_slots")((n,), (64,), (ptr(table), ptr(st.hist), ptr(st.hist_n), ptr(st.step),
                                                      ptr(st.counter), ptr(st.pos), ptr(st.seq), ptr(st.top_k),
                                                      ptr(st.last_n), ptr(st.top_p), ptr(st.min_p), ptr(st.temp),
-                                                     ptr(st.penalty), ptr(st.seed)))
+                                                     ptr(st.penalty), ptr(st.seed), ptr(st.lp_k)))
+
+
+def row_logprobs(k: Kernels, logits: int, ld: int, n_vocab: int, st: SamplerState, rows: int,
+                 slot0: int = 0, slots: int = 0) -> None:
+    """Before repeat_penalty: each reporting row's log-sum-exp, top logprobs and penalty window
+    into the lp ring at the index of the token about to be sampled (logprobs.cu)."""
+    k.fn("logprobs.cu", "row_logprobs")((rows,), (1024,), (
+        ptr(logits), i32(ld), i32(n_vocab), ptr(st.lp_k), ptr(st.step), ptr(st.hist), ptr(st.hist_n),
+        ptr(st.last_n), ptr(st.lp_ring), ptr(st.lp_win), i32(st.ring_len), i32(st.n_seq), ptr(st.seq), i32(slot0),
+        ptr(slots)))
+
+
+def chosen_logprob(k: Kernels, logits: int, ld: int, st: SamplerState, rows: int, slot0: int = 0,
+                   slots: int = 0) -> None:
+    """After the sampler: each reporting row's chosen token's raw logit into its ring row."""
+    k.fn("logprobs.cu", "chosen_logprob")((-(-rows // 64),), (64,), (
+        ptr(logits), i32(ld), ptr(st.lp_k), ptr(st.tokens), ptr(st.step), ptr(st.lp_win), ptr(st.lp_ring),
+        i32(st.ring_len), i32(st.n_seq), ptr(st.seq), i32(slot0), ptr(slots), i32(rows)))
+
+
+def lp_entry(row: np.ndarray, tok: int) -> tuple[int, float, tuple[tuple[int, float], ...]]:
+    """sampling.token_logprobs' entry from a ring row (LP_COLS float32) and its token."""
+    lse, chosen, k = float(row[0]), float(row[1]), int(row[2])
+    ids = row[3:3 + k].view(np.int32)
+    vals = row[3 + LP_TOP:3 + LP_TOP + k]
+    return int(tok), chosen - lse, tuple((int(i), float(v) - lse) for i, v in zip(ids, vals))
 
 
 def finite_rows(k: Kernels, logits: int, ld: int, n_vocab: int, rows: int, bad: int) -> None:

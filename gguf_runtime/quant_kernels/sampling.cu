@@ -33,14 +33,15 @@ extern "C" __global__ void finite_rows(const float* __restrict__ logits, int ld,
 
 // A sequence's start in its slot (admission, never between steps): one block per row of ``table``,
 // int32 [n, PRIME_COLS + HIST]: slot, hist_n, pos, top_k, last_n, top_p, min_p, temp, penalty (f32
-// bits), seed (low, high word), 0, then the history (hist_n tokens, zero-padded). The step and the
+// bits), seed (low, high word), logprobs (k + 1 top entries a token, 0: none; logprobs.cu), then
+// the history (hist_n tokens, zero-padded). The step and the
 // RNG counter restart at 0 and the slot turns active (seq[slot] = slot). One launch for a forward's
 // prompts in place of a dozen host copies each.
 #define PRIME_COLS 12
 extern "C" __global__ void prime_slots(const int* __restrict__ table, int* hist, int* hist_n, int* step,
                                        unsigned* counter, int* pos, int* seq, int* top_k, int* last_n,
                                        float* top_p, float* min_p, float* temp, float* penalty,
-                                       unsigned long long* seed) {
+                                       unsigned long long* seed, int* lp_k) {
     const int* row = table + (long)blockIdx.x * (PRIME_COLS + HIST);
     pdl_enter();
     const int b = row[0];
@@ -58,6 +59,7 @@ extern "C" __global__ void prime_slots(const int* __restrict__ table, int* hist,
     temp[b] = __int_as_float(row[7]);
     penalty[b] = __int_as_float(row[8]);
     seed[b] = (unsigned long long)(unsigned)row[9] | ((unsigned long long)(unsigned)row[10] << 32);
+    lp_k[b] = row[11];
 }
 
 // llama.cpp's repetition penalty on the distinct tokens among the last last_n[b] of the history

@@ -180,7 +180,8 @@ class CudaAdapter:
         self._filling: dict[int, _Filling] = {}  # slots whose prompts are being evaluated, in admission order
         self.failed: dict[int, BaseException] = {}  # slots whose prompt failed after add (scheduler: fail them)
         self.prompt_eval: dict[int, int] = {}  # slot -> prompt tokens it evaluates (scheduler reads it at the first token)
-        self.loop = LaunchAhead(be, self.depth, margin=self.margin, new_event=new_event)
+        self.logprobs: dict[int, list] = {}  # slot -> this step's entries (slots that report them)
+        self.loop = LaunchAhead(be, self.depth, margin=self.margin, new_event=new_event, read=self._read)
         if capture and getattr(be, "use_graph", False) and hasattr(be, "capture_buckets"):
             be.capture_buckets(progress=progress)  # before serving: no capture pause mid-stream
 
@@ -192,9 +193,9 @@ class CudaAdapter:
 
     def add(self, slot: int, prompt: Sequence[int], params: SamplingParams, max_new: int,
             grammar: str | None = None, logprobs: int = -1) -> int:
-        if logprobs >= 0:  # the batch step keeps no logits the host could read them from yet
-            raise BackendError("logprobs are not served on the CUDA backend yet; serve with --backend numpy, "
-                               "or leave logprobs and top_logprobs unset")
+        if logprobs >= 0 and not hasattr(self.be, "seq_logprobs"):
+            raise BackendError("logprobs are not served by this backend; serve with --backend numpy, or leave "
+                               "logprobs and top_logprobs unset")
         if grammar:  # the batch step samples on the GPU; its grammar masks are not there yet
             raise BackendError("structured output (format / response_format) and forced tool calls (tool_choice "
                                "\"required\" or a named function) are not served on the CUDA backend yet; serve with "
@@ -204,6 +205,9 @@ class CudaAdapter:
             cached = be.seq_start(slot, prompt, params, max_new + self.margin, reuse=self.prefix_cache)
         except KVCacheFullError:
             raise NoRoom from None
+        if logprobs >= 0:  # (the kernels around the GPU sampler write them beside each token)
+            be.seq_logprobs(slot, logprobs)
+            self.logprobs[slot] = []
         f = self._filling[slot] = _Filling(prompt, params, max_new, cached)
         if self.prefix_cache:
             f.after = self._shares_with(slot, prompt, cached)
@@ -302,7 +306,16 @@ class CudaAdapter:
             if self.prefix_cache:  # (the tokens it writes, kept at release)
                 self._tokens[slot] = (len(f.prompt), f.prompt)
 
+    def _read(self, slot: int, i: int) -> int:
+        """A token the loop reads, and its logprobs entry where the slot reports them."""
+        tok = self.be.seq_token(slot, i)
+        if (seen := self.logprobs.get(slot)) is not None:
+            seen.append(self.be.seq_logprobs_entry(slot, i, tok))
+        return tok
+
     def step(self) -> dict[int, list[int]]:
+        for entries in self.logprobs.values():
+            entries.clear()  # this step's entries only (_read appends them in token order)
         if self._filling:
             self._evaluate()
         out = self.loop.step()
@@ -322,6 +335,7 @@ class CudaAdapter:
 
     def release(self, slot: int) -> None:
         self.loop.drop(slot)
+        self.logprobs.pop(slot, None)
         self.failed.pop(slot, None)
         self.prompt_eval.pop(slot, None)
         n_prompt, toks = self._tokens.pop(slot, (0, []))

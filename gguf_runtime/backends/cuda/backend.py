@@ -219,6 +219,12 @@ class CudaBackend(PrefillMixin):
         self.p_seed = z(n, cp.uint64)
         self._ring_mem = cp.cuda.alloc_pinned_memory(RING * n * 4)
         self.ring = np.frombuffer(self._ring_mem, np.int32, RING * n).reshape(RING, n)
+        # logprobs (logprobs.cu): per slot top entries + 1 (0: none), a ring row a token beside the
+        # token ring, the penalty window's raw logits; _lp: the reporting slots' top entries
+        self.p_lp, self.lp_win = z(n), z(n * HIST * 2)
+        self._lp_mem = cp.cuda.alloc_pinned_memory(RING * n * LS.LP_COLS * 4)
+        self.lp_ring = np.frombuffer(self._lp_mem, np.float32, RING * n * LS.LP_COLS).reshape(RING, n, LS.LP_COLS)
+        self._lp: dict[int, int] = {}
         self._state = [self.tokens, self.pos, self.hist, self.hist_n, self.step, self.counter]
         self._saved = [cp.empty_like(a) for a in self._state]
         self.sampler_state = LS.SamplerState(
@@ -228,7 +234,8 @@ class CudaBackend(PrefillMixin):
             cand_v=self.cand_v.data.ptr, cand_i=self.cand_i.data.ptr, cand_n=self.cand_n.data.ptr,
             top_k=self.p_top_k.data.ptr, top_p=self.p_top_p.data.ptr, min_p=self.p_min_p.data.ptr,
             temp=self.p_temp.data.ptr, seed=self.p_seed.data.ptr, penalty=self.p_penalty.data.ptr,
-            last_n=self.p_last_n.data.ptr, seq=self.seq.data.ptr)
+            last_n=self.p_last_n.data.ptr, seq=self.seq.data.ptr, lp_k=self.p_lp.data.ptr,
+            lp_ring=self._lp_mem.ptr, lp_win=self.lp_win.data.ptr)
         # _prime_many's table, a row per slot at most, and a slot map of up to 64 rows
         self._prime_buf = cp.empty(n * (LS.PRIME_COLS + HIST) + 64, cp.int32)
         # a packed forward's last rows (indices, then their residual rows) for its head: prefill.py
@@ -244,19 +251,24 @@ class CudaBackend(PrefillMixin):
         """(greedy, penalty): which sampling kernels a step launches."""
         return params.greedy, params.repeat_penalty != 1.0 and params.repeat_last_n != 0
 
-    def _sample(self, greedy: bool, penalty: bool, rows: int, slot0: int = 0, row: int = 0,
+    def _sample(self, greedy: bool, penalty: bool, lp: bool = False, *, rows: int, slot0: int = 0, row: int = 0,
                 slots: int = 0) -> None:
         """Sample the next token of slots slot0.. (or of the device slot map ``slots``: one int32 per
-        row, -1 skips it) from ``rows`` rows of ws.logits from ``row`` on."""
+        row, -1 skips it) from ``rows`` rows of ws.logits from ``row`` on; ``lp``: with the
+        logprobs kernels around the sampler (they skip the slots that report none)."""
         st, k, cfg, logits = self.sampler_state, self.kernels, self.cfg, self.ws.logits
         ld = logits.strides[0] // 4
         ptr = logits[row:].data.ptr
+        if lp:
+            LS.row_logprobs(k, ptr, ld, cfg.n_vocab, st, rows, slot0, slots)
         if penalty:
             LS.repeat_penalty(k, ptr, ld, cfg.n_vocab, st, rows, slot0, slots)
         if greedy:
             LS.argmax_sample(k, ptr, ld, cfg.n_vocab, st, rows, slot0, slots)
         else:
             LS.topk_sample(k, ptr, ld, cfg.n_vocab, st, rows, slot0, slots)
+        if lp:
+            LS.chosen_logprob(k, ptr, ld, st, rows, slot0, slots)
 
     def _finite_rows(self, logits: cp.ndarray) -> np.ndarray:
         """Whether each row of ``logits`` (at most 64) is free of NaNs and infinities (one kernel and
@@ -290,7 +302,8 @@ class CudaBackend(PrefillMixin):
         rows = [(slot, history, self.slot_len[slot] - 1,
                  p.top_k if 0 < p.top_k <= MAX_GPU_TOP_K else MAX_GPU_TOP_K,
                  HIST if p.repeat_last_n < 0 else min(HIST, p.repeat_last_n),
-                 p.top_p, p.min_p, 0.0 if p.greedy else p.temperature, p.repeat_penalty, seed)
+                 p.top_p, p.min_p, 0.0 if p.greedy else p.temperature, p.repeat_penalty, seed,
+                 self._lp.get(slot, -1))
                 for slot, history, p, seed in seqs]
         table = LS.prime_table(rows).ravel()
         n = table.shape[0]
@@ -475,7 +488,7 @@ class CudaBackend(PrefillMixin):
         seed = int(seed) if seed is not None else secrets.randbits(63)
         self._prime(slot, prompt, params, seed)
         with self.stream:
-            self._sample(*self._mode(params), rows=1, slot0=slot, row=row)
+            self._sample(*self._mode(params), slot in self._lp, rows=1, slot0=slot, row=row)
         self.decoding[slot] = True
 
     def seq_prefill_many(self, parts: Sequence[tuple[int, Sequence[int], tuple | None]]) -> None:
@@ -529,7 +542,8 @@ class CudaBackend(PrefillMixin):
         slot_map = self._prime_many(seeds, slots)
         modes = [self._mode(params) for _, _, (_, params, _, _) in firsts]
         with self.stream:  # greedy rows take the top-k kernel's greedy path where the group mixes both
-            self._sample(all(g for g, _ in modes), any(p for _, p in modes), rows=rows, slots=slot_map)
+            self._sample(all(g for g, _ in modes), any(p for _, p in modes),
+                         any(slot in self._lp for _, slot, _ in firsts), rows=rows, slots=slot_map)
         for _, slot, _ in firsts:
             self.decoding[slot] = True
 
@@ -537,6 +551,8 @@ class CudaBackend(PrefillMixin):
         """One decode step for every active slot below n_slots (the bucket's graph)."""
         rows = bucket_for(n_slots, self.max_batch)
         mode = (False, True)  # the general sampler: greedy and sampled rows, with penalties
+        if any(s < rows for s in self._lp):  # ... and the logprobs kernels (graphs of their own)
+            mode = (False, True, True)
         self._launch(self._graph_for(rows, mode), rows, mode)
         for s in range(rows):
             if self.decoding[s]:  # (a slot whose prompt is evaluated in chunks meanwhile keeps its length)
@@ -546,6 +562,15 @@ class CudaBackend(PrefillMixin):
         """The i-th token sampled for the slot (after the step that made it has completed)."""
         return int(self.ring[i % RING, slot])
 
+    def seq_logprobs(self, slot: int, k: int) -> None:
+        """Report the slot's next sequence's logprobs with ``k`` top entries (0..20; before its
+        seq_first): seq_logprobs_entry reads them beside each token."""
+        self._lp[slot] = min(max(int(k), 0), LS.LP_TOP)
+
+    def seq_logprobs_entry(self, slot: int, i: int, tok: int):
+        """sampling.token_logprobs' entry of the slot's i-th token ``tok`` (read with it)."""
+        return LS.lp_entry(self.lp_ring[i % RING, slot], tok)
+
     def seq_release(self, slot: int, tokens: Sequence[int] = ()) -> None:
         """End the slot's sequence; ``tokens``, those whose K/V it wrote from position 0, keep its
         full pages in the prefix cache."""
@@ -554,6 +579,7 @@ class CudaBackend(PrefillMixin):
         self.kv.release(slot, stream=self.stream, tokens=list(tokens))
         self.slot_len[slot] = 0
         self.decoding[slot] = False
+        self._lp.pop(slot, None)
 
     # ---- embeddings ------------------------------------------------------------------------------
     def hidden(self, tokens: Sequence[int], slot: int = 0) -> np.ndarray:
