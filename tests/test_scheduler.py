@@ -885,3 +885,83 @@ def test_a_dying_loop_calls_on_fatal():
     assert isinstance(seen[0], RuntimeError) and isinstance(j.emit.error, ShuttingDown)
     with pytest.raises(ShuttingDown):
         s.submit(job(2))
+
+
+class CountingConstraint:
+    """A stand-in grammar whose mask records how many tokens it had consumed when it was written."""
+
+    def __init__(self, tok, n_vocab, grammar) -> None:
+        self.n, self.grammar = 0, grammar
+
+    def advance(self, tok) -> None:
+        if self.grammar == "refuse" and self.n == 2:
+            raise ValueError("the grammar engine refused token 7")
+        self.n += 1
+
+    def fill(self, words) -> None:
+        words[0] = self.n
+
+
+class MaskFakeBackend(PackingFakeBackend):
+    """... with seq_constrain: each time the 'device' samples a constrained slot's token n it notes
+    the mask row's content then (the copy a real step makes as it runs)."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.rows: dict = {}
+        self.used: list[tuple[int, int, int]] = []  # (slot, token index, mask's consumed count)
+
+    grammar_masks = True
+
+    def seq_constrain(self, slot):
+        import numpy as np
+        self.rows[slot] = np.zeros(4, np.uint32)
+        return self.rows[slot]
+
+    def _note(self, slots, first=False):
+        def op():
+            for s in slots:
+                if s in self.rows and (first or self.dev[s] is not None):
+                    self.used.append((s, 0 if first else self.dev[s]["n"], int(self.rows[s][0])))
+        self.stream.ops.append(op)
+
+    def seq_first(self, slot, prompt, params, seed, publish=False):
+        self._note([slot], first=True)
+        super().seq_first(slot, prompt, params, seed, publish)
+
+    def batch_step(self, n_slots):
+        self._note(list(range(n_slots)))
+        super().batch_step(n_slots)
+
+    def seq_release(self, slot, tokens=()):
+        self.rows.pop(slot, None)
+        super().seq_release(slot, tokens)
+
+
+@pytest.mark.parametrize("depth", [1, 2, 4])
+def test_cuda_adapter_grammar_masks_follow_each_token(depth):
+    """Constrained jobs among free ones, steps launched ahead where nothing is constrained: every
+    token of a constrained slot is sampled under the mask written after all its earlier tokens were
+    consumed (token n under a grammar that consumed n), the first one under the fresh grammar's;
+    every job's text is the script's; a grammar that refuses a token fails its job alone."""
+    be = MaskFakeBackend(max_batch=4)
+    rng = random.Random(depth)
+    a = CudaAdapter(SimpleNamespace(backend=be, tokenizer=FAKE_TOK, cfg=SimpleNamespace(n_vocab=100)), depth=depth,
+                    new_event=lambda: FakeEvent(be.stream, rng))
+    a.new_constraint = CountingConstraint
+    s = make(a)
+    jobs = [job(u, 10 + u % 4) for u in range(1, 10)]
+    for j in jobs[1::3]:
+        j.grammar = "g"
+    bad = job(50, 12)
+    bad.grammar = "refuse"
+    for j in jobs[:4]:
+        s.submit(j)
+    for _ in range(2):
+        s._pump()
+    run(s, bad, *jobs[4:])
+    for j in jobs:
+        assert j.state == "done" and "".join(j.emit.text) == expected(j.params.seed, j.max_new), j.params.seed
+    assert bad.state == "failed" and "refused" in str(bad.emit.error)
+    assert len(be.used) > 20 and all(n == consumed for _, n, consumed in be.used), be.used[:10]
+    assert be.kv.free_pages() == be.kv.n_pages and a._constraints == {}

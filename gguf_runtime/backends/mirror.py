@@ -20,7 +20,8 @@ from typing import Any, Iterable
 from ..errors import GGUFRunError
 
 MIRRORED = ("prefill", "eval", "truncate", "start_decode", "run_steps", "batch_step", "seq_release", "hidden",
-            "capture_buckets", "end_single", "retune", "seq_start", "seq_prefill", "seq_prefill_many")
+            "capture_buckets", "end_single", "retune", "seq_start", "seq_prefill", "seq_prefill_many",
+            "seq_logprobs")  # (every rank then captures and replays the same graphs: their collectives match)
 MIRRORED_ATTRS = ("prefill_graph", "use_graph")
 
 

@@ -129,6 +129,12 @@ class Constraint:
         bits = np.unpackbits(self._mask.view(np.uint8), bitorder="little")
         return bits[:self.n_vocab].astype(bool)
 
+    def fill(self, words: np.ndarray) -> None:
+        """The allowed tokens as llguidance's bitmask into ``words`` (uint32, (n_vocab + 31) // 32 of
+        them, C-contiguous: the CUDA backend's pinned mask row of the sequence's slot)."""
+        assert words.dtype == np.uint32 and words.size == self._mask.size and words.flags.c_contiguous
+        self._m.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+
     def apply(self, logits: np.ndarray) -> np.ndarray:
         """A copy of ``logits`` with every forbidden token at -inf."""
         out = np.array(logits, np.float32, copy=True)

@@ -30,6 +30,7 @@ class _Seq:
     gen: int  # admission number: tells a sequence from an earlier one in the same slot
     launched: int  # tokens whose sampling has been enqueued (token 0 before admission)
     budget: int
+    read: int = 0  # tokens returned by step()
 
 
 @dataclass
@@ -54,10 +55,11 @@ class LaunchAhead:
 
     def __init__(self, backend, depth: int, margin: int = 0, launch: Callable[[], None] | None = None,
                  new_event: Callable[[], object] | None = None,
-                 read: Callable[[int, int], int] | None = None) -> None:
+                 read: Callable[[int, int], int] | None = None, gate: Callable[[], bool] | None = None) -> None:
         self.be, self.depth, self.margin = backend, max(1, int(depth)), margin
         self._launch = launch or (lambda: backend.batch_step(max(self._seqs) + 1))
         self._read = read or (lambda s, i: backend.seq_token(s, i))  # (slot, token index) -> token, once readable
+        self._gate = gate or (lambda: True)  # False: launch nothing now (the host needs tokens read first)
         self._new_event = new_event or getattr(backend, "new_event", None) or _cupy_event
         self._pool: list[object] = []
         self._fifo: deque[_Mark] = deque()  # launches in stream order, not yet read
@@ -74,6 +76,11 @@ class LaunchAhead:
     def drop(self, slot: int) -> None:
         """Forget the slot's sequence; tokens of it still in flight are discarded."""
         self._seqs.pop(slot, None)
+
+    def unread(self, slot: int) -> int:
+        """Tokens of the slot's sequence enqueued and not yet returned by step() (0 if none)."""
+        q = self._seqs.get(slot)
+        return q.launched - q.read if q is not None else 0
 
     def busy(self) -> bool:
         """Whether any admitted sequence is decoding."""
@@ -93,7 +100,7 @@ class LaunchAhead:
         seqs = self._seqs.values()
         # some sequence still needs a token, and no sequence would write past its pages
         return any(q.launched < q.budget for q in seqs) and all(q.launched <= q.budget + self.margin
-                                                                for q in seqs)
+                                                                for q in seqs) and self._gate()
 
     def step(self) -> dict[int, list[int]]:
         """Launch up to ``depth`` steps ahead, wait for the oldest, return the readable tokens."""
@@ -123,6 +130,7 @@ class LaunchAhead:
             for s, gen, i in m.marks:
                 q = self._seqs.get(s)
                 if q is not None and q.gen == gen:
+                    q.read += 1
                     out.setdefault(s, []).append(self._read(s, i))
         return out
 

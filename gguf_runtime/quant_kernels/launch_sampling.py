@@ -138,3 +138,16 @@ def topk_sample(k: Kernels, logits: int, ld: int, n_vocab: int, st: SamplerState
         (ptr(logits), i32(ld), i32(n_vocab), ptr(st.top_k), ptr(st.top_p), ptr(st.min_p), ptr(st.temp),
          ptr(st.seed), ptr(st.cand_v), ptr(st.cand_i), ptr(st.cand_n), ptr(st.counter), ptr(st.tokens), ptr(st.pos), ptr(st.hist), ptr(st.hist_n), ptr(st.step), ptr(st.ring),
          i32(st.ring_len), i32(st.n_seq), ptr(st.seq), i32(slot0), ptr(slots)))
+
+
+def mask_words(n_vocab: int) -> int:
+    """u32 words of a row of grammar masks (token_mask.cu; llguidance's bitmask layout)."""
+    return (n_vocab + 31) // 32
+
+
+def apply_mask(k: Kernels, logits: int, ld: int, n_vocab: int, mask: int, st: SamplerState, rows: int,
+               slot0: int = 0, slots: int = 0) -> None:
+    """Forbidden tokens' logits to -inf from each row's slot's mask row (token_mask.cu)."""
+    words = mask_words(n_vocab)
+    k.fn("token_mask.cu", "apply_mask")((-(-words // 256), rows), (256,), (
+        ptr(logits), i32(ld), i32(n_vocab), ptr(mask), i32(words), ptr(st.seq), i32(slot0), ptr(slots)))

@@ -155,6 +155,11 @@ class CudaAdapter:
     first token sampled. A prompt that shares full pages with an earlier one admitted but not yet
     evaluated (the same system prompt arriving together) waits for it and then takes its pages.
 
+    Grammars (structured output, forced tool calls) and logprobs ride the same steps: a constrained
+    slot's mask row is written on the host after each of its tokens is read, and while one runs a
+    step is launched only once its tokens are read (one step in flight, the others' throughput
+    with it); logprobs are read beside each token (the backend's kernels around its sampler).
+
     The prefix cache (``prefix_cache``, backends/page_pool.py): a prompt's leading full pages that
     an earlier or running sequence wrote are taken as they are; at release a sequence's pages are
     kept under the tokens whose K/V it wrote: the prompt and every generated token but the last one
@@ -162,6 +167,7 @@ class CudaAdapter:
     """
 
     name = "cuda"
+    new_constraint = Constraint  # (tokenizer, n_vocab, grammar) -> a sequence's grammar state
 
     def __init__(self, engine, depth: int = 2, new_event: Callable[[], object] | None = None,
                  capture: bool = True, progress: Callable[[str, int, int], None] | None = None,
@@ -181,7 +187,11 @@ class CudaAdapter:
         self.failed: dict[int, BaseException] = {}  # slots whose prompt failed after add (scheduler: fail them)
         self.prompt_eval: dict[int, int] = {}  # slot -> prompt tokens it evaluates (scheduler reads it at the first token)
         self.logprobs: dict[int, list] = {}  # slot -> this step's entries (slots that report them)
-        self.loop = LaunchAhead(be, self.depth, margin=self.margin, new_event=new_event, read=self._read)
+        # slot -> (its grammar's state, its pinned mask row): while any runs, a step is launched only
+        # once every constrained slot's tokens are read and its next mask written (one step in flight)
+        self._constraints: dict[int, tuple[Constraint, object]] = {}
+        self.loop = LaunchAhead(be, self.depth, margin=self.margin, new_event=new_event, read=self._read,
+                                gate=self._masks_ready)
         if capture and getattr(be, "use_graph", False) and hasattr(be, "capture_buckets"):
             be.capture_buckets(progress=progress)  # before serving: no capture pause mid-stream
 
@@ -196,11 +206,13 @@ class CudaAdapter:
         if logprobs >= 0 and not hasattr(self.be, "seq_logprobs"):
             raise BackendError("logprobs are not served by this backend; serve with --backend numpy, or leave "
                                "logprobs and top_logprobs unset")
-        if grammar:  # the batch step samples on the GPU; its grammar masks are not there yet
+        if grammar and not getattr(self.be, "grammar_masks", False):
             raise BackendError("structured output (format / response_format) and forced tool calls (tool_choice "
-                               "\"required\" or a named function) are not served on the CUDA backend yet; serve with "
-                               "--backend numpy, or use `gguf-run run --json-schema` for one answer")
+                               "\"required\" or a named function) are not served by this backend (a model split "
+                               "over GPUs: every GPU samples each token); serve on one GPU or with --backend numpy, "
+                               "or use `gguf-run run --json-schema` for one answer")
         be, prompt, params = self.be, list(prompt), self._params(params)
+        constraint = self.new_constraint(self.tokenizer, self.engine.cfg.n_vocab, grammar) if grammar else None
         try:
             cached = be.seq_start(slot, prompt, params, max_new + self.margin, reuse=self.prefix_cache)
         except KVCacheFullError:
@@ -208,6 +220,10 @@ class CudaAdapter:
         if logprobs >= 0:  # (the kernels around the GPU sampler write them beside each token)
             be.seq_logprobs(slot, logprobs)
             self.logprobs[slot] = []
+        if constraint is not None:  # the first token's mask, sampled after the prompt
+            row = be.seq_constrain(slot)
+            constraint.fill(row)
+            self._constraints[slot] = (constraint, row)
         f = self._filling[slot] = _Filling(prompt, params, max_new, cached)
         if self.prefix_cache:
             f.after = self._shares_with(slot, prompt, cached)
@@ -311,7 +327,17 @@ class CudaAdapter:
         tok = self.be.seq_token(slot, i)
         if (seen := self.logprobs.get(slot)) is not None:
             seen.append(self.be.seq_logprobs_entry(slot, i, tok))
+        if (c := self._constraints.get(slot)) is not None:  # the next step's mask for this slot
+            try:
+                c[0].advance(tok)
+                c[0].fill(c[1])
+            except Exception as e:  # noqa: BLE001 - this request's grammar: it fails alone
+                del self._constraints[slot]
+                self.failed[slot] = e
         return tok
+
+    def _masks_ready(self) -> bool:
+        return all(self.loop.unread(s) == 0 for s in self._constraints)
 
     def step(self) -> dict[int, list[int]]:
         for entries in self.logprobs.values():
@@ -336,6 +362,7 @@ class CudaAdapter:
     def release(self, slot: int) -> None:
         self.loop.drop(slot)
         self.logprobs.pop(slot, None)
+        self._constraints.pop(slot, None)
         self.failed.pop(slot, None)
         self.prompt_eval.pop(slot, None)
         n_prompt, toks = self._tokens.pop(slot, (0, []))

@@ -225,6 +225,14 @@ class CudaBackend(PrefillMixin):
         self._lp_mem = cp.cuda.alloc_pinned_memory(RING * n * LS.LP_COLS * 4)
         self.lp_ring = np.frombuffer(self._lp_mem, np.float32, RING * n * LS.LP_COLS).reshape(RING, n, LS.LP_COLS)
         self._lp: dict[int, int] = {}
+        # grammar masks (token_mask.cu): a pinned row a slot the host fills between steps (all ones:
+        # free), copied to the device before a step that samples a constrained slot
+        words = LS.mask_words(self.cfg.n_vocab)
+        self._mask_mem = cp.cuda.alloc_pinned_memory(n * words * 4)
+        self.mask_host = np.frombuffer(self._mask_mem, np.uint32, n * words).reshape(n, words)
+        self.mask_host[:] = 0xFFFFFFFF
+        self.mask_dev = cp.full((n, words), 0xFFFFFFFF, cp.uint32)
+        self._masked: set[int] = set()
         self._state = [self.tokens, self.pos, self.hist, self.hist_n, self.step, self.counter]
         self._saved = [cp.empty_like(a) for a in self._state]
         self.sampler_state = LS.SamplerState(
@@ -251,11 +259,12 @@ class CudaBackend(PrefillMixin):
         """(greedy, penalty): which sampling kernels a step launches."""
         return params.greedy, params.repeat_penalty != 1.0 and params.repeat_last_n != 0
 
-    def _sample(self, greedy: bool, penalty: bool, lp: bool = False, *, rows: int, slot0: int = 0, row: int = 0,
-                slots: int = 0) -> None:
+    def _sample(self, greedy: bool, penalty: bool, lp: bool = False, masked: bool = False, *, rows: int,
+                slot0: int = 0, row: int = 0, slots: int = 0) -> None:
         """Sample the next token of slots slot0.. (or of the device slot map ``slots``: one int32 per
         row, -1 skips it) from ``rows`` rows of ws.logits from ``row`` on; ``lp``: with the
-        logprobs kernels around the sampler (they skip the slots that report none)."""
+        logprobs kernels around the sampler (they skip the slots that report none); ``masked``: the
+        slots' grammar masks applied before it (free slots' rows are all ones)."""
         st, k, cfg, logits = self.sampler_state, self.kernels, self.cfg, self.ws.logits
         ld = logits.strides[0] // 4
         ptr = logits[row:].data.ptr
@@ -263,6 +272,8 @@ class CudaBackend(PrefillMixin):
             LS.row_logprobs(k, ptr, ld, cfg.n_vocab, st, rows, slot0, slots)
         if penalty:
             LS.repeat_penalty(k, ptr, ld, cfg.n_vocab, st, rows, slot0, slots)
+        if masked:
+            LS.apply_mask(k, ptr, ld, cfg.n_vocab, self.mask_dev.data.ptr, st, rows, slot0, slots)
         if greedy:
             LS.argmax_sample(k, ptr, ld, cfg.n_vocab, st, rows, slot0, slots)
         else:
@@ -488,7 +499,8 @@ class CudaBackend(PrefillMixin):
         seed = int(seed) if seed is not None else secrets.randbits(63)
         self._prime(slot, prompt, params, seed)
         with self.stream:
-            self._sample(*self._mode(params), slot in self._lp, rows=1, slot0=slot, row=row)
+            self._push_masks([slot])
+            self._sample(*self._mode(params), slot in self._lp, slot in self._masked, rows=1, slot0=slot, row=row)
         self.decoding[slot] = True
 
     def seq_prefill_many(self, parts: Sequence[tuple[int, Sequence[int], tuple | None]]) -> None:
@@ -542,8 +554,10 @@ class CudaBackend(PrefillMixin):
         slot_map = self._prime_many(seeds, slots)
         modes = [self._mode(params) for _, _, (_, params, _, _) in firsts]
         with self.stream:  # greedy rows take the top-k kernel's greedy path where the group mixes both
+            self._push_masks([slot for _, slot, _ in firsts])
             self._sample(all(g for g, _ in modes), any(p for _, p in modes),
-                         any(slot in self._lp for _, slot, _ in firsts), rows=rows, slots=slot_map)
+                         any(slot in self._lp for _, slot, _ in firsts),
+                         any(slot in self._masked for _, slot, _ in firsts), rows=rows, slots=slot_map)
         for _, slot, _ in firsts:
             self.decoding[slot] = True
 
@@ -551,8 +565,10 @@ class CudaBackend(PrefillMixin):
         """One decode step for every active slot below n_slots (the bucket's graph)."""
         rows = bucket_for(n_slots, self.max_batch)
         mode = (False, True)  # the general sampler: greedy and sampled rows, with penalties
-        if any(s < rows for s in self._lp):  # ... and the logprobs kernels (graphs of their own)
-            mode = (False, True, True)
+        # ... and the logprobs kernels, the grammar masks where a slot asks (graphs of their own)
+        extra = (any(s < rows for s in self._lp), self._push_masks(range(rows)))
+        if any(extra):
+            mode += extra
         self._launch(self._graph_for(rows, mode), rows, mode)
         for s in range(rows):
             if self.decoding[s]:  # (a slot whose prompt is evaluated in chunks meanwhile keeps its length)
@@ -561,6 +577,24 @@ class CudaBackend(PrefillMixin):
     def seq_token(self, slot: int, i: int) -> int:
         """The i-th token sampled for the slot (after the step that made it has completed)."""
         return int(self.ring[i % RING, slot])
+
+    grammar_masks = True  # seq_constrain serves grammars in the batch steps (a split model's ranks: no)
+
+    def seq_constrain(self, slot: int) -> np.ndarray:
+        """Constrain the slot's next sequence by a grammar (before its seq_first): returns its
+        pinned mask row (uint32 words, llguidance's bitmask layout), which the caller fills before
+        seq_first and again after reading each token, before the next step is launched (a step
+        copies the constrained slots' rows as it is launched)."""
+        self._masked.add(slot)
+        return self.mask_host[slot]
+
+    def _push_masks(self, slots) -> bool:
+        """Copy the constrained ones among ``slots``' mask rows to the device (stream order);
+        whether there was one."""
+        rows = [s for s in slots if s in self._masked]
+        for s in rows:
+            self.mask_dev[s].set(self.mask_host[s], stream=self.stream)
+        return bool(rows)
 
     def seq_logprobs(self, slot: int, k: int) -> None:
         """Report the slot's next sequence's logprobs with ``k`` top entries (0..20; before its
@@ -580,6 +614,11 @@ class CudaBackend(PrefillMixin):
         self.slot_len[slot] = 0
         self.decoding[slot] = False
         self._lp.pop(slot, None)
+        if slot in self._masked:  # free again: all ones, here and on the device
+            self._masked.discard(slot)
+            self.mask_host[slot] = 0xFFFFFFFF
+            with self.stream:
+                self.mask_dev[slot].fill(0xFFFFFFFF)
 
     # ---- embeddings ------------------------------------------------------------------------------
     def hidden(self, tokens: Sequence[int], slot: int = 0) -> np.ndarray:

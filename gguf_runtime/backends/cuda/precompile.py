@@ -38,6 +38,7 @@ def precompile(backend, buckets: Sequence[int]) -> None:
             LS.prime_slots(k, 0, 1, backend.sampler_state)  # every admission's (records only)
             LS.row_logprobs(k, 0, 0, 0, backend.sampler_state, 1)  # a step with logprobs
             LS.chosen_logprob(k, 0, 0, backend.sampler_state, 1)
+            LS.apply_mask(k, 0, 0, 1, 0, backend.sampler_state, 1)  # a step with a grammar
             LS.finite_rows(k, 0, 0, 0, 1, 0)
             chunk = backend.ws.max_rows
             for rows in [*range(1, L.MAX_MMV_TOKENS + 1), chunk] if chunk > L.MAX_MMV_TOKENS else range(1, chunk + 1):

@@ -60,6 +60,8 @@ def _worker(rank: int, world: int, uid: tuple, path: str, cfg: ModelConfig, n_ct
 class TensorParallelBackend(MirrorFront, CudaBackend):
     """Rank 0 of a model split over ``world`` GPUs (module docstring)."""
 
+    grammar_masks = False  # rank 0's masks would not reach the ranks that sample beside it
+
     def __init__(self, f: GGUFFile, cfg: ModelConfig, n_ctx: int, world: int, progress=None, note=None,
                  **kw) -> None:
         check_split(f, cfg, world)
