@@ -13,7 +13,9 @@ chunk (the share the prefix cache served is printed), bad input (each
 must get a 4xx JSON error), 64 concurrent again; then the scheduler must be idle with every KV
 page free and the GPU memory (nvidia-smi) no larger than after the warm-up (--mem-tolerance-mib).
 Exits 1 on any error. bench: C clients each sending --requests streamed /api/generate requests in
-turn, for each C: aggregate generated tok/s, TTFT and time per output token (p50/p99). chat: C
+turn, for each C: aggregate generated tok/s, TTFT and time per output token (p50/p99); with
+--constrained N the first N clients of each level send a JSON schema as `format`, with --logprobs K
+every request asks for logprobs (K alternatives): their cost beside a plain run. chat: C
 clients each holding a --turns-turn conversation through /api/chat, resending the whole history
 every turn as clients do (the prefix cache's case): TTFT of turn 1 and of the last turn (p50), and
 the share of the prompt tokens sent that the server evaluated (prompt_eval_count less
@@ -42,6 +44,9 @@ from urllib.parse import urlsplit
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hex every jolly "
          "sphinx of black quartz and the river runs past old mills toward the grey sea").split()
 ENDPOINTS = ("generate", "chat", "v1-chat", "v1-completions")
+# bench --constrained: a schema whose answers can run to any length (a list of strings)
+SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "string"}}},
+          "required": ["items"]}
 
 
 @dataclass
@@ -343,6 +348,10 @@ def bench(url: str, model: str, a) -> list[str]:
             for _ in range(a.requests):
                 path, body = body_for("generate", model, prompt(r, a.prompt_words), a.tokens, True,
                                       r.randrange(1 << 31))
+                if i < a.constrained:  # structured output beside free text (the grammar's cost)
+                    body["format"] = SCHEMA
+                if a.logprobs >= 0:
+                    body.update(logprobs=True, top_logprobs=a.logprobs)
                 st, res, _ = request(url, path, body)
                 res.ok = res.ok and st == 200
                 out.append(res)
@@ -485,6 +494,10 @@ def main() -> int:
     ap.add_argument("--clients", default="1,8,32,64", help="bench: concurrency levels")
     ap.add_argument("--requests", type=int, default=4, help="bench: requests per client per level")
     ap.add_argument("--prompt-words", type=int, default=32, help="bench: prompt length in words")
+    ap.add_argument("--constrained", type=int, default=0,
+                    help="bench: this many clients of each level send a JSON schema (format)")
+    ap.add_argument("--logprobs", type=int, default=-1, help="bench: every request asks for logprobs with "
+                    "this many alternatives")
     ap.add_argument("--turns", type=int, default=20, help="chat: turns per conversation")
     ap.add_argument("--long-clients", type=int, default=4, help="mixed: clients sending documents")
     ap.add_argument("--long-words", type=int, default=6500, help="mixed: words a document (~8k tokens)")
