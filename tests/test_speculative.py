@@ -125,3 +125,20 @@ def test_wrong_proposals_change_nothing(model):
                      propose=lambda hist, k: [(plain[len(hist) - len(prompt)] + 1) % model[1].n_vocab] * k
                      if len(hist) - len(prompt) < len(plain) else [])
     assert wrong == plain and stats["accepted"] == 0 and stats["proposed"] > 0
+
+
+# ---- `gguf-run run --spec ngram` ---------------------------------------------------------------
+def test_cli_spec_ngram_same_greedy_text(model, tmp_path):
+    """The CLI with prompt lookup gives the same greedy text as without, and --verbose reports the
+    proposals kept; a bad --spec or one beside a grammar is one line before the model loads."""
+    from test_cli import assert_one_line_error, run
+    path = model[0].path
+    prompt = "a b c d a b c d a b c d a b"
+    base = run(path, "-p", prompt, "--raw", "--backend", "numpy", "--temp", "0", "-n", "24")
+    spec = run(path, "-p", prompt, "--raw", "--backend", "numpy", "--temp", "0", "-n", "24", "--spec", "ngram",
+               "--verbose")
+    assert base[0] == spec[0] == 0, (base[2], spec[2])
+    assert spec[1] == base[1] and base[1].strip()
+    assert "draft acceptance" in spec[2] and "tokens per step" in spec[2]
+    assert_one_line_error(run(path, "-p", "x", "--spec", "eagle"), "--spec", "ngram")
+    assert_one_line_error(run(path, "-p", "x", "--spec", "ngram", "--json-schema", "{}"), "--spec", "grammar")

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from ..engine.constraint import compile_grammar
-from ..engine.engine import Engine
+from ..engine.engine import SPEC_MODES, Engine
 from ..errors import GGUFRunError
 from . import chat_cmd  # the module: its `chat` may not be defined yet while typer registers commands
 from .app import app
@@ -49,10 +49,17 @@ def run(
                                                    "itself ('{...}'); '{}' for any JSON"),
     grammar: Optional[str] = typer.Option(None, "--grammar", help="output that this grammar file allows (GBNF, as "
                                                                   "llama.cpp's grammars/, or Lark)"),
+    spec_mode: str = typer.Option("none", "--spec", help="speculative decoding: none, or ngram (tokens proposed by "
+                                                     "prompt lookup, checked k at a time: same greedy text)"),
+    spec_k: int = typer.Option(4, "--spec-k", help="--spec: tokens proposed a step at most (adapts to acceptance)"),
 ) -> None:
     """Stream a completion of PROMPT (default model when MODEL is omitted); with no prompt in a
     terminal, start a chat (`gguf-run chat`)."""
     check_n_predict(n_predict)
+    if spec_mode not in SPEC_MODES:
+        raise GGUFRunError(f"--spec {spec_mode}: use one of {', '.join(SPEC_MODES)}")
+    if spec_mode != "none" and (json_schema is not None or grammar is not None):
+        raise GGUFRunError("--spec and a grammar (--json-schema, --grammar) do not combine yet; drop one")
     if json_schema is not None and grammar is not None:
         raise GGUFRunError("give --json-schema or --grammar, not both")
     spec = read_grammar_spec(json_schema, grammar)
@@ -85,7 +92,8 @@ def run(
     else:
         ids = eng.encode_raw(prompt)
     constraint = eng.constraint(*spec) if spec else None
-    gen = eng.generate(ids, n_predict=n_predict, params=params, constraint=constraint)
+    gen = eng.generate(ids, n_predict=n_predict, params=params, constraint=constraint, spec=spec_mode,
+                       spec_k=spec_k)
     out = sys.stdout
     try:
         for piece in gen:

@@ -17,6 +17,9 @@ from . import embed as E
 from .backend_choice import select_backend
 from .constraint import Constraint, compile_grammar
 from .decode_loop import sample_loop
+from .speculative import speculative_loop
+
+SPEC_MODES = ("none", "ngram")  # speculative decoding's proposers (--spec)
 from ..format.chat_template import ChatTemplate
 from ..errors import ContextOverflowError, GGUFRunError
 from ..format.gguf_file import GGUFFile, open_gguf
@@ -38,6 +41,9 @@ class GenerationStats:
     eval_s: float = 0.0
     total_s: float = 0.0
     stop_reason: str = ""  # "stop" (end-of-generation token), "length" (n_predict), "context", "interrupted"
+    spec_steps: int = 0  # speculative decoding: verification steps, tokens proposed, proposals kept
+    spec_proposed: int = 0
+    spec_accepted: int = 0
 
     @property
     def prompt_rate(self) -> float:
@@ -153,9 +159,16 @@ class Engine:
 
     def generate(self, prompt_ids: Sequence[int], n_predict: int = 128,
                  params: SamplingParams | None = None, stop_ids: frozenset[int] | None = None,
-                 constraint: Constraint | None = None) -> Generation:
+                 constraint: Constraint | None = None, spec: str = "none", spec_k: int = 4) -> Generation:
         """Stream the continuation of ``prompt_ids`` (evaluating only what isn't cached); with
-        ``constraint`` (self.constraint) only output its grammar allows."""
+        ``constraint`` (self.constraint) only output its grammar allows; ``spec`` "ngram": proposals
+        by prompt lookup (up to ``spec_k`` a step) checked in one evaluation each (speculative.py)."""
+        if spec not in SPEC_MODES:
+            raise GGUFRunError(f"--spec {spec}: use one of {', '.join(SPEC_MODES)}")
+        if spec != "none" and constraint is not None:
+            raise GGUFRunError("--spec and a grammar (--json-schema, --grammar) do not combine yet; drop one")
+        if not 1 <= spec_k <= 16:
+            raise GGUFRunError(f"--spec-k {spec_k}: give 1 to 16 proposed tokens a step")
         params = params or SamplingParams()
         params.validate()
         prompt_ids = list(prompt_ids)
@@ -164,11 +177,12 @@ class Engine:
         self.check_fits(len(prompt_ids))
         stop = self.tokenizer.eog_ids if stop_ids is None else stop_ids
         gen = Generation(iter(()))
-        gen._pieces = self._run(prompt_ids, n_predict, params, stop, gen, constraint)
+        gen._pieces = self._run(prompt_ids, n_predict, params, stop, gen, constraint, spec, spec_k)
         return gen
 
     def _run(self, prompt_ids: list[int], n_predict: int, params: SamplingParams,
-             stop: frozenset[int], gen: Generation, constraint: Constraint | None = None) -> Iterator[str]:
+             stop: frozenset[int], gen: Generation, constraint: Constraint | None = None, spec: str = "none",
+             spec_k: int = 4) -> Iterator[str]:
         st = gen.stats
         if not self._load_reported:
             st.load_s, self._load_reported = self.load_s, True
@@ -189,7 +203,14 @@ class Engine:
             st.prompt_s = t1 - t0
             budget = min(n_predict if n_predict >= 0 else self.n_ctx, self.n_ctx - len(self.cached))
             st.stop_reason = "length" if budget == n_predict else "context"
-            for tok in sample_loop(self.backend, budget, params, history, stop, constraint):
+            counts: dict = {}
+            if spec == "ngram":
+                tokens = speculative_loop(self.backend, budget, params, history, stop, k=spec_k, stats=counts)
+            else:
+                tokens = sample_loop(self.backend, budget, params, history, stop, constraint)
+            for tok in tokens:
+                st.spec_steps, st.spec_proposed = counts.get("steps", 0), counts.get("proposed", 0)
+                st.spec_accepted = counts.get("accepted", 0)
                 if tok in stop:
                     st.stop_reason = "stop"
                     break

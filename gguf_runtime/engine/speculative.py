@@ -128,8 +128,11 @@ def speculative_loop(backend, n: int, params, history: list[int], stop: frozense
     adapt = AdaptiveK(k, k_max=max(k, 1) * 2)
     st = stats if stats is not None else {}
     st.update(steps=0, proposed=0, accepted=0)
-    n_vocab = int(np.asarray(backend.last_logits).shape[-1])
-    tok = sampler.sample(np.asarray(backend.last_logits), hist)
+    last = backend.last_logits
+    last = np.asarray(last.get() if hasattr(last, "get") else last, np.float32)  # (a device array on CUDA)
+    last = last.reshape(-1, last.shape[-1])[-1]
+    n_vocab = int(last.shape[-1])
+    tok = sampler.sample(last, hist)
     produced = 0
     while True:
         yield tok

@@ -4,7 +4,9 @@ A chunk of more than MAX_MMV_TOKENS rows runs padded in front to a multiple of t
 (padding rows belong to sequence -1 and write nothing), so a padded size always launches the same
 kernels. Its first run is eager and doubles as the warm-up; from its second run on it is a CUDA
 graph (one per padded size and logits mode), which takes the host's launch cost out of prefill:
-hundreds of Python launches per chunk for a small model's 30 layers. Several sequences' prompt
+hundreds of Python launches per chunk for a small model's 30 layers. Smaller chunks with every
+row's logits (speculative decoding's verification: the last token and its proposals) are graphed
+the same way from their second run. Several sequences' prompt
 parts packed in one forward (the server's admissions) are graphed the same way, one graph per
 padded size: their rows padded at the end to a multiple of prefill_quantum, their last rows'
 indices in a device buffer, the head always over 64 rows.
@@ -71,7 +73,9 @@ class PrefillMixin:
         key = ("prefill", rows, all_logits)
         seen = self._prefill_runs.get(key, 0)
         self._prefill_runs[key] = seen + 1
-        graph = rows > L.MAX_MMV_TOKENS and self.use_graph and self.prefill_graph and seen > 0
+        # graphs from a size's second run: chunks past the matvec rows, and the small ones with every
+        # row's logits (speculative decoding's verification steps repeat those sizes every step)
+        graph = (rows > L.MAX_MMV_TOKENS or all_logits) and self.use_graph and self.prefill_graph and seen > 0
         if graph and not self.graphs.has(key):
             try:  # the eager first run was its warm-up
                 self.graphs.capture(key, self._with_pdl(lambda: self._prefill_rows(rows, all_logits), rows),
