@@ -122,3 +122,14 @@ def test_cuda_batch_logprobs_equal_numpy(batch_engine):
                 assert abs(vg - vw) < 2e-3, (i, eg, ew)
                 assert ig == iw or abs(vg - vw) < 1e-3, (i, eg, ew)
     assert agree >= 24, agree  # of 48
+
+
+def test_cuda_spec_ngram_same_greedy_text(engine):
+    """Prompt-lookup speculation on the CUDA backend (verification: graphed small chunks with every
+    row's logits, argmax on the device): the same greedy text as the plain decode loop."""
+    prompt = engine.encode_raw("one two three four five " * 6)
+    greedy = SamplingParams(temperature=0)
+    plain = engine.generate(prompt, n_predict=48, params=greedy)
+    plain_text = plain.text()
+    spec = engine.generate(prompt, n_predict=48, params=greedy, spec="ngram", spec_k=4)
+    assert spec.text() == plain_text and spec.stats.spec_steps > 0

@@ -439,6 +439,19 @@ def test_repeat_penalty_matches_numpy(k, rng):
     np.testing.assert_array_equal(d.get(), ref)
 
 
+def test_rows_argmax(k, rng):
+    """Each row's argmax with ties to the lowest id (a tie of three planted), a row of -inf: 0."""
+    n, rows = 50000, 6
+    x = rng.standard_normal((rows, n)).astype(np.float32)
+    x[2, [7, 300, 49999]] = 9.0
+    x[5] = -np.inf
+    d, out = cp.asarray(x), cp.full(rows, -5, cp.int32)
+    LS.rows_argmax(k, d.data.ptr, n, n, rows, out.data.ptr)
+    want = x.argmax(-1)
+    want[5] = 0
+    assert out.get().tolist() == want.tolist() and want[2] == 7
+
+
 @pytest.mark.parametrize("n", [32000, 1000, 128256])
 def test_logprobs_around_the_sampler(k, n, rng):
     """logprobs.cu beside the sampler, as a batch step runs them (row_logprobs, repeat_penalty,

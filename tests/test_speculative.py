@@ -87,9 +87,20 @@ def model(tmp_path_factory):
     return f, config_from_gguf(f)
 
 
-def generate(model, prompt, n, params, loop, **kw):
+class DeviceArgmax(NumpyBackend):
+    """The numpy backend with the CUDA backend's eval_argmax (each row's argmax, lowest id on ties):
+    the loop's greedy verification then takes the device path."""
+
+    calls = 0
+
+    def eval_argmax(self, tokens):
+        DeviceArgmax.calls += 1
+        return np.asarray(self.eval(tokens, all_logits=True)).reshape(len(tokens), -1).argmax(-1)
+
+
+def generate(model, prompt, n, params, loop, device_argmax=False, **kw):
     f, cfg = model
-    be = NumpyBackend(f, cfg, n_ctx=128)
+    be = (DeviceArgmax if device_argmax else NumpyBackend)(f, cfg, n_ctx=128)
     be.eval(prompt)
     if loop == "plain":
         return list(host_sample_loop(be, n, params, list(prompt), frozenset()))
@@ -113,6 +124,11 @@ def test_greedy_output_is_the_plain_loops(model):
 
     assert generate(model, prompt, 40, greedy, "spec", propose=oracle, k=4, stats=oracle_stats) == plain
     assert oracle_stats["accepted"] == oracle_stats["proposed"] and oracle_stats["steps"] <= 10
+    # the same through a backend that verifies on its device (eval_argmax), lookup and oracle alike
+    DeviceArgmax.calls = 0
+    assert generate(model, prompt, 40, greedy, "spec", device_argmax=True) == plain
+    assert generate(model, prompt, 40, greedy, "spec", device_argmax=True, propose=oracle, k=4) == plain
+    assert DeviceArgmax.calls > 0
 
 
 def test_wrong_proposals_change_nothing(model):

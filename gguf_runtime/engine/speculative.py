@@ -134,6 +134,8 @@ def speculative_loop(backend, n: int, params, history: list[int], stop: frozense
     n_vocab = int(last.shape[-1])
     tok = sampler.sample(last, hist)
     produced = 0
+    on_device = params.greedy and (params.repeat_penalty == 1.0 or params.repeat_last_n == 0) and \
+        hasattr(backend, "eval_argmax")
     while True:
         yield tok
         produced += 1
@@ -142,11 +144,15 @@ def speculative_loop(backend, n: int, params, history: list[int], stop: frozense
         hist.append(tok)
         props = [int(t) for t in propose(hist, min(adapt.k, n - produced))][:n - produced]
         base = backend.n_past
-        rows = np.asarray(backend.eval([tok] + props, all_logits=True)).reshape(len(props) + 1, -1)
-        if params.greedy:
+        if on_device:  # greedy without a penalty: the argmaxes computed where the logits are
+            target = [int(t) for t in backend.eval_argmax([tok] + props)]
+            accepted, nxt = accept_greedy(props, target)
+        elif params.greedy:
+            rows = np.asarray(backend.eval([tok] + props, all_logits=True)).reshape(len(props) + 1, -1)
             target = [int(sampler.distribution(rows[i], hist + props[:i])[0][0]) for i in range(len(props) + 1)]
             accepted, nxt = accept_greedy(props, target)
         else:
+            rows = np.asarray(backend.eval([tok] + props, all_logits=True)).reshape(len(props) + 1, -1)
             p_rows = np.stack([_probs(sampler, rows[i], hist + props[:i], n_vocab) for i in range(len(props) + 1)])
             accepted, nxt = accept_sampled(props, p_rows, sampler.rng)
         adapt.update(len(props), accepted)

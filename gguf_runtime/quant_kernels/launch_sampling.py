@@ -106,6 +106,11 @@ def lp_entry(row: np.ndarray, tok: int) -> tuple[int, float, tuple[tuple[int, fl
     return int(tok), chosen - lse, tuple((int(i), float(v) - lse) for i, v in zip(ids, vals))
 
 
+def rows_argmax(k: Kernels, logits: int, ld: int, n_vocab: int, rows: int, out: int) -> None:
+    """out[r] (int32) = row r's argmax, ties to the lowest id (sampling.cu; no sampler state)."""
+    k.fn("sampling.cu", "rows_argmax")((rows,), (1024,), (ptr(logits), i32(ld), i32(n_vocab), ptr(out)))
+
+
 def finite_rows(k: Kernels, logits: int, ld: int, n_vocab: int, rows: int, bad: int) -> None:
     """bad[r] (int32) = 1 where logits row r has a NaN or an infinity, else 0 (sampling.cu)."""
     k.fn("sampling.cu", "finite_rows")((rows,), (1024,), (ptr(logits), i32(ld), i32(n_vocab), ptr(bad)))

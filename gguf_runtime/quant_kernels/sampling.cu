@@ -137,6 +137,35 @@ extern "C" __global__ void __launch_bounds__(1024) argmax_sample(
     commit(b, bk, tokens, pos, hist, hist_n, step, ring, ring_len, n_seq);
 }
 
+// Each row's argmax (ties: lowest id; all NaN or -inf: 0) into out[r], touching no sampler state:
+// speculative decoding's greedy verification reads these few ints instead of the rows' logits.
+// One block of 1024 threads a row.
+extern "C" __global__ void __launch_bounds__(1024) rows_argmax(const float* __restrict__ logits, int ld, int n_vocab,
+                                                              int* out) {
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    pdl_enter();
+    const float* x = logits + (long)blockIdx.x * ld;
+    float best = -INFINITY; int bi = 0x7fffffff;
+    for (int i = threadIdx.x; i < n_vocab; i += blockDim.x) {
+        const float v = x[i];
+        if (v > best) { best = v; bi = i; }
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, best, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (ov > best || (ov == best && oi < bi)) { best = ov; bi = oi; }
+    }
+    if (lane == 0) { sv[warp] = best; si[warp] = bi; }
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    for (int w = 1; w < (int)(blockDim.x >> 5); ++w)
+        if (sv[w] > best || (sv[w] == best && si[w] < bi)) { best = sv[w]; bi = si[w]; }
+    out[blockIdx.x] = bi == 0x7fffffff ? 0 : bi;
+}
+
 DEV u64 splitmix64(u64 z) {
     z += 0x9E3779B97F4A7C15ull;
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;

@@ -39,6 +39,7 @@ def precompile(backend, buckets: Sequence[int]) -> None:
             LS.row_logprobs(k, 0, 0, 0, backend.sampler_state, 1)  # a step with logprobs
             LS.chosen_logprob(k, 0, 0, backend.sampler_state, 1)
             LS.apply_mask(k, 0, 0, 1, 0, backend.sampler_state, 1)  # a step with a grammar
+            LS.rows_argmax(k, 0, 0, 0, 1, 0)  # speculative decoding's greedy verification
             LS.finite_rows(k, 0, 0, 0, 1, 0)
             chunk = backend.ws.max_rows
             for rows in [*range(1, L.MAX_MMV_TOKENS + 1), chunk] if chunk > L.MAX_MMV_TOKENS else range(1, chunk + 1):

@@ -23,6 +23,7 @@ from ...errors import ContextOverflowError
 from ...graphs.manager import CaptureError
 from ...model import forward, layers
 from ...quant_kernels import launch_attention as LA
+from ...quant_kernels import launch_sampling as LS
 from ...quant_kernels import launchers as L
 
 PACK_HEAD = 64  # rows of the head after a packed forward (the most parts it holds)
@@ -47,6 +48,18 @@ class PrefillMixin:
         """Append tokens to slot 0; host copy of the last (or every) token's logits."""
         out = self._eval(0, tokens, all_logits)
         return cp.asnumpy(out, stream=self.stream)
+
+    def eval_argmax(self, tokens: Sequence[int]) -> np.ndarray:
+        """eval with every row's logits, returning each row's argmax (ties: lowest id) computed on
+        the device: speculative decoding's greedy verification copies a few ints, not the rows."""
+        out = self._eval(0, tokens, all_logits=True)
+        n = out.shape[0]
+        if getattr(self, "_argmax_out", None) is None:
+            self._argmax_out = cp.zeros(self.ws.logits.shape[0], cp.int32)
+        with self.stream:
+            LS.rows_argmax(self.kernels, out.data.ptr, out.strides[0] // 4, self.cfg.n_vocab, n,
+                           self._argmax_out.data.ptr)
+        return cp.asnumpy(self._argmax_out[:n], stream=self.stream)
 
     def _eval(self, slot: int, tokens: Sequence[int], all_logits: bool) -> cp.ndarray:
         n, past = len(tokens), self.slot_len[slot]
