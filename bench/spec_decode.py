@@ -1,0 +1,126 @@
+"""Speculative decoding against plain decoding in one process (issue 36's rows): greedy tokens a
+second after the prompt, for the plain launch-ahead loop and for speculative_loop with
+  ngram   prompt lookup (engine/speculative.ngram_propose),
+  oracle  proposals replaying the plain run's own output (every one kept: the mechanism's bound),
+  zero    proposals that are always wrong (none kept: the mechanism's cost),
+at each --k. Every variant's text must equal the plain run's (greedy). Prints a line per run as it
+goes and a table of medians last.
+
+  python3 bench/spec_decode.py MODEL.gguf [--prompt-file F | --prompt TEXT] [--n 256] [--k 2,4,8]
+      [--variants ngram,oracle,zero] [--reps 3] [--raw] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from gguf_runtime.engine.decode_loop import sample_loop
+from gguf_runtime.engine.engine import Engine
+from gguf_runtime.engine.speculative import ngram_propose, speculative_loop
+from gguf_runtime.sampling import SamplingParams
+
+# a code-editing request (issue 36): a function given in the prompt, asked back with one change
+CODE = '''def moving_average(values, window):
+    """The mean of each run of `window` consecutive values."""
+    if window <= 0:
+        raise ValueError("window must be positive")
+    out = []
+    total = 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        if i >= window - 1:
+            out.append(total / window)
+    return out
+'''
+PROMPT = ("Here is a Python function:\n\n" + CODE + "\nRewrite it with the parameter `window` renamed to "
+          "`size`, changing nothing else. Answer with the whole function only.\n")
+GREEDY = SamplingParams(temperature=0.0, repeat_penalty=1.0)
+
+
+def timed(eng: Engine, ids: list[int], n: int, loop) -> tuple[list[int], float]:
+    """The prompt evaluated afresh, then ``loop(backend, history)``'s tokens (up to n or a stop);
+    (tokens, seconds after the prompt)."""
+    be = eng.backend
+    be.truncate(0)
+    be.prefill(ids)
+    if hasattr(be, "stream"):
+        be.stream.synchronize()
+    t0 = time.perf_counter()
+    out = []
+    for tok in loop(be, list(ids)):
+        if tok in eng.tokenizer.eog_ids:
+            break
+        out.append(tok)
+    if hasattr(be, "stream"):
+        be.stream.synchronize()
+    return out, time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("--prompt")
+    ap.add_argument("--prompt-file")
+    ap.add_argument("--raw", action="store_true", help="no chat template")
+    ap.add_argument("--n", type=int, default=256)
+    ap.add_argument("--k", default="4")
+    ap.add_argument("--variants", default="ngram,oracle,zero")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    text = open(a.prompt_file).read() if a.prompt_file else a.prompt or PROMPT
+    eng = Engine(a.model, backend=a.backend, n_ctx=4096)
+    ids = eng.encode_raw(text) if a.raw or not eng.has_template else \
+        eng.encode_chat([{"role": "user", "content": text}])
+    stop = frozenset(eng.tokenizer.eog_ids)
+    n_vocab = eng.cfg.n_vocab
+    plain_loop = lambda be, hist: sample_loop(be, a.n, GREEDY, hist, stop)  # noqa: E731
+    ref, _ = timed(eng, ids, a.n, plain_loop)  # (also the warm-up: graphs captured)
+    rows = []
+    for rep in range(a.reps):
+        toks, s = timed(eng, ids, a.n, plain_loop)
+        assert toks == ref, "the plain loop is not deterministic"
+        rows.append(dict(variant="plain", k=0, rep=rep, tokens=len(toks), s=s, tok_s=len(toks) / s, steps=len(toks),
+                         accepted=0, proposed=0))
+        print(json.dumps(rows[-1]), flush=True)
+        for variant in a.variants.split(","):
+            for k in (int(x) for x in a.k.split(",")):
+                done = len(ids)
+                if variant == "ngram":
+                    propose = ngram_propose
+                elif variant == "oracle":
+                    propose = lambda hist, kk: ref[len(hist) - done:len(hist) - done + kk]  # noqa: E731
+                else:  # always wrong: the next reference token plus one
+                    propose = lambda hist, kk: [(ref[min(len(hist) - done, len(ref) - 1)] + 1) % n_vocab] * kk  # noqa: E731
+                st: dict = {}
+                loop = lambda be, hist: speculative_loop(be, a.n, GREEDY, hist, stop, k=k, propose=propose,  # noqa: E731
+                                                         stats=st)
+                toks, s = timed(eng, ids, a.n, loop)
+                rows.append(dict(variant=variant, k=k, rep=rep, tokens=len(toks), s=s, tok_s=len(toks) / s,
+                                 steps=st.get("steps", 0), accepted=st.get("accepted", 0),
+                                 proposed=st.get("proposed", 0), same=toks == ref))
+                print(json.dumps(rows[-1]), flush=True)
+    print(f"\n{len(ref)} tokens a run, prompt {len(ids)} tokens\n")
+    print("| variant | k | tok/s (median) | x plain | tokens/step | acceptance | same text |\n|---|---|---|---|---|---|---|")
+    base = statistics.median(r["tok_s"] for r in rows if r["variant"] == "plain")
+    keys = sorted({(r["variant"], r["k"]) for r in rows}, key=lambda t: (t[0] != "plain", t))
+    for v, k in keys:
+        rs = [r for r in rows if (r["variant"], r["k"]) == (v, k)]
+        med = statistics.median(r["tok_s"] for r in rs)
+        steps = sum(r["steps"] for r in rs)
+        prop = sum(r["proposed"] for r in rs)
+        print(f"| {v} | {k} | {med:,.1f} | {med / base:.2f} | {sum(r['tokens'] for r in rs) / max(steps, 1):.2f} | "
+              f"{sum(r['accepted'] for r in rs) / prop if prop else 0:.1%} | {all(r.get('same', True) for r in rs)} |")
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
