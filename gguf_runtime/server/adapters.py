@@ -323,7 +323,8 @@ class CudaAdapter:
                 self._tokens[slot] = (len(f.prompt), f.prompt)
 
     def _read(self, slot: int, i: int) -> int:
-        """A token the loop reads, and its logprobs entry where the slot reports them."""
+        """A token the loop reads; where the slot asks, its logprobs entry, and its grammar advanced
+        by it with the next step's mask written into the slot's row."""
         tok = self.be.seq_token(slot, i)
         if (seen := self.logprobs.get(slot)) is not None:
             seen.append(self.be.seq_logprobs_entry(slot, i, tok))
