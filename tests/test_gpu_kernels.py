@@ -404,9 +404,9 @@ def sampler_state(n_vocab, rows=1, top_k=40, top_p=1.0, min_p=0.0, temp=0.0, see
     lp_mem = cp.cuda.alloc_pinned_memory(16 * rows * LS.LP_COLS * 4)
     st = LS.SamplerState(ring=ring_mem.ptr, ring_len=16, n_seq=rows, lp_ring=lp_mem.ptr,
                         **{name: a.data.ptr for name, a in keep.items()})
-    keep["lp_ring"] = np.frombuffer(lp_mem, np.float32, 16 * rows * LS.LP_COLS).reshape(16, rows, LS.LP_COLS)
-    keep["lp_mem"] = lp_mem
-    return st, keep, ring, ring_mem
+    # (the pinned memory, kept alive by the caller; the logprobs ring's view, [16, rows, LP_COLS])
+    lp_ring = np.frombuffer(lp_mem, np.float32, 16 * rows * LS.LP_COLS).reshape(16, rows, LS.LP_COLS)
+    return st, keep, ring, (ring_mem, lp_mem, lp_ring)
 
 
 def test_argmax_sample_commits_state(k, rng):
@@ -462,13 +462,13 @@ def test_logprobs_around_the_sampler(k, n, rng):
     left alone; a tie of four at the top keeps ids ascending."""
     from gguf_runtime.sampling import token_logprobs
     rows, steps = 5, 6
-    st, keep, ring, _mem = sampler_state(n, rows=rows, top_k=8, temp=1.0, seed=7, penalty=1.5, last_n=64)
+    st, keep, ring, mem = sampler_state(n, rows=rows, top_k=8, temp=1.0, seed=7, penalty=1.5, last_n=64)
     keep["penalty"].set(np.array([1.5, 1.0, 1.5, 1.5, 1.5], np.float32))
     keep["lp_k"].set(np.array([21, 6, 1, 0, 21], np.int32))  # k + 1; row 3 reports none
     keep["seq"].set(np.array([0, 1, 2, 3, -1], np.int32))  # row 4: a padding slot
     keep["hist"].set(rng.integers(0, 6, rows * 64).astype(np.int32))
     keep["hist_n"].set(np.array([40, 3, 64, 10, 5], np.int32))
-    lp = keep["lp_ring"]
+    lp = mem[2]
     lp[:] = -7.0  # poison: rows left alone keep it
     penalised = 0
     for step in range(steps):
