@@ -39,7 +39,8 @@ template <int D, int G, int NW, int KT, int ST, class KV> struct Dec {
     // O accumulated transposed (see the kernel): REG needs it; 64-dim heads gain by it, 128-dim f16
     // caches lost (bench/RESULTS.md row 151)
     static constexpr bool TR = REG || D <= 64;
-    static constexpr int LDRB = REG ? R::VB + 16 : RAW ? R::VB : 2 * LDH;  // a staged row (bytes): f16 stages are the tiles
+    // a staged row (bytes): f16 stages are the tiles
+    static constexpr int LDRB = REG ? R::VB + 16 : RAW ? R::VB : 2 * LDH;
     static constexpr int STAGE = KT * (LDRB + R::SB);  // bytes of one stage of K (or V): rows, then scales
     // a warp's ring (bytes): K and V stages, and (raw) the f16 tiles they convert into
     static constexpr int WARP_BYTES = 2 * ST * STAGE + (RAW && !REG ? 2 * KT * LDH * 2 : 0);
@@ -309,12 +310,14 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
 #pragma unroll
             for (int kk = 0; kk < KT / 16; ++kk) {
                 // P^T's B fragment of k step kk: keys 16 kk + 2 tig (+ 1) and + 8 (+ 1) of head grp
-                const u32 pb0 = pack_h2(sc[2 * kk][0], sc[2 * kk][1]), pb1 = pack_h2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+                const u32 pb0 = pack_h2(sc[2 * kk][0], sc[2 * kk][1]);
+                const u32 pb1 = pack_h2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
                 if constexpr (F::REG) {
                     const int r0 = 16 * kk + 2 * tig;  // V^T's A fragments: keys r0, r0 + 1, r0 + 8, r0 + 9
                     const u16* vs = reinterpret_cast<const u16*>(Vb + KT * F::LDRB);
 #pragma unroll
-                    for (int j = 0; j < D / 32; ++j) {  // word grp + 8 j of each key row: dimensions 32 j + 4 grp + 0..3
+                    // word grp + 8 j of each key row: dimensions 32 j + 4 grp + 0..3
+                    for (int j = 0; j < D / 32; ++j) {
                         const char* w = Vb + r0 * F::LDRB + 4 * (grp + 8 * j);
                         const u32 v0 = *reinterpret_cast<const u32*>(w) ^ 0x80808080u;
                         const u32 v1 = *reinterpret_cast<const u32*>(w + F::LDRB) ^ 0x80808080u;
@@ -323,8 +326,10 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
                         const u32 d01 = vs[r0 * (D / 32) + j] | (u32)vs[(r0 + 1) * (D / 32) + j] << 16;
                         const u32 d89 = vs[(r0 + 8) * (D / 32) + j] | (u32)vs[(r0 + 9) * (D / 32) + j] << 16;
 #pragma unroll
-                        for (int h = 0; h < 2; ++h) {  // tile 2 j + h: rows grp / grp + 8 are dimensions 2 h / 2 h + 1 of the word
-                            const u32 sel = h ? 0x7362u : 0x5140u;  // (row r's byte, row r + 1's) for the two dimensions
+                        // tile 2 j + h: its rows grp / grp + 8 are the word's dimensions 2 h / 2 h + 1;
+                        // sel pairs row r's byte with row r + 1's for each of the two
+                        for (int h = 0; h < 2; ++h) {
+                            const u32 sel = h ? 0x7362u : 0x5140u;
                             const u32 t01 = prmt(v0, v1, sel), t89 = prmt(v8, v9, sel);
                             const u32 a[4] = {q8_h2s(t01, SEL01, d01), q8_h2s(t01, SEL23, d01), q8_h2s(t89, SEL01, d89),
                                               q8_h2s(t89, SEL23, d89)};
@@ -335,7 +340,8 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
 #pragma unroll
                     for (int d = 0; d < NO; ++d) {
                         u32 a[4];
-                        ldsm4t(a, Vt + (16 * kk + (lane & 7) + 8 * (lane >> 4)) * LDH + 16 * d + 8 * ((lane >> 3) & 1));
+                        ldsm4t(a, Vt + (16 * kk + (lane & 7) + 8 * (lane >> 4)) * LDH + 16 * d +
+                                      8 * ((lane >> 3) & 1));
                         fa_mma(o[d], a, pb0, pb1);
                     }
                 }
@@ -359,7 +365,8 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
 #pragma unroll
         for (int d = 0; d < NO; ++d) {  // O^T's rows grp / grp + 8: dimensions e0 / e1 of heads 2 tig, 2 tig + 1
             // REG: dimensions 32 j + 4 grp + 2 h (+ 1) of tile d = 2 j + h; else 16 d + grp (+ 8)
-            const int e0 = F::REG ? 32 * (d / 2) + 4 * grp + 2 * (d % 2) : 16 * d + grp, e1 = F::REG ? e0 + 1 : e0 + 8;
+            const int e0 = F::REG ? 32 * (d / 2) + 4 * grp + 2 * (d % 2) : 16 * d + grp;
+            const int e1 = F::REG ? e0 + 1 : e0 + 8;
             if (2 * tig < G) { wo[2 * tig * D + e0] = o[d][0]; wo[2 * tig * D + e1] = o[d][2]; }
             if (2 * tig + 1 < G) { wo[(2 * tig + 1) * D + e0] = o[d][1]; wo[(2 * tig + 1) * D + e1] = o[d][3]; }
         }
