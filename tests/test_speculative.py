@@ -158,3 +158,79 @@ def test_cli_spec_ngram_same_greedy_text(model, tmp_path):
     assert "draft acceptance" in spec[2] and "tokens per step" in spec[2]
     assert_one_line_error(run(path, "-p", "x", "--spec", "eagle"), "--spec", "ngram")
     assert_one_line_error(run(path, "-p", "x", "--spec", "ngram", "--json-schema", "{}"), "--spec", "grammar")
+
+
+class DeviceLoop(NumpyBackend):
+    """The numpy backend with a device-style plain loop (start_single / seq_token / end_single, as
+    the CUDA backend's): a launch evaluates the last sampled token and samples the next greedily,
+    at once, so the launch-ahead loop really evaluates past what the host reads."""
+
+    from types import SimpleNamespace as _NS
+    tune = _NS(lookahead=3)
+    stream = _NS(synchronize=lambda: None)
+    runs = 0
+
+    def eval(self, tokens, all_logits=False):
+        self.held = getattr(self, "held", [])[:self.n_past] + list(tokens)  # the tokens the cache holds
+        return super().eval(tokens, all_logits=all_logits)
+
+    def gpu_sampling(self, params):
+        return True
+
+    def new_event(self):
+        return DeviceLoop._NS(record=lambda stream: None, synchronize=lambda: None, done=True)
+
+    def _argmax(self) -> int:
+        x = np.asarray(self.last_logits)
+        return int(x.reshape(-1, x.shape[-1])[-1].argmax())
+
+    def start_single(self, history, params, seed):
+        DeviceLoop.runs += 1
+        assert self.n_past == len(history), "the plain run starts after the whole history is evaluated"
+        self._ring = [self._argmax()]
+
+        def launch():
+            self.eval([self._ring[-1]])
+            self._ring.append(self._argmax())
+        return launch
+
+    def end_single(self):
+        pass
+
+    def seq_token(self, slot, i):
+        return self._ring[i]
+
+
+def test_fall_back_to_the_plain_loop_keeps_the_greedy_text(model):
+    """Where nothing is proposed, or proposals keep failing at k = 1, a device-decoding backend runs
+    its plain launch-ahead loop PLAIN_RUN tokens at a time (which evaluates ahead; the cache is cut
+    back to what was read): the text is the plain loop's in every case, and the fall-back ran."""
+    f, cfg = model
+    greedy = SamplingParams(temperature=0.0)
+    prompt = prompt_ids(cfg.n_vocab, 12) * 2
+    plain = generate(model, prompt, 60, greedy, "plain")
+    done = len(prompt)
+    from gguf_runtime.engine.speculative import ngram_propose
+    cases = {"lookup": ngram_propose, "nothing": lambda hist, k: [],
+             "always wrong": lambda hist, k: [(plain[len(hist) - done] + 1) % cfg.n_vocab] * k,
+             "oracle": lambda hist, k: plain[len(hist) - done:len(hist) - done + k]}
+    for name, propose in cases.items():
+        be = DeviceLoop(f, cfg, n_ctx=128)
+        be.eval(prompt)
+        DeviceLoop.runs = 0
+        st: dict = {}
+        got = list(speculative_loop(be, 60, greedy, list(prompt), frozenset(), k=4, propose=propose, stats=st))
+        assert got == plain, name
+        if name in ("nothing", "always wrong"):
+            assert DeviceLoop.runs > 0 and st["plain"] > 30, (name, st)
+        if name == "oracle":
+            assert DeviceLoop.runs == 0 and st["accepted"] == st["proposed"] > 0
+        # the cache holds the true sequence, every token but the last one generated (never evaluated)
+        assert be.held[:be.n_past] == (prompt + got)[:be.n_past] and be.n_past == len(prompt) + len(got) - 1, name
+    # a stop token inside a fall-back run (the launch-ahead loop evaluated past it): cut back to it
+    stop_at = next(i for i in range(37, 60) if plain[i] not in plain[:i])
+    be = DeviceLoop(f, cfg, n_ctx=128)
+    be.eval(prompt)
+    got = list(speculative_loop(be, 60, greedy, list(prompt), frozenset({plain[stop_at]}), k=4,
+                                propose=lambda hist, k: []))
+    assert got == plain[:stop_at + 1] and be.n_past == len(prompt) + len(got) - 1

@@ -27,9 +27,10 @@ def print_stats(st: GenerationStats, out=sys.stderr) -> None:
         ("eval duration", fmt_duration(st.eval_s)),
         ("eval rate", f"{st.eval_rate:.2f} tokens/s"),
     ]
-    if st.spec_steps:  # speculative decoding (--spec): as llama.cpp's speculative examples report it
+    if st.spec_steps or st.spec_plain:  # speculative decoding (--spec), as llama.cpp's examples report it
         rows += [("draft acceptance", f"{st.spec_accepted / max(st.spec_proposed, 1):.1%} "
                                       f"({st.spec_accepted} of {st.spec_proposed} proposed)"),
-                 ("tokens per step", f"{st.eval_tokens / st.spec_steps:.2f}")]
+                 ("tokens per step", f"{(st.spec_accepted + st.spec_steps) / max(st.spec_steps, 1):.2f} "
+                                     f"({st.spec_steps} steps; {st.spec_plain} tokens decoded plainly)")]
     for k, v in rows:
         print(f"{k + ':':<22}{v}", file=out)

@@ -41,9 +41,10 @@ class GenerationStats:
     eval_s: float = 0.0
     total_s: float = 0.0
     stop_reason: str = ""  # "stop" (end-of-generation token), "length" (n_predict), "context", "interrupted"
-    spec_steps: int = 0  # speculative decoding: verification steps, tokens proposed, proposals kept
-    spec_proposed: int = 0
+    spec_steps: int = 0  # speculative decoding: verification steps, tokens proposed, proposals kept,
+    spec_proposed: int = 0  # tokens decoded the plain way where speculation did not pay
     spec_accepted: int = 0
+    spec_plain: int = 0
 
     @property
     def prompt_rate(self) -> float:
@@ -210,7 +211,7 @@ class Engine:
                 tokens = sample_loop(self.backend, budget, params, history, stop, constraint)
             for tok in tokens:
                 st.spec_steps, st.spec_proposed = counts.get("steps", 0), counts.get("proposed", 0)
-                st.spec_accepted = counts.get("accepted", 0)
+                st.spec_accepted, st.spec_plain = counts.get("accepted", 0), counts.get("plain", 0)
                 if tok in stop:
                     st.stop_reason = "stop"
                     break

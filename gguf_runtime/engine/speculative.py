@@ -19,6 +19,7 @@ cache of the accepted positions only (a truncate).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import numpy as np
@@ -111,38 +112,76 @@ def _probs(sampler, logits: np.ndarray, history: Sequence[int], n_vocab: int) ->
     return p
 
 
+PLAIN_RUN = 16  # tokens a fall-back run decodes the plain way before proposals are tried again
+LOW_STEPS = 4  # verification steps at k = 1 that kept nothing, in a row, before falling back
+
+
 def speculative_loop(backend, n: int, params, history: list[int], stop: frozenset[int], k: int = 4,
                      propose=ngram_propose, stats: dict | None = None):
     """Up to n tokens after the prompt already in ``backend`` (its ``last_logits``), as
     host_loop.host_sample_loop gives them, with ``propose(history, k)``'s tokens checked k at a time:
-    each step evaluates the last token and the proposals in one call (``eval(..., all_logits=True)``),
+    each step evaluates the last token and the proposals in one call (``eval(..., all_logits=True)``;
+    greedy runs without a penalty on a backend with ``eval_argmax``: the argmaxes computed there),
     keeps the accepted ones (greedy: the target's argmax; sampled: speculative sampling) and truncates
-    the cache to them. ``stats`` (if given) counts steps, proposed and accepted tokens.
+    the cache to them. Where speculation does not pay (nothing to propose, or LOW_STEPS steps in a
+    row at k = 1 keeping nothing) a backend that decodes on its device (``start_single``) decodes
+    PLAIN_RUN tokens its own launch-ahead way (decode_loop.sample_loop) before proposals are tried
+    again. ``stats`` (if given) counts verification steps, proposed and accepted tokens, and tokens
+    decoded the plain way.
 
     Greedy output equals the plain loop's token for token where a multi-row evaluation gives the
     same argmax as one row at a time (the rows' logits differ only in float32 order)."""
     from ..sampling import Sampler
+    from .decode_loop import sample_loop
 
     sampler = Sampler(params)
     hist = list(history)
     adapt = AdaptiveK(k, k_max=max(k, 1) * 2)
     st = stats if stats is not None else {}
-    st.update(steps=0, proposed=0, accepted=0)
+    st.update(steps=0, proposed=0, accepted=0, plain=0)
     last = backend.last_logits
     last = np.asarray(last.get() if hasattr(last, "get") else last, np.float32)  # (a device array on CUDA)
     last = last.reshape(-1, last.shape[-1])[-1]
     n_vocab = int(last.shape[-1])
     tok = sampler.sample(last, hist)
-    produced = 0
+    produced, fresh, idle = 0, True, 0
     on_device = params.greedy and (params.repeat_penalty == 1.0 or params.repeat_last_n == 0) and \
         hasattr(backend, "eval_argmax")
+    plain_ok = hasattr(backend, "start_single")
     while True:
-        yield tok
-        produced += 1
-        if tok in stop or produced >= n:
-            return
+        if fresh:  # (a fall-back run yielded its last token already)
+            yield tok
+            produced += 1
+            if tok in stop or produced >= n:
+                return
+        fresh = True
         hist.append(tok)
         props = [int(t) for t in propose(hist, min(adapt.k, n - produced))][:n - produced]
+        if plain_ok and (not props or idle >= LOW_STEPS):
+            # decode the plain way from tok (evaluated here; the device loop samples after it), then
+            # leave the run's last token unevaluated, as a verification step does
+            base = backend.n_past
+            backend.eval([tok])
+            got: list[int] = []
+            run_params = params if params.seed is None else dataclasses.replace(  # (each run its own draws)
+                params, seed=(int(params.seed) * 1000003 + produced) % (1 << 63))
+            run = sample_loop(backend, min(PLAIN_RUN, n - produced), run_params, list(hist), stop)
+            try:
+                for t in run:
+                    got.append(t)
+                    yield t
+                    produced += 1
+                    if t in stop or produced >= n:
+                        break
+            finally:
+                run.close()  # (the device loop ends: its slot freed, the stream waited for)
+            st["plain"] += len(got)
+            backend.truncate(base + len(got))
+            if not got or got[-1] in stop or produced >= n:
+                return
+            hist.extend(got[:-1])
+            tok, fresh, idle = got[-1], False, 0
+            continue
         base = backend.n_past
         if on_device:  # greedy without a penalty: the argmaxes computed where the logits are
             target = [int(t) for t in backend.eval_argmax([tok] + props)]
@@ -156,6 +195,7 @@ def speculative_loop(backend, n: int, params, history: list[int], stop: frozense
             p_rows = np.stack([_probs(sampler, rows[i], hist + props[:i], n_vocab) for i in range(len(props) + 1)])
             accepted, nxt = accept_sampled(props, p_rows, sampler.rng)
         adapt.update(len(props), accepted)
+        idle = idle + 1 if accepted == 0 and adapt.k <= 1 else 0
         st["steps"] += 1
         st["proposed"] += len(props)
         st["accepted"] += accepted
