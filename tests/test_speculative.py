@@ -234,3 +234,18 @@ def test_fall_back_to_the_plain_loop_keeps_the_greedy_text(model):
     got = list(speculative_loop(be, 60, greedy, list(prompt), frozenset({plain[stop_at]}), k=4,
                                 propose=lambda hist, k: []))
     assert got == plain[:stop_at + 1] and be.n_past == len(prompt) + len(got) - 1
+
+
+def test_bench_spec_rows(model):
+    """`gguf-run bench --spec oracle,zero`: a row each, every oracle proposal kept, no zero one; a bad
+    proposer's name is one line."""
+    import json as _json
+    from test_cli import assert_one_line_error, run
+    path = model[0].path
+    rc, out, err = run("bench", path, "--backend", "numpy", "-p", "0", "-n", "16", "-r", "1", "--spec", "oracle,zero",
+                       "--json")
+    assert rc == 0, err
+    rows = {r["mode"].split(":")[0]: r for r in _json.loads(out)["rows"]}
+    assert rows["spec oracle k=4"]["spec"]["acceptance"] == 1.0 and rows["spec oracle k=4"]["spec"]["tokens_per_step"] > 2
+    assert rows["spec zero k=4"]["spec"]["acceptance"] == 0.0
+    assert_one_line_error(run("bench", path, "--backend", "numpy", "--spec", "eagle"), "--spec", "oracle")

@@ -16,7 +16,7 @@ from typing import Optional
 import typer
 
 from ..engine.backend_choice import BACKENDS, cuda_available
-from ..tools.bench import BATCH_PROMPT, Suite, device_bandwidth, device_name, prompt_gen_rates, run_suite, weight_bytes_read
+from ..tools.bench import BATCH_PROMPT, SPEC_VARIANTS, Suite, device_bandwidth, device_name, prompt_gen_rates, run_suite, weight_bytes_read
 from ..tools.bench_ollama import DEFAULT_URL, Ollama, bench_prompts
 from ..tools.bench_report import plot, render_table, result
 from ..engine.engine import Engine
@@ -99,6 +99,10 @@ def bench(
     ollama_model: Optional[str] = typer.Option(None, "--ollama-model", metavar="NAME",
                                                help="the Ollama model to compare with (as `ollama list` names it)"),
     seed: int = typer.Option(0, "--seed", min=0, help="seed of the random prompt tokens (and Ollama's sampler)"),
+    spec: Optional[str] = typer.Option(None, "--spec", metavar="LIST",
+                                       help="speculative tg rows: ngram (prompt lookup), oracle (replays the plain "
+                                            "greedy output: the bound), zero (always wrong: the cost)"),
+    spec_k: int = typer.Option(4, "--spec-k", min=1, max=16, help="--spec: tokens proposed a step at most"),
     quiet: bool = Quiet,
 ) -> None:
     """Measure prompt processing (pp) and generation (tg) speed, as llama-bench does.
@@ -110,6 +114,12 @@ def bench(
     """
     batches = parse_batches(batch)
     depths = parse_depths(depth)
+    specs = tuple(v.strip() for v in spec.split(",") if v.strip()) if spec else ()
+    bad = [v for v in specs if v not in SPEC_VARIANTS]
+    if bad:
+        raise typer.BadParameter(f"{bad[0]!r} is not one of {', '.join(SPEC_VARIANTS)}", param_hint="'--spec'")
+    if specs and n_gen == 0:
+        raise typer.BadParameter("speculative rows generate -n tokens: give -n above 0", param_hint="'--spec'")
     if mode is not None and mode not in MODES:
         raise typer.BadParameter(f"{mode!r} is not one of both, graph, eager", param_hint="'--mode'")
     if n_prompt == 0 and n_gen == 0:
@@ -159,7 +169,7 @@ def bench(
     if tensor_parallel > 1 and bandwidth:  # a split model's byte limit: every GPU's
         bandwidth, method = bandwidth * tensor_parallel, f"{method}, times {tensor_parallel} GPUs"
     max_batch = next(b for b in (1, 2, 4, 8, 16, 32, 64) if b >= max(batches or (1,)))
-    suite = Suite(n_prompt, n_gen, reps, modes, batches, seed, depths=depths)
+    suite = Suite(n_prompt, n_gen, reps, modes, batches, seed, depths=depths, spec=specs, spec_k=spec_k)
     ollama = None
     with progress_bars(quiet) as progress:
         eng = Engine(path, backend=backend, n_ctx=ctx, progress=progress, note=note, use_graph="graph" in modes,
@@ -182,6 +192,7 @@ def bench(
                       "ollama_eval_tokens": int(statistics.median(a["eval_count"] for a in answers[1:])),
                       "load_s": {"gguf_run": eng.load_s, "ollama": load}, "answers": answers}
     settings = {"n_prompt": n_prompt, "n_gen": n_gen, "repetitions": reps, "batch": list(batches),
+                "spec": list(specs), "spec_k": spec_k if specs else None,
                 "depth": list(depths),
                 "batch_prompt": BATCH_PROMPT if batches else None, "modes": list(modes), "n_ctx": ctx, "seed": seed,
                 "tensor_parallel": tensor_parallel}

@@ -37,6 +37,7 @@ class Rate:
     batch: int = 0  # sequences decoded together (batched rows), 0 for single-sequence rows
     step_bytes: float = 0.0  # bytes read per decode step (weights + KV at the mean context); 0 for pp
     depth: int = 0  # tokens already in the cache when the row's prefill or decoding starts
+    spec: dict | None = None  # speculative rows: proposer, k, acceptance, tokens a verification step
 
     @property
     def mean(self) -> float:
@@ -62,7 +63,8 @@ class Rate:
         return {"test": self.test, "mode": self.mode, "batch": self.batch, "depth": self.depth, "tokens": self.tokens,
                 "mean": self.mean, "median": self.median, "stdev": self.stdev, "runs": list(self.runs),
                 "step_bytes": self.step_bytes or None, "gbs": gbs,
-                "share": gbs / bandwidth if gbs is not None and bandwidth else None}
+                "share": gbs / bandwidth if gbs is not None and bandwidth else None,
+                **({"spec": self.spec} if self.spec else {})}
 
 
 def _sync(backend) -> None:
@@ -183,6 +185,49 @@ def decode_rate(backend, n: int = 128, reps: int = 5, graph: bool = False, param
             runs.append(n / (time.perf_counter() - t0))
     return Rate(_at(f"tg{n}", depth), _graphed(backend, graph) + ("" if params.greedy else ", sampled"), n, runs,
                 depth=depth)
+
+
+SPEC_VARIANTS = ("ngram", "oracle", "zero")  # gguf-run bench --spec
+
+
+def spec_rate(backend, variant: str, n: int = 128, k: int = 4, reps: int = 5, depth: int = 0) -> Rate:
+    """Greedy generation of n tokens after a one-token prompt at ``depth`` by speculative decoding
+    (engine/speculative.py) with proposals from ``variant``: "ngram" (prompt lookup), "oracle" (the
+    plain loop's own output replayed: every proposal kept, the mechanism's bound), "zero" (always
+    wrong: none kept, its cost). The row's spec dict: acceptance and tokens a verification step."""
+    from ..engine.decode_loop import sample_loop
+    from ..engine.speculative import ngram_propose, speculative_loop
+
+    def fresh() -> None:
+        backend.truncate(depth)
+        backend.prefill([1])
+        _sync(backend)
+
+    fresh()
+    ref = list(sample_loop(backend, n, GREEDY, [1], frozenset()))  # the plain greedy output (warm-up too)
+    n_vocab = getattr(getattr(backend, "cfg", None), "n_vocab", None) or max(ref) + 2
+    proposers = {"ngram": ngram_propose,
+                 "oracle": lambda hist, kk: ref[len(hist) - 1:len(hist) - 1 + kk],
+                 "zero": lambda hist, kk: [(ref[min(len(hist) - 1, len(ref) - 1)] + 1) % n_vocab] * kk}
+    runs, st = [], {}
+    steps = accepted = proposed = plain = 0
+    for r in range(reps + 1):
+        fresh()
+        st = {}
+        t0 = time.perf_counter()
+        out = list(speculative_loop(backend, n, GREEDY, [1], frozenset(), k=k, propose=proposers[variant], stats=st))
+        _sync(backend)
+        if out != ref:
+            raise BackendError(f"speculative decoding ({variant}) changed the greedy output: a bug; please report it")
+        if r:
+            runs.append(n / (time.perf_counter() - t0))
+            steps, accepted = steps + st["steps"], accepted + st["accepted"]
+            proposed, plain = proposed + st["proposed"], plain + st["plain"]
+    spec = {"proposer": variant, "k": k, "acceptance": accepted / proposed if proposed else 0.0,
+            "tokens_per_step": (accepted + steps) / steps if steps else 1.0,
+            "plain_share": plain / (n * reps)}
+    mode = f"spec {variant} k={k}: {spec['acceptance']:.0%} kept, {spec['tokens_per_step']:.2f} a step"
+    return Rate(_at(f"tg{n}", depth), mode, n, runs, depth=depth, spec=spec)
 
 
 def prompt_gen_rates(backend, prompts: Sequence[list[int]], n_gen: int, graph: bool = True,
@@ -324,10 +369,12 @@ class Suite:
     seed: int = 0
     sampled: bool = True  # with graphs on a GPU: one more tg row with the CLI's default sampling
     depths: tuple[int, ...] = (0,)  # tokens in the cache before the pp and tg rows (llama-bench -d)
+    spec: tuple[str, ...] = ()  # speculative tg rows (SPEC_VARIANTS) at each depth, k = spec_k
+    spec_k: int = 4
 
     def n_rows(self) -> int:
         pp = len(self.modes) if self.n_prompt > 0 else 0
-        tg = len(self.modes) + (self.sampled and "graph" in self.modes) if self.n_gen > 0 else 0
+        tg = len(self.modes) + (self.sampled and "graph" in self.modes) + len(self.spec) if self.n_gen > 0 else 0
         batched = len(self.modes) * len(self.batches) if self.n_gen > 0 else 0
         return (pp + tg) * len(self.depths) + batched
 
@@ -360,6 +407,8 @@ def run_suite(backend, f, cfg: ModelConfig, suite: Suite, progress: ProgressFn |
                 r = decode_rate(backend, suite.n_gen, suite.reps, graph=mode == "graph", depth=depth)
                 r.step_bytes = step
                 done(r)
+            for variant in suite.spec:  # (no GB/s: a verification step reads the weights once for several tokens)
+                done(spec_rate(backend, variant, suite.n_gen, suite.spec_k, suite.reps, depth))
             if suite.sampled and "graph" in suite.modes and _on_device(backend):
                 # temperature 0.8, top-k 40, top-p 0.95, min-p 0.05 on the device: the sampler's cost
                 r = decode_rate(backend, suite.n_gen, suite.reps, graph=True, params=SamplingParams(seed=suite.seed),
