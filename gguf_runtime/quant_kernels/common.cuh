@@ -140,6 +140,16 @@ DEV float warp_sum(float v) {
     return v;
 }
 
+// The warp's largest (v, i), ties to the lower i; every lane gets it.
+DEV void warp_argmax(float& v, int& i) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float w = __shfl_xor_sync(0xffffffffu, v, o);
+        const int j = __shfl_xor_sync(0xffffffffu, i, o);
+        if (w > v || (w == v && j < i)) { v = w; i = j; }
+    }
+}
+
 // Sum over the block; every thread gets the result. `scratch` holds >= 32 floats.
 DEV float block_sum(float v, float* scratch) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;

@@ -16,18 +16,6 @@
 #define LP_TOP 20  // the most top_logprobs either API allows
 #define LP_COLS (3 + 2 * LP_TOP)
 
-DEV bool lp_better(float v, int i, float w, int j) { return v > w || (v == w && i < j); }
-
-// The warp's best (value, id) of one candidate a lane; every lane gets it.
-DEV void lp_warp_best(float& v, int& i) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float w = __shfl_xor_sync(0xffffffffu, v, o);
-        const int j = __shfl_xor_sync(0xffffffffu, i, o);
-        if (lp_better(w, j, v, i)) { v = w; i = j; }
-    }
-}
-
 // k rounds of the warp's best over the lanes' sorted lists (a lane's head moves on when it wins):
 // the warp's k best, in order, to out_v / out_i (lane 0 writes).
 DEV void lp_warp_merge(const float* lv, const int* li, int n, int k, float* out_v, int* out_i) {
@@ -36,7 +24,7 @@ DEV void lp_warp_merge(const float* lv, const int* li, int n, int k, float* out_
         float v = h < n ? lv[h] : -INFINITY;
         int i = h < n ? li[h] : 0x7fffffff;
         const int mine = i;
-        lp_warp_best(v, i);
+        warp_argmax(v, i);
         if (mine == i && h < n) ++h;  // ids are distinct: one lane wins
         if ((threadIdx.x & 31) == 0) { out_v[r] = v; out_i[r] = i; }
     }

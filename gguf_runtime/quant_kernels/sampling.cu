@@ -86,6 +86,24 @@ extern "C" __global__ void repeat_penalty(float* logits, int ld, const int* __re
     *p = *p > 0.f ? *p / pen : *p * pen;
 }
 
+// The argmax of x[lo, hi) over the block (ties: lowest id; none finite: -inf, 0x7fffffff), in
+// thread 0's (best, bi); sv / si: 32 entries of shared memory.
+DEV void block_argmax(const float* x, int lo, int hi, float* sv, int* si, float& best, int& bi) {
+    best = -INFINITY;
+    bi = 0x7fffffff;
+    for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+        const float v = x[i];
+        if (v > best) { best = v; bi = i; }  // strided ascending: the first max per thread is its lowest id
+    }
+    warp_argmax(best, bi);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) { sv[warp] = best; si[warp] = bi; }
+    __syncthreads();
+    if (threadIdx.x == 0)
+        for (int w = 1; w < (int)(blockDim.x >> 5); ++w)
+            if (sv[w] > best || (sv[w] == best && si[w] < bi)) { best = sv[w]; bi = si[w]; }
+}
+
 // Greedy: argmax over the vocabulary (ties: lowest id). Grid (n_blocks, n_seq); the last block of
 // each sequence to finish merges the partials and commits the token.
 extern "C" __global__ void __launch_bounds__(1024) argmax_sample(
@@ -101,23 +119,10 @@ extern "C" __global__ void __launch_bounds__(1024) argmax_sample(
     if (b < 0 || seq[b] < 0) return;
     const float* x = logits + (long)blockIdx.y * ld;
     const int per = (n_vocab + nb - 1) / nb, lo = blockIdx.x * per, hi = min(n_vocab, lo + per);
-    float best = -INFINITY; int bi = 0x7fffffff;
-    for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-        const float v = x[i];
-        if (v > best) { best = v; bi = i; }  // strided ascending: the first max per thread is its lowest id
-    }
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, best, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-        if (ov > best || (ov == best && oi < bi)) { best = ov; bi = oi; }
-    }
-    if (lane == 0) { sv[warp] = best; si[warp] = bi; }
-    __syncthreads();
+    float best;
+    int bi;
+    block_argmax(x, lo, hi, sv, si, best, bi);
     if (threadIdx.x == 0) {
-        for (int w = 1; w < (int)(blockDim.x >> 5); ++w)
-            if (sv[w] > best || (sv[w] == best && si[w] < bi)) { best = sv[w]; bi = si[w]; }
         pval[b * nb + blockIdx.x] = best;
         pidx[b * nb + blockIdx.x] = bi;
         __threadfence();
@@ -145,24 +150,10 @@ extern "C" __global__ void __launch_bounds__(1024) rows_argmax(const float* __re
     __shared__ float sv[32];
     __shared__ int si[32];
     pdl_enter();
-    const float* x = logits + (long)blockIdx.x * ld;
-    float best = -INFINITY; int bi = 0x7fffffff;
-    for (int i = threadIdx.x; i < n_vocab; i += blockDim.x) {
-        const float v = x[i];
-        if (v > best) { best = v; bi = i; }
-    }
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, best, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-        if (ov > best || (ov == best && oi < bi)) { best = ov; bi = oi; }
-    }
-    if (lane == 0) { sv[warp] = best; si[warp] = bi; }
-    __syncthreads();
+    float best;
+    int bi;
+    block_argmax(logits + (long)blockIdx.x * ld, 0, n_vocab, sv, si, best, bi);
     if (threadIdx.x != 0) return;
-    for (int w = 1; w < (int)(blockDim.x >> 5); ++w)
-        if (sv[w] > best || (sv[w] == best && si[w] < bi)) { best = sv[w]; bi = si[w]; }
     out[blockIdx.x] = bi == 0x7fffffff ? 0 : bi;
 }
 

@@ -566,7 +566,7 @@ class CudaBackend(PrefillMixin):
         rows = bucket_for(n_slots, self.max_batch)
         mode = (False, True)  # the general sampler: greedy and sampled rows, with penalties
         # ... and the logprobs kernels, the grammar masks where a slot asks (graphs of their own)
-        extra = (any(s < rows for s in self._lp), self._push_masks(range(rows)))
+        extra = (any(s < rows for s in self._lp), self._push_masks([s for s in self._masked if s < rows]))
         if any(extra):
             mode += extra
         self._launch(self._graph_for(rows, mode), rows, mode)
