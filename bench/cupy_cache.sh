@@ -2,7 +2,8 @@
 # CuPy's on-disk kernel cache carried between device calls (a cold cache compiles for minutes).
 #   source .device/env.sh && source bench/cupy_cache.sh unpack .cupy_cache.txz   (sets CUPY_CACHE_DIR)
 #   ... work ...
-#   bash bench/cupy_cache.sh pack     -> $OUT/cupy_cache.txz (xz: a fifth of gzip's size on cubins)
+#   bash bench/cupy_cache.sh pack [used]  -> $OUT/cupy_cache.txz (xz: a fifth of gzip's size on cubins;
+#                                             used: only the files this call read or wrote)
 # A call returns files of at most 16 MiB: a bigger archive comes back as cupy_cache.txz.00, .01, ...
 # (unpack joins the parts of "$2".NN when "$2" itself is not there).
 # Every header edit changes every kernel's cache key (sources.py), so the cache would grow with
@@ -24,10 +25,14 @@ case "$1" in
      find . -type f ! -name .marker \( -anewer .marker -o -newer .marker \) > /tmp/cupy_used.txt)
     A="$OUT/cupy_cache.txz"; export XZ_OPT="-9 -T0"
     txz() { if command -v xz >/dev/null; then tar -cJf "$A" -C "$D" -T "$1"; else python3 -c "import sys, tarfile
-with tarfile.open(sys.argv[1], 'w:xz', preset=9) as t:
+with tarfile.open(sys.argv[1], 'w:xz', preset=6) as t:
     for f in open(sys.argv[3]).read().split(): t.add(sys.argv[2] + '/' + f, arcname=f)" "$A" "$D" "$1"; fi; }
-    txz /tmp/cupy_all.txt
-    if [ "$(stat -c %s "$A")" -gt 15000000 ]; then txz /tmp/cupy_used.txt; echo "cupy cache: used files only"; fi
+    if [ "${2-}" = used ]; then  # (a call that ran every kernel: one pass, without stale entries)
+      txz /tmp/cupy_used.txt
+    else
+      txz /tmp/cupy_all.txt
+      if [ "$(stat -c %s "$A")" -gt 15000000 ]; then txz /tmp/cupy_used.txt; echo "cupy cache: used files only"; fi
+    fi
     if [ "$(stat -c %s "$A")" -gt 15000000 ]; then
       split -b 15000000 -d -a 2 "$A" "$A." && rm "$A"
       echo "cupy cache: in $(ls "$A".* | wc -l) parts"
