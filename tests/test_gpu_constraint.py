@@ -95,7 +95,7 @@ def test_cuda_batch_logprobs_equal_numpy(batch_engine):
     """Greedy answers with logprobs (5 alternatives) through the CUDA adapter's batch steps and the
     numpy adapter on the same micro file: up to the first token where the two greedy answers part (a
     near tie of float32 against float64 sums) and at it, the same distribution: log-probabilities
-    within 2e-3, the same alternatives where theirs are 1e-3 apart; most tokens agree."""
+    within 2e-3, the same alternatives but where numpy's are within 2e-3 of each other; most tokens agree."""
     from gguf_runtime.server.adapters import NumpyAdapter
     from gguf_runtime.server.scheduler import Job
     engine = batch_engine
@@ -118,9 +118,11 @@ def test_cuda_batch_logprobs_equal_numpy(batch_engine):
             assert len(eg[2]) == len(ew[2]) == 5
             if i < n:
                 assert abs(eg[1] - ew[1]) < 2e-3, (i, eg, ew)
+            theirs = dict(ew[2])
             for (ig, vg), (iw, vw) in zip(eg[2], ew[2]):
                 assert abs(vg - vw) < 2e-3, (i, eg, ew)
-                assert ig == iw or abs(vg - vw) < 1e-3, (i, eg, ew)
+                # another id at this place: a near tie in numpy's own values (or past its last one)
+                assert ig == iw or abs(theirs.get(ig, ew[2][-1][1]) - vw) < 2e-3, (i, eg, ew)
     assert agree >= 24, agree  # of 48
 
 

@@ -127,3 +127,18 @@ def test_temperature_shapes_the_draws(k, rng):
     compare(k, logits, 256, 40, 1.0, 0.0, 0.3, 99)
     compare(k, logits, 256, 40, 1.0, 0.0, 1.5, 99)
     assert len(set(a)) < len(set(b)) and a != b
+
+
+@pytest.mark.parametrize("n_vocab,allowed", [(50257, [50256]), (50257, [3, 4895, 50256]),
+                                             (128256, [17, 64000, 128255]), (32000, [31999])])
+def test_a_grammar_mask_leaves_only_the_allowed_tokens(k, n_vocab, allowed, rng):
+    """A grammar mask leaves a few finite logits among tens of thousands at -inf; at top-k 1024 the
+    -inf ties fill every block's candidates, and the allowed tokens (the end-of-text id, last in the
+    vocabulary, among them) must keep their places: every draw is one of them, numpy's draw."""
+    logits = np.full(n_vocab, -np.inf, np.float32)
+    logits[allowed] = rng.standard_normal(len(allowed)).astype(np.float32)
+    got = gpu_draws(k, logits, 64, 1024, 1.0, 0.0, 1.0, 7)
+    assert set(got) <= set(allowed), sorted(set(got) - set(allowed))[:8]
+    compare(k, logits, 64, 1024, 1.0, 0.0, 1.0, 7)
+    if len(allowed) > 1:
+        assert len(set(got)) > 1

@@ -405,17 +405,28 @@ extern "C" __global__ void __launch_bounds__(1024, 2) topk_sample(
             __syncthreads();
         }
     }
-    const u32 kth = total > CAP ? prefix : 0u;
-    for (int s = tid; s < slots; s += 1024) {  // keys >= kth (ties past CAP are dropped: pathological)
+    // Every key above kth is kept (exactly want - remaining of them, fewer than CAP), then ties
+    // of kth where places are left. A grammar mask leaves most logits at -inf: those are the ties,
+    // and the few allowed tokens must never lose their places to them.
+    const bool sel = total > CAP;
+    const u32 kth = sel ? prefix : 0u;
+    const int above = sel ? min(top_k, total) - remaining : 0;
+    if (tid == 0) n_ties = 0;
+    __syncthreads();
+    for (int s = tid; s < slots; s += 1024) {
         if ((s % TK_MAX) >= an[s / TK_MAX]) continue;
         const float v = av[s];
-        if (order_key(v) >= kth) {
+        const u32 key = order_key(v);
+        if (!sel || key > kth) {
             const int c = atomicAdd(&n_cand, 1);
+            cv[c] = v; ci[c] = ai[s];
+        } else if (key == kth) {
+            const int c = above + atomicAdd(&n_ties, 1);
             if (c < CAP) { cv[c] = v; ci[c] = ai[s]; }
         }
     }
     __syncthreads();
-    const int nc = min(n_cand, CAP);
+    const int nc = sel ? min(above + n_ties, CAP) : n_cand;
     int size = 1;
     while (size < nc) size <<= 1;
     for (int i = nc + tid; i < size; i += 1024) { cv[i] = -INFINITY; ci[i] = 0x7fffffff; }
