@@ -135,3 +135,48 @@ def test_cuda_spec_ngram_same_greedy_text(engine):
     plain_text = plain.text()
     spec = engine.generate(prompt, n_predict=48, params=greedy, spec="ngram", spec_k=4)
     assert spec.text() == plain_text and spec.stats.spec_steps > 0
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0), SamplingParams(temperature=0.8, seed=5)],
+                         ids=["greedy", "sampled"])
+def test_cuda_decode_from_a_given_token(engine, params):
+    """sample_loop(given=t), decoding from a token the host holds (speculative decoding's fall-back):
+    t is committed, not sampled, and the tokens after it are the plain loop's after t, from the
+    prompt and from the middle of the answer (the same decode graph, the same draws)."""
+    from gguf_runtime.engine.decode_loop import sample_loop
+    be = engine.backend
+    prompt = engine.encode_raw("one two three four five " * 3)
+
+    def plain():
+        be.truncate(0)
+        be.prefill(prompt)
+        return list(sample_loop(be, 40, params, list(prompt), frozenset()))
+    ref = plain()
+    assert ref == plain()
+    be.truncate(0)
+    be.prefill(prompt)
+    assert list(sample_loop(be, 39, params, list(prompt), frozenset(), given=ref[0])) == ref[1:]
+    if params.greedy:  # (a sampled run's draws count from its start)
+        be.truncate(len(prompt) + 20)
+        assert list(sample_loop(be, 19, params, list(prompt) + ref[:20], frozenset(), given=ref[20])) == ref[21:]
+
+
+def test_cuda_verification_argmax_is_the_decode_steps(engine):
+    """eval_argmax (speculative decoding's verification, on the one-row decode step's kernels) over a
+    plain greedy answer in chunks of 1 to 8 tokens, teacher-forced: every row's argmax is the token
+    the plain decode steps chose (a prompt-path verification parts from them at near ties)."""
+    from gguf_runtime.engine.decode_loop import sample_loop
+    be = engine.backend
+    prompt = engine.encode_raw("the quick brown fox")
+    be.truncate(0)
+    be.prefill(prompt)
+    ref = list(sample_loop(be, 48, SamplingParams(temperature=0), list(prompt), frozenset()))
+    seq = prompt + ref
+    for width in (1, 3, 5, 8, 8):  # (8 twice: its captured graph)
+        be.truncate(len(prompt) - 1)
+        pos, got = len(prompt) - 1, []
+        while pos < len(seq) - 1:
+            chunk = seq[pos:pos + width]
+            got += [int(t) for t in be.eval_argmax(chunk)]
+            pos += len(chunk)
+        assert got[:len(ref)] == ref, width

@@ -68,8 +68,8 @@ class Fake:
     def capture_buckets(self, mode=(False, True), progress=None):
         self.log.append(("capture", mode, progress is None))
 
-    def start_single(self, history, params, seed):
-        self.log.append(("start_single", tuple(history), seed))
+    def start_single(self, history, params, seed, given=None):
+        self.log.append(("start_single", tuple(history), seed, given))
         return lambda: self.log.append(("launch",))
 
     def end_single(self):

@@ -184,10 +184,10 @@ class DeviceLoop(NumpyBackend):
         x = np.asarray(self.last_logits)
         return int(x.reshape(-1, x.shape[-1])[-1].argmax())
 
-    def start_single(self, history, params, seed):
+    def start_single(self, history, params, seed, given=None):
         DeviceLoop.runs += 1
         assert self.n_past == len(history), "the plain run starts after the whole history is evaluated"
-        self._ring = [self._argmax()]
+        self._ring = [self._argmax() if given is None else given]
 
         def launch():
             self.eval([self._ring[-1]])
@@ -248,4 +248,5 @@ def test_bench_spec_rows(model):
     rows = {r["mode"].split(":")[0]: r for r in _json.loads(out)["rows"]}
     assert rows["spec oracle k=4"]["spec"]["acceptance"] == 1.0 and rows["spec oracle k=4"]["spec"]["tokens_per_step"] > 2
     assert rows["spec zero k=4"]["spec"]["acceptance"] == 0.0
+    assert rows["spec oracle k=4"]["spec"]["parts_at"] is None and rows["spec zero k=4"]["spec"]["parts_at"] is None
     assert_one_line_error(run("bench", path, "--backend", "numpy", "--spec", "eagle"), "--spec", "oracle")

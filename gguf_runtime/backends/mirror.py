@@ -93,8 +93,8 @@ class MirrorFront:
         seed = int(seed) if seed is not None else secrets.randbits(63)  # (the same on every rank)
         return self._mirror("seq_first", slot, list(prompt), params, seed, publish, row)
 
-    def start_single(self, history, params, seed):
-        local = self._mirror("start_single", list(history), params, seed)
+    def start_single(self, history, params, seed, given=None):
+        local = self._mirror("start_single", list(history), params, seed, given)
         msg = ("launch", "", (), {})
 
         def launch() -> None:

@@ -136,24 +136,39 @@ class LaunchAhead:
 
 
 def sample_loop(backend, n: int, params: SamplingParams, history: list[int],
-                stop: frozenset[int], constraint=None) -> Iterator[int]:
+                stop: frozenset[int], constraint=None, given: int | None = None) -> Iterator[int]:
     """Up to n tokens of the sequence in the backend's slot 0 (its prompt already evaluated),
     until a stop token (yielded) or the budget. Device-decoding backends run the launch-ahead
     loop; the others, samplers the device lacks and grammar-constrained output (``constraint``)
-    sample on the host."""
+    sample on the host. ``given`` (device-decoding backends only): the tokens follow that one,
+    which the first decode step evaluates (``history``: the evaluated tokens, without it)."""
+    if given is not None:
+        yield from _loop_after(backend, n, params, history, stop, int(given))
+        return
     if not hasattr(backend, "start_single"):
         yield from backend.sample_loop(n, params, history, stop, constraint=constraint)
         return
     if constraint is not None or not backend.gpu_sampling(params):
         yield from backend.host_sample_loop(n, params, history, stop, constraint=constraint)
         return
+    yield from _loop_after(backend, n, params, history, stop, None)
+
+
+def _loop_after(backend, n: int, params: SamplingParams, history: list[int], stop: frozenset[int],
+                given: int | None) -> Iterator[int]:
+    """The launch-ahead loop of slot 0 from token 0 sampled on the stream, or from ``given``."""
     seed = int(params.seed) if params.seed is not None else secrets.randbits(63)
-    launch = backend.start_single(history, params, seed)  # token 0 sampled on the stream
+    launch = backend.start_single(history, params, seed, given) if given is not None else \
+        backend.start_single(history, params, seed)  # token 0 sampled on the stream
     loop = LaunchAhead(backend, backend.tune.lookahead, launch=launch)
-    loop.admit(0, n)
+    skip = given is not None  # (token 0 is the given one: read, not yielded)
+    loop.admit(0, n + skip)
     try:
         while loop.pending():
             for tok in loop.step().get(0, ()):
+                if skip:
+                    skip = False
+                    continue
                 yield tok
                 if tok in stop:
                     return

@@ -20,6 +20,7 @@ cache of the accepted positions only (a truncate).
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Sequence
 
 import numpy as np
@@ -112,8 +113,9 @@ def _probs(sampler, logits: np.ndarray, history: Sequence[int], n_vocab: int) ->
     return p
 
 
-PLAIN_RUN = 16  # tokens a fall-back run decodes the plain way before proposals are tried again
-LOW_STEPS = 4  # verification steps at k = 1 that kept nothing, in a row, before falling back
+PLAIN_RUN = 16  # tokens a fall-back run decodes the plain way before proposals are tried again ...
+PLAIN_RUN_MAX = 256  # ... doubled up to this after each run that nothing kept was proposed since
+LOW_STEPS = 2  # verification steps that kept nothing (k halved after each), in a row, before falling back
 
 
 def speculative_loop(backend, n: int, params, history: list[int], stop: frozenset[int], k: int = 4,
@@ -124,27 +126,34 @@ def speculative_loop(backend, n: int, params, history: list[int], stop: frozense
     greedy runs without a penalty on a backend with ``eval_argmax``: the argmaxes computed there),
     keeps the accepted ones (greedy: the target's argmax; sampled: speculative sampling) and truncates
     the cache to them. Where speculation does not pay (nothing to propose, or LOW_STEPS steps in a
-    row at k = 1 keeping nothing) a backend that decodes on its device (``start_single``) decodes
-    PLAIN_RUN tokens its own launch-ahead way (decode_loop.sample_loop) before proposals are tried
-    again. ``stats`` (if given) counts verification steps, proposed and accepted tokens, and tokens
-    decoded the plain way.
+    row keeping nothing, k halved after each) a backend that decodes on its device (``start_single``)
+    decodes PLAIN_RUN tokens its own launch-ahead way (decode_loop.sample_loop) before proposals are
+    tried again, twice as many after each such run until a proposal is kept (PLAIN_RUN_MAX).
+    ``stats`` (if given) counts verification steps, proposed and accepted tokens, and tokens decoded
+    the plain way and their seconds.
 
     Greedy output equals the plain loop's token for token where a multi-row evaluation gives the
-    same argmax as one row at a time (the rows' logits differ only in float32 order)."""
+    same argmax as one row at a time: exactly on the numpy backend; on the GPU where the rows'
+    logits differ only in float order (the CUDA backend's int8 activations round such a difference
+    up to a visible one on the 8B twin's random weights: a near tie parts there within tens of tokens)."""
     from ..sampling import Sampler
     from .decode_loop import sample_loop
 
     sampler = Sampler(params)
     hist = list(history)
-    adapt = AdaptiveK(k, k_max=max(k, 1) * 2)
+    k_max = max(k, 1) * 2
+    if (most := getattr(backend, "verify_rows", lambda: 0)()) > 1:  # (past those, a slower kernel path)
+        k, k_max = min(k, most - 1), min(k_max, most - 1)
+    adapt = AdaptiveK(k, k_max=k_max)
     st = stats if stats is not None else {}
-    st.update(steps=0, proposed=0, accepted=0, plain=0)
+    st.update(steps=0, proposed=0, accepted=0, plain=0, plain_s=0.0)
     last = backend.last_logits
     last = np.asarray(last.get() if hasattr(last, "get") else last, np.float32)  # (a device array on CUDA)
     last = last.reshape(-1, last.shape[-1])[-1]
     n_vocab = int(last.shape[-1])
     tok = sampler.sample(last, hist)
     produced, fresh, idle = 0, True, 0
+    run_len, ran = PLAIN_RUN, False  # ran: a fall-back run, and no proposal kept since
     on_device = params.greedy and (params.repeat_penalty == 1.0 or params.repeat_last_n == 0) and \
         hasattr(backend, "eval_argmax")
     plain_ok = hasattr(backend, "start_single")
@@ -158,14 +167,17 @@ def speculative_loop(backend, n: int, params, history: list[int], stop: frozense
         hist.append(tok)
         props = [int(t) for t in propose(hist, min(adapt.k, n - produced))][:n - produced]
         if plain_ok and (not props or idle >= LOW_STEPS):
-            # decode the plain way from tok (evaluated here; the device loop samples after it), then
-            # leave the run's last token unevaluated, as a verification step does
-            base = backend.n_past
-            backend.eval([tok])
+            if ran:  # speculation keeps failing here: the runs between tries grow
+                run_len = min(run_len * 2, PLAIN_RUN_MAX)
+            ran = True
+            # decode the plain way from tok (its first step evaluates it: the decode graph's
+            # arithmetic, as plain decoding's), then leave the run's last token unevaluated, as a
+            # verification step does
+            base, t0 = backend.n_past, time.perf_counter()
             got: list[int] = []
             run_params = params if params.seed is None else dataclasses.replace(  # (each run its own draws)
                 params, seed=(int(params.seed) * 1000003 + produced) % (1 << 63))
-            run = sample_loop(backend, min(PLAIN_RUN, n - produced), run_params, list(hist), stop)
+            run = sample_loop(backend, min(run_len, n - produced), run_params, hist[:-1], stop, given=tok)
             try:
                 for t in run:
                     got.append(t)
@@ -176,6 +188,7 @@ def speculative_loop(backend, n: int, params, history: list[int], stop: frozense
             finally:
                 run.close()  # (the device loop ends: its slot freed, the stream waited for)
             st["plain"] += len(got)
+            st["plain_s"] += time.perf_counter() - t0  # (the consumer's time between tokens included)
             backend.truncate(base + len(got))
             if not got or got[-1] in stop or produced >= n:
                 return
@@ -195,7 +208,10 @@ def speculative_loop(backend, n: int, params, history: list[int], stop: frozense
             p_rows = np.stack([_probs(sampler, rows[i], hist + props[:i], n_vocab) for i in range(len(props) + 1)])
             accepted, nxt = accept_sampled(props, p_rows, sampler.rng)
         adapt.update(len(props), accepted)
-        idle = idle + 1 if accepted == 0 and adapt.k <= 1 else 0
+        if accepted:
+            idle, ran, run_len = 0, False, PLAIN_RUN
+        else:  # (the next try cheaper: a verification's cost grows with its rows)
+            idle, adapt.k = idle + 1, max(adapt.k_min, min(adapt.k, len(props)) // 2)
         st["steps"] += 1
         st["proposed"] += len(props)
         st["accepted"] += accepted

@@ -135,6 +135,13 @@ def argmax_sample(k: Kernels, logits: int, ld: int, n_vocab: int, st: SamplerSta
          ptr(st.seq), i32(slot0), ptr(slots)))
 
 
+def commit_token(k: Kernels, st: SamplerState, slot: int, tok: int) -> None:
+    """Slot ``slot``'s next token is ``tok``, committed as the sampler commits one (sampling.cu)."""
+    k.fn("sampling.cu", "commit_token")((1,), (1,), (
+        i32(slot), i32(tok), ptr(st.tokens), ptr(st.pos), ptr(st.hist), ptr(st.hist_n), ptr(st.step), ptr(st.ring),
+        i32(st.ring_len), i32(st.n_seq)))
+
+
 def topk_sample(k: Kernels, logits: int, ld: int, n_vocab: int, st: SamplerState, rows: int,
                 slot0: int = 0, slots: int = 0) -> None:
     """Per row: greedy when temp <= 0, else top-k/top-p/min-p/temperature with the row's seed."""

@@ -20,6 +20,14 @@ DEV void commit(int b, int tok, int* tokens, int* pos, int* hist, int* hist_n, i
     step[b] += 1;
 }
 
+// A given token committed as if sampled (one thread): decoding that starts from a token the host
+// already holds (speculative decoding's fall-back to plain decoding: the token a verification left).
+extern "C" __global__ void commit_token(int b, int tok, int* tokens, int* pos, int* hist, int* hist_n, int* step,
+                                        int* ring, int ring_len, int n_seq) {
+    pdl_enter();
+    commit(b, tok, tokens, pos, hist, hist_n, step, ring, ring_len, n_seq);
+}
+
 // Damaged weights show in a prompt's logits: bad[r] = 1 where row r holds a NaN or an infinity,
 // else 0 (one block per row; a fixed kernel, where CuPy's reductions compile per shape).
 extern "C" __global__ void finite_rows(const float* __restrict__ logits, int ld, int n_vocab, int* bad) {

@@ -193,8 +193,11 @@ SPEC_VARIANTS = ("ngram", "oracle", "zero")  # gguf-run bench --spec
 def spec_rate(backend, variant: str, n: int = 128, k: int = 4, reps: int = 5, depth: int = 0) -> Rate:
     """Greedy generation of n tokens after a one-token prompt at ``depth`` by speculative decoding
     (engine/speculative.py) with proposals from ``variant``: "ngram" (prompt lookup), "oracle" (the
-    plain loop's own output replayed: every proposal kept, the mechanism's bound), "zero" (always
-    wrong: none kept, its cost). The row's spec dict: acceptance and tokens a verification step."""
+    speculative path's own greedy output replayed: every proposal kept, the mechanism's bound), "zero"
+    (always wrong: none kept, its cost). The row's spec dict: acceptance, tokens a verification step,
+    and ``parts_at``: the first token where the text differs from the plain loop's (None: the same).
+    The verification's multi-row kernels may round a near tie the other way than the one-row decode
+    step (int8 activations), so a difference is reported, not raised; the tests hold the equality."""
     from ..engine.decode_loop import sample_loop
     from ..engine.speculative import ngram_propose, speculative_loop
 
@@ -203,31 +206,47 @@ def spec_rate(backend, variant: str, n: int = 128, k: int = 4, reps: int = 5, de
         backend.prefill([1])
         _sync(backend)
 
+    def run(propose, stats: dict | None = None) -> list[int]:
+        fresh()
+        return list(speculative_loop(backend, n, GREEDY, [1], frozenset(), k=k, propose=propose, stats=stats))
+
     fresh()
     ref = list(sample_loop(backend, n, GREEDY, [1], frozenset()))  # the plain greedy output (warm-up too)
     n_vocab = getattr(getattr(backend, "cfg", None), "n_vocab", None) or max(ref) + 2
+    own = ref
+    if variant == "oracle":  # replayed until the speculative path gives back what it was proposed
+        for _ in range(ORACLE_ROUNDS):
+            out = run(lambda hist, kk, t=own: t[len(hist) - 1:len(hist) - 1 + kk])
+            if out == own:
+                break
+            own = out
     proposers = {"ngram": ngram_propose,
-                 "oracle": lambda hist, kk: ref[len(hist) - 1:len(hist) - 1 + kk],
+                 "oracle": lambda hist, kk: own[len(hist) - 1:len(hist) - 1 + kk],
                  "zero": lambda hist, kk: [(ref[min(len(hist) - 1, len(ref) - 1)] + 1) % n_vocab] * kk}
     runs, st = [], {}
     steps = accepted = proposed = plain = 0
+    parts_at = None
     for r in range(reps + 1):
-        fresh()
         st = {}
         t0 = time.perf_counter()
-        out = list(speculative_loop(backend, n, GREEDY, [1], frozenset(), k=k, propose=proposers[variant], stats=st))
+        out = run(proposers[variant], st)
         _sync(backend)
-        if out != ref:
-            raise BackendError(f"speculative decoding ({variant}) changed the greedy output: a bug; please report it")
         if r:
             runs.append(n / (time.perf_counter() - t0))
             steps, accepted = steps + st["steps"], accepted + st["accepted"]
             proposed, plain = proposed + st["proposed"], plain + st["plain"]
+        if out != ref and parts_at is None:
+            parts_at = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
     spec = {"proposer": variant, "k": k, "acceptance": accepted / proposed if proposed else 0.0,
             "tokens_per_step": (accepted + steps) / steps if steps else 1.0,
-            "plain_share": plain / (n * reps)}
+            "plain_share": plain / (n * reps), "parts_at": parts_at}
     mode = f"spec {variant} k={k}: {spec['acceptance']:.0%} kept, {spec['tokens_per_step']:.2f} a step"
+    if parts_at is not None:
+        mode += f", text parts from plain at token {parts_at}"
     return Rate(_at(f"tg{n}", depth), mode, n, runs, depth=depth, spec=spec)
+
+
+ORACLE_ROUNDS = 64  # speculative runs to find the oracle's text (each fixes at least one more token)
 
 
 def prompt_gen_rates(backend, prompts: Sequence[list[int]], n_gen: int, graph: bool = True,

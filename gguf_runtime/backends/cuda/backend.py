@@ -412,15 +412,21 @@ class CudaBackend(PrefillMixin):
                 self._step(rows, mode)
 
     # ---- one sequence (slot 0) ------------------------------------------------------------------
-    def start_single(self, history: list[int], params: SamplingParams, seed: int) -> Callable[[], None]:
+    def start_single(self, history: list[int], params: SamplingParams, seed: int,
+                     given: int | None = None) -> Callable[[], None]:
         """Start decoding slot 0 after its prompt (engine.decode_loop.sample_loop drives it):
-        sample token 0 on the stream; returns the launch of one decode step (the graph of this
+        sample token 0 on the stream (``given``: token 0 is that token, not evaluated yet, and
+        ``history`` the evaluated ones); returns the launch of one decode step (the graph of this
         sampling mode), which also counts the token it evaluates into the slot's length."""
         mode = self._mode(params)
-        self._check_finite(self.last_logits[-1:])
+        if given is None:
+            self._check_finite(self.last_logits[-1:])
         self._prime(0, history, params, seed)
         with self.stream:
-            self._sample(*mode, rows=1)  # token 0, from the prompt's logits
+            if given is None:
+                self._sample(*mode, rows=1)  # token 0, from the prompt's logits
+            else:
+                LS.commit_token(self.kernels, self.sampler_state, 0, int(given))
         key = self._graph_for(1, mode)
 
         def launch() -> None:

@@ -55,6 +55,9 @@ class CudaBlocks:
         self.mmv_rows = L.MAX_MMV_TOKENS
         self.flash_rows = 0  # query rows a flash prefill block takes (0: flash_config's; packed prompts: 16)
         self.decode = False  # every row one token of its own sequence (a decode step), else prefill
+        # a decode step's kernels over consecutive tokens of one sequence (speculative verification):
+        # row i reads the keys rows before it write in the same call, so nothing loads them early
+        self.verify = False
         self._rope: L.RopeKV | None = None  # the RoPE + KV write attn_in left to attend's kernel
         self._own = False  # attn_in left the rows' K (rotated) and V for attend's flash_decode to cache
         self.retune(tune)
@@ -170,7 +173,8 @@ class CudaBlocks:
     def _own_ok(self, t: int) -> bool:
         """Whether a call of t rows may leave its keys and values to flash_decode to quantize into
         a q8_0 / q4_0 cache (decode rows that load early; the tuning table's own_row)."""
-        return self.flash_only and self.decode and self.tune.attn_early and self.tune.own_row and self._small(t)
+        return (self.flash_only and self.decode and not self.verify and self.tune.attn_early and self.tune.own_row
+                and self._small(t))
 
     def _big_mma(self, t: int) -> bool:
         return self.mma and not self._small(t)
@@ -277,7 +281,7 @@ class CudaBlocks:
                             ws.attn_counter.data.ptr, out.data.ptr, out.strides[0] // 4,
                             None if self._small(t) else ws.x16.data.ptr,
                             0 if self._small(t) else ws.x16.strides[0] // 2, q8=self._att_q8,
-                            early=self.decode and self.tune.attn_early, kv=self.kv.kv_type,
+                            early=self.decode and self.tune.attn_early and not self.verify, kv=self.kv.kv_type,
                             sinks=self._sinks(layer), own=(q.data.ptr, q.strides[0] // 4) if own else None)
             return out
         LA.attention(self.k, q.data.ptr, q.strides[0] // 4, t, kc, vc, positions.data.ptr, self.seq.data.ptr,
@@ -288,7 +292,8 @@ class CudaBlocks:
                     out.data.ptr, out.strides[0] // 4, None if self._small(t) else ws.x16.data.ptr,
                     0 if self._small(t) else ws.x16.strides[0] // 2, q8=self._att_q8,
                     shape=self.attn_shapes[not self._small(t)],
-                    early=self.decode and self.tune.attn_early, kv=self.kv.kv_type, sinks=self._sinks(layer))
+                    early=self.decode and self.tune.attn_early and not self.verify, kv=self.kv.kv_type,
+                    sinks=self._sinks(layer))
         return out
 
     def _flash_config(self) -> tuple[int, int, int] | None:

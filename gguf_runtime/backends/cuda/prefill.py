@@ -52,7 +52,7 @@ class PrefillMixin:
     def eval_argmax(self, tokens: Sequence[int]) -> np.ndarray:
         """eval with every row's logits, returning each row's argmax (ties: lowest id) computed on
         the device: speculative decoding's greedy verification copies a few ints, not the rows."""
-        out = self._eval(0, tokens, all_logits=True)
+        out = self._eval(0, tokens, all_logits=True, verify=True)
         n = out.shape[0]
         if getattr(self, "_argmax_out", None) is None:
             self._argmax_out = cp.zeros(self.ws.logits.shape[0], cp.int32)
@@ -61,7 +61,7 @@ class PrefillMixin:
                            self._argmax_out.data.ptr)
         return cp.asnumpy(self._argmax_out[:n], stream=self.stream)
 
-    def _eval(self, slot: int, tokens: Sequence[int], all_logits: bool) -> cp.ndarray:
+    def _eval(self, slot: int, tokens: Sequence[int], all_logits: bool, verify: bool = False) -> cp.ndarray:
         n, past = len(tokens), self.slot_len[slot]
         if past + n > self.kv.capacity(slot):
             raise ContextOverflowError(f"{past + n} tokens do not fit the context of {self.kv.capacity(slot)}; "
@@ -72,18 +72,21 @@ class PrefillMixin:
         with self.stream:
             for s in range(0, n, self.ws.max_rows):
                 part = ids[s:s + self.ws.max_rows]
-                logits = self._chunk(slot, part, past, all_logits and s + part.shape[0] >= n)
+                logits = self._chunk(slot, part, past, all_logits and s + part.shape[0] >= n, verify)
                 past += part.shape[0]
                 self.slot_len[slot] = past
         self.last_logits = logits
         return logits
 
-    def _chunk(self, slot: int, part: np.ndarray, past: int, all_logits: bool) -> cp.ndarray:
+    def _chunk(self, slot: int, part: np.ndarray, past: int, all_logits: bool, verify: bool = False) -> cp.ndarray:
         """Run one chunk of a prompt at positions past, past + 1, ...; its logits (the last row's,
-        or every row's), padded and graphed as the module says."""
+        or every row's), padded and graphed as the module says. ``verify`` (every row's logits, up to
+        verify_rows rows): a decode step's kernels (_verify_rows)."""
         ws = self.ws
         rows, pad = self._stage(slot, part, past, ws.logits.shape[0] if all_logits else ws.max_rows)
-        key = ("prefill", rows, all_logits)
+        verify = verify and all_logits and rows <= self.verify_rows()
+        key = ("verify", rows) if verify else ("prefill", rows, all_logits)
+        run = (lambda: self._verify_rows(rows)) if verify else (lambda: self._prefill_rows(rows, all_logits))
         seen = self._prefill_runs.get(key, 0)
         self._prefill_runs[key] = seen + 1
         # graphs from a size's second run: chunks past the matvec rows, and the small ones with every
@@ -91,8 +94,7 @@ class PrefillMixin:
         graph = (rows > L.MAX_MMV_TOKENS or all_logits) and self.use_graph and self.prefill_graph and seen > 0
         if graph and not self.graphs.has(key):
             try:  # the eager first run was its warm-up
-                self.graphs.capture(key, self._with_pdl(lambda: self._prefill_rows(rows, all_logits), rows),
-                                    warmup=0)
+                self.graphs.capture(key, self._with_pdl(run, rows), warmup=0)
             except CaptureError as e:
                 self.prefill_graph = graph = False
                 if self.note:
@@ -100,7 +102,7 @@ class PrefillMixin:
         if graph:
             self.graphs.replay(key)
         else:
-            self._prefill_rows(rows, all_logits)
+            run()
         return ws.logits[pad:rows] if all_logits else ws.logits[:1]
 
     def _stage(self, slot: int, part: np.ndarray, past: int, cap: int) -> tuple[int, int]:
@@ -211,6 +213,25 @@ class PrefillMixin:
     def _prefill_rows(self, rows: int, all_logits: bool) -> None:
         """The model over ws.tokens/pos/seq[:rows] (logits into ws.logits)."""
         forward(self._prefill_mode(), self.cfg, self.ws.tokens[:rows], self.ws.pos[:rows], all_logits=all_logits)
+
+    def verify_rows(self) -> int:
+        """The most tokens a verification step takes on a decode step's kernels (_verify_rows)."""
+        return L.MAX_MMV_TOKENS
+
+    def _verify_rows(self, rows: int) -> None:
+        """ws.tokens/pos/seq[:rows] (consecutive tokens of one sequence) through the kernels of a
+        decode step of as many rows, every row's logits into ws.logits: speculative decoding's
+        verification. Where those are the one-row step's (the int8 matvecs, fused epilogues and
+        flash_decode: up to decode_mmv_rows) its argmaxes part from the plain steps' only where float
+        order decides; past them, the batch steps' tensor-core products (the 8B: the int8 matvecs of
+        5 or 8 rows took 9 and 32 ms a step, one row 2.2) compute the same values otherwise rounded."""
+        b = self.blocks
+        b.seq, b.mma, b.decode, b.verify = self.ws.seq, rows > b.decode_mmv_rows, True, True
+        b.mmv_rows = b.decode_mmv_rows
+        try:
+            forward(b, self.cfg, self.ws.tokens[:rows], self.ws.pos[:rows], all_logits=True)
+        finally:
+            b.verify = False
 
     def prefill(self, tokens: Sequence[int]) -> None:
         self._eval(0, tokens, all_logits=False)
