@@ -284,3 +284,26 @@ def test_tiny_context_fills_then_drops_the_oldest_turns(tiny_engine):
         s.send("word " * 200)
     assert s.messages == before
     assert s.chat("Hi!").strip()
+
+
+def test_speculative_replies_are_the_plain_ones(engine):
+    """`gguf-run chat --spec ngram`: each greedy reply is the plain session's, its stats count the
+    verification steps (a reply that repeats the message: prompt lookup has matches); a bad setting
+    is one line before anything runs."""
+    msgs = ["Repeat after me exactly: the red fox jumps over the lazy brown dog.", "Again, the same sentence."]
+    replies = {}
+    for spec in ("none", "ngram"):
+        engine.reset()
+        s = ChatSession(engine, params=GREEDY, n_predict=24, spec=spec)
+        out = []
+        for m in msgs:
+            r = s.send(m)
+            out.append(r.read())
+            if spec == "ngram":
+                assert r.stats.spec_steps + r.stats.spec_plain > 0
+        replies[spec] = out
+    assert replies["ngram"] == replies["none"] and all(t.strip() for t in replies["none"])
+    with pytest.raises(GGUFRunError, match="--spec"):
+        ChatSession(engine, spec="draft")
+    with pytest.raises(GGUFRunError, match="--spec-k"):
+        ChatSession(engine, spec="ngram", spec_k=0)

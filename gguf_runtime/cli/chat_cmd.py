@@ -21,12 +21,13 @@ from typing import Callable, Iterator, Optional, TextIO
 import typer
 
 from ..engine.chat_session import PARAMETERS, ChatSession, Reply
-from ..engine.engine import Engine
+from ..engine.engine import Engine, check_spec
 from ..errors import GGUFRunError, printable
 from ..format.model_info import human_count, quant_histogram
 from .app import app
 from .options import (TensorParallel, Backend, CacheTypeK, CacheTypeV, CtxSize, MinP, ModelArg, NoGraph, Quiet, RepeatPenalty, Seed,
-                      Temp, TopK, TopP, check_n_predict, kv_types, note_printer, resolve_model, sampling_params)
+                      SpecK, SpecMode, Temp, TopK, TopP, check_n_predict, kv_types, note_printer, resolve_model,
+                      sampling_params)
 from .progress import progress_bars
 from .stats import print_stats
 
@@ -409,9 +410,12 @@ def chat(
     no_graph: bool = NoGraph,
     verbose: bool = typer.Option(False, "--verbose", help="print timings after each reply, like `ollama run --verbose`"),
     quiet: bool = Quiet,
+    spec_mode: str = SpecMode,
+    spec_k: int = SpecK,
 ) -> None:
     """Chat with a model in the terminal, as `ollama run` does (default model when MODEL is omitted)."""
     check_n_predict(n_predict)
+    check_spec(spec_mode, spec_k)  # (before the model loads)
     params = sampling_params(temp, top_k, top_p, min_p, repeat_penalty, seed)
     kv = kv_types(cache_type_k, cache_type_v)
     path = resolve_model(model)
@@ -421,7 +425,7 @@ def chat(
                      kv_types=kv, tensor_parallel=tensor_parallel)
     if not eng.has_template and note:
         note("note: the model has no chat template; using a plain ChatML layout")
-    session = ChatSession(eng, params=params, system=system, n_predict=n_predict)
+    session = ChatSession(eng, params=params, system=system, n_predict=n_predict, spec=spec_mode, spec_k=spec_k)
     code = Repl(session, verbose=verbose, quiet=quiet).run()
     if code:
         raise typer.Exit(code)

@@ -27,6 +27,9 @@ Backend = typer.Option("auto", "--backend", help="auto | cuda | numpy (auto: cud
 Quiet = typer.Option(False, "--quiet", "-q", help="no progress bars or notes")
 TensorParallel = typer.Option(1, "-tp", "--tensor-parallel", min=1, metavar="N",
                               help="cuda: split the model over N GPUs of this machine (one process a GPU, NCCL)")
+SpecMode = typer.Option("none", "--spec", help="speculative decoding: none, or ngram (tokens proposed by prompt "
+                                               "lookup, checked k at a time: same greedy text)")
+SpecK = typer.Option(4, "--spec-k", help="--spec: tokens proposed a step at most (adapts to acceptance)")
 NoGraph = typer.Option(False, "--no-graph", help="cuda: launch kernels one by one instead of replaying CUDA graphs")
 CACHE_TYPES = ("auto", "f16", "f32", "q8_0", "q4_0")
 OTHER_CACHE_TYPES = ("q4_1", "q5_0", "q5_1", "iq4_nl", "bf16")  # llama.cpp's, not here

@@ -8,13 +8,13 @@ from typing import Optional
 import typer
 
 from ..engine.constraint import compile_grammar
-from ..engine.engine import SPEC_MODES, Engine
+from ..engine.engine import Engine, check_spec
 from ..errors import GGUFRunError
 from . import chat_cmd  # the module: its `chat` may not be defined yet while typer registers commands
 from .app import app
 from .options import (TensorParallel, N_PREDICT_DEFAULT, Backend, CacheTypeK, CacheTypeV, CtxSize, MinP, ModelArg, NoGraph, NPredict,
-                      Quiet, RepeatPenalty, Seed, Temp, TopK, TopP, check_n_predict, kv_types, note_printer,
-                      resolve_model, sampling_params)
+                      Quiet, RepeatPenalty, Seed, SpecK, SpecMode, Temp, TopK, TopP, check_n_predict, kv_types,
+                      note_printer, resolve_model, sampling_params)
 from .progress import progress_bars
 from .stats import print_stats
 
@@ -49,15 +49,13 @@ def run(
                                                    "itself ('{...}'); '{}' for any JSON"),
     grammar: Optional[str] = typer.Option(None, "--grammar", help="output that this grammar file allows (GBNF, as "
                                                                   "llama.cpp's grammars/, or Lark)"),
-    spec_mode: str = typer.Option("none", "--spec", help="speculative decoding: none, or ngram (tokens proposed by "
-                                                     "prompt lookup, checked k at a time: same greedy text)"),
-    spec_k: int = typer.Option(4, "--spec-k", help="--spec: tokens proposed a step at most (adapts to acceptance)"),
+    spec_mode: str = SpecMode,
+    spec_k: int = SpecK,
 ) -> None:
     """Stream a completion of PROMPT (default model when MODEL is omitted); with no prompt in a
     terminal, start a chat (`gguf-run chat`)."""
     check_n_predict(n_predict)
-    if spec_mode not in SPEC_MODES:
-        raise GGUFRunError(f"--spec {spec_mode}: use one of {', '.join(SPEC_MODES)}")
+    check_spec(spec_mode, spec_k)
     if spec_mode != "none" and (json_schema is not None or grammar is not None):
         raise GGUFRunError("--spec and a grammar (--json-schema, --grammar) do not combine yet; drop one")
     if json_schema is not None and grammar is not None:
@@ -75,7 +73,7 @@ def run(
                          top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed,
                          ctx_size=ctx_size, system=system, backend=backend, cache_type_k=cache_type_k,
                          cache_type_v=cache_type_v, tensor_parallel=tensor_parallel, no_graph=no_graph,
-                         verbose=verbose, quiet=quiet)
+                         verbose=verbose, quiet=quiet, spec_mode=spec_mode, spec_k=spec_k)
     if prompt is None:
         prompt = sys.stdin.read()
     path = resolve_model(model)

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from ..errors import ContextOverflowError, GGUFRunError
 from ..sampling import SamplingParams
+from .engine import check_spec
 
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import Engine, Generation, GenerationStats
@@ -135,7 +136,10 @@ class ChatSession:
     """A conversation with ``engine``: ``send(text)`` streams the reply; the history stays in the cache."""
 
     def __init__(self, engine: "Engine", params: Optional[SamplingParams] = None, system: Optional[str] = None,
-                 n_predict: int = -1, reply_reserve: Optional[int] = None, trim_to: float = 0.5) -> None:
+                 n_predict: int = -1, reply_reserve: Optional[int] = None, trim_to: float = 0.5,
+                 spec: str = "none", spec_k: int = 4) -> None:
+        check_spec(spec, spec_k)
+        self.spec, self.spec_k = spec, spec_k  # speculative decoding of every reply (Engine.generate)
         self.engine = engine
         self.params = dataclasses.replace(params) if params is not None else SamplingParams()
         self.params.validate()
@@ -201,7 +205,9 @@ class ChatSession:
                     f"the message needs {len(ids)} tokens (with the template"
                     f"{' and the system message' if self.system else ''}) but the context holds {n_ctx} "
                     f"and must keep {reserve} for the reply; shorten it or raise --ctx-size")
-        generation = self.engine.generate(ids, n_predict=self.n_predict, params=dataclasses.replace(self.params))
+        spec = {"spec": self.spec, "spec_k": self.spec_k} if self.spec != "none" else {}
+        generation = self.engine.generate(ids, n_predict=self.n_predict, params=dataclasses.replace(self.params),
+                                          **spec)
         reply_msg = {"role": "assistant", "content": ""}
         self.turns = turns + [user, reply_msg]
         self.dropped_total += dropped

@@ -18,8 +18,6 @@ from .backend_choice import select_backend
 from .constraint import Constraint, compile_grammar
 from .decode_loop import sample_loop
 from .speculative import speculative_loop
-
-SPEC_MODES = ("none", "ngram")  # speculative decoding's proposers (--spec)
 from ..format.chat_template import ChatTemplate
 from ..errors import ContextOverflowError, GGUFRunError
 from ..format.gguf_file import GGUFFile, open_gguf
@@ -28,6 +26,15 @@ from ..sampling import SamplingParams
 from ..format.tokenizer import Tokenizer
 
 DEFAULT_CTX = 4096
+SPEC_MODES = ("none", "ngram")  # speculative decoding's proposers (--spec)
+
+
+def check_spec(spec: str, spec_k: int) -> None:
+    """One line for a speculative-decoding setting generate cannot take."""
+    if spec not in SPEC_MODES:
+        raise GGUFRunError(f"--spec {spec}: use one of {', '.join(SPEC_MODES)}")
+    if not 1 <= spec_k <= 16:
+        raise GGUFRunError(f"--spec-k {spec_k}: give 1 to 16 proposed tokens a step")
 
 
 @dataclass
@@ -164,12 +171,9 @@ class Engine:
         """Stream the continuation of ``prompt_ids`` (evaluating only what isn't cached); with
         ``constraint`` (self.constraint) only output its grammar allows; ``spec`` "ngram": proposals
         by prompt lookup (up to ``spec_k`` a step) checked in one evaluation each (speculative.py)."""
-        if spec not in SPEC_MODES:
-            raise GGUFRunError(f"--spec {spec}: use one of {', '.join(SPEC_MODES)}")
+        check_spec(spec, spec_k)
         if spec != "none" and constraint is not None:
             raise GGUFRunError("--spec and a grammar (--json-schema, --grammar) do not combine yet; drop one")
-        if not 1 <= spec_k <= 16:
-            raise GGUFRunError(f"--spec-k {spec_k}: give 1 to 16 proposed tokens a step")
         params = params or SamplingParams()
         params.validate()
         prompt_ids = list(prompt_ids)
