@@ -162,18 +162,20 @@ def test_kv_type_from_the_tuning_override(pair, monkeypatch):
 
 def test_prefill_f16_weights_resident_or_scratch(pair, rng):
     """The cuBLAS prefill (Q/K/V and gate/up stacked): the twins keep resident f16 copies; with
-    the budget at 0 every group is dequantized into the scratch buffer instead (the 8B's path).
-    Both give the numpy backend's logits."""
+    the budget at 0 every group is dequantized into the scratch buffer instead (the 8B's path), or
+    (prefill_mma_rows) a chunk of up to 64 rows takes the batch steps' tensor-core products. Each
+    gives the numpy backend's logits."""
     import dataclasses
 
     f, cfg, npb, cub = pair
     assert cub.blocks.f16.resident
     scratch = CudaBackend(f, cfg, 256, tune=dataclasses.replace(cub.tune, f16_resident_max_bytes=0))
+    mma = CudaBackend(f, cfg, 256, tune=dataclasses.replace(cub.tune, f16_resident_max_bytes=0, prefill_mma_rows=64))
     assert not scratch.blocks.f16.resident
     ids = rng.integers(0, cfg.n_vocab, 60).tolist()
     npb.truncate(0)
     ref = npb.eval(ids, all_logits=True)
-    for be in (cub, scratch):
+    for be in (cub, scratch, mma):
         be.truncate(0)
         got = be.eval(ids, all_logits=True)
         assert_all_rows(got, ref, what=f"{cfg.arch} f16 prefill", **F16)

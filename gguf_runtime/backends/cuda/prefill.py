@@ -211,8 +211,12 @@ class PrefillMixin:
         return b
 
     def _prefill_rows(self, rows: int, all_logits: bool) -> None:
-        """The model over ws.tokens/pos/seq[:rows] (logits into ws.logits)."""
-        forward(self._prefill_mode(), self.cfg, self.ws.tokens[:rows], self.ws.pos[:rows], all_logits=all_logits)
+        """The model over ws.tokens/pos/seq[:rows] (logits into ws.logits); a short chunk of a model
+        whose f16 copies are not resident on the tensor-core products (tuning: prefill_mma_rows)."""
+        b = self._prefill_mode()
+        b.mma = (L.MAX_MMV_TOKENS < rows <= self.tune.prefill_mma_rows and self.ws.mma_part.size > 1
+                 and not (b.f16 is not None and b.f16.resident))
+        forward(b, self.cfg, self.ws.tokens[:rows], self.ws.pos[:rows], all_logits=all_logits)
 
     def verify_rows(self) -> int:
         """The most tokens a verification step takes on a decode step's kernels (_verify_rows)."""

@@ -38,6 +38,9 @@ class Tuning:
     prefill_quantum: int = 64  # chunks pad to multiples of this: few graph sizes, mma-friendly rows
     prefill_graph: bool = True  # chunks (and packed prompts) replay as graphs from a size's second run (small models' prefill is host-bound)
     f16_resident_max_bytes: int = 1 << 30  # f16 prefill copies kept up to this; above, dequantized per group
+    # (each cuBLAS product of a model whose f16 copies are not resident dequantizes its weights first:
+    # the 8B's 9-row verification chunk took ~34 ms, a batch step of 8 rows 5; not measured as a prefill)
+    prefill_mma_rows: int = 0  # chunks up to this many rows on the batch steps' tensor-core products; 0: off
     # -- the matvec path (decode, short prompts)
     q8: bool = True  # int8 activations + dp4a for integer weights: faster on every reference model
     decode_mmv_rows: int = 8  # decode rows on the matvecs; big models 2 (tensor cores win from 4 rows)
@@ -228,6 +231,8 @@ def _check(t: Tuning) -> None:
     if not 1 <= t.decode_splits <= ATTN_MAX_SPLITS:
         raise BackendError(f"{ENV}: decode_splits={t.decode_splits}: the attention kernel merges 1 to "
                            f"{ATTN_MAX_SPLITS} splits a row")
+    if not 0 <= t.prefill_mma_rows <= 64:  # (the tensor-core products' split scratch: 64 rows)
+        raise BackendError(f"{ENV}: prefill_mma_rows={t.prefill_mma_rows}: give 0 (off) to 64 rows")
     if not 1 <= t.decode_mmv_rows <= 8:
         raise BackendError(f"{ENV}: decode_mmv_rows={t.decode_mmv_rows}: give a number of rows from 1 to 8")
     for name, allowed in (("tiles", ("auto", "on", "off")), ("pdl", ("auto", "off", "all")),
