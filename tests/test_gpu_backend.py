@@ -103,6 +103,38 @@ def test_logits_match_numpy(pair, f32_backend, n, rng):
         assert_all_rows(f16, ref[:n], what=f"{cfg.arch} {n} rows, f16 prefill", **F16)
 
 
+def test_verification_rows_match_numpy(pair, rng):
+    """Speculative decoding's verification (eval_argmax's chunks: a decode step's kernels over
+    consecutive tokens of one sequence, each row reading the keys the rows before it wrote in the
+    same call): every row's logits within the int8 bars of numpy's, on the matvecs and, with
+    decode_mmv_rows 2 (the 8B's), on the tensor-core products past 2 rows; its argmaxes are the
+    rows' argmaxes."""
+    import dataclasses
+
+    f, cfg, npb, cub = pair
+    ids = rng.integers(0, cfg.n_vocab, 30).tolist()
+    npb.truncate(0)
+    ref = npb.eval(ids, all_logits=True)
+    tc = CudaBackend(f, cfg, 256, tune=dataclasses.replace(cub.tune, decode_mmv_rows=2))
+    for be in (cub, tc):
+        be.truncate(0)
+        be.prefill(ids[:6])
+        got, arg, pos = [], [], 6
+        for w in (1, 3, 5, 8, 7):  # (each size eager, then captured: the same values)
+            chunk = ids[pos:pos + w]
+            be.truncate(pos)
+            got.append(cp.asnumpy(be._eval(0, chunk, all_logits=True, verify=True)))
+            be.truncate(pos)
+            arg.append(be.eval_argmax(chunk))
+            pos += w
+        got = np.concatenate(got)
+        want = ref[6:pos]
+        what = f"{cfg.arch} verification, decode_mmv_rows {be.tune.decode_mmv_rows}"
+        assert_all_rows(got, want, what=what, **Q8)
+        assert_argmax_agrees(got, want, 0.7)
+        assert (np.concatenate(arg) == got.argmax(-1)).all()
+
+
 def test_f16_kv_cache_matches_numpy(pair, rng):
     """"auto" gives f16 keys and values to heads up to 128 wide (SmolLM2's 64: decode steps then run
     flash_decode.cu) and float32 to Gemma-3's 256; with either type prefill and graph decode steps
