@@ -4,12 +4,13 @@ second after the prompt, for the plain launch-ahead loop and for speculative_loo
   oracle  proposals replaying the speculative path's own greedy output (every one kept: the
           mechanism's bound; it equals the plain run's but where a near tie parts them),
   zero    proposals that are always wrong (none kept: the mechanism's cost),
+  draft   a draft model's greedy continuation (--draft FILE, engine/draft.py),
 at each --k. Every variant's text must equal the plain run's (greedy). Tokens a step count the
 verification steps (the fall-back's plain decoding apart: its share of the tokens is its own
 column). Prints a line per run as it goes and a table of medians last.
 
   python3 bench/spec_decode.py MODEL.gguf [--prompt-file F | --prompt TEXT] [--n 256] [--k 2,4,8]
-      [--variants ngram,oracle,zero] [--reps 3] [--raw] [--json F]
+      [--variants ngram,oracle,zero[,draft]] [--draft FILE] [--reps 3] [--raw] [--json F]
 """
 
 from __future__ import annotations
@@ -74,10 +75,11 @@ def main() -> None:
     ap.add_argument("--variants", default="ngram,oracle,zero")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--backend", default="auto")
+    ap.add_argument("--draft", help="the draft model of the draft variant")
     ap.add_argument("--json")
     a = ap.parse_args()
     text = open(a.prompt_file).read() if a.prompt_file else a.prompt or PROMPT
-    eng = Engine(a.model, backend=a.backend, n_ctx=4096)
+    eng = Engine(a.model, backend=a.backend, n_ctx=4096, draft=a.draft)
     ids = eng.encode_raw(text) if a.raw or not eng.has_template else \
         eng.encode_chat([{"role": "user", "content": text}])
     stop = frozenset(eng.tokenizer.eog_ids)
@@ -109,6 +111,8 @@ def main() -> None:
                 done = len(ids)
                 if variant == "ngram":
                     propose = ngram_propose
+                elif variant == "draft":
+                    propose = eng.draft
                 elif variant == "oracle":
                     propose = lambda hist, kk, t=own[k]: t[len(hist) - done:len(hist) - done + kk]  # noqa: E731
                 else:  # always wrong: the next reference token plus one

@@ -180,3 +180,16 @@ def test_cuda_verification_argmax_is_the_decode_steps(engine):
             got += [int(t) for t in be.eval_argmax(chunk)]
             pos += len(chunk)
         assert got[:len(ref)] == ref, width
+
+
+def test_cuda_draft_model_same_greedy_text(engine):
+    """--spec draft on the GPU: the micro model as its own draft (its own backend, cache and decode
+    graphs: proposals from its launch-ahead loop) gives the plain greedy text, every proposal kept."""
+    eng = Engine(engine.path, backend="cuda", n_ctx=512, draft=engine.path)
+    prompt = eng.encode_raw("one two three four five")
+    greedy = SamplingParams(temperature=0)
+    plain = eng.generate(prompt, n_predict=40, params=greedy).text()
+    for _ in range(2):  # (the second: the draft's cache and graphs reused)
+        gen = eng.generate(prompt, n_predict=40, params=greedy, spec="draft", spec_k=4)
+        assert gen.text() == plain
+        assert gen.stats.spec_accepted == gen.stats.spec_proposed > 0

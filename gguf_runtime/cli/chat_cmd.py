@@ -21,13 +21,13 @@ from typing import Callable, Iterator, Optional, TextIO
 import typer
 
 from ..engine.chat_session import PARAMETERS, ChatSession, Reply
-from ..engine.engine import Engine, check_spec
+from ..engine.engine import Engine
 from ..errors import GGUFRunError, printable
 from ..format.model_info import human_count, quant_histogram
 from .app import app
 from .options import (TensorParallel, Backend, CacheTypeK, CacheTypeV, CtxSize, MinP, ModelArg, NoGraph, Quiet, RepeatPenalty, Seed,
-                      SpecK, SpecMode, Temp, TopK, TopP, check_n_predict, kv_types, note_printer, resolve_model,
-                      sampling_params)
+                      Draft, SpecK, SpecMode, Temp, TopK, TopP, check_n_predict, kv_types, note_printer, resolve_model,
+                      sampling_params, spec_choice)
 from .progress import progress_bars
 from .stats import print_stats
 
@@ -412,17 +412,18 @@ def chat(
     quiet: bool = Quiet,
     spec_mode: str = SpecMode,
     spec_k: int = SpecK,
+    draft: Optional[str] = Draft,
 ) -> None:
     """Chat with a model in the terminal, as `ollama run` does (default model when MODEL is omitted)."""
     check_n_predict(n_predict)
-    check_spec(spec_mode, spec_k)  # (before the model loads)
+    spec_mode = spec_choice(spec_mode, spec_k, draft)  # (before the model loads)
     params = sampling_params(temp, top_k, top_p, min_p, repeat_penalty, seed)
     kv = kv_types(cache_type_k, cache_type_v)
     path = resolve_model(model)
     note = note_printer(quiet)
     with progress_bars(quiet) as progress:
         eng = Engine(path, backend=backend, n_ctx=ctx_size, progress=progress, note=note, use_graph=not no_graph,
-                     kv_types=kv, tensor_parallel=tensor_parallel)
+                     kv_types=kv, tensor_parallel=tensor_parallel, draft=draft)
     if not eng.has_template and note:
         note("note: the model has no chat template; using a plain ChatML layout")
     session = ChatSession(eng, params=params, system=system, n_predict=n_predict, spec=spec_mode, spec_k=spec_k)

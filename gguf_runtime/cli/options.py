@@ -8,6 +8,8 @@ from typing import Optional
 import typer
 
 from .default_model import default_model_path
+from ..engine.engine import check_spec
+from ..errors import GGUFRunError
 from ..format.model_store import resolve
 from ..sampling import SamplingParams
 
@@ -27,8 +29,11 @@ Backend = typer.Option("auto", "--backend", help="auto | cuda | numpy (auto: cud
 Quiet = typer.Option(False, "--quiet", "-q", help="no progress bars or notes")
 TensorParallel = typer.Option(1, "-tp", "--tensor-parallel", min=1, metavar="N",
                               help="cuda: split the model over N GPUs of this machine (one process a GPU, NCCL)")
-SpecMode = typer.Option("none", "--spec", help="speculative decoding: none, or ngram (tokens proposed by prompt "
-                                               "lookup, checked k at a time: same greedy text)")
+SpecMode = typer.Option("none", "--spec", help="speculative decoding: none, ngram (tokens proposed by prompt "
+                                               "lookup) or draft (by --draft's model), checked k at a time: the "
+                                               "same greedy text")
+Draft = typer.Option(None, "--draft", metavar="FILE", help="a smaller model of the same family proposing tokens "
+                                                         "for --spec draft (implied when given)")
 SpecK = typer.Option(4, "--spec-k", help="--spec: tokens proposed a step at most (adapts to acceptance)")
 NoGraph = typer.Option(False, "--no-graph", help="cuda: launch kernels one by one instead of replaying CUDA graphs")
 CACHE_TYPES = ("auto", "f16", "f32", "q8_0", "q4_0")
@@ -53,6 +58,19 @@ def kv_types(cache_type_k: str, cache_type_v: str) -> tuple[str, str]:
         if v not in CACHE_TYPES:
             raise typer.BadParameter(f"{v!r} is not a KV cache type: {', '.join(CACHE_TYPES)}", param_hint=hint)
     return cache_type_k, cache_type_v
+
+
+def spec_choice(spec_mode: str, spec_k: int, draft: Optional[str]) -> str:
+    """The speculative mode of --spec / --spec-k / --draft (--draft alone means --spec draft); one
+    line for a combination that cannot run, before any model loads."""
+    if draft is not None and spec_mode == "none":
+        spec_mode = "draft"
+    check_spec(spec_mode, spec_k)
+    if spec_mode == "draft" and draft is None:
+        raise GGUFRunError("--spec draft needs a draft model: give --draft FILE (a smaller model of the same family)")
+    if draft is not None and spec_mode != "draft":
+        raise GGUFRunError(f"--draft goes with --spec draft, not --spec {spec_mode}; drop one")
+    return spec_mode
 
 
 def check_n_predict(n_predict: int) -> None:

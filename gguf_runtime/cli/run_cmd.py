@@ -8,13 +8,13 @@ from typing import Optional
 import typer
 
 from ..engine.constraint import compile_grammar
-from ..engine.engine import Engine, check_spec
+from ..engine.engine import Engine
 from ..errors import GGUFRunError
 from . import chat_cmd  # the module: its `chat` may not be defined yet while typer registers commands
 from .app import app
 from .options import (TensorParallel, N_PREDICT_DEFAULT, Backend, CacheTypeK, CacheTypeV, CtxSize, MinP, ModelArg, NoGraph, NPredict,
-                      Quiet, RepeatPenalty, Seed, SpecK, SpecMode, Temp, TopK, TopP, check_n_predict, kv_types,
-                      note_printer, resolve_model, sampling_params)
+                      Quiet, RepeatPenalty, Seed, Draft, SpecK, SpecMode, Temp, TopK, TopP, check_n_predict, kv_types,
+                      note_printer, resolve_model, sampling_params, spec_choice)
 from .progress import progress_bars
 from .stats import print_stats
 
@@ -51,11 +51,12 @@ def run(
                                                                   "llama.cpp's grammars/, or Lark)"),
     spec_mode: str = SpecMode,
     spec_k: int = SpecK,
+    draft: Optional[str] = Draft,
 ) -> None:
     """Stream a completion of PROMPT (default model when MODEL is omitted); with no prompt in a
     terminal, start a chat (`gguf-run chat`)."""
     check_n_predict(n_predict)
-    check_spec(spec_mode, spec_k)
+    spec_mode = spec_choice(spec_mode, spec_k, draft)
     if spec_mode != "none" and (json_schema is not None or grammar is not None):
         raise GGUFRunError("--spec and a grammar (--json-schema, --grammar) do not combine yet; drop one")
     if json_schema is not None and grammar is not None:
@@ -73,14 +74,15 @@ def run(
                          top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed,
                          ctx_size=ctx_size, system=system, backend=backend, cache_type_k=cache_type_k,
                          cache_type_v=cache_type_v, tensor_parallel=tensor_parallel, no_graph=no_graph,
-                         verbose=verbose, quiet=quiet, spec_mode=spec_mode, spec_k=spec_k)
+                         verbose=verbose, quiet=quiet, spec_mode=spec_mode, spec_k=spec_k,
+                         draft=draft)
     if prompt is None:
         prompt = sys.stdin.read()
     path = resolve_model(model)
     note = note_printer(quiet)
     with progress_bars(quiet) as progress:
         eng = Engine(path, backend=backend, n_ctx=ctx_size, progress=progress, note=note, use_graph=not no_graph,
-                     kv_types=kv, tensor_parallel=tensor_parallel)
+                     kv_types=kv, tensor_parallel=tensor_parallel, draft=draft)
     use_chat = eng.has_template if chat is None else chat
     if use_chat and not eng.has_template and note:
         note("note: the model has no chat template; using a plain ChatML layout")

@@ -140,10 +140,14 @@ def sample_loop(backend, n: int, params: SamplingParams, history: list[int],
     """Up to n tokens of the sequence in the backend's slot 0 (its prompt already evaluated),
     until a stop token (yielded) or the budget. Device-decoding backends run the launch-ahead
     loop; the others, samplers the device lacks and grammar-constrained output (``constraint``)
-    sample on the host. ``given`` (device-decoding backends only): the tokens follow that one,
-    which the first decode step evaluates (``history``: the evaluated tokens, without it)."""
+    sample on the host. ``given``: the tokens follow that one, not evaluated yet (``history``: the
+    evaluated tokens, without it); a device-decoding backend's first decode step evaluates it."""
     if given is not None:
-        yield from _loop_after(backend, n, params, history, stop, int(given))
+        if constraint is None and hasattr(backend, "start_single") and backend.gpu_sampling(params):
+            yield from _loop_after(backend, n, params, history, stop, int(given))
+        else:
+            backend.eval([int(given)])
+            yield from sample_loop(backend, n, params, list(history) + [int(given)], stop, constraint)
         return
     if not hasattr(backend, "start_single"):
         yield from backend.sample_loop(n, params, history, stop, constraint=constraint)

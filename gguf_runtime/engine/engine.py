@@ -17,7 +17,8 @@ from . import embed as E
 from .backend_choice import select_backend
 from .constraint import Constraint, compile_grammar
 from .decode_loop import sample_loop
-from .speculative import speculative_loop
+from .draft import DraftProposer, check_vocab
+from .speculative import ngram_propose, speculative_loop
 from ..format.chat_template import ChatTemplate
 from ..errors import ContextOverflowError, GGUFRunError
 from ..format.gguf_file import GGUFFile, open_gguf
@@ -26,7 +27,7 @@ from ..sampling import SamplingParams
 from ..format.tokenizer import Tokenizer
 
 DEFAULT_CTX = 4096
-SPEC_MODES = ("none", "ngram")  # speculative decoding's proposers (--spec)
+SPEC_MODES = ("none", "ngram", "draft")  # speculative decoding's proposers (--spec)
 
 
 def check_spec(spec: str, spec_k: int) -> None:
@@ -98,7 +99,9 @@ class Engine:
                  progress: Callable[[str, int, int], None] | None = None,
                  note: Callable[[str], None] | None = None, use_graph: bool = True, max_batch: int = 1,
                  kv_tokens: int | None = None, kv_types: tuple[str, str] = ("auto", "auto"),
-                 tensor_parallel: int = 1) -> None:
+                 tensor_parallel: int = 1, draft: str | os.PathLike | None = None) -> None:
+        """``draft``: a smaller model of the same vocabulary, loaded beside this one for
+        ``generate(spec="draft")`` (its own backend of the same kind and context)."""
         t0 = time.perf_counter()
         self.path = os.fspath(path)
         self.gguf: GGUFFile = open_gguf(self.path)
@@ -116,6 +119,12 @@ class Engine:
                                       use_graph=use_graph, max_batch=max_batch, kv_tokens=kv_tokens,
                                       kv_types=kv_types, tensor_parallel=tensor_parallel)
         self.cached: list[int] = []  # tokens whose K/V sit in the backend's cache, in order
+        self.draft: DraftProposer | None = None
+        if draft is not None:
+            d = Engine(draft, backend=getattr(self.backend, "name", backend), n_ctx=n_ctx, progress=progress,
+                       note=note, use_graph=use_graph)
+            check_vocab(self, d, self.path, os.fspath(draft))
+            self.draft = DraftProposer(d, self.cfg.n_vocab)
         self.load_s = time.perf_counter() - t0
         self._load_reported = False  # the load time counts in the first generation's stats only
 
@@ -170,8 +179,11 @@ class Engine:
                  constraint: Constraint | None = None, spec: str = "none", spec_k: int = 4) -> Generation:
         """Stream the continuation of ``prompt_ids`` (evaluating only what isn't cached); with
         ``constraint`` (self.constraint) only output its grammar allows; ``spec`` "ngram": proposals
-        by prompt lookup (up to ``spec_k`` a step) checked in one evaluation each (speculative.py)."""
+        by prompt lookup, "draft": by the draft model (up to ``spec_k`` a step), checked in one
+        evaluation each (speculative.py)."""
         check_spec(spec, spec_k)
+        if spec == "draft" and self.draft is None:
+            raise GGUFRunError("--spec draft needs a draft model: give --draft FILE (a smaller model of the same family)")
         if spec != "none" and constraint is not None:
             raise GGUFRunError("--spec and a grammar (--json-schema, --grammar) do not combine yet; drop one")
         params = params or SamplingParams()
@@ -209,8 +221,10 @@ class Engine:
             budget = min(n_predict if n_predict >= 0 else self.n_ctx, self.n_ctx - len(self.cached))
             st.stop_reason = "length" if budget == n_predict else "context"
             counts: dict = {}
-            if spec == "ngram":
-                tokens = speculative_loop(self.backend, budget, params, history, stop, k=spec_k, stats=counts)
+            if spec != "none":
+                propose = self.draft if spec == "draft" else ngram_propose
+                tokens = speculative_loop(self.backend, budget, params, history, stop, k=spec_k, propose=propose,
+                                          stats=counts)
             else:
                 tokens = sample_loop(self.backend, budget, params, history, stop, constraint)
             for tok in tokens:
