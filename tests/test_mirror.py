@@ -45,6 +45,10 @@ class Fake:
         self.log.append(("eval", tuple(tokens), all_logits))
         return [0.0]
 
+    def eval_argmax(self, tokens):
+        self.log.append(("eval_argmax", tuple(tokens)))
+        return [0] * len(tokens)
+
     def start_decode(self, prompt, params, seed=0, keep=0):
         self.truncate(keep)
         self.prefill(prompt)
@@ -120,6 +124,9 @@ def test_workers_run_exactly_the_fronts_calls(group):
     for _ in range(3):
         launch()
     front.end_single()
+    front.eval_argmax([4, 5, 6])  # (speculative verification: every rank's forward, its collectives)
+    front.start_single([1, 2, 4], p, 9, given=5)()  # (the fall-back from a given token)
+    front.end_single()
     front.seq_add(1, (5, 6), p, 10)  # no seed: the front picks one, the same everywhere
     front.seq_add(2, (5, 6, 7), p, 10, reuse=True)
     front.batch_step(2)
@@ -142,7 +149,8 @@ def test_workers_run_exactly_the_fronts_calls(group):
     for log, be in zip(logs, workers):
         assert log == [e if e[0] != "capture" else ("capture", e[1], True) for e in front_log]
         assert be.prefill_graph is False
-    assert sum(e == ("launch",) for e in logs[0]) == 3
+    assert sum(e == ("launch",) for e in logs[0]) == 4
+    assert ("eval_argmax", (4, 5, 6)) in logs[0] and ("start_single", (1, 2, 4), 9, 5) in logs[0]
 
 
 def test_writes_before_ready_stay_local(group):

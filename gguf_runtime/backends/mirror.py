@@ -21,7 +21,7 @@ from ..errors import GGUFRunError
 
 MIRRORED = ("prefill", "eval", "truncate", "start_decode", "run_steps", "batch_step", "seq_release", "hidden",
             "capture_buckets", "end_single", "retune", "seq_start", "seq_prefill", "seq_prefill_many",
-            "seq_logprobs")  # (every rank then captures and replays the same graphs: their collectives match)
+            "seq_logprobs", "eval_argmax")  # (every rank captures and replays the same graphs: collectives match)
 MIRRORED_ATTRS = ("prefill_graph", "use_graph")
 
 
