@@ -12,14 +12,11 @@ with a point-mass q), so the output is still the target's own distribution.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 from ..errors import GGUFRunError
 from ..sampling import SamplingParams
 from .decode_loop import sample_loop
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .engine import Engine
 
 GREEDY = SamplingParams(temperature=0.0, repeat_penalty=1.0)
 VOCAB_SLACK = 128  # ids the two vocabularies may differ by at their end (llama.cpp's bound: padding)
@@ -42,8 +39,8 @@ class DraftProposer:
     """``propose(history, k)`` for speculative_loop: the draft engine's greedy continuation of
     ``history``, at most k tokens (fewer where its context ends; ids the target lacks end it)."""
 
-    def __init__(self, draft: "Engine", n_vocab: int) -> None:
-        self.engine = draft
+    def __init__(self, draft, n_vocab: int) -> None:
+        self.engine = draft  # the draft model's Engine
         self.n_vocab = n_vocab  # the target's: a proposal past it ends there
         self.held: list[int] = []  # the tokens whose K/V the draft's cache holds, in order
 
