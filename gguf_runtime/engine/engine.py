@@ -214,13 +214,13 @@ class Engine:
         self.cached.extend(new)  # trimmed back in `finally` to what the backend really evaluated
         decoder = self.tokenizer.stream(skip_special=True)
         history = list(prompt_ids)
+        counts: dict = {}  # speculative decoding's (speculative_loop's stats)
         try:
             self.backend.prefill(new)
             t1 = time.perf_counter()
             st.prompt_s = t1 - t0
             budget = min(n_predict if n_predict >= 0 else self.n_ctx, self.n_ctx - len(self.cached))
             st.stop_reason = "length" if budget == n_predict else "context"
-            counts: dict = {}
             if spec != "none":
                 propose = self.draft if spec == "draft" else ngram_propose
                 tokens = speculative_loop(self.backend, budget, params, history, stop, k=spec_k, propose=propose,
@@ -228,8 +228,6 @@ class Engine:
             else:
                 tokens = sample_loop(self.backend, budget, params, history, stop, constraint)
             for tok in tokens:
-                st.spec_steps, st.spec_proposed = counts.get("steps", 0), counts.get("proposed", 0)
-                st.spec_accepted, st.spec_plain = counts.get("accepted", 0), counts.get("plain", 0)
                 if tok in stop:
                     st.stop_reason = "stop"
                     break
@@ -244,6 +242,8 @@ class Engine:
             st.stop_reason = "interrupted"
             raise
         finally:
+            st.spec_steps, st.spec_proposed = counts.get("steps", 0), counts.get("proposed", 0)
+            st.spec_accepted, st.spec_plain = counts.get("accepted", 0), counts.get("plain", 0)
             # keep exactly the tokens whose K/V the backend holds (a prefill cut short, a backend
             # that ran ahead, or the last accepted token not yet evaluated)
             n = min(self.backend.n_past, len(self.cached))

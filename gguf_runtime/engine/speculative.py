@@ -142,7 +142,7 @@ def speculative_loop(backend, n: int, params, history: list[int], stop: frozense
     sampler = Sampler(params)
     hist = list(history)
     k_max = max(k, 1) * 2
-    if (most := getattr(backend, "verify_rows", lambda: 0)()) > 1:  # (past those, a slower kernel path)
+    if (most := getattr(backend, "verify_rows", 0)) > 1:  # (past those, a slower kernel path)
         k, k_max = min(k, most - 1), min(k_max, most - 1)
     adapt = AdaptiveK(k, k_max=k_max)
     st = stats if stats is not None else {}

@@ -347,11 +347,19 @@ class CudaBackend(PrefillMixin):
 
     def _step(self, rows: int, mode: tuple[bool, bool]) -> None:
         """Every active slot < rows: embed its token, run the model at its position, sample."""
-        b = self.blocks
-        b.seq, b.mma, b.decode = self.seq, rows > b.decode_mmv_rows, True
-        b.mmv_rows = b.decode_mmv_rows
-        forward(b, self.cfg, self.tokens[:rows], self.pos[:rows], all_logits=True)
+        self._decode_forward(self.seq, self.tokens[:rows], self.pos[:rows])
         self._sample(*mode, rows=rows)
+
+    def _decode_forward(self, seq: cp.ndarray, tokens: cp.ndarray, pos: cp.ndarray, verify: bool = False) -> None:
+        """A decode step's kernels over these rows (row r: sequence seq[r]), every row's logits into
+        ws.logits; ``verify``: the rows are consecutive tokens of one sequence (blocks.verify)."""
+        b, rows = self.blocks, tokens.shape[0]
+        b.seq, b.mma, b.decode, b.verify = seq, rows > b.decode_mmv_rows, True, verify
+        b.mmv_rows = b.decode_mmv_rows
+        try:
+            forward(b, self.cfg, tokens, pos, all_logits=True)
+        finally:
+            b.verify = False
 
     def _save_state(self) -> None:
         for src, dst in zip(self._state, self._saved):

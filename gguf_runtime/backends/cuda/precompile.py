@@ -42,7 +42,7 @@ def precompile(backend, buckets: Sequence[int]) -> None:
             LS.rows_argmax(k, 0, 0, 0, 1, 0)  # speculative decoding's greedy verification
             LS.commit_token(k, backend.sampler_state, 0, 0)  # ... and its fall-back's start
             LS.finite_rows(k, 0, 0, 0, 1, 0)
-            for rows in range(1, backend.verify_rows() + 1):  # verification steps on the decode kernels
+            for rows in range(1, backend.verify_rows + 1):  # verification steps on the decode kernels
                 backend._verify_rows(rows)
             chunk = backend.ws.max_rows
             for rows in [*range(1, L.MAX_MMV_TOKENS + 1), chunk] if chunk > L.MAX_MMV_TOKENS else range(1, chunk + 1):

@@ -31,7 +31,9 @@ PACK_HEAD = 64  # rows of the head after a packed forward (the most parts it hol
 class PrefillMixin:
     """``eval``/``prefill``/``truncate`` of CudaBackend (its attributes: ws, kv, blocks, graphs,
     stream, use_graph, prefill_graph, pack_graph, slot_len, note, _pack_last, _pack_x; its
-    ``_with_pdl`` for the captured step)."""
+    ``_with_pdl`` for the captured step and ``_decode_forward`` for verification)."""
+
+    verify_rows = L.MAX_MMV_TOKENS  # the most tokens a verification step takes (_verify_rows)
 
     @property
     def n_past(self) -> int:
@@ -84,7 +86,7 @@ class PrefillMixin:
         verify_rows rows): a decode step's kernels (_verify_rows)."""
         ws = self.ws
         rows, pad = self._stage(slot, part, past, ws.logits.shape[0] if all_logits else ws.max_rows)
-        verify = verify and all_logits and rows <= self.verify_rows()
+        verify = verify and all_logits and rows <= self.verify_rows
         key = ("verify", rows) if verify else ("prefill", rows, all_logits)
         run = (lambda: self._verify_rows(rows)) if verify else (lambda: self._prefill_rows(rows, all_logits))
         seen = self._prefill_runs.get(key, 0)
@@ -218,24 +220,15 @@ class PrefillMixin:
                  and not (b.f16 is not None and b.f16.resident))
         forward(b, self.cfg, self.ws.tokens[:rows], self.ws.pos[:rows], all_logits=all_logits)
 
-    def verify_rows(self) -> int:
-        """The most tokens a verification step takes on a decode step's kernels (_verify_rows)."""
-        return L.MAX_MMV_TOKENS
-
     def _verify_rows(self, rows: int) -> None:
         """ws.tokens/pos/seq[:rows] (consecutive tokens of one sequence) through the kernels of a
         decode step of as many rows, every row's logits into ws.logits: speculative decoding's
         verification. Where those are the one-row step's (the int8 matvecs, fused epilogues and
         flash_decode: up to decode_mmv_rows) its argmaxes part from the plain steps' only where float
-        order decides; past them, the batch steps' tensor-core products (the 8B: the int8 matvecs of
-        5 or 8 rows took 9 and 32 ms a step, one row 2.2) compute the same values otherwise rounded."""
-        b = self.blocks
-        b.seq, b.mma, b.decode, b.verify = self.ws.seq, rows > b.decode_mmv_rows, True, True
-        b.mmv_rows = b.decode_mmv_rows
-        try:
-            forward(b, self.cfg, self.ws.tokens[:rows], self.ws.pos[:rows], all_logits=True)
-        finally:
-            b.verify = False
+        order decides; past them, the batch steps' tensor-core products (on big models the int8
+        matvecs of several rows were far slower: bench/RESULTS.md row 153) compute the same values
+        otherwise rounded."""
+        self._decode_forward(self.ws.seq, self.ws.tokens[:rows], self.ws.pos[:rows], verify=True)
 
     def prefill(self, tokens: Sequence[int]) -> None:
         self._eval(0, tokens, all_logits=False)

@@ -38,8 +38,8 @@ class Tuning:
     prefill_quantum: int = 64  # chunks pad to multiples of this: few graph sizes, mma-friendly rows
     prefill_graph: bool = True  # chunks (and packed prompts) replay as graphs from a size's second run (small models' prefill is host-bound)
     f16_resident_max_bytes: int = 1 << 30  # f16 prefill copies kept up to this; above, dequantized per group
-    # (each cuBLAS product of a model whose f16 copies are not resident dequantizes its weights first:
-    # the 8B's 9-row verification chunk took ~34 ms, a batch step of 8 rows 5; not measured as a prefill)
+    # (each cuBLAS product of a model whose f16 copies are not resident dequantizes all its weights
+    # first, whatever the chunk's rows: bench/RESULTS.md row 153; not measured as a prefill yet)
     prefill_mma_rows: int = 0  # chunks up to this many rows on the batch steps' tensor-core products; 0: off
     # -- the matvec path (decode, short prompts)
     q8: bool = True  # int8 activations + dp4a for integer weights: faster on every reference model
