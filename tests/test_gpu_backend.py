@@ -123,7 +123,8 @@ def test_verification_rows_match_numpy(pair, rng):
         for w in (1, 3, 5, 8, 7):  # (each size eager, then captured: the same values)
             chunk = ids[pos:pos + w]
             be.truncate(pos)
-            got.append(cp.asnumpy(be._eval(0, chunk, all_logits=True, verify=True)))
+            # (read on the backend's stream: a plain read does not wait for its non-blocking stream)
+            got.append(cp.asnumpy(be._eval(0, chunk, all_logits=True, verify=True), stream=be.stream))
             be.truncate(pos)
             arg.append(be.eval_argmax(chunk))
             pos += w
@@ -133,6 +134,13 @@ def test_verification_rows_match_numpy(pair, rng):
         assert_all_rows(got, want, what=what, **Q8)
         assert_argmax_agrees(got, want, 0.7)
         assert (np.concatenate(arg) == got.argmax(-1)).all()
+        # the captured sizes replayed at other positions (as speculative steps replay them)
+        be.truncate(6)
+        again, pos = [], 6
+        for w in (7, 8, 5, 3, 1):
+            again.append(cp.asnumpy(be._eval(0, ids[pos:pos + w], all_logits=True, verify=True), stream=be.stream))
+            pos += w
+        assert_all_rows(np.concatenate(again), want, what=what + ", graphs at other positions", **Q8)
 
 
 def test_f16_kv_cache_matches_numpy(pair, rng):
