@@ -39,8 +39,8 @@ class Tuning:
     prefill_graph: bool = True  # chunks (and packed prompts) replay as graphs from a size's second run (small models' prefill is host-bound)
     f16_resident_max_bytes: int = 1 << 30  # f16 prefill copies kept up to this; above, dequantized per group
     # (each cuBLAS product of a model whose f16 copies are not resident dequantizes all its weights
-    # first, whatever the chunk's rows: bench/RESULTS.md row 153; not measured as a prefill yet)
-    prefill_mma_rows: int = 0  # chunks up to this many rows on the batch steps' tensor-core products; 0: off
+    # first, whatever the chunk's rows: bench/RESULTS.md rows 153 and 156)
+    prefill_mma_rows: int = 64  # ... so chunks up to this many rows take the batch steps' tensor-core products; 0: off
     # -- the matvec path (decode, short prompts)
     q8: bool = True  # int8 activations + dp4a for integer weights: faster on every reference model
     decode_mmv_rows: int = 8  # decode rows on the matvecs; big models 2 (tensor cores win from 4 rows)
