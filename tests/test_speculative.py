@@ -236,6 +236,33 @@ def test_fall_back_to_the_plain_loop_keeps_the_greedy_text(model):
     assert got == plain[:stop_at + 1] and be.n_past == len(prompt) + len(got) - 1
 
 
+def test_failing_proposals_cost_one_cheap_step_a_run(model):
+    """Proposals that keep nothing: the first step proposes k, the next one token (the cheapest
+    verification), then the plain loop runs; after each run one step of one token tries again
+    before the next, twice as long, run."""
+    from gguf_runtime.engine.speculative import LOW_STEPS, PLAIN_RUN
+    f, cfg = model
+    greedy = SamplingParams(temperature=0.0)
+    prompt = prompt_ids(cfg.n_vocab, 12) * 2
+    plain = generate(model, prompt, 100, greedy, "plain")
+    done, asked = len(prompt), []
+
+    def wrong(hist, k):
+        asked.append(k)
+        return [(plain[len(hist) - done] + 1) % cfg.n_vocab] * k
+
+    be = DeviceLoop(f, cfg, n_ctx=160)
+    be.eval(prompt)
+    DeviceLoop.runs = 0
+    st: dict = {}
+    got = list(speculative_loop(be, 100, greedy, list(prompt), frozenset(), k=4, propose=wrong, stats=st))
+    assert got == plain
+    assert asked[:LOW_STEPS] == [4, 1] and set(asked[LOW_STEPS:]) <= {1}, asked
+    # runs of 16, 32 and 64 tokens fill the rest: one try before each later run (asked once per try)
+    assert DeviceLoop.runs == 3 and st["steps"] == LOW_STEPS + 2 and st["plain"] == 100 - st["steps"] - 1, st
+    assert PLAIN_RUN == 16
+
+
 def test_bench_spec_rows(model):
     """`gguf-run bench --spec oracle,zero`: a row each, every oracle proposal kept, no zero one; a bad
     proposer's name is one line."""

@@ -115,7 +115,7 @@ def _probs(sampler, logits: np.ndarray, history: Sequence[int], n_vocab: int) ->
 
 PLAIN_RUN = 16  # tokens a fall-back run decodes the plain way before proposals are tried again ...
 PLAIN_RUN_MAX = 256  # ... doubled up to this after each run that nothing kept was proposed since
-LOW_STEPS = 2  # verification steps that kept nothing (k halved after each), in a row, before falling back
+LOW_STEPS = 2  # verification steps that kept nothing, in a row, before falling back (after a fall-back run: 1)
 
 
 def speculative_loop(backend, n: int, params, history: list[int], stop: frozenset[int], k: int = 4,
@@ -126,9 +126,10 @@ def speculative_loop(backend, n: int, params, history: list[int], stop: frozense
     greedy runs without a penalty on a backend with ``eval_argmax``: the argmaxes computed there),
     keeps the accepted ones (greedy: the target's argmax; sampled: speculative sampling) and truncates
     the cache to them. Where speculation does not pay (nothing to propose, or LOW_STEPS steps in a
-    row keeping nothing, k halved after each) a backend that decodes on its device (``start_single``)
-    decodes PLAIN_RUN tokens its own launch-ahead way (decode_loop.sample_loop) before proposals are
-    tried again, twice as many after each such run until a proposal is kept (PLAIN_RUN_MAX).
+    row keeping nothing, the first at k tokens, the next at one) a backend that decodes on its device
+    (``start_single``) decodes PLAIN_RUN tokens its own launch-ahead way (decode_loop.sample_loop)
+    before proposals are tried again, one step of one token, and twice as many after each such run
+    until a proposal is kept (PLAIN_RUN_MAX).
     ``stats`` (if given) counts verification steps, proposed and accepted tokens, and tokens decoded
     the plain way and their seconds.
 
@@ -166,7 +167,7 @@ def speculative_loop(backend, n: int, params, history: list[int], stop: frozense
         fresh = True
         hist.append(tok)
         props = [int(t) for t in propose(hist, min(adapt.k, n - produced))][:n - produced]
-        if plain_ok and (not props or idle >= LOW_STEPS):
+        if plain_ok and (not props or idle >= (1 if ran else LOW_STEPS)):
             if ran:  # speculation keeps failing here: the runs between tries grow
                 run_len = min(run_len * 2, PLAIN_RUN_MAX)
             ran = True
@@ -210,8 +211,8 @@ def speculative_loop(backend, n: int, params, history: list[int], stop: frozense
         adapt.update(len(props), accepted)
         if accepted:
             idle, ran, run_len = 0, False, PLAIN_RUN
-        else:  # (the next try cheaper: a verification's cost grows with its rows)
-            idle, adapt.k = idle + 1, max(adapt.k_min, min(adapt.k, len(props)) // 2)
+        else:  # (the next try the cheapest: a verification's cost grows with its rows, steeply past
+            idle, adapt.k = idle + 1, adapt.k_min  # the decode matvecs' rows; a kept try doubles k again)
         st["steps"] += 1
         st["proposed"] += len(props)
         st["accepted"] += accepted
