@@ -143,6 +143,32 @@ def test_verification_rows_match_numpy(pair, rng):
         assert_all_rows(np.concatenate(again), want, what=what + ", graphs at other positions", **Q8)
 
 
+def test_verification_rows_are_decode_steps_bit_for_bit(pair, rng):
+    """On the matvecs (rows up to decode_mmv_rows) a verification row computes what a one-row
+    decode step computes for its token at its position, bit for bit: each row's attention splits
+    as a one-row step's, and the matvecs' per-row sums do not depend on the rows. So greedy
+    speculative decoding keeps the plain text at near ties too (on the real SmolLM2 a tie had
+    parted them at token 58 of a code answer while the rows' splits followed the step's total)."""
+    f, cfg, npb, cub = pair
+    ids = rng.integers(0, cfg.n_vocab, 250).tolist()
+    greedy = SamplingParams(temperature=0.0)
+    cub.truncate(0)
+    cub.prefill(ids[:230])  # (past flash_decode's 128 keys a split, not a multiple of them: the rows
+    steps = []              # split into 2 where a step's total would give 1)
+    for i in range(230, 238):  # plain decode steps (the captured one-row graph), teacher-forced
+        launch = cub.start_single(ids[:i], greedy, 0, given=ids[i])
+        launch()
+        cub.end_single()
+        assert cub.n_past == i + 1
+        steps.append(cub.ws.logits[0].get())
+    steps = np.stack(steps)
+    for w in (8, 3, 5, 1, 8):  # (each size eager, then the 8 rows' graph)
+        cub.truncate(230)
+        rows = cp.asnumpy(cub._eval(0, ids[230:230 + w], all_logits=True, verify=True), stream=cub.stream)
+        diff = np.abs(rows - steps[:w]).max()
+        assert np.array_equal(rows, steps[:w]), f"{cfg.arch} {w} rows: max |diff| {diff:g}"
+
+
 def test_f16_kv_cache_matches_numpy(pair, rng):
     """"auto" gives f16 keys and values to heads up to 128 wide (SmolLM2's 64: decode steps then run
     flash_decode.cu) and float32 to Gemma-3's 256; with either type prefill and graph decode steps

@@ -236,6 +236,23 @@ def test_fall_back_to_the_plain_loop_keeps_the_greedy_text(model):
     assert got == plain[:stop_at + 1] and be.n_past == len(prompt) + len(got) - 1
 
 
+def test_adaptive_k_powers_of_two():
+    """pow2 (the GPU: matvecs compiled for 1, 2, 4 and 8 rows): k + 1 stays a power of two."""
+    from gguf_runtime.engine.speculative import AdaptiveK
+    a = AdaptiveK(4, k_max=7, pow2=True)
+    assert a.k == 3
+    seen = [a.k]
+    for _ in range(3):
+        a.update(a.k, a.k)
+        seen.append(a.k)
+    assert seen == [3, 7, 7, 7]
+    for _ in range(12):  # (halved once the averaged acceptance is under ``low``)
+        a.update(a.k, 0)
+        seen.append(a.k)
+    assert set(seen) == {1, 3, 7} and a.k == 1
+    assert AdaptiveK(4, k_max=8).k == 4 and AdaptiveK(6, k_max=16, pow2=True).k_max == 15
+
+
 def test_failing_proposals_cost_one_cheap_step_a_run(model):
     """Proposals that keep nothing: the first step proposes k, the next one token (the cheapest
     verification), then the plain loop runs; after each run one step of one token tries again

@@ -81,10 +81,14 @@ def accept_sampled(proposals: Sequence[int], p_rows: np.ndarray, rng: np.random.
 
 class AdaptiveK:
     """Tokens to propose: doubled (up to k_max) after a step that kept them all, halved (down to
-    k_min) when the recent acceptance is under ``low``; the acceptance is averaged over steps."""
+    k_min) when the recent acceptance is under ``low``; the acceptance is averaged over steps.
+    ``pow2``: the verification's rows (k + 1) stay powers of two (k = 1, 3, 7, ...; snapped down)."""
 
-    def __init__(self, k: int = 4, k_min: int = 1, k_max: int = 8, low: float = 0.3, decay: float = 0.8) -> None:
-        self.k, self.k_min, self.k_max, self.low, self.decay = k, k_min, k_max, low, decay
+    def __init__(self, k: int = 4, k_min: int = 1, k_max: int = 8, low: float = 0.3, decay: float = 0.8,
+                 pow2: bool = False) -> None:
+        snap = (lambda v: (1 << (v + 1).bit_length() - 1) - 1) if pow2 else (lambda v: v)
+        self.k, self.k_min, self.k_max = snap(k), k_min, max(k_min, snap(k_max))
+        self.low, self.decay, self.pow2 = low, decay, pow2
         self.rate = 1.0
         self.proposed = self.accepted = 0
 
@@ -95,9 +99,9 @@ class AdaptiveK:
         self.accepted += accepted
         self.rate = self.decay * self.rate + (1 - self.decay) * accepted / proposed
         if accepted == proposed:
-            self.k = min(self.k_max, self.k * 2)
+            self.k = min(self.k_max, self.k * 2 + self.pow2)
         elif self.rate < self.low:
-            self.k = max(self.k_min, self.k // 2)
+            self.k = max(self.k_min, (self.k - self.pow2) // 2)
 
     @property
     def acceptance(self) -> float:
@@ -143,9 +147,10 @@ def speculative_loop(backend, n: int, params, history: list[int], stop: frozense
     sampler = Sampler(params)
     hist = list(history)
     k_max = max(k, 1) * 2
-    if (most := getattr(backend, "verify_rows", 0)) > 1:  # (past those, a slower kernel path)
+    pow2 = (most := getattr(backend, "verify_rows", 0)) > 1  # the GPU's matvecs: 1, 2, 4, 8 rows a launch
+    if pow2:  # (past verify_rows, a slower kernel path)
         k, k_max = min(k, most - 1), min(k_max, most - 1)
-    adapt = AdaptiveK(k, k_max=k_max)
+    adapt = AdaptiveK(k, k_max=k_max, pow2=pow2)
     st = stats if stats is not None else {}
     st.update(steps=0, proposed=0, accepted=0, plain=0, plain_s=0.0)
     last = backend.last_logits

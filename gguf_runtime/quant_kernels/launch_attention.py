@@ -230,10 +230,12 @@ def flash_decode(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache: i
                  cap: float, window: int, n_split: int, part_o: int, part_ml: int, counter: int, out: int, ldo: int,
                  out16: int | None = None, ld16: int = 0, q8: Q8Vec | None = None, early: bool = False,
                  kv: str = "f32", config: tuple[int, int, int] | None = None, sinks: int = 0,
-                 own: tuple[int, int] | None = None) -> None:
+                 own: tuple[int, int] | None = None, per_row: bool = False) -> None:
     """attention()'s contract (rows: each one token of its own sequence, or of one sequence without
     ``early``) on the tensor cores: f16 operands (q scaled, K, V, P), f32 accumulation. A split
     covers at least one tile per warp: short contexts run one block per KV head, no merge of splits.
+    per_row: each row's keys split as a one-row call splits them (not by the step's total work):
+    speculative verification, whose rows then get what one-row decode steps get, bit for bit.
     sinks: as flash_prefill's. own = (qkv, ld), q8_0 / q4_0 caches with ``early``: each row's own
     key and value are not in the cache yet but in qkv's row (Q, K rotated, V; float32): the kernel
     quantizes them into the cache (rope_kv's work for the row, without its launch)."""
@@ -248,7 +250,7 @@ def flash_decode(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache: i
     # batches: the step's blocks in one wave, SMs x the blocks an SM holds (shared memory); one row
     # (or no SM count): n_split alone (the totals' loop cost SmolLM2 1.5-3% at one row)
     per_sm = max(1, SM_SMEM // (smem + 2048))
-    target = k.knobs.sm_count * per_sm if k.knobs.sm_count and rows > 1 else 0
+    target = k.knobs.sm_count * per_sm if k.knobs.sm_count and rows > 1 and not per_row else 0
     fn((n_head_kv, n_split, rows), (32 * config[0],),
        (ptr(q), i32(ldq), ptr(kcache), ptr(vcache), ptr(pos), ptr(seq), ptr(table), i32(max_pages),
         i32(page_size), i32(n_head_kv), f32(scale), f32(cap), i32(window), i32(n_split),

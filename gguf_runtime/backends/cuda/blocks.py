@@ -56,7 +56,9 @@ class CudaBlocks:
         self.flash_rows = 0  # query rows a flash prefill block takes (0: flash_config's; packed prompts: 16)
         self.decode = False  # every row one token of its own sequence (a decode step), else prefill
         # a decode step's kernels over consecutive tokens of one sequence (speculative verification):
-        # row i reads the keys rows before it write in the same call, so nothing loads them early
+        # row i reads the keys rows before it write in the same call, so nothing loads them early;
+        # each row's attention splits as a one-row step's (the matvecs' per-row sums do not depend
+        # on the rows: on their path a row's logits are a decode step's, bit for bit)
         self.verify = False
         self._rope: L.RopeKV | None = None  # the RoPE + KV write attn_in left to attend's kernel
         self._own = False  # attn_in left the rows' K (rotated) and V for attend's flash_decode to cache
@@ -282,7 +284,8 @@ class CudaBlocks:
                             None if self._small(t) else ws.x16.data.ptr,
                             0 if self._small(t) else ws.x16.strides[0] // 2, q8=self._att_q8,
                             early=self.decode and self.tune.attn_early and not self.verify, kv=self.kv.kv_type,
-                            sinks=self._sinks(layer), own=(q.data.ptr, q.strides[0] // 4) if own else None)
+                            sinks=self._sinks(layer), own=(q.data.ptr, q.strides[0] // 4) if own else None,
+                            per_row=self.verify)
             return out
         LA.attention(self.k, q.data.ptr, q.strides[0] // 4, t, kc, vc, positions.data.ptr, self.seq.data.ptr,
                     self.kv.table.data.ptr, self.kv.max_pages, self.kv.page_size, cfg.n_head, cfg.n_head_kv,
