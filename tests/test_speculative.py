@@ -17,6 +17,22 @@ def test_ngram_takes_the_longest_latest_match():
     assert ngram_propose(h, 0) == []
 
 
+def test_ngram_lookup_index_equals_the_scan():
+    """NgramLookup (the index speculative_loop keeps) proposes what ngram_propose's scan does, on
+    growing histories of a small alphabet (many repeats), a fresh one and a shorter one."""
+    from gguf_runtime.engine.speculative import NgramLookup
+    rng = np.random.default_rng(5)
+    look = NgramLookup()
+    h: list[int] = []
+    for _ in range(300):
+        h.append(int(rng.integers(0, 6)))
+        k = int(rng.integers(0, 6))
+        assert look(h, k) == ngram_propose(h, k), (len(h), k)
+    other = [int(t) for t in rng.integers(0, 4, 50)]
+    assert look(other, 3) == ngram_propose(other, 3)
+    assert look(other[:20], 3) == ngram_propose(other[:20], 3)
+
+
 def test_ngram_proposes_a_function_asked_back():
     """The case prompt lookup is for: a text the model repeats (code edited in place)."""
     code = list(range(100, 160))
@@ -234,6 +250,31 @@ def test_fall_back_to_the_plain_loop_keeps_the_greedy_text(model):
     got = list(speculative_loop(be, 60, greedy, list(prompt), frozenset({plain[stop_at]}), k=4,
                                 propose=lambda hist, k: []))
     assert got == plain[:stop_at + 1] and be.n_past == len(prompt) + len(got) - 1
+
+
+def test_a_run_with_nothing_to_propose_stops_when_the_lookup_finds_something(model):
+    """A fall-back run started because nothing was proposed launches no more steps once the
+    proposer has something again; its steps in flight still give their tokens, then proposals
+    are verified. The text is the plain loop's."""
+    f, cfg = model
+    greedy = SamplingParams(temperature=0.0)
+    prompt = prompt_ids(cfg.n_vocab, 12) * 2
+    plain = generate(model, prompt, 80, greedy, "plain")
+    done = len(prompt)
+
+    def late(hist, k):  # nothing until 20 tokens are out, then the plain text itself
+        i = len(hist) - done
+        return plain[i:i + k] if i >= 20 else []
+
+    be = DeviceLoop(f, cfg, n_ctx=128)
+    be.eval(prompt)
+    DeviceLoop.runs = 0
+    st: dict = {}
+    got = list(speculative_loop(be, 80, greedy, list(prompt), frozenset(), k=4, propose=late, stats=st))
+    assert got == plain
+    # a run of 16, then one of 32 stopped at token 20: its lookahead's 3 steps in flight at most
+    assert DeviceLoop.runs == 2 and st["plain"] <= 20 + DeviceLoop.tune.lookahead, st
+    assert st["accepted"] == st["proposed"] > 40
 
 
 def test_adaptive_k_powers_of_two():

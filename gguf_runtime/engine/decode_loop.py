@@ -136,15 +136,17 @@ class LaunchAhead:
 
 
 def sample_loop(backend, n: int, params: SamplingParams, history: list[int],
-                stop: frozenset[int], constraint=None, given: int | None = None) -> Iterator[int]:
+                stop: frozenset[int], constraint=None, given: int | None = None,
+                hold: Callable[[], bool] | None = None) -> Iterator[int]:
     """Up to n tokens of the sequence in the backend's slot 0 (its prompt already evaluated),
     until a stop token (yielded) or the budget. Device-decoding backends run the launch-ahead
     loop; the others, samplers the device lacks and grammar-constrained output (``constraint``)
     sample on the host. ``given``: the tokens follow that one, not evaluated yet (``history``: the
-    evaluated tokens, without it); a device-decoding backend's first decode step evaluates it."""
+    evaluated tokens, without it); a device-decoding backend's first decode step evaluates it, and
+    ``hold()`` true ends the loop early: it launches no more steps and yields those in flight."""
     if given is not None:
         if constraint is None and hasattr(backend, "start_single") and backend.gpu_sampling(params):
-            yield from _loop_after(backend, n, params, history, stop, int(given))
+            yield from _loop_after(backend, n, params, history, stop, int(given), hold)
         else:
             backend.eval([int(given)])
             yield from sample_loop(backend, n, params, list(history) + [int(given)], stop, constraint)
@@ -159,12 +161,13 @@ def sample_loop(backend, n: int, params: SamplingParams, history: list[int],
 
 
 def _loop_after(backend, n: int, params: SamplingParams, history: list[int], stop: frozenset[int],
-                given: int | None) -> Iterator[int]:
+                given: int | None, hold: Callable[[], bool] | None = None) -> Iterator[int]:
     """The launch-ahead loop of slot 0 from token 0 sampled on the stream, or from ``given``."""
     seed = int(params.seed) if params.seed is not None else secrets.randbits(63)
     launch = backend.start_single(history, params, seed, given) if given is not None else \
         backend.start_single(history, params, seed)  # token 0 sampled on the stream
-    loop = LaunchAhead(backend, backend.tune.lookahead, launch=launch)
+    loop = LaunchAhead(backend, backend.tune.lookahead, launch=launch,
+                       gate=(lambda: not hold()) if hold is not None else None)
     skip = given is not None  # (token 0 is the given one: read, not yielded)
     loop.admit(0, n + skip)
     try:

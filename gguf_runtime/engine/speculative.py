@@ -43,6 +43,41 @@ def ngram_propose(history: Sequence[int], k: int, n_max: int = 3, n_min: int = 1
     return []
 
 
+class NgramLookup:
+    """ngram_propose's proposals from an index kept across calls on a growing history (the n-grams
+    followed by a token, each at its latest start), so a call costs a few dict lookups, not a scan
+    of the window: speculative_loop asks after every token of a fall-back run. A history that is
+    not the last one extended is indexed afresh."""
+
+    def __init__(self, n_max: int = 3, n_min: int = 1) -> None:
+        self.n_max, self.n_min = n_max, n_min
+        self.h: list[int] = []
+        self.at: list[dict[tuple[int, ...], int]] = [{} for _ in range(n_max + 1)]
+
+    def _sync(self, history: Sequence[int]) -> None:
+        h, m = self.h, len(self.h)
+        if len(history) < m or (m and (history[m - 1] != h[-1] or history[0] != h[0])):
+            self.h, self.at, m = [], [{} for _ in range(self.n_max + 1)], 0
+            h = self.h
+        for t in history[m:]:
+            h.append(int(t))
+            end = len(h) - 1  # the n-grams ending just before the new token are now followed by it
+            for n in range(self.n_min, self.n_max + 1):
+                if end - n >= 0:
+                    self.at[n][tuple(h[end - n:end])] = end - n
+
+    def __call__(self, history: Sequence[int], k: int) -> list[int]:
+        if k <= 0:
+            return []
+        self._sync(history)
+        h = self.h
+        for n in range(min(self.n_max, len(h) - 1), self.n_min - 1, -1):
+            s = self.at[n].get(tuple(h[len(h) - n:]))
+            if s is not None:
+                return h[s + n:s + n + k]
+        return []
+
+
 def accept_greedy(proposals: Sequence[int], target: Sequence[int]) -> tuple[int, int]:
     """(accepted, next): target[i] is the target's argmax after the prefix and proposals[:i]
     (len(proposals) + 1 rows); the proposals agreeing with it are accepted, and ``next`` is the
@@ -144,6 +179,8 @@ def speculative_loop(backend, n: int, params, history: list[int], stop: frozense
     from ..sampling import Sampler
     from .decode_loop import sample_loop
 
+    if propose is ngram_propose:  # (the same proposals from an index kept over the loop)
+        propose = NgramLookup()
     sampler = Sampler(params)
     hist = list(history)
     k_max = max(k, 1) * 2
@@ -183,7 +220,11 @@ def speculative_loop(backend, n: int, params, history: list[int], stop: frozense
             got: list[int] = []
             run_params = params if params.seed is None else dataclasses.replace(  # (each run its own draws)
                 params, seed=(int(params.seed) * 1000003 + produced) % (1 << 63))
-            run = sample_loop(backend, min(run_len, n - produced), run_params, hist[:-1], stop, given=tok)
+            # nothing to propose: the run stops launching once the lookup finds something again
+            # (its steps in flight still give their tokens); failing proposals: it runs its length
+            look, found = not props, [False]
+            run = sample_loop(backend, min(run_len, n - produced), run_params, hist[:-1], stop, given=tok,
+                              hold=(lambda: found[0]) if look else None)
             try:
                 for t in run:
                     got.append(t)
@@ -191,6 +232,8 @@ def speculative_loop(backend, n: int, params, history: list[int], stop: frozense
                     produced += 1
                     if t in stop or produced >= n:
                         break
+                    if look and not found[0] and propose(hist + got, 1):
+                        found[0] = True
             finally:
                 run.close()  # (the device loop ends: its slot freed, the stream waited for)
             st["plain"] += len(got)
