@@ -211,6 +211,13 @@ def decode_config(head_dim: int, kv: str, knobs: tuple[int, int, int] | None = N
     return nw, kt, st
 
 
+def decode_min_keys(head_dim: int, config: tuple[int, int, int], kv: str) -> int:
+    """The fewest keys a flash_decode split takes: one tile a warp, two for f16 heads up to 64 wide
+    (SmolLM2 at depth 4096 +1%, level at short contexts and B=64: bench/RESULTS.md row 162)."""
+    nw, kt, _ = config
+    return nw * kt * (2 if head_dim <= 64 and kv == "f16" else 1)
+
+
 def decode_kernel_name(head_dim: int, group: int, config: tuple[int, int, int], kv: str) -> str:
     nw, kt, st = config
     return f"flash_decode<{head_dim}, {group}, {nw}, {kt}, {st}, {kv_ctype(kv, True)}>"
@@ -254,7 +261,8 @@ def flash_decode(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache: i
     fn((n_head_kv, n_split, rows), (32 * config[0],),
        (ptr(q), i32(ldq), ptr(kcache), ptr(vcache), ptr(pos), ptr(seq), ptr(table), i32(max_pages),
         i32(page_size), i32(n_head_kv), f32(scale), f32(cap), i32(window), i32(n_split),
-        i32(k.knobs.decode_min_keys or config[0] * config[1]), i32(target), i32(1 if early else 0), ptr(part_o),
+        i32(k.knobs.decode_min_keys or decode_min_keys(head_dim, config, kv)), i32(target), i32(1 if early else 0),
+        ptr(part_o),
         ptr(part_ml), ptr(counter), ptr(out), i32(ldo), ptr(out16), i32(ld16), *(q8.ptrs() if q8 else NO_PTRS),
         ptr(sinks), ptr(own[0] if own else 0), i32(own[1] if own else 0)),
        shared_mem=smem)

@@ -71,7 +71,7 @@ class Tuning:
     flash_decode: bool = True  # decode steps (up to 8 rows) of f16 caches on flash_decode.cu; off: attention.cu
     decode_shape: tuple[int, int] | None = None  # flash_decode (keys a tile, stages); None: decode_config's 16:2
     decode_warps: int = 0  # flash_decode's warps a block; 0: decode_config's (8, fewer where rings do not fit)
-    decode_min_keys: int = 0  # flash_decode's keys a split at least; 0: one tile a warp (128 keys at 8 warps)
+    decode_min_keys: int = 0  # flash_decode's keys a split at least; 0: launch_attention.decode_min_keys's rule
     flash_decode_batch: bool = True  # ... and tensor-core steps attention_tiles does not take (8B B=4-16: +6-8%)
     decode_work_split: bool = True  # flash_decode splits a batch's rows by its total keys (uneven depths: +30%)
     sm_count: int = 0  # the GPU's SMs (choose() fills it in)
