@@ -292,6 +292,11 @@ def test_adaptive_k_powers_of_two():
         seen.append(a.k)
     assert set(seen) == {1, 3, 7} and a.k == 1
     assert AdaptiveK(4, k_max=8).k == 4 and AdaptiveK(6, k_max=16, pow2=True).k_max == 15
+    from types import SimpleNamespace
+    from gguf_runtime.engine.speculative import first_k
+    gpu, cpu = SimpleNamespace(verify_rows=8), SimpleNamespace()
+    assert (first_k(gpu, 4).k, first_k(gpu, 4).k_max) == (3, 7) and first_k(gpu, 16).k == 7
+    assert (first_k(cpu, 4).k, first_k(cpu, 4).k_max) == (4, 8) and first_k(gpu, 1).k == 1
 
 
 def test_failing_proposals_cost_one_cheap_step_a_run(model):

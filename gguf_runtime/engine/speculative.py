@@ -144,6 +144,17 @@ class AdaptiveK:
         return self.accepted / self.proposed if self.proposed else 0.0
 
 
+def first_k(backend, k: int) -> AdaptiveK:
+    """The proposal sizes speculative_loop starts from for ``--spec-k k``: up to 2 k as kept tries
+    double it; on a backend with ``verify_rows`` (the GPU) at most verify_rows - 1, and k + 1 a
+    power of two (its matvecs' compiled row counts), so k = 4 starts at 3."""
+    k_max = max(k, 1) * 2
+    pow2 = (most := getattr(backend, "verify_rows", 0)) > 1
+    if pow2:  # (past verify_rows, a slower kernel path)
+        k, k_max = min(k, most - 1), min(k_max, most - 1)
+    return AdaptiveK(k, k_max=k_max, pow2=pow2)
+
+
 def _probs(sampler, logits: np.ndarray, history: Sequence[int], n_vocab: int) -> np.ndarray:
     """The target's draw distribution over the whole vocabulary (the sampler's chain)."""
     ids, probs = sampler.distribution(logits, history)
@@ -183,11 +194,7 @@ def speculative_loop(backend, n: int, params, history: list[int], stop: frozense
         propose = NgramLookup()
     sampler = Sampler(params)
     hist = list(history)
-    k_max = max(k, 1) * 2
-    pow2 = (most := getattr(backend, "verify_rows", 0)) > 1  # the GPU's matvecs: 1, 2, 4, 8 rows a launch
-    if pow2:  # (past verify_rows, a slower kernel path)
-        k, k_max = min(k, most - 1), min(k_max, most - 1)
-    adapt = AdaptiveK(k, k_max=k_max, pow2=pow2)
+    adapt = first_k(backend, k)
     st = stats if stats is not None else {}
     st.update(steps=0, proposed=0, accepted=0, plain=0, plain_s=0.0)
     last = backend.last_logits

@@ -199,7 +199,7 @@ def spec_rate(backend, variant: str, n: int = 128, k: int = 4, reps: int = 5, de
     The verification's multi-row kernels may round a near tie the other way than the one-row decode
     step (int8 activations), so a difference is reported, not raised; the tests hold the equality."""
     from ..engine.decode_loop import sample_loop
-    from ..engine.speculative import ngram_propose, speculative_loop
+    from ..engine.speculative import first_k, ngram_propose, speculative_loop
 
     def fresh() -> None:
         backend.truncate(depth)
@@ -237,10 +237,11 @@ def spec_rate(backend, variant: str, n: int = 128, k: int = 4, reps: int = 5, de
             proposed, plain = proposed + st["proposed"], plain + st["plain"]
         if out != ref and parts_at is None:
             parts_at = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
-    spec = {"proposer": variant, "k": k, "acceptance": accepted / proposed if proposed else 0.0,
+    k0 = first_k(backend, k).k  # the first proposals' size (the GPU's: 1, 3 or 7)
+    spec = {"proposer": variant, "k": k0, "acceptance": accepted / proposed if proposed else 0.0,
             "tokens_per_step": (accepted + steps) / steps if steps else 1.0,
             "plain_share": plain / (n * reps), "parts_at": parts_at}
-    mode = f"spec {variant} k={k}: {spec['acceptance']:.0%} kept, {spec['tokens_per_step']:.2f} a step"
+    mode = f"spec {variant} k={k0}: {spec['acceptance']:.0%} kept, {spec['tokens_per_step']:.2f} a step"
     if parts_at is not None:
         mode += f", text parts from plain at token {parts_at}"
     return Rate(_at(f"tg{n}", depth), mode, n, runs, depth=depth, spec=spec)
