@@ -65,9 +65,7 @@ def spec_choice(spec_mode: str, spec_k: int, draft: Optional[str]) -> str:
     line for a combination that cannot run, before any model loads."""
     if draft is not None and spec_mode == "none":
         spec_mode = "draft"
-    check_spec(spec_mode, spec_k)
-    if spec_mode == "draft" and draft is None:
-        raise GGUFRunError("--spec draft needs a draft model: give --draft FILE (a smaller model of the same family)")
+    check_spec(spec_mode, spec_k, draft is not None)
     if draft is not None and spec_mode != "draft":
         raise GGUFRunError(f"--draft goes with --spec draft, not --spec {spec_mode}; drop one")
     return spec_mode

@@ -138,9 +138,7 @@ class ChatSession:
     def __init__(self, engine: "Engine", params: Optional[SamplingParams] = None, system: Optional[str] = None,
                  n_predict: int = -1, reply_reserve: Optional[int] = None, trim_to: float = 0.5,
                  spec: str = "none", spec_k: int = 4) -> None:
-        check_spec(spec, spec_k)
-        if spec == "draft" and getattr(engine, "draft", None) is None:
-            raise GGUFRunError("--spec draft needs a draft model: give --draft FILE (a smaller model of the same family)")
+        check_spec(spec, spec_k, getattr(engine, "draft", None) is not None)
         self.spec, self.spec_k = spec, spec_k  # speculative decoding of every reply (Engine.generate)
         self.engine = engine
         self.params = dataclasses.replace(params) if params is not None else SamplingParams()

@@ -30,12 +30,15 @@ DEFAULT_CTX = 4096
 SPEC_MODES = ("none", "ngram", "draft")  # speculative decoding's proposers (--spec)
 
 
-def check_spec(spec: str, spec_k: int) -> None:
-    """One line for a speculative-decoding setting generate cannot take."""
+def check_spec(spec: str, spec_k: int, has_draft: bool = True) -> None:
+    """One line for a speculative-decoding setting generate cannot take (``has_draft``: whether a
+    draft model is there for "draft")."""
     if spec not in SPEC_MODES:
         raise GGUFRunError(f"--spec {spec}: use one of {', '.join(SPEC_MODES)}")
     if not 1 <= spec_k <= 16:
         raise GGUFRunError(f"--spec-k {spec_k}: give 1 to 16 proposed tokens a step")
+    if spec == "draft" and not has_draft:
+        raise GGUFRunError("--spec draft needs a draft model: give --draft FILE (a smaller model of the same family)")
 
 
 @dataclass
@@ -181,9 +184,7 @@ class Engine:
         ``constraint`` (self.constraint) only output its grammar allows; ``spec`` "ngram": proposals
         by prompt lookup, "draft": by the draft model (up to ``spec_k`` a step), checked in one
         evaluation each (speculative.py)."""
-        check_spec(spec, spec_k)
-        if spec == "draft" and self.draft is None:
-            raise GGUFRunError("--spec draft needs a draft model: give --draft FILE (a smaller model of the same family)")
+        check_spec(spec, spec_k, self.draft is not None)
         if spec != "none" and constraint is not None:
             raise GGUFRunError("--spec and a grammar (--json-schema, --grammar) do not combine yet; drop one")
         params = params or SamplingParams()

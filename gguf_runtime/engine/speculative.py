@@ -184,9 +184,10 @@ def speculative_loop(backend, n: int, params, history: list[int], stop: frozense
     the plain way and their seconds.
 
     Greedy output equals the plain loop's token for token where a multi-row evaluation gives the
-    same argmax as one row at a time: exactly on the numpy backend; on the GPU where the rows'
-    logits differ only in float order (the CUDA backend's int8 activations round such a difference
-    up to a visible one on the 8B twin's random weights: a near tie parts there within tens of tokens)."""
+    same argmax as one row at a time: exactly on the numpy backend, and on the GPU where the
+    verification runs on the decode matvecs (a row there is a decode step bit for bit); past them
+    (big models' tensor-core products) the rows' logits differ in float order, which the int8
+    activations can round up to a flipped near tie (the 8B twin's text parts within tens of tokens)."""
     from ..sampling import Sampler
     from .decode_loop import sample_loop
 
@@ -230,6 +231,7 @@ def speculative_loop(backend, n: int, params, history: list[int], stop: frozense
             # nothing to propose: the run stops launching once the lookup finds something again
             # (its steps in flight still give their tokens); failing proposals: it runs its length
             look, found = not props, [False]
+            seen = list(hist) if look else None  # (the lookup's history, grown a token at a time)
             run = sample_loop(backend, min(run_len, n - produced), run_params, hist[:-1], stop, given=tok,
                               hold=(lambda: found[0]) if look else None)
             try:
@@ -239,8 +241,9 @@ def speculative_loop(backend, n: int, params, history: list[int], stop: frozense
                     produced += 1
                     if t in stop or produced >= n:
                         break
-                    if look and not found[0] and propose(hist + got, 1):
-                        found[0] = True
+                    if look and not found[0]:
+                        seen.append(t)
+                        found[0] = bool(propose(seen, 1))
             finally:
                 run.close()  # (the device loop ends: its slot freed, the stream waited for)
             st["plain"] += len(got)

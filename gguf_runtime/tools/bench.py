@@ -196,8 +196,9 @@ def spec_rate(backend, variant: str, n: int = 128, k: int = 4, reps: int = 5, de
     speculative path's own greedy output replayed: every proposal kept, the mechanism's bound), "zero"
     (always wrong: none kept, its cost). The row's spec dict: acceptance, tokens a verification step,
     and ``parts_at``: the first token where the text differs from the plain loop's (None: the same).
-    The verification's multi-row kernels may round a near tie the other way than the one-row decode
-    step (int8 activations), so a difference is reported, not raised; the tests hold the equality."""
+    Past the decode matvecs' rows (big models) the verification's tensor-core products may round a
+    near tie the other way than the one-row decode step, so a difference is reported, not raised;
+    the tests hold the equality."""
     from ..engine.decode_loop import sample_loop
     from ..engine.speculative import first_k, ngram_propose, speculative_loop
 

@@ -223,11 +223,10 @@ class PrefillMixin:
     def _verify_rows(self, rows: int) -> None:
         """ws.tokens/pos/seq[:rows] (consecutive tokens of one sequence) through the kernels of a
         decode step of as many rows, every row's logits into ws.logits: speculative decoding's
-        verification. Where those are the one-row step's (the int8 matvecs, fused epilogues and
-        flash_decode: up to decode_mmv_rows) its argmaxes part from the plain steps' only where float
-        order decides; past them, the batch steps' tensor-core products (on big models the int8
-        matvecs of several rows were far slower: bench/RESULTS.md row 153) compute the same values
-        otherwise rounded."""
+        verification. Up to decode_mmv_rows (the int8 matvecs, fused epilogues, flash_decode with
+        each row's own splits) a row's logits are a one-row decode step's, bit for bit; past them,
+        the batch steps' tensor-core products (on big models the int8 matvecs of several rows were
+        far slower: bench/RESULTS.md row 153) compute the same values otherwise rounded."""
         self._decode_forward(self.ws.seq, self.ws.tokens[:rows], self.ws.pos[:rows], verify=True)
 
     def prefill(self, tokens: Sequence[int]) -> None:
