@@ -5,6 +5,9 @@ every kernel, so the kernels then run back to back and each event pair times one
 host launch gaps (events recorded inside a captured graph cannot be timed). Kernels are grouped
 by name and printed beside the time per step of the replayed graph.
 Usage (GPU machine): python bench/profile_step.py TWIN.gguf [--batch 1 --batch 64] [--json OUT]
+--verify: each --batch is the rows of a speculative verification step of one sequence
+(prefill._verify_rows, as eval_argmax runs it), also timed whole from the host (staging, graph,
+argmax, readback).
 """
 
 from __future__ import annotations
@@ -12,9 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import time
 from collections import defaultdict
 
 import cupy as cp
+import numpy as np
 
 from gguf_runtime.backends.cuda.backend import CudaBackend
 from gguf_runtime.format.gguf_file import open_gguf
@@ -32,6 +37,35 @@ def kernel_group(name: str) -> str:
     return re.sub(r"<.*>", "<...>", name) if not name.startswith(("mmv", "mma")) else name
 
 
+def _timeline(be: CudaBackend, run) -> tuple[int, float, list]:
+    """run() eager behind the spin kernel, every kernel between two events: (kernels, ms, by name)."""
+    be.kernels.timeline = []
+    with be.stream:
+        SPIN((1,), (1,), (cp.int64(200_000_000),))  # ~0.1 s: the whole step is queued behind it
+        run()
+    be.stream.synchronize()
+    tl, be.kernels.timeline = be.kernels.timeline, None
+    per = defaultdict(lambda: [0, 0.0])
+    total = 0.0
+    for name, a, b in tl:
+        ms = cp.cuda.get_elapsed_time(a, b)
+        per[kernel_group(name)][0] += 1
+        per[kernel_group(name)][1] += ms
+        total += ms
+    return len(tl), total, sorted(([k, v[0], v[1]] for k, v in per.items()), key=lambda r: -r[2])
+
+
+def _replay_ms(be: CudaBackend, key, n: int = 20) -> float:
+    ev0, ev1 = cp.cuda.Event(), cp.cuda.Event()
+    be.graphs.replay(key)
+    ev0.record(be.stream)
+    for _ in range(n):
+        be.graphs.replay(key)
+    ev1.record(be.stream)
+    ev1.synchronize()
+    return cp.cuda.get_elapsed_time(ev0, ev1) / n
+
+
 def profile(be: CudaBackend, rows: int, prompt: int = 64) -> dict:
     greedy = SamplingParams(temperature=0.0)
     for s in range(rows):
@@ -42,33 +76,40 @@ def profile(be: CudaBackend, rows: int, prompt: int = 64) -> dict:
         be._step(rows, mode)  # warm
     be.stream.synchronize()
     be._save_state()
-    be.kernels.timeline = []
-    with be.stream:
-        SPIN((1,), (1,), (cp.int64(200_000_000),))  # ~0.1 s: the whole step is queued behind it
-        be._step(rows, mode)
-        be._restore_state()
-    be.stream.synchronize()
-    tl, be.kernels.timeline = be.kernels.timeline, None
-    per = defaultdict(lambda: [0, 0.0])
-    total = 0.0
-    for name, a, b in tl:
-        ms = cp.cuda.get_elapsed_time(a, b)
-        per[kernel_group(name)][0] += 1
-        per[kernel_group(name)][1] += ms
-        total += ms
-    key = be._graph_for(rows, mode)
-    ev0, ev1 = cp.cuda.Event(), cp.cuda.Event()
-    be.graphs.replay(key)
-    ev0.record(be.stream)
-    for _ in range(20):
-        be.graphs.replay(key)
-    ev1.record(be.stream)
-    ev1.synchronize()
-    graph_ms = cp.cuda.get_elapsed_time(ev0, ev1) / 20
+    n_k, total, by = _timeline(be, lambda: (be._step(rows, mode), be._restore_state()))
+    graph_ms = _replay_ms(be, be._graph_for(rows, mode))
     for s in range(rows):
         be.seq_release(s)
-    return {"rows": rows, "kernels": len(tl), "kernel_ms": total, "graph_step_ms": graph_ms,
-            "by_kernel": sorted(([k, v[0], v[1]] for k, v in per.items()), key=lambda r: -r[2])}
+    return {"rows": rows, "kernels": n_k, "kernel_ms": total, "graph_step_ms": graph_ms, "by_kernel": by}
+
+
+def profile_verify(be: CudaBackend, rows: int, prompt: int) -> dict:
+    """A verification step of ``rows`` tokens at depth ``prompt`` of slot 0 (the single-sequence
+    path): kernels eager, its captured graph replayed, and eval_argmax timed whole from the host."""
+    rng = np.random.default_rng(rows)
+    ids = [int(t) for t in rng.integers(0, be.cfg.n_vocab, prompt + rows)]
+    be.truncate(0)
+    be.prefill(ids[:prompt])
+    chunk = ids[prompt:]
+    for _ in range(3):  # the second run captures the graph
+        be.truncate(prompt)
+        be.eval_argmax(chunk)
+    be.stream.synchronize()
+    be.truncate(prompt)
+    with be.stream:
+        be._stage(0, np.asarray(chunk, np.int32), prompt, be.ws.logits.shape[0])
+    n_k, total, by = _timeline(be, lambda: be._verify_rows(rows))
+    graph_ms = _replay_ms(be, ("verify", rows))
+    n = 50
+    be.stream.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        be.truncate(prompt)
+        be.eval_argmax(chunk)
+    host_ms = (time.perf_counter() - t0) / n * 1e3
+    be.truncate(0)
+    return {"rows": rows, "verify": True, "kernels": n_k, "kernel_ms": total, "graph_step_ms": graph_ms,
+            "eval_argmax_ms": host_ms, "by_kernel": by}
 
 
 def main() -> None:
@@ -76,18 +117,20 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("--batch", type=int, action="append")
     ap.add_argument("--prompt", type=int, default=64, help="tokens per sequence before the step (its context)")
+    ap.add_argument("--verify", action="store_true", help="--batch values are verification rows")
     ap.add_argument("--json")
     args = ap.parse_args()
     f = open_gguf(args.model)
     cfg = config_from_gguf(f)
     batches = args.batch or [1]
-    be = CudaBackend(f, cfg, max(512, args.prompt + 64), max_batch=max(batches))
+    be = CudaBackend(f, cfg, max(512, args.prompt + 64), max_batch=1 if args.verify else max(batches))
     weight_bytes = sum(t.nbytes for t in f.tensors.values())
     out = []
     for rows in batches:
-        r = profile(be, rows, args.prompt)
+        r = profile_verify(be, rows, args.prompt) if args.verify else profile(be, rows, args.prompt)
         out.append(r)
-        print(f"\n{args.model} B={rows} (context {args.prompt}): {r['kernels']} kernels, {r['kernel_ms'] * 1e3:.0f} us of kernel time, "
+        what = f"verify {rows} rows (eval_argmax {r['eval_argmax_ms'] * 1e3:.0f} us)" if args.verify else f"B={rows}"
+        print(f"\n{args.model} {what} (context {args.prompt}): {r['kernels']} kernels, {r['kernel_ms'] * 1e3:.0f} us of kernel time, "
               f"graph replay {r['graph_step_ms'] * 1e3:.0f} us/step "
               f"(weights {weight_bytes / 1e9:.2f} GB -> {weight_bytes / r['graph_step_ms'] / 1e6:.0f} GB/s)")
         print(f"  {'kernel':<62}{'calls':>6}{'us':>10}{'us/call':>9}{'share':>7}")
