@@ -21,6 +21,9 @@ def test_choices_by_model_size(monkeypatch):
     assert (big.kv_type, big.decode_mmv_rows, big.pdl_any_rows) == ("f16", 2, False)
     moe = tuning.choose(BIG * 17, moe=True)  # a mixture of experts: small batches on the matvecs, PDL everywhere
     assert (moe.kv_type, moe.decode_mmv_rows, moe.pdl_any_rows) == ("f16", 8, True)
+    # token grids (launchers.token_grid) for the small models' latency-bound steps of several rows
+    assert (small.mmv_token_grid, big.mmv_token_grid, moe.mmv_token_grid) == (8, 0, 0)
+    assert tuning.choose(BIG, sm_count=132).knobs().gpu_sms == 132
     assert tuning.choose(BIG + 1, kv_type="f32").kv_type == "f32"
     assert tuning.choose(BIG + 1, kv_type="auto").kv_type == "f16"
     # small models: f16 up to 128-dim heads (SmolLM2's 64), f32 for Gemma-3's 256

@@ -20,7 +20,7 @@ MAX_MMV_TOKENS = 8
 # ---- name expressions ----------------------------------------------------------------------------
 def mmv_name(structs: Sequence[str], b: int, r: int, wg: int, mode: int, io: int = 0) -> str:
     """io: bit 0 int8 activations in, bit 1 the q8 epilogue, bit 2 staged scales, bit 3 rests in, bit 4
-    rests out (matvec.cu)."""
+    rests out, bit 5 a token grid (matvec.cu)."""
     s = list(structs) + [structs[0]] * (3 - len(structs))
     return f"mmv_group<{s[0]}, {s[1]}, {s[2]}, {b}, {r}, {wg}, {mode}, {io}>"
 
@@ -128,6 +128,36 @@ KSTAGE_MAX = 96 * 1024  # two blocks of it per SM, beside the L1 (the 8B's down:
 MMV_TOKENS = (8, 4, 2, 1)  # compiled token counts; other counts run as a sum of these
 
 
+GRID_IO = 32  # matvec.cu's IO bit of a token grid
+GRID_MAX_Y = 65535  # CUDA's limit on gridDim.y (a token grid's row blocks)
+# A token grid reads the weights once a token (from L2 where the blocks of the same rows run side by
+# side): it pays on small matrices, whose products are latency-bound; an output head (SmolLM2's 28M
+# weights, Gemma-3's 168M) reads its bytes once for all tokens instead
+GRID_MAX_WEIGHTS = 1 << 23
+# ... and only where its warps are resident at once: past one wave the grid's second wave costs what
+# the b-token kernel's longer chains do (SmolLM2's GLU and down with q8 epilogues, 16-32 warps a
+# block of ~50-64 registers: 2 and 1 blocks an SM, were slower as 4-token grids)
+GRID_WARPS_PER_SM = 32
+
+
+def token_grid(k: Kernels, b: int, rows: int, weights: int, r: int, wg: int, io: int) -> int:
+    """Tokens of a matvec launched as a token grid (matvec.cu: b one-token products side by side,
+    grid (b, row blocks)), or 1 (chunks of compiled token counts): where the knobs' mmv_token_grid
+    allows b, the ``weights`` of its matrices are at most GRID_MAX_WEIGHTS, its ``rows`` make row
+    blocks within CUDA's limit on gridDim.y, and the grid's warps fit GRID_WARPS_PER_SM on each of
+    the knobs' gpu_sms SMs (0: not bounded); (r, wg) is the one-token shape (R rows a group of WG
+    warps)."""
+    nw = block_warps(r, wg, io)
+    blocks = -(-rows // (r * nw // wg))
+    sms = k.knobs.gpu_sms
+    return (b if 1 < b <= k.knobs.mmv_token_grid and weights <= GRID_MAX_WEIGHTS and blocks <= GRID_MAX_Y
+            and (not sms or b * blocks * nw <= sms * GRID_WARPS_PER_SM) else 1)
+
+
+def _grid(blocks: int, tokens: int) -> tuple[int, ...]:
+    return (tokens, blocks) if tokens > 1 else (blocks,)
+
+
 def token_chunks(b: int) -> list[tuple[int, int]]:
     """(first row, rows) pieces of b rows, each a compiled token count."""
     out, row = [], 0
@@ -211,11 +241,17 @@ def mmv(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases
     total = sum(m.rows for m in mats)
     io = (q8 is not None) | (q8_out is not None) << 1 | (q8.io() if q8 else 0) | (q8_out[0].io(True) if q8_out else 0)
     chunks = []
-    for row, n in token_chunks(b):
+
+    def shape(n: int) -> tuple[int, int]:
         r, wg = config or mmv_config([m.struct for m in mats], [m.rows for m in mats], cols, n, q8_out is not None)
         if q8_out and config:  # an override (mmv_config's own choice fits): up to 8 rows, 32 warps a block
             r = min(r, 8)
             wg = min(wg, 2 * r)
+        return r, wg
+
+    grid = token_grid(k, b, total, total * cols, *shape(1), io)
+    for row, n in [(0, 1)] if grid > 1 else token_chunks(b):
+        r, wg = shape(n)
         # RoPE in the epilogue: rope pairs in one group (R = 2); the f32 path is tested at one warp
         fused = (rope is not None and mode == 0 and r == 2 and (wg == 1 or q8 is not None) and rope.fusable
                  and len(mats) == 3)
@@ -226,7 +262,8 @@ def mmv(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases
         nw = block_warps(r, wg, io)
         per_block = r * nw // wg
         smem = mmv_kstage_bytes([m.struct for m in mats], cols, r, wg, io) if kstage else 0
-        fn = k.fn("matvec.cu", mmv_name([m.struct for m in mats], n, r, wg, mode, io | bool(smem) << 2))
+        fn = k.fn("matvec.cu", mmv_name([m.struct for m in mats], n, r, wg, mode,
+                                        io | bool(smem) << 2 | (GRID_IO if grid > 1 else 0)))
         fn.allow_smem(smem)
         args: list = []
         for i in range(3):
@@ -235,12 +272,12 @@ def mmv(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases
                 args += [*m.planes, i32(m.rows), ptr(y + 4 * row * ldy), i32(ldy), ptr(bias)]
             else:
                 args += [ptr(0)] * 4 + [i32(0), ptr(0), i32(0), ptr(0)]
-        fn(((total + per_block - 1) // per_block,), (32 * nw,),
+        fn(_grid((total + per_block - 1) // per_block, grid), (32 * nw,),
            (*args, ptr(x + 4 * row * ldx), i32(ldx), i32(cols), *_norm_args(norm),
             *(q8.args(row) if q8 else NO_Q8), *(q8_out[0].out_args(row, q8_out[1]) if q8_out else NO_QOUT),
             *(rope.fused_args(row) if fused else NO_ROPE)), shared_mem=smem)
         if rope is not None and not fused:
-            rope.launch(k, row, n)
+            rope.launch(k, row, n * grid)
     return all_fused
 
 
@@ -260,15 +297,22 @@ def mmv_glu(k: Kernels, gate: Mat, up: Mat, x: int, ldx: int, b: int, act: str, 
     io = (q8 is not None) | (q8_out is not None) << 1 | (q8.io() if q8 else 0) | (q8_out.io(True) if q8_out else 0)
     smem = glu_kstage_bytes([gate.struct, up.struct], gate.cols) if kstage and io & 3 == 3 else 0
     io |= bool(smem) << 2
-    for row, n in token_chunks(b):
+
+    def shape(n: int) -> tuple[int, int]:
         r, wg = config or (glu_q8_out_config if q8_out else glu_config)(gate.struct, gate.rows, gate.cols, n)
         if q8_out and config:  # an override: up to 4 gate and 4 up rows per group, 32 warps per block
             r, wg = min(r, 8), min(wg, 2)
+        return r, wg
+
+    r1, wg1 = shape(1)
+    grid = token_grid(k, b, gate.rows, 2 * gate.rows * gate.cols, r1 // 2, wg1, io)
+    for row, n in [(0, 1)] if grid > 1 else token_chunks(b):
+        r, wg = shape(n)
         nw = block_warps(r // 2, wg, io)
         per_block = (r // 2) * nw // wg
-        fn = k.fn("matvec.cu", glu_name(gate.struct, n, r, wg, fused_act(act), io))
+        fn = k.fn("matvec.cu", glu_name(gate.struct, n, r, wg, fused_act(act), io | (GRID_IO if grid > 1 else 0)))
         fn.allow_smem(smem)
-        fn(((gate.rows + per_block - 1) // per_block,), (32 * nw,),
+        fn(_grid((gate.rows + per_block - 1) // per_block, grid), (32 * nw,),
            (*gate.planes, *up.planes, i32(gate.rows), ptr(x + 4 * row * ldx), i32(ldx), i32(gate.cols),
             ptr(y + 4 * row * ldy), i32(ldy), *_norm_args(norm), *(q8.args(row) if q8 else NO_Q8),
             *(q8_out.out_args(row, None) if q8_out else NO_QOUT)), shared_mem=smem)

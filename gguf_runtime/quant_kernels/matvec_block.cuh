@@ -242,7 +242,9 @@ DEV void store_q8_piece(float (&tile)[B][16], int base, const QOut& qo, float w)
 
 // The first row of this thread's row group, and whether the thread writes its results.
 template <int R, int WG, int NW>
-DEV int group_row0() { return (blockIdx.x * (NW / WG) + threadIdx.x / (32 * WG)) * R; }
+DEV int group_row0(int blk) { return (blk * (NW / WG) + threadIdx.x / (32 * WG)) * R; }
+template <int R, int WG, int NW>
+DEV int group_row0() { return group_row0<R, WG, NW>(blockIdx.x); }
 
 template <int WG>
 DEV bool group_leader() { return threadIdx.x % (32 * WG) == 0; }

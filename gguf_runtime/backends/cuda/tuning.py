@@ -49,6 +49,8 @@ class Tuning:
     q8_res: frozenset[str] = frozenset()  # roles whose int8 input carries its rests (~15 bits; Q8_RES_BY_ARCH)
     kstage: frozenset[str] = frozenset({"qkv", "o", "glu", "down"})  # K-quant scales staged (the head lost)
     mmv: tuple[tuple[str, tuple[int, int]], ...] = ()  # (role[_TYPE], (R, WG)) over mmv_config: measuring
+    mmv_token_grid: int = 0  # matvecs of 2..this many rows as one-token products side by side (one
+    # launch, launchers.token_grid); small models 8: their steps of several rows are latency-bound
     # -- mixtures of experts
     moe_mma_slots: int = 0  # slots a tensor-core tile of one expert (8..64); 0: launch_moe.mma_tile_slots's rule
     moe_down_q8: bool = True  # the down matvec's input (the GLU's outputs) as int8 on the matvec path (row 111)
@@ -104,7 +106,8 @@ class Tuning:
                            mma_stages=self.mma_stages, tiles=self.tiles_shape, flash=self.flash_shape,
                            decode=(self.decode_warps, *(self.decode_shape or (0, 0))),
                            decode_min_keys=self.decode_min_keys,
-                           sm_count=self.sm_count if self.decode_work_split else 0, mma_shape=self.mma_shape)
+                           sm_count=self.sm_count if self.decode_work_split else 0, mma_shape=self.mma_shape,
+                           mmv_token_grid=self.mmv_token_grid, gpu_sms=self.sm_count)
 
     def mmv_override(self, role: str, type_name: str | None = None) -> tuple[int, int] | None:
         """(R, WG) for a role's matvec (and one weight type: "DOWN_Q6_K"), where measuring sets one."""
@@ -119,7 +122,7 @@ def _size_defaults(weight_bytes: int, kv_type: str | None, n_head_kv: int | None
     # a mixture of experts keeps small batches on the matvecs and PDL in every graph whatever its
     # size: its products read few rows each, like a small model's (bench/RESULTS.md row 116)
     small = not big or moe
-    out = {"decode_mmv_rows": 8 if small else 2, "pdl_any_rows": small,
+    out = {"decode_mmv_rows": 8 if small else 2, "pdl_any_rows": small, "mmv_token_grid": 0 if big else 8,
            "kv_type": kv_type if kv_type not in (None, "auto") else ("f16" if f16 else "f32"),
            "q8_res": Q8_RES_BY_ARCH.get(arch or "", frozenset())}
     if sm_count:
