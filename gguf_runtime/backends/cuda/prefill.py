@@ -27,6 +27,7 @@ from ...quant_kernels import launch_sampling as LS
 from ...quant_kernels import launchers as L
 
 PACK_HEAD = 64  # rows of the head after a packed forward (the most parts it holds)
+ID_RING = 4  # pinned staging buffers of a forward's token ids, positions and sequences (used in turn)
 
 class PrefillMixin:
     """``eval``/``prefill``/``truncate`` of CudaBackend (its attributes: ws, kv, blocks, graphs,
@@ -53,15 +54,35 @@ class PrefillMixin:
 
     def eval_argmax(self, tokens: Sequence[int]) -> np.ndarray:
         """eval with every row's logits, returning each row's argmax (ties: lowest id) computed on
-        the device: speculative decoding's greedy verification copies a few ints, not the rows."""
+        the device: speculative decoding's greedy verification copies a few ints, not the rows. A
+        verification step (up to verify_rows tokens) computes them inside its graph and they come
+        back through pinned memory."""
+        self._argmax_buffers()
+        n = len(tokens)
         out = self._eval(0, tokens, all_logits=True, verify=True)
-        n = out.shape[0]
+        with self.stream:
+            if n > self.verify_rows:  # (a prompt chunk's path: the argmax after it)
+                LS.rows_argmax(self.kernels, out.data.ptr, out.strides[0] // 4, self.cfg.n_vocab, n,
+                               self._argmax_out.data.ptr)
+            cp.cuda.runtime.memcpyAsync(self._argmax_host.ctypes.data, self._argmax_out.data.ptr, 4 * n,
+                                        cp.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
+        self.stream.synchronize()
+        return self._argmax_host[:n].copy()
+
+    def _argmax_buffers(self) -> None:
+        """The rows' argmaxes on the device (_argmax_out) and their pinned host copy (made once,
+        before any capture)."""
         if getattr(self, "_argmax_out", None) is None:
             self._argmax_out = cp.zeros(self.ws.logits.shape[0], cp.int32)
-        with self.stream:
-            LS.rows_argmax(self.kernels, out.data.ptr, out.strides[0] // 4, self.cfg.n_vocab, n,
-                           self._argmax_out.data.ptr)
-        return cp.asnumpy(self._argmax_out[:n], stream=self.stream)
+            self._argmax_pin = cp.cuda.alloc_pinned_memory(4 * self.ws.logits.shape[0])
+            self._argmax_host = np.frombuffer(self._argmax_pin, np.int32, self.ws.logits.shape[0])
+
+    def _verify_argmax(self, rows: int) -> None:
+        """A verification step (_verify_rows) and its rows' argmaxes into _argmax_out."""
+        self._verify_rows(rows)
+        logits = self.ws.logits
+        LS.rows_argmax(self.kernels, logits.data.ptr, logits.strides[0] // 4, self.cfg.n_vocab, rows,
+                       self._argmax_out.data.ptr)
 
     def _eval(self, slot: int, tokens: Sequence[int], all_logits: bool, verify: bool = False) -> cp.ndarray:
         n, past = len(tokens), self.slot_len[slot]
@@ -87,8 +108,10 @@ class PrefillMixin:
         ws = self.ws
         rows, pad = self._stage(slot, part, past, ws.logits.shape[0] if all_logits else ws.max_rows)
         verify = verify and all_logits and rows <= self.verify_rows
+        if verify:
+            self._argmax_buffers()
         key = ("verify", rows) if verify else ("prefill", rows, all_logits)
-        run = (lambda: self._verify_rows(rows)) if verify else (lambda: self._prefill_rows(rows, all_logits))
+        run = (lambda: self._verify_argmax(rows)) if verify else (lambda: self._prefill_rows(rows, all_logits))
         seen = self._prefill_runs.get(key, 0)
         self._prefill_runs[key] = seen + 1
         # graphs from a size's second run: chunks past the matvec rows, and the small ones with every
@@ -115,11 +138,38 @@ class PrefillMixin:
         q = self.tune.prefill_quantum
         rows = t if t <= L.MAX_MMV_TOKENS else min(-(-t // q) * q, ws.max_rows, cap)
         pad = rows - t
-        i32 = lambda a: np.asarray(a, np.int32)  # noqa: E731
-        ws.tokens[:rows].set(i32(np.concatenate([np.zeros(pad, np.int32), part])), stream=self.stream)
-        ws.pos[:rows].set(i32(np.concatenate([np.full(pad, past + t), np.arange(past, past + t)])), stream=self.stream)
-        ws.seq[:rows].set(i32(np.concatenate([np.full(pad, -1), np.full(t, slot)])), stream=self.stream)
+        host = self._ids_host()
+        host[0, :pad], host[0, pad:rows] = 0, part
+        host[1, :pad], host[1, pad:rows] = past + t, np.arange(past, past + t)
+        host[2, :pad], host[2, pad:rows] = -1, slot
+        self._upload_ids(rows)
         return rows, pad
+
+    def _ids_host(self) -> np.ndarray:
+        """The next pinned staging rows of ws.tokens / pos / seq ([3, max_rows] int32, one of
+        ID_RING), free to write: the copies of the upload that used them last have run (the host
+        waits only where ID_RING uploads are still queued)."""
+        if getattr(self, "_ids_ring", None) is None:
+            n = self.ws.max_rows
+            self._ids_pin = cp.cuda.alloc_pinned_memory(ID_RING * 3 * 4 * n)
+            self._ids_ring = np.frombuffer(self._ids_pin, np.int32, ID_RING * 3 * n).reshape(ID_RING, 3, n)
+            self._ids_done = [None] * ID_RING
+            self._ids_at = 0
+        self._ids_at = (self._ids_at + 1) % ID_RING
+        if (done := self._ids_done[self._ids_at]) is not None:
+            done.synchronize()
+        return self._ids_ring[self._ids_at]
+
+    def _upload_ids(self, rows: int) -> None:
+        """ws.tokens / pos / seq[:rows] from the staging rows _ids_host gave: three asynchronous
+        copies from pinned memory on the stream (each copy from a pageable array was staged first)."""
+        host, ws = self._ids_ring[self._ids_at], self.ws
+        for i, dst in enumerate((ws.tokens, ws.pos, ws.seq)):
+            cp.cuda.runtime.memcpyAsync(dst.data.ptr, host[i].ctypes.data, 4 * rows,
+                                        cp.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
+        if self._ids_done[self._ids_at] is None:
+            self._ids_done[self._ids_at] = cp.cuda.Event(block=False, disable_timing=True)
+        self._ids_done[self._ids_at].record(self.stream)
 
     # ---- several sequences' prompt parts in one forward -------------------------------------------
     def part_align(self) -> int:
@@ -166,9 +216,9 @@ class PrefillMixin:
         rows = min(-(-len(toks) // q) * q, ws.max_rows)  # (a multiple of part_align: whole flash blocks of -1)
         pad = rows - len(toks)
         i32 = lambda a: np.asarray(a, np.int32)  # noqa: E731
-        ws.tokens[:rows].set(i32(toks + [0] * pad), stream=self.stream)
-        ws.pos[:rows].set(i32(pos + [0] * pad), stream=self.stream)
-        ws.seq[:rows].set(i32(seq + [-1] * pad), stream=self.stream)
+        host = self._ids_host()
+        host[0, :rows], host[1, :rows], host[2, :rows] = toks + [0] * pad, pos + [0] * pad, seq + [-1] * pad
+        self._upload_ids(rows)
         self._pack_last.set(i32(last + [last[-1]] * (PACK_HEAD - len(last))), stream=self.stream)
         key = ("packed", rows)
         seen = self._prefill_runs.get(key, 0)
