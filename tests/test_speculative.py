@@ -277,6 +277,35 @@ def test_a_run_with_nothing_to_propose_stops_when_the_lookup_finds_something(mod
     assert st["accepted"] == st["proposed"] > 40
 
 
+def test_a_run_after_failed_lookups_stops_when_the_lookup_foretells_tokens(model):
+    """A fall-back run started because the n-gram lookup's proposals failed stops launching once
+    the lookup's one-token guesses were right SHADOW_HITS tokens in a row (a copied passage
+    begins), instead of running its length; the text is the plain loop's."""
+    from gguf_runtime.engine.speculative import NgramLookup, SHADOW_HITS
+    f, cfg = model
+    greedy = SamplingParams(temperature=0.0)
+    prompt = prompt_ids(cfg.n_vocab, 12) * 2
+    plain = generate(model, prompt, 90, greedy, "plain")
+    done = len(prompt)
+
+    class Copying(NgramLookup):  # wrong until 24 tokens are out, then the text itself
+        def __call__(self, hist, k):
+            i = len(hist) - done
+            return plain[i:i + k] if i >= 24 else [(plain[i] + 1) % cfg.n_vocab] * k
+
+    be = DeviceLoop(f, cfg, n_ctx=160)
+    be.eval(prompt)
+    DeviceLoop.runs = 0
+    st: dict = {}
+    got = list(speculative_loop(be, 90, greedy, list(prompt), frozenset(), k=4, propose=Copying(), stats=st))
+    assert got == plain
+    # two failed steps, a run of 16, a failed step, then a run of 32 held once two guesses were
+    # right (token 24 on): what its lookahead had in flight at most
+    assert DeviceLoop.runs == 2, st
+    assert st["plain"] <= 24 + SHADOW_HITS + DeviceLoop.tune.lookahead, st
+    assert st["accepted"] > 40
+
+
 def test_adaptive_k_powers_of_two():
     """pow2 (the GPU: matvecs compiled for 1, 2, 4 and 8 rows): k + 1 stays a power of two."""
     from gguf_runtime.engine.speculative import AdaptiveK
@@ -340,3 +369,25 @@ def test_bench_spec_rows(model):
     assert rows["spec zero k=4"]["spec"]["acceptance"] == 0.0
     assert rows["spec oracle k=4"]["spec"]["parts_at"] is None and rows["spec zero k=4"]["spec"]["parts_at"] is None
     assert_one_line_error(run("bench", path, "--backend", "numpy", "--spec", "eagle"), "--spec", "oracle")
+
+
+def test_spec_sim_replays_the_loop_over_a_text(monkeypatch):
+    """bench/spec_sim.py's stand-in backend keeps speculative_loop's interface: the replay gives
+    the text back, a copied passage is verified in steps of several rows, and time is charged for
+    every verification and plainly decoded token."""
+    import os
+    import sys
+    from gguf_runtime.engine import decode_loop
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), "..", "bench"))
+    sys.modules.pop("spec_sim", None)
+    import spec_sim
+    prompt = list(range(100, 160))
+    out = [7, 8, 9] + list(range(110, 150)) + [3, 1, 4, 1, 5]  # a passage copied from the prompt
+    monkeypatch.setattr(decode_loop, "sample_loop", spec_sim.plain_run(1000.0, 500.0, 4))
+    be, st = spec_sim.TextBackend(prompt + out, len(prompt), {r: 100.0 * r for r in range(1, 9)}), {}
+    got = list(speculative_loop(be, len(out), SamplingParams(temperature=0.0), list(prompt), frozenset(), k=3,
+                                stats=st))
+    assert got == out
+    assert st["accepted"] >= 20 and st["plain"] >= 3, st
+    assert be.us >= 1000.0 * st["plain"] + 200.0 * st["steps"], (be.us, st)
+

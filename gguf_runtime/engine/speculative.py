@@ -166,6 +166,7 @@ def _probs(sampler, logits: np.ndarray, history: Sequence[int], n_vocab: int) ->
 PLAIN_RUN = 16  # tokens a fall-back run decodes the plain way before proposals are tried again ...
 PLAIN_RUN_MAX = 256  # ... doubled up to this after each run that nothing kept was proposed since
 LOW_STEPS = 2  # verification steps that kept nothing, in a row, before falling back (after a fall-back run: 1)
+SHADOW_HITS = 2  # a run after failed proposals ends once the lookup's next-token guesses were right this often in a row
 
 
 def speculative_loop(backend, n: int, params, history: list[int], stop: frozenset[int], k: int = 4,
@@ -179,7 +180,9 @@ def speculative_loop(backend, n: int, params, history: list[int], stop: frozense
     row keeping nothing, the first at k tokens, the next at one) a backend that decodes on its device
     (``start_single``) decodes PLAIN_RUN tokens its own launch-ahead way (decode_loop.sample_loop)
     before proposals are tried again, one step of one token, and twice as many after each such run
-    until a proposal is kept (PLAIN_RUN_MAX).
+    until a proposal is kept (PLAIN_RUN_MAX). A run ends early where proposals would pay again: the
+    lookup proposes something after proposing nothing, or (n-gram lookup) its one-token guesses
+    foretold SHADOW_HITS tokens in a row after failing.
     ``stats`` (if given) counts verification steps, proposed and accepted tokens, and tokens decoded
     the plain way and their seconds.
 
@@ -228,12 +231,15 @@ def speculative_loop(backend, n: int, params, history: list[int], stop: frozense
             got: list[int] = []
             run_params = params if params.seed is None else dataclasses.replace(  # (each run its own draws)
                 params, seed=(int(params.seed) * 1000003 + produced) % (1 << 63))
-            # nothing to propose: the run stops launching once the lookup finds something again
-            # (its steps in flight still give their tokens); failing proposals: it runs its length
-            look, found = not props, [False]
-            seen = list(hist) if look else None  # (the lookup's history, grown a token at a time)
+            # the run stops launching (its steps in flight still give their tokens) once speculation
+            # would pay again: where nothing was proposed, once the lookup proposes something; where
+            # the n-gram lookup's proposals failed, once its one-token proposals foretold SHADOW_HITS
+            # tokens in a row (a draft model is not asked a token at a time: its runs run their length)
+            watch = not props or isinstance(propose, NgramLookup)
+            found, seen = [False], (list(hist) if watch else None)  # (the lookup's history, grown a token at a time)
+            guess, hits = (None if props else []), 0
             run = sample_loop(backend, min(run_len, n - produced), run_params, hist[:-1], stop, given=tok,
-                              hold=(lambda: found[0]) if look else None)
+                              hold=(lambda: found[0]) if watch else None)
             try:
                 for t in run:
                     got.append(t)
@@ -241,9 +247,12 @@ def speculative_loop(backend, n: int, params, history: list[int], stop: frozense
                     produced += 1
                     if t in stop or produced >= n:
                         break
-                    if look and not found[0]:
+                    if watch and not found[0]:
+                        if guess is not None:
+                            hits = hits + 1 if guess == [t] else 0
                         seen.append(t)
-                        found[0] = bool(propose(seen, 1))
+                        guess = propose(seen, 1)
+                        found[0] = (bool(guess) and not props) or hits >= SHADOW_HITS
             finally:
                 run.close()  # (the device loop ends: its slot freed, the stream waited for)
             st["plain"] += len(got)
