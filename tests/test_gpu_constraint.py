@@ -193,3 +193,30 @@ def test_cuda_draft_model_same_greedy_text(engine):
         gen = eng.generate(prompt, n_predict=40, params=greedy, spec="draft", spec_k=4)
         assert gen.text() == plain
         assert gen.stats.spec_accepted == gen.stats.spec_proposed > 0
+
+
+def test_cuda_server_speculation_same_greedy_text(batch_engine):
+    """serve --spec ngram: a greedy request decoding alone is verified several tokens a step
+    (seq_verify / seq_commit in the batch slots) and answers what the plain batch steps answer; a
+    second request joining makes the steps plain again (both texts unchanged); the pages come back."""
+    from gguf_runtime.server.scheduler import Job
+    engine = batch_engine
+    prompt = engine.encode_raw("one two three four five six seven one two three four five six seven one two")
+    greedy = SamplingParams(temperature=0, seed=0)
+
+    def answers(spec, jobs_of):
+        ad = CudaAdapter(engine, capture=True, spec=spec)
+        jobs = jobs_of()
+        _serve(ad, jobs)
+        assert all(j.state == "done" for j in jobs), [(j.state, j.emit.error) for j in jobs]
+        return ad, [list(j.ids) for j in jobs]
+
+    alone = lambda: [Job(list(prompt), greedy, 64, _Events())]  # noqa: E731
+    _, want = answers("none", alone)
+    ad, got = answers("ngram", alone)
+    assert got == want and ad.spec.stats["steps"] > 0, ad.spec.stats
+    pair = lambda: [Job(list(prompt), greedy, 64, _Events()), Job(engine.encode_raw("data:"), greedy, 40, _Events())]  # noqa: E731
+    _, want2 = answers("none", pair)
+    ad2, got2 = answers("ngram", pair)
+    assert got2 == want2
+    assert engine.backend.kv.free_pages() == engine.backend.kv.n_pages

@@ -965,3 +965,111 @@ def test_cuda_adapter_grammar_masks_follow_each_token(depth):
     assert bad.state == "failed" and "refused" in str(bad.emit.error)
     assert len(be.used) > 20 and all(n == consumed for _, n, consumed in be.used), be.used[:10]
     assert be.kv.free_pages() == be.kv.n_pages and a._constraints == {}
+
+
+# ---- speculative decoding in the CUDA adapter (server/speculation.py) -------------------------------
+
+
+class SpecFakeBackend(PackingFakeBackend):
+    """... with seq_verify / seq_commit: each verification row's argmax is the script's next token
+    (the scripted model's tokens repeat every 26, so n-gram lookup proposes them); the rows' K/V
+    are written stale and only the kept rows' set right at the commit, so a later read of a
+    rejected row's K/V fails FakeKV's checks."""
+
+    slot_speculation = True
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.verifies: list[tuple[int, int, int]] = []  # (slot, rows, decoding slots)
+
+    def seq_verify(self, slot, tokens):
+        while self.stream.ops:  # (the real one waits for its stream)
+            self.stream.run_one()
+        d = self.dev[slot]
+        assert d["last"] == tokens[0], "a verification starts from the slot's last sampled token"
+        self.verifies.append((slot, len(tokens), sum(x is not None for x in self.dev)))
+        for i in range(len(tokens)):
+            assert d["pos"] + i < d["cap"], "a verification wrote past the slot's KV pages"
+            self.kv.write(d["table"], d["pos"] + i, ("stale", i))
+        return [script(d["uid"], d["n"] + i) for i in range(len(tokens))]
+
+    def seq_commit(self, slot, tokens):
+        d = self.dev[slot]
+        tokens = list(tokens)
+
+        def op():
+            new = identities([d["last"]] + tokens[:-1], d["idents"])  # the rows kept: their K/V made right
+            for j, ident in enumerate(new):
+                self.kv.write(d["table"], d["pos"] + j, ident)
+            d["idents"] += new
+            d["pos"] += len(new)
+            for t in tokens:
+                self.ring[d["n"] % 64][slot] = t
+                d["n"] += 1
+            d["last"] = tokens[-1]
+
+        self.stream.ops.append(op)
+
+
+def spec_adapter(depth: int = 2, **kw):
+    be = SpecFakeBackend(**kw)
+    rng = random.Random(depth)
+    eng = SimpleNamespace(backend=be, tokenizer=FAKE_TOK)
+    return CudaAdapter(eng, depth=depth, new_event=lambda: FakeEvent(be.stream, rng), spec="ngram"), be
+
+
+def greedy_job(uid: int, max_new: int, prompt_len: int = 3) -> Job:
+    return Job(list(range(1, prompt_len + 1)), SamplingParams(temperature=0.0, seed=uid), max_new, Events())
+
+
+@pytest.mark.parametrize("depth", [1, 2, 4])
+def test_speculation_alone_keeps_the_text_and_verifies(depth):
+    """A greedy request decoding alone: once its output repeats, proposals are verified several a
+    step; the text is the script's, the budget holds, the pages come back."""
+    a, be = spec_adapter(depth)
+    s = make(a)
+    j = greedy_job(5, 150)
+    run(s, j, steps=5000)
+    assert j.state == "done" and "".join(j.emit.text) == expected(5, 150)
+    assert be.verifies and a.spec.stats["accepted"] > 60, a.spec.stats
+    assert max(r for _, r, _ in be.verifies) > 2
+    assert be.kv.free_pages() == be.kv.n_pages and a.loop._seqs == {}
+
+
+def test_speculation_pauses_while_others_decode():
+    """Two requests at once: no verification while both decode; the texts are the script's. A
+    sampled request is never speculated."""
+    a, be = spec_adapter(2)
+    s = make(a)
+    g, other = greedy_job(7, 120), job(8, 60)  # (job: sampled)
+    run(s, g, other, steps=5000)
+    assert "".join(g.emit.text) == expected(7, 120) and "".join(other.emit.text) == expected(8, 60)
+    assert all(n == 1 for _, _, n in be.verifies), be.verifies
+    assert be.verifies  # after the sampled one ended, the greedy one went on speculating
+    assert 0 not in a.spec.slots and 1 not in a.spec.slots
+
+
+def test_speculation_stop_token_and_short_budget():
+    """A stop token inside kept proposals ends the request there; a budget shorter than the
+    proposals caps them."""
+    a, be = spec_adapter(2)
+    s = make(a)
+    j = greedy_job(80 * 1000 + 3, 200)  # the script's EOG at token 80
+    run(s, j, steps=5000)
+    assert j.reason == "stop" and "".join(j.emit.text) == expected(80 * 1000 + 3, 200)
+    k = greedy_job(4, 31)
+    run(s, k, steps=5000)
+    assert k.reason == "length" and "".join(k.emit.text) == expected(4, 31)
+    assert be.kv.free_pages() == be.kv.n_pages
+
+
+def test_speculation_refused_where_the_backend_cannot_verify_slots():
+    """A backend without slot verification (a model split over GPUs) or another mode: one line."""
+    from gguf_runtime.errors import BackendError
+    be = PackingFakeBackend()
+    eng = SimpleNamespace(backend=be, tokenizer=FAKE_TOK)
+    with pytest.raises(BackendError, match="needs one GPU"):
+        CudaAdapter(eng, spec="ngram")
+    with pytest.raises(BackendError, match="not served yet"):
+        CudaAdapter(eng, spec="draft")
+

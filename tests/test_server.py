@@ -650,3 +650,16 @@ def test_a_slow_prompt_does_not_hold_up_the_others(model_path):
             if p.poll() is None:
                 p.kill()
 
+
+
+@pytest.mark.parametrize("args,msg", [(("--spec", "draft"), "serve --spec draft is not served yet"),
+                                      (("--spec", "fast"), "--spec fast: use one of"),
+                                      (("--spec", "ngram", "--spec-k", "40"), "--spec-k 40"),
+                                      (("--spec", "ngram"), "serve --spec ngram needs the cuda backend")])
+def test_serve_spec_refusals_are_one_line(args, msg):
+    """serve --spec: what the server cannot do is one line and exit 2 (draft models, a bad mode or
+    k, n-gram speculation without the CUDA backend), not a traceback."""
+    p = subprocess.run([sys.executable, "-m", "gguf_runtime", "serve", "--backend", "numpy", "--port", "0", *args],
+                       capture_output=True, text=True, timeout=120)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and msg in lines[0], p.stderr

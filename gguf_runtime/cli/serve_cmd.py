@@ -10,6 +10,7 @@ from typing import Optional
 
 import typer
 
+from ..engine.engine import check_spec
 from ..errors import GGUFRunError
 from .app import app
 from .options import (TensorParallel, Backend, CacheTypeK, CacheTypeV, CtxSize, ModelArg, NoGraph, Quiet, kv_types, note_printer,
@@ -75,6 +76,10 @@ def serve(
                                         "0; -1: for ever), unless a request's keep_alive says otherwise; unloaded, "
                                         "the next request loads it again (as Ollama's OLLAMA_KEEP_ALIVE, whose "
                                         "default is 5m)"),
+    spec: str = typer.Option("none", "--spec", help="cuda: speculative decoding of a greedy request decoding "
+                             "alone: none, or ngram (tokens proposed by lookup in its prompt and output, checked "
+                             "k at a time: the same text); other requests joining make the steps plain again"),
+    spec_k: int = typer.Option(4, "--spec-k", help="--spec: tokens proposed a step at most (adapts to acceptance)"),
     log_level: str = typer.Option("warning", "--log-level", help="uvicorn's: critical|error|warning|info|debug "
                                   "(info logs every request)"),
     quiet: bool = Quiet,
@@ -105,6 +110,9 @@ def serve(
     except S.ApiError as e:
         raise typer.BadParameter(str(e).removeprefix("--keep-alive "), param_hint="'--keep-alive'") from None
     kv = kv_types(cache_type_k, cache_type_v)
+    if spec == "draft":
+        raise GGUFRunError("serve --spec draft is not served yet; use --spec ngram or none")
+    check_spec(spec, spec_k)
     path = resolve_model(model, models)
     if name is None and model and path != model:  # a name (a blob's file name means nothing to clients)
         in_folder = models and os.path.realpath(os.path.dirname(path)) == os.path.realpath(models)
@@ -120,7 +128,8 @@ def serve(
             eng = Engine(file, backend=backend, n_ctx=ctx_size, progress=progress, note=note,
                          use_graph=not no_graph, max_batch=max_batch, kv_types=kv,
                          tensor_parallel=tensor_parallel)
-            return make_adapter(eng, depth=lookahead, progress=progress, prefix_cache=not no_prefix_cache)
+            return make_adapter(eng, depth=lookahead, progress=progress, prefix_cache=not no_prefix_cache,
+                                spec=spec, spec_k=spec_k)
 
     try:
         svc = Service(lambda: loader(path), name=name, max_body=max_body, max_queue=max_queue, keep_alive=keep,

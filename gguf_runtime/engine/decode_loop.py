@@ -77,6 +77,27 @@ class LaunchAhead:
         """Forget the slot's sequence; tokens of it still in flight are discarded."""
         self._seqs.pop(slot, None)
 
+    def extend(self, slot: int, n: int) -> None:
+        """n tokens of the slot's sequence that the host put on the stream (a speculative
+        verification's kept tokens, committed as the sampler commits one): read in order, after
+        everything launched before them."""
+        q = self._seqs[slot]
+        self._record(False, [(slot, q.gen, q.launched + i) for i in range(n)])
+        q.launched += n
+
+    def room(self, slot: int) -> int:
+        """Tokens the slot's sequence may still be given (its budget less those launched)."""
+        q = self._seqs.get(slot)
+        return q.budget - q.launched if q is not None else 0
+
+    def active(self) -> list[int]:
+        """The slots of the admitted sequences."""
+        return list(self._seqs)
+
+    def in_flight(self) -> bool:
+        """Whether anything launched is not read yet."""
+        return bool(self._fifo)
+
     def unread(self, slot: int) -> int:
         """Tokens of the slot's sequence enqueued and not yet returned by step() (0 if none)."""
         q = self._seqs.get(slot)

@@ -31,6 +31,7 @@ from ..engine import embed as E
 from ..engine.constraint import Constraint
 from ..engine.decode_loop import LaunchAhead
 from ..sampling import SamplingParams, token_logprobs
+from .speculation import Speculation, speculates
 
 MAX_GPU_TOP_K = 1024  # the CUDA sampler's top-k limit (backends/cuda/backend.MAX_GPU_TOP_K)
 
@@ -40,10 +41,14 @@ class NoRoom(Exception):
 
 
 def make_adapter(engine, depth: int = 2, progress: Callable[[str, int, int], None] | None = None,
-                 prefix_cache: bool = True):
-    """The adapter for the engine's backend: CUDA (batched) or numpy (one sequence at a time)."""
+                 prefix_cache: bool = True, spec: str = "none", spec_k: int = 4):
+    """The adapter for the engine's backend: CUDA (batched) or numpy (one sequence at a time).
+    ``spec`` "ngram": speculative decoding of a greedy sequence decoding alone (CUDA, one GPU)."""
     if getattr(engine.backend, "name", "") == "cuda":
-        return CudaAdapter(engine, depth=depth, progress=progress, prefix_cache=prefix_cache)
+        return CudaAdapter(engine, depth=depth, progress=progress, prefix_cache=prefix_cache, spec=spec,
+                           spec_k=spec_k)
+    if spec != "none":
+        raise BackendError(f"serve --spec {spec} needs the cuda backend; drop --spec")
     return NumpyAdapter(engine)
 
 
@@ -160,6 +165,10 @@ class CudaAdapter:
     step is launched only once its tokens are read (one step in flight, the others' throughput
     with it); logprobs are read beside each token (the backend's kernels around its sampler).
 
+    Speculative decoding (``spec`` "ngram", server/speculation.py): a greedy sequence decoding
+    alone gets n-gram proposals verified several tokens a step (the backend's seq_verify and
+    seq_commit); the loop launches nothing while a verification is wanted.
+
     The prefix cache (``prefix_cache``, backends/page_pool.py): a prompt's leading full pages that
     an earlier or running sequence wrote are taken as they are; at release a sequence's pages are
     kept under the tokens whose K/V it wrote: the prompt and every generated token but the last one
@@ -171,7 +180,7 @@ class CudaAdapter:
 
     def __init__(self, engine, depth: int = 2, new_event: Callable[[], object] | None = None,
                  capture: bool = True, progress: Callable[[str, int, int], None] | None = None,
-                 prefix_cache: bool = True) -> None:
+                 prefix_cache: bool = True, spec: str = "none", spec_k: int = 4) -> None:
         be = engine.backend
         ring = getattr(be, "ring", None)
         ring_len = len(ring) if ring is not None else 64  # tokens a slot the pinned ring holds
@@ -190,8 +199,14 @@ class CudaAdapter:
         # slot -> (its grammar's state, its pinned mask row): while any runs, a step is launched only
         # once every constrained slot's tokens are read and its next mask written (one step in flight)
         self._constraints: dict[int, tuple[Constraint, object]] = {}
+        if spec not in ("none", "ngram"):
+            raise BackendError(f"serve --spec {spec} is not served yet; use --spec ngram or none")
+        if spec == "ngram" and not getattr(be, "slot_speculation", False):
+            raise BackendError("serve --spec ngram needs one GPU (a model split over GPUs does not verify "
+                               "proposals yet); drop --spec or -tp")
+        self.spec = Speculation(be, spec_k) if spec == "ngram" else None  # (speculation.py)
         self.loop = LaunchAhead(be, self.depth, margin=self.margin, new_event=new_event, read=self._read,
-                                gate=self._masks_ready)
+                                gate=self._may_launch)
         if capture and getattr(be, "use_graph", False) and hasattr(be, "capture_buckets"):
             be.capture_buckets(progress=progress)  # before serving: no capture pause mid-stream
 
@@ -224,6 +239,8 @@ class CudaAdapter:
             row = be.seq_constrain(slot)
             constraint.fill(row)
             self._constraints[slot] = (constraint, row)
+        if self.spec is not None and speculates(params, grammar, logprobs):
+            self.spec.add(slot, prompt)
         f = self._filling[slot] = _Filling(prompt, params, max_new, cached)
         if self.prefix_cache:
             f.after = self._shares_with(slot, prompt, cached)
@@ -337,15 +354,24 @@ class CudaAdapter:
                 self.failed[slot] = e
         return tok
 
-    def _masks_ready(self) -> bool:
-        return all(self.loop.unread(s) == 0 for s in self._constraints)
+    def _may_launch(self) -> bool:
+        """The loop's gate: every grammar's mask written, and no verification wanted."""
+        return all(self.loop.unread(s) == 0 for s in self._constraints) and not (self.spec and self.spec.want)
 
     def step(self) -> dict[int, list[int]]:
         for entries in self.logprobs.values():
             entries.clear()  # this step's entries only (_read appends them in token order)
         if self._filling:
             self._evaluate()
+        if self.spec is not None and (slot := self.spec.plan(self.loop, bool(self._filling))) is not None:
+            try:
+                self.spec.verify(self.loop, slot)
+            except Exception as e:  # noqa: BLE001 - this request's alone (its tokens so far stand)
+                self.spec.drop(slot)
+                self.failed[slot] = e
         out = self.loop.step()
+        if self.spec is not None:
+            self.spec.read(out)
         for slot, toks in out.items():
             if slot in self._tokens:
                 self._tokens[slot][1].extend(toks)
@@ -362,6 +388,8 @@ class CudaAdapter:
 
     def release(self, slot: int) -> None:
         self.loop.drop(slot)
+        if self.spec is not None:
+            self.spec.drop(slot)
         self.logprobs.pop(slot, None)
         self._constraints.pop(slot, None)
         self.failed.pop(slot, None)

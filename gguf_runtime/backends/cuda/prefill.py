@@ -52,14 +52,14 @@ class PrefillMixin:
         out = self._eval(0, tokens, all_logits)
         return cp.asnumpy(out, stream=self.stream)
 
-    def eval_argmax(self, tokens: Sequence[int]) -> np.ndarray:
+    def eval_argmax(self, tokens: Sequence[int], slot: int = 0) -> np.ndarray:
         """eval with every row's logits, returning each row's argmax (ties: lowest id) computed on
         the device: speculative decoding's greedy verification copies a few ints, not the rows. A
         verification step (up to verify_rows tokens) computes them inside its graph and they come
         back through pinned memory."""
         self._argmax_buffers()
         n = len(tokens)
-        out = self._eval(0, tokens, all_logits=True, verify=True)
+        out = self._eval(slot, tokens, all_logits=True, verify=True)
         with self.stream:
             if n > self.verify_rows:  # (a prompt chunk's path: the argmax after it)
                 LS.rows_argmax(self.kernels, out.data.ptr, out.strides[0] // 4, self.cfg.n_vocab, n,
