@@ -982,16 +982,22 @@ class SpecFakeBackend(PackingFakeBackend):
         super().__init__(**kw)
         self.verifies: list[tuple[int, int, int]] = []  # (slot, rows, decoding slots)
 
-    def seq_verify(self, slot, tokens):
+    verify_rows = 8
+
+    def verify_many(self, parts):
+        assert sum(len(t) for _, t in parts) <= self.verify_rows
         while self.stream.ops:  # (the real one waits for its stream)
             self.stream.run_one()
-        d = self.dev[slot]
-        assert d["last"] == tokens[0], "a verification starts from the slot's last sampled token"
-        self.verifies.append((slot, len(tokens), sum(x is not None for x in self.dev)))
-        for i in range(len(tokens)):
-            assert d["pos"] + i < d["cap"], "a verification wrote past the slot's KV pages"
-            self.kv.write(d["table"], d["pos"] + i, ("stale", i))
-        return [script(d["uid"], d["n"] + i) for i in range(len(tokens))]
+        out = []
+        for slot, tokens in parts:
+            d = self.dev[slot]
+            assert d["last"] == tokens[0], "a verification starts from the slot's last sampled token"
+            self.verifies.append((slot, len(tokens), len(parts)))
+            for i in range(len(tokens)):
+                assert d["pos"] + i < d["cap"], "a verification wrote past the slot's KV pages"
+                self.kv.write(d["table"], d["pos"] + i, ("stale", i))
+            out.append([script(d["uid"], d["n"] + i) for i in range(len(tokens))])
+        return out
 
     def seq_commit(self, slot, tokens):
         d = self.dev[slot]
@@ -1036,17 +1042,32 @@ def test_speculation_alone_keeps_the_text_and_verifies(depth):
     assert be.kv.free_pages() == be.kv.n_pages and a.loop._seqs == {}
 
 
-def test_speculation_pauses_while_others_decode():
-    """Two requests at once: no verification while both decode; the texts are the script's. A
-    sampled request is never speculated."""
+def test_speculation_pauses_beside_a_sampled_request():
+    """A greedy and a sampled request at once: no verification while both decode; the texts are
+    the script's. After the sampled one ends, the greedy one speculates alone."""
     a, be = spec_adapter(2)
     s = make(a)
     g, other = greedy_job(7, 120), job(8, 60)  # (job: sampled)
     run(s, g, other, steps=5000)
     assert "".join(g.emit.text) == expected(7, 120) and "".join(other.emit.text) == expected(8, 60)
-    assert all(n == 1 for _, _, n in be.verifies), be.verifies
-    assert be.verifies  # after the sampled one ended, the greedy one went on speculating
+    assert be.verifies and all(n == 1 for _, _, n in be.verifies), be.verifies
     assert 0 not in a.spec.slots and 1 not in a.spec.slots
+
+
+@pytest.mark.parametrize("n,depth", [(2, 2), (4, 1), (4, 3), (5, 2)])
+def test_speculation_of_a_few_greedy_requests_together(n, depth):
+    """n greedy requests: up to four verified together (rows shared: 4 each for two, 2 each for
+    four); five decode plainly until one ends. Every text is the script's, the pages come back."""
+    a, be = spec_adapter(depth)
+    s = make(a)
+    jobs = [greedy_job(10 + u, 90 + 7 * u, prompt_len=3 + u) for u in range(n)]
+    run(s, *jobs, steps=20000)
+    for u, j in enumerate(jobs):
+        assert j.state == "done" and "".join(j.emit.text) == expected(10 + u, 90 + 7 * u), u
+    together = [m for _, _, m in be.verifies]
+    assert max(together) == min(n, 4) and a.spec.stats["accepted"] > 20, (a.spec.stats, together)
+    assert all(r <= 8 // m for _, r, m in be.verifies)
+    assert be.kv.free_pages() == be.kv.n_pages and a.loop._seqs == {}
 
 
 def test_speculation_stop_token_and_short_budget():

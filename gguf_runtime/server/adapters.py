@@ -165,9 +165,9 @@ class CudaAdapter:
     step is launched only once its tokens are read (one step in flight, the others' throughput
     with it); logprobs are read beside each token (the backend's kernels around its sampler).
 
-    Speculative decoding (``spec`` "ngram", server/speculation.py): a greedy sequence decoding
-    alone gets n-gram proposals verified several tokens a step (the backend's seq_verify and
-    seq_commit); the loop launches nothing while a verification is wanted.
+    Speculative decoding (``spec`` "ngram", server/speculation.py): while the decoding sequences
+    are few and all greedy, their n-gram proposals are verified together, several tokens a step
+    (the backend's verify_many and seq_commit); the loop launches nothing while one is wanted.
 
     The prefix cache (``prefix_cache``, backends/page_pool.py): a prompt's leading full pages that
     an earlier or running sequence wrote are taken as they are; at release a sequence's pages are
@@ -363,12 +363,13 @@ class CudaAdapter:
             entries.clear()  # this step's entries only (_read appends them in token order)
         if self._filling:
             self._evaluate()
-        if self.spec is not None and (slot := self.spec.plan(self.loop, bool(self._filling))) is not None:
+        if self.spec is not None and (props := self.spec.plan(self.loop, bool(self._filling))) is not None:
             try:
-                self.spec.verify(self.loop, slot)
-            except Exception as e:  # noqa: BLE001 - this request's alone (its tokens so far stand)
-                self.spec.drop(slot)
-                self.failed[slot] = e
+                self.spec.verify(self.loop, props)
+            except Exception as e:  # noqa: BLE001 - these requests' alone (their tokens so far stand)
+                for slot in props:
+                    self.spec.drop(slot)
+                    self.failed[slot] = e
         out = self.loop.step()
         if self.spec is not None:
             self.spec.read(out)

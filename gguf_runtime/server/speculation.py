@@ -1,16 +1,17 @@
-"""Speculative decoding in the server's CUDA adapter (``serve --spec ngram``): while one greedy
-sequence decodes alone, its next tokens are proposed by n-gram lookup over its prompt and output
-and checked in one verification step (the backend's seq_verify: the decode kernels over the last
-token and the proposals), the kept ones and the target's next token committed into the slot as if
-sampled (seq_commit), so the launch-ahead loop reads them from the ring like any others and plain
-batch steps can follow at once. As soon as a second sequence decodes or a prompt waits to join,
-the steps are plain batch steps again.
+"""Speculative decoding in the server's CUDA adapter (``serve --spec ngram``): while the decoding
+sequences are few (their verification rows fit the backend's verify_rows) and all greedy, their
+next tokens are proposed by n-gram lookup over each one's prompt and output and checked together
+in one verification step (the backend's verify_many: the decode kernels over each sequence's last
+token and its proposals), the kept ones and each target's next token committed into the slots as
+if sampled (seq_commit), so the launch-ahead loop reads them from the ring like any others and
+plain batch steps can follow at once. A sequence without proposals takes one row there: its
+decode step. Sampled, penalized, constrained or logprobs requests, more sequences, or a prompt
+waiting to join: the steps are plain batch steps.
 
-Policy (engine/speculative.py's, per slot): nothing proposed: plain steps, launched ahead as
-usual, until the lookup proposes; LOW_STEPS verifications in a row that keep nothing: a run of
-plain tokens (PLAIN_RUN, doubled after each such run up to PLAIN_RUN_MAX) before the next try.
-A verification needs the pipeline drained (its input is the last token read), so the adapter
-stops launching while it wants one.
+Policy (engine/speculative.py's, per sequence): nothing proposed, no rows of proposals; LOW_STEPS
+verifications in a row that keep nothing: a run of plain tokens (PLAIN_RUN, doubled after each
+such run up to PLAIN_RUN_MAX) before its next try. A verification needs the pipeline drained (its
+inputs are the last tokens read), so the adapter stops launching while one is wanted.
 """
 
 from __future__ import annotations
@@ -39,22 +40,38 @@ class SpecSlot:
     run: int = PLAIN_RUN  # the next run's length
     idle: int = 0  # verifications in a row that kept nothing
 
-    def proposals(self, room: int) -> list[int]:
-        return [int(t) for t in self.lookup(self.hist, min(self.adapt.k, room - 1))][:max(room - 1, 0)]
+    def proposals(self, room: int, rows: int) -> list[int]:
+        """At most rows - 1 proposals, leaving a token of the room for the target's next one."""
+        if self.plain:
+            return []
+        k = min(self.adapt.k, room - 1, rows - 1)
+        return [int(t) for t in self.lookup(self.hist, k)][:max(k, 0)]
 
     def read(self, tokens: list[int]) -> None:
         self.hist.extend(tokens)
         self.plain = max(0, self.plain - len(tokens))
 
+    def kept(self, proposed: int, accepted: int) -> None:
+        if not proposed:
+            return
+        self.adapt.update(proposed, accepted)
+        if accepted:
+            self.idle, self.run = 0, PLAIN_RUN
+        else:  # (the next try the cheapest, as speculative_loop's)
+            self.idle, self.adapt.k = self.idle + 1, self.adapt.k_min
+            if self.idle >= LOW_STEPS:
+                self.plain, self.run, self.idle = self.run, min(self.run * 2, PLAIN_RUN_MAX), 0
+
 
 class Speculation:
-    """The adapter's speculating slots and its counts (steps, proposed, accepted)."""
+    """The adapter's speculating slots and its counts (verification steps, proposed, accepted)."""
 
     def __init__(self, backend, k: int) -> None:
         self.be, self.k = backend, k
+        self.rows = getattr(backend, "verify_rows", 8)  # a verification step's rows at most
         self.slots: dict[int, SpecSlot] = {}
         self.stats = dict(steps=0, proposed=0, accepted=0)
-        self.want = False  # the sole decoding sequence wants a verification: launch nothing
+        self.want = False  # a verification is wanted: launch nothing
 
     def add(self, slot: int, prompt: list[int]) -> None:
         self.slots[slot] = SpecSlot(list(prompt), first_k(self.be, self.k))
@@ -62,39 +79,37 @@ class Speculation:
     def drop(self, slot: int) -> None:
         self.slots.pop(slot, None)
 
-    def sole(self, loop, filling: bool) -> SpecSlot | None:
-        """The speculating sequence when it decodes alone and no prompt waits, else None."""
+    def _plan(self, loop, filling: bool) -> dict[int, list[int]]:
+        """The decoding slots' proposals (slot -> tokens) where every one speculates, their rows fit
+        one step and no prompt waits; else {}."""
         active = loop.active()
-        if filling or len(active) != 1 or active[0] not in self.slots:
-            return None
-        return self.slots[active[0]]
+        if filling or not active or 2 * len(active) > self.rows or any(s not in self.slots for s in active):
+            return {}
+        per = self.rows // len(active)
+        return {s: self.slots[s].proposals(loop.room(s), per) for s in active}
 
-    def plan(self, loop, filling: bool) -> int | None:
-        """Before a step: the slot to verify now (nothing in flight), else None; sets ``want`` (the
-        gate: while it holds, in-flight steps are read and none launched)."""
-        s = self.sole(loop, filling)
-        self.want = s is not None and s.plain == 0 and bool(s.proposals(loop.room(loop.active()[0])))
-        return loop.active()[0] if self.want and not loop.in_flight() else None
+    def plan(self, loop, filling: bool) -> dict[int, list[int]] | None:
+        """Before a step: the proposals to verify now (nothing in flight), else None; sets ``want``
+        (the loop's gate: while it holds, the steps in flight are read and none launched)."""
+        props = self._plan(loop, filling)
+        self.want = any(props.values())
+        return props if self.want and not loop.in_flight() else None
 
-    def verify(self, loop, slot: int) -> None:
-        """One verification of the slot's proposals; the kept tokens and the next one go to the loop."""
-        s = self.slots[slot]
-        props = s.proposals(loop.room(slot))
-        target = [int(t) for t in self.be.seq_verify(slot, [s.hist[-1]] + props)]
-        accepted, nxt = accept_greedy(props, target)
-        s.adapt.update(len(props), accepted)
-        if accepted:
-            s.idle, s.run = 0, PLAIN_RUN
-        else:  # (the next try the cheapest, as speculative_loop's)
-            s.idle, s.adapt.k = s.idle + 1, s.adapt.k_min
-            if s.idle >= LOW_STEPS:
-                s.plain, s.run, s.idle = s.run, min(s.run * 2, PLAIN_RUN_MAX), 0
-        keep = props[:accepted] + [nxt]
-        self.be.seq_commit(slot, keep)
-        loop.extend(slot, len(keep))
+    def verify(self, loop, props: dict[int, list[int]]) -> None:
+        """One verification step of every decoding slot: the kept tokens and the next one of each go
+        to the loop (a slot without proposals: its decode step's token)."""
+        parts = [(s, [self.slots[s].hist[-1]] + p) for s, p in props.items()]
+        targets = self.be.verify_many(parts)
+        for (s, rows), target in zip(parts, targets):
+            p = rows[1:]
+            accepted, nxt = accept_greedy(p, [int(t) for t in target])
+            self.slots[s].kept(len(p), accepted)
+            keep = p[:accepted] + [nxt]
+            self.be.seq_commit(s, keep)
+            loop.extend(s, len(keep))
+            self.stats["proposed"] += len(p)
+            self.stats["accepted"] += accepted
         self.stats["steps"] += 1
-        self.stats["proposed"] += len(props)
-        self.stats["accepted"] += accepted
 
     def read(self, out: dict[int, list[int]]) -> None:
         for slot, toks in out.items():

@@ -517,22 +517,14 @@ class CudaBackend(PrefillMixin):
             self._sample(*self._mode(params), slot in self._lp, slot in self._masked, rows=1, slot0=slot, row=row)
         self.decoding[slot] = True
 
-    slot_speculation = True  # seq_verify / seq_commit serve the server's speculation (a split model: not yet)
-
-    def seq_verify(self, slot: int, tokens: Sequence[int]) -> np.ndarray:
-        """A decoding slot's speculative verification, between steps (nothing in flight): tokens[0]
-        is its last sampled token (its next input), the rest proposals; each row's argmax
-        (eval_argmax's, on the decode kernels: a row is a one-row step's bit for bit). seq_commit
-        then sets what the slot keeps."""
-        self._verify_base = self.slot_len[slot]
-        return self.eval_argmax(tokens, slot=slot)
+    slot_speculation = True  # verify_many / seq_commit serve the server's speculation (a split model: not yet)
 
     def seq_commit(self, slot: int, tokens: Sequence[int]) -> None:
-        """After seq_verify: ``tokens`` (the kept proposals, then the target's next token) are
+        """After verify_many: ``tokens`` (the kept proposals, then the target's next token) are
         committed as the sampler commits one (into the ring, where the host reads them as sampled
         ones, the penalty window and the next input), and the slot keeps the K/V of the verified
         rows they follow (its last sampled token's and the kept proposals')."""
-        self.slot_len[slot] = self._verify_base + len(tokens)
+        self.slot_len[slot] = self._verify_base[slot] + len(tokens)
         with self.stream:
             for t in tokens:
                 LS.commit_token(self.kernels, self.sampler_state, slot, int(t))

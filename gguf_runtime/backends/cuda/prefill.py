@@ -112,11 +112,17 @@ class PrefillMixin:
             self._argmax_buffers()
         key = ("verify", rows) if verify else ("prefill", rows, all_logits)
         run = (lambda: self._verify_argmax(rows)) if verify else (lambda: self._prefill_rows(rows, all_logits))
-        seen = self._prefill_runs.get(key, 0)
-        self._prefill_runs[key] = seen + 1
         # graphs from a size's second run: chunks past the matvec rows, and the small ones with every
         # row's logits (speculative decoding's verification steps repeat those sizes every step)
-        graph = (rows > L.MAX_MMV_TOKENS or all_logits) and self.use_graph and self.prefill_graph and seen > 0
+        self._run_graphed(key, run, rows, rows > L.MAX_MMV_TOKENS or all_logits)
+        return ws.logits[pad:rows] if all_logits else ws.logits[:1]
+
+    def _run_graphed(self, key: tuple, run, rows: int, graphable: bool) -> None:
+        """run() eagerly on a key's first call, from its second as a captured graph (``graphable``
+        and graphs on; a failed capture turns prompt graphs off)."""
+        seen = self._prefill_runs.get(key, 0)
+        self._prefill_runs[key] = seen + 1
+        graph = graphable and self.use_graph and self.prefill_graph and seen > 0
         if graph and not self.graphs.has(key):
             try:  # the eager first run was its warm-up
                 self.graphs.capture(key, self._with_pdl(run, rows), warmup=0)
@@ -128,7 +134,40 @@ class PrefillMixin:
             self.graphs.replay(key)
         else:
             run()
-        return ws.logits[pad:rows] if all_logits else ws.logits[:1]
+
+    def verify_many(self, parts: Sequence[tuple[int, Sequence[int]]]) -> list[np.ndarray]:
+        """Several slots' verification rows in one step (at most verify_rows in all): part (slot,
+        tokens) evaluates its tokens at the slot's next positions on the decode kernels, as
+        eval_argmax does for one; each part's rows' argmaxes. Each slot's length advances past its
+        tokens; ``_verify_base`` keeps where each started (seq_commit)."""
+        rows = sum(len(t) for _, t in parts)
+        if not 0 < rows <= self.verify_rows:
+            raise ValueError(f"{rows} verification rows: 1 to {self.verify_rows} a step")
+        self._argmax_buffers()
+        host, r = self._ids_host(), 0
+        bases = getattr(self, "_verify_base", None)
+        if not isinstance(bases, dict):
+            bases = self._verify_base = {}
+        for slot, toks in parts:
+            n, past = len(toks), self.slot_len[slot]
+            if past + n > self.kv.capacity(slot):
+                raise ContextOverflowError(f"{past + n} tokens do not fit the context of {self.kv.capacity(slot)}; "
+                                           "raise --ctx-size or shorten the input")
+            host[0, r:r + n], host[1, r:r + n], host[2, r:r + n] = toks, np.arange(past, past + n), slot
+            bases[slot], r = past, r + n
+        with self.stream:
+            self._upload_ids(rows)
+            self._run_graphed(("verify", rows), lambda: self._verify_argmax(rows), rows, True)
+            cp.cuda.runtime.memcpyAsync(self._argmax_host.ctypes.data, self._argmax_out.data.ptr, 4 * rows,
+                                        cp.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
+        for slot, toks in parts:
+            self.slot_len[slot] += len(toks)
+        self.stream.synchronize()
+        out, r = [], 0
+        for _, toks in parts:
+            out.append(self._argmax_host[r:r + len(toks)].copy())
+            r += len(toks)
+        return out
 
     def _stage(self, slot: int, part: np.ndarray, past: int, cap: int) -> tuple[int, int]:
         """ws.tokens / pos / seq of a chunk at positions past, past + 1, ... of ``slot``, padded in
