@@ -15,7 +15,8 @@ page free and the GPU memory (nvidia-smi) no larger than after the warm-up (--me
 Exits 1 on any error. bench: C clients each sending --requests streamed /api/generate requests in
 turn, for each C: aggregate generated tok/s, TTFT and time per output token (p50/p99); with
 --constrained N the first N clients of each level send a JSON schema as `format`, with --logprobs K
-every request asks for logprobs (K alternatives): their cost beside a plain run. chat: C
+every request asks for logprobs (K alternatives): their cost beside a plain run; with --prompt-file
+and --greedy every request is that chat message, answered greedily (`serve --spec ngram`'s case). chat: C
 clients each holding a --turns-turn conversation through /api/chat, resending the whole history
 every turn as clients do (the prefix cache's case): TTFT of turn 1 and of the last turn (p50), and
 the share of the prompt tokens sent that the server evaluated (prompt_eval_count less
@@ -341,13 +342,17 @@ def ttft_parts(results: list[Res]) -> dict:
 def bench(url: str, model: str, a) -> list[str]:
     rows, errors = [], []
     request(url, *body_for("generate", model, "warm up", 8, True, 1))
+    text = open(a.prompt_file).read() if a.prompt_file else None
     for c in a.clients:
         def client(i: int) -> list[Res]:
             r = random.Random(c * 1000 + i)
             out = []
             for _ in range(a.requests):
-                path, body = body_for("generate", model, prompt(r, a.prompt_words), a.tokens, True,
-                                      r.randrange(1 << 31))
+                path, body = body_for("chat" if text else "generate", model, text or prompt(r, a.prompt_words),
+                                      a.tokens, True, r.randrange(1 << 31))
+                if a.greedy:
+                    body["options"]["temperature"] = 0
+                    body["options"]["repeat_penalty"] = 1.0
                 if i < a.constrained:  # structured output beside free text (the grammar's cost)
                     body["format"] = SCHEMA
                 if a.logprobs >= 0:
@@ -494,6 +499,9 @@ def main() -> int:
     ap.add_argument("--clients", default="1,8,32,64", help="bench: concurrency levels")
     ap.add_argument("--requests", type=int, default=4, help="bench: requests per client per level")
     ap.add_argument("--prompt-words", type=int, default=32, help="bench: prompt length in words")
+    ap.add_argument("--prompt-file", help="bench: every request sends this text as a chat message instead")
+    ap.add_argument("--greedy", action="store_true", help="bench: temperature 0, no repeat penalty (the requests "
+                    "`serve --spec ngram` speculates)")
     ap.add_argument("--constrained", type=int, default=0,
                     help="bench: this many clients of each level send a JSON schema (format)")
     ap.add_argument("--logprobs", type=int, default=-1, help="bench: every request asks for logprobs with "
