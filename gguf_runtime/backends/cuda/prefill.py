@@ -64,8 +64,12 @@ class PrefillMixin:
             if n > self.verify_rows:  # (a prompt chunk's path: the argmax after it)
                 LS.rows_argmax(self.kernels, out.data.ptr, out.strides[0] // 4, self.cfg.n_vocab, n,
                                self._argmax_out.data.ptr)
-            cp.cuda.runtime.memcpyAsync(self._argmax_host.ctypes.data, self._argmax_out.data.ptr, 4 * n,
-                                        cp.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
+        return self._read_argmax(n)
+
+    def _read_argmax(self, n: int) -> np.ndarray:
+        """The first n of _argmax_out, through pinned memory (the stream waited for)."""
+        cp.cuda.runtime.memcpyAsync(self._argmax_host.ctypes.data, self._argmax_out.data.ptr, 4 * n,
+                                    cp.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
         self.stream.synchronize()
         return self._argmax_host[:n].copy()
 
@@ -145,9 +149,7 @@ class PrefillMixin:
             raise ValueError(f"{rows} verification rows: 1 to {self.verify_rows} a step")
         self._argmax_buffers()
         host, r = self._ids_host(), 0
-        bases = getattr(self, "_verify_base", None)
-        if not isinstance(bases, dict):
-            bases = self._verify_base = {}
+        bases = self.__dict__.setdefault("_verify_base", {})  # slot -> its length before the step
         for slot, toks in parts:
             n, past = len(toks), self.slot_len[slot]
             if past + n > self.kv.capacity(slot):
@@ -158,14 +160,11 @@ class PrefillMixin:
         with self.stream:
             self._upload_ids(rows)
             self._run_graphed(("verify", rows), lambda: self._verify_argmax(rows), rows, True)
-            cp.cuda.runtime.memcpyAsync(self._argmax_host.ctypes.data, self._argmax_out.data.ptr, 4 * rows,
-                                        cp.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
         for slot, toks in parts:
             self.slot_len[slot] += len(toks)
-        self.stream.synchronize()
-        out, r = [], 0
+        got, out, r = self._read_argmax(rows), [], 0
         for _, toks in parts:
-            out.append(self._argmax_host[r:r + len(toks)].copy())
+            out.append(got[r:r + len(toks)])
             r += len(toks)
         return out
 
