@@ -1094,3 +1094,23 @@ def test_speculation_refused_where_the_backend_cannot_verify_slots():
     with pytest.raises(BackendError, match="not served yet"):
         CudaAdapter(eng, spec="draft")
 
+
+
+def test_speculating_request_cancelled_then_its_slot_reused():
+    """A speculating request cancelled mid-answer (between a verification and the steps after it):
+    its slot and pages are free at once; the next request in that slot speculates from its own
+    prompt and gives the script's text."""
+    a, be = spec_adapter(2, max_batch=2)
+    s = make(a)
+    j = greedy_job(21, 200)
+    s.submit(j)
+    for _ in range(400):
+        s._pump()
+        if a.spec.stats["steps"] >= 3:
+            break
+    assert a.spec.stats["steps"] >= 3 and j.state == "active"
+    s.cancel(j)
+    k = greedy_job(22, 120, prompt_len=5)
+    run(s, k, steps=5000)
+    assert j.state == "cancelled" and "".join(k.emit.text) == expected(22, 120)
+    assert a.spec.slots == {} and be.kv.free_pages() == be.kv.n_pages
