@@ -8,7 +8,7 @@ calls; the costs come from `bench/profile_step.py --verify` (eval_argmax, host i
 plain tg rate.
 
   python3 bench/spec_sim.py MODEL.gguf --costs 1:452,2:495,4:627,8:930 --plain-us 424 [--k 3,7]
-      [--start-us 200] [--n 256] [--text answer.json]   (the answer: made with the numpy backend
+      [--start-us 200] [--n 256] [--propose zero] [--text answer.json]   (the answer: made with the numpy backend
       from spec_decode.py's prompt, and saved there, when the file is missing)
 """
 
@@ -92,8 +92,11 @@ def main() -> None:
     ap.add_argument("--k", default="3,7")
     ap.add_argument("--n", type=int, default=256)
     ap.add_argument("--text", help="the greedy answer (JSON: prompt, out); made and saved when missing")
+    ap.add_argument("--propose", default="ngram", choices=("ngram", "zero"),
+                    help="zero: proposals that are always wrong (bench --spec zero: the mechanism's cost)")
     a = ap.parse_args()
     ids, out = answer(a.model, a.n, a.text)
+    out = out[:a.n]
     pts = dict(tuple(map(float, c.split(":"))) for c in a.costs.split(","))
     xs = sorted(pts)
     costs = {r: float(np.interp(r, xs, [pts[x] for x in xs])) for r in range(1, 9)}
@@ -102,7 +105,9 @@ def main() -> None:
     print(f"{len(out)} tokens after a {len(ids)}-token prompt; plain {1e6 / a.plain_us:,.1f} t/s")
     for k in (int(x) for x in a.k.split(",")):
         be, st = TextBackend(text, len(ids), costs), {}
-        got = list(speculative_loop(be, len(out), GREEDY, list(ids), frozenset(), k=k, stats=st))
+        zero = lambda hist, kk: [(text[min(len(hist), len(text) - 1)] + 1) % (max(text) + 1)] * kk  # noqa: E731
+        got = list(speculative_loop(be, len(out), GREEDY, list(ids), frozenset(), k=k, stats=st,
+                                    **({"propose": zero} if a.propose == "zero" else {})))
         assert got == out, "the replay parted from the text"
         rate = len(got) / (be.us * 1e-6)
         print(f"k={k}: {rate:,.1f} t/s ({rate * a.plain_us / 1e6:.2f}x), {st['steps']} verifications, "

@@ -272,8 +272,8 @@ def test_a_run_with_nothing_to_propose_stops_when_the_lookup_finds_something(mod
     st: dict = {}
     got = list(speculative_loop(be, 80, greedy, list(prompt), frozenset(), k=4, propose=late, stats=st))
     assert got == plain
-    # a run of 16, then one of 32 stopped at token 20: its lookahead's 3 steps in flight at most
-    assert DeviceLoop.runs == 2 and st["plain"] <= 20 + DeviceLoop.tune.lookahead, st
+    # one run (PLAIN_RUN tokens at most) stopped at token 20: its lookahead's 3 steps in flight at most
+    assert DeviceLoop.runs == 1 and st["plain"] <= 20 + DeviceLoop.tune.lookahead, st
     assert st["accepted"] == st["proposed"] > 40
 
 
@@ -299,9 +299,9 @@ def test_a_run_after_failed_lookups_stops_when_the_lookup_foretells_tokens(model
     st: dict = {}
     got = list(speculative_loop(be, 90, greedy, list(prompt), frozenset(), k=4, propose=Copying(), stats=st))
     assert got == plain
-    # two failed steps, a run of 16, a failed step, then a run of 32 held once two guesses were
-    # right (token 24 on): what its lookahead had in flight at most
-    assert DeviceLoop.runs == 2, st
+    # two failed steps, then a run (PLAIN_RUN tokens at most) held once two guesses were right
+    # (token 24 on): what its lookahead had in flight at most
+    assert DeviceLoop.runs == 1, st
     assert st["plain"] <= 24 + SHADOW_HITS + DeviceLoop.tune.lookahead, st
     assert st["accepted"] > 40
 
@@ -350,9 +350,9 @@ def test_failing_proposals_cost_one_cheap_step_a_run(model):
     got = list(speculative_loop(be, 100, greedy, list(prompt), frozenset(), k=4, propose=wrong, stats=st))
     assert got == plain
     assert asked[:LOW_STEPS] == [4, 1] and set(asked[LOW_STEPS:]) <= {1}, asked
-    # runs of 16, 32 and 64 tokens fill the rest: one try before each later run (asked once per try)
-    assert DeviceLoop.runs == 3 and st["steps"] == LOW_STEPS + 2 and st["plain"] == 100 - st["steps"] - 1, st
-    assert PLAIN_RUN == 16
+    # runs of 64 and 128 tokens fill the rest: one try before the later run (asked once per try)
+    assert DeviceLoop.runs == 2 and st["steps"] == LOW_STEPS + 1 and st["plain"] == 100 - st["steps"] - 1, st
+    assert PLAIN_RUN == 64
 
 
 def test_bench_spec_rows(model):

@@ -163,7 +163,7 @@ def _probs(sampler, logits: np.ndarray, history: Sequence[int], n_vocab: int) ->
     return p
 
 
-PLAIN_RUN = 16  # tokens a fall-back run decodes the plain way before proposals are tried again ...
+PLAIN_RUN = 64  # tokens a fall-back run decodes the plain way before proposals are tried again ...
 PLAIN_RUN_MAX = 256  # ... doubled up to this after each run that nothing kept was proposed since
 LOW_STEPS = 2  # verification steps that kept nothing, in a row, before falling back (after a fall-back run: 1)
 SHADOW_HITS = 2  # a run after failed proposals ends once the lookup's next-token guesses were right this often in a row
