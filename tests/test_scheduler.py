@@ -1114,3 +1114,23 @@ def test_speculating_request_cancelled_then_its_slot_reused():
     run(s, k, steps=5000)
     assert j.state == "cancelled" and "".join(k.emit.text) == expected(22, 120)
     assert a.spec.slots == {} and be.kv.free_pages() == be.kv.n_pages
+
+
+def test_speculation_run_ends_when_a_copied_passage_begins(monkeypatch):
+    """Proposals that fail twice start a plain run; once the answer copies a passage of the prompt,
+    the lookup's guesses of the next token come right and end the run, so the passage is verified,
+    not decoded plainly (without that rule the run lasts PLAIN_RUN tokens)."""
+    import sys
+    me = sys.modules[__name__]
+    passage = list(range(200, 240))
+    prompt = list(range(1, 13)) + [99] + passage + [5]
+    # tokens the prompt holds in another order (the lookup proposes, wrongly), then the passage
+    answer = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4] + passage + [60 + i for i in range(30)]
+    plain_script = me.script
+    monkeypatch.setattr(me, "script", lambda uid, i: answer[i] if uid == 77 else plain_script(uid, i))
+    a, be = spec_adapter(2)
+    s = make(a)
+    j = Job(list(prompt), SamplingParams(temperature=0.0, seed=77), len(answer), Events())
+    run(s, j, steps=5000)
+    assert "".join(j.emit.text) == "".join(chr(ord("a") + (t - 1) % 26) for t in answer)
+    assert a.spec.stats["accepted"] >= 30, a.spec.stats

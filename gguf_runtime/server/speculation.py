@@ -10,7 +10,8 @@ waiting to join: the steps are plain batch steps.
 
 Policy (engine/speculative.py's, per sequence): nothing proposed, no rows of proposals; LOW_STEPS
 verifications in a row that keep nothing: a run of plain tokens (PLAIN_RUN, doubled after each
-such run up to PLAIN_RUN_MAX) before its next try. A verification needs the pipeline drained (its
+such run up to PLAIN_RUN_MAX) before its next try, ended early once the lookup's guesses of the
+next token were right SHADOW_HITS times in a row. A verification needs the pipeline drained (its
 inputs are the last tokens read), so the adapter stops launching while one is wanted.
 """
 
@@ -18,7 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..engine.speculative import LOW_STEPS, PLAIN_RUN, PLAIN_RUN_MAX, NgramLookup, accept_greedy, first_k
+from ..engine.speculative import (LOW_STEPS, PLAIN_RUN, PLAIN_RUN_MAX, SHADOW_HITS, NgramLookup, accept_greedy,
+                                  first_k)
 from ..sampling import SamplingParams
 
 
@@ -39,6 +41,8 @@ class SpecSlot:
     plain: int = 0  # tokens to decode plainly before the next try
     run: int = PLAIN_RUN  # the next run's length
     idle: int = 0  # verifications in a row that kept nothing
+    guess: list[int] | None = None  # during a run: the lookup's next token, as it stood
+    hits: int = 0  # ... right this many tokens in a row
 
     def proposals(self, room: int, rows: int) -> list[int]:
         """At most rows - 1 proposals, leaving a token of the room for the target's next one."""
@@ -48,8 +52,19 @@ class SpecSlot:
         return [int(t) for t in self.lookup(self.hist, k)][:max(k, 0)]
 
     def read(self, tokens: list[int]) -> None:
-        self.hist.extend(tokens)
-        self.plain = max(0, self.plain - len(tokens))
+        """Tokens read; during a plain run the lookup guesses each next one, and SHADOW_HITS right
+        guesses in a row end the run (speculative_loop's rule: a copied passage began)."""
+        for t in tokens:
+            if self.plain:
+                self.hits = self.hits + 1 if self.guess == [t] else 0
+            self.hist.append(t)
+            if self.plain:
+                self.plain -= 1
+                self.guess = self.lookup(self.hist, 1)
+                if self.hits >= SHADOW_HITS:
+                    self.plain = 0
+            if not self.plain:
+                self.guess, self.hits = None, 0
 
     def kept(self, proposed: int, accepted: int) -> None:
         if not proposed:
