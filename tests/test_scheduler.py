@@ -971,7 +971,7 @@ def test_cuda_adapter_grammar_masks_follow_each_token(depth):
 
 
 class SpecFakeBackend(PackingFakeBackend):
-    """... with seq_verify / seq_commit: each verification row's argmax is the script's next token
+    """... with verify_many / seq_commit: each verification row's argmax is the script's next token
     (the scripted model's tokens repeat every 26, so n-gram lookup proposes them); the rows' K/V
     are written stale and only the kept rows' set right at the commit, so a later read of a
     rejected row's K/V fails FakeKV's checks."""

@@ -252,6 +252,7 @@ class CudaBackend(PrefillMixin):
         self._bad_rows = cp.zeros(64, cp.int32)  # _finite_rows' flags
         self.slot_len = [0] * n  # tokens whose K/V sit in the slot's pages
         self.decoding = [False] * n  # slots the batch steps advance (seq_first .. seq_release)
+        self._verify_base: dict[int, int] = {}  # slot -> its length before a verification (verify_many)
 
     # ---- sampling -------------------------------------------------------------------------------
     @staticmethod

@@ -149,14 +149,13 @@ class PrefillMixin:
             raise ValueError(f"{rows} verification rows: 1 to {self.verify_rows} a step")
         self._argmax_buffers()
         host, r = self._ids_host(), 0
-        bases = self.__dict__.setdefault("_verify_base", {})  # slot -> its length before the step
         for slot, toks in parts:
             n, past = len(toks), self.slot_len[slot]
             if past + n > self.kv.capacity(slot):
                 raise ContextOverflowError(f"{past + n} tokens do not fit the context of {self.kv.capacity(slot)}; "
                                            "raise --ctx-size or shorten the input")
             host[0, r:r + n], host[1, r:r + n], host[2, r:r + n] = toks, np.arange(past, past + n), slot
-            bases[slot], r = past, r + n
+            self._verify_base[slot], r = past, r + n
         with self.stream:
             self._upload_ids(rows)
             self._run_graphed(("verify", rows), lambda: self._verify_argmax(rows), rows, True)

@@ -61,7 +61,7 @@ class TensorParallelBackend(MirrorFront, CudaBackend):
     """Rank 0 of a model split over ``world`` GPUs (module docstring)."""
 
     grammar_masks = False  # rank 0's masks would not reach the ranks that sample beside it
-    slot_speculation = False  # seq_verify / seq_commit are not mirrored to the ranks (not run on GPUs yet)
+    slot_speculation = False  # verify_many / seq_commit are not mirrored to the ranks (not run on GPUs yet)
 
     def __init__(self, f: GGUFFile, cfg: ModelConfig, n_ctx: int, world: int, progress=None, note=None,
                  **kw) -> None:
