@@ -10,7 +10,7 @@ verification steps (the fall-back's plain decoding apart: its share of the token
 column). Prints a line per run as it goes and a table of medians last.
 
   python3 bench/spec_decode.py MODEL.gguf [--prompt-file F | --prompt TEXT] [--n 256] [--k 2,4,8]
-      [--variants ngram,oracle,zero[,draft]] [--draft FILE] [--reps 3] [--raw] [--json F]
+      [--variants ngram,oracle,zero[,draft]] [--draft FILE] [--reps 3] [--raw] [--json F] [--save-text F]
 """
 
 from __future__ import annotations
@@ -77,6 +77,7 @@ def main() -> None:
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--draft", help="the draft model of the draft variant")
     ap.add_argument("--json")
+    ap.add_argument("--save-text", help="the plain greedy answer as JSON (prompt, out): spec_sim.py --text")
     a = ap.parse_args()
     text = open(a.prompt_file).read() if a.prompt_file else a.prompt or PROMPT
     eng = Engine(a.model, backend=a.backend, n_ctx=4096, draft=a.draft)
@@ -86,6 +87,13 @@ def main() -> None:
     n_vocab = eng.cfg.n_vocab
     plain_loop = lambda be, hist: sample_loop(be, a.n, GREEDY, hist, stop)  # noqa: E731
     ref, _ = timed(eng, ids, a.n, plain_loop)  # (also the warm-up: graphs captured)
+    if hasattr(eng.backend, "capture_verify"):  # (speculative_loop's start does it: timed here once)
+        t0 = time.perf_counter()
+        eng.backend.capture_verify()
+        print(f"verification graphs captured in {1e3 * (time.perf_counter() - t0):.0f} ms", flush=True)
+    if a.save_text:
+        with open(a.save_text, "w") as fh:
+            json.dump({"prompt": ids, "out": ref}, fh)
     rows = []
     # the oracle replays the speculative path's own greedy output: a multi-row evaluation may part
     # from the plain run's at a near tie (float32 order), and proposals of the plain run's text would

@@ -169,6 +169,34 @@ def test_verification_rows_are_decode_steps_bit_for_bit(pair, rng):
         assert np.array_equal(rows, steps[:w]), f"{cfg.arch} {w} rows: max |diff| {diff:g}"
 
 
+def test_capture_verify_captures_every_size_and_leaves_the_cache(pair, rng):
+    """capture_verify (speculation's start: every verification size's graph before the answer)
+    captures rows 1 .. verify_rows without moving the slot's length, and a verification after it
+    gives the same rows bit for bit as one on a backend that captured nothing; on a slot that holds
+    no pages (the server's start) it writes no other slot's cache."""
+    f, cfg, _, _ = pair
+    ids = rng.integers(0, cfg.n_vocab, 60).tolist()
+    fresh, warm = CudaBackend(f, cfg, 256), CudaBackend(f, cfg, 256)
+    for be in (fresh, warm):
+        be.prefill(ids[:40])
+    warm.capture_verify()
+    assert warm.n_past == 40
+    assert all(warm.graphs.has(("verify", r)) for r in range(1, warm.verify_rows + 1))
+    assert not fresh.graphs.has(("verify", 3))
+    for be in (fresh, warm):  # (the positions capture_verify ran at now written for real)
+        be.eval(ids[40:52])
+    want = cp.asnumpy(fresh._eval(0, ids[52:60], all_logits=True, verify=True), stream=fresh.stream)
+    got = cp.asnumpy(warm._eval(0, ids[52:60], all_logits=True, verify=True), stream=warm.stream)
+    assert np.array_equal(got, want)
+    two = CudaBackend(f, cfg, 256, max_batch=2)
+    two.kv.reserve(0, 256, stream=two.stream)  # (slot 0 as the server's: pages for its sequence, slot 1 none)
+    two.prefill(ids[:40])
+    before = (two.kv.k.get(), two.kv.v.get())
+    two.capture_verify(slot=1)
+    assert two.graphs.has(("verify", 8)) and two.slot_len[1] == 0
+    assert np.array_equal(two.kv.k.get(), before[0]) and np.array_equal(two.kv.v.get(), before[1])
+
+
 def test_f16_kv_cache_matches_numpy(pair, rng):
     """"auto" gives f16 keys and values to heads up to 128 wide (SmolLM2's 64: decode steps then run
     flash_decode.cu) and float32 to Gemma-3's 256; with either type prefill and graph decode steps

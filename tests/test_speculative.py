@@ -108,10 +108,14 @@ class DeviceArgmax(NumpyBackend):
     the loop's greedy verification then takes the device path."""
 
     calls = 0
+    captures: list[int] = []  # eval_argmax calls when each capture_verify came (the loop's start)
 
     def eval_argmax(self, tokens):
         DeviceArgmax.calls += 1
         return np.asarray(self.eval(tokens, all_logits=True)).reshape(len(tokens), -1).argmax(-1)
+
+    def capture_verify(self):
+        DeviceArgmax.captures.append(DeviceArgmax.calls)
 
 
 def generate(model, prompt, n, params, loop, device_argmax=False, **kw):
@@ -141,10 +145,12 @@ def test_greedy_output_is_the_plain_loops(model):
     assert generate(model, prompt, 40, greedy, "spec", propose=oracle, k=4, stats=oracle_stats) == plain
     assert oracle_stats["accepted"] == oracle_stats["proposed"] and oracle_stats["steps"] <= 10
     # the same through a backend that verifies on its device (eval_argmax), lookup and oracle alike
-    DeviceArgmax.calls = 0
+    DeviceArgmax.calls, DeviceArgmax.captures = 0, []
     assert generate(model, prompt, 40, greedy, "spec", device_argmax=True) == plain
+    first = DeviceArgmax.calls
     assert generate(model, prompt, 40, greedy, "spec", device_argmax=True, propose=oracle, k=4) == plain
-    assert DeviceArgmax.calls > 0
+    assert DeviceArgmax.calls > first > 0
+    assert DeviceArgmax.captures == [0, first]  # (each loop's verification graphs before its first step)
 
 
 def test_wrong_proposals_change_nothing(model):

@@ -211,6 +211,8 @@ def speculative_loop(backend, n: int, params, history: list[int], stop: frozense
     on_device = params.greedy and (params.repeat_penalty == 1.0 or params.repeat_last_n == 0) and \
         hasattr(backend, "eval_argmax")
     plain_ok = hasattr(backend, "start_single")
+    if on_device and hasattr(backend, "capture_verify"):  # (the GPU: each verification size's graph now, not mid-answer)
+        backend.capture_verify()
     while True:
         if fresh:  # (a fall-back run yielded its last token already)
             yield tok

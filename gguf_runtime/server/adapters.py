@@ -209,6 +209,8 @@ class CudaAdapter:
                                 gate=self._may_launch)
         if capture and getattr(be, "use_graph", False) and hasattr(be, "capture_buckets"):
             be.capture_buckets(progress=progress)  # before serving: no capture pause mid-stream
+            if self.spec is not None and hasattr(be, "capture_verify"):
+                be.capture_verify()  # (slot 0 holds no pages yet: its cache writes are skipped)
 
     def _params(self, p: SamplingParams) -> SamplingParams:
         """The GPU sampler keeps at most 1024 candidates: top-k 0 (off) or above becomes 1024."""

@@ -139,6 +139,28 @@ class PrefillMixin:
         else:
             run()
 
+    def capture_verify(self, slot: int = 0) -> None:
+        """Every verification step's graph (1 .. verify_rows rows) captured now, each after its
+        eager warm-up run, so that speculation's first steps of each size do not pay for them
+        mid-answer. The runs evaluate token 0 at ``slot``'s next positions without counting them
+        into its length (a later step overwrites those cache rows; a slot without pages has its
+        writes skipped). Nothing where graphs are off or the positions would leave the slot's table."""
+        if not (self.use_graph and self.prefill_graph):
+            return
+        past = self.slot_len[slot]
+        todo = [r for r in range(1, self.verify_rows + 1) if not self.graphs.has(("verify", r))]
+        if not todo or past + self.verify_rows > self.kv.max_pages * self.kv.page_size:
+            return
+        self._argmax_buffers()
+        for rows in todo:
+            while self.prefill_graph and not self.graphs.has(("verify", rows)):  # (eager, then captured)
+                host = self._ids_host()
+                host[0, :rows], host[1, :rows], host[2, :rows] = 0, np.arange(past, past + rows), slot
+                with self.stream:
+                    self._upload_ids(rows)
+                    self._run_graphed(("verify", rows), lambda r=rows: self._verify_argmax(r), rows, True)
+        self.stream.synchronize()
+
     def verify_many(self, parts: Sequence[tuple[int, Sequence[int]]]) -> list[np.ndarray]:
         """Several slots' verification rows in one step (at most verify_rows in all): part (slot,
         tokens) evaluates its tokens at the slot's next positions on the decode kernels, as
