@@ -182,7 +182,7 @@ def test_many_rows_and_output_heads(kernels, rows, cols, b, rng):
 
 def test_token_grid_choice():
     """Only where the knob allows b, for matrices up to GRID_MAX_WEIGHTS, within CUDA's limit on
-    gridDim.y and one wave of the GPU."""
+    gridDim.y and one wave of the GPU (two for 8 tokens)."""
     kg = L.Kernels(dataclasses.replace(Tuning(), mmv_token_grid=4).knobs())
     k0 = L.Kernels(Tuning().knobs())
     w = 1 << 20
@@ -199,3 +199,8 @@ def test_token_grid_choice():
     assert L.token_grid(k132, 4, 1536, w, 1, 1, 3) == 1  # 96 blocks of 16 warps: 6,144 warps
     assert L.token_grid(k132, 2, 1536, w, 1, 1, 3) == 2  # 3,072
     assert L.token_grid(k132, 4, 576, w, 1, 2, 3) == 1  # 36 blocks of 32 warps: 4,608
+    # 8 tokens may take two waves (the tuning table's mmv_grid_waves 1:2)
+    assert L.token_grid(k132, 8, 960, w, 1, 1, 3) == 8  # 60 blocks of 16 warps: 7,680
+    assert L.token_grid(k132, 8, 1536, w, 1, 1, 3) == 1  # 12,288
+    k1w = L.Kernels(dataclasses.replace(Tuning(), mmv_token_grid=8, sm_count=132, mmv_grid_waves=(1, 1)).knobs())
+    assert L.token_grid(k1w, 8, 960, w, 1, 1, 3) == 1

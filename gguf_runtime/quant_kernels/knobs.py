@@ -21,6 +21,7 @@ class KernelKnobs(NamedTuple):
     decode_min_keys: int = 0  # flash_decode: keys a split at least (0: one tile a warp)
     sm_count: int = 0  # flash_decode splits by the step's work for this many SMs (0: by n_split alone)
     mmv_token_grid: int = 0  # matvecs of 2..this many tokens as token grids (launchers.token_grid); 0: never
-    gpu_sms: int = 0  # the GPU's SMs: a token grid stays within one wave (0: not bounded)
+    gpu_sms: int = 0  # the GPU's SMs: a token grid stays within grid_waves waves (0: not bounded)
+    grid_waves: tuple[int, int] = (1, 1)  # ... of GRID_WARPS_PER_SM warps on each SM: under 8 tokens, 8
     mma_shape: tuple[int, int] | None = None  # (warps along rows, 8-token MMA columns a warp) of every
     # tensor-core product and GLU, no split, no tall blocks (measuring); None: mma_config's rule

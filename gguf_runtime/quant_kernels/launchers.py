@@ -144,14 +144,14 @@ def token_grid(k: Kernels, b: int, rows: int, weights: int, r: int, wg: int, io:
     """Tokens of a matvec launched as a token grid (matvec.cu: b one-token products side by side,
     grid (b, row blocks)), or 1 (chunks of compiled token counts): where the knobs' mmv_token_grid
     allows b, the ``weights`` of its matrices are at most GRID_MAX_WEIGHTS, its ``rows`` make row
-    blocks within CUDA's limit on gridDim.y, and the grid's warps fit GRID_WARPS_PER_SM on each of
-    the knobs' gpu_sms SMs (0: not bounded); (r, wg) is the one-token shape (R rows a group of WG
-    warps)."""
+    blocks within CUDA's limit on gridDim.y, and the grid's warps fit the knobs' grid_waves waves
+    (b < 8 : b = 8) of GRID_WARPS_PER_SM on each of its gpu_sms SMs (0: not bounded); (r, wg) is the
+    one-token shape (R rows a group of WG warps)."""
     nw = block_warps(r, wg, io)
     blocks = -(-rows // (r * nw // wg))
     sms = k.knobs.gpu_sms
     return (b if 1 < b <= k.knobs.mmv_token_grid and weights <= GRID_MAX_WEIGHTS and blocks <= GRID_MAX_Y
-            and (not sms or b * blocks * nw <= sms * GRID_WARPS_PER_SM) else 1)
+            and (not sms or b * blocks * nw <= sms * GRID_WARPS_PER_SM * k.knobs.grid_waves[b >= 8]) else 1)
 
 
 def _grid(blocks: int, tokens: int) -> tuple[int, ...]:

@@ -51,6 +51,8 @@ class Tuning:
     mmv: tuple[tuple[str, tuple[int, int]], ...] = ()  # (role[_TYPE], (R, WG)) over mmv_config: measuring
     mmv_token_grid: int = 0  # matvecs of 2..this many rows as one-token products side by side (one
     # launch, launchers.token_grid); small models 8: their steps of several rows are latency-bound
+    mmv_grid_waves: tuple[int, int] = (1, 2)  # waves of warps (32 a SM) a token grid may take, under 8
+    # tokens : of 8 (past them the compiled-count kernels; 8 tokens' kernels are the slowest of those)
     # -- mixtures of experts
     moe_mma_slots: int = 0  # slots a tensor-core tile of one expert (8..64); 0: launch_moe.mma_tile_slots's rule
     moe_down_q8: bool = True  # the down matvec's input (the GLU's outputs) as int8 on the matvec path (row 111)
@@ -107,7 +109,8 @@ class Tuning:
                            decode=(self.decode_warps, *(self.decode_shape or (0, 0))),
                            decode_min_keys=self.decode_min_keys,
                            sm_count=self.sm_count if self.decode_work_split else 0, mma_shape=self.mma_shape,
-                           mmv_token_grid=self.mmv_token_grid, gpu_sms=self.sm_count)
+                           mmv_token_grid=self.mmv_token_grid, gpu_sms=self.sm_count,
+                           grid_waves=self.mmv_grid_waves)
 
     def mmv_override(self, role: str, type_name: str | None = None) -> tuple[int, int] | None:
         """(R, WG) for a role's matvec (and one weight type: "DOWN_Q6_K"), where measuring sets one."""
@@ -207,7 +210,7 @@ def _parse(name: str, text: str):
         if name == "pdl_big_graph_kernels":
             return tuple(p for p in text.split("+") if p)
         if name in ("attn_small", "attn_big", "mma_stages", "tiles_shape", "flash_shape",
-                    "decode_shape", "moe_rows", "mma_shape"):
+                    "decode_shape", "moe_rows", "mma_shape", "mmv_grid_waves"):
             return None if text == "none" else _pair(name, text)
         return text
     except ValueError:
