@@ -1,7 +1,7 @@
 """Speculative decoding in the server's CUDA adapter (``serve --spec ngram``): while the decoding
-sequences are few (their verification rows fit the backend's verify_rows) and all greedy, their
-next tokens are proposed by n-gram lookup over each one's prompt and output and checked together
-in one verification step (the backend's verify_many: the decode kernels over each sequence's last
+sequences are few (at most the tuning table's serve_spec_seqs, and their verification rows fit the
+backend's verify_rows) and all greedy, their next tokens are proposed by n-gram lookup over each
+one's prompt and output and checked together in one verification step (the backend's verify_many: the decode kernels over each sequence's last
 token and its proposals), the kept ones and each target's next token committed into the slots as
 if sampled (seq_commit), so the launch-ahead loop reads them from the ring like any others and
 plain batch steps can follow at once. A sequence without proposals takes one row there: its
@@ -84,6 +84,7 @@ class Speculation:
     def __init__(self, backend, k: int) -> None:
         self.be, self.k = backend, k
         self.rows = getattr(backend, "verify_rows", 8)  # a verification step's rows at most
+        self.seqs = getattr(getattr(backend, "tune", None), "serve_spec_seqs", 2)  # ... and its sequences
         self.slots: dict[int, SpecSlot] = {}
         self.stats = dict(steps=0, proposed=0, accepted=0)
         self.want = False  # a verification is wanted: launch nothing
@@ -98,7 +99,8 @@ class Speculation:
         """The decoding slots' proposals (slot -> tokens) where every one speculates, their rows fit
         one step and no prompt waits; else {}."""
         active = loop.active()
-        if filling or not active or 2 * len(active) > self.rows or any(s not in self.slots for s in active):
+        if (filling or not active or len(active) > self.seqs or 2 * len(active) > self.rows
+                or any(s not in self.slots for s in active)):
             return {}
         per = self.rows // len(active)
         return {s: self.slots[s].proposals(loop.room(s), per) for s in active}

@@ -95,6 +95,8 @@ class Tuning:
     # the documents' TTFT (bench/RESULTS.md row 130)
     serve_pack: bool = True  # prompts admitted in one step evaluated in shared forwards (seq_prefill_many); off: one by one
     serve_pack_rows: int = 16  # ... their flash blocks' query rows, so parts pad to this (0: flash_config's 32-64)
+    serve_spec_seqs: int = 2  # serve --spec ngram verifies proposals while at most this many sequences decode
+    # (more: plain batch steps; with 4 sequences speculation lost to them, with 2 it was level)
     # -- tensor parallelism
     tp_oneshot_rows: int = 0  # sums of up to this many rows on allreduce.cu (peer memory): 0, NCCL was faster (row 122)
     tp_reduce_off: bool = False  # measuring only: no all-reduce at all (wrong sums): a split's compute alone
