@@ -191,8 +191,8 @@ SPEC_VARIANTS = ("ngram", "oracle", "zero")  # gguf-run bench --spec
 
 
 def spec_rate(backend, variant: str, n: int = 128, k: int = 4, reps: int = 5, depth: int = 0) -> Rate:
-    """Greedy generation of n tokens after a one-token prompt at ``depth`` by speculative decoding
-    (engine/speculative.py) with proposals from ``variant``: "ngram" (prompt lookup), "oracle" (the
+    """Greedy generation of n tokens after a one-token prompt at ``depth`` (the prompt untimed, as
+    decode_rate's) by speculative decoding (engine/speculative.py) with proposals from ``variant``: "ngram" (prompt lookup), "oracle" (the
     speculative path's own greedy output replayed: every proposal kept, the mechanism's bound), "zero"
     (always wrong: none kept, its cost). The row's spec dict: acceptance, tokens a verification step,
     and ``parts_at``: the first token where the text differs from the plain loop's (None: the same).
@@ -207,8 +207,7 @@ def spec_rate(backend, variant: str, n: int = 128, k: int = 4, reps: int = 5, de
         backend.prefill([1])
         _sync(backend)
 
-    def run(propose, stats: dict | None = None) -> list[int]:
-        fresh()
+    def run(propose, stats: dict | None = None) -> list[int]:  # (after fresh(): the prompt is not timed)
         return list(speculative_loop(backend, n, GREEDY, [1], frozenset(), k=k, propose=propose, stats=stats))
 
     fresh()
@@ -217,6 +216,7 @@ def spec_rate(backend, variant: str, n: int = 128, k: int = 4, reps: int = 5, de
     own = ref
     if variant == "oracle":  # replayed until the speculative path gives back what it was proposed
         for _ in range(ORACLE_ROUNDS):
+            fresh()
             out = run(lambda hist, kk, t=own: t[len(hist) - 1:len(hist) - 1 + kk])
             if out == own:
                 break
@@ -229,6 +229,7 @@ def spec_rate(backend, variant: str, n: int = 128, k: int = 4, reps: int = 5, de
     parts_at = None
     for r in range(reps + 1):
         st = {}
+        fresh()
         t0 = time.perf_counter()
         out = run(proposers[variant], st)
         _sync(backend)
