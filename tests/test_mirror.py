@@ -49,6 +49,9 @@ class Fake:
         self.log.append(("eval_argmax", tuple(tokens)))
         return [0] * len(tokens)
 
+    def capture_verify(self, slot=0):
+        self.log.append(("capture_verify", slot))
+
     def start_decode(self, prompt, params, seed=0, keep=0):
         self.truncate(keep)
         self.prefill(prompt)
@@ -124,6 +127,7 @@ def test_workers_run_exactly_the_fronts_calls(group):
     for _ in range(3):
         launch()
     front.end_single()
+    front.capture_verify()  # (speculation's start: graphs whose collectives every rank must run)
     front.eval_argmax([4, 5, 6])  # (speculative verification: every rank's forward, its collectives)
     front.start_single([1, 2, 4], p, 9, given=5)()  # (the fall-back from a given token)
     front.end_single()
@@ -151,6 +155,7 @@ def test_workers_run_exactly_the_fronts_calls(group):
         assert be.prefill_graph is False
     assert sum(e == ("launch",) for e in logs[0]) == 4
     assert ("eval_argmax", (4, 5, 6)) in logs[0] and ("start_single", (1, 2, 4), 9, 5) in logs[0]
+    assert ("capture_verify", 0) in logs[0]
 
 
 def test_writes_before_ready_stay_local(group):

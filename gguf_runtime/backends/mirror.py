@@ -19,9 +19,10 @@ from typing import Any, Iterable
 
 from ..errors import GGUFRunError
 
+# (every rank captures and replays the same graphs: collectives match)
 MIRRORED = ("prefill", "eval", "truncate", "start_decode", "run_steps", "batch_step", "seq_release", "hidden",
             "capture_buckets", "end_single", "retune", "seq_start", "seq_prefill", "seq_prefill_many",
-            "seq_logprobs", "eval_argmax")  # (every rank captures and replays the same graphs: collectives match)
+            "seq_logprobs", "eval_argmax", "capture_verify")
 MIRRORED_ATTRS = ("prefill_graph", "use_graph")
 
 
