@@ -397,3 +397,50 @@ def test_spec_sim_replays_the_loop_over_a_text(monkeypatch):
     assert st["accepted"] >= 20 and st["plain"] >= 3, st
     assert be.us >= 1000.0 * st["plain"] + 200.0 * st["steps"], (be.us, st)
 
+
+
+def test_fall_back_policy():
+    """FallBack (speculative_loop's and the server's): nothing proposed, or LOW_STEPS failed tries,
+    start a run; after a run one failed try starts the next, twice as long, up to PLAIN_RUN_MAX; a
+    kept proposal resets both; during a run SHADOW_HITS right guesses in a row end it."""
+    from gguf_runtime.engine.speculative import LOW_STEPS, PLAIN_RUN, PLAIN_RUN_MAX, SHADOW_HITS, FallBack
+
+    f = FallBack()
+    assert f.due(False) and not f.due(True)
+    for _ in range(LOW_STEPS - 1):
+        f.kept(0)
+        assert not f.due(True)
+    f.kept(0)
+    assert f.due(True) and f.start() == PLAIN_RUN
+    assert not f.due(True)
+    f.kept(0)
+    assert f.due(True) and f.start() == 2 * PLAIN_RUN
+    for _ in range(8):
+        f.kept(0)
+        f.start()
+    assert f.length == PLAIN_RUN_MAX
+    f.kept(3)
+    assert not f.due(True) and f.start() == PLAIN_RUN
+    # the watch: guesses compared with the token that follows them
+    f.start()
+    text = [5, 6, 7, 8, 9]
+    said = [f.foretold(t, [text[i + 1]] if i + 1 < len(text) else []) for i, t in enumerate(text)]
+    assert said.index(True) == SHADOW_HITS
+    f.start()
+    assert not any(f.foretold(t, [0]) for t in text)
+
+
+def test_server_slot_falls_back_as_the_loop_does():
+    """The server's SpecSlot keeps FallBack's rule: LOW_STEPS failed tries start a run of PLAIN_RUN
+    plain tokens; after it one failed try starts the next, twice as long."""
+    from gguf_runtime.engine.speculative import LOW_STEPS, PLAIN_RUN, AdaptiveK
+    from gguf_runtime.server.speculation import SpecSlot
+
+    s = SpecSlot([1, 2, 3, 1, 2], AdaptiveK(3))
+    for _ in range(LOW_STEPS):
+        s.kept(3, 0)
+    assert s.plain == PLAIN_RUN and s.proposals(100, 8) == []
+    s.read([9] * PLAIN_RUN)
+    assert s.plain == 0
+    s.kept(1, 0)
+    assert s.plain == 2 * PLAIN_RUN

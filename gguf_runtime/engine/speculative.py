@@ -169,6 +169,47 @@ LOW_STEPS = 2  # verification steps that kept nothing, in a row, before falling 
 SHADOW_HITS = 2  # a run after failed proposals ends once the lookup's next-token guesses were right this often in a row
 
 
+@dataclasses.dataclass
+class FallBack:
+    """Where speculation stops paying, one sequence's runs of plain decoding (speculative_loop's
+    and the server's rule): nothing proposed, or LOW_STEPS verifications in a row that kept nothing
+    (after a run: one), start a run of ``length`` plain tokens, doubled after each run until a
+    proposal is kept (PLAIN_RUN .. PLAIN_RUN_MAX). A run after failed n-gram proposals watches the
+    lookup's guess of each next token: SHADOW_HITS right in a row end it (a copied passage began)."""
+
+    idle: int = 0  # verifications in a row that kept nothing
+    ran: bool = False  # a run happened, and no proposal was kept since
+    length: int = PLAIN_RUN  # the next run's tokens
+    guess: list[int] | None = None  # during a run: the lookup's guess of the next token ...
+    hits: int = 0  # ... and how many tokens in a row its guesses were right
+
+    def kept(self, accepted: int) -> None:
+        """A verification kept ``accepted`` proposals."""
+        if accepted:
+            self.idle, self.ran, self.length = 0, False, PLAIN_RUN
+        else:
+            self.idle += 1
+
+    def due(self, proposed: bool) -> bool:
+        """Decode plainly now (``proposed``: the lookup has tokens to verify)?"""
+        return not proposed or self.idle >= (1 if self.ran else LOW_STEPS)
+
+    def start(self) -> int:
+        """A run starts: its length."""
+        if self.ran:
+            self.length = min(self.length * 2, PLAIN_RUN_MAX)
+        self.ran, self.idle, self.guess, self.hits = True, 0, None, 0
+        return self.length
+
+    def foretold(self, token: int, guess: list[int]) -> bool:
+        """During a run: ``token`` came, and ``guess`` is the lookup's for the one after it; whether
+        the guesses were right SHADOW_HITS tokens in a row."""
+        if self.guess is not None:
+            self.hits = self.hits + 1 if self.guess == [token] else 0
+        self.guess = guess
+        return self.hits >= SHADOW_HITS
+
+
 def speculative_loop(backend, n: int, params, history: list[int], stop: frozenset[int], k: int = 4,
                      propose=ngram_propose, stats: dict | None = None):
     """Up to n tokens after the prompt already in ``backend`` (its ``last_logits``), as
@@ -206,8 +247,7 @@ def speculative_loop(backend, n: int, params, history: list[int], stop: frozense
     last = last.reshape(-1, last.shape[-1])[-1]
     n_vocab = int(last.shape[-1])
     tok = sampler.sample(last, hist)
-    produced, fresh, idle = 0, True, 0
-    run_len, ran = PLAIN_RUN, False  # ran: a fall-back run, and no proposal kept since
+    produced, fresh, fall = 0, True, FallBack()
     on_device = params.greedy and (params.repeat_penalty == 1.0 or params.repeat_last_n == 0) and \
         hasattr(backend, "eval_argmax")
     plain_ok = hasattr(backend, "start_single")
@@ -222,10 +262,8 @@ def speculative_loop(backend, n: int, params, history: list[int], stop: frozense
         fresh = True
         hist.append(tok)
         props = [int(t) for t in propose(hist, min(adapt.k, n - produced))][:n - produced]
-        if plain_ok and (not props or idle >= (1 if ran else LOW_STEPS)):
-            if ran:  # speculation keeps failing here: the runs between tries grow
-                run_len = min(run_len * 2, PLAIN_RUN_MAX)
-            ran = True
+        if plain_ok and fall.due(bool(props)):
+            run_len = fall.start()
             # decode the plain way from tok (its first step evaluates it: the decode graph's
             # arithmetic, as plain decoding's), then leave the run's last token unevaluated, as a
             # verification step does
@@ -239,7 +277,6 @@ def speculative_loop(backend, n: int, params, history: list[int], stop: frozense
             # tokens in a row (a draft model is not asked a token at a time: its runs run their length)
             watch = not props or isinstance(propose, NgramLookup)
             found, seen = [False], (list(hist) if watch else None)  # (the lookup's history, grown a token at a time)
-            guess, hits = (None if props else []), 0
             run = sample_loop(backend, min(run_len, n - produced), run_params, hist[:-1], stop, given=tok,
                               hold=(lambda: found[0]) if watch else None)
             try:
@@ -250,11 +287,9 @@ def speculative_loop(backend, n: int, params, history: list[int], stop: frozense
                     if t in stop or produced >= n:
                         break
                     if watch and not found[0]:
-                        if guess is not None:
-                            hits = hits + 1 if guess == [t] else 0
                         seen.append(t)
                         guess = propose(seen, 1)
-                        found[0] = (bool(guess) and not props) or hits >= SHADOW_HITS
+                        found[0] = fall.foretold(t, guess) or (bool(guess) and not props)
             finally:
                 run.close()  # (the device loop ends: its slot freed, the stream waited for)
             st["plain"] += len(got)
@@ -263,7 +298,7 @@ def speculative_loop(backend, n: int, params, history: list[int], stop: frozense
             if not got or got[-1] in stop or produced >= n:
                 return
             hist.extend(got[:-1])
-            tok, fresh, idle = got[-1], False, 0
+            tok, fresh = got[-1], False
             continue
         base = backend.n_past
         if on_device:  # greedy without a penalty: the argmaxes computed where the logits are
@@ -278,10 +313,9 @@ def speculative_loop(backend, n: int, params, history: list[int], stop: frozense
             p_rows = np.stack([_probs(sampler, rows[i], hist + props[:i], n_vocab) for i in range(len(props) + 1)])
             accepted, nxt = accept_sampled(props, p_rows, sampler.rng)
         adapt.update(len(props), accepted)
-        if accepted:
-            idle, ran, run_len = 0, False, PLAIN_RUN
-        else:  # (the next try the cheapest: a verification's cost grows with its rows, steeply past
-            idle, adapt.k = idle + 1, adapt.k_min  # the decode matvecs' rows; a kept try doubles k again)
+        fall.kept(accepted)
+        if not accepted:  # (the next try the cheapest: a verification's cost grows with its rows, steeply
+            adapt.k = adapt.k_min  # past the decode matvecs' rows; a kept try doubles k again)
         st["steps"] += 1
         st["proposed"] += len(props)
         st["accepted"] += accepted

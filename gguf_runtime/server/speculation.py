@@ -1,26 +1,27 @@
 """Speculative decoding in the server's CUDA adapter (``serve --spec ngram``): while the decoding
 sequences are few (at most the tuning table's serve_spec_seqs, and their verification rows fit the
 backend's verify_rows) and all greedy, their next tokens are proposed by n-gram lookup over each
-one's prompt and output and checked together in one verification step (the backend's verify_many: the decode kernels over each sequence's last
-token and its proposals), the kept ones and each target's next token committed into the slots as
-if sampled (seq_commit), so the launch-ahead loop reads them from the ring like any others and
-plain batch steps can follow at once. A sequence without proposals takes one row there: its
+one's prompt and output and checked together in one verification step (the backend's
+verify_many: the decode kernels over each sequence's last token and its proposals), the kept ones
+and each target's next token committed into the slots as if sampled (seq_commit), so the
+launch-ahead loop reads them from the ring like any others and plain batch steps can follow at
+once. A sequence without proposals takes one row there: its
 decode step. Sampled, penalized, constrained or logprobs requests, more sequences, or a prompt
 waiting to join: the steps are plain batch steps.
 
-Policy (engine/speculative.py's, per sequence): nothing proposed, no rows of proposals; LOW_STEPS
-verifications in a row that keep nothing: a run of plain tokens (PLAIN_RUN, doubled after each
-such run up to PLAIN_RUN_MAX) before its next try, ended early once the lookup's guesses of the
-next token were right SHADOW_HITS times in a row. A verification needs the pipeline drained (its
-inputs are the last tokens read), so the adapter stops launching while one is wanted.
+Policy (engine/speculative.py's FallBack, per sequence): nothing proposed, no rows of proposals;
+LOW_STEPS verifications in a row that keep nothing (after a run: one): a run of plain tokens
+(PLAIN_RUN, doubled after each such run up to PLAIN_RUN_MAX) before its next try, ended early once
+the lookup's guesses of the next token were right SHADOW_HITS times in a row. A verification needs
+the pipeline drained (its inputs are the last tokens read), so the adapter stops launching while
+one is wanted.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..engine.speculative import (LOW_STEPS, PLAIN_RUN, PLAIN_RUN_MAX, SHADOW_HITS, NgramLookup, accept_greedy,
-                                  first_k)
+from ..engine.speculative import FallBack, NgramLookup, accept_greedy, first_k
 from ..sampling import SamplingParams
 
 
@@ -33,16 +34,14 @@ def speculates(params: SamplingParams, grammar: str | None, logprobs: int) -> bo
 
 @dataclass
 class SpecSlot:
-    """One speculating sequence: its tokens (prompt and those read), its lookup and proposal size."""
+    """One speculating sequence: its tokens (prompt and those read), its lookup, proposal size and
+    runs of plain tokens (engine/speculative.py's FallBack)."""
 
     hist: list[int]
     adapt: object
     lookup: NgramLookup = field(default_factory=NgramLookup)
+    fall: FallBack = field(default_factory=FallBack)
     plain: int = 0  # tokens to decode plainly before the next try
-    run: int = PLAIN_RUN  # the next run's length
-    idle: int = 0  # verifications in a row that kept nothing
-    guess: list[int] | None = None  # during a run: the lookup's next token, as it stood
-    hits: int = 0  # ... right this many tokens in a row
 
     def proposals(self, room: int, rows: int) -> list[int]:
         """At most rows - 1 proposals, leaving a token of the room for the target's next one."""
@@ -53,29 +52,23 @@ class SpecSlot:
 
     def read(self, tokens: list[int]) -> None:
         """Tokens read; during a plain run the lookup guesses each next one, and SHADOW_HITS right
-        guesses in a row end the run (speculative_loop's rule: a copied passage began)."""
+        guesses in a row end the run (a copied passage began)."""
         for t in tokens:
-            if self.plain:
-                self.hits = self.hits + 1 if self.guess == [t] else 0
             self.hist.append(t)
             if self.plain:
                 self.plain -= 1
-                self.guess = self.lookup(self.hist, 1)
-                if self.hits >= SHADOW_HITS:
+                if self.fall.foretold(t, self.lookup(self.hist, 1)):
                     self.plain = 0
-            if not self.plain:
-                self.guess, self.hits = None, 0
 
     def kept(self, proposed: int, accepted: int) -> None:
         if not proposed:
             return
         self.adapt.update(proposed, accepted)
-        if accepted:
-            self.idle, self.run = 0, PLAIN_RUN
-        else:  # (the next try the cheapest, as speculative_loop's)
-            self.idle, self.adapt.k = self.idle + 1, self.adapt.k_min
-            if self.idle >= LOW_STEPS:
-                self.plain, self.run, self.idle = self.run, min(self.run * 2, PLAIN_RUN_MAX), 0
+        self.fall.kept(accepted)
+        if not accepted:  # (the next try the cheapest, as speculative_loop's)
+            self.adapt.k = self.adapt.k_min
+            if self.fall.due(True):
+                self.plain = self.fall.start()
 
 
 class Speculation:
