@@ -103,8 +103,16 @@ def test_logits_match_numpy(pair, f32_backend, n, rng):
         assert_all_rows(f16, ref[:n], what=f"{cfg.arch} {n} rows, f16 prefill", **F16)
 
 
+def verification_logits(be, tokens):
+    """A verification step's rows' logits at slot 0's next positions (verify_many leaves them in
+    ws.logits[:n])."""
+    be.verify_many([(0, list(tokens))])
+    # (read on the backend's stream: a plain read does not wait for its non-blocking stream)
+    return cp.asnumpy(be.ws.logits[:len(tokens)], stream=be.stream)
+
+
 def test_verification_rows_match_numpy(pair, rng):
-    """Speculative decoding's verification (eval_argmax's chunks: a decode step's kernels over
+    """Speculative decoding's verification (verify_many's steps: a decode step's kernels over
     consecutive tokens of one sequence, each row reading the keys the rows before it wrote in the
     same call): every row's logits within the int8 bars of numpy's, on the matvecs and, with
     decode_mmv_rows 2 (the 8B's), on the tensor-core products past 2 rows; its argmaxes are the
@@ -123,8 +131,7 @@ def test_verification_rows_match_numpy(pair, rng):
         for w in (1, 3, 5, 8, 7):  # (each size eager, then captured: the same values)
             chunk = ids[pos:pos + w]
             be.truncate(pos)
-            # (read on the backend's stream: a plain read does not wait for its non-blocking stream)
-            got.append(cp.asnumpy(be._eval(0, chunk, all_logits=True, verify=True), stream=be.stream))
+            got.append(verification_logits(be, chunk))
             be.truncate(pos)
             arg.append(be.eval_argmax(chunk))
             pos += w
@@ -138,9 +145,14 @@ def test_verification_rows_match_numpy(pair, rng):
         be.truncate(6)
         again, pos = [], 6
         for w in (7, 8, 5, 3, 1):
-            again.append(cp.asnumpy(be._eval(0, ids[pos:pos + w], all_logits=True, verify=True), stream=be.stream))
+            again.append(verification_logits(be, ids[pos:pos + w]))
             pos += w
         assert_all_rows(np.concatenate(again), want, what=what + ", graphs at other positions", **Q8)
+        # past verify_rows eval_argmax takes prompt chunks: the argmaxes of eval's rows
+        be.truncate(6)
+        long = be.eval_argmax(ids[6:18])
+        be.truncate(6)
+        assert (long == be.eval(ids[6:18], all_logits=True).argmax(-1)).all()
 
 
 def test_verification_rows_are_decode_steps_bit_for_bit(pair, rng):
@@ -164,7 +176,7 @@ def test_verification_rows_are_decode_steps_bit_for_bit(pair, rng):
     steps = np.stack(steps)
     for w in (8, 3, 5, 1, 8):  # (each size eager, then the 8 rows' graph)
         cub.truncate(560)
-        rows = cp.asnumpy(cub._eval(0, ids[560:560 + w], all_logits=True, verify=True), stream=cub.stream)
+        rows = verification_logits(cub, ids[560:560 + w])
         diff = np.abs(rows - steps[:w]).max()
         assert np.array_equal(rows, steps[:w]), f"{cfg.arch} {w} rows: max |diff| {diff:g}"
 
@@ -185,8 +197,8 @@ def test_capture_verify_captures_every_size_and_leaves_the_cache(pair, rng):
     assert not fresh.graphs.has(("verify", 3))
     for be in (fresh, warm):  # (the positions capture_verify ran at now written for real)
         be.eval(ids[40:52])
-    want = cp.asnumpy(fresh._eval(0, ids[52:60], all_logits=True, verify=True), stream=fresh.stream)
-    got = cp.asnumpy(warm._eval(0, ids[52:60], all_logits=True, verify=True), stream=warm.stream)
+    want = verification_logits(fresh, ids[52:60])
+    got = verification_logits(warm, ids[52:60])
     assert np.array_equal(got, want)
     two = CudaBackend(f, cfg, 256, max_batch=2)
     two.kv.reserve(0, 256, stream=two.stream)  # (slot 0 as the server's: pages for its sequence, slot 1 none)

@@ -5,11 +5,12 @@ A chunk of more than MAX_MMV_TOKENS rows runs padded in front to a multiple of t
 kernels. Its first run is eager and doubles as the warm-up; from its second run on it is a CUDA
 graph (one per padded size and logits mode), which takes the host's launch cost out of prefill:
 hundreds of Python launches per chunk for a small model's 30 layers. Smaller chunks with every
-row's logits (speculative decoding's verification: the last token and its proposals) are graphed
-the same way from their second run. Several sequences' prompt
-parts packed in one forward (the server's admissions) are graphed the same way, one graph per
-padded size: their rows padded at the end to a multiple of prefill_quantum, their last rows'
-indices in a device buffer, the head always over 64 rows.
+row's logits (sampled speculative decoding's verification: the last token and its proposals) are
+graphed the same way from their second run. Several sequences' prompt parts packed in one forward
+(the server's admissions) are graphed the same way, one graph per padded size: their rows padded at
+the end to a multiple of prefill_quantum, their last rows' indices in a device buffer, the head
+always over 64 rows. Greedy verification (verify_many, eval_argmax) runs a decode step's kernels
+over up to verify_rows tokens, a graph per row count (capture_verify makes them all at once).
 """
 
 from __future__ import annotations
@@ -54,16 +55,17 @@ class PrefillMixin:
 
     def eval_argmax(self, tokens: Sequence[int], slot: int = 0) -> np.ndarray:
         """eval with every row's logits, returning each row's argmax (ties: lowest id) computed on
-        the device: speculative decoding's greedy verification copies a few ints, not the rows. A
-        verification step (up to verify_rows tokens) computes them inside its graph and they come
-        back through pinned memory."""
-        self._argmax_buffers()
+        the device: speculative decoding's greedy verification copies a few ints, not the rows. Up
+        to verify_rows tokens: a verification step (verify_many's, its rows' logits left in
+        ws.logits[:n]); more: prompt chunks, then the argmaxes."""
         n = len(tokens)
-        out = self._eval(slot, tokens, all_logits=True, verify=True)
+        if 0 < n <= self.verify_rows:
+            return self.verify_many([(slot, tokens)])[0]
+        self._argmax_buffers()
+        out = self._eval(slot, tokens, all_logits=True)
         with self.stream:
-            if n > self.verify_rows:  # (a prompt chunk's path: the argmax after it)
-                LS.rows_argmax(self.kernels, out.data.ptr, out.strides[0] // 4, self.cfg.n_vocab, n,
-                               self._argmax_out.data.ptr)
+            LS.rows_argmax(self.kernels, out.data.ptr, out.strides[0] // 4, self.cfg.n_vocab, n,
+                           self._argmax_out.data.ptr)
         return self._read_argmax(n)
 
     def _read_argmax(self, n: int) -> np.ndarray:
@@ -88,7 +90,7 @@ class PrefillMixin:
         LS.rows_argmax(self.kernels, logits.data.ptr, logits.strides[0] // 4, self.cfg.n_vocab, rows,
                        self._argmax_out.data.ptr)
 
-    def _eval(self, slot: int, tokens: Sequence[int], all_logits: bool, verify: bool = False) -> cp.ndarray:
+    def _eval(self, slot: int, tokens: Sequence[int], all_logits: bool) -> cp.ndarray:
         n, past = len(tokens), self.slot_len[slot]
         if past + n > self.kv.capacity(slot):
             raise ContextOverflowError(f"{past + n} tokens do not fit the context of {self.kv.capacity(slot)}; "
@@ -99,26 +101,21 @@ class PrefillMixin:
         with self.stream:
             for s in range(0, n, self.ws.max_rows):
                 part = ids[s:s + self.ws.max_rows]
-                logits = self._chunk(slot, part, past, all_logits and s + part.shape[0] >= n, verify)
+                logits = self._chunk(slot, part, past, all_logits and s + part.shape[0] >= n)
                 past += part.shape[0]
                 self.slot_len[slot] = past
         self.last_logits = logits
         return logits
 
-    def _chunk(self, slot: int, part: np.ndarray, past: int, all_logits: bool, verify: bool = False) -> cp.ndarray:
+    def _chunk(self, slot: int, part: np.ndarray, past: int, all_logits: bool) -> cp.ndarray:
         """Run one chunk of a prompt at positions past, past + 1, ...; its logits (the last row's,
-        or every row's), padded and graphed as the module says. ``verify`` (every row's logits, up to
-        verify_rows rows): a decode step's kernels (_verify_rows)."""
+        or every row's), padded and graphed as the module says."""
         ws = self.ws
         rows, pad = self._stage(slot, part, past, ws.logits.shape[0] if all_logits else ws.max_rows)
-        verify = verify and all_logits and rows <= self.verify_rows
-        if verify:
-            self._argmax_buffers()
-        key = ("verify", rows) if verify else ("prefill", rows, all_logits)
-        run = (lambda: self._verify_argmax(rows)) if verify else (lambda: self._prefill_rows(rows, all_logits))
         # graphs from a size's second run: chunks past the matvec rows, and the small ones with every
-        # row's logits (speculative decoding's verification steps repeat those sizes every step)
-        self._run_graphed(key, run, rows, rows > L.MAX_MMV_TOKENS or all_logits)
+        # row's logits (sampled speculative decoding's verification steps repeat those sizes every step)
+        self._run_graphed(("prefill", rows, all_logits), lambda: self._prefill_rows(rows, all_logits), rows,
+                          rows > L.MAX_MMV_TOKENS or all_logits)
         return ws.logits[pad:rows] if all_logits else ws.logits[:1]
 
     def _run_graphed(self, key: tuple, run, rows: int, graphable: bool) -> None:
@@ -163,8 +160,8 @@ class PrefillMixin:
 
     def verify_many(self, parts: Sequence[tuple[int, Sequence[int]]]) -> list[np.ndarray]:
         """Several slots' verification rows in one step (at most verify_rows in all): part (slot,
-        tokens) evaluates its tokens at the slot's next positions on the decode kernels, as
-        eval_argmax does for one; each part's rows' argmaxes. Each slot's length advances past its
+        tokens) evaluates its tokens at the slot's next positions on the decode kernels (eval_argmax:
+        one part); each part's rows' argmaxes. Each slot's length advances past its
         tokens; ``_verify_base`` keeps where each started (seq_commit)."""
         rows = sum(len(t) for _, t in parts)
         if not 0 < rows <= self.verify_rows:
