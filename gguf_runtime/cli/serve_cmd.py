@@ -77,7 +77,7 @@ def serve(
                                         "the next request loads it again (as Ollama's OLLAMA_KEEP_ALIVE, whose "
                                         "default is 5m)"),
     spec: str = typer.Option("none", "--spec", help="cuda: speculative decoding of greedy requests while at "
-                             "most four decode, all greedy: none, or ngram (tokens proposed by lookup in each "
+                             "most two decode, all greedy: none, or ngram (tokens proposed by lookup in each "
                              "one's prompt and output, checked together: the same text); else plain steps"),
     spec_k: int = typer.Option(4, "--spec-k", help="--spec: tokens proposed a step at most (adapts to acceptance)"),
     log_level: str = typer.Option("warning", "--log-level", help="uvicorn's: critical|error|warning|info|debug "

@@ -43,7 +43,7 @@ class NoRoom(Exception):
 def make_adapter(engine, depth: int = 2, progress: Callable[[str, int, int], None] | None = None,
                  prefix_cache: bool = True, spec: str = "none", spec_k: int = 4):
     """The adapter for the engine's backend: CUDA (batched) or numpy (one sequence at a time).
-    ``spec`` "ngram": speculative decoding of up to four greedy sequences (CUDA, one GPU; speculation.py)."""
+    ``spec`` "ngram": speculative decoding of a few greedy sequences (CUDA, one GPU; speculation.py)."""
     if getattr(engine.backend, "name", "") == "cuda":
         return CudaAdapter(engine, depth=depth, progress=progress, prefix_cache=prefix_cache, spec=spec,
                            spec_k=spec_k)
