@@ -1,5 +1,5 @@
-"""Token grids (launchers.token_grid, matvec.cu): a matvec of b tokens launched as b one-token
-products side by side. Each token's outputs (rows, the int8 copies a q8 epilogue writes, RoPE'd rows
+"""Token grids (launchers.token_grid / token_groups, matvec.cu): a matvec of b tokens launched as
+b one-token products side by side, or as b / t products of t tokens (token groups). Each token's outputs (rows, the int8 copies a q8 epilogue writes, RoPE'd rows
 and the KV cache) must equal a one-token launch on that token's rows bit for bit: that is what makes
 a speculative verification row a decode step's row. Outputs poisoned; inputs fresh and random.
 """
@@ -17,13 +17,15 @@ from gguf_runtime.quant_kernels import launchers as L  # noqa: E402
 from test_gpu_kernels import POISON, cols_for, upload  # noqa: E402
 from test_gpu_q8 import Q8Buf, quantized  # noqa: E402
 
-TOKENS = pytest.mark.parametrize("b", [2, 3, 8])
+TOKENS = pytest.mark.parametrize("b", [2, 3, 4, 8])
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    """(one-token launches, token grids up to 8 tokens)."""
-    return L.Kernels(Tuning().knobs()), L.Kernels(dataclasses.replace(Tuning(), mmv_token_grid=8).knobs())
+@pytest.fixture(scope="module", params=[0, 2, 4], ids=["one-token", "groups-of-2", "groups-of-4"])
+def kernels(request):
+    """(one-token launches, token grids up to 8 tokens: of one-token blocks, or of blocks of 2 or 4
+    tokens wherever that divides b)."""
+    grid = dataclasses.replace(Tuning(), mmv_token_grid=8, mmv_grid_tokens=request.param)
+    return L.Kernels(Tuning().knobs()), L.Kernels(grid.knobs())
 
 
 def equal(a, b, what):
@@ -204,3 +206,13 @@ def test_token_grid_choice():
     assert L.token_grid(k132, 8, 1536, w, 1, 1, 3) == 1  # 12,288
     k1w = L.Kernels(dataclasses.replace(Tuning(), mmv_token_grid=8, sm_count=132, mmv_grid_waves=(1, 1)).knobs())
     assert L.token_grid(k1w, 8, 960, w, 1, 1, 3) == 1
+    # token groups (grid_groups): where one-token blocks do not fit, the fewest tokens a block that do
+    kgg = L.Kernels(dataclasses.replace(Tuning(), mmv_token_grid=8, sm_count=132, mmv_grid_groups=True).knobs())
+    one = lambda t: (1, 1)  # noqa: E731  (the shape whatever the tokens: 16 warps a block of 16 rows)
+    assert L.token_groups(k132, 8, 1536, w, one, 3) == 1  # off: 8 one-token blocks do not fit
+    assert L.token_groups(kgg, 8, 1536, w, one, 3) == 2  # 4 x 1,536 warps would not fit one wave; 2 x
+    assert L.token_groups(kgg, 8, 960, w, one, 3) == 8  # one-token blocks fit (two waves for 8 tokens)
+    assert L.token_groups(kgg, 4, 1536, w, one, 3) == 2  # 2 x 1,536 warps
+    assert L.token_groups(kgg, 3, 1536, w, one, 3) == 1  # 3 tokens: no group divides them
+    kt = L.Kernels(dataclasses.replace(Tuning(), mmv_token_grid=8, mmv_grid_tokens=2).knobs())
+    assert L.token_groups(kt, 8, 1 << 16, w, one, 3) == 4 and L.token_groups(kt, 3, 256, w, one, 3) == 3

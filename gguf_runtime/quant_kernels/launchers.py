@@ -154,6 +154,25 @@ def token_grid(k: Kernels, b: int, rows: int, weights: int, r: int, wg: int, io:
             and (not sms or b * blocks * nw <= sms * GRID_WARPS_PER_SM * k.knobs.grid_waves[b >= 8]) else 1)
 
 
+def token_groups(k: Kernels, b: int, rows: int, weights: int, dims, io: int) -> int:
+    """Groups of a matvec of b tokens launched as a token grid of b / g-token blocks side by side
+    (matvec.cu, IO bit 5: grid (g, row blocks)), or 1 (no grid): one-token blocks where token_grid
+    allows them, else, with the knobs' grid_groups, the fewest tokens a block (2, then 4, dividing b)
+    whose grid token_grid's bounds allow (its groups counted as its tokens). ``dims(t)``: the
+    (R, WG) of a t-token block, as token_grid takes them. The knobs' grid_tokens t (measuring,
+    tests): blocks of t tokens wherever 1 <= t < b divides b (up to mmv_token_grid tokens)."""
+    t = k.knobs.grid_tokens
+    if 0 < t < b <= k.knobs.mmv_token_grid and b % t == 0:
+        return b // t
+    g = token_grid(k, b, rows, weights, *dims(1), io)
+    if g > 1 or not k.knobs.grid_groups:
+        return g
+    for t in (2, 4):
+        if t < b and b % t == 0 and token_grid(k, b // t, rows, weights, *dims(t), io) > 1:
+            return b // t
+    return 1
+
+
 def _grid(blocks: int, tokens: int) -> tuple[int, ...]:
     return (tokens, blocks) if tokens > 1 else (blocks,)
 
@@ -249,8 +268,8 @@ def mmv(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases
             wg = min(wg, 2 * r)
         return r, wg
 
-    grid = token_grid(k, b, total, total * cols, *shape(1), io)
-    for row, n in [(0, 1)] if grid > 1 else token_chunks(b):
+    grid = token_groups(k, b, total, total * cols, shape, io)
+    for row, n in [(0, b // grid)] if grid > 1 else token_chunks(b):
         r, wg = shape(n)
         # RoPE in the epilogue: rope pairs in one group (R = 2); the f32 path is tested at one warp
         fused = (rope is not None and mode == 0 and r == 2 and (wg == 1 or q8 is not None) and rope.fusable
@@ -304,9 +323,8 @@ def mmv_glu(k: Kernels, gate: Mat, up: Mat, x: int, ldx: int, b: int, act: str, 
             r, wg = min(r, 8), min(wg, 2)
         return r, wg
 
-    r1, wg1 = shape(1)
-    grid = token_grid(k, b, gate.rows, 2 * gate.rows * gate.cols, r1 // 2, wg1, io)
-    for row, n in [(0, 1)] if grid > 1 else token_chunks(b):
+    grid = token_groups(k, b, gate.rows, 2 * gate.rows * gate.cols, lambda t: (shape(t)[0] // 2, shape(t)[1]), io)
+    for row, n in [(0, b // grid)] if grid > 1 else token_chunks(b):
         r, wg = shape(n)
         nw = block_warps(r // 2, wg, io)
         per_block = (r // 2) * nw // wg

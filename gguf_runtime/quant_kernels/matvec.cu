@@ -58,12 +58,14 @@ DEV void rope_store(const RopeArgs& ra, int seg, int row0, float (&v)[R][B], flo
     }
 }
 
-// A token grid (IO bit 5; launchers.token_grid): T tokens as T one-token products (B = 1) in one
-// launch of grid (T, row blocks), so token t's rows come out of the same code as a one-token step's,
-// and the T blocks of the same rows run side by side (their weights shared in L2) instead of one
-// thread carrying T tokens' chains. Other launches are one-dimensional (row blocks on x).
+// A token grid (IO bit 5; launchers.token_groups): T tokens as T / B products of B tokens each (B = 1:
+// one-token products; 2 or 4: token groups) in one launch of grid (T / B, row blocks), so token t's
+// rows come out of the same code as a B-token launch's (a row's sums do not depend on the other
+// tokens: a one-token step's bit for bit), and the blocks of the same rows run side by side (their
+// weights shared in L2) instead of one thread carrying T tokens' chains. Other launches are
+// one-dimensional (row blocks on x).
 template <int IO>
-DEV int grid_token() { return (IO & 32) ? (int)blockIdx.x : 0; }
+DEV int grid_group() { return (IO & 32) ? (int)blockIdx.x : 0; }
 template <int IO>
 DEV int grid_block() { return (IO & 32) ? (int)blockIdx.y : (int)blockIdx.x; }
 template <class P>
@@ -162,7 +164,7 @@ DEV void staged_segment(const Mat& mat, int n, int blk0, int row0, const XIn& xi
 // IO & 1: x and nw unused, XQ_ARGS is the input; IO & 2: QO_ARGS the int8 copy of the outputs;
 // IO & 4: Q4_K or Q6_K matrices with int8 in, each block's scales staged (staged_segment);
 // IO & 8: the int8 input has its rests (q8_res, at xq + xres); IO & 16: a q8 epilogue writes the
-// outputs' rests (at oq + ores); IO & 32: a token grid (grid_token).
+// outputs' rests (at oq + ores); IO & 32: a token grid (grid_group).
 #define XQ_ARGS const u8* xq, int ldq, const float4* xs, int lds, int xres, int xnorm, float xeps
 #define QO_ARGS u8* oq, int ldoq, float4* os, int ldos, int ores, const float* onw
 template <class T0, class T1, class T2, int B, int R, int WG, int MODE, int IO>
@@ -173,9 +175,8 @@ __global__ void __launch_bounds__(32 * block_warps<R, WG, IO>(), min_blocks<R, W
         const float* __restrict__ x, int ldx, int K, const float* __restrict__ nw, float eps, XQ_ARGS, QO_ARGS,
         const int* rpos, const int* rseq, const int* rtable, int rmax_pages, int rpage_size,
         const double* rfreq, int rn_rot, int rhd, int rn_kv, void* rkc, void* rvc, int rkv16) {
-    if constexpr ((IO & 32) != 0) {  // a token grid's token t (B = 1): its rows of x, y and the rest
-        static_assert(B == 1, "token grids run one-token products");
-        const int t = grid_token<IO>();
+    if constexpr ((IO & 32) != 0) {  // a token grid's group: its first token t's rows of x, y and the rest
+        const int t = grid_group<IO>() * B;
         x = at_token(x, t, ldx); xq = at_token(xq, t, ldq); xs = at_token(xs, t, lds);
         y0 = at_token(y0, t, ldy0); y1 = at_token(y1, t, ldy1); y2 = at_token(y2, t, ldy2);
         oq = at_token(oq, t, ldoq); os = at_token(os, t, ldos); rpos = at_token(rpos, t, 1); rseq = at_token(rseq, t, 1);
@@ -215,9 +216,8 @@ __global__ void __launch_bounds__(32 * block_warps<R / 2, WG, IO>(), min_blocks<
                                                int ldx, int K, float* y, int ldy, const float* __restrict__ nw,
                                                float eps, XQ_ARGS, QO_ARGS) {
     constexpr int H = R / 2;
-    if constexpr ((IO & 32) != 0) {  // a token grid's token t (mmv_group's note)
-        static_assert(B == 1, "token grids run one-token products");
-        const int t = grid_token<IO>();
+    if constexpr ((IO & 32) != 0) {  // a token grid's group (mmv_group's note)
+        const int t = grid_group<IO>() * B;
         x = at_token(x, t, ldx); xq = at_token(xq, t, ldq); xs = at_token(xs, t, lds);
         y = at_token(y, t, ldy); oq = at_token(oq, t, ldoq); os = at_token(os, t, ldos);
     }
@@ -336,5 +336,5 @@ GROUP(TQ8_0, 1, 4, 2, 0, 9) GROUP(TQ5_0, 2, 4, 1, 1, 27) GLU(TQ4_K, 1, 4, 2, 0, 
 GLU(TQ4_K, 1, 4, 2, 0, 7) GROUP(TQ4_K, 1, 2, 2, 1, 7) GLU(TQ6_K, 2, 2, 1, 0, 7) GROUP(TQ6_K, 3, 2, 2, 1, 7)
 GROUP(TQ4_K, 1, 2, 1, 0, 5) GROUP(TQ6_K, 2, 4, 1, 0, 5)
 GROUP(TQ4_1, 1, 2, 1, 0, 33) GROUP(TQ4_1, 1, 1, 1, 1, 35) GLU(TQ4_1, 1, 2, 1, 0, 35) GROUP(TF32, 1, 2, 1, 0, 32)
-GROUP(TQ4_K, 1, 2, 1, 0, 37)
+GROUP(TQ4_K, 1, 2, 1, 0, 37) GROUP(TQ4_1, 4, 1, 2, 1, 35) GLU(TQ4_1, 4, 2, 1, 0, 35) GROUP(TQ4_1, 2, 2, 1, 0, 33)
 #endif

@@ -53,6 +53,9 @@ class Tuning:
     # launch, launchers.token_grid); small models 8: their steps of several rows are latency-bound
     mmv_grid_waves: tuple[int, int] = (1, 2)  # waves of warps (32 a SM) a token grid may take, under 8
     # tokens : of 8 (past them the compiled-count kernels; 8 tokens' kernels are the slowest of those)
+    mmv_grid_groups: bool = False  # ... and where one-token blocks do not fit, blocks of 2 or 4 tokens side by side
+    # (launchers.token_groups; off until measured)
+    mmv_grid_tokens: int = 0  # measuring: token grids of blocks of this many tokens wherever it divides the count
     # -- mixtures of experts
     moe_mma_slots: int = 0  # slots a tensor-core tile of one expert (8..64); 0: launch_moe.mma_tile_slots's rule
     moe_down_q8: bool = True  # the down matvec's input (the GLU's outputs) as int8 on the matvec path (row 111)
@@ -112,7 +115,8 @@ class Tuning:
                            decode_min_keys=self.decode_min_keys,
                            sm_count=self.sm_count if self.decode_work_split else 0, mma_shape=self.mma_shape,
                            mmv_token_grid=self.mmv_token_grid, gpu_sms=self.sm_count,
-                           grid_waves=self.mmv_grid_waves)
+                           grid_waves=self.mmv_grid_waves, grid_groups=self.mmv_grid_groups,
+                           grid_tokens=self.mmv_grid_tokens)
 
     def mmv_override(self, role: str, type_name: str | None = None) -> tuple[int, int] | None:
         """(R, WG) for a role's matvec (and one weight type: "DOWN_Q6_K"), where measuring sets one."""
