@@ -78,6 +78,12 @@ class NgramLookup:
         return []
 
 
+def argmax_verified(params) -> bool:
+    """Whether the target's token at each proposed position is its logits' argmax (greedy without a
+    penalty): a device then verifies by argmax alone (eval_argmax, verify_many)."""
+    return params.greedy and (params.repeat_penalty == 1.0 or params.repeat_last_n == 0)
+
+
 def accept_greedy(proposals: Sequence[int], target: Sequence[int]) -> tuple[int, int]:
     """(accepted, next): target[i] is the target's argmax after the prefix and proposals[:i]
     (len(proposals) + 1 rows); the proposals agreeing with it are accepted, and ``next`` is the
@@ -248,8 +254,7 @@ def speculative_loop(backend, n: int, params, history: list[int], stop: frozense
     n_vocab = int(last.shape[-1])
     tok = sampler.sample(last, hist)
     produced, fresh, fall = 0, True, FallBack()
-    on_device = params.greedy and (params.repeat_penalty == 1.0 or params.repeat_last_n == 0) and \
-        hasattr(backend, "eval_argmax")
+    on_device = argmax_verified(params) and hasattr(backend, "eval_argmax")
     plain_ok = hasattr(backend, "start_single")
     if on_device and hasattr(backend, "capture_verify"):  # (the GPU: each verification size's graph now, not mid-answer)
         backend.capture_verify()

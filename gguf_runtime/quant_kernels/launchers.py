@@ -134,9 +134,10 @@ GRID_MAX_Y = 65535  # CUDA's limit on gridDim.y (a token grid's row blocks)
 # side): it pays on small matrices, whose products are latency-bound; an output head (SmolLM2's 28M
 # weights, Gemma-3's 168M) reads its bytes once for all tokens instead
 GRID_MAX_WEIGHTS = 1 << 23
-# ... and only where its warps are resident at once: past one wave the grid's second wave costs what
-# the b-token kernel's longer chains do (SmolLM2's GLU and down with q8 epilogues, 16-32 warps a
-# block of ~50-64 registers: 2 and 1 blocks an SM, were slower as 4-token grids)
+# ... and only where its warps are resident at once (the knobs' grid_waves: 8 tokens, whose kernels
+# are the slowest, may take two): past that the grid's next wave costs what the b-token kernel's
+# longer chains do (SmolLM2's GLU and down with q8 epilogues, 16-32 warps a block of ~50-64
+# registers: 2 and 1 blocks an SM, were slower as 4-token grids)
 GRID_WARPS_PER_SM = 32
 
 

@@ -5,9 +5,9 @@ one's prompt and output and checked together in one verification step (the backe
 verify_many: the decode kernels over each sequence's last token and its proposals), the kept ones
 and each target's next token committed into the slots as if sampled (seq_commit), so the
 launch-ahead loop reads them from the ring like any others and plain batch steps can follow at
-once. A sequence without proposals takes one row there: its
-decode step. Sampled, penalized, constrained or logprobs requests, more sequences, or a prompt
-waiting to join: the steps are plain batch steps.
+once. A sequence without proposals takes one row there: its decode step. Sampled, penalized,
+constrained or logprobs requests, more sequences, or a prompt waiting to join: the steps are plain
+batch steps.
 
 Policy (engine/speculative.py's FallBack, per sequence): nothing proposed, no rows of proposals;
 LOW_STEPS verifications in a row that keep nothing (after a run: one): a run of plain tokens
@@ -21,15 +21,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..engine.speculative import FallBack, NgramLookup, accept_greedy, first_k
+from ..engine.speculative import FallBack, NgramLookup, accept_greedy, argmax_verified, first_k
 from ..sampling import SamplingParams
 
 
 def speculates(params: SamplingParams, grammar: str | None, logprobs: int) -> bool:
     """Whether a request's tokens can be verified by argmax: greedy, no penalty, no grammar and no
     logprobs (their kernels run beside the batch step's sampler)."""
-    return (params.greedy and (params.repeat_penalty == 1.0 or params.repeat_last_n == 0) and not grammar
-            and logprobs < 0)
+    return argmax_verified(params) and not grammar and logprobs < 0
 
 
 @dataclass

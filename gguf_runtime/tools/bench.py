@@ -192,10 +192,11 @@ SPEC_VARIANTS = ("ngram", "oracle", "zero")  # gguf-run bench --spec
 
 def spec_rate(backend, variant: str, n: int = 128, k: int = 4, reps: int = 5, depth: int = 0) -> Rate:
     """Greedy generation of n tokens after a one-token prompt at ``depth`` (the prompt untimed, as
-    decode_rate's) by speculative decoding (engine/speculative.py) with proposals from ``variant``: "ngram" (prompt lookup), "oracle" (the
-    speculative path's own greedy output replayed: every proposal kept, the mechanism's bound), "zero"
-    (always wrong: none kept, its cost). The row's spec dict: acceptance, tokens a verification step,
-    and ``parts_at``: the first token where the text differs from the plain loop's (None: the same).
+    decode_rate's) by speculative decoding (engine/speculative.py) with proposals from ``variant``:
+    "ngram" (prompt lookup), "oracle" (the speculative path's own greedy output replayed: every
+    proposal kept, the mechanism's bound), "zero" (always wrong: none kept, its cost). The row's spec
+    dict: acceptance, tokens a verification step, and ``parts_at``: the first token where the text
+    differs from the plain loop's (None: the same).
     Past the decode matvecs' rows (big models) the verification's tensor-core products may round a
     near tie the other way than the one-row decode step, so a difference is reported, not raised;
     the tests hold the equality."""

@@ -48,6 +48,12 @@ class PrefillMixin:
     def truncate(self, n: int) -> None:
         self.slot_len[0] = min(self.slot_len[0], n)
 
+    def _check_room(self, slot: int, n: int) -> None:
+        """ContextOverflowError unless n more tokens fit the slot's pages."""
+        if self.slot_len[slot] + n > self.kv.capacity(slot):
+            raise ContextOverflowError(f"{self.slot_len[slot] + n} tokens do not fit the context of "
+                                       f"{self.kv.capacity(slot)}; raise --ctx-size or shorten the input")
+
     def eval(self, tokens: Sequence[int], all_logits: bool = False) -> np.ndarray:
         """Append tokens to slot 0; host copy of the last (or every) token's logits."""
         out = self._eval(0, tokens, all_logits)
@@ -92,9 +98,7 @@ class PrefillMixin:
 
     def _eval(self, slot: int, tokens: Sequence[int], all_logits: bool) -> cp.ndarray:
         n, past = len(tokens), self.slot_len[slot]
-        if past + n > self.kv.capacity(slot):
-            raise ContextOverflowError(f"{past + n} tokens do not fit the context of {self.kv.capacity(slot)}; "
-                                       "raise --ctx-size or shorten the input")
+        self._check_room(slot, n)
         if all_logits and n > self.ws.logits.shape[0]:
             raise ValueError(f"all_logits is limited to {self.ws.logits.shape[0]} tokens per call on the GPU")
         ids = np.asarray(tokens, np.int32)
@@ -118,19 +122,22 @@ class PrefillMixin:
                           rows > L.MAX_MMV_TOKENS or all_logits)
         return ws.logits[pad:rows] if all_logits else ws.logits[:1]
 
-    def _run_graphed(self, key: tuple, run, rows: int, graphable: bool) -> None:
-        """run() eagerly on a key's first call, from its second as a captured graph (``graphable``
-        and graphs on; a failed capture turns prompt graphs off)."""
+    def _run_graphed(self, key: tuple, run, rows: int, graphable: bool, flag: str = "prefill_graph",
+                     what: str = "the prefill") -> None:
+        """run() eagerly on a key's first call, from its second as a captured graph (``graphable``,
+        graphs on and the attribute ``flag`` true; a failed capture turns ``flag`` off, noting
+        ``what`` runs eagerly from then on)."""
         seen = self._prefill_runs.get(key, 0)
         self._prefill_runs[key] = seen + 1
-        graph = graphable and self.use_graph and self.prefill_graph and seen > 0
+        graph = graphable and self.use_graph and getattr(self, flag) and seen > 0
         if graph and not self.graphs.has(key):
             try:  # the eager first run was its warm-up
                 self.graphs.capture(key, self._with_pdl(run, rows), warmup=0)
             except CaptureError as e:
-                self.prefill_graph = graph = False
+                setattr(self, flag, False)
+                graph = False
                 if self.note:
-                    self.note(f"warning: CUDA graph capture of the prefill failed ({e}); prefilling eagerly")
+                    self.note(f"warning: CUDA graph capture of {what} failed ({e}); evaluating it eagerly")
         if graph:
             self.graphs.replay(key)
         else:
@@ -170,9 +177,7 @@ class PrefillMixin:
         host, r = self._ids_host(), 0
         for slot, toks in parts:
             n, past = len(toks), self.slot_len[slot]
-            if past + n > self.kv.capacity(slot):
-                raise ContextOverflowError(f"{past + n} tokens do not fit the context of {self.kv.capacity(slot)}; "
-                                           "raise --ctx-size or shorten the input")
+            self._check_room(slot, n)
             host[0, r:r + n], host[1, r:r + n], host[2, r:r + n] = toks, np.arange(past, past + n), slot
             self._verify_base[slot], r = past, r + n
         with self.stream:
@@ -258,9 +263,7 @@ class PrefillMixin:
             t, past = len(tokens), self.slot_len[slot]
             if not t:
                 raise ValueError("an empty prompt part")
-            if past + t > self.kv.capacity(slot):
-                raise ContextOverflowError(f"{past + t} tokens do not fit the context of {self.kv.capacity(slot)}; "
-                                           "raise --ctx-size or shorten the input")
+            self._check_room(slot, t)
             pad = -t % align
             toks += [0] * pad + list(tokens)
             pos += [past + t] * pad + list(range(past, past + t))
@@ -271,27 +274,13 @@ class PrefillMixin:
         q = self.tune.prefill_quantum
         rows = min(-(-len(toks) // q) * q, ws.max_rows)  # (a multiple of part_align: whole flash blocks of -1)
         pad = rows - len(toks)
-        i32 = lambda a: np.asarray(a, np.int32)  # noqa: E731
         host = self._ids_host()
         host[0, :rows], host[1, :rows], host[2, :rows] = toks + [0] * pad, pos + [0] * pad, seq + [-1] * pad
         self._upload_ids(rows)
-        self._pack_last.set(i32(last + [last[-1]] * (PACK_HEAD - len(last))), stream=self.stream)
-        key = ("packed", rows)
-        seen = self._prefill_runs.get(key, 0)
-        self._prefill_runs[key] = seen + 1
-        graph = self.use_graph and self.pack_graph and seen > 0
-        if graph and not self.graphs.has(key):
-            try:  # the eager first run was its warm-up
-                self.graphs.capture(key, self._with_pdl(lambda: self._packed_rows(rows), rows), warmup=0)
-            except CaptureError as e:
-                self.pack_graph = graph = False
-                if self.note:
-                    self.note(f"warning: CUDA graph capture of packed prompts failed ({e}); evaluating them eagerly")
+        self._pack_last.set(np.asarray(last + [last[-1]] * (PACK_HEAD - len(last)), np.int32), stream=self.stream)
         with self.stream:
-            if graph:
-                self.graphs.replay(key)
-            else:
-                self._packed_rows(rows)
+            self._run_graphed(("packed", rows), lambda: self._packed_rows(rows), rows, True, "pack_graph",
+                              "packed prompts")
         for slot, tokens in parts:
             self.slot_len[slot] += len(tokens)
         self.last_logits = logits = ws.logits[:len(parts)]
