@@ -196,7 +196,7 @@ def test_token_grid_choice():
     assert L.token_grid(kg, 2, 8, w, 2, 1, 0) == 2  # one block of 8 rows
     assert L.token_grid(kg, 2, 4 * 70000, w, 1, 1, 0) == 1  # past gridDim.y's limit
     # one wave: 132 SMs x 32 warps; a q8 epilogue's blocks (io 3) of 16 rows take 16 WG / R warps
-    k132 = L.Kernels(dataclasses.replace(Tuning(), mmv_token_grid=8, sm_count=132).knobs())
+    k132 = L.Kernels(dataclasses.replace(Tuning(), mmv_token_grid=8, sm_count=132, mmv_grid_groups=False).knobs())
     assert L.token_grid(k132, 4, 960, w, 2, 1, 1) == 4  # 120 blocks of 4 warps
     assert L.token_grid(k132, 4, 1536, w, 1, 1, 3) == 1  # 96 blocks of 16 warps: 6,144 warps
     assert L.token_grid(k132, 2, 1536, w, 1, 1, 3) == 2  # 3,072
@@ -210,7 +210,8 @@ def test_token_grid_choice():
     kgg = L.Kernels(dataclasses.replace(Tuning(), mmv_token_grid=8, sm_count=132, mmv_grid_groups=True).knobs())
     one = lambda t: (1, 1)  # noqa: E731  (the shape whatever the tokens: 16 warps a block of 16 rows)
     assert L.token_groups(k132, 8, 1536, w, one, 3) == 1  # off: 8 one-token blocks do not fit
-    assert L.token_groups(kgg, 8, 1536, w, one, 3) == 2  # 4 x 1,536 warps would not fit one wave; 2 x
+    assert L.token_groups(kgg, 8, 1536, w, one, 3) == 4  # 4 x 1,536 warps: two waves (8 tokens)
+    assert L.token_groups(kgg, 8, 3072, w, one, 3) == 2  # 4 x 3,072 warps would not fit two; 2 x
     assert L.token_groups(kgg, 8, 960, w, one, 3) == 8  # one-token blocks fit (two waves for 8 tokens)
     assert L.token_groups(kgg, 4, 1536, w, one, 3) == 2  # 2 x 1,536 warps
     assert L.token_groups(kgg, 3, 1536, w, one, 3) == 1  # 3 tokens: no group divides them

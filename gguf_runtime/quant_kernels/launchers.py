@@ -141,18 +141,19 @@ GRID_MAX_WEIGHTS = 1 << 23
 GRID_WARPS_PER_SM = 32
 
 
-def token_grid(k: Kernels, b: int, rows: int, weights: int, r: int, wg: int, io: int) -> int:
+def token_grid(k: Kernels, b: int, rows: int, weights: int, r: int, wg: int, io: int, tokens: int = 0) -> int:
     """Tokens of a matvec launched as a token grid (matvec.cu: b one-token products side by side,
     grid (b, row blocks)), or 1 (chunks of compiled token counts): where the knobs' mmv_token_grid
     allows b, the ``weights`` of its matrices are at most GRID_MAX_WEIGHTS, its ``rows`` make row
     blocks within CUDA's limit on gridDim.y, and the grid's warps fit the knobs' grid_waves waves
     (b < 8 : b = 8) of GRID_WARPS_PER_SM on each of its gpu_sms SMs (0: not bounded); (r, wg) is the
-    one-token shape (R rows a group of WG warps)."""
+    one-token shape (R rows a group of WG warps). ``tokens``: the matvec's tokens where the grid's b
+    blocks carry several each (token_groups), which choose the waves instead of b."""
     nw = block_warps(r, wg, io)
     blocks = -(-rows // (r * nw // wg))
     sms = k.knobs.gpu_sms
     return (b if 1 < b <= k.knobs.mmv_token_grid and weights <= GRID_MAX_WEIGHTS and blocks <= GRID_MAX_Y
-            and (not sms or b * blocks * nw <= sms * GRID_WARPS_PER_SM * k.knobs.grid_waves[b >= 8]) else 1)
+            and (not sms or b * blocks * nw <= sms * GRID_WARPS_PER_SM * k.knobs.grid_waves[(tokens or b) >= 8]) else 1)
 
 
 def token_groups(k: Kernels, b: int, rows: int, weights: int, dims, io: int) -> int:
@@ -169,7 +170,7 @@ def token_groups(k: Kernels, b: int, rows: int, weights: int, dims, io: int) -> 
     if g > 1 or not k.knobs.grid_groups:
         return g
     for t in (2, 4):
-        if t < b and b % t == 0 and token_grid(k, b // t, rows, weights, *dims(t), io) > 1:
+        if t < b and b % t == 0 and token_grid(k, b // t, rows, weights, *dims(t), io, b) > 1:
             return b // t
     return 1
 

@@ -53,8 +53,8 @@ class Tuning:
     # launch, launchers.token_grid); small models 8: their steps of several rows are latency-bound
     mmv_grid_waves: tuple[int, int] = (1, 2)  # waves of warps (32 a SM) a token grid may take, under 8
     # tokens : of 8 (past them the compiled-count kernels; 8 tokens' kernels are the slowest of those)
-    mmv_grid_groups: bool = False  # ... and where one-token blocks do not fit, blocks of 2 or 4 tokens side by side
-    # (launchers.token_groups; off until measured)
+    mmv_grid_groups: bool = True  # ... and where one-token blocks do not fit, blocks of 2 or 4 tokens side by side
+    # (launchers.token_groups: faster steps of 4 and 8 rows on both small models, bench/RESULTS.md)
     mmv_grid_tokens: int = 0  # measuring: token grids of blocks of this many tokens wherever it divides the count
     # -- mixtures of experts
     moe_mma_slots: int = 0  # slots a tensor-core tile of one expert (8..64); 0: launch_moe.mma_tile_slots's rule
