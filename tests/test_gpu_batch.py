@@ -1,5 +1,7 @@
 """Batched decoding on the bucket graphs: uneven prompts, paged KV, each sequence as if alone."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -39,14 +41,38 @@ def prompts(n, seed=0):
 
 
 def test_small_batch_equals_each_sequence_alone(pair):
-    """Up to 8 rows the batch runs the same f32 kernels as one sequence: identical greedy tokens."""
+    """Up to 8 rows the batch runs the matvecs of one sequence: with the output head on them too
+    (head_mma_rows 0), identical greedy tokens. The tuning table's head_mma_rows (4) puts the heads
+    of steps of 4-8 rows on the tensor cores: each sequence then gets the tokens it gets alone in
+    that bucket, and steps of 2 rows keep the matvec head."""
     backend, single = pair
     ps = prompts(5)
-    batched = generate_batch(backend, ps, 40, GREEDY)
+    tune = backend.tune
+    assert tune.head_mma_rows == 4
+    backend.retune(dataclasses.replace(tune, head_mma_rows=0))
+    try:
+        batched = generate_batch(backend, ps, 40, GREEDY)
+    finally:
+        backend.retune(tune)
     for p, got in zip(ps, batched):
         single.truncate(0)
         single.prefill(p)
         assert got == list(sample_loop(single, 40, GREEDY, p, frozenset()))
+    ps = prompts(8)
+    batched = generate_batch(backend, ps, 24, GREEDY, bucket=8)
+    for s in (0, 7):
+        assert batched[s] == generate_batch(backend, [ps[s]], 24, GREEDY, slots=[s], bucket=8)[0]
+    for rows, mma in ((2, False), (4, True), (8, True)):  # the kernels of one eager step
+        for s in range(rows):
+            backend.seq_add(s, ps[s], GREEDY, 8)
+        backend.kernels.timeline = []
+        with backend.stream:
+            backend._step(rows, (False, True))
+        backend.stream.synchronize()
+        names, backend.kernels.timeline = [n for n, _, _ in backend.kernels.timeline], None
+        assert any(n.startswith("mma_") for n in names) == mma
+        for s in range(rows):
+            backend.seq_release(s)
 
 
 def test_tensor_core_bucket_equals_alone_in_the_same_bucket(backend):

@@ -23,6 +23,8 @@ def test_choices_by_model_size(monkeypatch):
     assert (moe.kv_type, moe.decode_mmv_rows, moe.pdl_any_rows) == ("f16", 8, True)
     # token grids (launchers.token_grid) for the small models' latency-bound steps of several rows
     assert (small.mmv_token_grid, big.mmv_token_grid, moe.mmv_token_grid) == (8, 0, 0)
+    # and the output head on the tensor cores from 4 rows (not the big models' 1-2 matvec rows)
+    assert (small.head_mma_rows, big.head_mma_rows, moe.head_mma_rows) == (4, 0, 0)
     assert tuning.choose(BIG, sm_count=132).knobs().gpu_sms == 132
     assert tuning.choose(BIG + 1, kv_type="f32").kv_type == "f32"
     assert tuning.choose(BIG + 1, kv_type="auto").kv_type == "f16"

@@ -181,6 +181,13 @@ class CudaBlocks:
     def _big_mma(self, t: int) -> bool:
         return self.mma and not self._small(t)
 
+    def _head_mma(self, t: int) -> bool:
+        """A decode step of t rows takes the output head on the tensor cores from the tuning table's
+        head_mma_rows; a verification's rows keep the matvec head of a one-row step, so speculation's
+        greedy tokens stay those of plain decoding."""
+        n = self.tune.head_mma_rows
+        return self.decode and not self.verify and 0 < n <= t and self.ws.x16 is not None
+
     def _normed(self, x: cp.ndarray, name: str, mats: list[L.Mat]
                 ) -> tuple[cp.ndarray, tuple[int, float] | None, L.Q8Vec | None]:
         """The input of the products with ``mats`` after RMSNorm ``name``: on the matvec path (x, the
@@ -599,8 +606,14 @@ class CudaBlocks:
         # a split model: this rank's vocabulary rows, then every rank's into ws.logits
         out = ws.logits[:t] if self.comm is None else self.comm.part[:t]
         ld = out.strides[0] // 4
-        h, norm, q8 = self._normed(x, "output_norm.weight", [head])
-        if self._big_mma(t):
+        mma = self._big_mma(t) or self._head_mma(t)
+        if mma and self._small(t):  # a decode step's few rows: a norm kernel writes the head's f16 input
+            h, norm, q8 = self.ws.h[:t], None, None
+            self._norm(x, "output_norm.weight", h, f16=True)
+            self._q8_ready = None
+        else:
+            h, norm, q8 = self._normed(x, "output_norm.weight", [head])
+        if mma:
             LM.mma(self.k, [head], [(out.data.ptr, ld)], [None], self.ws.x16.data.ptr, self.ws.x16.strides[0] // 2,
                   t, 0, self.ws.split)
         else:

@@ -48,6 +48,8 @@ class Tuning:
     post_q8: bool = True  # a post-norm's kernel writes the next pre-norm's int8 input (one launch less)
     q8_res: frozenset[str] = frozenset()  # roles whose int8 input carries its rests (~15 bits; Q8_RES_BY_ARCH)
     kstage: frozenset[str] = frozenset({"qkv", "o", "glu", "down"})  # K-quant scales staged (the head lost)
+    head_mma_rows: int = 0  # decode steps of this many rows or more (not verification's) take the output
+    # head on the tensor cores (f16 input; 8-token matvecs of a vocabulary's rows are dp4a-bound); small models 4
     mmv: tuple[tuple[str, tuple[int, int]], ...] = ()  # (role[_TYPE], (R, WG)) over mmv_config: measuring
     mmv_token_grid: int = 0  # matvecs of 2..this many rows as one-token products side by side (one
     # launch, launchers.token_grid); small models 8: their steps of several rows are latency-bound
@@ -132,6 +134,7 @@ def _size_defaults(weight_bytes: int, kv_type: str | None, n_head_kv: int | None
     # size: its products read few rows each, like a small model's (bench/RESULTS.md row 116)
     small = not big or moe
     out = {"decode_mmv_rows": 8 if small else 2, "pdl_any_rows": small, "mmv_token_grid": 0 if big else 8,
+           "head_mma_rows": 0 if big else 4,
            "kv_type": kv_type if kv_type not in (None, "auto") else ("f16" if f16 else "f32"),
            "q8_res": Q8_RES_BY_ARCH.get(arch or "", frozenset())}
     if sm_count:
