@@ -11,6 +11,7 @@ import sys
 
 import typer
 
+from . import llama_flags
 from ..errors import GGUFRunError, printable
 
 app = typer.Typer(
@@ -23,7 +24,8 @@ app = typer.Typer(
            "  gguf-run model.gguf -p 'Once upon a time' --raw -n 64 --temp 0\n\n"
            "  gguf-run info model.gguf\n\n"
            "  gguf-run tokenize model.gguf 'Hello world' --pieces\n\n"
-           "  gguf-run bench model.gguf --batch 1,8,32,64",
+           "  gguf-run bench model.gguf --batch 1,8,32,64\n\n"
+           "llama.cpp's -m MODEL, -ngl N (0: the CPU), -fa and -s SEED are understood too.",
     add_completion=False,
     no_args_is_help=False,
     pretty_exceptions_enable=False,
@@ -38,6 +40,16 @@ from . import chat_cmd, info_cmd, list_cmd, run_cmd, synth_cmd, bench_cmd, serve
 def _commands() -> set[str]:
     group = typer.main.get_command(app)
     return set(getattr(group, "commands", {}))
+
+
+def _takes_value(command: str, option: str) -> bool:
+    """Whether ``command``'s option ``option`` reads the next word (a value, not a switch)."""
+    group = typer.main.get_command(app)
+    cmd = getattr(group, "commands", {}).get(command)
+    for p in getattr(cmd, "params", ()):
+        if option in (*getattr(p, "opts", ()), *getattr(p, "secondary_opts", ())):
+            return not getattr(p, "is_flag", False) and not getattr(p, "count", False)
+    return False
 
 
 def route(argv: list[str]) -> list[str]:
@@ -77,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gguf-run {__version__}")
         return 0
     try:
+        quiet = "-q" in args or "--quiet" in args
+        args = llama_flags.translate(args, _takes_value, (lambda m: None) if quiet else
+                                     (lambda m: print(f"note: {m}", file=sys.stderr, flush=True)))
         # without standalone mode typer returns click's exit code for an abort (Ctrl-C: 130)
         code = app(args=args, prog_name="gguf-run", standalone_mode=False)
     except _EXITS as e:
