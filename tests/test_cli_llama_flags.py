@@ -45,6 +45,9 @@ def test_gpu_layers_flash_attention_and_seed():
     # llama-bench's -fa 1, and older llama.cpp's bare -fa switch (the next word is an option)
     assert tr("bench", "a.gguf", "-fa", "1", "-p", "512")[0] == ["bench", "a.gguf", "-p", "512"]
     assert tr("run", "a.gguf", "-fa", "-p", "x")[0] == ["run", "a.gguf", "-p", "x"]
+    # llama-server's parallel slots
+    assert tr("serve", "-m", "a.gguf", "-np", "8", "--port", "0")[0] == ["serve", "a.gguf", "--max-batch", "8",
+                                                                      "--port", "0"]
 
 
 @pytest.mark.parametrize("args,words", [

@@ -1,8 +1,8 @@
 """llama.cpp's spellings of the options its users type first, read as gguf-run's before a command
 parses argv: ``-m MODEL`` (the MODEL argument), ``-ngl N`` (0: the CPU, i.e. ``--backend numpy``;
 any other N: every layer on the GPU, as gguf-run always runs them), ``-fa [on|off|auto|1|0]``
-(flash attention: gguf-run's GPU path always uses its flash-attention kernels) and ``-s N``
-(``--seed``). So `llama-cli -m M.gguf -ngl 99 -fa on -p ...` and `llama-bench -m M.gguf -ngl 99
+(flash attention: gguf-run's GPU path always uses its flash-attention kernels), ``-s N``
+(``--seed``) and llama-server's ``-np N`` (``serve --max-batch N``). So `llama-cli -m M.gguf -ngl 99 -fa on -p ...` and `llama-bench -m M.gguf -ngl 99
 -fa 1 -p 512 -n 128` run as they stand with `gguf-run` / `gguf-run bench` in front."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ COMMANDS = frozenset({"run", "chat", "bench", "serve", "perplexity", "embed"})
 MODEL = ("-m", "--model")
 GPU_LAYERS = ("-ngl", "--n-gpu-layers", "--gpu-layers")
 FLASH = ("-fa", "--flash-attn")
+PARALLEL = ("-np", "--parallel")  # llama-server's slots: serve's sequences decoded together
 FLASH_VALUES = {"on": True, "1": True, "auto": True, "off": False, "0": False}
 ALL_LAYERS = 99  # llama.cpp's usual "every layer"; fewer asks for a partial offload, which gguf-run has not
 
@@ -52,6 +53,10 @@ def translate(args: list[str], takes_value: Callable[[str, str], bool],
             if on is False:
                 note(f"{a} {nxt}: gguf-run's GPU path always runs its flash-attention kernels")
             i += 1 if on is None else 2  # a bare -fa (older llama.cpp's switch) means on
+            continue
+        if a in PARALLEL and cmd == "serve":
+            out += ["--max-batch"] + ([nxt] if nxt is not None else [])
+            i += 2
             continue
         if a == "-s":
             out += ["--seed"] + ([nxt] if nxt is not None else [])
