@@ -73,3 +73,5 @@ def test_a_llama_cli_line_runs_as_it_stands():
             "-q")
     assert a[0] == 0 and a[1] == b[1] and a[1].strip(), a
     assert_one_line_error(run("-m", m, "-ngl", "lots", "-p", "x"), "-ngl lots")
+    # an option gguf-run has not (llama.cpp's -t THREADS): named as such, not as a second model
+    assert_one_line_error(run("-m", m, "-t", "8", "-p", "x"), "no such option", "-t")

@@ -25,7 +25,7 @@ app = typer.Typer(
            "  gguf-run info model.gguf\n\n"
            "  gguf-run tokenize model.gguf 'Hello world' --pieces\n\n"
            "  gguf-run bench model.gguf --batch 1,8,32,64\n\n"
-           "llama.cpp's -m MODEL, -ngl N (0: the CPU), -fa and -s SEED are understood too.",
+           "llama.cpp's -m MODEL, -ngl N (0: the CPU), -fa, -s SEED and -np N (serve) are understood too.",
     add_completion=False,
     no_args_is_help=False,
     pretty_exceptions_enable=False,
@@ -42,14 +42,15 @@ def _commands() -> set[str]:
     return set(getattr(group, "commands", {}))
 
 
-def _takes_value(command: str, option: str) -> bool:
-    """Whether ``command``'s option ``option`` reads the next word (a value, not a switch)."""
+def _takes_value(command: str, option: str) -> bool | None:
+    """Whether ``command``'s option ``option`` reads the next word (a value, not a switch); None:
+    the command has no such option."""
     group = typer.main.get_command(app)
     cmd = getattr(group, "commands", {}).get(command)
     for p in getattr(cmd, "params", ()):
         if option in (*getattr(p, "opts", ()), *getattr(p, "secondary_opts", ())):
             return not getattr(p, "is_flag", False) and not getattr(p, "count", False)
-    return False
+    return False if option in ("-h", "--help") else None
 
 
 def route(argv: list[str]) -> list[str]:

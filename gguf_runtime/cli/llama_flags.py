@@ -2,8 +2,9 @@
 parses argv: ``-m MODEL`` (the MODEL argument), ``-ngl N`` (0: the CPU, i.e. ``--backend numpy``;
 any other N: every layer on the GPU, as gguf-run always runs them), ``-fa [on|off|auto|1|0]``
 (flash attention: gguf-run's GPU path always uses its flash-attention kernels), ``-s N``
-(``--seed``) and llama-server's ``-np N`` (``serve --max-batch N``). So `llama-cli -m M.gguf -ngl 99 -fa on -p ...` and `llama-bench -m M.gguf -ngl 99
--fa 1 -p 512 -n 128` run as they stand with `gguf-run` / `gguf-run bench` in front."""
+(``--seed``) and llama-server's ``-np N`` (``serve --max-batch N``). So `llama-cli -m M.gguf
+-ngl 99 -fa on -p ...` and `llama-bench -m M.gguf -ngl 99 -fa 1 -p 512 -n 128` run as they stand
+with `gguf-run` / `gguf-run bench` in front."""
 
 from __future__ import annotations
 
@@ -20,14 +21,15 @@ FLASH_VALUES = {"on": True, "1": True, "auto": True, "off": False, "0": False}
 ALL_LAYERS = 99  # llama.cpp's usual "every layer"; fewer asks for a partial offload, which gguf-run has not
 
 
-def translate(args: list[str], takes_value: Callable[[str, str], bool],
+def translate(args: list[str], takes_value: Callable[[str, str], bool | None],
               note: Callable[[str], None]) -> list[str]:
     """args (a command name first) with llama.cpp's options rewritten; ``takes_value(command,
     option)``: whether that command's option reads the next word (so a prompt that reads "-m" stays
-    a prompt). Other commands and words after ``--`` pass as they are."""
+    a prompt), None for an option it does not have (the command then names it: its next word
+    cannot be told from a MODEL argument). Other commands and words after ``--`` pass as they are."""
     if not args or args[0] not in COMMANDS:
         return args
-    cmd, out, model, positional, i = args[0], [args[0]], None, False, 1
+    cmd, out, model, positional, unknown, i = args[0], [args[0]], None, False, False, 1
     while i < len(args):
         a = args[i]
         nxt = args[i + 1] if i + 1 < len(args) else None
@@ -63,7 +65,9 @@ def translate(args: list[str], takes_value: Callable[[str, str], bool],
             i += 2
             continue
         out.append(a)
-        if a.startswith("-") and "=" not in a and takes_value(cmd, a) and nxt is not None:
+        value = takes_value(cmd, a) if a.startswith("-") and "=" not in a and a != "-" else False
+        unknown = unknown or value is None
+        if value and nxt is not None:
             out.append(nxt)
             i += 2
             continue
@@ -71,7 +75,7 @@ def translate(args: list[str], takes_value: Callable[[str, str], bool],
         i += 1
     if model is None:
         return out
-    if positional and cmd != "embed":  # (embed: MODEL then TEXT...)
+    if positional and not unknown and cmd != "embed":  # (embed: MODEL then TEXT...)
         raise GGUFRunError(f"the model is given twice: -m {model!r} and a MODEL argument; give one")
     return [out[0], model, *out[1:]]
 
