@@ -66,56 +66,71 @@ class Budget:
         cls._local.deadline = time.monotonic() + seconds
         cls._local.max_chars = MAX_CHARS + 4 * input_chars
         entry = _WATCHDOG.arm(time.monotonic() + seconds + 0.25, threading.get_ident())
+        closed = False  # (the generator closed unused: its caller met the exception already)
         try:
             yield
+        except GeneratorExit:
+            closed = True
+            raise
         finally:
-            _WATCHDOG.disarm(entry)  # from here on the watchdog cannot fire
             cls._local.deadline = None
             cls._local.max_chars = MAX_CHARS
+            if _WATCHDOG.disarm(entry):  # from here on the watchdog cannot fire
+                # it fired as the render ended: its exception, if still pending on this thread,
+                # would surface later in code that is not the render's; it is raised here instead
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(threading.get_ident()), None)
+                if not closed:
+                    raise TemplateLimit(f"rendering took longer than {MAX_SECONDS:g} s")
 
 
 class _Watchdog:
     """One daemon thread for every render's deadline: at a deadline whose render has not ended it
     raises TemplateLimit in the rendering thread. (A timer thread per render cost ~1 ms a request,
-    half of a long chat history's template and tokenizer work.)"""
+    half of a long chat history's template and tokenizer work.)
+
+    The rendering threads take ``_lock`` only in ``with`` blocks that call no Python function: an
+    asynchronous exception is raised where a Python function starts, and one raised inside a
+    Condition's ``__exit__`` (before it releases its lock) had left the lock held, so every later
+    render of every thread waited for it for ever (a server's event loop too). The watchdog thread
+    therefore polls the heap (deadlines lie >= 0.25 s ahead) instead of waiting on a Condition."""
+
+    POLL_S = 0.05
 
     def __init__(self) -> None:
-        self._cv = threading.Condition()
-        self._heap: list = []  # (deadline, order, entry); entry: {"tid", "done"}
+        self._lock = threading.Lock()
+        self._heap: list = []  # (deadline, order, entry); entry: {"tid", "done", "fired"}
         self._order = itertools.count()
         self._thread: threading.Thread | None = None
 
     def arm(self, deadline: float, tid: int) -> dict:
-        entry = {"tid": tid, "done": False}
-        with self._cv:
-            heapq.heappush(self._heap, (deadline, next(self._order), entry))
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="gguf-template-watchdog", daemon=True)
-                self._thread.start()
-            self._cv.notify()
+        entry = {"tid": tid, "done": False, "fired": False}
+        item = (deadline, next(self._order), entry)
+        with self._lock:  # (heappush is C)
+            heapq.heappush(self._heap, item)
+        t = self._thread
+        if t is None or not t.is_alive():  # (two threads may start one each: both serve the heap)
+            t = self._thread = threading.Thread(target=self._run, name="gguf-template-watchdog", daemon=True)
+            t.start()
         return entry
 
-    def disarm(self, entry: dict) -> None:
-        with self._cv:  # (the watchdog fires under this lock, only for entries not done)
+    def disarm(self, entry: dict) -> bool:
+        """The render has ended; whether the watchdog fired at it."""
+        with self._lock:  # (the watchdog fires under this lock, only for entries not done)
             entry["done"] = True
+        return entry["fired"]
 
     def _run(self) -> None:
-        with self._cv:
-            while True:
-                while self._heap and self._heap[0][2]["done"]:
-                    heapq.heappop(self._heap)
-                if not self._heap:
-                    self._cv.wait()
-                    continue
-                deadline, _, entry = self._heap[0]
-                wait = deadline - time.monotonic()
-                if wait > 0:
-                    self._cv.wait(wait)
-                    continue
-                heapq.heappop(self._heap)
-                entry["done"] = True
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(entry["tid"]),
-                                                           ctypes.py_object(TemplateLimit))
+        while True:
+            now = time.monotonic()
+            with self._lock:
+                while self._heap and (self._heap[0][2]["done"] or self._heap[0][0] <= now):
+                    entry = heapq.heappop(self._heap)[2]
+                    if not entry["done"]:
+                        entry["done"] = entry["fired"] = True
+                        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(entry["tid"]),
+                                                                   ctypes.py_object(TemplateLimit))
+                wait = self._heap[0][0] - now if self._heap else self.POLL_S
+            time.sleep(min(max(wait, 0.001), self.POLL_S))
 
 
 _WATCHDOG = _Watchdog()
