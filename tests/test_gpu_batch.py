@@ -40,6 +40,20 @@ def prompts(n, seed=0):
     return [rng.integers(10, 40000, k).tolist() for k in lengths]
 
 
+def step_kernels(be, ps, rows: int) -> list[str]:
+    """The kernels of one eager greedy step of ``rows`` sequences (prompts ps[:rows])."""
+    for s in range(rows):
+        be.seq_add(s, ps[s], GREEDY, 8)
+    be.kernels.timeline = []
+    with be.stream:
+        be._step(rows, (False, True))
+    be.stream.synchronize()
+    names, be.kernels.timeline = [n for n, _, _ in be.kernels.timeline], None
+    for s in range(rows):
+        be.seq_release(s)
+    return names
+
+
 def test_small_batch_equals_each_sequence_alone(pair):
     """Up to 8 rows the batch runs the matvecs of one sequence: with the output head on them too
     (head_mma_rows 0), identical greedy tokens. The tuning table's head_mma_rows (4) puts the heads
@@ -62,17 +76,9 @@ def test_small_batch_equals_each_sequence_alone(pair):
     batched = generate_batch(backend, ps, 24, GREEDY, bucket=8)
     for s in (0, 7):
         assert batched[s] == generate_batch(backend, [ps[s]], 24, GREEDY, slots=[s], bucket=8)[0]
-    for rows, mma in ((2, False), (4, True), (8, True)):  # the kernels of one eager step
-        for s in range(rows):
-            backend.seq_add(s, ps[s], GREEDY, 8)
-        backend.kernels.timeline = []
-        with backend.stream:
-            backend._step(rows, (False, True))
-        backend.stream.synchronize()
-        names, backend.kernels.timeline = [n for n, _, _ in backend.kernels.timeline], None
+    for rows, mma in ((2, False), (4, True), (8, True)):
+        names = step_kernels(backend, ps, rows)
         assert any(n.startswith("mma_") for n in names) == mma
-        for s in range(rows):
-            backend.seq_release(s)
 
 
 def test_tensor_core_bucket_equals_alone_in_the_same_bucket(backend):
@@ -101,18 +107,10 @@ def test_tensor_core_small_buckets(name, monkeypatch):
         batched = generate_batch(be, ps[:n], 16, GREEDY, bucket=n)
         for s in (0, n - 1):
             assert batched[s] == generate_batch(be, [ps[s]], 16, GREEDY, slots=[s], bucket=n)[0]
-    for rows, mma in ((2, False), (4, True), (8, True)):  # the kernels of one eager step
-        for s in range(rows):
-            be.seq_add(s, ps[s], GREEDY, 8)
-        be.kernels.timeline = []
-        with be.stream:
-            be._step(rows, (False, True))
-        be.stream.synchronize()
-        names, be.kernels.timeline = [n for n, _, _ in be.kernels.timeline], None
+    for rows, mma in ((2, False), (4, True), (8, True)):
+        names = step_kernels(be, ps, rows)
         assert any(n.startswith("mma_") for n in names) == mma
         assert any(n.startswith("mmv_") for n in names) != mma
-        for s in range(rows):
-            be.seq_release(s)
     monkeypatch.delenv("GGUF_RUN_TUNE")
     assert tuning.choose(2 << 30).decode_mmv_rows == 2 and tuning.choose(1 << 29).decode_mmv_rows == 8
     for bad in ("0", "9", "two"):

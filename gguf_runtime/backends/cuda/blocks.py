@@ -188,15 +188,15 @@ class CudaBlocks:
         n = self.tune.head_mma_rows
         return self.decode and not self.verify and 0 < n <= t and self.ws.x16 is not None
 
-    def _normed(self, x: cp.ndarray, name: str, mats: list[L.Mat]
+    def _normed(self, x: cp.ndarray, name: str, mats: list[L.Mat], mma: bool = False
                 ) -> tuple[cp.ndarray, tuple[int, float] | None, L.Q8Vec | None]:
         """The input of the products with ``mats`` after RMSNorm ``name``: on the matvec path (x, the
         norm for the matvec to fuse, None); otherwise (ws.h, None, q8) with ws.h (and ws.x16 on the
         tensor-core and cuBLAS paths, and the int8 copy q8 where the matvec takes it) written by a
-        norm kernel."""
+        norm kernel. ``mma``: the products run on the tensor cores whatever the rows (ws.x16)."""
         t = x.shape[0]
-        q8 = self._q8_for(t, mats, self.ws.q8_norm, self._role_after(name))
-        if q8 is None and self._small(t) and x.shape[1] <= self.tune.fuse_norm_max_cols:
+        q8 = None if mma else self._q8_for(t, mats, self.ws.q8_norm, self._role_after(name))
+        if q8 is None and not mma and self._small(t) and x.shape[1] <= self.tune.fuse_norm_max_cols:
             return x, (self.w.vec(name).data.ptr, self.cfg.rms_eps), None
         row = self._epilogue_rows(x, name) if q8 is not None else None
         if row is not None:  # no norm kernel: the matvec normalizes (matvec_block.cuh)
@@ -607,12 +607,7 @@ class CudaBlocks:
         out = ws.logits[:t] if self.comm is None else self.comm.part[:t]
         ld = out.strides[0] // 4
         mma = self._big_mma(t) or self._head_mma(t)
-        if mma and self._small(t):  # a decode step's few rows: a norm kernel writes the head's f16 input
-            h, norm, q8 = self.ws.h[:t], None, None
-            self._norm(x, "output_norm.weight", h, f16=True)
-            self._q8_ready = None
-        else:
-            h, norm, q8 = self._normed(x, "output_norm.weight", [head])
+        h, norm, q8 = self._normed(x, "output_norm.weight", [head], mma)
         if mma:
             LM.mma(self.k, [head], [(out.data.ptr, ld)], [None], self.ws.x16.data.ptr, self.ws.x16.strides[0] // 2,
                   t, 0, self.ws.split)
