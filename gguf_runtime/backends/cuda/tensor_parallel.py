@@ -9,16 +9,20 @@ collectives.py) keep the ranks' GPUs in step, and every rank samples the same to
 gathered logits and seeds, so no token crosses the host. Workers answer only at load.
 
 A worker that dies takes the model with it (the other ranks would wait in NCCL for ever): the
-watchdog prints one line and ends the process with exit code 2.
+watchdog prints one line and ends the process with exit code 2. ``close`` (also at the process's
+exit, before multiprocessing ends the workers) has every rank end its communicator at once: NCCL's
+abort returns only when every rank of the host calls it.
 """
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing as mp
 import os
 import sys
 import threading
 import time
+import weakref
 
 import cupy as cp
 
@@ -54,7 +58,18 @@ def _worker(rank: int, world: int, uid: tuple, path: str, cfg: ModelConfig, n_ct
         conn.send(("error", f"GPU {rank}: {msg}"))
         sys.exit(2)
     conn.send(("ready", None))
-    serve_calls(be, conn, f"tensor-parallel GPU {rank}", on_stop=exit_now)
+
+    def stop() -> None:
+        comm.abort()  # (with rank 0's and the other workers': see close)
+        exit_now()
+
+    serve_calls(be, conn, f"tensor-parallel GPU {rank}", on_stop=stop)
+
+
+def _close_at_exit(ref) -> None:
+    be = ref()
+    if be is not None:
+        be.close()
 
 
 class TensorParallelBackend(MirrorFront, CudaBackend):
@@ -84,6 +99,10 @@ class TensorParallelBackend(MirrorFront, CudaBackend):
             self._workers.append((p, mine))
             self._conns.append(mine)
         threading.Thread(target=self._watch, daemon=True).start()
+        # at exit before multiprocessing's own handler (registered earlier, run later) kills the
+        # workers, which the watchdog would report as a failure; a weak reference: an unloaded model
+        # (serve's keep_alive) is freed
+        atexit.register(_close_at_exit, weakref.ref(self))
         try:
             comm = NcclCollectives(world, uid, 0)
             super().__init__(ShardedFile(f, cfg, 0, world), shard_config(cfg, world), n_ctx, progress=progress,
@@ -134,13 +153,16 @@ class TensorParallelBackend(MirrorFront, CudaBackend):
             time.sleep(0.5)
 
     def close(self) -> None:
-        """Stop the workers (at exit they stop with this process anyway)."""
+        """Stop the workers: each ends its communicator as it stops, and rank 0 ends its own meanwhile
+        (NCCL's abort waits for every rank's), then the processes are joined. Once."""
+        if self._closing:
+            return
         self._closing = True
         stop_all(self._conns)
+        comm = self.__dict__.get("comm")
+        if comm is not None:
+            comm.abort()
         for p, _ in self._workers:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
-        comm = self.__dict__.get("comm")
-        if comm is not None:
-            comm.abort()  # (this rank's communicator: nothing waits on the stopped ranks at exit)
