@@ -1,65 +1,100 @@
-// One-shot all-reduce over peer memory: tensor parallelism's small sums (the decode steps' O and
-// down products, a few KiB to 1 MiB), measured against NCCL inside graphs (bench/tp_allreduce.py;
-// slower as it stands, so off by default: the tuning table's tp_oneshot_rows).
+// One-shot all-reduce over peer memory for tensor parallelism's small sums (the decode steps' O and
+// down products: a few KiB to 1 MiB), measured against NCCL inside graphs (bench/tp_allreduce.py);
+// the tuning table's tp_oneshot_rows says up to how many rows it runs (0: NCCL for every sum).
 //
-// Every rank launches the same grid (AR_BLOCKS blocks, fixed, so block b handles the same indices
-// in every call). Block b copies its slice of x into half (epoch & 1) of its rank's staging buffer,
-// tells block b of every rank (a flag in that rank's memory: the epoch), waits for every rank's
-// flag, then sums the ranks' slices in rank order, so every rank gets the same bits (the ranks
-// sample alone from the result). Halves alternate by epoch: a rank can be at most one call ahead
-// of another (it waits for the other's flag of that call), so it never overwrites the half a
-// slower rank still reads. The epochs are each block's counter in device memory (graphs replay).
+// Lamport-style push: no flags and no fences. Every rank owns a receive buffer of 3 x world slots
+// (cap floats each) that starts filled with -0.0, the "empty" value. In call e a rank writes its x
+// into slot (e % 3, its rank) of every rank's buffer (stores over NVLink; -0.0 sent as +0.0), then
+// waits in its own buffer until no element of slot (e % 3, s) is empty, for each s, and sums the
+// slots in rank order, so every rank gets the same bits (the ranks sample alone from the result).
+// The data is its own flag: a 4-byte store lands whole, and a float4 whose any part is still
+// empty is read again. A rank clears its slots of call e - 1 ((e + 2) % 3) during call e: every
+// rank has written them (it read them), and none writes there again before call e + 2, which needs
+// this rank's data of call e + 1.
+//
+// Every rank launches the same fixed grid (AR_BLOCKS blocks), so block b handles the same indices
+// in every call and on every rank; each block keeps its own buffer index (the call count modulo 3)
+// and the length of its last call (what to clear) in device memory, so graphs replay it.
 #include "common.cuh"
 
 #define AR_THREADS 256
+#define AR_EMPTY 0x80000000u           // -0.0f
+#define AR_PATIENCE_NS 30000000000ull  // a peer silent this long is gone (a trap, not a hang)
 
-DEV void st_flag(unsigned* p, unsigned v) {
-    asm volatile("st.volatile.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-
-DEV unsigned ld_flag(const unsigned* p) {
-    unsigned v;
-    asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+DEV float4 ld_volatile4(const float4* p) {
+    float4 v;
+    asm volatile("ld.volatile.global.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "l"(p)
+                 : "memory");
     return v;
 }
 
-// x[0:n] = the sum over ranks of their x[0:n] (n % 4 == 0). stage[r]: rank r's staging buffer
-// (two halves of half floats); flags[r]: rank r's flags [blocks][world]; epoch: this rank's
-// [blocks] counters.
-extern "C" __global__ void __launch_bounds__(AR_THREADS) allreduce_oneshot(
-    float* x, int n, const unsigned long long* __restrict__ stage, const unsigned long long* __restrict__ flags,
-    unsigned* epoch, int rank, int world, int half) {
+DEV bool any_empty(float4 v) {
+    return __float_as_uint(v.x) == AR_EMPTY || __float_as_uint(v.y) == AR_EMPTY || __float_as_uint(v.z) == AR_EMPTY ||
+           __float_as_uint(v.w) == AR_EMPTY;
+}
+
+DEV float sendable(float v) { return __float_as_uint(v) == AR_EMPTY ? 0.0f : v; }
+
+DEV unsigned long long now_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// x[0:n] = the sum over the ranks of their x[0:n] (n % 4 == 0, n <= cap). recv[r]: rank r's receive
+// buffer [3][world][cap]; epoch, last: this rank's [AR_BLOCKS] buffer indices and last lengths.
+extern "C" __global__ void __launch_bounds__(AR_THREADS) allreduce_push(
+    float* x, int n, const unsigned long long* __restrict__ recv, unsigned* epoch, int* last, int rank, int world,
+    int cap) {
     __shared__ unsigned s_epoch;
+    __shared__ int s_last;
     pdl_enter();
-    if (threadIdx.x == 0) s_epoch = epoch[blockIdx.x] + 1;
-    __syncthreads();
-    const unsigned e = s_epoch;
-    const long off = (long)(e & 1) * half;
-    const int n4 = n >> 2, step = gridDim.x * blockDim.x;
-    float4* x4 = reinterpret_cast<float4*>(x);
-    float4* mine = reinterpret_cast<float4*>(reinterpret_cast<float*>(stage[rank]) + off);
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += step) mine[i] = x4[i];
-    __syncthreads();
-    if (threadIdx.x < world) {  // thread r: signal rank r, wait for rank r
-        __threadfence_system();  // (the block's staging writes, ordered by the barrier, before the flag)
-        unsigned* peer = reinterpret_cast<unsigned*>(flags[threadIdx.x]);
-        st_flag(peer + blockIdx.x * world + rank, e);
-        const unsigned* own = reinterpret_cast<const unsigned*>(flags[rank]) + blockIdx.x * world + threadIdx.x;
-        while ((int)(ld_flag(own) - e) < 0) {
-        }
-        __threadfence_system();
+    if (threadIdx.x == 0) {
+        s_epoch = (epoch[blockIdx.x] + 1) % 3;
+        s_last = last[blockIdx.x];
     }
     __syncthreads();
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += step) {
-        float4 acc = __ldcg(reinterpret_cast<const float4*>(reinterpret_cast<const float*>(stage[0]) + off) + i);
-        for (int r = 1; r < world; ++r) {
-            const float4 v = __ldcg(reinterpret_cast<const float4*>(reinterpret_cast<const float*>(stage[r]) + off) + i);
-            acc.x += v.x;
-            acc.y += v.y;
-            acc.z += v.z;
-            acc.w += v.w;
+    const unsigned e = s_epoch;
+    const long slot = cap;
+    const long cur = (long)e * world * slot, old = (long)((e + 2) % 3) * world * slot;
+    const int n4 = n >> 2, last4 = s_last >> 2, step = gridDim.x * blockDim.x;
+    const int first = blockIdx.x * blockDim.x + threadIdx.x;
+    float4* x4 = reinterpret_cast<float4*>(x);
+    for (int i = first; i < n4; i += step) {
+        float4 v = x4[i];
+        v = make_float4(sendable(v.x), sendable(v.y), sendable(v.z), sendable(v.w));
+        for (int r = 0; r < world; ++r)
+            reinterpret_cast<float4*>(reinterpret_cast<float*>(recv[r]) + cur + rank * slot)[i] = v;
+    }
+    float* own = reinterpret_cast<float*>(recv[rank]);
+    const float4 empty = make_float4(-0.0f, -0.0f, -0.0f, -0.0f);
+    for (int i = first; i < last4; i += step)
+        for (int s = 0; s < world; ++s) reinterpret_cast<float4*>(own + old + s * slot)[i] = empty;
+    const unsigned long long t0 = now_ns();
+    for (int i = first; i < n4; i += step) {
+        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        for (int s = 0; s < world; ++s) {
+            const float4* p = reinterpret_cast<const float4*>(own + cur + s * slot) + i;
+            float4 v = ld_volatile4(p);
+            while (any_empty(v)) {
+                if (now_ns() - t0 > AR_PATIENCE_NS) __trap();
+                v = ld_volatile4(p);
+            }
+            if (s == 0) {
+                acc = v;
+            } else {
+                acc.x += v.x;
+                acc.y += v.y;
+                acc.z += v.z;
+                acc.w += v.w;
+            }
         }
         x4[i] = acc;
     }
-    if (threadIdx.x == 0) epoch[blockIdx.x] = e;
+    if (threadIdx.x == 0) {
+        epoch[blockIdx.x] = e;
+        last[blockIdx.x] = n;
+    }
 }

@@ -87,9 +87,9 @@ def softcap(k: Kernels, x: int, ld: int, n: int, rows: int, cap: float) -> None:
 AR_BLOCKS = 32  # allreduce.cu's fixed grid (its blocks pair up across ranks by index)
 
 
-def allreduce_oneshot(k: Kernels, x: int, n: int, stage: int, flags: int, epoch: int, rank: int, world: int,
-                      half: int) -> None:
-    """x[:n] (float32, n % 4 == 0) = the sum over the ranks (allreduce.cu); stage / flags: device
-    arrays of every rank's staging and flag pointers, epoch: this rank's AR_BLOCKS counters."""
-    k.fn("allreduce.cu", "allreduce_oneshot")((AR_BLOCKS,), (256,), (ptr(x), i32(n), ptr(stage), ptr(flags),
-                                                                    ptr(epoch), i32(rank), i32(world), i32(half)))
+def allreduce_push(k: Kernels, x: int, n: int, recv: int, epoch: int, last: int, rank: int, world: int,
+                   cap: int) -> None:
+    """x[:n] (float32, n % 4 == 0, n <= cap) = the sum over the ranks (allreduce.cu); recv: a device
+    array of every rank's receive buffer pointer, epoch / last: this rank's AR_BLOCKS counters."""
+    k.fn("allreduce.cu", "allreduce_push")((AR_BLOCKS,), (256,), (ptr(x), i32(n), ptr(recv), ptr(epoch), ptr(last),
+                                                                 i32(rank), i32(world), i32(cap)))

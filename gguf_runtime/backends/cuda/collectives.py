@@ -6,8 +6,9 @@ the kernels around them (NCCL supports stream capture): one graph launch a rank 
 holds. While the kernels are being recorded for compilation (precompile.py) they do nothing.
 
 - ``all_reduce``: the sum over the ranks, in place (the O and down products' partial sums): up to
-  ``oneshot_rows`` rows (decode steps) the one-shot kernel over peer memory (allreduce.cu: the
-  ranks' staging buffers and flags mapped into each other through CUDA IPC), NCCL above;
+  ``oneshot_rows`` rows (decode steps) the one-shot kernel over peer memory (allreduce.cu: each
+  rank writes its rows into every rank's receive buffer, mapped into each other through CUDA IPC),
+  NCCL above;
 - ``gather_logits``: each rank's vocabulary rows [t, V'] -> the whole [t, V] logits on every rank
   (an all-gather, then one kernel that puts rank-major parts side by side), so every rank's
   sampler draws the same token from the same logits and seeds: no token crosses the host.
@@ -76,35 +77,34 @@ class NcclCollectives:
         if self.oneshot_floats:
             self._map_peers(self.oneshot_floats)
 
-    def _map_peers(self, half: int) -> None:
-        """Staging (two halves of ``half`` floats) and flags in memory of this rank's own (cudaMalloc:
-        an IPC handle names a whole allocation), every rank's opened here through CUDA IPC; the
-        handles travel by an NCCL all-gather."""
+    def _map_peers(self, cap: int) -> None:
+        """This rank's receive buffer (3 x world slots of ``cap`` floats, all -0.0: empty) in memory
+        of its own (cudaMalloc: an IPC handle names a whole allocation), every rank's opened here
+        through CUDA IPC; the handles travel by an NCCL all-gather."""
         rt, w = cp.cuda.runtime, self.world
-        flag_bytes = LL.AR_BLOCKS * w * 4
-        self._own = [rt.malloc(2 * half * 4), rt.malloc(flag_bytes)]
-        rt.memset(self._own[1], 0, flag_bytes)
-        handles = [bytes(rt.ipcGetMemHandle(p)) for p in self._own]
-        size = len(handles[0])
-        mine = cp.asarray(np.frombuffer(b"".join(handles), np.uint8))
+        words = 3 * w * cap
+        self._own = rt.malloc(words * 4)
+        own = cp.ndarray((words,), cp.uint32, cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(self._own, words * 4, self),
+                                                                    0))
+        own.fill(0x80000000)
+        handle = bytes(rt.ipcGetMemHandle(self._own))
+        mine = cp.asarray(np.frombuffer(handle, np.uint8))
         every = cp.zeros(w * mine.size, cp.uint8)
         s = cp.cuda.get_current_stream()
         self.comm.allGather(mine.data.ptr, every.data.ptr, mine.size, self.nccl.NCCL_UINT8, s.ptr)
         s.synchronize()
-        every = every.get().reshape(w, 2, size)
-        ptrs = np.zeros((2, w), np.uint64)
+        every = every.get().reshape(w, len(handle))
+        ptrs = np.zeros(w, np.uint64)
         self._opened = []
         for r in range(w):
-            for j in range(2):
-                if r == self.rank:
-                    ptrs[j, r] = self._own[j]
-                else:
-                    p = rt.ipcOpenMemHandle(bytes(every[r, j]))  # (lazily enables peer access)
-                    self._opened.append(p)
-                    ptrs[j, r] = p
-        self.stage_ptrs, self.flag_ptrs = cp.asarray(ptrs[0]), cp.asarray(ptrs[1])
+            if r == self.rank:
+                ptrs[r] = self._own
+            else:
+                ptrs[r] = rt.ipcOpenMemHandle(bytes(every[r]))  # (lazily enables peer access)
+                self._opened.append(int(ptrs[r]))
+        self.recv_ptrs = cp.asarray(ptrs)
         self.epoch = cp.zeros(LL.AR_BLOCKS, cp.uint32)
-        self.half = half
+        self.last = cp.zeros(LL.AR_BLOCKS, cp.int32)
 
     def _idle(self) -> bool:
         return self.kernels is not None and self.kernels.recorded is not None
@@ -115,8 +115,8 @@ class NcclCollectives:
             return
         n = x.shape[0] * x.strides[0] // 4
         if n <= self.oneshot_floats and n % 4 == 0:
-            LL.allreduce_oneshot(self.kernels, x.data.ptr, n, self.stage_ptrs.data.ptr, self.flag_ptrs.data.ptr,
-                                 self.epoch.data.ptr, self.rank, self.world, self.half)
+            LL.allreduce_push(self.kernels, x.data.ptr, n, self.recv_ptrs.data.ptr, self.epoch.data.ptr,
+                              self.last.data.ptr, self.rank, self.world, self.oneshot_floats)
             return
         self.comm.allReduce(x.data.ptr, x.data.ptr, n, self.nccl.NCCL_FLOAT32, self.nccl.NCCL_SUM,
                             cp.cuda.get_current_stream().ptr)
