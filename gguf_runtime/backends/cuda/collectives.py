@@ -17,7 +17,6 @@ holds. While the kernels are being recorded for compilation (precompile.py) they
 from __future__ import annotations
 
 import contextlib
-import threading
 
 import cupy as cp
 import numpy as np
@@ -32,11 +31,6 @@ _PLACE = cp.ElementwiseKernel(
     int rank = v / part;
     out[r * ld + v] = parts[(rank * rows + r) * part + (v - rank * part)];
     """, "gguf_place_vocab_parts")
-
-
-def _abort(comm) -> None:
-    with contextlib.suppress(Exception):  # (already torn down: nothing left to end)
-        comm.abort()
 
 
 def nccl_module():
@@ -132,15 +126,15 @@ class NcclCollectives:
         _PLACE(self.parts, cp.int32(t), cp.int32(vp), cp.int32(vocab), cp.int32(out.strides[0] // 4), out,
                size=t * vocab)
 
-    def abort(self, wait: float = 10.0) -> None:
+    def abort(self) -> None:
         """End the communicator. NCCL's abort returns only once every rank of the host has called
-        it, so the ranks end theirs together (tensor_parallel.py's close); a rank that died leaves
-        it waiting: after ``wait`` s it is left to its thread and this process goes on."""
+        it, so the ranks end theirs together (tensor_parallel.py's close). CuPy calls it holding the
+        GIL: no timeout of ours could bound it, nor would any other thread of this process run."""
         comm, self.comm = self.comm, None
         if comm is not None:
-            t = threading.Thread(target=_abort, args=(comm,), daemon=True, name="nccl abort")
-            t.start()
-            t.join(wait)
+            with contextlib.suppress(Exception):  # (already torn down: nothing left to end)
+                comm.abort()
+
     def agree_min(self, n: int) -> int:
         """The least n over the ranks (sizes each rank must share: the KV pool's pages)."""
         self._one.fill(n)
