@@ -48,6 +48,12 @@ def test_gpu_layers_flash_attention_and_seed():
     # llama-server's parallel slots
     assert tr("serve", "-m", "a.gguf", "-np", "8", "--port", "0")[0] == ["serve", "a.gguf", "--max-batch", "8",
                                                                       "--port", "0"]
+    # any count of slots: the smallest batch size that holds them, with a note
+    args, notes = tr("serve", "a.gguf", "-np", "3")
+    assert args == ["serve", "a.gguf", "--max-batch", "4"] and len(notes) == 1 and "up to 4" in notes[0]
+    # -ngl 0 beside --backend numpy agrees
+    assert tr("run", "a.gguf", "--backend", "numpy", "-ngl", "0")[0] == ["run", "a.gguf", "--backend", "numpy",
+                                                                         "--backend", "numpy"]
 
 
 @pytest.mark.parametrize("args,words", [
@@ -55,6 +61,11 @@ def test_gpu_layers_flash_attention_and_seed():
     (("run", "-m", "a.gguf", "-m", "b.gguf"), ["two models"]),
     (("run", "-m"), ["-m needs"]),
     (("run", "a.gguf", "-ngl", "many"), ["-ngl many", "number of layers"]),
+    (("run", "a.gguf", "-ngl", "0", "--backend", "cuda"), ["-ngl 0", "--backend cuda", "give one"]),
+    (("run", "a.gguf", "--backend=cuda", "-ngl", "0"), ["-ngl 0", "--backend cuda"]),
+    (("serve", "a.gguf", "-np", "100"), ["-np 100", "1 to 64"]),
+    (("serve", "a.gguf", "-np", "x"), ["-np x", "sequences"]),
+    (("serve", "a.gguf", "-np"), ["-np", "sequences"]),
 ])
 def test_wrong_uses_name_the_problem(args, words):
     with pytest.raises(GGUFRunError) as e:

@@ -22,7 +22,8 @@ from ..tools.bench_report import plot, render_table, result
 from ..engine.engine import Engine
 from ..errors import BackendError, GGUFRunError
 from .app import app
-from .options import Backend, CacheTypeK, CacheTypeV, ModelArg, TensorParallel, Quiet, kv_types, note_printer, resolve_model
+from .options import (BATCHES, Backend, CacheTypeK, CacheTypeV, ModelArg, TensorParallel, Quiet, kv_types, note_printer,
+                      resolve_model)
 from .progress import progress_bars
 
 MODES = {"both": ("graph", "eager"), "graph": ("graph",), "eager": ("eager",)}
@@ -168,7 +169,7 @@ def bench(
     bandwidth, method = device_bandwidth(name)
     if tensor_parallel > 1 and bandwidth:  # a split model's byte limit: every GPU's
         bandwidth, method = bandwidth * tensor_parallel, f"{method}, times {tensor_parallel} GPUs"
-    max_batch = next(b for b in (1, 2, 4, 8, 16, 32, 64) if b >= max(batches or (1,)))
+    max_batch = next(b for b in BATCHES if b >= max(batches or (1,)))
     suite = Suite(n_prompt, n_gen, reps, modes, batches, seed, depths=depths, spec=specs, spec_k=spec_k)
     ollama = None
     with progress_bars(quiet) as progress:

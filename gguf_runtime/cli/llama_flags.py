@@ -2,7 +2,8 @@
 parses argv: ``-m MODEL`` (the MODEL argument), ``-ngl N`` (0: the CPU, i.e. ``--backend numpy``;
 any other N: every layer on the GPU, as gguf-run always runs them), ``-fa [on|off|auto|1|0]``
 (flash attention: gguf-run's GPU path always uses its flash-attention kernels), ``-s N``
-(``--seed``) and llama-server's ``-np N`` (``serve --max-batch N``). So `llama-cli -m M.gguf
+(``--seed``) and llama-server's ``-np N`` (``serve --max-batch``: the smallest of its batch sizes
+that holds N sequences). So `llama-cli -m M.gguf
 -ngl 99 -fa on -p ...` and `llama-bench -m M.gguf -ngl 99 -fa 1 -p 512 -n 128` run as they stand
 with `gguf-run` / `gguf-run bench` in front."""
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ..errors import GGUFRunError
+from .options import BATCHES
 
 COMMANDS = frozenset({"run", "chat", "bench", "serve", "perplexity", "embed"})
 MODEL = ("-m", "--model")
@@ -30,6 +32,7 @@ def translate(args: list[str], takes_value: Callable[[str, str], bool | None],
     if not args or args[0] not in COMMANDS:
         return args
     cmd, out, model, positional, unknown, i = args[0], [args[0]], None, False, False, 1
+    cpu_flag, backends = None, []  # (-ngl 0 and the --backend values given beside it)
     while i < len(args):
         a = args[i]
         nxt = args[i + 1] if i + 1 < len(args) else None
@@ -47,7 +50,9 @@ def translate(args: list[str], takes_value: Callable[[str, str], bool | None],
             i += 1 if "=" in a else 2
             continue
         if a in GPU_LAYERS:
-            out += _gpu_layers(a, nxt, note)
+            more = _gpu_layers(a, nxt, note)
+            cpu_flag = f"{a} {nxt}" if more else cpu_flag
+            out += more
             i += 2
             continue
         if a in FLASH:
@@ -57,13 +62,15 @@ def translate(args: list[str], takes_value: Callable[[str, str], bool | None],
             i += 1 if on is None else 2  # a bare -fa (older llama.cpp's switch) means on
             continue
         if a in PARALLEL and cmd == "serve":
-            out += ["--max-batch"] + ([nxt] if nxt is not None else [])
+            out += ["--max-batch", _batch_for(a, nxt, note)]
             i += 2
             continue
         if a == "-s":
             out += ["--seed"] + ([nxt] if nxt is not None else [])
             i += 2
             continue
+        if a == "--backend" or a.startswith("--backend="):
+            backends.append(a.split("=", 1)[1] if "=" in a else nxt or "")
         out.append(a)
         value = takes_value(cmd, a) if a.startswith("-") and "=" not in a and a != "-" else False
         unknown = unknown or value is None
@@ -73,11 +80,30 @@ def translate(args: list[str], takes_value: Callable[[str, str], bool | None],
             continue
         positional = positional or not a.startswith("-") or a == "-"
         i += 1
+    other = [b for b in backends if b != "numpy"]
+    if cpu_flag and other:
+        raise GGUFRunError(f"{cpu_flag} runs on the CPU (--backend numpy) but --backend {other[0]} is given too: "
+                           "give one")
     if model is None:
         return out
     if positional and not unknown and cmd != "embed":  # (embed: MODEL then TEXT...)
         raise GGUFRunError(f"the model is given twice: -m {model!r} and a MODEL argument; give one")
     return [out[0], model, *out[1:]]
+
+
+def _batch_for(flag: str, value: str | None, note: Callable[[str], None]) -> str:
+    try:
+        n = int(value or "")
+    except ValueError:
+        n = 0
+    if not 1 <= n <= BATCHES[-1]:
+        raise GGUFRunError(f"{flag} {value or ''}: give the number of sequences served together, 1 to "
+                           f"{BATCHES[-1]}".replace("  ", " "))
+    batch = next(b for b in BATCHES if b >= n)
+    if batch != n:
+        note(f"{flag} {n}: up to {batch} sequences decoded together (serve's batch sizes: "
+             f"{', '.join(map(str, BATCHES))})")
+    return str(batch)
 
 
 def _gpu_layers(flag: str, value: str | None, note: Callable[[str], None]) -> list[str]:

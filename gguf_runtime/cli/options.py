@@ -16,6 +16,7 @@ from ..sampling import SamplingParams
 ModelArg = typer.Argument(None, metavar="[MODEL]", show_default=False,
                           help="GGUF model file (default: the embedded SmolLM2-135M-Instruct Q4_1)")
 N_PREDICT_DEFAULT = 256
+BATCHES = (1, 2, 4, 8, 16, 32, 64)  # serve --max-batch's values: the batch decode graphs' sizes
 NPredict = typer.Option(N_PREDICT_DEFAULT, "-n", "--n-predict", help="tokens to generate at most (-1: until the context is full)")
 Temp = typer.Option(0.8, "--temp", min=0.0, help="temperature; 0 = greedy")
 TopK = typer.Option(40, "--top-k", min=0, help="keep the k most likely tokens; 0 = off")

@@ -13,11 +13,10 @@ import typer
 from ..engine.engine import check_spec
 from ..errors import GGUFRunError
 from .app import app
-from .options import (TensorParallel, Backend, CacheTypeK, CacheTypeV, CtxSize, ModelArg, NoGraph, Quiet, kv_types, note_printer,
+from .options import (BATCHES, TensorParallel, Backend, CacheTypeK, CacheTypeV, CtxSize, ModelArg, NoGraph, Quiet, kv_types, note_printer,
                       resolve_model)
 from .progress import progress_bars
 
-BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
 
 def _bind(host: str, port: int) -> socket.socket:
