@@ -8,6 +8,8 @@ Usage (GPU machine): python bench/profile_step.py TWIN.gguf [--batch 1 --batch 6
 --verify: each --batch is the rows of a speculative verification step of one sequence
 (prefill._verify_rows, as eval_argmax runs it), also timed whole from the host (staging, graph,
 argmax, readback).
+--shard W: rank 0's part of the model split over W GPUs (format/shard.py), alone on this GPU with
+its sums and the logits' gather left out: a split rank's own kernels, on a machine of one GPU.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import numpy as np
 from gguf_runtime.backends.cuda.backend import CudaBackend
 from gguf_runtime.format.gguf_file import open_gguf
 from gguf_runtime.format.model_config import config_from_gguf
+from gguf_runtime.format.shard import ShardedFile, check_split, shard_config
 from gguf_runtime.sampling import SamplingParams
 
 SPIN = cp.RawKernel(r"""
@@ -31,6 +34,29 @@ extern "C" __global__ void spin(long long cycles) {
     const long long t0 = clock64();
     while (clock64() - t0 < cycles) { }
 }""", "spin")
+
+
+class OneRank:
+    """The collectives of rank 0 of ``world`` with no other rank: no sums, no gather (the rank's
+    kernels run and are timed; its logits are not the model's)."""
+
+    def __init__(self, world: int) -> None:
+        self.world, self.rank = world, 0
+
+    def setup(self, kernels, logits_rows: int, vocab_part: int, *args, **kwargs) -> None:
+        self.part = cp.zeros((logits_rows, vocab_part), cp.float32)
+
+    def all_reduce(self, x) -> None:
+        pass
+
+    def gather_logits(self, t: int, out) -> None:
+        pass
+
+    def agree_min(self, n: int) -> int:
+        return n
+
+    def abort(self) -> None:
+        pass
 
 
 def kernel_group(name: str) -> str:
@@ -118,18 +144,27 @@ def main() -> None:
     ap.add_argument("--batch", type=int, action="append")
     ap.add_argument("--prompt", type=int, default=64, help="tokens per sequence before the step (its context)")
     ap.add_argument("--verify", action="store_true", help="--batch values are verification rows")
+    ap.add_argument("--shard", type=int, default=1, metavar="W", help="rank 0's part of a split over W GPUs, alone")
     ap.add_argument("--json")
     args = ap.parse_args()
     f = open_gguf(args.model)
     cfg = config_from_gguf(f)
     batches = args.batch or [1]
-    be = CudaBackend(f, cfg, max(512, args.prompt + 64), max_batch=1 if args.verify else max(batches))
-    weight_bytes = sum(t.nbytes for t in f.tensors.values())
+    n_ctx, max_batch = max(512, args.prompt + 64), 1 if args.verify else max(batches)
+    if args.shard > 1:
+        check_split(f, cfg, args.shard)
+        be = CudaBackend(ShardedFile(f, cfg, 0, args.shard), shard_config(cfg, args.shard), n_ctx, max_batch=max_batch,
+                         comm=OneRank(args.shard))
+    else:
+        be = CudaBackend(f, cfg, n_ctx, max_batch=max_batch)
+    weight_bytes = be.weights.nbytes if args.shard > 1 else sum(t.nbytes for t in f.tensors.values())
     out = []
     for rows in batches:
         r = profile_verify(be, rows, args.prompt) if args.verify else profile(be, rows, args.prompt)
         out.append(r)
         what = f"verify {rows} rows (eval_argmax {r['eval_argmax_ms'] * 1e3:.0f} us)" if args.verify else f"B={rows}"
+        if args.shard > 1:
+            what += f", rank 0 of {args.shard} alone"
         print(f"\n{args.model} {what} (context {args.prompt}): {r['kernels']} kernels, {r['kernel_ms'] * 1e3:.0f} us of kernel time, "
               f"graph replay {r['graph_step_ms'] * 1e3:.0f} us/step "
               f"(weights {weight_bytes / 1e9:.2f} GB -> {weight_bytes / r['graph_step_ms'] / 1e6:.0f} GB/s)")
