@@ -42,6 +42,7 @@ class OneRank:
 
     def __init__(self, world: int) -> None:
         self.world, self.rank = world, 0
+        self.oneshot_floats = self.norm_rows = 0
 
     def setup(self, kernels, logits_rows: int, vocab_part: int, *args, **kwargs) -> None:
         self.part = cp.zeros((logits_rows, vocab_part), cp.float32)

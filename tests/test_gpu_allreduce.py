@@ -111,3 +111,55 @@ def test_push_allreduce_graph_replays():
             want = rank_sum([xs[r][j] for r in range(world)])
             for r in range(world):
                 same_bits(dst[r][j].get(), want, f"replay {rep}, sum {j} (n {n}), rank {r}")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_rmsnorm_allreduce(world):
+    """layers.cu's rmsnorm_allreduce: each rank's rows summed in rank order into x (bit for bit), then
+    the very norm rmsnorm computes over those sums (y, its f16 copy and its int8 copy, bit for bit),
+    over calls of 1 to 8 rows (each row's buffer index turns on its own)."""
+    from gguf_runtime.quant_kernels.launch_core import Q8Vec
+
+    n, cap, ld, eps = 1024, 8, 1040, 1e-5
+    rng = np.random.default_rng(world + 10)
+    k = L.Kernels()
+    recv = [cp.full(3 * world * cap * n, EMPTY, cp.uint32) for _ in range(world)]
+    ptrs = cp.asarray(np.array([r.data.ptr for r in recv], np.uint64))
+    ep = [cp.zeros(cap, cp.uint32) for _ in range(world)]
+    streams = [cp.cuda.Stream(non_blocking=True) for _ in range(world)]
+    w = cp.asarray(rng.standard_normal(n).astype(np.float32))
+
+    def outputs():
+        return (cp.full((cap, ld), np.nan, cp.float32), cp.full((cap, ld), 0xFFFF, cp.uint16),
+                cp.full((cap, n), 0x7F, cp.int8), cp.full((cap, n // 16, 4), np.nan, cp.float32))
+
+    def norm(x, rows, out, reduce=None):
+        y, y16, q, s = out
+        LL.rmsnorm(k, x.data.ptr, ld, w.data.ptr, y.data.ptr, ld, rows, n, eps, y16=y16.data.ptr, ld16=ld,
+                   q8=Q8Vec(q.data.ptr, n, s.data.ptr, n // 16), reduce=reduce)
+
+    k.fn("layers.cu", "rmsnorm_allreduce")  # (compiled before the first concurrent launch)
+    for call in range(16):
+        rows = int(rng.choice([1, 3, 8, 2, 5]))
+        xs = [(rng.standard_normal((rows, ld)) * (r + 1)).astype(np.float32) for r in range(world)]
+        xs[0][0, :2] = [-0.0, 0.0]
+        dev = [cp.asarray(x) for x in xs]
+        outs = [outputs() for _ in range(world)]
+        cp.cuda.Device().synchronize()
+        for r in range(world):
+            with streams[r]:
+                norm(dev[r], rows, outs[r], LL.RowReduce(dev[r].data.ptr, ld, ptrs.data.ptr, ep[r].data.ptr, r, world,
+                                                         cap))
+        for s in streams:
+            s.synchronize()
+        want = rank_sum([x[:, :n] for x in xs])
+        ref_x = cp.asarray(np.pad(want, ((0, 0), (0, ld - n))))
+        ref = outputs()
+        norm(ref_x, rows, ref)
+        cp.cuda.Device().synchronize()
+        for r in range(world):
+            what = f"world {world}, call {call} ({rows} rows), rank {r}"
+            same_bits(dev[r].get()[:, :n], want, what + ": sums")
+            for name, got, exp in zip(("y", "y16", "q8", "q8 scales"), outs[r], ref):
+                g, e = got[:rows].get(), exp[:rows].get()
+                assert np.array_equal(g.view(np.uint8), e.view(np.uint8)), f"{what}: {name} differs"

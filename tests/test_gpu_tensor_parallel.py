@@ -140,16 +140,18 @@ def test_split_equals_whole(split_pair):
 
 def test_split_int8_path(micro, monkeypatch):
     """The default path (int8 activations): cosine >= 0.999 at every position, nearly every argmax;
-    the decode rows' sums on the one-shot kernel over peer memory (allreduce.cu, off by default)."""
+    the decode rows' sums over peer memory (off by default): inside the next RMSNorm's launch
+    (layers.cu's rmsnorm_allreduce) within the layers, on the one-shot kernel (allreduce.cu) after
+    the last."""
     if n_gpus() < 2:
         pytest.skip("one GPU: the split runs on a machine with two")
     from gguf_runtime.backends.cuda.tensor_parallel import TensorParallelBackend
 
     name, f, cfg = micro
     whole = CudaBackend(f, cfg, N_CTX)
-    monkeypatch.setenv("GGUF_RUN_TUNE", "tp_oneshot_rows=64")
+    monkeypatch.setenv("GGUF_RUN_TUNE", "tp_oneshot_rows=64;tp_norm_rows=8")
     split = TensorParallelBackend(f, cfg, N_CTX, 2)
-    assert split.comm.oneshot_floats
+    assert split.comm.oneshot_floats and split.comm.norm_rows == 8
     try:
         ids, more = prompt_ids(cfg.n_vocab, 9), prompt_ids(cfg.n_vocab, 3, seed=2)
         a, b = logits(split, ids, more), logits(whole, ids, more)

@@ -15,33 +15,9 @@
 // Every rank launches the same fixed grid (AR_BLOCKS blocks), so block b handles the same indices
 // in every call and on every rank; each block keeps its own buffer index (the call count modulo 3)
 // and the length of its last call (what to clear) in device memory, so graphs replay it.
-#include "common.cuh"
+#include "allreduce.cuh"
 
 #define AR_THREADS 256
-#define AR_EMPTY 0x80000000u           // -0.0f
-#define AR_PATIENCE_NS 30000000000ull  // a peer silent this long is gone (a trap, not a hang)
-
-DEV float4 ld_volatile4(const float4* p) {
-    float4 v;
-    asm volatile("ld.volatile.global.v4.f32 {%0, %1, %2, %3}, [%4];"
-                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-                 : "l"(p)
-                 : "memory");
-    return v;
-}
-
-DEV bool any_empty(float4 v) {
-    return __float_as_uint(v.x) == AR_EMPTY || __float_as_uint(v.y) == AR_EMPTY || __float_as_uint(v.z) == AR_EMPTY ||
-           __float_as_uint(v.w) == AR_EMPTY;
-}
-
-DEV float sendable(float v) { return __float_as_uint(v) == AR_EMPTY ? 0.0f : v; }
-
-DEV unsigned long long now_ns() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
 
 // x[0:n] = the sum over the ranks of their x[0:n] (n % 4 == 0, n <= cap). recv[r]: rank r's receive
 // buffer [3][world][cap]; epoch, last: this rank's [AR_BLOCKS] buffer indices and last lengths.
@@ -63,8 +39,7 @@ extern "C" __global__ void __launch_bounds__(AR_THREADS) allreduce_push(
     const int first = blockIdx.x * blockDim.x + threadIdx.x;
     float4* x4 = reinterpret_cast<float4*>(x);
     for (int i = first; i < n4; i += step) {
-        float4 v = x4[i];
-        v = make_float4(sendable(v.x), sendable(v.y), sendable(v.z), sendable(v.w));
+        const float4 v = sendable4(x4[i]);
         for (int r = 0; r < world; ++r)
             reinterpret_cast<float4*>(reinterpret_cast<float*>(recv[r]) + cur + rank * slot)[i] = v;
     }
@@ -74,23 +49,8 @@ extern "C" __global__ void __launch_bounds__(AR_THREADS) allreduce_push(
         for (int s = 0; s < world; ++s) reinterpret_cast<float4*>(own + old + s * slot)[i] = empty;
     const unsigned long long t0 = now_ns();
     for (int i = first; i < n4; i += step) {
-        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        for (int s = 0; s < world; ++s) {
-            const float4* p = reinterpret_cast<const float4*>(own + cur + s * slot) + i;
-            float4 v = ld_volatile4(p);
-            while (any_empty(v)) {
-                if (now_ns() - t0 > AR_PATIENCE_NS) __trap();
-                v = ld_volatile4(p);
-            }
-            if (s == 0) {
-                acc = v;
-            } else {
-                acc.x += v.x;
-                acc.y += v.y;
-                acc.z += v.z;
-                acc.w += v.w;
-            }
-        }
+        float4 acc = ar_wait4(reinterpret_cast<const float4*>(own + cur) + i, t0);
+        for (int s = 1; s < world; ++s) add4(acc, ar_wait4(reinterpret_cast<const float4*>(own + cur + s * slot) + i, t0));
         x4[i] = acc;
     }
     if (threadIdx.x == 0) {

@@ -5,6 +5,8 @@ The matvec launchers are in launchers.py; the conventions in launch_core.py.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from . import kv_layout as KL
 from .launch_core import ACT, NO_PTRS, UNIT_ELEMS, Kernels, Mat, Q8Vec, f32, i32, ptr
 
@@ -26,10 +28,11 @@ RMSNORM_MAX_COLS = 4 * RMS_SLOTS * 1024
 
 def rmsnorm(k: Kernels, x: int, ldx: int, w: int, y: int, ldy: int, rows: int, n: int, eps: float,
             res: int | None = None, ldr: int = 0, y16: int | None = None, ld16: int = 0,
-            q8: Q8Vec | None = None, w2: int | None = None) -> None:
+            q8: Q8Vec | None = None, w2: int | None = None, reduce: RowReduce | None = None) -> None:
     """y = rmsnorm(x) * w (+ res; y may be res); y16: also an f16 copy; q8 (n % 16 == 0): also the
     int8 copy of y, or with w2 (the next RMSNorm's weight) of y * w2 with y's squares: the input of
-    a matvec that applies that norm (q8.norm_eps)."""
+    a matvec that applies that norm (q8.norm_eps). reduce: x is this rank's part of a split model's
+    sum: the rows are summed over the ranks first (into reduce.xsum), then normalized."""
     assert q8 is not None or w2 is None
     assert q8 is None or n % 16 == 0
     if n % 4 or n > RMSNORM_MAX_COLS:
@@ -37,9 +40,30 @@ def rmsnorm(k: Kernels, x: int, ldx: int, w: int, y: int, ldy: int, rows: int, n
     assert x % 16 == 0 and y % 16 == 0 and ldx % 4 == 0 and ldy % 4 == 0, "float4 rows"
     assert res is None or (res % 16 == 0 and ldr % 4 == 0), "float4 rows"
     threads = min(1024, -(-n // 128) * 32)  # a float4 per thread where it can (layers.cu)
-    k.fn("layers.cu", "rmsnorm")((rows,), (threads,),
-                                 (ptr(x), i32(ldx), ptr(w), ptr(y), i32(ldy), ptr(res), i32(ldr), i32(n), f32(eps),
-                                  ptr(y16), i32(ld16), *(q8.ptrs() if q8 else NO_PTRS), ptr(w2)))
+    args = (ptr(x), i32(ldx), ptr(w), ptr(y), i32(ldy), ptr(res), i32(ldr), i32(n), f32(eps), ptr(y16), i32(ld16),
+            *(q8.ptrs() if q8 else NO_PTRS), ptr(w2))
+    if reduce is None:
+        k.fn("layers.cu", "rmsnorm")((rows,), (threads,), args)
+        return
+    assert res is None and rows <= reduce.rows_cap and reduce.xsum % 16 == 0 and reduce.ldsum % 4 == 0
+    k.fn("layers.cu", "rmsnorm_allreduce")((rows,), (threads,), (
+        *args, ptr(reduce.xsum), i32(reduce.ldsum), ptr(reduce.recv), ptr(reduce.ep), i32(reduce.rank),
+        i32(reduce.world), i32(reduce.rows_cap)))
+
+
+@dataclass(frozen=True)
+class RowReduce:
+    """rmsnorm's all-reduce over a split model's ranks (layers.cu's rmsnorm_allreduce): the sums go
+    to xsum (row stride ldsum); recv: a device array of every rank's receive buffer pointer, ep:
+    this rank's buffer index a row, rows_cap: the rows each buffer holds."""
+
+    xsum: int
+    ldsum: int
+    recv: int
+    ep: int
+    rank: int
+    world: int
+    rows_cap: int
 
 
 def quantize_q8(k: Kernels, x: int, ldx: int, n: int, rows: int, q8: Q8Vec) -> None:

@@ -3,6 +3,7 @@
 // Positions come from device memory (pos[t]), and KV pages from a block table, so one launch
 // configuration serves every position: these kernels can sit inside a replayed CUDA graph.
 // KV cache layout, per layer: [pages][n_head_kv][page_size][head_dim].
+#include "allreduce.cuh"
 #include "kv_cache.cuh"
 
 // y[t] = (res ? res[t] : 0) + x[t] * rsqrt(mean(x[t]^2) + eps) * w   (one block per row t; y may be
@@ -18,10 +19,15 @@
 // same values as quant16), so nothing is read back from global memory.
 constexpr int RMS_SLOTS = 2;
 
-extern "C" __global__ void __launch_bounds__(1024) rmsnorm(
-        const float* __restrict__ x, int ldx, const float* __restrict__ w, float* y, int ldy, const float* res,
-        int ldr, int n, float eps, u16* y16, int ld16, u8* xq, int ldq, float4* xs, int lds, int xres,
-        const float* __restrict__ w2) {
+// A split model's row sum (REDUCE): x holds this rank's part of row t (its O or down product);
+// the block pushes it to every rank and sums the ranks' parts in rank order (allreduce.cu's
+// protocol with one buffer index a row: ep[t]; recv[r]: rank r's [3][world][rows_cap][n] buffer),
+// writes the sum to xsum (the residual stream) and normalizes it: the all-reduce without a launch.
+template <bool REDUCE>
+DEV void rmsnorm_row(const float* x, int ldx, const float* __restrict__ w, float* y, int ldy, const float* res,
+                     int ldr, int n, float eps, u16* y16, int ld16, u8* xq, int ldq, float4* xs, int lds, int xres,
+                     const float* __restrict__ w2, float* xsum, int ldsum, const unsigned long long* recv,
+                     unsigned* ep, int rank, int world, int rows_cap) {
     __shared__ float scratch[32];
     const int n4 = n / 4;
     float4 wv[RMS_SLOTS], w2v[RMS_SLOTS], v[RMS_SLOTS];
@@ -33,13 +39,51 @@ extern "C" __global__ void __launch_bounds__(1024) rmsnorm(
     }
     pdl_enter();
     const float4* xr = reinterpret_cast<const float4*>(x + (long)blockIdx.x * ldx);
+    if (REDUCE) {
+        __shared__ unsigned s_e;
+        if (threadIdx.x == 0) s_e = (ep[blockIdx.x] + 1) % 3;
+        __syncthreads();
+        const long e = s_e, slot = (long)rows_cap * n, row = (long)blockIdx.x * n;
+        float* own = reinterpret_cast<float*>(recv[rank]);
+        const float4 empty = make_float4(-0.0f, -0.0f, -0.0f, -0.0f);
+#pragma unroll
+        for (int j = 0; j < RMS_SLOTS; ++j) {
+            const int i = threadIdx.x + j * blockDim.x;
+            if (i >= n4) continue;
+            const float4 p = sendable4(xr[i]);
+            for (int r = 0; r < world; ++r)
+                reinterpret_cast<float4*>(reinterpret_cast<float*>(recv[r]) + (e * world + rank) * slot + row)[i] = p;
+        }
+        const long old = ((e + 2) % 3) * world * slot + row;
+#pragma unroll
+        for (int j = 0; j < RMS_SLOTS; ++j) {
+            const int i = threadIdx.x + j * blockDim.x;
+            if (i < n4)
+                for (int r = 0; r < world; ++r) reinterpret_cast<float4*>(own + old + r * slot)[i] = empty;
+        }
+        const unsigned long long t0 = now_ns();
+        const float* cur = own + e * world * slot + row;
+        float4* out = reinterpret_cast<float4*>(xsum + (long)blockIdx.x * ldsum);
+#pragma unroll
+        for (int j = 0; j < RMS_SLOTS; ++j) {
+            const int i = threadIdx.x + j * blockDim.x;
+            v[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (i >= n4) continue;
+            v[j] = ar_wait4(reinterpret_cast<const float4*>(cur) + i, t0);
+            for (int r = 1; r < world; ++r) add4(v[j], ar_wait4(reinterpret_cast<const float4*>(cur + r * slot) + i, t0));
+            out[i] = v[j];
+        }
+        if (threadIdx.x == 0) ep[blockIdx.x] = (unsigned)e;
+    } else {
+#pragma unroll
+        for (int j = 0; j < RMS_SLOTS; ++j) {
+            const int i = threadIdx.x + j * blockDim.x;
+            v[j] = i < n4 ? xr[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+    }
     float ss = 0.f;
 #pragma unroll
-    for (int j = 0; j < RMS_SLOTS; ++j) {
-        const int i = threadIdx.x + j * blockDim.x;
-        v[j] = i < n4 ? xr[i] : make_float4(0.f, 0.f, 0.f, 0.f);
-        ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
-    }
+    for (int j = 0; j < RMS_SLOTS; ++j) ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
     ss = block_sum(ss, scratch);
     const float k = rsqrtf(ss / (float)n + eps);
     float* yr = y + (long)blockIdx.x * ldy;
@@ -118,6 +162,25 @@ extern "C" __global__ void __launch_bounds__(1024) rmsnorm(
         if (xres) *reinterpret_cast<u32*>(xq + (long)blockIdx.x * ldq + xres + 4 * i) = word2;
         if ((i & 3) == 0) xs[(long)blockIdx.x * lds + i / 4] = make_float4(d, s, sq, d2);
     }
+}
+
+
+extern "C" __global__ void __launch_bounds__(1024) rmsnorm(
+        const float* __restrict__ x, int ldx, const float* __restrict__ w, float* y, int ldy, const float* res,
+        int ldr, int n, float eps, u16* y16, int ld16, u8* xq, int ldq, float4* xs, int lds, int xres,
+        const float* __restrict__ w2) {
+    rmsnorm_row<false>(x, ldx, w, y, ldy, res, ldr, n, eps, y16, ld16, xq, ldq, xs, lds, xres, w2, nullptr, 0,
+                       nullptr, nullptr, 0, 1, 0);
+}
+
+// rmsnorm of the sum over the ranks of x (rmsnorm_row's REDUCE); xsum may be x.
+extern "C" __global__ void __launch_bounds__(1024) rmsnorm_allreduce(
+        const float* x, int ldx, const float* __restrict__ w, float* y, int ldy, const float* res, int ldr, int n,
+        float eps, u16* y16, int ld16, u8* xq, int ldq, float4* xs, int lds, int xres, const float* __restrict__ w2,
+        float* xsum, int ldsum, const unsigned long long* __restrict__ recv, unsigned* ep, int rank, int world,
+        int rows_cap) {
+    rmsnorm_row<true>(x, ldx, w, y, ldy, res, ldr, n, eps, y16, ld16, xq, ldq, xs, lds, xres, w2, xsum, ldsum, recv,
+                      ep, rank, world, rows_cap);
 }
 
 // The int8 copy of x[t, :n] (n % 16 == 0), as rmsnorm writes it: one thread per 16 columns.

@@ -42,6 +42,9 @@ class CudaBlocks:
         # products are partial sums, all-reduced; the head's rows are a part of the vocabulary
         self.comm = comm
         self.lead = comm is None or comm.rank == 0  # the rank whose products add the residual
+        # x whose rows are still this rank's part of their sum: the next RMSNorm's launch sums them
+        # (collectives.row_reduce); O's and down's products within the layers leave it so
+        self._unsummed: cp.ndarray | None = None
         self.inv_freq = inv_freq
         # RoPE's attention factor (LongRoPE) scales the cos and sin of q and k alike: with every
         # dimension rotated (check_supported) that is q.k times its square
@@ -97,15 +100,36 @@ class CudaBlocks:
                        y.strides[0] // 4, accumulate)
 
     def _norm(self, x: cp.ndarray, name: str, y: cp.ndarray, res: cp.ndarray | None = None,
-              f16: bool = False, q8: L.Q8Vec | None = None, w2: str | None = None) -> None:
+              f16: bool = False, q8: L.Q8Vec | None = None, w2: str | None = None,
+              reduce: LL.RowReduce | None = None) -> None:
         """y = rmsnorm(x) (+ res); f16: also into ws.x16 (the next tensor-core matmul's input); q8:
-        also the int8 copy (of y times RMSNorm w2's weight, for a matvec that applies that norm)."""
+        also the int8 copy (of y times RMSNorm w2's weight, for a matvec that applies that norm);
+        reduce: x's rows summed over the ranks first (into x)."""
         x16 = self.ws.x16 if f16 else None
         LL.rmsnorm(self.k, x.data.ptr, x.strides[0] // 4, self.w.vec(name).data.ptr, y.data.ptr, y.strides[0] // 4,
                    x.shape[0], x.shape[1], self.cfg.rms_eps,
                    res.data.ptr if res is not None else None, res.strides[0] // 4 if res is not None else 0,
                    x16.data.ptr if x16 is not None else None, x16.strides[0] // 2 if x16 is not None else 0, q8=q8,
-                   w2=self.w.vec(w2).data.ptr if w2 else None)
+                   w2=self.w.vec(w2).data.ptr if w2 else None, reduce=reduce)
+
+    def _sum_now(self, x: cp.ndarray) -> None:
+        """x's sum over the ranks, if it waits for one, by an all-reduce of its own."""
+        if self._unsummed is not None:
+            assert self._unsummed.data.ptr == x.data.ptr and self._unsummed.shape == x.shape
+            self._unsummed = None
+            self.comm.all_reduce(x)
+
+    def _sum_in_norm(self, x: cp.ndarray) -> LL.RowReduce | None:
+        """The row sums for the norm kernel about to read x, if x waits for them (or, where that
+        kernel cannot take them, an all-reduce now and None)."""
+        if self._unsummed is None:
+            return None
+        reduce = self.comm.row_reduce(x)
+        if reduce is None:
+            self._sum_now(x)
+        else:
+            self._unsummed = None
+        return reduce
 
     def _q8_for(self, t: int, mats: list[L.Mat], buf: L.Q8Vec | None, role: str) -> L.Q8Vec | None:
         """buf (an int8 activation buffer) when the matvec of these matrices over t rows takes it,
@@ -197,12 +221,14 @@ class CudaBlocks:
         t = x.shape[0]
         q8 = None if mma else self._q8_for(t, mats, self.ws.q8_norm, self._role_after(name))
         if q8 is None and not mma and self._small(t) and x.shape[1] <= self.tune.fuse_norm_max_cols:
+            self._sum_now(x)
             return x, (self.w.vec(name).data.ptr, self.cfg.rms_eps), None
         row = self._epilogue_rows(x, name) if q8 is not None else None
         if row is not None:  # no norm kernel: the matvec normalizes (matvec_block.cuh)
+            self._sum_now(x)
             return x, None, dataclasses.replace(q8.rows_from(row), norm_eps=self.cfg.rms_eps)
         h = self.ws.h[:t]
-        self._norm(x, name, h, f16=True, q8=q8)
+        self._norm(x, name, h, f16=True, q8=q8, reduce=self._sum_in_norm(x))
         self._q8_ready = None
         return h, None, q8
 
@@ -211,6 +237,7 @@ class CudaBlocks:
         t = tokens.shape[0]
         x = self.ws.x[:t]
         self._q8_ready = None
+        self._unsummed = None
         LL.embed(self.k, self.w.mat("token_embd.weight"), tokens.data.ptr, t, x.data.ptr, x.strides[0] // 4,
                  self.cfg.embed_scale)
         return x
@@ -320,10 +347,12 @@ class CudaBlocks:
 
     def _project_residual(self, a: cp.ndarray, name: str, x: cp.ndarray, post_norm: str | None,
                           a16: cp.ndarray | None = None, a_q8: L.Q8Vec | None = None,
-                          then: tuple[str, list[L.Mat]] | None = None, defer_reduce: bool = False) -> cp.ndarray:
+                          then: tuple[str, list[L.Mat]] | None = None, defer_reduce: bool = False,
+                          norm_next: bool = False) -> cp.ndarray:
         """x += post_norm(W a) (no norm: straight into x). a16: a's f16 copy (over MAX_MMV_TOKENS
         rows); a_q8: a's int8 copy when already written; then = (the next RMSNorm, the matrices it
-        feeds): on the int8 path the epilogue also writes x * its weight into q8_norm."""
+        feeds): on the int8 path the epilogue also writes x * its weight into q8_norm. norm_next:
+        the next block's _normed reads x next (a split model may leave the sum to that norm)."""
         t = a.shape[0]
         target = self.ws.o[:t] if post_norm else x
         self._q8_ready = None
@@ -353,7 +382,10 @@ class CudaBlocks:
         else:
             self._gemm16(a16, t, (name,), target, accumulate=beta == 1)
         if self.comm is not None and (post_norm or not defer_reduce):
-            self.comm.all_reduce(target)
+            if norm_next and not post_norm and t <= self.comm.norm_rows:
+                self._unsummed = target  # (summed by the next norm's launch: _sum_in_norm)
+            else:
+                self.comm.all_reduce(target)
         if post_norm:  # x += post_norm(target); on the int8 path also the next norm's input, as above
             q8 = None
             if then is not None and self.tune.post_q8 and x.data.ptr == self.ws.x.data.ptr and x.shape[1] % 16 == 0:
@@ -374,7 +406,7 @@ class CudaBlocks:
         x = self._project_residual(a, p + "attn_output.weight", x,
                                    p + "post_attention_norm.weight" if self.cfg.post_norms else None,
                                    a16=None if self._small(a.shape[0]) else self.ws.x16, a_q8=a_q8, then=then,
-                                   defer_reduce=self.cfg.o_bias)
+                                   defer_reduce=self.cfg.o_bias, norm_next=not self.cfg.n_expert)
         if self.cfg.o_bias:  # (split: rank 0's bias, the others' zeros, then the sum)
             LL.add_bias(self.k, x.data.ptr, x.strides[0] // 4, self.w.vec(p + "attn_output.bias").data.ptr,
                         self.cfg.n_embd, a.shape[0])
@@ -395,6 +427,7 @@ class CudaBlocks:
         cfg, ws, p = self.cfg, self.ws, f"blk.{layer}."
         t = x.shape[0]
         g = ws.g[:t]
+        more = layer + 1 < cfg.n_layer  # (the next layer's norm reads x next; after the last, the caller)
         gate_name, up_name = p + "ffn_gate.weight", p + "ffn_up.weight"
         gate, up = self.w.mat(gate_name), self.w.mat(up_name)
         post = p + "post_ffw_norm.weight" if cfg.post_norms else None
@@ -408,12 +441,12 @@ class CudaBlocks:
             L.mmv_glu(self.k, gate, up, h.data.ptr, h.strides[0] // 4, t, cfg.activation, g.data.ptr,
                       g.strides[0] // 4, norm=norm, q8=q8, q8_out=g_q8, config=self.tune.mmv_override("GLU"),
                       kstage="glu" in self.tune.kstage)
-            return self._project_residual(g, down, x, post, a_q8=g_q8, then=self._after_ffn(layer))
+            return self._project_residual(g, down, x, post, a_q8=g_q8, then=self._after_ffn(layer), norm_next=more)
         if big and gate.type_id == up.type_id:
             g16 = ws.g16
             LM.mma_glu(self.k, gate, up, ws.x16.data.ptr, ws.x16.strides[0] // 2, t, cfg.activation, g16.data.ptr,
                       g16.strides[0] // 2, ws.split)
-            return self._project_residual(g, down, x, post, a16=g16, then=self._after_ffn(layer))
+            return self._project_residual(g, down, x, post, a16=g16, then=self._after_ffn(layer), norm_next=more)
         if self._small(t) or big:
             u = ws.u[:t]
             if big:
@@ -428,12 +461,12 @@ class CudaBlocks:
             g16 = ws.g16 if big else None
             LL.glu(self.k, g.data.ptr, u.data.ptr, g.strides[0] // 4, cfg.n_ff, t, cfg.activation, g.data.ptr,
                    g.strides[0] // 4, g16.data.ptr if big else None, g16.strides[0] // 2 if big else 0)
-            return self._project_residual(g, down, x, post, a16=g16, then=self._after_ffn(layer))
+            return self._project_residual(g, down, x, post, a16=g16, then=self._after_ffn(layer), norm_next=more)
         u = ws.u[:t]
         self._gemm16(ws.x16, t, (gate_name, up_name), g, accumulate=False)  # g | u: adjacent halves
         LL.glu(self.k, g.data.ptr, u.data.ptr, g.strides[0] // 4, cfg.n_ff, t, cfg.activation, None, 0,
                ws.x16.data.ptr, ws.x16.strides[0] // 2)
-        return self._project_residual(g, down, x, post, a16=ws.x16)
+        return self._project_residual(g, down, x, post, a16=ws.x16, norm_next=more)
 
     def _moe(self, x: cp.ndarray, layer: int) -> cp.ndarray:
         """x += the chosen experts' SwiGLUs (model.ComposedBlocks.moe): a norm kernel writes h (and its

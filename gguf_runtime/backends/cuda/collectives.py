@@ -8,7 +8,8 @@ holds. While the kernels are being recorded for compilation (precompile.py) they
 - ``all_reduce``: the sum over the ranks, in place (the O and down products' partial sums): up to
   ``oneshot_rows`` rows (decode steps) the one-shot kernel over peer memory (allreduce.cu: each
   rank writes its rows into every rank's receive buffer, mapped into each other through CUDA IPC),
-  NCCL above;
+  NCCL above; ``row_reduce``: the same sum inside the next RMSNorm's launch (layers.cu's
+  rmsnorm_allreduce, steps of up to ``norm_rows`` rows), so the sum costs no launch of its own;
 - ``gather_logits``: each rank's vocabulary rows [t, V'] -> the whole [t, V] logits on every rank
   (an all-gather, then one kernel that puts rank-major parts side by side), so every rank's
   sampler draws the same token from the same logits and seeds: no token crosses the host.
@@ -55,33 +56,39 @@ class NcclCollectives:
         self.comm = self.nccl.NcclCommunicator(world, uid, rank)
         self.kernels = None  # the backend's Kernels: nothing runs while they record (precompile)
         self.parts: cp.ndarray | None = None
-        self.oneshot_floats = 0
+        self.oneshot_floats = self.norm_rows = 0
         self._one = cp.zeros(1, cp.int64)
 
     def setup(self, kernels, logits_rows: int, vocab_part: int, n_embd: int, oneshot_rows: int,
-              reduce_off: bool = False) -> None:
-        """Buffers of the logits' gather (each rank's part: the head's output, and every rank's) and
-        of the one-shot all-reduce (sums of up to oneshot_rows rows of n_embd; 0: NCCL only)."""
+              reduce_off: bool = False, norm_rows: int = 0) -> None:
+        """Buffers of the logits' gather (each rank's part: the head's output, and every rank's), of
+        the one-shot all-reduce (sums of up to oneshot_rows rows of n_embd; 0: NCCL only) and of
+        the sums inside an RMSNorm (up to norm_rows rows; 0: none)."""
         self.kernels = kernels
         self.reduce_off = reduce_off  # (measuring only: tuning.tp_reduce_off)
         self.vocab_part = vocab_part
         self.part = cp.zeros((logits_rows, vocab_part), cp.float32)
         self.parts = cp.zeros(self.world * logits_rows * vocab_part, cp.float32)
-        self.oneshot_floats = oneshot_rows * n_embd if self.world > 1 else 0
-        if self.oneshot_floats:
-            self._map_peers(self.oneshot_floats)
+        multi = self.world > 1
+        self.oneshot_floats = oneshot_rows * n_embd if multi else 0
+        if self.oneshot_floats:  # [3][world][oneshot_floats], blocks' buffer indices and last lengths
+            self.recv_ptrs = self._peer_buffers(3 * self.world * self.oneshot_floats)
+            self.epoch = cp.zeros(LL.AR_BLOCKS, cp.uint32)
+            self.last = cp.zeros(LL.AR_BLOCKS, cp.int32)
+        self.norm_rows = norm_rows if multi else 0
+        if self.norm_rows:  # [3][world][norm_rows][n_embd], a buffer index a row
+            self.row_ptrs = self._peer_buffers(3 * self.world * self.norm_rows * n_embd)
+            self.row_ep = cp.zeros(self.norm_rows, cp.uint32)
 
-    def _map_peers(self, cap: int) -> None:
-        """This rank's receive buffer (3 x world slots of ``cap`` floats, all -0.0: empty) in memory
-        of its own (cudaMalloc: an IPC handle names a whole allocation), every rank's opened here
-        through CUDA IPC; the handles travel by an NCCL all-gather."""
+    def _peer_buffers(self, words: int) -> cp.ndarray:
+        """A receive buffer of ``words`` floats, all -0.0 (empty), in memory of this rank's own
+        (cudaMalloc: an IPC handle names a whole allocation), and every rank's opened here through
+        CUDA IPC (the handles travel by an NCCL all-gather): the device array of their pointers."""
         rt, w = cp.cuda.runtime, self.world
-        words = 3 * w * cap
-        self._own = rt.malloc(words * 4)
-        own = cp.ndarray((words,), cp.uint32, cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(self._own, words * 4, self),
-                                                                    0))
+        own_ptr = rt.malloc(words * 4)
+        own = cp.ndarray((words,), cp.uint32, cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(own_ptr, words * 4, self), 0))
         own.fill(0x80000000)
-        handle = bytes(rt.ipcGetMemHandle(self._own))
+        handle = bytes(rt.ipcGetMemHandle(own_ptr))
         mine = cp.asarray(np.frombuffer(handle, np.uint8))
         every = cp.zeros(w * mine.size, cp.uint8)
         s = cp.cuda.get_current_stream()
@@ -89,16 +96,19 @@ class NcclCollectives:
         s.synchronize()
         every = every.get().reshape(w, len(handle))
         ptrs = np.zeros(w, np.uint64)
-        self._opened = []
         for r in range(w):
-            if r == self.rank:
-                ptrs[r] = self._own
-            else:
-                ptrs[r] = rt.ipcOpenMemHandle(bytes(every[r]))  # (lazily enables peer access)
-                self._opened.append(int(ptrs[r]))
-        self.recv_ptrs = cp.asarray(ptrs)
-        self.epoch = cp.zeros(LL.AR_BLOCKS, cp.uint32)
-        self.last = cp.zeros(LL.AR_BLOCKS, cp.int32)
+            # (opening lazily enables peer access)
+            ptrs[r] = own_ptr if r == self.rank else rt.ipcOpenMemHandle(bytes(every[r]))
+        return cp.asarray(ptrs)
+
+    def row_reduce(self, x: cp.ndarray) -> LL.RowReduce | None:
+        """The sum of x's rows over the ranks, for the RMSNorm launch that reads them next (the
+        rows' sums go back into x), or None where that kernel does not take them (more rows than
+        its buffers, none set up, or measuring without sums)."""
+        if x.shape[0] > self.norm_rows or self.reduce_off:
+            return None
+        return LL.RowReduce(x.data.ptr, x.strides[0] // 4, self.row_ptrs.data.ptr, self.row_ep.data.ptr, self.rank,
+                            self.world, self.norm_rows)
 
     def _idle(self) -> bool:
         return self.kernels is not None and self.kernels.recorded is not None
