@@ -64,6 +64,7 @@ def _worker(rank: int, world: int, uid: tuple, path: str, cfg: ModelConfig, n_ct
         exit_now()
 
     serve_calls(be, conn, f"tensor-parallel GPU {rank}", on_stop=stop)
+    exit_now()  # the front is gone (its pipe closed): no teardown, whose NCCL destructor would wait for it
 
 
 def _close_at_exit(ref) -> None:
