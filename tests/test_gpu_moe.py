@@ -174,6 +174,41 @@ def test_router_over_many_tokens(k, rng, rows):
     assert np.isnan(y.get()[rows:]).all() and np.isnan(y.get()[:, n]).all(), "wrote past the rows"
 
 
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("n_expert,used", [(128, 8), (60, 4), (256, 8)])
+def test_router_topk_in_one_launch(k, rng, rows, n_expert, used):
+    """router_topk: the logits and experts of router then topk, bit for bit, three calls in a row (each
+    token's counter back to zero after each), with the norm fused or not; nothing past the rows."""
+    keep = []
+    cols = 2048
+    m, _ = upload("F32", n_expert, cols, rng, keep)
+    counters = cp.zeros(LE.ROUTER_TILE, cp.uint32)
+    for call, norm in enumerate((False, True, True)):
+        xd = cp.asarray(rng.standard_normal((rows, cols)).astype(np.float32))
+        nwd = cp.asarray(rng.standard_normal(cols).astype(np.float32))
+        nrm, renorm = ((nwd.data.ptr, 1e-6) if norm else None), call != 1
+        outs = []
+        for fused in (False, True):
+            y = cp.full((rows + 1, n_expert + 1), POISON, cp.float32)
+            ids = cp.full((rows + 1, used), -7, cp.int32)
+            wt = cp.full((rows + 1, used), POISON, cp.float32)
+            if fused:
+                LE.router_topk(k, m, xd.data.ptr, cols, rows, y.data.ptr, n_expert + 1, used, renorm, ids.data.ptr,
+                               wt.data.ptr, counters.data.ptr, norm=nrm)
+            else:
+                LE.router(k, m, xd.data.ptr, cols, rows, y.data.ptr, n_expert + 1, norm=nrm)
+                LE.topk(k, y.data.ptr, n_expert + 1, n_expert, used, renorm, rows, ids.data.ptr, wt.data.ptr)
+            outs.append((y.get(), ids.get(), wt.get()))
+        (y0, i0, w0), (y1, i1, w1) = outs
+        what = f"call {call}"
+        assert np.array_equal(y1[:rows, :n_expert].view(np.uint32), y0[:rows, :n_expert].view(np.uint32)), what
+        np.testing.assert_array_equal(i1[:rows], i0[:rows], err_msg=what)
+        assert np.array_equal(w1[:rows].view(np.uint32), w0[:rows].view(np.uint32)), what
+        assert (i1[rows] == -7).all() and np.isnan(w1[rows]).all(), f"{what}: wrote past the rows"
+        assert np.isnan(y1[rows]).all() and np.isnan(y1[:, n_expert]).all(), f"{what}: wrote past the logits"
+        assert (counters.get() == 0).all(), f"{what}: a token's counter left set"
+
+
 def sorted_tiles(k, ids, n_expert, mt):
     """moe_sort on the device: (device ids, order, tiles, entries) in tiles of up to mt slots."""
     slots = ids.size

@@ -63,6 +63,21 @@ def router(k: Kernels, m: Mat, x: int, ldx: int, rows: int, y: int, ldy: int,
         *((ptr(norm[0]), f32(norm[1])) if norm else (ptr(0), f32(0.0))), ptr(y), i32(ldy)))
 
 
+def router_topk(k: Kernels, m: Mat, x: int, ldx: int, rows: int, y: int, ldy: int, used: int, renorm: bool,
+                ids: int, w: int, counters: int, norm: tuple[int, float] | None = None) -> None:
+    """router (y[t, :n] = W x'[t], up to ROUTER_TILE tokens) and topk over its logits in one launch:
+    the block that finishes a token's logits last picks its experts; counters: ROUTER_TILE uint32,
+    zero between calls (each token's last block puts its own back)."""
+    n = m.rows
+    assert rows <= ROUTER_TILE and m.struct == "TF32" and 1 <= used <= min(n, MAX_USED) and n <= MAX_EXPERTS
+    r, wg = ROUTER
+    fn = k.fn("moe.cu", f"moe_router_topk<{r}, {wg}>")
+    fn(((-(-n // (r * WARPS // wg))), rows), (32 * WARPS,),
+       (*m.planes, i32(n), i32(m.cols), ptr(x), i32(ldx),
+        *((ptr(norm[0]), f32(norm[1])) if norm else (ptr(0), f32(0.0))), ptr(y), i32(ldy), i32(used), i32(renorm),
+        ptr(ids), ptr(w), ptr(counters)))
+
+
 def glu(k: Kernels, gate: Mat, up: Mat, n: int, ids: int, used: int, x: int, ldx: int, slots: int, act: str,
         y: int, ldy: int, norm: tuple[int, float] | None = None, q8: Q8Vec | None = None, r: int = 4,
         q8_out: Q8Vec | None = None, biases: tuple[int, int] = (0, 0)) -> None:

@@ -17,20 +17,18 @@
 constexpr int MOE_MAX_EXPERTS = 256;  // 8 router probabilities a lane
 constexpr int MOE_WARPS = 4;          // warps a block of the product kernels
 
-// ids[t, j], w[t, j] (j < k, by rank) = the k most probable experts of token t (ties: the lower id)
-// and their probabilities, softmax over logits[t, :E] in f32, renormalized over the k where norm.
-// One warp a token; an id is always within [0, E), whatever the logits hold.
-extern "C" __global__ void moe_topk(const float* __restrict__ logits, int ld, int E, int k, int norm, int rows,
-                         int* __restrict__ ids, float* __restrict__ w) {
+// ids[j], w[j] (j < k, by rank) = the k most probable experts of one token (ties: the lower id) and
+// their probabilities, softmax over logits[:E] in f32, renormalized over the k where norm: one warp
+// (lane), the logits read through L2 (another block of the launch may have written them). An id is
+// always within [0, E), whatever the logits hold.
+DEV void topk_warp(const float* logits, int E, int k, int norm, int* __restrict__ ids, float* __restrict__ w,
+                   int lane) {
     constexpr int PER = MOE_MAX_EXPERTS / 32;
-    const int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-    pdl_enter();
-    if (t >= rows) return;
     float p[PER], mx = -INFINITY;
 #pragma unroll
     for (int i = 0; i < PER; ++i) {
         const int e = lane + 32 * i;
-        p[i] = e < E ? logits[(long)t * ld + e] : -INFINITY;
+        p[i] = e < E ? __ldcg(logits + e) : -INFINITY;
         mx = fmaxf(mx, p[i]);
     }
 #pragma unroll
@@ -66,9 +64,18 @@ extern "C" __global__ void moe_topk(const float* __restrict__ logits, int ld, in
         chosen += fmaxf(bv, 0.f);
     }
     if (lane < k) {
-        ids[(long)t * k + lane] = my_id;
-        w[(long)t * k + lane] = norm ? my_w / chosen : my_w;
+        ids[lane] = my_id;
+        w[lane] = norm ? my_w / chosen : my_w;
     }
+}
+
+// ids[t, :k], w[t, :k] = topk_warp of logits[t, :E]: one warp a token.
+extern "C" __global__ void moe_topk(const float* __restrict__ logits, int ld, int E, int k, int norm, int rows,
+                         int* __restrict__ ids, float* __restrict__ w) {
+    const int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    pdl_enter();
+    if (t >= rows) return;
+    topk_warp(logits + (long)t * ld, E, k, norm, ids + (long)t * k, w + (long)t * k, lane);
 }
 
 // y[s, :n] = W_e x'[s / k] for every slot s < gridDim.y: e = ids[s], or with ids null W itself (the
@@ -113,6 +120,36 @@ __global__ void __launch_bounds__(32 * MOE_WARPS) moe_router(PLANES(0), int n, i
 #pragma unroll
         for (int r = 0; r < R; ++r)
             if (row0 + r < n) y[(long)(t0 + b) * ldy + row0 + r] = acc[r][b];
+}
+
+// The router of up to 8 tokens with its top-k in the same launch: y[t, :n] = W x'[t] (W f32, x' as
+// moe_router's; blockIdx.y = t), and the block that finishes token t's logits last (counters[t]:
+// its blocks done, back to zero after) runs topk_warp over them into ids[t, :k], w[t, :k].
+template <int R, int WG>
+__global__ void __launch_bounds__(32 * MOE_WARPS) moe_router_topk(PLANES(0), int n, int K,
+        const float* __restrict__ x, int ldx, const float* __restrict__ nw, float eps, float* y, int ldy, int k,
+        int norm, int* __restrict__ ids, float* __restrict__ w, unsigned* counters) {
+    __shared__ bool s_last;
+    const int t = blockIdx.y, row0 = group_row0<R, WG, MOE_WARPS>();
+    Mat m[R]; int row[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) { m[r] = MAT(0, TF32); row[r] = min(row0 + r, n - 1); }
+    pdl_enter();
+    float acc[R][1];
+    mmv_any<TF32, 1, R, WG, 0>(m, row, K, XIn{x + (long)t * ldx, ldx, nw, eps, XQ{}}, acc);
+    if (group_leader<WG>()) {
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+            if (row0 + r < n) y[(long)t * ldy + row0 + r] = acc[r][0];
+        __threadfence();  // these logits visible to every block before this one counts itself done
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) s_last = atomicAdd(counters + t, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!s_last || threadIdx.x >= 32) return;
+    __threadfence();
+    topk_warp(y + (long)t * ldy, n, k, norm, ids + (long)t * k, w + (long)t * k, threadIdx.x);
+    if (threadIdx.x == 0) counters[t] = 0;
 }
 
 // y[s, :n] = act(G_e x'[s / k]) * (U_e x'[s / k]), e = ids[s]: the chosen experts' gate and up rows
@@ -275,5 +312,7 @@ MOE(TIQ3_S, 1) MOE(TIQ1_S, 1) MOE(TIQ1_M, 1)
                                                      const float*, const float*);
 GLU_Q8(TMXFP4, 3) GLU_Q8(TQ4_K, 3) GLU_Q8(TQ6_K, 3) GLU_Q8(TQ4_0, 3) GLU_Q8(TQ8_0, 3) GLU_Q8(TQ4_K, 27)
 template __global__ void moe_router<1, 4, 8>(P4, int, int, int, const float*, int, const float*, float, float*, int);
+template __global__ void moe_router_topk<1, 4>(P4, int, int, const float*, int, const float*, float, float*, int, int,
+                                               int, int*, float*, unsigned*);
 template __global__ void moe_router<2, 1, 8>(P4, int, int, int, const float*, int, const float*, float, float*, int);
 #endif

@@ -485,12 +485,16 @@ class CudaBlocks:
         self._q8_ready = None
         ld = h.strides[0] // 4
         logits, ids, w = ws.moe_logits, ws.moe_ids.data.ptr, ws.moe_w.data.ptr
-        LE.router(self.k, self.w.mat(p + "ffn_gate_inp.weight"), h.data.ptr, ld, t, logits.data.ptr,
-                  logits.strides[0] // 4)
-        if cfg.expert_bias:
-            LL.add_bias(self.k, logits.data.ptr, logits.strides[0] // 4, self.w.vec(p + "ffn_gate_inp.bias").data.ptr,
-                        cfg.n_expert, t)
-        LE.topk(self.k, logits.data.ptr, logits.strides[0] // 4, cfg.n_expert, used, cfg.expert_norm, t, ids, w)
+        router = self.w.mat(p + "ffn_gate_inp.weight")
+        if self.tune.moe_router_topk and not cfg.expert_bias and t <= LE.ROUTER_TILE and router.struct == "TF32":
+            LE.router_topk(self.k, router, h.data.ptr, ld, t, logits.data.ptr, logits.strides[0] // 4, used,
+                           cfg.expert_norm, ids, w, ws.moe_count.data.ptr)
+        else:
+            LE.router(self.k, router, h.data.ptr, ld, t, logits.data.ptr, logits.strides[0] // 4)
+            if cfg.expert_bias:
+                LL.add_bias(self.k, logits.data.ptr, logits.strides[0] // 4,
+                            self.w.vec(p + "ffn_gate_inp.bias").data.ptr, cfg.n_expert, t)
+            LE.topk(self.k, logits.data.ptr, logits.strides[0] // 4, cfg.n_expert, used, cfg.expert_norm, t, ids, w)
         if cfg.expert_bias:
             self._moe_biased(x, h, q8, layer)
             return x

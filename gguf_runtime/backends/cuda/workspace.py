@@ -49,6 +49,7 @@ class Workspace:
             self.moe_logits = cp.zeros((max_rows, cfg.n_expert), f32)
             self.moe_ids = cp.zeros((max_rows, used), cp.int32)
             self.moe_w = cp.zeros((max_rows, used), f32)
+            self.moe_count = cp.zeros(LE.ROUTER_TILE, cp.uint32)  # the fused router: blocks done a token
             gu = cp.zeros((slots, 2 * cfg.n_ff_exp), f32)
             self.moe_g, self.moe_u = gu[:, :cfg.n_ff_exp], gu[:, cfg.n_ff_exp:]
             # grouped by expert (past the matvec rows): slot order, tiles, h's rows gathered in that order
