@@ -43,7 +43,7 @@ group backend tests/test_gpu_backend.py tests/test_gpu_graphs.py tests/test_gpu_
 group batch tests/test_gpu_batch.py tests/test_gpu_sampler.py tests/test_gpu_flash.py
 group moe_tp_fd tests/test_gpu_moe.py tests/test_gpu_allreduce.py tests/test_gpu_tensor_parallel.py tests/test_gpu_flash_decode.py
 group micro_f32 tests/test_gpu_micro.py -k "test_f32_path"
-group micro_int8 tests/test_gpu_micro.py -k "test_int8_path_most or test_int8_rest"
+group micro_int8 tests/test_gpu_micro.py -k "test_int8_path_most or test_int8_rest or test_int8_path_moe"
 group micro_rest tests/test_gpu_micro.py -k "f16_prefill or non_finite or long_prompt"
 wait
 echo "tests: ${SECONDS}s"

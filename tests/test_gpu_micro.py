@@ -132,6 +132,21 @@ def test_int8_path_most_rows(micro, monkeypatch, rng):
     assert_most_rows(np.concatenate(got), np.concatenate(ref), TIGHT, SHARE, LOOSE_Q8, what=f"micro {name} int8")
 
 
+def test_int8_path_moe_fusions(tmp_path, monkeypatch, rng):
+    """qwen3moe with the fused MoE decode paths (tuning moe_norm_epilogue, moe_router_topk: O's
+    epilogue writes the experts' int8 input, the router normalizes x itself and picks the experts in
+    its own launch): the int8 path's bars against the path model, as test_int8_path_most_rows."""
+    path = write_micro(CASES["qwen3moe"], tmp_path / "qwen3moe.gguf")
+    f = open_gguf(path)
+    cfg = config_from_gguf(f)
+    monkeypatch.setenv("GGUF_RUN_TUNE", "q8_res=none;moe_norm_epilogue=1;moe_router_topk=1")
+    be = CudaBackend(f, cfg, N_CTX)
+    assert be.tune.moe_norm_epilogue and be.tune.moe_router_topk
+    model = PathModel(f, cfg, N_CTX, kv16=be.kv.kv_type == "f16")
+    got, ref = zip(*[(run(be, ids, more), run(model, ids, more)) for ids, more in prompts(rng, cfg.n_vocab, 7, 4)])
+    assert_most_rows(np.concatenate(got), np.concatenate(ref), TIGHT, SHARE, LOOSE_Q8, what="micro qwen3moe fused")
+
+
 def test_int8_rest_path_every_row(micro, monkeypatch, rng):
     """With rests (q8_res) a value's grid is 254 times finer, so f32-order noise flips some value
     of every row (the path model is no tight reference: measured 7e-5 to 2.3e-4 max rel on every

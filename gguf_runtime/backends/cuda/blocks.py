@@ -397,8 +397,8 @@ class CudaBlocks:
 
     def attn_out(self, x: cp.ndarray, a: cp.ndarray, layer: int) -> cp.ndarray:
         p = f"blk.{layer}."
-        # the next norm's int8 input from the epilogue (a mixture of experts runs its own norm kernel)
-        then = None if self.cfg.n_expert else (
+        # the next norm's int8 input from the epilogue (a mixture of experts: _moe_then's)
+        then = self._moe_then(p) if self.cfg.n_expert else (
             p + self.cfg.ffn_norm + ".weight", [self.w.mat(p + "ffn_gate.weight"), self.w.mat(p + "ffn_up.weight")])
         a_q8, self._att_q8 = self._att_q8, None  # attend's int8 copy of a (this layer's, just written)
         if self.cfg.o_bias:  # (gpt-oss) added after the product: no epilogue writes the next norm's input
@@ -468,6 +468,18 @@ class CudaBlocks:
                ws.x16.data.ptr, ws.x16.strides[0] // 2)
         return self._project_residual(g, down, x, post, a16=ws.x16, norm_next=more)
 
+    def _moe_then(self, p: str) -> tuple[str, list[L.Mat]] | None:
+        """The FFN norm and the experts' gate and up for O's epilogue to write their int8 input
+        (tuning moe_norm_epilogue: no norm kernel, the router and the expert products normalize),
+        where _moe's matvec path takes it: no biases, no shared expert, int8 inputs for both."""
+        cfg = self.cfg
+        if not self.tune.moe_norm_epilogue or cfg.expert_bias or cfg.n_ff_shexp:
+            return None
+        mats = [self.w.mat(p + "ffn_gate_exps.weight"), self.w.mat(p + "ffn_up_exps.weight")]
+        if mats[0].type_id != mats[1].type_id or not L.q8_capable(mats):
+            return None
+        return p + cfg.ffn_norm + ".weight", mats
+
     def _moe(self, x: cp.ndarray, layer: int) -> cp.ndarray:
         """x += the chosen experts' SwiGLUs (model.ComposedBlocks.moe): a norm kernel writes h (and its
         int8 copy where the experts' matvecs take it), the router's logits and top-k stay on the
@@ -480,17 +492,24 @@ class CudaBlocks:
         gate, up = self.w.mat(p + "ffn_gate_exps.weight"), self.w.mat(p + "ffn_up_exps.weight")
         down = self.w.mat(p + "ffn_down_exps.weight")
         h = ws.h[:t]
+        norm_name = p + cfg.ffn_norm + ".weight"
         q8 = self._q8_for(t, [gate, up], ws.q8_norm, "glu")
-        self._norm(x, p + cfg.ffn_norm + ".weight", h, q8=q8)
+        row = self._epilogue_rows(x, norm_name) if q8 is not None else None
+        if row is None:
+            self._norm(x, norm_name, h, q8=q8)
+            src, rnorm = h, None
+        else:  # O's epilogue wrote x * the norm's weight as int8 with its squares: the products normalize
+            q8 = dataclasses.replace(q8.rows_from(row), norm_eps=cfg.rms_eps)
+            src, rnorm = x, (self.w.vec(norm_name).data.ptr, cfg.rms_eps)
         self._q8_ready = None
-        ld = h.strides[0] // 4
+        lds = src.strides[0] // 4
         logits, ids, w = ws.moe_logits, ws.moe_ids.data.ptr, ws.moe_w.data.ptr
         router = self.w.mat(p + "ffn_gate_inp.weight")
         if self.tune.moe_router_topk and not cfg.expert_bias and t <= LE.ROUTER_TILE and router.struct == "TF32":
-            LE.router_topk(self.k, router, h.data.ptr, ld, t, logits.data.ptr, logits.strides[0] // 4, used,
-                           cfg.expert_norm, ids, w, ws.moe_count.data.ptr)
+            LE.router_topk(self.k, router, src.data.ptr, lds, t, logits.data.ptr, logits.strides[0] // 4, used,
+                           cfg.expert_norm, ids, w, ws.moe_count.data.ptr, norm=rnorm)
         else:
-            LE.router(self.k, router, h.data.ptr, ld, t, logits.data.ptr, logits.strides[0] // 4)
+            LE.router(self.k, router, src.data.ptr, lds, t, logits.data.ptr, logits.strides[0] // 4, norm=rnorm)
             if cfg.expert_bias:
                 LL.add_bias(self.k, logits.data.ptr, logits.strides[0] // 4,
                             self.w.vec(p + "ffn_gate_inp.bias").data.ptr, cfg.n_expert, t)
@@ -509,12 +528,12 @@ class CudaBlocks:
         r_glu = self.tune.moe_rows[0]
         fused = gq is not None and gate.type_id == up.type_id and r_glu == 8 and n % 16 == 0
         if gate.type_id == up.type_id:  # (fused: the GLU's q8 epilogue writes down's int8 input)
-            LE.glu(self.k, gate, up, n, ids, used, h.data.ptr, ld, slots, cfg.activation, g.data.ptr, ldg, q8=q8,
+            LE.glu(self.k, gate, up, n, ids, used, src.data.ptr, lds, slots, cfg.activation, g.data.ptr, ldg, q8=q8,
                    r=r_glu, q8_out=gq if fused else None)
         else:
             u = ws.moe_u
             for m, out in ((gate, g), (up, u)):
-                LE.mv(self.k, m, n, ids, used, h.data.ptr, ld, slots, out.data.ptr, ldg,
+                LE.mv(self.k, m, n, ids, used, src.data.ptr, lds, slots, out.data.ptr, ldg,
                       q8=q8 if L.q8_capable([m]) else None)
             LL.glu(self.k, g.data.ptr, u.data.ptr, ldg, n, slots, cfg.activation, g.data.ptr, ldg)
         if gq is not None and not fused:
