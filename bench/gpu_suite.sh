@@ -7,8 +7,8 @@
 # A cold cache (any header edited) compiles every kernel: the groups then take 6-9 minutes, so the
 # pack (of the kernels used) is given its own 90 s and runs whatever the tests did. One summary line
 # a group is printed last; the groups' logs are joined in $OUT/suite.log (a call returns at most 8
-# files). ONLY="q8_tiles moe_tp_fd" runs only the groups named; PACK=0 packs no cache. On a machine
-# of several GPUs the groups take turns over them (moe_tp_fd sees every GPU: its two-GPU tests).
+# files). ONLY="q8_tiles moe_fd" runs only the groups named; PACK=0 packs no cache. On a machine
+# of several GPUs the groups take turns over them (tp sees every GPU: its two-GPU tests).
 set -u
 OUT=${OUT:-/tmp/out}
 LIMIT=${LIMIT:-540}
@@ -32,7 +32,7 @@ group() {
   [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]] && return
   NAMES="$NAMES $name"
   local dev=$(( turn++ % NGPU ))
-  ( [ "$NGPU" -gt 1 ] && [ "$name" != moe_tp_fd ] && export CUDA_VISIBLE_DEVICES=$dev
+  ( [ "$NGPU" -gt 1 ] && [ "$name" != tp ] && export CUDA_VISIBLE_DEVICES=$dev
     timeout $left python3 -m pytest -q -ra -m gpu -p no:cacheprovider "$@" > "$OUT/$name.log" 2>&1
     rc=$?; printf '\nrc=%s%s\n' $rc "$([ $rc = 124 ] && echo ' (cut at the deadline)')" >> "$OUT/$name.log" ) &
 }
@@ -41,7 +41,8 @@ group kern_rest tests/test_gpu_kernels.py -k "not mma"
 group q8_tiles tests/test_gpu_q8.py tests/test_gpu_attention_tiles.py tests/test_gpu_token_grid.py
 group backend tests/test_gpu_backend.py tests/test_gpu_graphs.py tests/test_gpu_constraint.py tests/test_gpu_embed.py
 group batch tests/test_gpu_batch.py tests/test_gpu_sampler.py tests/test_gpu_flash.py
-group moe_tp_fd tests/test_gpu_moe.py tests/test_gpu_allreduce.py tests/test_gpu_tensor_parallel.py tests/test_gpu_flash_decode.py
+group moe_fd tests/test_gpu_moe.py tests/test_gpu_flash_decode.py
+group tp tests/test_gpu_allreduce.py tests/test_gpu_tensor_parallel.py
 group micro_f32 tests/test_gpu_micro.py -k "test_f32_path"
 group micro_int8 tests/test_gpu_micro.py -k "test_int8_path_most or test_int8_rest or test_int8_path_moe"
 group micro_rest tests/test_gpu_micro.py -k "f16_prefill or non_finite or long_prompt"
