@@ -35,6 +35,10 @@ CASES = {
     "gemma3": Micro(arch="gemma3", vocab="llama-spm", n_embd=256, n_ff=512, n_head=4, n_head_kv=2, head_dim=256,
                     n_layer=3, qk_norm=True, post_norms=True, sliding_window=4, rope_base=1e6, final_softcap=30.0,
                     quant={".weight": QT.Q8_0}),
+    # experts split inside (each expert's rows; down's columns), the router whole on every rank
+    "qwen3moe": Micro(arch="qwen3moe", vocab="qwen2", n_embd=256, n_ff=512, n_head=4, n_head_kv=2, head_dim=64,
+                      qk_norm=True, n_layer=2, tied=False, n_expert=8, n_expert_used=3, n_ff_exp=256,
+                      quant={".weight": QT.Q8_0}),
 }
 N_CTX = 160
 # prompts of more than 8 rows run on f16 operands (cuBLAS), where a residual that differs in float32
@@ -116,7 +120,7 @@ def split_pair(micro):
 
     name, f, cfg = micro
     mp = pytest.MonkeyPatch()
-    mp.setenv("GGUF_RUN_TUNE", "q8=0;kv_type=f32")  # (the workers take the environment at their start)
+    mp.setenv("GGUF_RUN_TUNE", "q8=0;kv_type=f32;tp_moe=1")  # (the workers take the environment at their start)
     try:
         whole = CudaBackend(f, cfg, N_CTX, max_batch=4)
         split = TensorParallelBackend(f, cfg, N_CTX, 2, max_batch=4)
@@ -149,7 +153,7 @@ def test_split_int8_path(micro, monkeypatch):
 
     name, f, cfg = micro
     whole = CudaBackend(f, cfg, N_CTX)
-    monkeypatch.setenv("GGUF_RUN_TUNE", "tp_oneshot_rows=64;tp_norm_rows=8")
+    monkeypatch.setenv("GGUF_RUN_TUNE", "tp_oneshot_rows=64;tp_norm_rows=8;tp_moe=1")
     split = TensorParallelBackend(f, cfg, N_CTX, 2)
     assert split.comm.oneshot_floats and split.comm.norm_rows == 8
     try:

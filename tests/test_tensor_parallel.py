@@ -42,6 +42,19 @@ CASES = {
                      attn_softcap=50.0, quant={".weight": QT.Q8_0}), 2),
     "phi3": (Micro(arch="phi3", vocab="phi-3", n_embd=256, n_ff=256, n_head=4, n_head_kv=4, tied=False, n_layer=2,
                    quant={".weight": QT.Q8_0}), 2),
+    # mixtures of experts, split inside every expert (quant: the first suffix that matches): Qwen3-MoE's
+    # K-quant experts (down's 512 Q6_K columns in two 256-value parts), Qwen2-MoE's shared expert, gpt-oss's biased MXFP4 experts
+    # (gate and up biases split, down's on rank 0) and sinks
+    "qwen3moe": (Micro(arch="qwen3moe", vocab="qwen2", n_embd=256, n_ff=512, n_head=4, n_head_kv=2, head_dim=64,
+                       qk_norm=True, n_layer=2, tied=False, n_expert=8, n_expert_used=3, n_ff_exp=512,
+                       quant={"ffn_gate_exps.weight": QT.Q4_K, "ffn_up_exps.weight": QT.Q4_K,
+                              "ffn_down_exps.weight": QT.Q6_K, ".weight": QT.Q8_0}), 2),
+    "qwen2moe": (Micro(arch="qwen2moe", vocab="qwen2", n_embd=256, n_ff=512, n_head=4, n_head_kv=2, n_layer=2,
+                       bias=True, tied=False, n_expert=8, n_expert_used=2, n_ff_exp=256, n_ff_shexp=512,
+                       quant={".weight": QT.Q8_0}), 2),
+    "gpt-oss": (Micro(arch="gpt-oss", vocab="qwen2", n_embd=256, n_head=8, n_head_kv=4, head_dim=64, n_layer=2,
+                      bias=True, tied=False, n_expert=8, n_expert_used=2, n_ff_exp=256, sliding_window=4,
+                      yarn=(32.0, 4096), quant={"_exps.weight": QT.MXFP4, ".weight": QT.Q8_0}), 4),
 }
 
 
@@ -156,10 +169,16 @@ def test_refusals(tmp_path):
         check_split(f, cfg, 3)
     with pytest.raises(UnsupportedModelError, match="not whole 256-value blocks"):
         check_split(f, cfg, 4)  # O's 512 Q4_K columns in parts of 128
-    moe = Micro(arch="qwen3moe", vocab="qwen2", n_embd=64, n_ff=128, n_head=4, n_head_kv=2, n_layer=1,
-                n_expert=4, n_expert_used=2, n_ff_exp=64)
+    # an expert's down columns split inside a quant block (Qwen3-30B-A3B's 768 Q6_K ones over 2 GPUs)
+    moe = Micro(arch="qwen3moe", vocab="qwen2", n_embd=256, n_ff=512, n_head=4, n_head_kv=2, n_layer=1,
+                n_expert=4, n_expert_used=2, n_ff_exp=256, quant={"ffn_down_exps.weight": QT.Q6_K, ".weight": QT.Q8_0})
     f = open_gguf(write_micro(moe, tmp_path / "moe.gguf"))
-    with pytest.raises(UnsupportedModelError, match="mixture-of-experts models are not split"):
+    with pytest.raises(UnsupportedModelError, match="ffn_down_exps.weight.*not whole 256-value blocks"):
+        check_split(f, config_from_gguf(f), 2)
+    odd = Micro(arch="qwen3moe", vocab="qwen2", n_embd=64, n_ff=128, n_head=4, n_head_kv=2, n_layer=1,
+                n_expert=4, n_expert_used=2, n_ff_exp=33)
+    f = open_gguf(write_micro(odd, tmp_path / "odd.gguf"))
+    with pytest.raises(UnsupportedModelError, match="33 experts' FFN rows do not divide into 2"):
         check_split(f, config_from_gguf(f), 2)
 
 

@@ -10,6 +10,10 @@ Rank r of N holds heads [r H/N, (r+1) H/N) and KV heads likewise, and FFN rows [
   0 alone (zeros elsewhere), so the sum adds them once;
 - the output head: vocabulary rows [r V', (r+1) V'), V' = ceil(V/N), the last rank's part padded
   with zero rows (an all-gather puts the logits back together; columns past V are dropped);
+- mixtures of experts likewise inside every expert: each expert's gate and up rows [r F'/N, (r+1)
+  F'/N) (F' its FFN width; their biases those columns), down those columns (its biases rank 0's
+  alone), the shared expert as a dense FFN; the router (and the shared expert's gate) whole, so
+  every rank picks the same experts and the all-reduce after down sums each expert's parts;
 - the embedding table stays whole on every rank: a lookup reads one row a token, where a split
   table costs one more all-reduce a token for ~2% of the weights;
 - norms, RoPE factors and the rest are the same on every rank.
@@ -56,16 +60,31 @@ def _rows(cfg: ModelConfig, name: str) -> list[tuple[int, int]] | None:
         return [(0, cfg.n_ff)]
     if stem == "ffn_up":
         return [(0, cfg.n_ff), (cfg.n_ff, cfg.n_ff)] if cfg.fused_gate_up else [(0, cfg.n_ff)]
+    if stem in ("ffn_gate_shexp", "ffn_up_shexp"):
+        return [(0, cfg.n_ff_shexp)]
+    return None
+
+
+def _expert_rows(cfg: ModelConfig, name: str) -> list[tuple[int, int]] | None:
+    """A stacked expert gate or up matrix [experts, F', columns]: each expert's rows, in the rows
+    of its [experts * F', row bytes] view (rank 0's; a rank r adds r times the unit to each start)."""
+    if name.startswith("blk.") and name.endswith(("ffn_gate_exps.weight", "ffn_up_exps.weight")):
+        return [(e * cfg.n_ff_exp, cfg.n_ff_exp) for e in range(cfg.n_expert)]
     return None
 
 
 def _cols(name: str) -> bool:
-    return name.startswith("blk.") and name.endswith(("attn_output.weight", "ffn_down.weight"))
+    """Split by columns: O and down (the experts' and the shared one's too), and the experts' gate
+    and up biases ([experts, F']: each expert's part of F')."""
+    return name.startswith("blk.") and name.endswith(
+        ("attn_output.weight", "ffn_down.weight", "ffn_down_exps.weight", "ffn_down_shexp.weight",
+         "ffn_gate_exps.bias", "ffn_up_exps.bias"))
 
 
 def _rank_bias(name: str) -> bool:
     """Biases of outputs that are not split (summed by the all-reduce): rank 0's alone."""
-    return name.startswith("blk.") and name.endswith(("attn_output.bias", "ffn_down.bias"))
+    return name.startswith("blk.") and name.endswith(("attn_output.bias", "ffn_down.bias", "ffn_down_exps.bias",
+                                                      "ffn_down_shexp.bias"))
 
 
 def check_split(f: GGUFFile, cfg: ModelConfig, world: int) -> None:
@@ -74,11 +93,10 @@ def check_split(f: GGUFFile, cfg: ModelConfig, world: int) -> None:
         raise UnsupportedModelError(f"--tensor-parallel {world}: give a number of GPUs of 1 or more")
     if world == 1:
         return
-    if cfg.n_expert:
-        raise UnsupportedModelError(
-            f"{cfg.arch}: mixture-of-experts models are not split across GPUs yet (tensor parallelism runs dense "
-            "models: llama, gemma3, qwen2, qwen3, phi3); run it on one GPU")
-    for what, n in (("attention heads", cfg.n_head), ("KV heads", cfg.n_head_kv), ("FFN rows", cfg.n_ff)):
+    ffn = [("experts' FFN rows", cfg.n_ff_exp)] if cfg.n_expert else [("FFN rows", cfg.n_ff)]
+    if cfg.n_ff_shexp:
+        ffn.append(("shared expert's FFN rows", cfg.n_ff_shexp))
+    for what, n in (("attention heads", cfg.n_head), ("KV heads", cfg.n_head_kv), *ffn):
         if n % world:
             raise UnsupportedModelError(
                 f"--tensor-parallel {world}: the model's {n} {what} do not divide into {world} equal parts; "
@@ -99,7 +117,8 @@ def shard_config(cfg: ModelConfig, world: int) -> ModelConfig:
     if world == 1:
         return cfg
     return dataclasses.replace(cfg, n_head=cfg.n_head // world, n_head_kv=cfg.n_head_kv // world,
-                               n_ff=cfg.n_ff // world, tied_embeddings=False)
+                               n_ff=cfg.n_ff // world, n_ff_exp=cfg.n_ff_exp // world,
+                               n_ff_shexp=cfg.n_ff_shexp // world, tied_embeddings=False)
 
 
 def vocab_part(cfg: ModelConfig, world: int) -> int:
@@ -141,8 +160,12 @@ class ShardedFile:
         r, n = self.rank, self.world
         if name == HEAD:
             return  # (the part's head: __init__)
+        experts = _expert_rows(self.cfg, name) if n > 1 else None
         rows = _rows(self.cfg, name) if n > 1 else None
-        if rows is not None:
+        if experts is not None:  # [experts, F', columns] -> [experts, F' / n, columns]
+            parts = [(start + r * (count // n), count // n) for start, count in experts]
+            self._put(name, t, (t.ne[0], t.ne[1] // n, *t.ne[2:]), ("rows", parts))
+        elif rows is not None:
             parts = [(start + r * (count // n), count // n) for start, count in rows]
             count = sum(c for _, c in parts)
             ne = (count,) if len(t.ne) == 1 else (t.ne[0], count, *t.ne[2:])

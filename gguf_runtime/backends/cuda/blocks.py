@@ -485,7 +485,16 @@ class CudaBlocks:
         int8 copy where the experts' matvecs take it), the router's logits and top-k stay on the
         device. Within the matvec rows each (token, rank) slot is one matvec over its expert's rows
         (moe.cu; down's input the GLU's outputs quantized to int8) and the down kernel sums the k
-        products into x; past them, _moe_mma."""
+        products into x; past them, _moe_mma. A split model (format/shard.py: each expert's rows on
+        every rank): every rank picks the same experts, its parts add into x (the residual on rank 0
+        alone: the others' x is zeroed once h is made), and the all-reduce sums them."""
+        self._sum_now(x)
+        self._moe_ffn(x, layer)
+        if self.comm is not None:
+            self.comm.all_reduce(x)
+        return x
+
+    def _moe_ffn(self, x: cp.ndarray, layer: int) -> cp.ndarray:
         cfg, ws, p = self.cfg, self.ws, f"blk.{layer}."
         t, used = x.shape[0], cfg.n_expert_used
         slots = t * used
@@ -514,6 +523,8 @@ class CudaBlocks:
                 LL.add_bias(self.k, logits.data.ptr, logits.strides[0] // 4,
                             self.w.vec(p + "ffn_gate_inp.bias").data.ptr, cfg.n_expert, t)
             LE.topk(self.k, logits.data.ptr, logits.strides[0] // 4, cfg.n_expert, used, cfg.expert_norm, t, ids, w)
+        if self.comm is not None and not self.lead:  # (h and the experts are chosen: only this rank's parts add)
+            cp.cuda.runtime.memsetAsync(x.data.ptr, 0, t * x.strides[0], cp.cuda.get_current_stream().ptr)
         if cfg.expert_bias:
             self._moe_biased(x, h, q8, layer)
             return x

@@ -31,6 +31,7 @@ from ...format.gguf_file import GGUFFile, open_gguf
 from ...format.model_config import ModelConfig
 from ...format.shard import ShardedFile, check_split, shard_config
 from ..mirror import MirrorFront, exit_now, plain, serve_calls, stop_all
+from . import tuning
 from .backend import CudaBackend
 from .collectives import NcclCollectives, unique_id
 
@@ -82,6 +83,9 @@ class TensorParallelBackend(MirrorFront, CudaBackend):
     def __init__(self, f: GGUFFile, cfg: ModelConfig, n_ctx: int, world: int, progress=None, note=None,
                  **kw) -> None:
         check_split(f, cfg, world)
+        if cfg.n_expert and not tuning.choose(0).tp_moe:
+            raise BackendError(f"{cfg.arch}: mixture-of-experts models are not split across GPUs yet (their split "
+                               "has not run on GPUs); run it on one GPU")
         try:
             have = cp.cuda.runtime.getDeviceCount()
         except cp.cuda.runtime.CUDARuntimeError as e:

@@ -107,6 +107,7 @@ class Tuning:
     # -- tensor parallelism
     tp_oneshot_rows: int = 0  # sums of up to this many rows on allreduce.cu (peer memory); 0 (NCCL) until the push kernel is measured (row 122: its staging + flags version lost)
     tp_norm_rows: int = 0  # steps of up to this many rows sum a split's O and down products inside the next RMSNorm's launch (layers.cu's rmsnorm_allreduce); 0 until measured
+    tp_moe: bool = False  # split mixtures of experts too (format/shard.py: inside every expert); off until run on GPUs
     tp_reduce_off: bool = False  # measuring only: no all-reduce at all (wrong sums): a split's compute alone
     # -- KV cache
     kv_type: str = "f32"  # f16 up to 128-dim heads (half the bytes; flash_decode reads it); 256-dim: f32 (faster);
