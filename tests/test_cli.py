@@ -105,6 +105,12 @@ def test_info_and_tokenize():
         assert word in out
     # K and V of 30 layers x 3 KV heads x 64 dims: 11,520 elements a token
     assert "kv_cache        22.50 KiB a token in f16, 45.00 KiB in f32 (180.00 MiB / 360.00 MiB at 8,192" in out
+    # -tp N: what each GPU would hold, or the one line -tp would refuse with (9 heads over 2 GPUs)
+    rc, out, err = run("info", "--no-metadata", "-tp", "2")
+    assert rc == 0 and "tensor parallel over 2 GPUs" in out and "9 attention heads do not divide into 2" in out, err
+    rc, out, err = run("info", "--no-metadata", "-tp", "3")
+    assert rc == 0 and "weights" in out.split("tensor parallel over 3 GPUs")[1], out
+    assert "7.50 KiB a token a GPU in f16" in out  # one of the 3 KV heads a GPU
     from gguf_runtime.cli.default_model import default_model_path
     rc, out, err = run("tokenize", default_model_path(), "The capital of France is")
     assert (rc, out.strip()) == (0, "504 3575 282 4649 314")

@@ -9,8 +9,11 @@ from typing import Optional
 import typer
 
 from ..format.blocks import BY_NAME, FORMATS
+from ..errors import UnsupportedModelError
 from ..format.gguf_file import open_gguf
+from ..format.model_config import config_from_gguf
 from ..format.model_info import human_bytes, human_count, model_info
+from ..format.shard import ShardedFile, check_split
 from ..format.tokenizer import Tokenizer
 from ..errors import printable
 from .app import app
@@ -26,14 +29,18 @@ def out(*parts: object) -> None:
     print(*("\n".join(printable(line) for line in str(p).split("\n")) for p in parts))
 
 
-@app.command("info", epilog="Examples:\n\n  gguf-run info\n\n  gguf-run info model.gguf --metadata")
+@app.command("info", epilog="Examples:\n\n  gguf-run info\n\n  gguf-run info model.gguf --metadata\n\n"
+             "  gguf-run info model.gguf -tp 2 --no-metadata")
 def info(
     model: Optional[str] = ModelArg,
     metadata: bool = typer.Option(True, "--metadata/--no-metadata", help="print every metadata key"),
+    tensor_parallel: int = typer.Option(1, "-tp", "--tensor-parallel", min=1, metavar="N",
+                                        help="also what each of N GPUs would hold under -tp N (or why it cannot split)"),
 ) -> None:
     """Print a model's metadata, architecture summary, quant type histogram and sizes."""
     with open_gguf(resolve_model(model)) as f:
         i = model_info(f)
+        split = _split_lines(f, tensor_parallel, i["architecture"], i["weight_bytes"]) if tensor_parallel > 1 else []
     out(f"file        {i['path']}")
     out(f"size        {human_bytes(i['file_bytes'])} (GGUF v{i['gguf_version']}, {i['n_tensors']} tensors)")
     out(f"parameters  {human_count(i['params'])} ({i['params']:,}), {human_bytes(i['weight_bytes'])} of "
@@ -61,6 +68,8 @@ def info(
         out(" " * 18 + ", ".join(f"{human_bytes(per_token * f.block_bytes / f.block_elems)} in {n}" for n, f in quant)
             + " (" + " / ".join(human_bytes(per_token * f.block_bytes / f.block_elems * train) for _, f in quant)
             + f" at {train:,} tokens)")
+    for line in split:
+        out(line)
     out("\nquant types")
     out(f"  {'type':<8}{'tensors':>8}{'params':>12}{'size':>12}{'share':>8}")
     for r in i["quant"]:
@@ -70,6 +79,27 @@ def info(
         out("\nmetadata")
         for k, v in i["metadata"].items():
             out(f"  {k} = {v}")
+
+
+def _split_lines(f, world: int, arch, whole: int) -> list[str]:
+    """What each GPU holds under -tp world: its weights (rank 0's and the largest), its KV cache a
+    token; or the one line -tp would refuse it with."""
+    head = f"\ntensor parallel over {world} GPUs"
+    if isinstance(arch, str):
+        return [head, f"  cannot run: {arch}"]
+    cfg = config_from_gguf(f)
+    try:
+        check_split(f, cfg, world)
+    except UnsupportedModelError as e:
+        return [head, f"  cannot split: {e}"]
+    ranks = [sum(t.nbytes for t in ShardedFile(f, cfg, r, world).tensors.values()) for r in range(world)]
+    per_token = cfg.n_layer * (cfg.n_head_kv // world) * (cfg.head_dim + cfg.head_dim_v)
+    weights = (f"  {'weights':<16}{human_bytes(max(ranks))} a GPU (the whole model: {human_bytes(whole)}; "
+               "the embedding table and norms on every GPU)")
+    lines = [head, weights, f"  {'kv_cache':<16}{human_bytes(2 * per_token)} a token a GPU in f16"]
+    if cfg.n_expert:
+        lines.append(f"  {'note':<16}-tp refuses mixtures of experts until their split has run on GPUs")
+    return lines
 
 
 @app.command("tokenize", epilog="Examples:\n\n  gguf-run tokenize model.gguf 'Hello world'\n\n"
