@@ -60,7 +60,7 @@ def info(
         if arch.get("n_expert"):
             out(f"  {'experts':<16}{arch['n_expert']}, {arch['n_expert_used']} a token, {arch['n_ff_exp']} wide "
                 f"({'renormalized' if arch['expert_norm'] else 'softmax'} weights)")
-        per_token = arch["n_layer"] * arch["n_head_kv"] * (arch["head_dim"] + arch["head_dim_v"])  # K and V elements
+        per_token = _kv_elements(arch)
         train = arch["n_ctx_train"]
         out(f"  {'kv_cache':<16}{human_bytes(2 * per_token)} a token in f16, {human_bytes(4 * per_token)} in f32 "
             f"({human_bytes(2 * per_token * train)} / {human_bytes(4 * per_token * train)} at {train:,} tokens)")
@@ -81,9 +81,14 @@ def info(
             out(f"  {k} = {v}")
 
 
+def _kv_elements(arch: dict) -> int:
+    """K and V elements a token of context holds over every layer."""
+    return arch["n_layer"] * arch["n_head_kv"] * (arch["head_dim"] + arch["head_dim_v"])
+
+
 def _split_lines(f, world: int, arch, whole: int) -> list[str]:
-    """What each GPU holds under -tp world: its weights (rank 0's and the largest), its KV cache a
-    token; or the one line -tp would refuse it with."""
+    """What each GPU holds under -tp world: the largest rank's weights, the KV cache a token (its
+    share of the KV heads); or the one line -tp would refuse it with."""
     head = f"\ntensor parallel over {world} GPUs"
     if isinstance(arch, str):
         return [head, f"  cannot run: {arch}"]
@@ -93,7 +98,7 @@ def _split_lines(f, world: int, arch, whole: int) -> list[str]:
     except UnsupportedModelError as e:
         return [head, f"  cannot split: {e}"]
     ranks = [sum(t.nbytes for t in ShardedFile(f, cfg, r, world).tensors.values()) for r in range(world)]
-    per_token = cfg.n_layer * (cfg.n_head_kv // world) * (cfg.head_dim + cfg.head_dim_v)
+    per_token = _kv_elements(arch) // world  # (check_split: the KV heads divide)
     weights = (f"  {'weights':<16}{human_bytes(max(ranks))} a GPU (the whole model: {human_bytes(whole)}; "
                "the embedding table and norms on every GPU)")
     lines = [head, weights, f"  {'kv_cache':<16}{human_bytes(2 * per_token)} a token a GPU in f16"]

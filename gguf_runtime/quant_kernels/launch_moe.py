@@ -13,10 +13,15 @@ WARPS = 4  # moe.cu's MOE_WARPS
 NO_Q8 = (*NO_PTRS, i32(0), f32(0.0))
 
 
+def _norm_args(norm: tuple[int, float] | None) -> tuple:
+    """An RMSNorm the kernel applies to its input (weight, eps), or none."""
+    return (ptr(norm[0]), f32(norm[1])) if norm else (ptr(0), f32(0.0))
+
+
 def _x_args(x: int, ldx: int, norm: tuple[int, float] | None, q8: Q8Vec | None, with_norm: bool = True) -> tuple:
     head = (ptr(x), i32(ldx))
     if with_norm:
-        head += (ptr(norm[0]), f32(norm[1])) if norm else (ptr(0), f32(0.0))
+        head += _norm_args(norm)
     return (*head, *(q8.args() if q8 else NO_Q8))
 
 
@@ -60,7 +65,7 @@ def router(k: Kernels, m: Mat, x: int, ldx: int, rows: int, y: int, ldy: int,
     fn = k.fn("moe.cu", f"moe_router<{r}, {wg}, {ROUTER_TILE}>")
     fn(((-(-m.rows // (r * WARPS // wg))), -(-rows // ROUTER_TILE)), (32 * WARPS,),
        (*m.planes, i32(m.rows), i32(m.cols), i32(rows), ptr(x), i32(ldx),
-        *((ptr(norm[0]), f32(norm[1])) if norm else (ptr(0), f32(0.0))), ptr(y), i32(ldy)))
+        *_norm_args(norm), ptr(y), i32(ldy)))
 
 
 def router_topk(k: Kernels, m: Mat, x: int, ldx: int, rows: int, y: int, ldy: int, used: int, renorm: bool,
@@ -74,7 +79,7 @@ def router_topk(k: Kernels, m: Mat, x: int, ldx: int, rows: int, y: int, ldy: in
     fn = k.fn("moe.cu", f"moe_router_topk<{r}, {wg}>")
     fn(((-(-n // (r * WARPS // wg))), rows), (32 * WARPS,),
        (*m.planes, i32(n), i32(m.cols), ptr(x), i32(ldx),
-        *((ptr(norm[0]), f32(norm[1])) if norm else (ptr(0), f32(0.0))), ptr(y), i32(ldy), i32(used), i32(renorm),
+        *_norm_args(norm), ptr(y), i32(ldy), i32(used), i32(renorm),
         ptr(ids), ptr(w), ptr(counters)))
 
 
