@@ -8,6 +8,10 @@ With int8 activations (the default) the partial sums round differently: cosine >
 issue's bar) and the argmax of nearly every row.
 """
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
@@ -163,3 +167,23 @@ def test_split_int8_path(micro, monkeypatch):
         assert (a.argmax(-1) == b.argmax(-1)).mean() >= 0.9
     finally:
         split.close()
+
+
+def test_split_process_exits(micro):
+    """A split model's process ends by itself, exit code 0, after its graphs have run: NCCL's
+    abort waits until no CUDA graph holds one of its collectives, so every rank frees its graphs
+    first (a process that hung at exit here was what session 43 measured)."""
+    if n_gpus() < 2:
+        pytest.skip("one GPU: the split runs on a machine with two")
+    name, f, cfg = micro
+    if name != "llama":
+        pytest.skip("one architecture is enough for the exit path")
+    for tune in ("", "tp_oneshot_rows=64;tp_norm_rows=8"):
+        cmd = [sys.executable, "-m", "gguf_runtime", "bench", f.path, "-tp", "2", "-p", "16", "-n", "8", "-r", "1",
+               "--batch", "4", "--mode", "graph", "-q"]
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                               env={**os.environ, "GGUF_RUN_TUNE": tune})
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"bench -tp 2 ({tune or 'defaults'}) did not exit within 240 s")
+        assert r.returncode == 0 and "tg8" in r.stdout, f"{tune or 'defaults'}: rc {r.returncode}: {r.stderr[-1500:]}"

@@ -336,6 +336,27 @@ class CudaBackend(PrefillMixin):
         self.pdl_max_rows = 1 << 30 if t.pdl == "all" or t.pdl_any_rows else t.decode_mmv_rows
         self.pdl_only = t.pdl_big_graph_kernels or False
 
+    def end_collectives(self) -> None:
+        """End this rank's communicator (a model split over GPUs): its CUDA graphs first, since
+        NCCL's destroy and abort wait for ever until no graph holds one of its collectives (the
+        graph manager holds the only references), then the abort. Once; a no-op without one."""
+        comm = self.__dict__.get("comm")
+        if comm is None:
+            return
+        self.comm = None
+        graphs = self.__dict__.get("graphs")
+        if graphs is not None:
+            graphs.clear()
+        comm.abort()
+
+    def __del__(self) -> None:
+        # (freed with a communicator still open: the blocks hold it too, and Python may drop it
+        # before the graphs, whereupon NCCL's destructor would wait for them for ever)
+        try:
+            self.end_collectives()
+        except Exception:  # noqa: BLE001 (interpreter shutdown: nothing left to end)
+            pass
+
     def retune(self, tune: Tuning) -> None:
         """Measuring (bench/inproc_variants.py): other choices of the tuning table, for the
         choices that size nothing (kernel shapes, roles, PDL); captured graphs are dropped."""

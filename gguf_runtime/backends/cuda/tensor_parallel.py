@@ -10,8 +10,9 @@ gathered logits and seeds, so no token crosses the host. Workers answer only at 
 
 A worker that dies takes the model with it (the other ranks would wait in NCCL for ever): the
 watchdog prints one line and ends the process with exit code 2. ``close`` (also at the process's
-exit, before multiprocessing ends the workers) has every rank end its communicator at once: NCCL's
-abort returns only when every rank of the host calls it.
+exit, before multiprocessing ends the workers) has every rank end its communicator at once, each
+after destroying its CUDA graphs: NCCL's abort waits until no graph holds a collective of its
+communicator, and until every rank of the host calls it.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def _worker(rank: int, world: int, uid: tuple, path: str, cfg: ModelConfig, n_ct
     conn.send(("ready", None))
 
     def stop() -> None:
-        comm.abort()  # (with rank 0's and the other workers': see close)
+        be.end_collectives()  # (with rank 0's and the other workers': see close)
         exit_now()
 
     serve_calls(be, conn, f"tensor-parallel GPU {rank}", on_stop=stop)
@@ -164,10 +165,15 @@ class TensorParallelBackend(MirrorFront, CudaBackend):
             return
         self._closing = True
         stop_all(self._conns)
-        comm = self.__dict__.get("comm")
-        if comm is not None:
-            comm.abort()
+        self.end_collectives()
         for p, _ in self._workers:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+
+    def __del__(self) -> None:
+        # (freed unclosed, e.g. a model the server unloads: its workers stop with it)
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 (a load that failed early, or interpreter shutdown)
+            pass
