@@ -69,7 +69,7 @@ class NcclCollectives:
         self.vocab_part = vocab_part
         self.part = cp.zeros((logits_rows, vocab_part), cp.float32)
         self.parts = cp.zeros(self.world * logits_rows * vocab_part, cp.float32)
-        multi = self.world > 1
+        multi = self.world > 1 and self._peers_reachable()
         self.oneshot_floats = oneshot_rows * n_embd if multi else 0
         if self.oneshot_floats:  # [3][world][oneshot_floats], blocks' buffer indices and last lengths
             self.recv_ptrs = self._peer_buffers(3 * self.world * self.oneshot_floats)
@@ -79,6 +79,13 @@ class NcclCollectives:
         if self.norm_rows:  # [3][world][norm_rows][n_embd], a buffer index a row
             self.row_ptrs = self._peer_buffers(3 * self.world * self.norm_rows * n_embd)
             self.row_ep = cp.zeros(self.norm_rows, cp.uint32)
+
+    def _peers_reachable(self) -> bool:
+        """Whether every rank's GPU can read and write every other's memory (NVLink, or PCIe peer
+        access); where one cannot, every rank sums on NCCL alone (the ranks agree)."""
+        rt, me = cp.cuda.runtime, cp.cuda.Device().id
+        mine = all(rt.deviceCanAccessPeer(me, r) for r in range(self.world) if r != me)
+        return self.agree_min(int(mine)) == 1
 
     def _peer_buffers(self, words: int) -> cp.ndarray:
         """A receive buffer of ``words`` floats, all -0.0 (empty), in memory of this rank's own
