@@ -58,6 +58,8 @@ class NcclCollectives:
         self.parts: cp.ndarray | None = None
         self.oneshot_floats = self.norm_rows = 0
         self._one = cp.zeros(1, cp.int64)
+        self._own: list[int] = []  # receive buffers allocated here, and the other ranks' opened here
+        self._opened: list[int] = []
 
     def setup(self, kernels, logits_rows: int, vocab_part: int, n_embd: int, oneshot_rows: int,
               reduce_off: bool = False, norm_rows: int = 0) -> None:
@@ -93,6 +95,7 @@ class NcclCollectives:
         CUDA IPC (the handles travel by an NCCL all-gather): the device array of their pointers."""
         rt, w = cp.cuda.runtime, self.world
         own_ptr = rt.malloc(words * 4)
+        self._own.append(own_ptr)
         own = cp.ndarray((words,), cp.uint32, cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(own_ptr, words * 4, self), 0))
         own.fill(0x80000000)
         handle = bytes(rt.ipcGetMemHandle(own_ptr))
@@ -105,8 +108,25 @@ class NcclCollectives:
         ptrs = np.zeros(w, np.uint64)
         for r in range(w):
             # (opening lazily enables peer access)
-            ptrs[r] = own_ptr if r == self.rank else rt.ipcOpenMemHandle(bytes(every[r]))
+            if r == self.rank:
+                ptrs[r] = own_ptr
+            else:
+                ptrs[r] = rt.ipcOpenMemHandle(bytes(every[r]))
+                self._opened.append(int(ptrs[r]))
         return cp.asarray(ptrs)
+
+    def release_buffers(self) -> None:
+        """Close the other ranks' receive buffers opened here and free this rank's own, once the
+        other ranks have stopped (nothing writes into them any more): a server that unloads a split
+        model gets their memory back."""
+        rt = cp.cuda.runtime
+        opened, self._opened, own, self._own = self._opened, [], self._own, []
+        for ptr in opened:
+            with contextlib.suppress(Exception):
+                rt.ipcCloseMemHandle(ptr)
+        for ptr in own:
+            with contextlib.suppress(Exception):
+                rt.free(ptr)
 
     def row_reduce(self, x: cp.ndarray) -> LL.RowReduce | None:
         """The sum of x's rows over the ranks, for the RMSNorm launch that reads them next (the

@@ -160,16 +160,21 @@ class TensorParallelBackend(MirrorFront, CudaBackend):
 
     def close(self) -> None:
         """Stop the workers: each ends its communicator as it stops, and rank 0 ends its own meanwhile
-        (NCCL's abort waits for every rank's), then the processes are joined. Once."""
+        (NCCL's abort waits for every rank's), then the processes are joined and rank 0's peer
+        buffers freed. Once."""
         if self._closing:
             return
         self._closing = True
+        comm = self.__dict__.get("comm")
         stop_all(self._conns)
         self.end_collectives()
         for p, _ in self._workers:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+                p.join(timeout=10)
+        if comm is not None:
+            comm.release_buffers()
 
     def __del__(self) -> None:
         # (freed unclosed, e.g. a model the server unloads: its workers stop with it)
