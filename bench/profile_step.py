@@ -26,7 +26,7 @@ import numpy as np
 from gguf_runtime.backends.cuda.backend import CudaBackend
 from gguf_runtime.format.gguf_file import open_gguf
 from gguf_runtime.format.model_config import config_from_gguf
-from gguf_runtime.format.shard import ShardedFile, check_split, shard_config
+from gguf_runtime.format.shard import ShardedFile, check_split
 from gguf_runtime.sampling import SamplingParams
 
 SPIN = cp.RawKernel(r"""
@@ -154,7 +154,8 @@ def main() -> None:
     n_ctx, max_batch = max(512, args.prompt + 64), 1 if args.verify else max(batches)
     if args.shard > 1:
         check_split(f, cfg, args.shard)
-        be = CudaBackend(ShardedFile(f, cfg, 0, args.shard), shard_config(cfg, args.shard), n_ctx, max_batch=max_batch,
+        part = ShardedFile(f, cfg, 0, args.shard)
+        be = CudaBackend(part, part.config, n_ctx, max_batch=max_batch,
                          comm=OneRank(args.shard))
     else:
         be = CudaBackend(f, cfg, n_ctx, max_batch=max_batch)

@@ -39,10 +39,11 @@ CASES = {
     "gemma3": Micro(arch="gemma3", vocab="llama-spm", n_embd=256, n_ff=512, n_head=4, n_head_kv=2, head_dim=256,
                     n_layer=3, qk_norm=True, post_norms=True, sliding_window=4, rope_base=1e6, final_softcap=30.0,
                     quant={".weight": QT.Q8_0}),
-    # experts split inside (each expert's rows; down's columns), the router whole on every rank
+    # experts split inside (each expert's rows; down's columns), the router whole on every rank; 768 Q6_K
+    # down columns an expert (Qwen3-30B-A3B's) in unequal parts on whole blocks: 512 on GPU 0, 256 on GPU 1
     "qwen3moe": Micro(arch="qwen3moe", vocab="qwen2", n_embd=256, n_ff=512, n_head=4, n_head_kv=2, head_dim=64,
-                      qk_norm=True, n_layer=2, tied=False, n_expert=8, n_expert_used=3, n_ff_exp=256,
-                      quant={".weight": QT.Q8_0}),
+                      qk_norm=True, n_layer=2, tied=False, n_expert=8, n_expert_used=3, n_ff_exp=768,
+                      quant={"ffn_down_exps.weight": QT.Q6_K, ".weight": QT.Q8_0}),
 }
 N_CTX = 160
 # prompts of more than 8 rows run on f16 operands (cuBLAS), where a residual that differs in float32

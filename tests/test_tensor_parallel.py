@@ -21,7 +21,7 @@ from gguf_runtime.engine import backend_choice
 from gguf_runtime.errors import BackendError, UnsupportedModelError
 from gguf_runtime.format.gguf_file import open_gguf
 from gguf_runtime.format.model_config import config_from_gguf
-from gguf_runtime.format.shard import ShardedFile, check_split, shard_config, vocab_part
+from gguf_runtime.format.shard import FfnSplit, ShardedFile, check_split, vocab_part
 from micro_models import Micro, prompt_ids, write_micro
 
 Q4_K_M = {"token_embd.weight": QT.Q4_K, "output.weight": QT.Q6_K, "attn_q.weight": QT.Q4_K,
@@ -52,6 +52,20 @@ CASES = {
     "qwen2moe": (Micro(arch="qwen2moe", vocab="qwen2", n_embd=256, n_ff=512, n_head=4, n_head_kv=2, n_layer=2,
                        bias=True, tied=False, n_expert=8, n_expert_used=2, n_ff_exp=256, n_ff_shexp=512,
                        quant={".weight": QT.Q8_0}), 2),
+    # FFN rows in unequal parts where equal ones would cut down's quant blocks: a Qwen3-30B-A3B-like
+    # expert (768 Q6_K down columns: 512 / 256 over 2 ranks), a Qwen3-235B-A22B-like one over 4 (1,536:
+    # 512 / 512 / 256 / 256), a dense FFN (768 over 2) and an F32 one of 33 rows (17 / 16)
+    "qwen3moe-uneven": (Micro(arch="qwen3moe", vocab="qwen2", n_embd=256, n_ff=512, n_head=4, n_head_kv=2,
+                              head_dim=64, qk_norm=True, n_layer=2, tied=False, n_expert=4, n_expert_used=2,
+                              n_ff_exp=768, quant={"ffn_down_exps.weight": QT.Q6_K, "_exps.weight": QT.Q4_K,
+                                                   ".weight": QT.Q8_0}), 2),
+    "qwen3moe-uneven-4": (Micro(arch="qwen3moe", vocab="qwen2", n_embd=256, n_ff=512, n_head=4, n_head_kv=4,
+                                head_dim=64, qk_norm=True, n_layer=2, tied=False, n_expert=4, n_expert_used=2,
+                                n_ff_exp=1536, quant={"ffn_down_exps.weight": QT.Q6_K, ".weight": QT.Q8_0}), 4),
+    "llama-uneven": (Micro(n_embd=256, n_ff=768, n_head=4, n_head_kv=2, n_layer=2, tied=False,
+                           quant={"ffn_down.weight": QT.Q6_K, ".weight": QT.Q8_0}), 2),
+    "qwen3moe-odd": (Micro(arch="qwen3moe", vocab="qwen2", n_embd=64, n_ff=128, n_head=4, n_head_kv=2, n_layer=2,
+                           tied=False, n_expert=4, n_expert_used=2, n_ff_exp=33), 2),
     "gpt-oss": (Micro(arch="gpt-oss", vocab="qwen2", n_embd=256, n_head=8, n_head_kv=4, head_dim=64, n_layer=2,
                       bias=True, tied=False, n_expert=8, n_expert_used=2, n_ff_exp=256, sliding_window=4,
                       yarn=(32.0, 4096), quant={"_exps.weight": QT.MXFP4, ".weight": QT.Q8_0}), 4),
@@ -104,7 +118,8 @@ def run_split(path, world: int, prompt: list[int], more: list[int]) -> list[tupl
 
     def rank(r: int) -> None:
         try:
-            be = NumpyBackend(ShardedFile(f, cfg, r, world), shard_config(cfg, world), n_ctx=64, comm=group.rank(r))
+            part = ShardedFile(f, cfg, r, world)
+            be = NumpyBackend(part, part.config, n_ctx=64, comm=group.rank(r))
             out[r] = (be.eval(prompt, all_logits=True), be.eval(more, all_logits=True))
         except BaseException as e:  # (a failing rank breaks the barrier for the others)
             errors.append(e)
@@ -145,7 +160,7 @@ def test_shard_shapes_and_bytes(tmp_path):
     f = open_gguf(write_micro(m, tmp_path / "m.gguf"))
     cfg = config_from_gguf(f)
     shards = [ShardedFile(f, cfg, r, world) for r in range(world)]
-    sc = shard_config(cfg, world)
+    sc = shards[1].config
     assert (sc.n_head, sc.n_head_kv, sc.n_ff) == (cfg.n_head // 2, cfg.n_head_kv // 2, cfg.n_ff // 2)
     for s in shards:
         for name, t in s.tensors.items():
@@ -173,13 +188,31 @@ def test_refusals(tmp_path):
     moe = Micro(arch="qwen3moe", vocab="qwen2", n_embd=256, n_ff=512, n_head=4, n_head_kv=2, n_layer=1,
                 n_expert=4, n_expert_used=2, n_ff_exp=256, quant={"ffn_down_exps.weight": QT.Q6_K, ".weight": QT.Q8_0})
     f = open_gguf(write_micro(moe, tmp_path / "moe.gguf"))
-    with pytest.raises(UnsupportedModelError, match="ffn_down_exps.weight.*not whole 256-value blocks"):
+    with pytest.raises(UnsupportedModelError, match="256 experts' FFN rows do not split into 2 parts: "
+                                                    "'blk.0.ffn_down_exps.weight' \\(Q6_K\\) has 1 whole 256-value"):
         check_split(f, config_from_gguf(f), 2)
-    odd = Micro(arch="qwen3moe", vocab="qwen2", n_embd=64, n_ff=128, n_head=4, n_head_kv=2, n_layer=1,
-                n_expert=4, n_expert_used=2, n_ff_exp=33)
-    f = open_gguf(write_micro(odd, tmp_path / "odd.gguf"))
-    with pytest.raises(UnsupportedModelError, match="33 experts' FFN rows do not divide into 2"):
-        check_split(f, config_from_gguf(f), 2)
+
+
+def test_uneven_ffn_split(tmp_path):
+    """Unequal FFN parts only where equal ones would cut down's blocks, on whole blocks, the first
+    ranks the larger, covering every row once; each rank's config and tensors of its own part."""
+    m, _ = CASES["qwen3moe-uneven-4"]
+    f = open_gguf(write_micro(m, tmp_path / "m.gguf"))
+    cfg = config_from_gguf(f)
+    split = FfnSplit(f, cfg, 4)
+    assert [split.part("ff_exp", r) for r in range(4)] == [(0, 512), (512, 512), (1024, 256), (1280, 256)]
+    assert "experts' FFN rows 512 / 512 / 256 / 256 a GPU" in split.uneven()
+    assert FfnSplit(f, cfg, 2).uneven() == ""  # 1,536 / 2 = 768: three whole blocks each
+    shards = [ShardedFile(f, cfg, r, 4) for r in range(4)]
+    assert [s.config.n_ff_exp for s in shards] == [512, 512, 256, 256]
+    down = "blk.0.ffn_down_exps.weight"
+    assert [s.tensors[down].ne[0] for s in shards] == [512, 512, 256, 256]
+    whole = f.raw(down).reshape(cfg.n_expert * cfg.n_embd, -1)
+    assert np.array_equal(np.concatenate([s.raw(down).reshape(whole.shape[0], -1) for s in shards], axis=1), whole)
+    gate = "blk.1.ffn_gate_exps.weight"
+    rows = f.raw(gate).reshape(cfg.n_expert, cfg.n_ff_exp, -1)
+    got = np.concatenate([s.raw(gate).reshape(cfg.n_expert, s.config.n_ff_exp, -1) for s in shards], axis=1)
+    assert np.array_equal(got, rows)
 
 
 def test_backend_choice_refuses_without_gpus(tmp_path, monkeypatch):

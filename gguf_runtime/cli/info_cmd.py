@@ -97,11 +97,15 @@ def _split_lines(f, world: int, arch, whole: int) -> list[str]:
         check_split(f, cfg, world)
     except UnsupportedModelError as e:
         return [head, f"  cannot split: {e}"]
-    ranks = [sum(t.nbytes for t in ShardedFile(f, cfg, r, world).tensors.values()) for r in range(world)]
+    parts = [ShardedFile(f, cfg, r, world) for r in range(world)]
+    ranks = [sum(t.nbytes for t in p.tensors.values()) for p in parts]
     per_token = _kv_elements(arch) // world  # (check_split: the KV heads divide)
     weights = (f"  {'weights':<16}{human_bytes(max(ranks))} a GPU (the whole model: {human_bytes(whole)}; "
                "the embedding table and norms on every GPU)")
     lines = [head, weights, f"  {'kv_cache':<16}{human_bytes(2 * per_token)} a token a GPU in f16"]
+    uneven = parts[0].split.uneven()
+    if uneven:
+        lines.append(f"  {'ffn_split':<16}{uneven}")
     if cfg.n_expert:
         lines.append(f"  {'note':<16}-tp refuses mixtures of experts until their split has run on GPUs")
     return lines

@@ -2,7 +2,10 @@
 llama.cpp's ``-sm tensor``): a ``ShardedFile`` that reads as a GGUF file of its own, and the
 ``ModelConfig`` of that part.
 
-Rank r of N holds heads [r H/N, (r+1) H/N) and KV heads likewise, and FFN rows [r F/N, (r+1) F/N):
+Rank r of N holds heads [r H/N, (r+1) H/N) and KV heads likewise, and a range of FFN rows: F/N
+each ([r F/N, (r+1) F/N)) where that keeps down's columns on whole quant blocks, else whole blocks
+as evenly as they go, the first ranks one more (Qwen3-30B-A3B's 768 Q6_K down columns an expert
+over 2 GPUs: 512 and 256; ``FfnSplit``):
 - Q, K, V (and their biases), gate and up: those rows (Phi-3's fused QKV and gate-up: the rows of
   each part, concatenated);
 - O and down: those columns, so each rank's product is a partial sum of the full one, and an
@@ -10,8 +13,8 @@ Rank r of N holds heads [r H/N, (r+1) H/N) and KV heads likewise, and FFN rows [
   0 alone (zeros elsewhere), so the sum adds them once;
 - the output head: vocabulary rows [r V', (r+1) V'), V' = ceil(V/N), the last rank's part padded
   with zero rows (an all-gather puts the logits back together; columns past V are dropped);
-- mixtures of experts likewise inside every expert: each expert's gate and up rows [r F'/N, (r+1)
-  F'/N) (F' its FFN width; their biases those columns), down those columns (its biases rank 0's
+- mixtures of experts likewise inside every expert: each expert's gate and up rows, the rank's range
+  of F' (its FFN width; their biases those columns), down those columns (its biases rank 0's
   alone), the shared expert as a dense FFN; the router (and the shared expert's gate) whole, so
   every rank picks the same experts and the all-reduce after down sums each expert's parts;
 - the embedding table stays whole on every rank: a lookup reads one row a token, where a split
@@ -19,8 +22,8 @@ Rank r of N holds heads [r H/N, (r+1) H/N) and KV heads likewise, and FFN rows [
 - norms, RoPE factors and the rest are the same on every rank.
 
 Quantized rows split on whole blocks: a column split must start and end on a block boundary of
-the tensor's type (256 values for the K-quants), which ``check_split`` says in one line when it
-does not.
+the tensor's type (256 values for the K-quants); ``check_split`` says in one line where no split
+does (O's columns of a rank's heads, or fewer whole blocks of down's columns than ranks).
 """
 
 from __future__ import annotations
@@ -39,46 +42,38 @@ from .model_config import ModelConfig
 HEAD = "output.weight"
 
 
-def _rows(cfg: ModelConfig, name: str) -> list[tuple[int, int]] | None:
-    """The row ranges (start, count) of the full tensor that a rank's part stacks, per rank unit:
-    returned for rank 0; a rank r adds r times the unit to each start. None: not split by rows."""
-    hd, hdv = cfg.head_dim, cfg.head_dim_v
+def _rows(cfg: ModelConfig, name: str) -> list[tuple[int, str]] | None:
+    """The units of rows of the full tensor that a rank's part stacks: (the unit's first row, the
+    dimension it splits: FfnSplit.part's names). None: not split by rows."""
+    hd = cfg.head_dim
     suffix = name.split(".", 2)[-1] if name.startswith("blk.") else name
     stem = suffix.rsplit(".", 1)[0]
-    if stem == "attn_q":
-        return [(0, cfg.n_head * hd)]
-    if stem == "attn_k":
-        return [(0, cfg.n_head_kv * hd)]
-    if stem == "attn_v":
-        return [(0, cfg.n_head_kv * hdv)]
     if stem == "attn_qkv":  # Phi-3: Q | K | V
-        return [(0, cfg.n_head * hd), (cfg.n_head * hd, cfg.n_head_kv * hd),
-                ((cfg.n_head + cfg.n_head_kv) * hd, cfg.n_head_kv * hdv)]
-    if stem == "attn_sinks":
-        return [(0, cfg.n_head)]
-    if stem == "ffn_gate":
-        return [(0, cfg.n_ff)]
-    if stem == "ffn_up":
-        return [(0, cfg.n_ff), (cfg.n_ff, cfg.n_ff)] if cfg.fused_gate_up else [(0, cfg.n_ff)]
-    if stem in ("ffn_gate_shexp", "ffn_up_shexp"):
-        return [(0, cfg.n_ff_shexp)]
-    return None
+        return [(0, "q"), (cfg.n_head * hd, "k"), ((cfg.n_head + cfg.n_head_kv) * hd, "v")]
+    if stem == "ffn_up" and cfg.fused_gate_up:  # Phi-3: gate | up
+        return [(0, "ff"), (cfg.n_ff, "ff")]
+    dim = {"attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_sinks": "heads", "ffn_gate": "ff", "ffn_up": "ff",
+           "ffn_gate_shexp": "ff_shexp", "ffn_up_shexp": "ff_shexp"}.get(stem)
+    return None if dim is None else [(0, dim)]
 
 
-def _expert_rows(cfg: ModelConfig, name: str) -> list[tuple[int, int]] | None:
+def _expert_rows(cfg: ModelConfig, name: str) -> list[tuple[int, str]] | None:
     """A stacked expert gate or up matrix [experts, F', columns]: each expert's rows, in the rows
-    of its [experts * F', row bytes] view (rank 0's; a rank r adds r times the unit to each start)."""
+    of its [experts * F', row bytes] view."""
     if name.startswith("blk.") and name.endswith(("ffn_gate_exps.weight", "ffn_up_exps.weight")):
-        return [(e * cfg.n_ff_exp, cfg.n_ff_exp) for e in range(cfg.n_expert)]
+        return [(e * cfg.n_ff_exp, "ff_exp") for e in range(cfg.n_expert)]
     return None
 
 
-def _cols(name: str) -> bool:
-    """Split by columns: O and down (the experts' and the shared one's too), and the experts' gate
-    and up biases ([experts, F']: each expert's part of F')."""
-    return name.startswith("blk.") and name.endswith(
-        ("attn_output.weight", "ffn_down.weight", "ffn_down_exps.weight", "ffn_down_shexp.weight",
-         "ffn_gate_exps.bias", "ffn_up_exps.bias"))
+_COLS = {"attn_output.weight": "o", "ffn_down.weight": "ff", "ffn_down_exps.weight": "ff_exp",
+         "ffn_down_shexp.weight": "ff_shexp", "ffn_gate_exps.bias": "ff_exp", "ffn_up_exps.bias": "ff_exp"}
+
+
+def _cols(name: str) -> str | None:
+    """The dimension a tensor split by columns splits: O's (the heads'), down's (the experts' and the
+    shared one's too: their FFN rows), and the experts' gate and up biases ([experts, F']: each
+    expert's part of F'). None: not split by columns."""
+    return _COLS.get(name.split(".", 2)[-1]) if name.startswith("blk.") else None
 
 
 def _rank_bias(name: str) -> bool:
@@ -87,38 +82,87 @@ def _rank_bias(name: str) -> bool:
                                                       "ffn_down_shexp.bias"))
 
 
-def check_split(f: GGUFFile, cfg: ModelConfig, world: int) -> None:
-    """One line when the model cannot be split over ``world`` ranks."""
-    if world < 1:
-        raise UnsupportedModelError(f"--tensor-parallel {world}: give a number of GPUs of 1 or more")
-    if world == 1:
-        return
-    ffn = [("experts' FFN rows", cfg.n_ff_exp)] if cfg.n_expert else [("FFN rows", cfg.n_ff)]
-    if cfg.n_ff_shexp:
-        ffn.append(("shared expert's FFN rows", cfg.n_ff_shexp))
-    for what, n in (("attention heads", cfg.n_head), ("KV heads", cfg.n_head_kv), *ffn):
-        if n % world:
-            raise UnsupportedModelError(
-                f"--tensor-parallel {world}: the model's {n} {what} do not divide into {world} equal parts; "
-                f"use a GPU count that divides {cfg.n_head_kv} (its KV heads)")
-    for name, t in f.tensors.items():
-        if _cols(name):
+_WHAT = {"ff": "FFN rows", "ff_exp": "experts' FFN rows", "ff_shexp": "shared expert's FFN rows"}
+
+
+class FfnSplit:
+    """Each rank's range of every split dimension: heads, KV heads and O's columns in equal parts
+    (the KV heads a rank's queries share must be its own); the FFN widths (F, an expert's F', the
+    shared expert's) equal where down's columns stay on whole blocks, else whole blocks as evenly as
+    they go, the first ranks one block more. Raises check_split's one line where no split does."""
+
+    def __init__(self, f: GGUFFile, cfg: ModelConfig, world: int) -> None:
+        if world < 1:
+            raise UnsupportedModelError(f"--tensor-parallel {world}: give a number of GPUs of 1 or more")
+        self.cfg, self.world = cfg, world
+        self.ffn: dict[str, list[tuple[int, int]]] = {}
+        if world == 1:
+            return
+        for what, n in (("attention heads", cfg.n_head), ("KV heads", cfg.n_head_kv)):
+            if n % world:
+                raise UnsupportedModelError(
+                    f"--tensor-parallel {world}: the model's {n} {what} do not divide into {world} equal parts; "
+                    f"use a GPU count that divides {cfg.n_head_kv} (its KV heads)")
+        sizes = {"ff_exp": cfg.n_ff_exp} if cfg.n_expert else {"ff": cfg.n_ff}
+        if cfg.n_ff_shexp:
+            sizes["ff_shexp"] = cfg.n_ff_shexp
+        grain: dict[str, tuple[int, str | None]] = {d: (1, None) for d in sizes}  # blocks of down's columns
+        o_cols = cfg.n_head * cfg.head_dim_v // world
+        for name, t in f.tensors.items():
+            dim = _cols(name)
             be = FORMATS[t.type_id].block_elems
-            part = t.ne[0] // world
-            if part % be:
+            if dim == "o" and o_cols % be:
                 raise UnsupportedModelError(
                     f"--tensor-parallel {world}: tensor '{name}' ({FORMATS[t.type_id].name}, {t.ne[0]} columns) "
-                    f"splits into parts of {part} columns, not whole {be}-value blocks; use fewer GPUs")
+                    f"splits into parts of {o_cols} columns, not whole {be}-value blocks; use fewer GPUs")
+            if dim in grain and math.lcm(grain[dim][0], be) != grain[dim][0]:
+                grain[dim] = (math.lcm(grain[dim][0], be), name)
+        for dim, n in sizes.items():
+            g, name = grain[dim]
+            if n % (world * g) == 0:
+                self.ffn[dim] = [(r * (n // world), n // world) for r in range(world)]
+                continue
+            units = n // g
+            if n % g or units < world:
+                what = _WHAT[dim]
+                why = f"'{name}' ({FORMATS[f.tensors[name].type_id].name}) has {units} whole {g}-value blocks of them"
+                raise UnsupportedModelError(f"--tensor-parallel {world}: the model's {n} {what} do not split into "
+                                            f"{world} parts: {why}; use fewer GPUs")
+            counts = [(units // world + (r < units % world)) * g for r in range(world)]
+            self.ffn[dim] = [(sum(counts[:r]), c) for r, c in enumerate(counts)]
+
+    def part(self, dim: str, rank: int) -> tuple[int, int]:
+        """Rank ``rank``'s (first, count) of a dimension: "q", "k", "v" (rows of the heads' Q, K, V),
+        "heads" (one a head), "o" (O's columns), "ff", "ff_exp", "ff_shexp" (FFN rows)."""
+        if dim in self.ffn:
+            return self.ffn[dim][rank]
+        cfg, n = self.cfg, self.world
+        size = {"q": cfg.n_head * cfg.head_dim, "k": cfg.n_head_kv * cfg.head_dim, "v": cfg.n_head_kv * cfg.head_dim_v,
+                "heads": cfg.n_head, "o": cfg.n_head * cfg.head_dim_v, "ff": cfg.n_ff}[dim]  # ("ff": a MoE model's)
+        return rank * (size // n), size // n
+
+    def uneven(self) -> str:
+        """The FFN widths split into unequal parts, in words ("" where none is): the first GPUs then
+        do more of the FFN's work than the others."""
+        return "; ".join(f"{_WHAT[d]} {' / '.join(str(c) for _, c in parts)} a GPU (whole blocks of down's columns)"
+                         for d, parts in self.ffn.items() if len({c for _, c in parts}) > 1)
 
 
-def shard_config(cfg: ModelConfig, world: int) -> ModelConfig:
-    """The config of one rank's part: heads, KV heads and FFN rows divided, an untied output
+def check_split(f: GGUFFile, cfg: ModelConfig, world: int) -> None:
+    """One line when the model cannot be split over ``world`` ranks."""
+    FfnSplit(f, cfg, world)
+
+
+def shard_config(cfg: ModelConfig, split: FfnSplit, rank: int) -> ModelConfig:
+    """The config of rank ``rank``'s part: heads and KV heads divided, its FFN rows, an untied output
     head (the part's own rows); the vocabulary (the sampler's, after the all-gather) is whole."""
+    world = split.world
     if world == 1:
         return cfg
+    ff = {d: split.part(d, rank)[1] for d in split.ffn}
     return dataclasses.replace(cfg, n_head=cfg.n_head // world, n_head_kv=cfg.n_head_kv // world,
-                               n_ff=cfg.n_ff // world, n_ff_exp=cfg.n_ff_exp // world,
-                               n_ff_shexp=cfg.n_ff_shexp // world, tied_embeddings=False)
+                               n_ff=ff.get("ff", cfg.n_ff // world), n_ff_exp=ff.get("ff_exp", 0),
+                               n_ff_shexp=ff.get("ff_shexp", 0), tied_embeddings=False)
 
 
 def vocab_part(cfg: ModelConfig, world: int) -> int:
@@ -131,8 +175,9 @@ class ShardedFile:
     ``tensors``, ``raw``, ``get``, ``metadata``, ``path``; bytes are sliced at each ``raw`` call."""
 
     def __init__(self, f: GGUFFile, cfg: ModelConfig, rank: int, world: int) -> None:
-        check_split(f, cfg, world)
+        self.split = FfnSplit(f, cfg, world)
         self.f, self.cfg, self.rank, self.world = f, cfg, rank, world
+        self.config = shard_config(cfg, self.split, rank)  # the part's ModelConfig
         self.path, self.metadata = f.path, f.metadata
         self.tensors: dict[str, TensorInfo] = {}
         self._how: dict[str, tuple[str, Any]] = {}
@@ -160,19 +205,19 @@ class ShardedFile:
         r, n = self.rank, self.world
         if name == HEAD:
             return  # (the part's head: __init__)
-        experts = _expert_rows(self.cfg, name) if n > 1 else None
-        rows = _rows(self.cfg, name) if n > 1 else None
-        if experts is not None:  # [experts, F', columns] -> [experts, F' / n, columns]
-            parts = [(start + r * (count // n), count // n) for start, count in experts]
-            self._put(name, t, (t.ne[0], t.ne[1] // n, *t.ne[2:]), ("rows", parts))
-        elif rows is not None:
-            parts = [(start + r * (count // n), count // n) for start, count in rows]
-            count = sum(c for _, c in parts)
-            ne = (count,) if len(t.ne) == 1 else (t.ne[0], count, *t.ne[2:])
+        units = (_expert_rows(self.cfg, name) or _rows(self.cfg, name)) if n > 1 else None
+        cols = _cols(name) if n > 1 else None
+        if units is not None:  # (stacked experts [experts, F', columns] -> [experts, the rank's F', columns])
+            parts = [(start + first, count) for start, dim in units for first, count in [self.split.part(dim, r)]]
+            if _expert_rows(self.cfg, name) is not None:
+                ne = (t.ne[0], parts[0][1], *t.ne[2:])
+            else:
+                total = sum(c for _, c in parts)
+                ne = (total,) if len(t.ne) == 1 else (t.ne[0], total, *t.ne[2:])
             self._put(name, t, ne, ("rows", parts))
-        elif _cols(name) and n > 1:
-            part = t.ne[0] // n
-            self._put(name, t, (part, *t.ne[1:]), ("cols", (r * part, part)))
+        elif cols is not None:
+            first, count = self.split.part(cols, r)
+            self._put(name, t, (count, *t.ne[1:]), ("cols", (first, count)))
         elif _rank_bias(name) and n > 1 and r:
             self._put(name, t, t.ne, ("zero", None))
         else:

@@ -30,7 +30,7 @@ import cupy as cp
 from ...errors import BackendError
 from ...format.gguf_file import GGUFFile, open_gguf
 from ...format.model_config import ModelConfig
-from ...format.shard import ShardedFile, check_split, shard_config
+from ...format.shard import ShardedFile, check_split
 from ..mirror import MirrorFront, exit_now, plain, serve_calls, stop_all
 from . import tuning
 from .backend import CudaBackend
@@ -54,7 +54,8 @@ def _worker(rank: int, world: int, uid: tuple, path: str, cfg: ModelConfig, n_ct
         cp.cuda.Device(rank).use()
         f = open_gguf(path)
         comm = NcclCollectives(world, uid, rank)
-        be = CudaBackend(ShardedFile(f, cfg, rank, world), shard_config(cfg, world), n_ctx, comm=comm, **kw)
+        part = ShardedFile(f, cfg, rank, world)
+        be = CudaBackend(part, part.config, n_ctx, comm=comm, **kw)
     except BaseException as e:  # noqa: BLE001 (any failure is reported to rank 0 in one line)
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         conn.send(("error", f"GPU {rank}: {msg}"))
@@ -111,8 +112,8 @@ class TensorParallelBackend(MirrorFront, CudaBackend):
         atexit.register(_close_at_exit, weakref.ref(self))
         try:
             comm = NcclCollectives(world, uid, 0)
-            super().__init__(ShardedFile(f, cfg, 0, world), shard_config(cfg, world), n_ctx, progress=progress,
-                             note=note, comm=comm, **kw)
+            part = ShardedFile(f, cfg, 0, world)
+            super().__init__(part, part.config, n_ctx, progress=progress, note=note, comm=comm, **kw)
         except BaseException:
             self.close()
             raise
@@ -121,8 +122,9 @@ class TensorParallelBackend(MirrorFront, CudaBackend):
         self.mirror_kv()
         self._mirror_ready = True
         if note:
+            uneven = part.split.uneven()
             note(f"note: tensor parallel over {world} GPUs (NCCL), {self.weights.nbytes / 2**30:.2f} GiB of weights "
-                 "on each")
+                 f"on GPU 0" + (f"; {uneven}" if uneven else ""))
 
     # ---- supervision -----------------------------------------------------------------------------
     def _wait_ready(self) -> None:
