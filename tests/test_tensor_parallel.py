@@ -191,6 +191,10 @@ def test_refusals(tmp_path):
     with pytest.raises(UnsupportedModelError, match="256 experts' FFN rows do not split into 2 parts: "
                                                     "'blk.0.ffn_down_exps.weight' \\(Q6_K\\) has 1 whole 256-value"):
         check_split(f, config_from_gguf(f), 2)
+    tiny = Micro(n_embd=64, n_ff=3, n_head=4, n_head_kv=4, n_layer=1)  # float32: any row, but fewer than 4
+    f = open_gguf(write_micro(tiny, tmp_path / "tiny.gguf"))
+    with pytest.raises(UnsupportedModelError, match="3 FFN rows do not split into 4 parts: fewer than 4"):
+        check_split(f, config_from_gguf(f), 4)
 
 
 def test_uneven_ffn_split(tmp_path):

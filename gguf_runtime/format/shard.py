@@ -103,9 +103,9 @@ class FfnSplit:
                 raise UnsupportedModelError(
                     f"--tensor-parallel {world}: the model's {n} {what} do not divide into {world} equal parts; "
                     f"use a GPU count that divides {cfg.n_head_kv} (its KV heads)")
-        sizes = {"ff_exp": cfg.n_ff_exp} if cfg.n_expert else {"ff": cfg.n_ff}
-        if cfg.n_ff_shexp:
-            sizes["ff_shexp"] = cfg.n_ff_shexp
+        # the FFN widths the file's column-split tensors use (a mixture of experts may have dense layers too)
+        full = {"ff": cfg.n_ff, "ff_exp": cfg.n_ff_exp, "ff_shexp": cfg.n_ff_shexp}
+        sizes = {d: full[d] for d in map(_cols, f.tensors) if d in full}
         grain: dict[str, tuple[int, str | None]] = {d: (1, None) for d in sizes}  # blocks of down's columns
         o_cols = cfg.n_head * cfg.head_dim_v // world
         for name, t in f.tensors.items():
@@ -125,7 +125,8 @@ class FfnSplit:
             units = n // g
             if n % g or units < world:
                 what = _WHAT[dim]
-                why = f"'{name}' ({FORMATS[f.tensors[name].type_id].name}) has {units} whole {g}-value blocks of them"
+                why = (f"'{name}' ({FORMATS[f.tensors[name].type_id].name}) has {units} whole {g}-value blocks of them"
+                       if name else f"fewer than {world}")
                 raise UnsupportedModelError(f"--tensor-parallel {world}: the model's {n} {what} do not split into "
                                             f"{world} parts: {why}; use fewer GPUs")
             counts = [(units // world + (r < units % world)) * g for r in range(world)]
