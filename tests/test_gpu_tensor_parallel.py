@@ -188,3 +188,26 @@ def test_split_process_exits(micro):
         except subprocess.TimeoutExpired:
             pytest.fail(f"bench -tp 2 ({tune or 'defaults'}) did not exit within 240 s")
         assert r.returncode == 0 and "tg8" in r.stdout, f"{tune or 'defaults'}: rc {r.returncode}: {r.stderr[-1500:]}"
+
+
+def test_split_grammar_masks(split_pair):
+    """A constrained slot over 2 GPUs (serve's structured output): the mask row written on rank 0's
+    host reaches the other rank before each sampling call (mirror.py), so every token is one the
+    mask allows and the same as the whole model's under the same mask."""
+    name, cfg, whole, split = split_pair
+    rng = np.random.default_rng(3)
+    allowed = sorted(rng.choice(np.arange(10, cfg.n_vocab), 5, replace=False).tolist())
+    prompt = prompt_ids(cfg.n_vocab, 7, seed=4)
+    got = []
+    for be in (whole, split):
+        row = be.seq_constrain(0)
+        row[:] = 0
+        for t in allowed:
+            row[t // 32] |= np.uint32(1 << (t % 32))
+        be.seq_add(0, prompt, GREEDY, 7, seed=0)
+        for _ in range(6):
+            be.batch_step(1)
+        be.stream.synchronize()
+        got.append([be.seq_token(0, i) for i in range(7)])
+        be.seq_release(0)
+    assert set(got[0]) <= set(allowed) and got[1] == got[0], f"{name}: {got}"

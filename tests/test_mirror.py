@@ -8,6 +8,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import threading
 
+import numpy as np
 import pytest
 
 from gguf_runtime.backends.mirror import MirrorFront, serve_calls, stop_all
@@ -32,6 +33,17 @@ class Fake:
 
     def __init__(self, log: list) -> None:
         self.log, self.kv, self.stream, self.prefill_graph = log, FakeKV(log), object(), True
+        self.mask_host = np.full((4, 3), 0xFFFFFFFF, np.uint32)  # (the CUDA backend's pinned mask rows)
+        self._masked: set[int] = set()
+
+    def _log_masks(self) -> None:
+        """The rows a sampling call masks with, as this rank holds them when the call runs."""
+        if self._masked:
+            self.log.append(("masks", tuple((s, tuple(self.mask_host[s].tolist())) for s in sorted(self._masked))))
+
+    def seq_constrain(self, slot):
+        self._masked.add(slot)
+        return self.mask_host[slot]
 
     def truncate(self, n):
         self.log.append(("truncate", n))
@@ -61,12 +73,16 @@ class Fake:
         self.log.append(("run_steps", n, graph))
 
     def seq_add(self, slot, prompt, params, max_new, seed=None, reuse=False):
+        self._log_masks()
         self.log.append(("seq_add", slot, tuple(prompt), max_new, reuse, seed))
 
     def batch_step(self, n):
+        self._log_masks()
         self.log.append(("batch_step", n))
 
     def seq_release(self, slot, tokens=()):
+        self._masked.discard(slot)
+        self.mask_host[slot] = 0xFFFFFFFF
         self.log.append(("seq_release", slot, tuple(tokens)))
 
     def hidden(self, tokens, slot=0):
@@ -164,3 +180,27 @@ def test_writes_before_ready_stay_local(group):
     front.prefill_graph = False  # (the backend's own setup, while loading)
     logs = finish()
     assert all(be.prefill_graph is True for be in workers) and logs == [[], []]
+
+
+def test_grammar_masks_reach_the_workers_before_each_sampling_call(group):
+    """A constrained slot's mask row, written by rank 0's caller between steps, is what every worker
+    masks with at the next call that samples (the first token's, each batch step's); a row written
+    after the last step is not sent until a call samples; nothing is sent once the slot is free."""
+    front, front_log, finish, workers = group
+    p = SamplingParams(temperature=0.0)
+    row = front.seq_constrain(1)
+    row[:] = [1, 2, 3]
+    front.seq_add(1, (5, 6), p, 10)
+    row[:] = [4, 5, 6]
+    front.batch_step(2)
+    row[:] = [7, 8, 9]
+    front.batch_step(2)
+    row[:] = [0, 0, 0]  # (after the last step)
+    front.seq_release(1)
+    front.batch_step(2)
+    logs = finish()
+    masks = [e[1] for e in front_log if e[0] == "masks"]
+    assert masks == [((1, (1, 2, 3)),), ((1, (4, 5, 6)),), ((1, (7, 8, 9)),)]
+    for log, be in zip(logs, workers):
+        assert log == front_log
+        assert not be._masked and (be.mask_host == 0xFFFFFFFF).all()

@@ -7,7 +7,9 @@ the backend makes inside such a call are not sent (each worker makes them itself
 call). ``serve_calls`` is a worker's loop. Arguments travel pickled: callbacks (progress bars) and
 objects of this process (streams) are dropped, and the KV cache's reserve / release take the
 worker's own stream. A sequence's seed is chosen before the call is sent, so every rank samples
-alike; a single sequence's launch closure is forwarded as a "launch" message per step.
+alike; a single sequence's launch closure is forwarded as a "launch" message per step. A grammar's
+mask rows (``seq_constrain``: the caller writes rank 0's row on the host) go to the workers before
+each call that samples with them, so every rank masks its logits alike.
 """
 
 from __future__ import annotations
@@ -17,12 +19,16 @@ import secrets
 import sys
 from typing import Any, Iterable
 
+import numpy as np
+
 from ..errors import GGUFRunError
 
 # (every rank captures and replays the same graphs: collectives match)
 MIRRORED = ("prefill", "eval", "truncate", "start_decode", "run_steps", "batch_step", "seq_release", "hidden",
             "capture_buckets", "end_single", "retune", "seq_start", "seq_prefill", "seq_prefill_many",
-            "seq_logprobs", "eval_argmax", "capture_verify")
+            "seq_logprobs", "eval_argmax", "capture_verify", "seq_constrain")
+# the calls that sample constrained slots: their mask rows as rank 0's caller wrote them go first
+SAMPLING = ("batch_step", "seq_first", "seq_add", "seq_prefill_many")
 MIRRORED_ATTRS = ("prefill_graph", "use_graph")
 
 
@@ -70,6 +76,9 @@ class MirrorFront:
             conn.send(msg)
 
     def _mirror(self, name: str, *args, **kw):
+        if name in SAMPLING and not self._depth:
+            for slot in sorted(getattr(self, "_masked", ())):  # (bytes, not the pinned row itself)
+                self._send(("mask", "", (slot, self.mask_host[slot].tobytes()), {}))
         self._send(("call", name, args, kw))
         self._depth += 1
         try:
@@ -135,6 +144,9 @@ def serve_calls(be, conn, label: str = "worker", on_stop=None) -> None:
                 launch()
             elif op == "kv":
                 getattr(be.kv, name)(*args, **kwargs, stream=be.stream)
+            elif op == "mask":
+                slot, words = args
+                be.mask_host[slot] = np.frombuffer(words, be.mask_host.dtype)
             elif op == "set":
                 setattr(be, name, args)
             elif op == "stop":

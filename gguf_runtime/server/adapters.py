@@ -225,9 +225,8 @@ class CudaAdapter:
                                "logprobs and top_logprobs unset")
         if grammar and not getattr(self.be, "grammar_masks", False):
             raise BackendError("structured output (format / response_format) and forced tool calls (tool_choice "
-                               "\"required\" or a named function) are not served by this backend (a model split "
-                               "over GPUs: every GPU samples each token); serve on one GPU or with --backend numpy, "
-                               "or use `gguf-run run --json-schema` for one answer")
+                               "\"required\" or a named function) are not served by this backend; serve with "
+                               "--backend cuda or numpy, or use `gguf-run run --json-schema` for one answer")
         be, prompt, params = self.be, list(prompt), self._params(params)
         constraint = self.new_constraint(self.tokenizer, self.engine.cfg.n_vocab, grammar) if grammar else None
         try:

@@ -626,7 +626,7 @@ class CudaBackend(PrefillMixin):
         """The i-th token sampled for the slot (after the step that made it has completed)."""
         return int(self.ring[i % RING, slot])
 
-    grammar_masks = True  # seq_constrain serves grammars in the batch steps (a split model's ranks: no)
+    grammar_masks = True  # seq_constrain serves grammars in the batch steps (a split model's: mirror.py sends the rows)
 
     def seq_constrain(self, slot: int) -> np.ndarray:
         """Constrain the slot's next sequence by a grammar (before its seq_first): returns its
