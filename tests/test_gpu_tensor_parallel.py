@@ -211,3 +211,24 @@ def test_split_grammar_masks(split_pair):
         got.append([be.seq_token(0, i) for i in range(7)])
         be.seq_release(0)
     assert set(got[0]) <= set(allowed) and got[1] == got[0], f"{name}: {got}"
+
+
+def test_split_verifies_proposals(split_pair):
+    """serve --spec over 2 GPUs (verify_many and seq_commit mirrored): a verification step's
+    argmaxes, and the tokens after committing its first, equal the whole model's."""
+    name, cfg, whole, split = split_pair
+    prompt, proposals = prompt_ids(cfg.n_vocab, 6, seed=8), prompt_ids(cfg.n_vocab, 3, seed=9)
+    got = []
+    for be in (whole, split):
+        be.seq_add(0, prompt, GREEDY, 12, seed=0)
+        be.stream.synchronize()
+        last = be.seq_token(0, 0)
+        target = [int(t) for t in be.verify_many([(0, [last] + proposals)])[0]]
+        be.seq_commit(0, target[:1])  # (no proposal kept: the target's next token)
+        for _ in range(3):
+            be.batch_step(1)
+        be.stream.synchronize()
+        got.append((last, target, [be.seq_token(0, i) for i in range(1, 5)]))
+        be.seq_release(0)
+    assert got[1] == got[0], f"{name}: {got}"
+    assert got[0][2][0] == got[0][1][0]  # (the committed token is read as the next one)

@@ -101,6 +101,13 @@ class Fake:
     def retune(self, tune):
         self.log.append(("retune", tune))
 
+    def verify_many(self, parts):
+        self.log.append(("verify_many", tuple((s, tuple(t)) for s, t in parts)))
+        return [np.asarray(t) + 1 for _, t in parts]
+
+    def seq_commit(self, slot, tokens):
+        self.log.append(("seq_commit", slot, tuple(tokens)))
+
 
 class Front(MirrorFront, Fake):
     pass
@@ -144,6 +151,8 @@ def test_workers_run_exactly_the_fronts_calls(group):
         launch()
     front.end_single()
     front.capture_verify()  # (speculation's start: graphs whose collectives every rank must run)
+    assert [a.tolist() for a in front.verify_many([(1, [3, 4]), (2, [5])])] == [[4, 5], [6]]  # (serve --spec)
+    front.seq_commit(1, [4, 7])
     front.eval_argmax([4, 5, 6])  # (speculative verification: every rank's forward, its collectives)
     front.start_single([1, 2, 4], p, 9, given=5)()  # (the fall-back from a given token)
     front.end_single()
@@ -172,6 +181,7 @@ def test_workers_run_exactly_the_fronts_calls(group):
     assert sum(e == ("launch",) for e in logs[0]) == 4
     assert ("eval_argmax", (4, 5, 6)) in logs[0] and ("start_single", (1, 2, 4), 9, 5) in logs[0]
     assert ("capture_verify", 0) in logs[0]
+    assert ("verify_many", ((1, (3, 4)), (2, (5,)))) in logs[0] and ("seq_commit", 1, (4, 7)) in logs[0]
 
 
 def test_writes_before_ready_stay_local(group):

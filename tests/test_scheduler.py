@@ -1088,11 +1088,11 @@ def test_speculation_stop_token_and_short_budget():
 
 
 def test_speculation_refused_where_the_backend_cannot_verify_slots():
-    """A backend without slot verification (a model split over GPUs) or another mode: one line."""
+    """A backend without slot verification or another mode: one line."""
     from gguf_runtime.errors import BackendError
     be = PackingFakeBackend()
     eng = SimpleNamespace(backend=be, tokenizer=FAKE_TOK)
-    with pytest.raises(BackendError, match="needs one GPU"):
+    with pytest.raises(BackendError, match="--spec ngram is not served by this backend"):
         CudaAdapter(eng, spec="ngram")
     with pytest.raises(BackendError, match="not served yet"):
         CudaAdapter(eng, spec="draft")

@@ -202,8 +202,8 @@ class CudaAdapter:
         if spec not in ("none", "ngram"):
             raise BackendError(f"serve --spec {spec} is not served yet; use --spec ngram or none")
         if spec == "ngram" and not getattr(be, "slot_speculation", False):
-            raise BackendError("serve --spec ngram needs one GPU (a model split over GPUs does not verify "
-                               "proposals yet); drop --spec or -tp")
+            raise BackendError("serve --spec ngram is not served by this backend; drop --spec, or serve with "
+                               "--backend cuda")
         self.spec = Speculation(be, spec_k) if spec == "ngram" else None  # (speculation.py)
         self.loop = LaunchAhead(be, self.depth, margin=self.margin, new_event=new_event, read=self._read,
                                 gate=self._may_launch)

@@ -539,7 +539,7 @@ class CudaBackend(PrefillMixin):
             self._sample(*self._mode(params), slot in self._lp, slot in self._masked, rows=1, slot0=slot, row=row)
         self.decoding[slot] = True
 
-    slot_speculation = True  # verify_many / seq_commit serve the server's speculation (a split model: not yet)
+    slot_speculation = True  # verify_many / seq_commit serve the server's speculation (mirrored to a split model's ranks)
 
     def seq_commit(self, slot: int, tokens: Sequence[int]) -> None:
         """After verify_many: ``tokens`` (the kept proposals, then the target's next token) are
