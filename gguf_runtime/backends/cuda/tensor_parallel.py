@@ -79,7 +79,6 @@ def _close_at_exit(ref) -> None:
 class TensorParallelBackend(MirrorFront, CudaBackend):
     """Rank 0 of a model split over ``world`` GPUs (module docstring)."""
 
-
     def __init__(self, f: GGUFFile, cfg: ModelConfig, n_ctx: int, world: int, progress=None, note=None,
                  **kw) -> None:
         check_split(f, cfg, world)
