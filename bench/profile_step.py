@@ -56,6 +56,9 @@ class OneRank:
     def agree_min(self, n: int) -> int:
         return n
 
+    def sums_in_norm(self, t: int) -> bool:
+        return False
+
     def abort(self) -> None:
         pass
 

@@ -158,7 +158,7 @@ def test_split_int8_path(micro, monkeypatch):
 
     name, f, cfg = micro
     whole = CudaBackend(f, cfg, N_CTX)
-    monkeypatch.setenv("GGUF_RUN_TUNE", "tp_oneshot_rows=64;tp_norm_rows=8;tp_moe=1")
+    monkeypatch.setenv("GGUF_RUN_TUNE", "tp_oneshot_rows=64;tp_norm_rows=8;tp_norm_min_rows=1;tp_moe=1")
     split = TensorParallelBackend(f, cfg, N_CTX, 2)
     assert split.comm.oneshot_floats and split.comm.norm_rows == 8
     try:
@@ -179,7 +179,7 @@ def test_split_process_exits(micro):
     name, f, cfg = micro
     if name != "llama":
         pytest.skip("one architecture is enough for the exit path")
-    for tune in ("", "tp_oneshot_rows=64;tp_norm_rows=8"):
+    for tune in ("", "tp_norm_min_rows=1"):
         cmd = [sys.executable, "-m", "gguf_runtime", "bench", f.path, "-tp", "2", "-p", "16", "-n", "8", "-r", "1",
                "--batch", "4", "--mode", "graph", "-q"]
         try:

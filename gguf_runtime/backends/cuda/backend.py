@@ -139,7 +139,8 @@ class CudaBackend(PrefillMixin):
                              for key in {cfg.rope_key(i) for i in range(cfg.n_layer)}}
             if comm is not None:
                 comm.setup(self.kernels, self.ws.logits.shape[0], self.weights.mat(lm_head_name(cfg)).rows,
-                           cfg.n_embd, self.tune.tp_oneshot_rows, self.tune.tp_reduce_off, self.tune.tp_norm_rows)
+                           cfg.n_embd, self.tune.tp_oneshot_rows, self.tune.tp_reduce_off, self.tune.tp_norm_rows,
+                           self.tune.tp_norm_min_rows)
             self.comm = comm
             self.blocks = CudaBlocks(cfg, self.weights, self.kv, self.ws, self.kernels, self.inv_freq, self.tune,
                                      comm)

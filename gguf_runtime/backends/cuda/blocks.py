@@ -382,7 +382,7 @@ class CudaBlocks:
         else:
             self._gemm16(a16, t, (name,), target, accumulate=beta == 1)
         if self.comm is not None and (post_norm or not defer_reduce):
-            if norm_next and not post_norm and t <= self.comm.norm_rows:
+            if norm_next and not post_norm and self.comm.sums_in_norm(t):
                 self._unsummed = target  # (summed by the next norm's launch: _sum_in_norm)
             else:
                 self.comm.all_reduce(target)

@@ -9,7 +9,8 @@ holds. While the kernels are being recorded for compilation (precompile.py) they
   ``oneshot_rows`` rows (decode steps) the one-shot kernel over peer memory (allreduce.cu: each
   rank writes its rows into every rank's receive buffer, mapped into each other through CUDA IPC),
   NCCL above; ``row_reduce``: the same sum inside the next RMSNorm's launch (layers.cu's
-  rmsnorm_allreduce, steps of up to ``norm_rows`` rows), so the sum costs no launch of its own;
+  rmsnorm_allreduce, steps of ``norm_min_rows`` to ``norm_rows`` rows), so the sum costs no launch of
+  its own;
 - ``gather_logits``: each rank's vocabulary rows [t, V'] -> the whole [t, V] logits on every rank
   (an all-gather, then one kernel that puts rank-major parts side by side), so every rank's
   sampler draws the same token from the same logits and seeds: no token crosses the host.
@@ -56,16 +57,16 @@ class NcclCollectives:
         self.comm = self.nccl.NcclCommunicator(world, uid, rank)
         self.kernels = None  # the backend's Kernels: nothing runs while they record (precompile)
         self.parts: cp.ndarray | None = None
-        self.oneshot_floats = self.norm_rows = 0
+        self.oneshot_floats = self.norm_rows = self.norm_min_rows = 0
         self._one = cp.zeros(1, cp.int64)
         self._own: list[int] = []  # receive buffers allocated here, and the other ranks' opened here
         self._opened: list[int] = []
 
     def setup(self, kernels, logits_rows: int, vocab_part: int, n_embd: int, oneshot_rows: int,
-              reduce_off: bool = False, norm_rows: int = 0) -> None:
+              reduce_off: bool = False, norm_rows: int = 0, norm_min_rows: int = 1) -> None:
         """Buffers of the logits' gather (each rank's part: the head's output, and every rank's), of
         the one-shot all-reduce (sums of up to oneshot_rows rows of n_embd; 0: NCCL only) and of
-        the sums inside an RMSNorm (up to norm_rows rows; 0: none)."""
+        the sums inside an RMSNorm (steps of norm_min_rows to norm_rows rows; 0: none)."""
         self.kernels = kernels
         self.reduce_off = reduce_off  # (measuring only: tuning.tp_reduce_off)
         self.vocab_part = vocab_part
@@ -78,6 +79,7 @@ class NcclCollectives:
             self.epoch = cp.zeros(LL.AR_BLOCKS, cp.uint32)
             self.last = cp.zeros(LL.AR_BLOCKS, cp.int32)
         self.norm_rows = norm_rows if multi else 0
+        self.norm_min_rows = norm_min_rows
         if self.norm_rows:  # [3][world][norm_rows][n_embd], a buffer index a row
             self.row_ptrs = self._peer_buffers(3 * self.world * self.norm_rows * n_embd)
             self.row_ep = cp.zeros(self.norm_rows, cp.uint32)
@@ -128,11 +130,15 @@ class NcclCollectives:
             with contextlib.suppress(Exception):
                 rt.free(ptr)
 
+    def sums_in_norm(self, t: int) -> bool:
+        """Whether a step of t rows leaves O's and down's sums to the next RMSNorm's launch."""
+        return self.norm_min_rows <= t <= self.norm_rows
+
     def row_reduce(self, x: cp.ndarray) -> LL.RowReduce | None:
         """The sum of x's rows over the ranks, for the RMSNorm launch that reads them next (the
         rows' sums go back into x), or None where that kernel does not take them (more rows than
         its buffers, none set up, or measuring without sums)."""
-        if x.shape[0] > self.norm_rows or self.reduce_off:
+        if not self.sums_in_norm(x.shape[0]) or self.reduce_off:
             return None
         return LL.RowReduce(x.data.ptr, x.strides[0] // 4, self.row_ptrs.data.ptr, self.row_ep.data.ptr, self.rank,
                             self.world, self.norm_rows)

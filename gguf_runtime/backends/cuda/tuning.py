@@ -107,8 +107,9 @@ class Tuning:
     # -- tensor parallelism
     tp_oneshot_rows: int = 64  # sums of up to this many rows on allreduce.cu (peer memory; 0: NCCL for every sum):
     # faster than NCCL from one row to 64 (rows 188-189)
-    tp_norm_rows: int = 0  # steps of up to this many rows sum a split's O and down products inside the next RMSNorm's
-    # launch (layers.cu's rmsnorm_allreduce): off, it won at 8 rows and lost at one (row 190)
+    tp_norm_rows: int = 8  # steps of up to this many rows sum a split's O and down products inside the next
+    # RMSNorm's launch (layers.cu's rmsnorm_allreduce; 0: never) ...
+    tp_norm_min_rows: int = 8  # ... and at least this many: it won at 8 rows and lost at one (row 190)
     tp_moe: bool = False  # split mixtures of experts too (format/shard.py: inside every expert); off until run on GPUs
     tp_reduce_off: bool = False  # measuring only: no all-reduce at all (wrong sums): a split's compute alone
     # -- KV cache
