@@ -206,11 +206,12 @@ class ShardedFile:
         r, n = self.rank, self.world
         if name == HEAD:
             return  # (the part's head: __init__)
-        units = (_expert_rows(self.cfg, name) or _rows(self.cfg, name)) if n > 1 else None
+        experts = _expert_rows(self.cfg, name) if n > 1 else None
+        units = experts or (_rows(self.cfg, name) if n > 1 else None)
         cols = _cols(name) if n > 1 else None
         if units is not None:  # (stacked experts [experts, F', columns] -> [experts, the rank's F', columns])
             parts = [(start + first, count) for start, dim in units for first, count in [self.split.part(dim, r)]]
-            if _expert_rows(self.cfg, name) is not None:
+            if experts is not None:
                 ne = (t.ne[0], parts[0][1], *t.ne[2:])
             else:
                 total = sum(c for _, c in parts)

@@ -136,8 +136,8 @@ class NcclCollectives:
 
     def row_reduce(self, x: cp.ndarray) -> LL.RowReduce | None:
         """The sum of x's rows over the ranks, for the RMSNorm launch that reads them next (the
-        rows' sums go back into x), or None where that kernel does not take them (more rows than
-        its buffers, none set up, or measuring without sums)."""
+        rows' sums go back into x), or None where that kernel does not take them (a step outside
+        sums_in_norm's rows, none set up, or measuring without sums)."""
         if not self.sums_in_norm(x.shape[0]) or self.reduce_off:
             return None
         return LL.RowReduce(x.data.ptr, x.strides[0] // 4, self.row_ptrs.data.ptr, self.row_ep.data.ptr, self.rank,
