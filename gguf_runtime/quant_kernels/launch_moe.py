@@ -56,11 +56,11 @@ ROUTER_TILE = 8  # tokens a block of the router past the matvec rows
 def router(k: Kernels, m: Mat, x: int, ldx: int, rows: int, y: int, ldy: int,
            norm: tuple[int, float] | None = None) -> None:
     """y[t, :n] = W x'[t] for t < rows (W the F32 router of n = m.rows experts): one token a block up
-    to ROUTER_TILE rows (mv), tiles of ROUTER_TILE tokens above."""
-    if rows <= ROUTER_TILE:
+    to ROUTER_TILE rows (mv), tiles of ROUTER_TILE tokens above; a quantized router (legal, if rare:
+    llama-quantize keeps it F32) one token a block at every row count."""
+    if rows <= ROUTER_TILE or m.struct != "TF32":
         mv(k, m, m.rows, None, 1, x, ldx, rows, y, ldy, norm=norm, r=ROUTER[0], wg=ROUTER[1])
         return
-    assert m.struct == "TF32"
     r, wg = ROUTER
     fn = k.fn("moe.cu", f"moe_router<{r}, {wg}, {ROUTER_TILE}>")
     fn(((-(-m.rows // (r * WARPS // wg))), -(-rows // ROUTER_TILE)), (32 * WARPS,),
