@@ -71,11 +71,11 @@ def test_mmv_every_type(k, name, b, rng):
     ref = x.astype(np.float64) @ w.T + bias
     assert rel(y.get()[:, :rows], ref) < 1e-5
     assert np.isnan(y.get()[:, rows:]).all(), "wrote past the rows"
-    # residual mode accumulates into y
+    # residual mode accumulates into y (with a bias: gpt-oss's O projection)
     y0 = rng.standard_normal((b, rows)).astype(np.float32)
     yd = cp.asarray(y0)
-    L.mmv(k, [m], [(yd.data.ptr, rows)], [None], xd.data.ptr, cols, b, 1)
-    assert rel(yd.get(), y0 + x.astype(np.float64) @ w.T) < 1e-5
+    L.mmv(k, [m], [(yd.data.ptr, rows)], [bd.data.ptr], xd.data.ptr, cols, b, 1)
+    assert rel(yd.get(), y0 + x.astype(np.float64) @ w.T + bias) < 1e-5
 
 
 def test_rmsnorm_f16_copy_and_attention_f16_copy(k, rng):

@@ -34,7 +34,9 @@ def ref_topk(logits, used, renorm):
 
 @pytest.mark.parametrize("n_expert,used", [(8, 2), (60, 4), (128, 8), (256, 8), (32, 32)])
 @pytest.mark.parametrize("renorm", [True, False])
-def test_topk(k, rng, n_expert, used, renorm):
+@pytest.mark.parametrize("biased", [False, True])
+def test_topk(k, rng, n_expert, used, renorm, biased):
+    """biased: gpt-oss's router bias, added to every row's logits inside the kernel."""
     rows = 37
     logits = (3 * rng.standard_normal((rows, n_expert))).astype(np.float32)
     logits[1] = 0.5  # every expert tied: the lowest ids, in order
@@ -45,8 +47,11 @@ def test_topk(k, rng, n_expert, used, renorm):
     dev[:, :n_expert] = cp.asarray(logits)
     ids = cp.full((rows + 1, used), -7, cp.int32)
     w = cp.full((rows + 1, used), POISON, cp.float32)
-    LE.topk(k, dev.data.ptr, ld, n_expert, used, renorm, rows, ids.data.ptr, w.data.ptr)
-    want_ids, want_w = ref_topk(logits, used, renorm)
+    bias = (2 * rng.standard_normal(n_expert)).astype(np.float32) if biased else None
+    bias_dev = cp.asarray(bias) if biased else None
+    LE.topk(k, dev.data.ptr, ld, n_expert, used, renorm, rows, ids.data.ptr, w.data.ptr,
+            bias=bias_dev.data.ptr if biased else 0)
+    want_ids, want_w = ref_topk(logits + bias if biased else logits, used, renorm)
     np.testing.assert_array_equal(ids.get()[:rows], want_ids)
     assert rel(w.get()[:rows], want_w) < 1e-6
     assert (ids.get()[rows] == -7).all() and np.isnan(w.get()[rows]).all(), "wrote past the rows"

@@ -177,10 +177,10 @@ def test_mmv_q8_every_type(k, name, b, rest, rng):
     assert rel(got[:, :rows], xq @ w.T + bias) < 1e-5
     assert rel(got[:, :rows], x.astype(np.float64) @ w.T + bias) < (1e-4 if rest else 2e-2)  # int8: ~3e-3
     assert np.isnan(got[:, rows:]).all(), "wrote past the rows"
-    y0 = rng.standard_normal((b, rows)).astype(np.float32)  # residual mode
+    y0 = rng.standard_normal((b, rows)).astype(np.float32)  # residual mode, with the bias
     yd = cp.asarray(y0)
-    L.mmv(k, [m], [(yd.data.ptr, rows)], [None], 0, cols, b, 1, q8=buf.vec)
-    assert rel(yd.get(), y0 + xq @ w.T) < 1e-5
+    L.mmv(k, [m], [(yd.data.ptr, rows)], [bd.data.ptr], 0, cols, b, 1, q8=buf.vec)
+    assert rel(yd.get(), y0 + xq @ w.T + bias) < 1e-5
 
 
 @REST
@@ -218,8 +218,8 @@ def test_mmv_glu_q8(k, name, b, rest, rng):
 @pytest.mark.parametrize("b,config", [(1, None), (3, None), (8, None), (1, (1, 2)), (2, (2, 2)), (1, (4, 2)),
                                       (2, (8, 1))])
 def test_residual_q8_epilogue_then_normed_consumer(k, name, b, config, rest, rng):
-    """y += W a with the q8 epilogue writes y * w's int8 copy and y's squares; a matvec fed that
-    copy with norm_eps computes V rmsnorm(y) w, as rmsnorm then a q8 matvec would."""
+    """y += W a (+ a bias at odd b) with the q8 epilogue writes y * w's int8 copy and y's squares; a
+    matvec fed that copy with norm_eps computes V rmsnorm(y) w, as rmsnorm then a q8 matvec would."""
     keep = []
     rows = 256 if FORMATS[BY_NAME[name]].block_elems == 256 else 96  # whole 16-row blocks; the consumer's K
     cols = cols_for(name)
@@ -230,12 +230,14 @@ def test_residual_q8_epilogue_then_normed_consumer(k, name, b, config, rest, rng
     y0 = (rng.standard_normal((b, rows)) * size).astype(np.float32)
     nw = (1 + 0.3 * rng.standard_normal(rows)).astype(np.float32)
     yd, nwd = cp.asarray(y0), cp.asarray(nw)
+    bias = (rng.standard_normal(rows) * size[-1]).astype(np.float32) if b % 2 else np.zeros(rows, np.float32)
+    bd = cp.asarray(bias)
     out = Q8Buf(b, rows, rest)
-    L.mmv(k, [m], [(yd.data.ptr, rows)], [None], 0, cols, b, 1, q8=abuf.vec, q8_out=(out.vec, nwd.data.ptr),
-          config=config)
+    L.mmv(k, [m], [(yd.data.ptr, rows)], [bd.data.ptr if b % 2 else None], 0, cols, b, 1, q8=abuf.vec,
+          q8_out=(out.vec, nwd.data.ptr), config=config)
     y1 = yd.get()
     for r in range(b):
-        assert rel(y1[r], y0[r] + aq[r] @ w.T) < 1e-5, r
+        assert rel(y1[r], y0[r] + aq[r] @ w.T + bias) < 1e-5, r
     check_q8(out, y1 * nw, ssq_of=y1)  # the kernel's own y times w, in f32: bit for bit
     assert out.untouched()
     # the consumer: V (rows2 x rows) applied to the epilogue's copy with the norm

@@ -30,14 +30,15 @@ def _io(q8: Q8Vec | None) -> int:
 
 
 def topk(k: Kernels, logits: int, ld: int, n_expert: int, used: int, renorm: bool, rows: int, ids: int,
-         w: int) -> None:
+         w: int, bias: int = 0) -> None:
     """ids[t, :used], w[t, :used] = the used most probable experts of token t and their router
-    probabilities (renormalized over them with ``renorm``)."""
+    probabilities (renormalized over them with ``renorm``); bias: n_expert f32 added to every
+    token's logits first (gpt-oss's router bias), or 0."""
     assert 1 <= used <= min(n_expert, MAX_USED) and n_expert <= MAX_EXPERTS
     per_block = 4
     k.fn("moe.cu", "moe_topk")((-(-rows // per_block),), (32 * per_block,),
-                               (ptr(logits), i32(ld), i32(n_expert), i32(used), i32(renorm), i32(rows), ptr(ids),
-                                ptr(w)))
+                               (ptr(logits), i32(ld), ptr(bias), i32(n_expert), i32(used), i32(renorm), i32(rows),
+                                ptr(ids), ptr(w)))
 
 
 def mv(k: Kernels, m: Mat, n: int, ids: int | None, used: int, x: int, ldx: int, slots: int, y: int, ldy: int,

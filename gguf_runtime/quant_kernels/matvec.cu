@@ -86,7 +86,7 @@ __host__ __device__ constexpr int min_blocks() {
     return (IO & 4) ? (block_warps<R, WG, IO>() >= 16 ? 2 : (R <= 2 ? 6 : 0)) : 0;
 }
 
-// MODE 0: y = W x (+ bias)   MODE 1: y += W x (the residual add)
+// MODE 0: y = W x (+ bias)   MODE 1: y += W x (+ bias) (the residual add; gpt-oss's O bias)
 // IO bit 0: the activations are int8 (XQ), else f32 x (RMSNorm fused when nw is non-null);
 // IO bit 1: a q8 epilogue also writes the int8 copy of the outputs (QOut; 16 rows per block);
 // IO bit 3: the int8 activations come with their rests (q8_res: XQ's res, a second dp4a chain);
@@ -110,7 +110,7 @@ DEV void mmv_segment(const Mat& mat, int n, int row0, const XIn& xi, int K, floa
 #pragma unroll
                 for (int b = 0; b < B; ++b) {
                     float* out = y + (long)b * ldy + row0 + r;
-                    const float v = *out + acc[r][b];
+                    const float v = *out + (bias ? acc[r][b] + bias[row0 + r] : acc[r][b]);
                     *out = v;
                     tile[b][row0 % 16 + r] = v;
                 }
@@ -137,7 +137,7 @@ DEV void mmv_segment(const Mat& mat, int n, int row0, const XIn& xi, int K, floa
 #pragma unroll
         for (int b = 0; b < B; ++b) {
             float* out = y + (long)b * ldy + row0 + r;
-            if (MODE == 1) *out += acc[r][b];
+            if (MODE == 1) *out += bias ? acc[r][b] + bv : acc[r][b];
             else *out = acc[r][b] + bv;
         }
     }

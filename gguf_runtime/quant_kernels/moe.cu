@@ -18,17 +18,17 @@ constexpr int MOE_MAX_EXPERTS = 256;  // 8 router probabilities a lane
 constexpr int MOE_WARPS = 4;          // warps a block of the product kernels
 
 // ids[j], w[j] (j < k, by rank) = the k most probable experts of one token (ties: the lower id) and
-// their probabilities, softmax over logits[:E] in f32, renormalized over the k where norm: one warp
-// (lane), the logits read through L2 (another block of the launch may have written them). An id is
-// always within [0, E), whatever the logits hold.
-DEV void topk_warp(const float* logits, int E, int k, int norm, int* __restrict__ ids, float* __restrict__ w,
-                   int lane) {
+// their probabilities, softmax over logits[:E] (+ bias[:E], gpt-oss's router bias, where non-null) in
+// f32, renormalized over the k where norm: one warp (lane), the logits read through L2 (another block
+// of the launch may have written them). An id is always within [0, E), whatever the logits hold.
+DEV void topk_warp(const float* logits, const float* __restrict__ bias, int E, int k, int norm,
+                   int* __restrict__ ids, float* __restrict__ w, int lane) {
     constexpr int PER = MOE_MAX_EXPERTS / 32;
     float p[PER], mx = -INFINITY;
 #pragma unroll
     for (int i = 0; i < PER; ++i) {
         const int e = lane + 32 * i;
-        p[i] = e < E ? __ldcg(logits + e) : -INFINITY;
+        p[i] = e < E ? __ldcg(logits + e) + (bias ? bias[e] : 0.f) : -INFINITY;
         mx = fmaxf(mx, p[i]);
     }
 #pragma unroll
@@ -69,13 +69,13 @@ DEV void topk_warp(const float* logits, int E, int k, int norm, int* __restrict_
     }
 }
 
-// ids[t, :k], w[t, :k] = topk_warp of logits[t, :E]: one warp a token.
-extern "C" __global__ void moe_topk(const float* __restrict__ logits, int ld, int E, int k, int norm, int rows,
-                         int* __restrict__ ids, float* __restrict__ w) {
+// ids[t, :k], w[t, :k] = topk_warp of logits[t, :E] (+ bias, or null): one warp a token.
+extern "C" __global__ void moe_topk(const float* __restrict__ logits, int ld, const float* __restrict__ bias,
+                         int E, int k, int norm, int rows, int* __restrict__ ids, float* __restrict__ w) {
     const int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     pdl_enter();
     if (t >= rows) return;
-    topk_warp(logits + (long)t * ld, E, k, norm, ids + (long)t * k, w + (long)t * k, lane);
+    topk_warp(logits + (long)t * ld, bias, E, k, norm, ids + (long)t * k, w + (long)t * k, lane);
 }
 
 // y[s, :n] = W_e x'[s / k] for every slot s < gridDim.y: e = ids[s], or with ids null W itself (the
@@ -148,7 +148,7 @@ __global__ void __launch_bounds__(32 * MOE_WARPS) moe_router_topk(PLANES(0), int
     __syncthreads();
     if (!s_last || threadIdx.x >= 32) return;
     __threadfence();
-    topk_warp(y + (long)t * ldy, n, k, norm, ids + (long)t * k, w + (long)t * k, threadIdx.x);
+    topk_warp(y + (long)t * ldy, nullptr, n, k, norm, ids + (long)t * k, w + (long)t * k, threadIdx.x);
     if (threadIdx.x == 0) counters[t] = 0;
 }
 

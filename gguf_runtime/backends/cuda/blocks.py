@@ -348,12 +348,14 @@ class CudaBlocks:
     def _project_residual(self, a: cp.ndarray, name: str, x: cp.ndarray, post_norm: str | None,
                           a16: cp.ndarray | None = None, a_q8: L.Q8Vec | None = None,
                           then: tuple[str, list[L.Mat]] | None = None, defer_reduce: bool = False,
-                          norm_next: bool = False) -> cp.ndarray:
+                          norm_next: bool = False, bias: int = 0) -> cp.ndarray:
         """x += post_norm(W a) (no norm: straight into x). a16: a's f16 copy (over MAX_MMV_TOKENS
         rows); a_q8: a's int8 copy when already written; then = (the next RMSNorm, the matrices it
         feeds): on the int8 path the epilogue also writes x * its weight into q8_norm. norm_next:
-        the next block's _normed reads x next (a split model may leave the sum to that norm)."""
+        the next block's _normed reads x next (a split model may leave the sum to that norm).
+        bias: W's bias (f32 rows), added by the matvec (within MAX_MMV_TOKENS rows only)."""
         t = a.shape[0]
+        assert not bias or (self._small(t) and not post_norm)
         target = self.ws.o[:t] if post_norm else x
         self._q8_ready = None
         # a split model: rank 0's product adds the residual, the others' overwrite x, and the
@@ -372,7 +374,7 @@ class CudaBlocks:
                 if nq8 is not None:
                     out = (nq8, self.w.vec(then[0]).data.ptr)
                     self._q8_ready = (then[0], t)
-            L.mmv(self.k, [w], [(target.data.ptr, target.strides[0] // 4)], [None], a.data.ptr,
+            L.mmv(self.k, [w], [(target.data.ptr, target.strides[0] // 4)], [bias or None], a.data.ptr,
                   a.strides[0] // 4, t, beta, q8=q8, q8_out=out,
                   config=self.tune.mmv_override(role, FORMATS[w.type_id].name),
                   kstage=role.lower() in self.tune.kstage)
@@ -401,13 +403,17 @@ class CudaBlocks:
         then = self._moe_then(p) if self.cfg.n_expert else (
             p + self.cfg.ffn_norm + ".weight", [self.w.mat(p + "ffn_gate.weight"), self.w.mat(p + "ffn_up.weight")])
         a_q8, self._att_q8 = self._att_q8, None  # attend's int8 copy of a (this layer's, just written)
-        if self.cfg.o_bias:  # (gpt-oss) added after the product: no epilogue writes the next norm's input
+        # (gpt-oss) O's bias: in the matvec's epilogue on one GPU, else added after the product
+        in_mv = self.cfg.o_bias and self.comm is None and self._small(a.shape[0])
+        after = self.cfg.o_bias and not in_mv
+        if after:  # no epilogue writes the next norm's input
             then = None
         x = self._project_residual(a, p + "attn_output.weight", x,
                                    p + "post_attention_norm.weight" if self.cfg.post_norms else None,
                                    a16=None if self._small(a.shape[0]) else self.ws.x16, a_q8=a_q8, then=then,
-                                   defer_reduce=self.cfg.o_bias, norm_next=not self.cfg.n_expert)
-        if self.cfg.o_bias:  # (split: rank 0's bias, the others' zeros, then the sum)
+                                   defer_reduce=after, norm_next=not self.cfg.n_expert,
+                                   bias=self.w.vec(p + "attn_output.bias").data.ptr if in_mv else 0)
+        if after:  # (split: rank 0's bias, the others' zeros, then the sum)
             LL.add_bias(self.k, x.data.ptr, x.strides[0] // 4, self.w.vec(p + "attn_output.bias").data.ptr,
                         self.cfg.n_embd, a.shape[0])
             if self.comm is not None:
@@ -519,10 +525,9 @@ class CudaBlocks:
                            cfg.expert_norm, ids, w, ws.moe_count.data.ptr, norm=rnorm)
         else:
             LE.router(self.k, router, src.data.ptr, lds, t, logits.data.ptr, logits.strides[0] // 4, norm=rnorm)
-            if cfg.expert_bias:
-                LL.add_bias(self.k, logits.data.ptr, logits.strides[0] // 4,
-                            self.w.vec(p + "ffn_gate_inp.bias").data.ptr, cfg.n_expert, t)
-            LE.topk(self.k, logits.data.ptr, logits.strides[0] // 4, cfg.n_expert, used, cfg.expert_norm, t, ids, w)
+            bias = self.w.vec(p + "ffn_gate_inp.bias").data.ptr if cfg.expert_bias else 0  # (added by topk)
+            LE.topk(self.k, logits.data.ptr, logits.strides[0] // 4, cfg.n_expert, used, cfg.expert_norm, t, ids, w,
+                    bias=bias)
         if self.comm is not None and not self.lead:  # (h and the experts are chosen: only this rank's parts add)
             cp.cuda.runtime.memsetAsync(x.data.ptr, 0, t * x.strides[0], cp.cuda.get_current_stream().ptr)
         if cfg.expert_bias:

@@ -59,8 +59,8 @@ class Tuning:
     # (launchers.token_groups: faster steps of 4 and 8 rows on both small models, bench/RESULTS.md)
     mmv_grid_tokens: int = 0  # measuring: token grids of blocks of this many tokens wherever it divides the count
     # -- mixtures of experts
-    moe_norm_epilogue: bool = False  # MoE decode: O's epilogue writes the experts' int8 input (no FFN norm kernel); off until measured
-    moe_router_topk: bool = False  # steps of up to 8 rows: the router and its top-k in one launch (moe.cu); off until measured
+    moe_norm_epilogue: bool = False  # MoE decode: O's epilogue writes the experts' int8 input (no FFN norm kernel); off: measured (RESULTS 195)
+    moe_router_topk: bool = False  # steps of up to 8 rows: the router and its top-k in one launch (moe.cu); off: measured (RESULTS 195)
     moe_mma_slots: int = 0  # slots a tensor-core tile of one expert (8..64); 0: launch_moe.mma_tile_slots's rule
     moe_down_q8: bool = True  # the down matvec's input (the GLU's outputs) as int8 on the matvec path (row 111)
     moe_rows: tuple[int, int] = (8, 4)  # the matvec path's rows a warp: GLU (gate and up, even; 8: 16 a block,
