@@ -239,9 +239,11 @@ class Sampler:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="the GGUF whose tokenizer and template serve (default: the default model)")
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--requests", type=int, default=4, help="per client")
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--procs", type=int, default=1, help="the load's client processes (serve_load.py --procs)")
     ap.add_argument("--step-ms", default="0.40,0.0216", help="a decode step of bucket B takes a + b * B ms")
     ap.add_argument("--prefill", default="0.0005,110000", help="a prompt forward: seconds + tokens / rate")
     ap.add_argument("--ctx", type=int, default=2048)
@@ -260,7 +262,7 @@ def main() -> int:
 
     step = tuple(float(x) for x in a.step_ms.split(","))
     prefill = tuple(float(x) for x in a.prefill.split(","))
-    eng = Engine(default_model_path(), backend="numpy", n_ctx=a.ctx)
+    eng = Engine(a.model or default_model_path(), backend="numpy", n_ctx=a.ctx)
     eos = set(eng.tokenizer.eog_ids)
     text = [t for t in eng.tokenizer.encode(TEXT, add_special=False) if t not in eos]
     max_batch = 1 << (a.clients - 1).bit_length()
@@ -296,7 +298,7 @@ def main() -> int:
     busy0, t0, cpu0 = be.dev.busy, time.perf_counter(), thread_cpu()
     load = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "serve_load.py"), "bench",
                            "--url", url, "--clients", str(a.clients), "--requests", str(a.requests),
-                           "--tokens", str(a.tokens)], capture_output=True, text=True)
+                           "--tokens", str(a.tokens), "--procs", str(a.procs)], capture_output=True, text=True)
     wall = time.perf_counter() - t0
     cpu = thread_cpu()
     ru = resource.getrusage(resource.RUSAGE_CHILDREN)
