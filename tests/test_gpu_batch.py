@@ -372,3 +372,46 @@ def test_packed_forward_graph_replays_equal_eager_runs(backend):
         np.testing.assert_array_equal(lg, le)
         assert tg == te
     assert be.kv.free_pages() == free
+
+
+def test_packed_sizes_captured_ahead_equal_eager_runs(backend):
+    """capture_packed (serve_capture_packed at a server's start): every padded size up to its rows
+    captured from padding-only runs, which write no cache and leave every slot's length; a packed
+    forward of one of those sizes then replays the graph at once, its logits bitwise the eager
+    forward's of the same prompts."""
+    be = backend
+    if not (be.use_graph and be.pack_graph):
+        pytest.skip("packed forwards are not graphed here")
+    q = be.tune.prefill_quantum
+    rng = np.random.default_rng(34)
+    ps = [rng.integers(10, 30000, n).tolist() for n in (21, 40)]
+    rows = -(-(be.part_rows(21) + be.part_rows(40)) // q) * q
+    keys = [("packed", r) for r in range(q, rows + q, q)]
+    for key in keys:
+        be._prefill_runs.pop(key, None)
+        be.graphs.graphs.pop(key, None)
+    free, lens = be.kv.free_pages(), list(be.slot_len)
+
+    def run(graph):
+        be.pack_graph = graph
+        try:
+            for slot, p in zip((40, 41), ps):
+                be.seq_start(slot, p, GREEDY, 4)
+            be.seq_prefill_many([(s, p, (p, GREEDY, 0, False)) for s, p in zip((40, 41), ps)])
+            out = cp.asnumpy(be.last_logits[:2], stream=be.stream)
+            be.stream.synchronize()
+            return out, [be.seq_token(s, 0) for s in (40, 41)]
+        finally:
+            for s in (40, 41):
+                be.seq_release(s)
+            be.pack_graph = True
+
+    eager = run(False)
+    assert be.capture_packed(rows) == len(keys)
+    assert all(be.graphs.has(key) for key in keys)
+    assert be.kv.free_pages() == free and list(be.slot_len) == lens, "the padding runs wrote a sequence"
+    launches = be.graphs.launches
+    graphed = run(True)
+    assert be.graphs.launches == launches + 1, "the captured size was not replayed at its first forward"
+    np.testing.assert_array_equal(graphed[0], eager[0])
+    assert graphed[1] == eager[1]

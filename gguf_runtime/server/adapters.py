@@ -209,6 +209,9 @@ class CudaAdapter:
                                 gate=self._may_launch)
         if capture and getattr(be, "use_graph", False) and hasattr(be, "capture_buckets"):
             be.capture_buckets(progress=progress)  # before serving: no capture pause mid-stream
+            rows = getattr(getattr(be, "tune", None), "serve_capture_packed", 0)
+            if self.pack and rows and hasattr(be, "capture_packed"):  # (waves of prompts: their sizes too)
+                be.capture_packed(rows)
             if self.spec is not None and hasattr(be, "capture_verify"):
                 be.capture_verify()  # (slot 0 holds no pages yet: its cache writes are skipped)
 

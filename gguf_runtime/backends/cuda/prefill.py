@@ -143,6 +143,30 @@ class PrefillMixin:
         else:
             run()
 
+    def capture_packed(self, max_rows: int) -> int:
+        """The packed-prompt graphs (_forward_parts) of every padded size up to ``max_rows`` captured
+        now, each after its eager warm-up run, so that a server's waves of prompts do not pay for a
+        new size's eager run and capture mid-serving. The runs are padding alone (sequence -1, as
+        the rows past a real forward's last part): no cache writes, no slot's length. Returns the
+        sizes captured (0 where packed forwards are not graphed)."""
+        if not (self.use_graph and self.pack_graph and self.part_align()):
+            return 0
+        q, top = self.tune.prefill_quantum, min(max_rows, self.ws.max_rows)
+        sizes = sorted({min(r, self.ws.max_rows) for r in range(q, top + q, q)})
+        self._pack_last.set(np.zeros(PACK_HEAD, np.int32), stream=self.stream)
+        done = 0
+        for rows in sizes:
+            key = ("packed", rows)
+            while self.pack_graph and not self.graphs.has(key):  # (eager, then captured)
+                host = self._ids_host()
+                host[0, :rows], host[1, :rows], host[2, :rows] = 0, 0, -1
+                with self.stream:
+                    self._upload_ids(rows)
+                    self._run_graphed(key, lambda r=rows: self._packed_rows(r), rows, True, "pack_graph",
+                                      "packed prompts")
+            done += self.graphs.has(key)
+        return done
+
     def capture_verify(self, slot: int = 0) -> None:
         """Every verification step's graph (1 .. verify_rows rows) captured now, each after its
         eager warm-up run, so that speculation's first steps of each size do not pay for them
