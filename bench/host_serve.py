@@ -244,6 +244,7 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=4, help="per client")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--procs", type=int, default=1, help="the load's client processes (serve_load.py --procs)")
+    ap.add_argument("--keep-alive", action="store_true", help="the load's clients keep their connections")
     ap.add_argument("--step-ms", default="0.40,0.0216", help="a decode step of bucket B takes a + b * B ms")
     ap.add_argument("--prefill", default="0.0005,110000", help="a prompt forward: seconds + tokens / rate")
     ap.add_argument("--ctx", type=int, default=2048)
@@ -298,7 +299,8 @@ def main() -> int:
     busy0, t0, cpu0 = be.dev.busy, time.perf_counter(), thread_cpu()
     load = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "serve_load.py"), "bench",
                            "--url", url, "--clients", str(a.clients), "--requests", str(a.requests),
-                           "--tokens", str(a.tokens), "--procs", str(a.procs)], capture_output=True, text=True)
+                           "--tokens", str(a.tokens), "--procs", str(a.procs)] + (["--keep-alive"] if a.keep_alive else []),
+                          capture_output=True, text=True)
     wall = time.perf_counter() - t0
     cpu = thread_cpu()
     ru = resource.getrusage(resource.RUSAGE_CHILDREN)

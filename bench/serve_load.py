@@ -93,11 +93,16 @@ def body_for(kind: str, model: str, text: str, n: int, stream: bool, seed: int) 
 
 
 def request(base: str, path: str, body: dict | bytes, timeout: float = 600, method: str = "POST",
-            drop_after_first: bool = False) -> tuple[int, Res, object]:
-    """One request; streamed bodies are read chunk by chunk. (status, timings, JSON body or None)."""
+            drop_after_first: bool = False, keep: dict | None = None) -> tuple[int, Res, object]:
+    """One request; streamed bodies are read chunk by chunk. (status, timings, JSON body or None).
+    keep: a client's connection kept alive between its requests (keep["conn"]; as HTTP clients'
+    pools do), else a new connection for this request alone."""
     u = urlsplit(base)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
     res = Res(t0=time.perf_counter())
+    conn = keep.get("conn") if keep is not None else None
+    if conn is None:
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+    reuse = False
     try:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         conn.request(method, path, data if method == "POST" else None, {"Content-Type": "application/json"})
@@ -106,6 +111,7 @@ def request(base: str, path: str, body: dict | bytes, timeout: float = 600, meth
         if "ndjson" not in ctype and "event-stream" not in ctype:
             raw = r.read()
             res.t_end = time.perf_counter()
+            reuse = keep is not None
             try:
                 obj = json.loads(raw)
             except ValueError:
@@ -141,12 +147,20 @@ def request(base: str, path: str, body: dict | bytes, timeout: float = 600, meth
                 if drop_after_first:
                     break
         res.t_end = time.perf_counter()
+        if keep is not None and not drop_after_first:
+            r.read()  # (the stream's end: the connection serves the next request)
+            reuse = True
         return r.status, res, None
     except (OSError, http.client.HTTPException, ValueError) as e:
         res.ok, res.error, res.t_end = False, f"{type(e).__name__}: {e}"[:200], time.perf_counter()
         return 0, res, None
     finally:
-        conn.close()
+        if reuse:
+            keep["conn"] = conn
+        else:
+            conn.close()
+            if keep is not None:
+                keep.pop("conn", None)
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -376,7 +390,7 @@ def bench(url: str, model: str, a) -> list[str]:
     for c in a.clients:
         def client(i: int) -> list[Res]:
             r = random.Random(c * 1000 + i)
-            out = []
+            out, keep = [], ({} if a.keep_alive else None)
             for _ in range(a.requests):
                 path, body = body_for("chat" if text else "generate", model, text or prompt(r, a.prompt_words),
                                       a.tokens, True, r.randrange(1 << 31))
@@ -387,9 +401,11 @@ def bench(url: str, model: str, a) -> list[str]:
                     body["format"] = SCHEMA
                 if a.logprobs >= 0:
                     body.update(logprobs=True, top_logprobs=a.logprobs)
-                st, res, _ = request(url, path, body)
+                st, res, _ = request(url, path, body, keep=keep)
                 res.ok = res.ok and st == 200
                 out.append(res)
+            if keep and keep.get("conn"):
+                keep["conn"].close()
             return out
 
         per, wall = concurrent(client, c, a.procs)
@@ -530,6 +546,8 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=4, help="bench: requests per client per level")
     ap.add_argument("--prompt-words", type=int, default=32, help="bench: prompt length in words")
     ap.add_argument("--procs", type=int, default=1, help="bench: client processes the clients are dealt over")
+    ap.add_argument("--keep-alive", action="store_true", help="bench: each client keeps its connection between "
+                    "requests (as HTTP client libraries' pools do)")
     ap.add_argument("--prompt-file", help="bench: every request sends this text as a chat message instead")
     ap.add_argument("--greedy", action="store_true", help="bench: temperature 0, no repeat penalty (the requests "
                     "`serve --spec ngram` speculates)")
