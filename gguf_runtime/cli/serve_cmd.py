@@ -150,6 +150,8 @@ def serve(
 
     config = uvicorn.Config(build_app(svc, check_host=is_loopback(host), allow_origins=tuple(allow_origin or ())),
                             log_level=log_level, timeout_graceful_shutdown=3,
+                            lifespan="off",  # (the app has no startup or shutdown hooks; a second Ctrl-C
+                            # cancelling the lifespan task made starlette log a traceback)
                             access_log=log_level in ("info", "debug"))
     a = svc.scheduler.adapter
     bound = sock.getsockname()
