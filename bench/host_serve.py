@@ -8,7 +8,8 @@ the time the H100 measured (a decode step of bucket B: a + b * B ms, by default 
 B=1 and 1.78 ms at B=64, anchors.md; a packed prompt forward: 0.5 ms + its tokens at 110k tok/s), events complete at
 their point of that timeline, and a wait for one sleeps (the GIL is free meanwhile, as in a CUDA
 event wait). Tokens are a real text's, through the real tokenizer and template (the default model's),
-so detokenizing, stop strings, formats and HTTP cost what they cost.
+so detokenizing, stop strings, formats and HTTP cost what they cost. ``--real`` (a GPU machine)
+serves the CUDA backend itself with the same accounting: the real server's host threads measured.
 
 The load is `bench/serve_load.py bench` in another process. What it prints: tok/s beside the
 stand-in's own B = clients rate (the ceiling), the share of wall time the "device" was busy, and
@@ -245,6 +246,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--procs", type=int, default=1, help="the load's client processes (serve_load.py --procs)")
     ap.add_argument("--keep-alive", action="store_true", help="the load's clients keep their connections")
+    ap.add_argument("--real", action="store_true", help="the CUDA backend itself instead of the stand-in (a GPU "
+                    "machine): the same CPU accounting and --profile for the real server")
     ap.add_argument("--step-ms", default="0.40,0.0216", help="a decode step of bucket B takes a + b * B ms")
     ap.add_argument("--prefill", default="0.0005,110000", help="a prompt forward: seconds + tokens / rate")
     ap.add_argument("--ctx", type=int, default=2048)
@@ -263,14 +266,18 @@ def main() -> int:
 
     step = tuple(float(x) for x in a.step_ms.split(","))
     prefill = tuple(float(x) for x in a.prefill.split(","))
-    eng = Engine(a.model or default_model_path(), backend="numpy", n_ctx=a.ctx)
-    eos = set(eng.tokenizer.eog_ids)
-    text = [t for t in eng.tokenizer.encode(TEXT, add_special=False) if t not in eos]
     max_batch = 1 << (a.clients - 1).bit_length()
-    fc = a.first_cost.split(",") if a.first_cost else ["0", "0"]
-    be = TimedBackend(text, a.ctx, max(max_batch, 1), step, prefill, (fc[0] == "1", float(fc[1])))
-    be.forward_host = a.forward_host
-    eng.backend = be
+    if a.real:
+        eng = Engine(a.model or default_model_path(), backend="cuda", n_ctx=a.ctx, max_batch=max(max_batch, 1))
+        be = None
+    else:
+        eng = Engine(a.model or default_model_path(), backend="numpy", n_ctx=a.ctx)
+        eos = set(eng.tokenizer.eog_ids)
+        text = [t for t in eng.tokenizer.encode(TEXT, add_special=False) if t not in eos]
+        fc = a.first_cost.split(",") if a.first_cost else ["0", "0"]
+        be = TimedBackend(text, a.ctx, max(max_batch, 1), step, prefill, (fc[0] == "1", float(fc[1])))
+        be.forward_host = a.forward_host
+        eng.backend = be
     svc = Service(lambda: make_adapter(eng, depth=a.depth), name="host").start()
     if a.stream_interval is not None:
         svc.stream_interval = a.stream_interval
@@ -296,7 +303,7 @@ def main() -> int:
     if prof:
         prof.th.start()
     import resource
-    busy0, t0, cpu0 = be.dev.busy, time.perf_counter(), thread_cpu()
+    busy0, t0, cpu0 = be.dev.busy if be else 0.0, time.perf_counter(), thread_cpu()
     load = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "serve_load.py"), "bench",
                            "--url", url, "--clients", str(a.clients), "--requests", str(a.requests),
                            "--tokens", str(a.tokens), "--procs", str(a.procs)] + (["--keep-alive"] if a.keep_alive else []),
@@ -310,10 +317,11 @@ def main() -> int:
     th.join(10)
     svc.shutdown()
     print(load.stdout[-3000:], load.stderr[-2000:])
-    ceiling = a.clients / ((step[0] + step[1] * max_batch) / 1e3)
-    print(f"{be.forwards:,} prompt forwards, {be.steps:,} decode steps")
-    print(f"stand-in B={a.clients} step {step[0] + step[1] * max_batch:.3f} ms: ceiling {ceiling:,.0f} tok/s; "
-          f"device busy {100 * (be.dev.busy - busy0) / wall:.1f}% of {wall:.1f} s (warm-up included)")
+    if be is not None:
+        ceiling = a.clients / ((step[0] + step[1] * max_batch) / 1e3)
+        print(f"{be.forwards:,} prompt forwards, {be.steps:,} decode steps")
+        print(f"stand-in B={a.clients} step {step[0] + step[1] * max_batch:.3f} ms: ceiling {ceiling:,.0f} tok/s; "
+              f"device busy {100 * (be.dev.busy - busy0) / wall:.1f}% of {wall:.1f} s (warm-up included)")
     n_tok = a.clients * a.requests * a.tokens
     print(f"the load's process: {ru.ru_utime + ru.ru_stime:.2f} s of CPU in {wall:.2f} s (its own start and "
           "warm-up included)")
