@@ -404,18 +404,17 @@ class CudaBlocks:
             p + self.cfg.ffn_norm + ".weight", [self.w.mat(p + "ffn_gate.weight"), self.w.mat(p + "ffn_up.weight")])
         a_q8, self._att_q8 = self._att_q8, None  # attend's int8 copy of a (this layer's, just written)
         # (gpt-oss) O's bias: in the matvec's epilogue on one GPU, else added after the product
-        in_mv = self.cfg.o_bias and self.comm is None and self._small(a.shape[0])
-        after = self.cfg.o_bias and not in_mv
+        bias = self.w.vec(p + "attn_output.bias").data.ptr if self.cfg.o_bias else 0
+        in_mv = bool(bias) and self.comm is None and self._small(a.shape[0])
+        after = bool(bias) and not in_mv
         if after:  # no epilogue writes the next norm's input
             then = None
         x = self._project_residual(a, p + "attn_output.weight", x,
                                    p + "post_attention_norm.weight" if self.cfg.post_norms else None,
                                    a16=None if self._small(a.shape[0]) else self.ws.x16, a_q8=a_q8, then=then,
-                                   defer_reduce=after, norm_next=not self.cfg.n_expert,
-                                   bias=self.w.vec(p + "attn_output.bias").data.ptr if in_mv else 0)
+                                   defer_reduce=after, norm_next=not self.cfg.n_expert, bias=bias if in_mv else 0)
         if after:  # (split: rank 0's bias, the others' zeros, then the sum)
-            LL.add_bias(self.k, x.data.ptr, x.strides[0] // 4, self.w.vec(p + "attn_output.bias").data.ptr,
-                        self.cfg.n_embd, a.shape[0])
+            LL.add_bias(self.k, x.data.ptr, x.strides[0] // 4, bias, self.cfg.n_embd, a.shape[0])
             if self.comm is not None:
                 self.comm.all_reduce(x)
         return x
