@@ -102,8 +102,8 @@ class Tuning:
     # the documents' TTFT (bench/RESULTS.md row 130)
     serve_pack: bool = True  # prompts admitted in one step evaluated in shared forwards (seq_prefill_many); off: one by one
     serve_pack_rows: int = 16  # ... their flash blocks' query rows, so parts pad to this (0: flash_config's 32-64)
-    serve_capture_packed: int = 0  # ... and their graphs up to this many rows captured at serve start (0: each
-    # size's on its second run, mid-serving); off until measured
+    serve_capture_packed: int = 4096  # ... and their graphs up to this many rows (capped by the workspace)
+    # captured at serve start (0: each size's on its second run, mid-serving, while the streams wait; row 202)
     serve_spec_seqs: int = 2  # serve --spec ngram verifies proposals while at most this many sequences decode
     # (more: plain batch steps; with 4 sequences speculation lost to them, with 2 it was level)
     # -- tensor parallelism
