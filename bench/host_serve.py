@@ -1,6 +1,6 @@
 """The server's host path alone: `serve` with the CUDA adapter over a timed stand-in of the GPU.
 
-    python bench/host_serve.py [--clients 64] [--tokens 128] [--step-ms 0.45,0.0208] [--profile]
+    python bench/host_serve.py [--clients 64] [--tokens 128] [--step-ms 0.45,0.0208] [--profile] [--trace]
 
 The stand-in (``TimedBackend``) has the CUDA backend's batch API (seq_start, seq_prefill_many,
 batch_step, the pinned ring, events) and a device timeline instead of a GPU: each launch takes
@@ -13,7 +13,8 @@ serves the CUDA backend itself with the same accounting: the real server's host 
 
 The load is `bench/serve_load.py bench` in another process. What it prints: tok/s beside the
 stand-in's own B = clients rate (the ceiling), the share of wall time the "device" was busy, and
-(--profile) where the scheduler thread and the event loop spend their time. Runs on any machine:
+(--profile) where the scheduler thread and the event loop spend their time, (--trace) where each
+request's cycle goes between its client and a slot's decoding. Runs on any machine:
 the host's work is Python, the same on the GPU machine's CPUs (there faster per core)."""
 
 from __future__ import annotations
@@ -238,6 +239,46 @@ class Sampler:
         return "\n".join(out)
 
 
+def cycle_report(trace_file: str, jobs: list[tuple]) -> str:
+    """Where each request's cycle goes (ms; means, p50, p90), the client's times (serve_load --trace)
+    joined by seed with the server's: sent -> submitted (HTTP, parsing, the prompt's tokens) ->
+    admitted -> first token read -> delivered; decoding; last token read -> delivered; then the
+    client's turn to its next request. A slot idles from one request's end to the next one's first
+    token (its client's delivery, turn, HTTP, wait and prompt): the share printed last."""
+    import json
+
+    import numpy as np
+
+    tr = json.load(open(trace_file))
+    srv = {j[0]: j[1:] for j in jobs}
+    parts: dict[str, list[float]] = collections.defaultdict(list)
+    by_client: dict[tuple, list] = collections.defaultdict(list)
+    for c, i, seed, t0, tf, te in tr["requests"]:
+        by_client[(c, i)].append((t0, te, seed))
+        if seed not in srv or not tf:
+            continue
+        sub, adm, first, end = srv[seed]
+        for k, v in (("sent -> submitted", sub - t0), ("submitted -> admitted", adm - sub),
+                     ("admitted -> first token", first - adm), ("first token delivered", tf - first),
+                     ("decoding", end - first), ("last token delivered", te - end)):
+            parts[k].append(v)
+    for reqs in by_client.values():
+        reqs.sort()
+        parts["client's turn"] += [b[0] - a[1] for a, b in zip(reqs, reqs[1:])]
+    if not parts:
+        return "trace: no request joined"
+    out = [f"trace: {len(parts['decoding'])} requests joined (ms)"]
+    for k, v in parts.items():
+        x = np.array(v) * 1e3
+        out.append(f"  {k:24s} mean {x.mean():8.2f}  p50 {np.median(x):8.2f}  p90 {np.percentile(x, 90):8.2f}")
+    idle = sum(np.mean(parts[k]) for k in ("last token delivered", "client's turn", "sent -> submitted",
+                                           "submitted -> admitted", "admitted -> first token") if parts[k])
+    dec = np.mean(parts["decoding"])
+    out.append(f"  a slot decodes {100 * dec / (dec + idle):.1f}% of its cycle ({1e3 * dec:.1f} of "
+               f"{1e3 * (dec + idle):.1f} ms)")
+    return "\n".join(out)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="the GGUF whose tokenizer and template serve (default: the default model)")
@@ -258,6 +299,8 @@ def main() -> int:
                     "(SYNC 1) and holds the host HOST_S seconds, as the CUDA backend's seq_first does")
     ap.add_argument("--stream-interval", type=float, default=None, help="the server's (seconds; default its own)")
     ap.add_argument("--profile", action="store_true", help="sample every thread's stack")
+    ap.add_argument("--trace", action="store_true", help="each request's cycle: the load's times joined with the "
+                    "server's (submitted, admitted, first token, end), where a client's turn goes")
     ap.add_argument("--cprofile", action="store_true", help="the event loop under cProfile (slows it)")
     ap.add_argument("--loop", default="auto", help="uvicorn's: auto, asyncio, uvloop")
     ap.add_argument("--http", default="auto", help="uvicorn's: auto, h11, httptools")
@@ -279,6 +322,16 @@ def main() -> int:
         be.forward_host = a.forward_host
         eng.backend = be
     svc = Service(lambda: make_adapter(eng, depth=a.depth), name="host").start()
+    jobs: list[tuple] = []
+    if a.trace:  # the server's times of each finished request (the scheduler's thread appends)
+        sch, end = svc.scheduler, svc.scheduler._end
+
+        def _end(job, state, error=None, reason=""):
+            end(job, state, error, reason)
+            if hasattr(job, "params") and job.t_end:
+                jobs.append((job.params.seed, job.t_submit, job.t_admit, job.t_first, job.t_end))
+        sch._end = _end
+    trace_file = f"/tmp/host_serve_trace_{os.getpid()}.json"
     if a.stream_interval is not None:
         svc.stream_interval = a.stream_interval
     if a.switch_interval is not None:
@@ -306,8 +359,8 @@ def main() -> int:
     busy0, t0, cpu0 = be.dev.busy if be else 0.0, time.perf_counter(), thread_cpu()
     load = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "serve_load.py"), "bench",
                            "--url", url, "--clients", str(a.clients), "--requests", str(a.requests),
-                           "--tokens", str(a.tokens), "--procs", str(a.procs)] + (["--keep-alive"] if a.keep_alive else []),
-                          capture_output=True, text=True)
+                           "--tokens", str(a.tokens), "--procs", str(a.procs)] + (["--keep-alive"] if a.keep_alive else [])
+                          + (["--trace", trace_file] if a.trace else []), capture_output=True, text=True)
     wall = time.perf_counter() - t0
     cpu = thread_cpu()
     ru = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -329,6 +382,9 @@ def main() -> int:
         f"{k} {1e6 * (cpu[k] - cpu0.get(k, 0)) / n_tok:.1f} us" for k in ("event loop", "scheduler", "prep")))
     if prof:
         print(prof.report())
+    if a.trace and os.path.exists(trace_file):
+        print(cycle_report(trace_file, jobs))
+        os.remove(trace_file)
     if prof_loop:
         import pstats
         pstats.Stats(prof_loop).sort_stats("tottime").print_stats(30)

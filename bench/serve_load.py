@@ -62,6 +62,8 @@ class Res:
     chunks: list[float] = field(default_factory=list)
     text: str = ""  # streamed text, joined
     final: dict = field(default_factory=dict)  # the last chunk (Ollama: done, with the counts)
+    seed: int | None = None  # bench: the request's seed (--trace joins the server's job by it)
+    client: int = -1  # bench: the client that sent it
 
     @property
     def ttft(self) -> float:
@@ -378,7 +380,7 @@ def ttft_parts(results: list[Res]) -> dict:
 
 
 def bench(url: str, model: str, a) -> list[str]:
-    rows, errors = [], []
+    rows, errors, traced = [], [], []
     request(url, *body_for("generate", model, "warm up", 8, True, 1))
     text = open(a.prompt_file).read() if a.prompt_file else None
     if text:  # the file's request twice, whole: its prompt's sizes (evaluated, then cached) met before timing
@@ -403,6 +405,7 @@ def bench(url: str, model: str, a) -> list[str]:
                     body.update(logprobs=True, top_logprobs=a.logprobs)
                 st, res, _ = request(url, path, body, keep=keep)
                 res.ok = res.ok and st == 200
+                res.seed, res.client = body["options"]["seed"], i
                 out.append(res)
             if keep and keep.get("conn"):
                 keep["conn"].close()
@@ -410,6 +413,7 @@ def bench(url: str, model: str, a) -> list[str]:
 
         per, wall = concurrent(client, c, a.procs)
         results = [r for rs in per for r in rs]
+        traced += [[c, r.client, r.seed, r.t0, r.t_first, r.t_end] for r in results]
         rows.append({**summarize(str(c), results, wall), "clients": c, **ttft_parts(results)})
         errors += [r.error or "HTTP error" for r in results if not r.ok]
     table(rows, "clients")
@@ -421,6 +425,9 @@ def bench(url: str, model: str, a) -> list[str]:
         with open(a.json, "w") as fh:
             json.dump({"url": url, "model": model, "tokens": a.tokens, "prompt_words": a.prompt_words,
                        "rows": rows}, fh, indent=1)
+    if a.trace:  # each request's times (time.perf_counter: the system's monotonic clock, shared by processes)
+        with open(a.trace, "w") as fh:
+            json.dump({"fields": ["clients", "client", "seed", "t0", "t_first", "t_end"], "requests": traced}, fh)
     return errors
 
 
@@ -559,6 +566,8 @@ def main() -> int:
     ap.add_argument("--long-clients", type=int, default=4, help="mixed: clients sending documents")
     ap.add_argument("--long-words", type=int, default=6500, help="mixed: words a document (~8k tokens)")
     ap.add_argument("--json", help="bench, chat: write the rows here")
+    ap.add_argument("--trace", help="bench: write every request's client, seed and times here (JSON; "
+                    "bench/host_serve.py --trace joins them with the server's)")
     a = ap.parse_args()
     a.tokens = a.tokens or (128 if a.mode == "bench" else 64)
     a.clients = [int(x) for x in a.clients.split(",")]
