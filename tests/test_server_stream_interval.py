@@ -62,3 +62,23 @@ def test_chunks_per_interval():
         every = [x for x in lines(url) if not x["done"]]
     assert len(every) > 3 * len(text), (len(every), len(text))
     assert "".join(x["response"] for x in every) == "".join(x["response"] for x in text)
+
+
+def test_the_end_goes_out_at_once():
+    """A pause between writes ends when the answer does: its last text and the final line do not wait
+    out the interval (the client's next request would), nor do a choice's (n > 1)."""
+    import time
+
+    with live(timed_service(stream_interval=2.0)) as url:
+        t0 = time.perf_counter()
+        got = lines(url)
+        took = time.perf_counter() - t0
+        body = {"model": "timed", "prompt": "Hi", "max_tokens": 40, "n": 2, "seed": 5, "stream": True}
+        t1 = time.perf_counter()
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            events = [x for x in r.iter_lines() if x.startswith("data: ")]
+        took_n = time.perf_counter() - t1
+    assert got[-1]["done"] and got[-1]["eval_count"] == 120
+    assert len([x for x in got if not x["done"]]) <= 3  # (the first write, then what queued meanwhile)
+    assert took < 1.5, took  # a 2 s pause would have held the end back
+    assert events[-1] == "data: [DONE]" and took_n < 1.5, took_n

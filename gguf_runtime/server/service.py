@@ -328,6 +328,45 @@ async def read_json(request: Request, limit: int) -> dict:
 
 
 # ---- running a job ------------------------------------------------------------------------------
+class _Events(asyncio.Queue):
+    """A request's events (from the mailbox). A stream's pause between two writes (``pause``) ends
+    early when a job's last event ("done" or "error", at index ``at`` of the item) arrives: the end
+    of an answer goes out at once, and its client can send its next request."""
+
+    def __init__(self, at: int = 0) -> None:
+        super().__init__()
+        self.at, self._pause, self._ends = at, None, 0  # (last events queued, not yet taken)
+
+    def put_nowait(self, item) -> None:
+        super().put_nowait(item)
+        if item[self.at] in ("done", "error"):
+            self._ends += 1
+            if self._pause is not None and not self._pause.done():
+                self._pause.set_result(None)
+
+    def get_nowait(self):  # (get() returns through it)
+        item = super().get_nowait()
+        self._ends -= item[self.at] in ("done", "error")
+        return item
+
+    async def pause(self, seconds: float) -> None:
+        if self._ends:  # a last event is queued already: no pause
+            return
+        loop = asyncio.get_running_loop()
+        f = self._pause = loop.create_future()
+        h = loop.call_later(seconds, _resolve, f)
+        try:
+            await f
+        finally:
+            h.cancel()
+            self._pause = None
+
+
+def _resolve(f: asyncio.Future) -> None:
+    if not f.done():
+        f.set_result(None)
+
+
 async def _wait_disconnect(receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
@@ -383,7 +422,7 @@ async def run_job(svc: Service, request: Request, fmt, encode: Callable[[], list
     ids = await prepare(svc, request, encode)
     sched, mail = svc.scheduler, svc.mailbox()
     max_new = sched.budget(len(ids), requested, n_ctx)
-    q: asyncio.Queue = asyncio.Queue()
+    q = _Events()
     job = Job(ids, params, max_new, lambda kind, data: mail.put(q, (kind, data)), stop, t_submit=t0,
               grammar=grammar, keep_special=keep, logprobs=logprobs)
     sched.submit(job)
@@ -447,7 +486,7 @@ async def run_job(svc: Service, request: Request, fmt, encode: Callable[[], list
                 last = loop.time()
                 item = await q.get()
                 if job.state == "active" and (wait := last + svc.stream_interval - loop.time()) > 0:
-                    await asyncio.sleep(wait)  # (read across threads: a stale state costs one wait)
+                    await q.pause(wait)  # (read across threads: a stale state costs one wait)
         finally:
             if not done:
                 sched.cancel(job)
@@ -474,7 +513,7 @@ async def run_choices(svc: Service, request: Request, make_fmt: Callable[[], Any
     sched, mail = svc.scheduler, svc.mailbox()
     budgets = [sched.budget(len(ids), requested) for ids in prompts]
     k = len(prompts) * n
-    q: asyncio.Queue = asyncio.Queue()  # (choice, kind, data) of every job
+    q = _Events(at=1)  # (choice, kind, data) of every job
     jobs = [Job(prompts[c // n], params if params.seed is None else dataclasses.replace(params, seed=params.seed + c % n),
                 budgets[c // n], lambda kind, data, c=c: mail.put(q, (c, kind, data)), stop, t_submit=t0,
                 grammar=grammar, keep_special=keep, logprobs=logprobs) for c in range(k)]
@@ -576,7 +615,7 @@ def _stream_choices(make_fmt: Callable[[], Any], q: asyncio.Queue, first: tuple,
                 last = loop.time()
                 item = await q.get()
                 if any(j.state == "active" for j in jobs) and (wait := last + interval - loop.time()) > 0:
-                    await asyncio.sleep(wait)
+                    await q.pause(wait)
         finally:
             cancel_all()
 
