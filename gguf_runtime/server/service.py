@@ -4,7 +4,7 @@ job for one HTTP request (disconnect watching, streaming, errors as JSON).
 A request's prompt is rendered and tokenized on a few helper threads (off the event loop and off
 the model's thread; several, so one slow prompt cannot hold up the others), then submitted to the
 scheduler; its events come back through a mailbox (one
-``call_soon_threadsafe`` per batch of events) into the request's ``asyncio.Queue``. The response
+``call_soon_threadsafe`` per batch of events) into the request's event queue (``_Events``). The response
 starts when the first event arrives, so an error at admission still gets its 4xx/5xx status; a
 client that disconnects, while waiting or while streaming, cancels its job (its slot and KV pages
 are free at once).
@@ -23,6 +23,7 @@ import os
 import sys
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
@@ -46,7 +47,7 @@ class _Mailbox:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop, self.items, self.lock, self.armed = loop, [], threading.Lock(), False
 
-    def put(self, q: asyncio.Queue, item: tuple) -> None:
+    def put(self, q: _Events, item: tuple) -> None:
         with self.lock:
             self.items.append((q, item))
             if self.armed:
@@ -328,26 +329,44 @@ async def read_json(request: Request, limit: int) -> dict:
 
 
 # ---- running a job ------------------------------------------------------------------------------
-class _Events(asyncio.Queue):
-    """A request's events (from the mailbox). A stream's pause between two writes (``pause``) ends
-    early when a job's last event ("done" or "error", at index ``at`` of the item) arrives: the end
-    of an answer goes out at once, and its client can send its next request."""
+class _Events:
+    """A request's events from the mailbox (one consumer on the event loop: a deque and the one
+    waiter; asyncio.Queue's bookkeeping cost more than the tokens' text did). A stream's pause
+    between two writes (``pause``) ends early when a job's last event ("done" or "error", at index
+    ``at`` of the item) arrives: the end of an answer goes out at once, and its client can send
+    its next request."""
+
+    __slots__ = ("items", "at", "_waiter", "_pause", "_ends")
 
     def __init__(self, at: int = 0) -> None:
-        super().__init__()
-        self.at, self._pause, self._ends = at, None, 0  # (last events queued, not yet taken)
+        self.items: deque = deque()
+        self.at, self._waiter, self._pause, self._ends = at, None, None, 0  # (_ends: last events queued)
 
     def put_nowait(self, item) -> None:
-        super().put_nowait(item)
+        self.items.append(item)
         if item[self.at] in ("done", "error"):
             self._ends += 1
             if self._pause is not None and not self._pause.done():
                 self._pause.set_result(None)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
-    def get_nowait(self):  # (get() returns through it)
-        item = super().get_nowait()
+    def empty(self) -> bool:
+        return not self.items
+
+    def get_nowait(self):
+        item = self.items.popleft()  # (IndexError when empty: callers check empty() first)
         self._ends -= item[self.at] in ("done", "error")
         return item
+
+    async def get(self):
+        while not self.items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self.get_nowait()
 
     async def pause(self, seconds: float) -> None:
         if self._ends:  # a last event is queued already: no pause
@@ -568,7 +587,7 @@ def _choices_usage(prompts: list[list[int]], jobs: list[Job], n: int) -> dict:
             "prompt_tokens_details": {"cached_tokens": sum(max(0, len(j.prompt) - j.prompt_eval) for j in firsts)}}
 
 
-def _stream_choices(make_fmt: Callable[[], Any], q: asyncio.Queue, first: tuple, jobs: list[Job],
+def _stream_choices(make_fmt: Callable[[], Any], q: _Events, first: tuple, jobs: list[Job],
                     prompts: list[list[int]], n: int, cancel_all: Callable[[], None], interval: float) -> Response:
     """run_choices streamed from its first event: each choice's chunks through its own formatter
     (its index, the first one's id), one usage chunk and [DONE] once every choice is done; a write
@@ -629,7 +648,7 @@ async def run_embed(svc: Service, request: Request, encode: Callable[[], list[li
     t0 = time.perf_counter()
     inputs = await asyncio.get_running_loop().run_in_executor(svc.prep, encode)
     sched, mail = svc.scheduler, svc.mailbox()
-    q: asyncio.Queue = asyncio.Queue()
+    q = _Events()
     job = EmbedJob(inputs, lambda kind, data: mail.put(q, (kind, data)), t_submit=t0)
     sched.submit(job)
     finished = False
