@@ -249,7 +249,8 @@ def cycle_report(trace_file: str, jobs: list[tuple]) -> str:
 
     import numpy as np
 
-    tr = json.load(open(trace_file))
+    with open(trace_file) as fh:
+        tr = json.load(fh)
     srv = {j[0]: j[1:] for j in jobs}
     parts: dict[str, list[float]] = collections.defaultdict(list)
     by_client: dict[tuple, list] = collections.defaultdict(list)
@@ -331,7 +332,7 @@ def main() -> int:
             if hasattr(job, "params") and job.t_end:
                 jobs.append((job.params.seed, job.t_submit, job.t_admit, job.t_first, job.t_end))
         sch._end = _end
-    trace_file = f"/tmp/host_serve_trace_{os.getpid()}.json"
+    trace_file = f"/tmp/host_serve_trace_{os.getpid()}.json" if a.trace else ""
     if a.stream_interval is not None:
         svc.stream_interval = a.stream_interval
     if a.switch_interval is not None:
@@ -382,7 +383,7 @@ def main() -> int:
         f"{k} {1e6 * (cpu[k] - cpu0.get(k, 0)) / n_tok:.1f} us" for k in ("event loop", "scheduler", "prep")))
     if prof:
         print(prof.report())
-    if a.trace and os.path.exists(trace_file):
+    if trace_file and os.path.exists(trace_file):
         print(cycle_report(trace_file, jobs))
         os.remove(trace_file)
     if prof_loop:
