@@ -14,6 +14,7 @@ from gguf_runtime.engine.batch import generate_batch  # noqa: E402
 from gguf_runtime.errors import BackendError  # noqa: E402
 from gguf_runtime.format.gguf_file import open_gguf  # noqa: E402
 from gguf_runtime.format.model_config import config_from_gguf  # noqa: E402
+from gguf_runtime.quant_kernels.launchers import MAX_MMV_TOKENS  # noqa: E402
 from gguf_runtime.sampling import SamplingParams  # noqa: E402
 
 from twin_files import TWINS, twin_path  # noqa: E402
@@ -415,3 +416,48 @@ def test_packed_sizes_captured_ahead_equal_eager_runs(backend):
     assert be.graphs.launches == launches + 1, "the captured size was not replayed at its first forward"
     np.testing.assert_array_equal(graphed[0], eager[0])
     assert graphed[1] == eager[1]
+
+
+def test_small_chunks_captured_ahead_equal_eager_runs(backend):
+    """capture_small (a server's start): chunks of 1 .. MAX_MMV_TOKENS rows captured from padding-only
+    runs, which write no cache and leave every slot's length; a prompt whose cached prefix leaves 5
+    tokens (the server's admission with the prefix cache) then replays that size's graph at once,
+    its logits bitwise the eager run's."""
+    be = backend
+    if not (be.use_graph and be.prefill_graph):
+        pytest.skip("prefill chunks are not graphed here")
+    keys = [("prefill", r, False) for r in range(1, MAX_MMV_TOKENS + 1)]
+    for key in keys:
+        be._prefill_runs.pop(key, None)
+        be.graphs.graphs.pop(key, None)
+    p = np.random.default_rng(35).integers(10, 30000, 37).tolist()
+
+    def run(graph):
+        be.prefill_graph = graph
+        try:
+            cached = be.seq_start(40, p, GREEDY, 4, reuse=True)
+            be.seq_prefill_many([(40, p[cached:], (p, GREEDY, 0, True))])
+            out = cp.asnumpy(be.last_logits[:1], stream=be.stream)
+            be.stream.synchronize()
+            return cached, out, be.seq_token(40, 0)
+        finally:
+            be.seq_release(40, p)  # (its two full pages stay cached)
+            be.prefill_graph = True
+
+    def sums():
+        return [int(cp.sum(a, dtype=cp.uint64)) for a in (be.kv.k, be.kv.v)]
+
+    run(True)  # the whole prompt evaluated, its pages published
+    eager = run(False)
+    assert eager[0] == 32
+    free, lens, before = be.kv.free_pages(), list(be.slot_len), sums()
+    assert be.capture_small() == len(keys)
+    assert all(be.graphs.has(key) for key in keys)
+    assert be.kv.free_pages() == free and list(be.slot_len) == lens, "the padding runs took a sequence"
+    assert sums() == before, "the padding runs wrote the cache"
+    launches = be.graphs.launches
+    graphed = run(True)
+    assert be.graphs.launches == launches + 1, "the captured size was not replayed at its first use"
+    assert graphed[0] == 32
+    np.testing.assert_array_equal(graphed[1], eager[1])
+    assert graphed[2] == eager[2]

@@ -26,8 +26,8 @@ from ..errors import GGUFRunError
 # (every rank captures and replays the same graphs: collectives match)
 MIRRORED = ("prefill", "eval", "truncate", "start_decode", "run_steps", "batch_step", "seq_release", "hidden",
             "capture_buckets", "end_single", "retune", "seq_start", "seq_prefill", "seq_prefill_many",
-            "seq_logprobs", "eval_argmax", "capture_verify", "capture_packed", "seq_constrain", "verify_many",
-            "seq_commit")
+            "seq_logprobs", "eval_argmax", "capture_verify", "capture_packed", "capture_small", "seq_constrain",
+            "verify_many", "seq_commit")
 # the calls that sample constrained slots: their mask rows as rank 0's caller wrote them go first
 SAMPLING = ("batch_step", "seq_first", "seq_add", "seq_prefill_many")
 MIRRORED_ATTRS = ("prefill_graph", "use_graph")

@@ -212,6 +212,8 @@ class CudaAdapter:
             rows = getattr(getattr(be, "tune", None), "serve_capture_packed", 0)
             if self.pack and rows and hasattr(be, "capture_packed"):  # (waves of prompts: their sizes too)
                 be.capture_packed(rows)
+            if hasattr(be, "capture_small"):  # (a cached prefix or a chunk budget leaves a few tokens)
+                be.capture_small()
             if self.spec is not None and hasattr(be, "capture_verify"):
                 be.capture_verify()  # (slot 0 holds no pages yet: its cache writes are skipped)
 

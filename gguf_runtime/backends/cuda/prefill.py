@@ -116,10 +116,9 @@ class PrefillMixin:
         or every row's), padded and graphed as the module says."""
         ws = self.ws
         rows, pad = self._stage(slot, part, past, ws.logits.shape[0] if all_logits else ws.max_rows)
-        # graphs from a size's second run: chunks past the matvec rows, and the small ones with every
-        # row's logits (sampled speculative decoding's verification steps repeat those sizes every step)
-        self._run_graphed(("prefill", rows, all_logits), lambda: self._prefill_rows(rows, all_logits), rows,
-                          rows > L.MAX_MMV_TOKENS or all_logits)
+        # graphs from a size's second run, small chunks too: sampled speculative decoding's verification
+        # steps repeat those sizes every step, and so do the few tokens a cached prefix leaves of a prompt
+        self._run_graphed(("prefill", rows, all_logits), lambda: self._prefill_rows(rows, all_logits), rows, True)
         return ws.logits[pad:rows] if all_logits else ws.logits[:1]
 
     def _run_graphed(self, key: tuple, run, rows: int, graphable: bool, flag: str = "prefill_graph",
@@ -164,6 +163,26 @@ class PrefillMixin:
                     self._upload_ids(rows)
                     self._run_graphed(key, lambda r=rows: self._packed_rows(r), rows, True, "pack_graph",
                                       "packed prompts")
+            done += self.graphs.has(key)
+        return done
+
+    def capture_small(self) -> int:
+        """The graphs of a chunk of 1 .. MAX_MMV_TOKENS rows (the matvec path, the last row's logits)
+        captured now, each after its eager warm-up run: the server's admission of a prompt whose
+        cached prefix leaves that few tokens, alone in its step, is one of these, and an eager run
+        holds the decode steps back for hundreds of launches. The runs are padding alone (sequence
+        -1: no cache writes, no slot's length). Returns the sizes captured."""
+        if not (self.use_graph and self.prefill_graph):
+            return 0
+        done = 0
+        for rows in range(1, L.MAX_MMV_TOKENS + 1):
+            key = ("prefill", rows, False)
+            while self.prefill_graph and not self.graphs.has(key):  # (eager, then captured)
+                host = self._ids_host()
+                host[0, :rows], host[1, :rows], host[2, :rows] = 0, 0, -1
+                with self.stream:
+                    self._upload_ids(rows)
+                    self._run_graphed(key, lambda r=rows: self._prefill_rows(r, False), rows, True)
             done += self.graphs.has(key)
         return done
 
