@@ -182,6 +182,77 @@ class TimedBackend:
         self.kv.release(slot, tokens)
 
 
+class GpuTimes:
+    """--gpu-time (with --real): CUDA events on the backend's stream around each prompt forward
+    (seq_prefill_many / seq_prefill, its first tokens' sampling included) and each decode step; what
+    the device did over the span they cover, per decode step: stepping, prompts, and the rest (idle,
+    waiting for the host, or the few small copies between the calls)."""
+
+    KINDS = {"seq_prefill_many": "prompt", "seq_prefill": "prompt", "batch_step": "step", "verify_many": "verify"}
+
+    def __init__(self, be) -> None:
+        import cupy as cp
+
+        self.cp, self.be, self.depth = cp, be, 0
+        self.spans: list[tuple] = []  # (kind, start event, end event, parts, tokens)
+        for name, kind in self.KINDS.items():
+            if hasattr(be, name):
+                setattr(be, name, self._wrap(getattr(be, name), kind))
+
+    def _wrap(self, real, kind: str):
+        def call(*args, **kw):
+            if self.depth:  # (a call inside a timed one: seq_prefill_many's own seq_prefill)
+                return real(*args, **kw)
+            parts = list(args[0]) if kind == "prompt" and isinstance(args[0], list) else None
+            n = (len(parts), sum(len(t) for _, t, _ in parts)) if parts is not None else \
+                (1, len(args[1])) if kind == "prompt" else (0, 0)
+            self.depth += 1
+            start = self.cp.cuda.Event()
+            start.record(self.be.stream)
+            try:
+                return real(*args, **kw)
+            finally:
+                end = self.cp.cuda.Event()
+                end.record(self.be.stream)
+                self.spans.append((kind, start, end, *n))
+                self.depth -= 1
+        return call
+
+    def report(self) -> str:
+        import numpy as np
+
+        cp = self.cp
+        self.be.stream.synchronize()
+        if not self.spans:
+            return "gpu time: nothing timed"
+        ref = self.spans[0][1]
+        iv = sorted((cp.cuda.get_elapsed_time(ref, s), cp.cuda.get_elapsed_time(ref, e), k, p, t)
+                    for k, s, e, p, t in self.spans)
+        busy: dict[str, float] = collections.Counter()
+        count: dict[str, int] = collections.Counter()
+        gaps, reach = [], iv[0][0]
+        for s, e, k, _, _ in iv:
+            gaps.append(max(0.0, s - reach))
+            reach = max(reach, e)
+            busy[k] += e - s
+            count[k] += 1
+        span, idle = reach - iv[0][0], sum(gaps)
+        steps = max(count["step"], 1)
+        prompts = [(e - s, p, t) for s, e, k, p, t in iv if k == "prompt"]
+        out = [f"gpu time over {span:,.1f} ms: " + ", ".join(f"{k} {busy[k]:,.1f} ms ({count[k]:,})" for k in busy)
+               + f", the rest {idle:,.1f} ms ({100 * idle / span:.1f}%)",
+               f"  a decode step: {busy['step'] / steps:.3f} ms, + prompts {busy['prompt'] / steps:.3f} ms"
+               f" + the rest {idle / steps:.3f} ms = {span / steps:.3f} ms"]
+        if prompts:
+            ms, p, t = (np.array(x) for x in zip(*prompts))
+            out.append(f"  prompt forwards: {len(ms):,}, parts each {p.mean():.2f} (max {p.max()}), tokens each "
+                       f"{t.mean():.1f}; {np.median(ms):.3f} ms each (p50), {np.percentile(ms, 90):.3f} (p90)")
+            big = np.sort(np.array(gaps))[::-1]
+            out.append(f"  gaps: {int((big > 0.05).sum()):,} over 50 us, the largest "
+                       f"{', '.join(f'{g:.2f}' for g in big[:5])} ms")
+        return "\n".join(out)
+
+
 def cpu_seconds(native_id: int) -> float:
     """A thread's user + system CPU time (Linux /proc; 0 elsewhere)."""
     try:
@@ -302,6 +373,8 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true", help="sample every thread's stack")
     ap.add_argument("--trace", action="store_true", help="each request's cycle: the load's times joined with the "
                     "server's (submitted, admitted, first token, end), where a client's turn goes")
+    ap.add_argument("--gpu-time", action="store_true", help="with --real: where the device's time goes (CUDA "
+                    "events around each prompt forward and decode step)")
     ap.add_argument("--cprofile", action="store_true", help="the event loop under cProfile (slows it)")
     ap.add_argument("--loop", default="auto", help="uvicorn's: auto, asyncio, uvloop")
     ap.add_argument("--http", default="auto", help="uvicorn's: auto, h11, httptools")
@@ -323,6 +396,7 @@ def main() -> int:
         be.forward_host = a.forward_host
         eng.backend = be
     svc = Service(lambda: make_adapter(eng, depth=a.depth), name="host").start()
+    gpu_times = GpuTimes(eng.backend) if a.real and a.gpu_time else None  # (after the start's captures)
     jobs: list[tuple] = []
     if a.trace:  # the server's times of each finished request (the scheduler's thread appends)
         sch, end = svc.scheduler, svc.scheduler._end
@@ -381,6 +455,8 @@ def main() -> int:
           "warm-up included)")
     print("host CPU per generated token: " + ", ".join(
         f"{k} {1e6 * (cpu[k] - cpu0.get(k, 0)) / n_tok:.1f} us" for k in ("event loop", "scheduler", "prep")))
+    if gpu_times is not None:
+        print(gpu_times.report())
     if prof:
         print(prof.report())
     if trace_file and os.path.exists(trace_file):
