@@ -201,6 +201,13 @@ def _compiled(kind: str, exact: bool) -> tuple[regex.Pattern, ...]:
     return tuple(regex.compile(f"({p})") for p in PRE_REGEXES[kind])
 
 
+# The regex module lets other threads run while it matches a str, and then waits for the GIL again:
+# behind a busy thread (a server's scheduler) up to the switch interval per call. Pieces up to this
+# many characters are matched holding it (a few microseconds); longer ones let go of it, so a huge
+# prompt's split does not stall the other threads (bench/RESULTS.md row 215).
+GIL_FREE_CHARS = 4096
+
+
 def pre_tokenize(text: str, kind: str) -> list[str]:
     """Split as llama.cpp's unicode_regex_split: each regex applies within every piece left by the
     previous one (so look-aheads stop at piece ends); unmatched text stays as its own piece."""
@@ -208,7 +215,7 @@ def pre_tokenize(text: str, kind: str) -> list[str]:
     for rx in _compiled(kind, not text.isascii() and not _NEW_SET.isdisjoint(text)):
         out: list[str] = []
         for piece in pieces:
-            out.extend(p for p in rx.split(piece) if p)
+            out.extend(p for p in rx.split(piece, concurrent=len(piece) > GIL_FREE_CHARS) if p)
         pieces = out
     return pieces
 
