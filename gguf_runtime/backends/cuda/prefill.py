@@ -155,18 +155,22 @@ class PrefillMixin:
         q, top = self.tune.prefill_quantum, min(max_rows, self.ws.max_rows)
         sizes = sorted({min(r, self.ws.max_rows) for r in range(q, top + q, q)})
         self._pack_last.set(np.zeros(PACK_HEAD, np.int32), stream=self.stream)
-        done = 0
-        for rows in sizes:
-            key = ("packed", rows)
-            while self.pack_graph and not self.graphs.has(key):  # (eager, then captured)
-                host = self._ids_host()
-                host[0, :rows], host[1, :rows], host[2, :rows] = 0, 0, -1
-                with self.stream:
-                    self._upload_ids(rows)
-                    self._run_graphed(key, lambda r=rows: self._packed_rows(r), rows, True, "pack_graph",
-                                      "packed prompts")
-            done += self.graphs.has(key)
-        return done
+        return sum(self._capture_ahead(("packed", r), lambda r=r: self._packed_rows(r), r, flag="pack_graph",
+                                       what="packed prompts") for r in sizes)
+
+    def _capture_ahead(self, key: tuple, run, rows: int, pos=0, seq=-1, flag: str = "prefill_graph",
+                       what: str = "the prefill") -> bool:
+        """``key``'s graph captured now, after its eager warm-up run (_run_graphed): ``run`` over
+        ws.tokens/pos/seq[:rows] staged as token 0 at positions ``pos`` of sequence ``seq`` (-1:
+        padding, which writes nothing). Whether the graph is there (the attribute ``flag`` turns
+        false where a capture fails)."""
+        while getattr(self, flag) and not self.graphs.has(key):  # (eager, then captured)
+            host = self._ids_host()
+            host[0, :rows], host[1, :rows], host[2, :rows] = 0, pos, seq
+            with self.stream:
+                self._upload_ids(rows)
+                self._run_graphed(key, run, rows, True, flag, what)
+        return self.graphs.has(key)
 
     def _small_graphs(self) -> bool:
         """Whether a chunk of up to MAX_MMV_TOKENS rows with its last row's logits is graphed: not on a
@@ -182,17 +186,8 @@ class PrefillMixin:
         -1: no cache writes, no slot's length). Returns the sizes captured."""
         if not (self.use_graph and self.prefill_graph and self._small_graphs()):
             return 0
-        done = 0
-        for rows in range(1, L.MAX_MMV_TOKENS + 1):
-            key = ("prefill", rows, False)
-            while self.prefill_graph and not self.graphs.has(key):  # (eager, then captured)
-                host = self._ids_host()
-                host[0, :rows], host[1, :rows], host[2, :rows] = 0, 0, -1
-                with self.stream:
-                    self._upload_ids(rows)
-                    self._run_graphed(key, lambda r=rows: self._prefill_rows(r, False), rows, True)
-            done += self.graphs.has(key)
-        return done
+        return sum(self._capture_ahead(("prefill", r, False), lambda r=r: self._prefill_rows(r, False), r)
+                   for r in range(1, L.MAX_MMV_TOKENS + 1))
 
     def capture_verify(self, slot: int = 0) -> None:
         """Every verification step's graph (1 .. verify_rows rows) captured now, each after its
@@ -207,13 +202,8 @@ class PrefillMixin:
         if not todo or past + self.verify_rows > self.kv.max_pages * self.kv.page_size:
             return
         self._argmax_buffers()
-        for rows in todo:
-            while self.prefill_graph and not self.graphs.has(("verify", rows)):  # (eager, then captured)
-                host = self._ids_host()
-                host[0, :rows], host[1, :rows], host[2, :rows] = 0, np.arange(past, past + rows), slot
-                with self.stream:
-                    self._upload_ids(rows)
-                    self._run_graphed(("verify", rows), lambda r=rows: self._verify_argmax(r), rows, True)
+        for r in todo:
+            self._capture_ahead(("verify", r), lambda r=r: self._verify_argmax(r), r, np.arange(past, past + r), slot)
         self.stream.synchronize()
 
     def verify_many(self, parts: Sequence[tuple[int, Sequence[int]]]) -> list[np.ndarray]:
