@@ -14,6 +14,8 @@ from typing import Callable, Hashable, Iterable
 
 import cupy as cp
 
+from .held import launch_graph
+
 
 class CaptureError(RuntimeError):
     pass
@@ -77,7 +79,7 @@ class GraphManager:
         return key in self.graphs
 
     def replay(self, key: Hashable) -> None:
-        self.graphs[key].launch(self.stream)
+        launch_graph(self.graphs[key], self.stream)  # (keeping the GIL: held.py)
         self.launches += 1
 
     def clear(self) -> None:

@@ -33,7 +33,7 @@ _driver = None
 def _lib():
     global _driver
     if _driver is None:
-        lib = ctypes.CDLL("libcuda.so.1")
+        lib = ctypes.PyDLL("libcuda.so.1")  # (the launch keeps the GIL: graphs/held.py says why)
         lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_Config), ctypes.c_void_p, ctypes.c_void_p,
                                          ctypes.c_void_p]
         lib.cuLaunchKernelEx.restype = ctypes.c_int

@@ -21,6 +21,7 @@ import cupy as cp
 import numpy as np
 
 from ...errors import ContextOverflowError
+from ...graphs import held
 from ...graphs.manager import CaptureError
 from ...model import forward, layers
 from ...quant_kernels import launch_attention as LA
@@ -267,10 +268,9 @@ class PrefillMixin:
         copies from pinned memory on the stream (each copy from a pageable array was staged first)."""
         host, ws = self._ids_ring[self._ids_at], self.ws
         for i, dst in enumerate((ws.tokens, ws.pos, ws.seq)):
-            cp.cuda.runtime.memcpyAsync(dst.data.ptr, host[i].ctypes.data, 4 * rows,
-                                        cp.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
+            held.copy_to_device(dst.data.ptr, host[i].ctypes.data, 4 * rows, self.stream)
         if self._ids_done[self._ids_at] is None:
-            self._ids_done[self._ids_at] = cp.cuda.Event(block=False, disable_timing=True)
+            self._ids_done[self._ids_at] = held.Event()
         self._ids_done[self._ids_at].record(self.stream)
 
     # ---- several sequences' prompt parts in one forward -------------------------------------------
