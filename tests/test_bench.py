@@ -166,7 +166,7 @@ class FakeCuda:
     def __init__(self, cfg):
         self.cfg, self.use_graph, self.max_batch, self.stream, self.kv = cfg, True, 8, None, FakeKV()
         self.prefill_graph = True
-        self.steps, self.active, self.prefills = [], set(), []
+        self.steps, self.active, self.prefills, self.batch_params = [], set(), [], []
 
     def _work(self):
         time.sleep(2e-4)
@@ -190,6 +190,7 @@ class FakeCuda:
     def seq_add(self, slot, prompt, params, max_new, seed=None):
         assert slot not in self.active and len(prompt) == 128
         self.active.add(slot)
+        self.batch_params.append(params)
 
     def batch_step(self, n):
         assert len(self.active) == n
@@ -241,8 +242,10 @@ def test_suite_graph_and_eager_rows_with_batches(model, tmp_path):
     rows = run_suite(be, f, cfg, Suite(16, 4, 2, ("graph", "eager"), (1, 4)), lambda *a: seen.append(a))
     assert [(r.test, r.mode) for r in rows] == [
         ("pp16", "graph"), ("pp16", "eager"), ("tg4", "graph"), ("tg4", "eager"), ("tg4", "graph, sampled"),
-        ("B=1 tg4", "graph"), ("B=4 tg4", "graph"), ("B=1 tg4", "eager"), ("B=4 tg4", "eager")]
-    assert seen[-1] == ("benchmarking", 9, 9)
+        ("B=1 tg4", "graph"), ("B=4 tg4", "graph"), ("B=1 tg4", "eager"), ("B=4 tg4", "eager"),
+        ("B=1 tg4", "graph, sampled"), ("B=4 tg4", "graph, sampled")]
+    assert seen[-1] == ("benchmarking", 11, 11)
+    assert [p.temperature for p in be.batch_params] == [0.0] * 30 + [0.8] * 15  # (3 runs of B=1 and B=4 a row)
     # the graph row warms up twice (eager, then the capture), the eager row once; then 2 timed runs
     assert be.prefills == [True] * 4 + [False] * 3 and be.prefill_graph
     assert [len(r.runs) for r in rows[:2]] == [2, 2]

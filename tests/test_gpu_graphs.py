@@ -115,3 +115,52 @@ def test_prefill_graph_equals_eager(backend, rng):
               for a, b, d in ((kv.k, 0x47, cfg.head_dim), (kv.v, 0xC7, cfg.head_dim_v)))
     assert (k[:, written] != pk).all() and (v[:, written] != pv).all()
     assert (k[:, ~written] == pk).all() and (v[:, ~written] == pv).all()
+
+
+@pytest.mark.parametrize("driver", [True, False])
+def test_held_calls(monkeypatch, driver):
+    """graphs/held.py's calls (libcuda through PyDLL, or CuPy's where the driver is missing): an
+    event recorded behind a kernel still running is not done, then is after synchronize; a copy from
+    pinned memory lands; a graph launched through it runs (its writes seen)."""
+    from gguf_runtime.graphs import held
+
+    if not driver:
+        monkeypatch.setattr(held, "_lib", False)
+    assert (held.driver() is not None) == driver
+    spin = cp.RawKernel(r'''extern "C" __global__ void spin(long long n, int* out) {
+        long long t0 = clock64(); while (clock64() - t0 < n) {} out[0] = 7; }''', "spin")
+    s = cp.cuda.Stream(non_blocking=True)
+    out = cp.full(1, -1, dtype=cp.int32)
+    ev = held.Event()
+    cp.cuda.Device().synchronize()  # (the arrays' fills ran on the default stream)
+    with s:
+        spin((1,), (1,), (np.int64(200_000_000), out))  # ~0.1 s
+    ev.record(s)
+    assert not ev.done
+    ev.synchronize()
+    assert ev.done and int(out[0]) == 7
+    rng = np.random.default_rng(3)
+    src = cp.cuda.alloc_pinned_memory(4 * 1000)
+    host = np.frombuffer(src, np.int32, 1000)
+    host[:] = rng.integers(-(1 << 30), 1 << 30, 1000)
+    dst = cp.full(1000, -1, dtype=cp.int32)
+    cp.cuda.Device().synchronize()
+    held.copy_to_device(dst.data.ptr, host.ctypes.data, 4 * 1000, s)
+    s.synchronize()
+    np.testing.assert_array_equal(cp.asnumpy(dst), host)
+    y = cp.full(64, -1.0, dtype=cp.float32)
+    x = cp.asarray(rng.standard_normal(64).astype(np.float32))
+    cp.cuda.Device().synchronize()
+    with s:
+        cp.multiply(x, 3.0, out=y)  # (compiled and loaded before the capture)
+        s.synchronize()
+        s.begin_capture()
+        cp.multiply(x, 3.0, out=y)
+        g = s.end_capture()
+    g.upload(s)
+    for _ in range(2):  # (the first launch may instantiate through CuPy)
+        with s:
+            y.fill(-1.0)
+        held.launch_graph(g, s)
+        s.synchronize()
+        np.testing.assert_allclose(cp.asnumpy(y), cp.asnumpy(x) * 3.0, rtol=1e-6)

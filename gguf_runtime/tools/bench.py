@@ -277,13 +277,13 @@ def prompt_gen_rates(backend, prompts: Sequence[list[int]], n_gen: int, graph: b
 
 
 def batch_rate(backend, batch: int, prompt: int = BATCH_PROMPT, gen: int = 128, reps: int = 3, seed: int = 0,
-               graph: bool | None = None) -> Rate:
+               graph: bool | None = None, params: SamplingParams = GREEDY) -> Rate:
     """Generated tokens per second over all sequences, as llama-batched-bench's S_TG: ``batch``
     sequences of ``prompt`` random tokens are admitted (prefill, not timed), then ``gen`` batch
-    decode steps are timed (the bucket's graph, or eager launches with graph=False)."""
+    decode steps are timed (the bucket's graph, or eager launches with graph=False); greedy unless
+    ``params`` says otherwise (mode "graph, sampled": every row sampled as a server's request is)."""
     ring = len(getattr(backend, "ring", ())) or 64  # the pinned token ring's length
     rng = np.random.default_rng(seed)
-    params = SamplingParams(temperature=0.0)
     saved = backend.use_graph
     if graph is False:
         backend.use_graph = False
@@ -309,7 +309,7 @@ def batch_rate(backend, batch: int, prompt: int = BATCH_PROMPT, gen: int = 128, 
     finally:
         if graph is False:  # (a failed capture turns graphs off for good: that is kept)
             backend.use_graph = saved
-    return Rate(f"B={batch} tg{gen}", mode, batch * gen, runs, batch=batch)
+    return Rate(f"B={batch} tg{gen}", mode + ("" if params.greedy else ", sampled"), batch * gen, runs, batch=batch)
 
 
 # ---- bytes and bandwidth ------------------------------------------------------------------------
@@ -398,7 +398,8 @@ class Suite:
     def n_rows(self) -> int:
         pp = len(self.modes) if self.n_prompt > 0 else 0
         tg = len(self.modes) + (self.sampled and "graph" in self.modes) + len(self.spec) if self.n_gen > 0 else 0
-        batched = len(self.modes) * len(self.batches) if self.n_gen > 0 else 0
+        batched = (len(self.modes) + (self.sampled and "graph" in self.modes)) * len(self.batches) \
+            if self.n_gen > 0 else 0
         return (pp + tg) * len(self.depths) + batched
 
 
@@ -446,6 +447,12 @@ def run_suite(backend, f, cfg: ModelConfig, suite: Suite, progress: ProgressFn |
         for mode in suite.modes:
             for b in suite.batches:
                 r = batch_rate(backend, b, BATCH_PROMPT, suite.n_gen, suite.reps, suite.seed, graph=mode == "graph")
+                r.step_bytes = weights + b * kv_bytes_read(cfg, ctx, elem)
+                done(r)
+        if suite.sampled and "graph" in suite.modes and _on_device(backend):
+            for b in suite.batches:  # the CLI's default sampling in every row: a server's requests' cost
+                r = batch_rate(backend, b, BATCH_PROMPT, suite.n_gen, suite.reps, suite.seed, graph=True,
+                               params=SamplingParams(seed=suite.seed))
                 r.step_bytes = weights + b * kv_bytes_read(cfg, ctx, elem)
                 done(r)
     return rows
