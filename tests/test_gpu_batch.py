@@ -166,19 +166,79 @@ def test_attention_tiles_step_matches_split_attention(name, kv_type):
         be.seq_add(s, p, GREEDY, 64)
     be.stream.synchronize()
     be._save_state()
-    logits = []
-    for tiles in ("0", "1"):
-        be.blocks.attn_tiles = tiles
+    logits, kinds = [], []
+    for tiles in ("off", "on"):
+        be.retune(dataclasses.replace(be.tune, tiles=tiles))
+        kinds.append(any(k.startswith("attn_tiles") for k in step_kernels_now(be, 16)))
         be.ws.logits.fill(np.nan)
         with be.stream:
             be._step(16, (False, True))
             logits.append(be.ws.logits[:16].get())
             be._restore_state()
+    assert kinds == [False, True]  # (the choice reaches the step)
     split, tiled = (np.asarray(x, np.float64) for x in logits)
     assert np.isfinite(tiled).all()
     err = np.linalg.norm(tiled - split) / np.linalg.norm(split)
     print(f"{name}, {kv_type} cache: relative logit difference {err:.1e}")
     assert err < 1e-2  # f32 sums in another order, through f16 copies and every layer
+
+
+def step_kernels_now(be, rows: int) -> list[str]:
+    """The kernels one eager step of ``rows`` (the sequences admitted) launches, the state restored
+    after it."""
+    be.kernels.timeline = []
+    with be.stream:
+        be._save_state()
+        be._step(rows, (False, True), be._deep(rows))
+        be._restore_state()
+    be.stream.synchronize()
+    names, be.kernels.timeline = [n for n, _, _ in be.kernels.timeline], None
+    return names
+
+
+@pytest.mark.parametrize("name", TWINS)
+def test_deep_batch_steps_take_flash_decode(name):
+    """tiles_max_keys: a batch step whose rows hold more keys on average than it runs its attention
+    on flash_decode.cu, with the logits of tiles=off bit for bit; a shallower one on
+    attention_tiles.cu, with those of tiles=on; each kind has its graph, both captured with the
+    buckets, and batch_step replays the one its rows call for."""
+    f = open_gguf(twin_path(name))
+    cfg = config_from_gguf(f)
+    be = CudaBackend(f, cfg, 512, max_batch=16, kv_type="f16")
+    be.retune(dataclasses.replace(be.tune, tiles="auto", tiles_min_blocks=1, tiles_max_keys=1))
+    if not be._deep_bucket(16):
+        pytest.skip(f"{name}: its batch steps have no flash_decode to take")
+    for s, p in enumerate(prompts(16, seed=6)):
+        be.seq_add(s, p, GREEDY, 64)
+    mean = sum(be.slot_len[:16]) / 16
+    be.stream.synchronize()
+    got = {}
+    for label, tune in (("deep", dataclasses.replace(be.tune, tiles_max_keys=int(mean) - 1)),
+                        ("shallow", dataclasses.replace(be.tune, tiles_max_keys=int(mean) + 1)),
+                        ("off", dataclasses.replace(be.tune, tiles="off")),
+                        ("on", dataclasses.replace(be.tune, tiles="on"))):
+        be.retune(tune)
+        kernels = step_kernels_now(be, 16)
+        with be.stream:
+            be._save_state()
+            be.ws.logits.fill(np.nan)
+            be._step(16, (False, True), be._deep(16))
+            got[label] = (be._deep(16), any(k.startswith("attn_tiles") for k in kernels), be.ws.logits[:16].get())
+            be._restore_state()
+    assert [got[k][:2] for k in ("deep", "shallow", "off", "on")] == [(True, False), (False, True), (False, False),
+                                                                      (False, True)]
+    assert np.isfinite(got["deep"][2]).all() and np.isfinite(got["shallow"][2]).all()
+    np.testing.assert_array_equal(got["deep"][2], got["off"][2])
+    np.testing.assert_array_equal(got["shallow"][2], got["on"][2])
+    be.retune(dataclasses.replace(be.tune, tiles="auto", tiles_max_keys=int(mean) - 1))
+    be.capture_buckets()
+    assert {("decode", 16, False, True), ("decode", 16, False, True, "deep")} <= set(be.graphs.graphs)
+    n, keys = be.graphs.launches, set(be.graphs.graphs)
+    be.batch_step(16)  # deep: its graph, no capture
+    be.stream.synchronize()
+    assert be.graphs.launches == n + 1 and set(be.graphs.graphs) == keys
+    for s in range(16):
+        be.seq_release(s)
 
 
 @pytest.mark.parametrize("n_prompt", [70, 150])

@@ -28,7 +28,7 @@ from .prefill import PACK_HEAD, PrefillMixin
 from .weights import DeviceWeights
 from ...errors import BackendError, ContextOverflowError, GGUFError, UnsupportedModelError
 from ...format.gguf_file import GGUFFile
-from ...graphs import GraphManager
+from ...graphs import GraphManager, held
 from ...graphs.manager import CaptureError
 from .kv_cache import PAGE_SIZE, PagedKVCache
 from . import tuning
@@ -113,6 +113,7 @@ class CudaBackend(PrefillMixin):
                                           moe=cfg.n_expert > 0)
         self.prefill_graph = use_graph and self.tune.prefill_graph  # prefill chunks as graphs, one per padded size
         self._prefill_runs: dict[tuple, int] = {}
+        self._deep_buckets: dict[int, bool] = {}  # bucket -> whether it has deep graphs (_deep_bucket)
         self.pack_graph = self.prefill_graph  # packed prompt forwards as graphs, one per padded size
         self.pdl = pdl.supported(cp.cuda.Device()) and self.tune.pdl != "off"
         try:
@@ -367,22 +368,47 @@ class CudaBackend(PrefillMixin):
         self.pdl = pdl.supported(cp.cuda.Device()) and tune.pdl != "off"
         self.graphs.clear()
         self._prefill_runs.clear()  # each chunk size runs eagerly once more (its warm-up) before its capture
+        self._deep_buckets.clear()
 
-    def _step(self, rows: int, mode: tuple[bool, bool]) -> None:
+    def _step(self, rows: int, mode: tuple[bool, bool], deep: bool = False) -> None:
         """Every active slot < rows: embed its token, run the model at its position, sample."""
-        self._decode_forward(self.seq, self.tokens[:rows], self.pos[:rows])
+        self._decode_forward(self.seq, self.tokens[:rows], self.pos[:rows], deep=deep)
         self._sample(*mode, rows=rows)
 
-    def _decode_forward(self, seq: cp.ndarray, tokens: cp.ndarray, pos: cp.ndarray, verify: bool = False) -> None:
+    def _decode_forward(self, seq: cp.ndarray, tokens: cp.ndarray, pos: cp.ndarray, verify: bool = False,
+                        deep: bool = False) -> None:
         """A decode step's kernels over these rows (row r: sequence seq[r]), every row's logits into
-        ws.logits; ``verify``: the rows are consecutive tokens of one sequence (blocks.verify)."""
+        ws.logits; ``verify``: the rows are consecutive tokens of one sequence (blocks.verify);
+        ``deep``: a batch whose rows hold many keys (blocks.deep)."""
         b, rows = self.blocks, tokens.shape[0]
-        b.seq, b.mma, b.decode, b.verify = seq, rows > b.decode_mmv_rows, True, verify
+        b.seq, b.mma, b.decode, b.verify, b.deep = seq, rows > b.decode_mmv_rows, True, verify, deep
         b.mmv_rows = b.decode_mmv_rows
         try:
             forward(b, self.cfg, tokens, pos, all_logits=True)
         finally:
-            b.verify = False
+            b.verify = b.deep = False
+
+    def _deep_bucket(self, rows: int) -> bool:
+        """Whether a batch step of this bucket changes its attention kernel when its rows hold many
+        keys (blocks.tiles; then it has a graph of each kind)."""
+        got = self._deep_buckets.get(rows)
+        if got is None:
+            b = self.blocks
+            got = False
+            if self.tune.tiles == "auto" and self.tune.tiles_max_keys > 0 and b.deep_ok():
+                saved = b.mmv_rows, b.deep
+                b.mmv_rows, b.deep = b.decode_mmv_rows, False  # (as _decode_forward sets them)
+                try:
+                    got = b.tiles(rows, decode=True)
+                finally:
+                    b.mmv_rows, b.deep = saved
+            self._deep_buckets[rows] = got
+        return got
+
+    def _deep(self, rows: int) -> bool:
+        """Whether this step's rows hold more keys than tiles_max_keys on average (over the bucket's
+        rows: empty slots count as none)."""
+        return self._deep_bucket(rows) and sum(self.slot_len[:rows]) > self.tune.tiles_max_keys * rows
 
     def _save_state(self) -> None:
         for src, dst in zip(self._state, self._saved):
@@ -392,15 +418,16 @@ class CudaBackend(PrefillMixin):
         for src, dst in zip(self._saved, self._state):
             cp.copyto(dst, src)
 
-    def _graph_for(self, rows: int, mode: tuple[bool, bool]):
-        """The captured step for this bucket and sampling mode, or None (eager). Parameters and
-        seeds live in device memory, so one graph serves every setting of the mode."""
+    def _graph_for(self, rows: int, mode: tuple[bool, bool], deep: bool = False):
+        """The captured step for this bucket and sampling mode (and ``deep``: _deep), or None
+        (eager). Parameters and seeds live in device memory, so one graph serves every setting of
+        the mode."""
         if not self.use_graph:
             return None
-        key = ("decode", rows, *mode)
+        key = ("decode", rows, *mode) + (("deep",) if deep else ())
         if not self.graphs.has(key):
             try:
-                self.graphs.capture(key, self._graph_step(rows, mode),
+                self.graphs.capture(key, self._graph_step(rows, mode, deep),
                                     before_warmup=self._save_state, after_warmup=self._restore_state)
             except CaptureError as e:
                 self.use_graph = False
@@ -422,8 +449,8 @@ class CudaBackend(PrefillMixin):
                 self.kernels.pdl = False
         return step
 
-    def _graph_step(self, rows: int, mode: tuple[bool, bool]) -> Callable[[], None]:
-        return self._with_pdl(lambda: self._step(rows, mode), rows)
+    def _graph_step(self, rows: int, mode: tuple[bool, bool], deep: bool = False) -> Callable[[], None]:
+        return self._with_pdl(lambda: self._step(rows, mode, deep), rows)
 
     def capture_buckets(self, mode: tuple[bool, bool] = (False, True),
                         progress: Callable[[str, int, int], None] | None = None) -> None:
@@ -432,15 +459,17 @@ class CudaBackend(PrefillMixin):
         buckets = sorted((b for b in BUCKETS if b <= self.max_batch), reverse=True)
         for i, rows in enumerate(buckets):
             self._graph_for(rows, mode)
+            if self._deep_bucket(rows):
+                self._graph_for(rows, mode, deep=True)
             if progress:
                 progress("capturing graphs", i + 1, len(buckets))
 
-    def _launch(self, key, rows: int, mode: tuple[bool, bool]) -> None:
+    def _launch(self, key, rows: int, mode: tuple[bool, bool], deep: bool = False) -> None:
         if key is not None:
             self.graphs.replay(key)
         else:
             with self.stream:
-                self._step(rows, mode)
+                self._step(rows, mode, deep)
 
     # ---- one sequence (slot 0) ------------------------------------------------------------------
     def start_single(self, history: list[int], params: SamplingParams, seed: int,
@@ -618,10 +647,16 @@ class CudaBackend(PrefillMixin):
         extra = (any(s < rows for s in self._lp), self._push_masks([s for s in self._masked if s < rows]))
         if any(extra):
             mode += extra
-        self._launch(self._graph_for(rows, mode), rows, mode)
+        deep = self._deep(rows)
+        self._launch(self._graph_for(rows, mode, deep), rows, mode, deep)
         for s in range(rows):
             if self.decoding[s]:  # (a slot whose prompt is evaluated in chunks meanwhile keeps its length)
                 self.slot_len[s] += 1
+
+    def new_event(self) -> held.Event:
+        """An event for the launch-ahead loop to record after each launch: its record and query
+        keep the GIL (graphs/held.py)."""
+        return held.Event()
 
     def seq_token(self, slot: int, i: int) -> int:
         """The i-th token sampled for the slot (after the step that made it has completed)."""

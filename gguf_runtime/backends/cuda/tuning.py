@@ -75,6 +75,7 @@ class Tuning:
     batch_split_budget: int = 256  # splits x rows of tensor-core steps: rows fill the GPU
     tiles: str = "auto"  # batch decode steps on attention_tiles.cu: "auto" (tiles_min_blocks), "on", "off"
     tiles_min_blocks: int = 256  # (KV head, row) blocks from which tiles beat splits
+    tiles_max_keys: int = 0  # ... unless the rows hold more keys than this on average: flash_decode then (0: never; RESULTS 219)
     tiles_rope: bool = True  # attention_tiles also does rope_kv's work (one launch less per layer)
     tiles_shape: tuple[int, int] | None = None  # (keys, stages); None: 8 KiB tiles, 2 stages (6 blocks/SM)
     flash: bool = True  # prompt chunks' attention on flash_attn.cu (tensor cores); off: the split kernel
@@ -248,6 +249,8 @@ def _check(t: Tuning) -> None:
                            "and down rows 1 to 8")
     if t.serve_pack_rows not in (0, 16, 32, 48, 64):
         raise BackendError(f"{ENV}: serve_pack_rows={t.serve_pack_rows}: give 16, 32, 48 or 64 (or 0: the flash rule's)")
+    if t.tiles_max_keys < 0:
+        raise BackendError(f"{ENV}: tiles_max_keys={t.tiles_max_keys}: give 0 (never) or a number of keys a row")
     if t.serve_chunk < 0:
         raise BackendError(f"{ENV}: serve_chunk={t.serve_chunk}: give 0 (whole prompts) or a number of tokens")
     if not 1 <= t.lookahead <= 32:  # (the pinned ring holds 64 tokens a slot)
