@@ -27,7 +27,6 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
-import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -400,21 +399,26 @@ class _Stream(StreamingResponse):
         self.on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:
+        # two asyncio tasks, the first to end cancels the other: an anyio task group's cancel scope
+        # formats repr(task) at each cancel, a cost on the event loop every streamed request paid
+        tasks = (asyncio.ensure_future(self._body(send)), asyncio.ensure_future(self.listen_for_disconnect(receive)))
         try:
-            async with anyio.create_task_group() as tg:
-                async def run() -> None:
-                    try:
-                        await self.stream_response(send)
-                    except OSError:
-                        pass
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(run)
-                await self.listen_for_disconnect(receive)
-                tg.cancel_scope.cancel()
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.wait(tasks)
             await self.body_iterator.aclose()
             self.on_close()
+        for t in tasks:
+            if not t.cancelled() and t.exception() is not None:
+                raise t.exception()
+
+    async def _body(self, send) -> None:
+        try:
+            await self.stream_response(send)
+        except OSError:
+            pass  # the client left mid-write
 
 
 async def prepare(svc: Service, request: Request, encode: Callable[[], Any]) -> Any:
