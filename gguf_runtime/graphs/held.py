@@ -60,8 +60,8 @@ class Event:
 
     __slots__ = ("event", "ptr")
 
-    def __init__(self, block: bool = False) -> None:
-        self.event = cp.cuda.Event(block=block, disable_timing=True)
+    def __init__(self) -> None:
+        self.event = cp.cuda.Event(block=False, disable_timing=True)
         self.ptr = self.event.ptr
 
     def record(self, stream: cp.cuda.Stream) -> None:

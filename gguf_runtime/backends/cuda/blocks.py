@@ -63,8 +63,8 @@ class CudaBlocks:
         # each row's attention splits as a one-row step's (the matvecs' per-row sums do not depend
         # on the rows: on their path a row's logits are a decode step's, bit for bit)
         self.verify = False
-        # a batch decode step whose rows hold many keys (the backend's choice, tiles_max_keys): its
-        # attention on flash_decode.cu, not attention_tiles.cu (its own graphs)
+        # a batch decode step whose rows hold many keys (the backend's choice, tiles_max_keys, only
+        # where deep_ok): its attention on flash_decode.cu, not attention_tiles.cu (its own graphs)
         self.deep = False
         self._rope: L.RopeKV | None = None  # the RoPE + KV write attn_in left to attend's kernel
         self._own = False  # attn_in left the rows' K (rotated) and V for attend's flash_decode to cache
@@ -178,7 +178,7 @@ class CudaBlocks:
         if (not decode or self._small(t) or mode == "off" or not LA.tiles_ok(cfg.head_dim, cfg.head_dim_v)
                 or self.flash_only or cfg.attn_sinks):  # (attention_tiles.cu adds no sinks)
             return False
-        return mode == "on" or (t * cfg.n_head_kv >= self.tune.tiles_min_blocks and not (self.deep and self.deep_ok()))
+        return mode == "on" or (t * cfg.n_head_kv >= self.tune.tiles_min_blocks and not self.deep)
 
     def deep_ok(self) -> bool:
         """Whether a batch decode step that attention_tiles.cu would take can run on flash_decode.cu
