@@ -100,14 +100,14 @@ def profile(be: CudaBackend, rows: int, prompt: int = 64) -> dict:
     greedy = SamplingParams(temperature=0.0)
     for s in range(rows):
         be.seq_add(s, list(range(1, prompt + 1)), greedy, 64)
-    mode = (False, True)
+    mode, deep = (False, True), be._deep(rows)  # (deep: the batch step's attention at depth, as batch_step)
     be.stream.synchronize()
     with be.stream:
-        be._step(rows, mode)  # warm
+        be._step(rows, mode, deep)  # warm
     be.stream.synchronize()
     be._save_state()
-    n_k, total, by = _timeline(be, lambda: (be._step(rows, mode), be._restore_state()))
-    graph_ms = _replay_ms(be, be._graph_for(rows, mode))
+    n_k, total, by = _timeline(be, lambda: (be._step(rows, mode, deep), be._restore_state()))
+    graph_ms = _replay_ms(be, be._graph_for(rows, mode, deep))
     for s in range(rows):
         be.seq_release(s)
     return {"rows": rows, "kernels": n_k, "kernel_ms": total, "graph_step_ms": graph_ms, "by_kernel": by}

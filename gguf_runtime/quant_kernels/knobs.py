@@ -14,6 +14,8 @@ class KernelKnobs(NamedTuple):
 
     mma_reg_a: bool = True  # Q4_K / Q6_K tensor-core tiles build A fragments in registers
     mma_split_min_steps: int = 0  # k steps a K-split block keeps where token tiles can halve (0: none)
+    mma_split_blocks: int = 264  # blocks K splits aim at (launch_mma.mma_config; two an H100 SM)
+    mma_max_split: int = 4  # K splits of a product at most (the workspace's partials are sized for them)
     mma_stages: tuple[int, int] = (2, 2)  # staged tiles' depth: single products, GLU
     tiles: tuple[int, int] | None = None  # attention_tiles (keys per tile, stages); None: tiles_config
     flash: tuple[int, int] | None = None  # flash_attn (rows per block, keys per tile); None: flash_config

@@ -8,13 +8,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
+from .knobs import KernelKnobs
 from .launch_core import fused_act, Kernels, Mat, _Counted, i32, ptr
 
 MMA_MIN_BLOCKS = 132  # one wave on an H100: below this, smaller tiles or K splits (more blocks) win
-MMA_SPLIT_BLOCKS = 264  # K splits aim at two blocks per SM (the 64-row tiles' registers allow 2-3)
+MMA_SPLIT_BLOCKS = KernelKnobs().mma_split_blocks  # K splits aim at two blocks per SM (the 64-row tiles'
+# registers allow 2-3); tools and tests without a backend: the tuning table's mma_split_blocks otherwise
 MMA_TK = 128  # columns per k step (matmul_mma.cu TK)
 MMA_TALL_MIN_COLS = 1024
-MMA_MAX_SPLIT = 4  # K splits of a product (partials merged in split order by the tile's last block)
+MMA_MAX_SPLIT = KernelKnobs().mma_max_split  # K splits of a product (partials merged in split order by the
+# tile's last block); the tuning table's mma_max_split otherwise
 # Types whose A fragments are built in registers (mma_regs.cuh): x tile row stride in halves.
 # x goes through shared memory in two buffers, and for the REG_A_WROW types each k step's raw
 # weights too (bytes per weight row, two buffers).
@@ -37,7 +40,8 @@ class MmaConfig(NamedTuple):
     h: int = 1  # row tiles stacked in a block (2: x read half as often)
 
 
-def mma_config(rows: Sequence[int], n_tok: int, cols: int = 0, tall: bool = True, floor: int = 0) -> MmaConfig:
+def mma_config(rows: Sequence[int], n_tok: int, cols: int = 0, tall: bool = True, floor: int = 0,
+               split_blocks: int = MMA_SPLIT_BLOCKS, max_split: int = MMA_MAX_SPLIT) -> MmaConfig:
     """The largest block (x is read once per row tile: large tiles read it least) that fills a wave
     with at most MMA_MAX_SPLIT K splits; cols = 0: no split. tall: blocks of two stacked 64-row
     tiles where they fill the GPU unsplit and K is long (output heads: faster for the 8B's at B=64,
@@ -46,19 +50,19 @@ def mma_config(rows: Sequence[int], n_tok: int, cols: int = 0, tall: bool = True
     steps (KernelKnobs.mma_split_min_steps) and the token tile is wider than 32, the split is
     lowered to keep them and the token tiles are halved to keep the blocks (the 8B's o-proj at
     B=64: 2 splits of 32-token tiles beat 4 splits of 64-token tiles; measured: see
-    bench/RESULTS.md)."""
+    bench/RESULTS.md). split_blocks and max_split: KernelKnobs.mma_split_blocks / mma_max_split."""
     steps = -(-cols // MMA_TK)
 
     def plan(wr: int, nt: int, h: int) -> tuple[int, int]:  # (tiles, split before the floor)
         tiles = sum(-(-n // (16 * wr * h)) for n in rows) * -(-n_tok // (8 * nt * (4 // wr)))
-        return tiles, max(1, min(steps, MMA_MAX_SPLIT, -(-MMA_SPLIT_BLOCKS // tiles)))
+        return tiles, max(1, min(steps, max_split, -(-split_blocks // tiles)))
 
     for wr, h in ((4, 2), (4, 1), (2, 1), (1, 1)):
         if h == 2 and not tall:
             continue
         nt = min(8, max(1, -(-min(n_tok, 64) // (8 * (4 // wr)))))
         tiles, split = plan(wr, nt, h)
-        if h == 2 and (tiles < MMA_SPLIT_BLOCKS or cols < MMA_TALL_MIN_COLS):
+        if h == 2 and (tiles < split_blocks or cols < MMA_TALL_MIN_COLS):
             continue
         if tiles * split >= MMA_MIN_BLOCKS or wr == 1:
             runs = max(1, steps // floor) if floor else split  # splits of at least `floor` k steps
@@ -95,20 +99,21 @@ def _mma_plan(k: Kernels, rows: Sequence[int], n_tok: int, cols: int, n_mats: in
               tall: bool = True) -> MmaConfig:
     """mma_config (with the knobs' split floor), without a split where the scratch cannot hold its
     partials (n_mats: W tiles per block besides the tall stacking)."""
-    floor = k.knobs.mma_split_min_steps
-    if k.knobs.mma_shape is not None:
-        return MmaConfig(*k.knobs.mma_shape, 1, 1)
-    c = mma_config(rows, n_tok, cols if scratch else 0, tall, floor)
+    kn = k.knobs
+    if kn.mma_shape is not None:
+        return MmaConfig(*kn.mma_shape, 1, 1)
+    c = mma_config(rows, n_tok, cols if scratch else 0, tall, kn.mma_split_min_steps, kn.mma_split_blocks,
+                   kn.mma_max_split)
     if c.split > 1:
         tiles = sum(-(-n // (16 * c.wr * c.h)) for n in rows) * -(-n_tok // (8 * c.nt * (4 // c.wr)))
         if tiles > scratch.counters or tiles * c.split * n_mats * c.h * 512 * c.nt > scratch.part_floats:
-            return mma_config(rows, n_tok, 0, tall, floor)
+            return mma_config(rows, n_tok, 0, tall, kn.mma_split_min_steps, kn.mma_split_blocks, kn.mma_max_split)
     return c
 
 
-def split_part_floats(rows: int, n_tok: int) -> int:
+def split_part_floats(rows: int, n_tok: int, max_split: int = MMA_MAX_SPLIT) -> int:
     """Floats of partials any split product with <= rows output rows and n_tok tokens needs."""
-    return MMA_MAX_SPLIT * -(-rows // 64) * 64 * -(-n_tok // 64) * 64
+    return max_split * -(-rows // 64) * 64 * -(-n_tok // 64) * 64
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,9 @@ kernel compiles on the first token or inside a graph capture.
 
 The list is not derived from the dispatch rules: the backend's own calls run once against a
 recording launcher (``Kernels.record``), which notes each kernel a launch would use and runs
-nothing: every decode step size and sampling mode, a sequence's start, prompt chunks of 1 to MAX_MMV_TOKENS rows and
-a full chunk (with and without every row's logits), and the f16 copies of the cuBLAS prefill.
+nothing: every decode step size and sampling mode (and deep batch steps), a sequence's start, prompt
+chunks of 1 to MAX_MMV_TOKENS rows and a full chunk (with and without every row's logits), and the
+f16 copies of the cuBLAS prefill.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ def precompile(backend, buckets: Sequence[int]) -> None:
             for rows in (b for b in buckets if b <= backend.max_batch):
                 for mode in MODES:
                     backend._step(rows, mode)
+                if backend._deep_bucket(rows):  # its deep steps' attention (tiles_max_keys)
+                    backend._step(rows, MODES[0], deep=True)
             LS.prime_slots(k, 0, 1, backend.sampler_state)  # every admission's (records only)
             LS.row_logprobs(k, 0, 0, 0, backend.sampler_state, 1)  # a step with logprobs
             LS.chosen_logprob(k, 0, 0, backend.sampler_state, 1)

@@ -75,7 +75,7 @@ class Tuning:
     batch_split_budget: int = 256  # splits x rows of tensor-core steps: rows fill the GPU
     tiles: str = "auto"  # batch decode steps on attention_tiles.cu: "auto" (tiles_min_blocks), "on", "off"
     tiles_min_blocks: int = 256  # (KV head, row) blocks from which tiles beat splits
-    tiles_max_keys: int = 0  # ... unless the rows hold more keys than this on average: flash_decode then (0: never; RESULTS 219)
+    tiles_max_keys: int = 768  # ... unless the rows hold more keys than this on average: flash_decode then (0: never; RESULTS 219, 221)
     tiles_rope: bool = True  # attention_tiles also does rope_kv's work (one launch less per layer)
     tiles_shape: tuple[int, int] | None = None  # (keys, stages); None: 8 KiB tiles, 2 stages (6 blocks/SM)
     flash: bool = True  # prompt chunks' attention on flash_attn.cu (tensor cores); off: the split kernel
@@ -90,6 +90,8 @@ class Tuning:
     # -- tensor cores (batch steps)
     mma_reg_a: bool = True  # Q4_K / Q6_K A fragments built in registers
     mma_split_min_steps: int = 12  # K-split floor: fewer, longer splits over halved token tiles
+    mma_split_blocks: int = 264  # blocks the K splits aim at (two an SM: the 64-row tiles' registers)
+    mma_max_split: int = 4  # K splits a product at most (sizes the workspace's partials)
     mma_stages: tuple[int, int] = (2, 2)  # staged tiles' depth, products / GLU (deeper pipelines were slower)
     mma_shape: tuple[int, int] | None = None  # (WR, NT) of every tensor-core tile, no split (measuring only)
     # -- graphs
@@ -122,6 +124,7 @@ class Tuning:
     def knobs(self) -> KernelKnobs:
         """The kernel launchers' share of the table."""
         return KernelKnobs(mma_reg_a=self.mma_reg_a, mma_split_min_steps=self.mma_split_min_steps,
+                           mma_split_blocks=self.mma_split_blocks, mma_max_split=self.mma_max_split,
                            mma_stages=self.mma_stages, tiles=self.tiles_shape, flash=self.flash_shape,
                            decode=(self.decode_warps, *(self.decode_shape or (0, 0))),
                            decode_min_keys=self.decode_min_keys,
@@ -249,6 +252,9 @@ def _check(t: Tuning) -> None:
                            "and down rows 1 to 8")
     if t.serve_pack_rows not in (0, 16, 32, 48, 64):
         raise BackendError(f"{ENV}: serve_pack_rows={t.serve_pack_rows}: give 16, 32, 48 or 64 (or 0: the flash rule's)")
+    if not 1 <= t.mma_max_split <= 16 or t.mma_split_blocks < 1:
+        raise BackendError(f"{ENV}: mma_max_split={t.mma_max_split}, mma_split_blocks={t.mma_split_blocks}: "
+                           "give 1 to 16 splits and at least one block")
     if t.tiles_max_keys < 0:
         raise BackendError(f"{ENV}: tiles_max_keys={t.tiles_max_keys}: give 0 (never) or a number of keys a row")
     if t.serve_chunk < 0:
