@@ -92,12 +92,82 @@ DEV void dec_load(int k0, int end, int skip, const int* tab, int max_pages, int 
     }
 }
 
+// BK (f16 caches): a tile's rows come by cp.async.bulk (the copy engine, one 16-byte-aligned row a
+// request, into the padded tile rows) instead of sixteen 16-byte cp.asyncs a lane, and each stage
+// of the warp's ring has an mbarrier that counts the tile's bytes. Rows past end or without a page
+// are zeroed by the lane that would copy them (a masked key's V row must not hold NaN); the row
+// ``skip`` is left alone as in dec_load.
+DEV void mbar_init(u64* bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(bar)) : "memory");
+}
+DEV void mbar_expect(u64* bar, u32 bytes) {
+    asm volatile("{ .reg .b64 st; mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1; }" ::"r"(smem_u32(bar)),
+                 "r"(bytes) : "memory");
+}
+DEV void mbar_wait(u64* bar, u32 parity) {
+    asm volatile("{ .reg .pred done; FD_WAIT_%=: mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1; "
+                 "@!done bra FD_WAIT_%=; }" ::"r"(smem_u32(bar)), "r"(parity) : "memory");
+}
+DEV void bulk_row(void* dst, const void* src, u32 bytes, u64* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
+}
+
+template <class F, int D, class KV>
+DEV void dec_load_bulk(int k0, int end, int skip, const int* tab, int max_pages, int page_size, int n_head_kv, int hk,
+                       int lane, const KV* kcache, const KV* vcache, char* Ks, char* Vs, u64* bar) {
+    using R = KvRow<KV, D>;
+    static_assert(R::SB == 0 && R::VB % 16 == 0, "f16 and float rows: one bulk request a row");
+    constexpr int KT = F::KTILE;
+    const int valid = min(KT, end - k0);
+    const bool one = page_size >= KT;
+    long b1 = -1;
+    if (one) {
+        const int pg = kv_page(k0, page_size), page = k0 < end && pg < max_pages ? tab[pg] : -1;
+        b1 = page >= 0 ? kv_block<KV, D>(page, hk, n_head_kv, page_size) : -1;
+    }
+    // the tile's bytes before any request (the barrier's count may only reach zero once they land)
+    u32 bytes = 0;
+#pragma unroll
+    for (int r0 = 0; r0 < KT; r0 += 32) {  // (every lane takes part in each ballot)
+        const int r = r0 + lane, key = k0 + r;
+        long b = b1;
+        if (!one) {
+            const int pg = kv_page(key, page_size), page = r < valid && pg < max_pages ? tab[pg] : -1;
+            b = page >= 0 ? kv_block<KV, D>(page, hk, n_head_kv, page_size) : -1;
+        }
+        const bool ok = r < valid && b >= 0 && key != skip;
+        bytes += __popc(__ballot_sync(0xffffffffu, ok)) * 2 * R::VB;
+    }
+    if (lane == 0) mbar_expect(bar, bytes);
+    __syncwarp();
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // this stage's earlier generic writes
+#pragma unroll
+    for (int r = lane; r < 2 * KT; r += 32) {
+        const int j = r % KT, key = k0 + j;
+        if (key == skip) continue;
+        long b = b1;
+        if (!one) {
+            const int pg = kv_page(key, page_size), page = j < valid && pg < max_pages ? tab[pg] : -1;
+            b = page >= 0 ? kv_block<KV, D>(page, hk, n_head_kv, page_size) : -1;
+        }
+        char* dst = (r < KT ? Ks : Vs) + j * F::LDRB;
+        if (j < valid && b >= 0) {
+            const char* base = reinterpret_cast<const char*>(r < KT ? kcache : vcache);
+            bulk_row(dst, base + b + (long)kv_slot(key, page_size) * R::VB, R::VB, bar);
+        } else {
+#pragma unroll
+            for (int c = 0; c < R::VB / 16; ++c) reinterpret_cast<uint4*>(dst)[c] = make_uint4(0u, 0u, 0u, 0u);
+        }
+    }
+}
+
 // q8_0 bytes (XORed with 0x80: q + 128) of w chosen by sel as the f16 pair d q, rounded once as
 // kv_to_f16 does: q8_h2 with one f16 scale h for both, q8_h2s with a pair of scales
 DEV u32 q8_h2s(u32 w, u32 sel, u32 d2) { return hmul2(hsub2(prmt(w, H_MAGIC, sel), 0x64806480u), d2); }
 DEV u32 q8_h2(u32 w, u32 sel, u32 h) { return q8_h2s(w, sel, h | (h << 16)); }
 
-template <int D, int G, int NW, int KT, int ST, class KV>
+template <int D, int G, int NW, int KT, int ST, class KV, int BK = 0>
 __global__ void __launch_bounds__(32 * NW) flash_decode(
         const float* __restrict__ q, int ldq, const KV* __restrict__ kcache, const KV* __restrict__ vcache,
         const int* __restrict__ pos, const int* __restrict__ seq, const int* __restrict__ table, int max_pages,
@@ -143,6 +213,14 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
     const int skip = early ? p : -1;
     constexpr bool QUANT = KvRow<KV, D>::SB > 0;
     const bool fuse = QUANT && early && own_kv != nullptr;  // this kernel writes the row's own key
+    static_assert(!BK || (!F::RAW && !QUANT), "bulk rows: f16 caches");
+    __shared__ __align__(8) u64 fd_bar[BK ? NW * ST : 1];  // BK: a barrier a stage of each warp's ring
+    u64* bars = fd_bar + (BK ? warp * ST : 0);
+    if constexpr (BK) {
+        if (lane < ST) mbar_init(bars + lane);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        __syncwarp();
+    }
     // this warp's tile (its i) holding the row's own key, else -1; own: the same, where the prologue
     // requests the key's row from the cache
     const int ot = (p - start) / KT;
@@ -150,9 +228,14 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
     const int own = !fuse && own_i < ST - 1 ? own_i : -1;
 #pragma unroll
     for (int i = 0; i < ST - 1; ++i) {  // one commit group per tile (empty past the last)
-        if (i < mine)
-            dec_load<F, D, KV>(start + (warp + NW * i) * KT, end, skip, tab, max_pages, page_size, n_head_kv, hk,
-                               lane, kcache, vcache, Kst + i * F::STAGE, Vst + i * F::STAGE);
+        if (i < mine) {
+            if constexpr (BK)
+                dec_load_bulk<F, D, KV>(start + (warp + NW * i) * KT, end, skip, tab, max_pages, page_size, n_head_kv,
+                                        hk, lane, kcache, vcache, Kst + i * F::STAGE, Vst + i * F::STAGE, bars + i);
+            else
+                dec_load<F, D, KV>(start + (warp + NW * i) * KT, end, skip, tab, max_pages, page_size, n_head_kv, hk,
+                                   lane, kcache, vcache, Kst + i * F::STAGE, Vst + i * F::STAGE);
+        }
         fa_commit();
     }
     if (early) {
@@ -196,14 +279,25 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
 
     for (int i = 0; i < mine; ++i) {
         const int k0 = start + (warp + NW * i) * KT, st = i % ST;
-        if (i == own) fa_wait<0>();  // the own key's group came after the prologue's
-        else fa_wait<ST - 2>();      // this tile's group has landed (later ones may be in flight)
-        __syncwarp();                // ... for every lane; the stage computed last iteration is free
+        if constexpr (BK) {
+            mbar_wait(bars + st, (i / ST) & 1);  // this tile's bulk rows have landed
+            if (i == own) fa_wait<0>();          // ... and the own key's cp.async
+        } else if (i == own) {
+            fa_wait<0>();  // the own key's group came after the prologue's
+        } else {
+            fa_wait<ST - 2>();  // this tile's group has landed (later ones may be in flight)
+        }
+        __syncwarp();  // ... for every lane; the stage computed last iteration is free
         if (i + ST - 1 < mine) {
             const int sn = (i + ST - 1) % ST;
-            dec_load<F, D, KV>(start + (warp + NW * (i + ST - 1)) * KT, end, fuse ? p : -1, tab, max_pages,
-                               page_size, n_head_kv, hk, lane, kcache, vcache, Kst + sn * F::STAGE,
-                               Vst + sn * F::STAGE);
+            if constexpr (BK)
+                dec_load_bulk<F, D, KV>(start + (warp + NW * (i + ST - 1)) * KT, end, fuse ? p : -1, tab, max_pages,
+                                        page_size, n_head_kv, hk, lane, kcache, vcache, Kst + sn * F::STAGE,
+                                        Vst + sn * F::STAGE, bars + sn);
+            else
+                dec_load<F, D, KV>(start + (warp + NW * (i + ST - 1)) * KT, end, fuse ? p : -1, tab, max_pages,
+                                   page_size, n_head_kv, hk, lane, kcache, vcache, Kst + sn * F::STAGE,
+                                   Vst + sn * F::STAGE);
         }
         fa_commit();
         if constexpr (QUANT) {
@@ -422,4 +516,7 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
     INST1(D, G, NW, KT, ST, kvq8) INST1(D, G, NW, KT, ST, kvq4)
 INST(64, 1, 4, 16, 3) INST(64, 3, 4, 16, 3) INST(128, 4, 4, 16, 3) INST(128, 4, 4, 16, 4) INST(128, 4, 4, 32, 3)
 INST(128, 8, 4, 16, 3) INST(256, 4, 4, 16, 3) INST(256, 8, 4, 16, 3) INST(128, 4, 2, 16, 4) INST(128, 4, 8, 16, 2)
+template __global__ void flash_decode<128, 4, 8, 16, 2, u16, 1>(const float*, int, const u16*, const u16*, const int*,
+    const int*, const int*, int, int, int, float, float, int, int, int, int, int, float*, float*, unsigned*, float*,
+    int, u16*, int, u8*, int, float4*, int, int, const float*, const float*, int);
 #endif

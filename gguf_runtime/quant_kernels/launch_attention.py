@@ -218,9 +218,9 @@ def decode_min_keys(head_dim: int, config: tuple[int, int, int], kv: str) -> int
     return nw * kt * (2 if head_dim <= 64 and kv == "f16" else 1)
 
 
-def decode_kernel_name(head_dim: int, group: int, config: tuple[int, int, int], kv: str) -> str:
+def decode_kernel_name(head_dim: int, group: int, config: tuple[int, int, int], kv: str, bulk: bool = False) -> str:
     nw, kt, st = config
-    return f"flash_decode<{head_dim}, {group}, {nw}, {kt}, {st}, {kv_ctype(kv, True)}>"
+    return f"flash_decode<{head_dim}, {group}, {nw}, {kt}, {st}, {kv_ctype(kv, True)}{', 1' if bulk else ''}>"
 
 
 def decode_smem(head_dim: int, config: tuple[int, int, int], kv: str) -> int:
@@ -237,7 +237,7 @@ def flash_decode(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache: i
                  cap: float, window: int, n_split: int, part_o: int, part_ml: int, counter: int, out: int, ldo: int,
                  out16: int | None = None, ld16: int = 0, q8: Q8Vec | None = None, early: bool = False,
                  kv: str = "f32", config: tuple[int, int, int] | None = None, sinks: int = 0,
-                 own: tuple[int, int] | None = None, per_row: bool = False) -> None:
+                 own: tuple[int, int] | None = None, per_row: bool = False, bulk: bool | None = None) -> None:
     """attention()'s contract (rows: each one token of its own sequence, or of one sequence without
     ``early``) on the tensor cores: f16 operands (q scaled, K, V, P), f32 accumulation. A split
     covers at least one tile per warp: short contexts run one block per KV head, no merge of splits.
@@ -245,13 +245,15 @@ def flash_decode(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache: i
     speculative verification, whose rows then get what one-row decode steps get, bit for bit.
     sinks: as flash_prefill's. own = (qkv, ld), q8_0 / q4_0 caches with ``early``: each row's own
     key and value are not in the cache yet but in qkv's row (Q, K rotated, V; float32): the kernel
-    quantizes them into the cache (rope_kv's work for the row, without its launch)."""
+    quantizes them into the cache (rope_kv's work for the row, without its launch). bulk (None: the
+    knobs' decode_bulk): an f16 cache's tiles by cp.async.bulk, a row a request (the same bits)."""
     g = n_head // n_head_kv
     assert flash_ok(head_dim, head_dim, g) and (q8 is None or head_dim % 16 == 0)
     assert 1 <= n_split <= ATTN_MAX_SPLITS and page_size & (page_size - 1) == 0, (n_split, page_size)
     assert own is None or (early and kv in KL.QUANT), (own, early, kv)
     config = config or decode_config(head_dim, kv, k.knobs.decode)
-    fn = k.fn("flash_decode.cu", decode_kernel_name(head_dim, g, config, kv))
+    bulk = (k.knobs.decode_bulk if bulk is None else bulk) and kv == "f16"
+    fn = k.fn("flash_decode.cu", decode_kernel_name(head_dim, g, config, kv, bulk))
     smem = decode_smem(head_dim, config, kv)
     fn.allow_smem(smem)
     # batches: the step's blocks in one wave, SMs x the blocks an SM holds (shared memory); one row

@@ -85,6 +85,7 @@ class Tuning:
     decode_warps: int = 0  # flash_decode's warps a block; 0: decode_config's (8, fewer where rings do not fit)
     decode_min_keys: int = 0  # flash_decode's keys a split at least; 0: launch_attention.decode_min_keys's rule
     flash_decode_batch: bool = True  # ... and tensor-core steps attention_tiles does not take (8B B=4-16: +6-8%)
+    decode_bulk: bool = False  # flash_decode's f16 tiles by cp.async.bulk, a row a request (measuring: RESULTS 224)
     decode_work_split: bool = True  # flash_decode splits a batch's rows by its total keys (uneven depths: +30%)
     sm_count: int = 0  # the GPU's SMs (choose() fills it in)
     # -- tensor cores (batch steps)
@@ -127,7 +128,7 @@ class Tuning:
                            mma_split_blocks=self.mma_split_blocks, mma_max_split=self.mma_max_split,
                            mma_stages=self.mma_stages, tiles=self.tiles_shape, flash=self.flash_shape,
                            decode=(self.decode_warps, *(self.decode_shape or (0, 0))),
-                           decode_min_keys=self.decode_min_keys,
+                           decode_min_keys=self.decode_min_keys, decode_bulk=self.decode_bulk,
                            sm_count=self.sm_count if self.decode_work_split else 0, mma_shape=self.mma_shape,
                            mmv_token_grid=self.mmv_token_grid, gpu_sms=self.sm_count,
                            grid_waves=self.mmv_grid_waves, grid_groups=self.mmv_grid_groups,
