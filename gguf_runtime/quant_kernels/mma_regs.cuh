@@ -81,7 +81,11 @@ template <> struct RegA<TQ4_K> {
             if (CH % NTHR == 0 || idx < CH) {
                 const int j = idx / (ROWS * CHUNKS), r = idx / CHUNKS % ROWS, c = idx % CHUNKS;
                 const int row = min(row0 + j * jstride + r, n_rows - 1);
-                cp_async16(ws + (j * ROWS + r) * WROW + 16 * c, chunk(ms[j], row, k0, c), true);
+                Mat m = ms[0];  // ms[j] by selects: indexed at run time, the array went to local memory
+#pragma unroll
+                for (int q = 1; q < NM; ++q)
+                    if (j == q) m = ms[q];
+                cp_async16(ws + (j * ROWS + r) * WROW + 16 * c, chunk(m, row, k0, c), true);
             }
         }
     }
