@@ -85,7 +85,7 @@ class Tuning:
     decode_warps: int = 0  # flash_decode's warps a block; 0: decode_config's (8, fewer where rings do not fit)
     decode_min_keys: int = 0  # flash_decode's keys a split at least; 0: launch_attention.decode_min_keys's rule
     flash_decode_batch: bool = True  # ... and tensor-core steps attention_tiles does not take (8B B=4-16: +6-8%)
-    decode_bulk: bool = False  # flash_decode's f16 tiles by cp.async.bulk, a row a request (measuring: RESULTS 224)
+    decode_bulk: bool = False  # flash_decode's f16 tiles by cp.async.bulk, a row a request (off until measured on a GPU)
     decode_work_split: bool = True  # flash_decode splits a batch's rows by its total keys (uneven depths: +30%)
     sm_count: int = 0  # the GPU's SMs (choose() fills it in)
     # -- tensor cores (batch steps)
