@@ -54,6 +54,14 @@ template <int D, int G, int NW, int KT, int ST, class KV> struct Dec {
 // two copies in flight to one address would land in either order). A tile inside one page (pages
 // of KT keys or more) is one run of rows: one page lookup, consecutive lanes on consecutive bytes;
 // a tile over several pages looks each row's page up.
+// The byte offset of key's (page, hk) block in a layer's cache, -1 past end or without a page.
+template <class KV, int D>
+DEV long dec_block(int key, int end, const int* tab, int max_pages, int page_size, int n_head_kv, int hk) {
+    const int pg = kv_page(key, page_size);
+    const int page = key < end && pg < max_pages ? tab[pg] : -1;
+    return page >= 0 ? kv_block<KV, D>(page, hk, n_head_kv, page_size) : -1;
+}
+
 template <class F, int D, class KV>
 DEV void dec_load(int k0, int end, int skip, const int* tab, int max_pages, int page_size, int n_head_kv, int hk,
                   int lane, const KV* kcache, const KV* vcache, char* Ks, char* Vs) {
@@ -63,11 +71,7 @@ DEV void dec_load(int k0, int end, int skip, const int* tab, int max_pages, int 
     const char* vb = reinterpret_cast<const char*>(vcache);
     const int valid = min(KT, end - k0);  // rows below end
     const bool one = page_size >= KT;
-    auto block_of = [&](int key) -> long {  // the (page, hk) block of key, -1 without a page
-        const int pg = kv_page(key, page_size);
-        const int page = key < end && pg < max_pages ? tab[pg] : -1;
-        return page >= 0 ? kv_block<KV, D>(page, hk, n_head_kv, page_size) : -1;
-    };
+    auto block_of = [&](int key) { return dec_block<KV, D>(key, end, tab, max_pages, page_size, n_head_kv, hk); };
     const long blk = one ? block_of(k0) : -1;
 #pragma unroll
     for (int i = lane; i < KT * VP; i += 32) {
@@ -120,41 +124,31 @@ DEV void dec_load_bulk(int k0, int end, int skip, const int* tab, int max_pages,
     static_assert(R::SB == 0 && R::VB % 16 == 0, "f16 and float rows: one bulk request a row");
     constexpr int KT = F::KTILE;
     const int valid = min(KT, end - k0);
-    const bool one = page_size >= KT;
-    long b1 = -1;
-    if (one) {
-        const int pg = kv_page(k0, page_size), page = k0 < end && pg < max_pages ? tab[pg] : -1;
-        b1 = page >= 0 ? kv_block<KV, D>(page, hk, n_head_kv, page_size) : -1;
-    }
-    // the tile's bytes before any request (the barrier's count may only reach zero once they land)
+    const long b1 = page_size >= KT ? dec_block<KV, D>(k0, end, tab, max_pages, page_size, n_head_kv, hk) : -2;
+    // each lane's rows r = lane + 32 i of the 2 KT (K rows, then V rows): their blocks first, then
+    // the tile's bytes on the barrier before any request (its count may only reach zero once they land)
+    constexpr int N = (2 * KT + 31) / 32;
+    long b[N];
     u32 bytes = 0;
 #pragma unroll
-    for (int r0 = 0; r0 < KT; r0 += 32) {  // (every lane takes part in each ballot)
-        const int r = r0 + lane, key = k0 + r;
-        long b = b1;
-        if (!one) {
-            const int pg = kv_page(key, page_size), page = r < valid && pg < max_pages ? tab[pg] : -1;
-            b = page >= 0 ? kv_block<KV, D>(page, hk, n_head_kv, page_size) : -1;
-        }
-        const bool ok = r < valid && b >= 0 && key != skip;
-        bytes += __popc(__ballot_sync(0xffffffffu, ok)) * 2 * R::VB;
+    for (int i = 0; i < N; ++i) {  // (every lane takes part in each ballot)
+        const int r = lane + 32 * i, key = k0 + r % KT;
+        b[i] = r >= 2 * KT || key == skip ? -2
+             : b1 != -2                   ? (r % KT < valid ? b1 : -1)
+                                          : dec_block<KV, D>(key, end, tab, max_pages, page_size, n_head_kv, hk);
+        bytes += __popc(__ballot_sync(0xffffffffu, b[i] >= 0)) * R::VB;
     }
     if (lane == 0) mbar_expect(bar, bytes);
     __syncwarp();
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // this stage's earlier generic writes
 #pragma unroll
-    for (int r = lane; r < 2 * KT; r += 32) {
-        const int j = r % KT, key = k0 + j;
-        if (key == skip) continue;
-        long b = b1;
-        if (!one) {
-            const int pg = kv_page(key, page_size), page = j < valid && pg < max_pages ? tab[pg] : -1;
-            b = page >= 0 ? kv_block<KV, D>(page, hk, n_head_kv, page_size) : -1;
-        }
+    for (int i = 0; i < N; ++i) {
+        const int r = lane + 32 * i, j = r % KT;
+        if (b[i] == -2) continue;  // no row, or the row skip
         char* dst = (r < KT ? Ks : Vs) + j * F::LDRB;
-        if (j < valid && b >= 0) {
+        if (b[i] >= 0) {
             const char* base = reinterpret_cast<const char*>(r < KT ? kcache : vcache);
-            bulk_row(dst, base + b + (long)kv_slot(key, page_size) * R::VB, R::VB, bar);
+            bulk_row(dst, base + b[i] + (long)kv_slot(k0 + j, page_size) * R::VB, R::VB, bar);
         } else {
 #pragma unroll
             for (int c = 0; c < R::VB / 16; ++c) reinterpret_cast<uint4*>(dst)[c] = make_uint4(0u, 0u, 0u, 0u);

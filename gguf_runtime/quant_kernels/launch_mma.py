@@ -12,12 +12,10 @@ from .knobs import KernelKnobs
 from .launch_core import fused_act, Kernels, Mat, _Counted, i32, ptr
 
 MMA_MIN_BLOCKS = 132  # one wave on an H100: below this, smaller tiles or K splits (more blocks) win
-MMA_SPLIT_BLOCKS = KernelKnobs().mma_split_blocks  # K splits aim at two blocks per SM (the 64-row tiles'
-# registers allow 2-3); tools and tests without a backend: the tuning table's mma_split_blocks otherwise
+MMA_SPLIT_BLOCKS = KernelKnobs().mma_split_blocks  # mma_config's defaults without a backend (the knobs')
 MMA_TK = 128  # columns per k step (matmul_mma.cu TK)
 MMA_TALL_MIN_COLS = 1024
-MMA_MAX_SPLIT = KernelKnobs().mma_max_split  # K splits of a product (partials merged in split order by the
-# tile's last block); the tuning table's mma_max_split otherwise
+MMA_MAX_SPLIT = KernelKnobs().mma_max_split
 # Types whose A fragments are built in registers (mma_regs.cuh): x tile row stride in halves.
 # x goes through shared memory in two buffers, and for the REG_A_WROW types each k step's raw
 # weights too (bytes per weight row, two buffers).
@@ -102,12 +100,14 @@ def _mma_plan(k: Kernels, rows: Sequence[int], n_tok: int, cols: int, n_mats: in
     kn = k.knobs
     if kn.mma_shape is not None:
         return MmaConfig(*kn.mma_shape, 1, 1)
-    c = mma_config(rows, n_tok, cols if scratch else 0, tall, kn.mma_split_min_steps, kn.mma_split_blocks,
-                   kn.mma_max_split)
+
+    def config(cols: int) -> MmaConfig:
+        return mma_config(rows, n_tok, cols, tall, kn.mma_split_min_steps, kn.mma_split_blocks, kn.mma_max_split)
+    c = config(cols if scratch else 0)
     if c.split > 1:
         tiles = sum(-(-n // (16 * c.wr * c.h)) for n in rows) * -(-n_tok // (8 * c.nt * (4 // c.wr)))
         if tiles > scratch.counters or tiles * c.split * n_mats * c.h * 512 * c.nt > scratch.part_floats:
-            return mma_config(rows, n_tok, 0, tall, kn.mma_split_min_steps, kn.mma_split_blocks, kn.mma_max_split)
+            return config(0)
     return c
 
 
