@@ -11,7 +11,7 @@
 // row. A k16 MMA only needs A and B to agree on which column sits at which k: lane tig takes
 // its own contiguous quant bytes, and the B fragment (x, f16, in shared memory) is read at the
 // same columns. The x tile goes through shared memory (cp.async, two buffers); Q4_K stages each
-// step's raw weights there too, Q6_K loads them into registers two steps ahead (mma_tiles_reg).
+// step's raw weights there too, Q6_K loads them into registers (mma_tiles_reg).
 //
 // Precision: ds = d * sc and m = dmin * mn are rounded to f16 (as is the dequantized weight in
 // the other path), then q * ds - m is rounded once (fma).
@@ -232,7 +232,6 @@ DEV void x_tile_async(const u16* __restrict__ x, int ldx, int n_tok, int t0, int
 // every warp waited about a memory latency per step at their first use (the 8B's GLU: a large
 // share of its cycles were long-scoreboard stalls) and they took two register copies of the raw
 // data. ST > 2 keeps more steps' loads in flight (KernelKnobs.mma_stages: two, as deeper was slower).
-// The others (Q6_K) load each step's raw data into registers two steps ahead.
 template <class T, int WR, int NT, int NM, int ST>
 DEV void mma_tiles_reg(const Mat (&ms)[NM], int n_rows, int row0, int jstride, const u16* x, int ldx, int n_tok,
                        int t0, int kb, int ke, int K, u16* smem, float (&acc)[NM][NT][4]) {
@@ -248,20 +247,14 @@ DEV void mma_tiles_reg(const Mat (&ms)[NM], int n_rows, int row0, int jstride, c
     for (int j = 0; j < NM; ++j)
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) acc[j][nt][0] = acc[j][nt][1] = acc[j][nt][2] = acc[j][nt][3] = 0.f;
-    // not staged: the raw data of the next two steps (one step ahead left each warp a memory latency
-    // to wait at every step's first use: ncu's long-scoreboard stalls in the 8B's Q6_K down at B=64)
-    typename R::Raw w[NM], w2[NM];
+    typename R::Raw w[NM];  // not staged: the next step's raw data
     if constexpr (STAGED) {
 #pragma unroll
         for (int s = 0; s < S - 1; ++s)
             if (kb + s * TK < ke) R::template stage<WR, NM>(ms, n_rows, row0, jstride, kb + s * TK, wsm + s * WS);
     } else {
-        const int k1 = kb + TK < ke ? kb + TK : kb;
 #pragma unroll
-        for (int j = 0; j < NM; ++j) {
-            R::load(ms[j], n_rows, r + j * jstride, kb, w[j]);
-            R::load(ms[j], n_rows, r + j * jstride, k1, w2[j]);
-        }
+        for (int j = 0; j < NM; ++j) R::load(ms[j], n_rows, r + j * jstride, kb, w[j]);
     }
     pdl_enter();  // the first weights load before it (common.cuh)
 #pragma unroll
@@ -284,12 +277,11 @@ DEV void mma_tiles_reg(const Mat (&ms)[NM], int n_rows, int row0, int jstride, c
 #pragma unroll
             for (int j = 0; j < NM; ++j) R::load_smem(wsm + buf * WS + (j * 16 * WR + 16 * wr + g) * R::WROW, cur[j]);
         } else {
-            const int kn2 = k0 + 2 * TK < ke ? k0 + 2 * TK : k0;  // two steps on (past the end: a valid reload)
+            const int kn1 = k0 + TK < ke ? k0 + TK : k0;  // the next step (the last one reloads its own)
 #pragma unroll
-            for (int j = 0; j < NM; ++j) {  // that step's loads go out before this step's MMAs
+            for (int j = 0; j < NM; ++j) {  // the next step's loads go out before this step's MMAs
                 cur[j] = w[j];
-                w[j] = w2[j];
-                R::load(ms[j], n_rows, r + j * jstride, kn2, w2[j]);
+                R::load(ms[j], n_rows, r + j * jstride, kn1, w[j]);
             }
         }
         R::template step<NT, NM>(cur, k0, smem + buf * XS + wc * 8 * NT * R::LDX, acc);
