@@ -3,7 +3,9 @@ GEN decode steps for batches whose rows sit at even or uneven depths (each row i
 
 A variant is a ';'-joined GGUF_RUN_TUNE string ("NONE": the table's own choices); variants must
 size nothing (they switch with CudaBackend.retune). Rounds alternate the variants on the same
-admitted rows, so each pair is measured at the same depths.
+admitted rows, forward in even rounds and backward in odd ones: every measurement moves the rows
+GEN tokens deeper, so a fixed order would measure the later variants deeper (slower); with an even
+number of rounds each variant's mean depth is the same.
 
   python3 bench/batch_depth.py /tmp/twins/llama3-8b.gguf "flash_decode_batch=0" NONE \
       --case 4x4096 --case 16384+7x256 [--gen 64] [--rounds 3]
@@ -42,7 +44,7 @@ def main() -> None:
     ap.add_argument("variants", nargs="+")
     ap.add_argument("--case", action="append")
     ap.add_argument("--gen", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=2)
     a = ap.parse_args()
     cases = [(c, lengths(c)) for c in (a.case or DEFAULT_CASES)]
     f = open_gguf(a.model)
@@ -66,8 +68,8 @@ def main() -> None:
         for s, n in enumerate(lens):
             be.seq_add(s, rng.integers(10, cfg.n_vocab, n).tolist(), params, steps)
         res: dict[str, list[float]] = {v: [] for v in a.variants}
-        for _ in range(a.rounds):
-            for v in a.variants:
+        for r in range(a.rounds):
+            for v in (a.variants if r % 2 == 0 else a.variants[::-1]):
                 be.retune(tune(v))
                 be.batch_step(rows)  # the graph's capture and a warm step, untimed
                 sync()
