@@ -1,4 +1,4 @@
-"""Every CUDA source compiles for sm_90 with this machine's nvcc (no GPU needed).
+"""Every CUDA source compiles for sm_90 (or its sources.ARCH target) with this machine's nvcc (no GPU needed).
 
 The kernels are templates instantiated at run time through NVRTC; GGUF_INSTANTIATE_ALL makes each
 file instantiate every kernel for every quant type, so nvcc checks them all here, in CI.
@@ -30,7 +30,10 @@ def _build(src: str, tmp_path_factory) -> tuple[subprocess.CompletedProcess, str
         if nvcc is None:
             pytest.skip("nvcc is not installed on this machine")
         tmp = tmp_path_factory.mktemp("nvcc")
-        out = subprocess.run([nvcc, "-arch=sm_90", "-std=c++17", "-DGGUF_INSTANTIATE_ALL", "-Werror", "all-warnings",
+        from gguf_runtime.quant_kernels.sources import ARCH
+        arch = ARCH.get(os.path.basename(src), "sm_90")  # (-arch=sm_90a would also build plain compute_90 PTX)
+        gencode = f"-gencode=arch={arch.replace('sm_', 'compute_')},code={arch}"
+        out = subprocess.run([nvcc, gencode, "-std=c++17", "-DGGUF_INSTANTIATE_ALL", "-Werror", "all-warnings",
                               "--keep", "--keep-dir", str(tmp), "-c", src, "-o", str(tmp / "k.o")],
                              capture_output=True, text=True)
         ptx = "".join(open(p).read() for p in glob.glob(str(tmp / "*.ptx")))

@@ -807,6 +807,32 @@ def test_mma_group_and_glu(k, specs, rng):
     assert rel(out.get().astype(np.float32), silu(gv) * uv) < 2e-3
 
 
+@pytest.mark.parametrize("n_tok, act, stages", [(64, "silu", 2), (40, "gelu_tanh", 2), (100, "silu", 3)])
+def test_mma_glu_wgmma(n_tok, act, stages, rng):
+    """Q4_K GLUs of 64-token tiles on Hopper's wgmma (glu_wgmma.cu: A fragments from registers in
+    natural k order, x as core matrices behind a descriptor) match numpy, and mma.sync's GLU
+    (matmul_mma.cu) within rounding: a last row tile of 40 rows, 10 k steps, a partial token tile
+    (40), two token tiles (100), both activations, two and three stages."""
+    if not LM.hopper():
+        pytest.skip("wgmma needs compute capability 9.0")
+    keep = []
+    rows, cols = 64 * LM.MMA_MIN_BLOCKS + 40, 1280  # 64-row tiles fill a wave (mma_config's wr = 4)
+    (g, wg), (u, wu) = upload("Q4_K", rows, cols, rng, keep), upload("Q4_K", rows, cols, rng, keep)
+    x = rng.standard_normal((n_tok, cols)).astype(np.float16).astype(np.float32)
+    xd = cp.asarray(x.astype(np.float16))
+    gv, uv = x.astype(np.float64) @ wg.T, x.astype(np.float64) @ wu.T
+    ref = (gelu_tanh(gv) if act == "gelu_tanh" else silu(gv)) * uv
+    got = {}
+    for wgmma in (True, False):
+        kk = L.Kernels(Tuning(mma_wgmma=wgmma, mma_stages=(2, stages)).knobs())
+        out = cp.full((n_tok, rows), np.nan, cp.float16)
+        LM.mma_glu(kk, g, u, xd.data.ptr, cols, n_tok, act, out.data.ptr, rows)
+        assert any(f == "glu_wgmma.cu" for f, _ in kk._fns) == wgmma  # the wgmma kernel ran where asked
+        got[wgmma] = out.get().astype(np.float32)
+        assert rel(got[wgmma], ref) < 2e-3, wgmma
+    assert rel(got[True], got[False]) < 2e-3
+
+
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
 def test_mma_register_fragments_and_dequantizing_tiles_agree(k, name, rng):
     """Q4_K / Q6_K build their A fragments in registers (mma_regs.cuh); mma_reg_a off takes

@@ -17,6 +17,7 @@ class KernelKnobs(NamedTuple):
     mma_split_blocks: int = 264  # blocks K splits aim at (launch_mma.mma_config; two an H100 SM)
     mma_max_split: int = 4  # K splits of a product at most (the workspace's partials are sized for them)
     mma_stages: tuple[int, int] = (2, 2)  # staged tiles' depth: single products, GLU
+    mma_wgmma: bool = False  # Q4_K GLUs of 64-token tiles on Hopper's warpgroup MMA (glu_wgmma.cu; CC 9.0 only)
     tiles: tuple[int, int] | None = None  # attention_tiles (keys per tile, stages); None: tiles_config
     flash: tuple[int, int] | None = None  # flash_attn (rows per block, keys per tile); None: flash_config
     decode: tuple[int, int, int] = (0, 0, 0)  # flash_decode (warps, keys per tile, stages); 0: decode_config's rule

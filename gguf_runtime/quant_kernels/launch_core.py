@@ -17,11 +17,13 @@ import numpy as np
 from . import pdl
 from .formats import FORMATS
 from .knobs import KernelKnobs
-from .sources import SRC_DIR, source
+from .sources import ARCH, SRC_DIR, source
 
 
-def nvrtc_options(src_dir: str = SRC_DIR) -> tuple[str, ...]:
-    return ("-std=c++17", f"-I{src_dir}")
+def nvrtc_options(src_dir: str = SRC_DIR, filename: str = "") -> tuple[str, ...]:
+    """NVRTC's options for a source; an arch-specific one's -arch (CuPy adds the device's plain
+    one after it, and NVRTC builds for the arch-specific target)."""
+    return ("-std=c++17", f"-I{src_dir}") + ((f"-arch={ARCH[filename]}",) if filename in ARCH else ())
 
 
 OPTIONS = nvrtc_options()
@@ -124,7 +126,7 @@ class Kernels:
         if not todo:
             return
         templates = tuple(n for n in todo if "<" in n)
-        mod = cp.RawModule(code=source(filename, self.src_dir), options=nvrtc_options(self.src_dir),
+        mod = cp.RawModule(code=source(filename, self.src_dir), options=nvrtc_options(self.src_dir, filename),
                            name_expressions=templates or None)
         mod.compile()
         self._modules[(filename, todo)] = mod

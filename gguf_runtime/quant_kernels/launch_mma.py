@@ -1,12 +1,16 @@
-"""Launchers of the tensor-core kernels (matmul_mma.cu): tile shapes, K splits, shared memory.
+"""Launchers of the tensor-core kernels (matmul_mma.cu; glu_wgmma.cu on Hopper where the knob
+asks): tile shapes, K splits, shared memory.
 
 Products of more than MAX_MMV_TOKENS rows in the batch decode steps; see matmul_mma.cu.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
+
+import cupy as cp
 
 from .knobs import KernelKnobs
 from .launch_core import fused_act, Kernels, Mat, _Counted, i32, ptr
@@ -93,6 +97,29 @@ def mma_glu_name(struct: str, wr: int, nt: int, act: int, ra: int = 1, stages: t
     return f"mma_glu<{struct}, {wr}, {nt}, {act}, {ra}, {mma_stages([struct], 2, ra, stages)}>"
 
 
+@functools.lru_cache(maxsize=None)
+def hopper() -> bool:
+    """Whether the current GPU takes sm_90a code (glu_wgmma.cu): compute capability 9.0."""
+    return cp.cuda.Device().compute_capability == "90"
+
+
+WG_X_BYTES = 64 * MMA_TK * 2  # glu_wgmma.cu: a step's x tile (64 tokens, unpadded) ...
+WG_W_BYTES = 2 * 64 * REG_A_WROW["TQ4_K"]  # ... and its staged gate and up rows
+
+
+def _glu_wgmma(k: Kernels, gate: Mat, up: Mat, x16: int, ldx16: int, n_tok: int, act: str, y16: int, ldy16: int,
+               stages: int) -> None:
+    """mma_glu's 64-row tiles of Q4_K on wgmma (glu_wgmma.cu), 64 tokens a tile (fewer: zero
+    columns), unsplit."""
+    fn = k.fn("glu_wgmma.cu", f"mma_glu_wg<{fused_act(act)}, {stages}>")
+    smem = stages * (WG_X_BYTES + WG_W_BYTES)
+    fn.allow_smem(smem)
+    fn((-(-gate.rows // 64), -(-n_tok // 64), 1), (128,),
+       (*gate.planes, *up.planes, i32(gate.rows), ptr(x16), i32(ldx16), i32(n_tok), i32(gate.cols), ptr(y16),
+        i32(ldy16), ptr(0), ptr(0)),
+       shared_mem=smem)
+
+
 def _mma_plan(k: Kernels, rows: Sequence[int], n_tok: int, cols: int, n_mats: int, scratch: "SplitScratch | None",
               tall: bool = True) -> MmaConfig:
     """mma_config (with the knobs' split floor), without a split where the scratch cannot hold its
@@ -154,6 +181,8 @@ def mma_glu(k: Kernels, gate: Mat, up: Mat, x16: int, ldx16: int, n_tok: int, ac
     the 8B's GLU fills the GPU unsplit, and splitting SmolLM2's made it much slower."""
     wr, nt, split, _ = _mma_plan(k, [gate.rows], n_tok, 0, 2, scratch, tall=False)
     ra, st = int(k.knobs.mma_reg_a), k.knobs.mma_stages
+    if k.knobs.mma_wgmma and ra and gate.struct == up.struct == "TQ4_K" and wr == 4 and split == 1 and hopper():
+        return _glu_wgmma(k, gate, up, x16, ldx16, n_tok, act, y16, ldy16, st[1])
     fn = k.fn("matmul_mma.cu", mma_glu_name(gate.struct, wr, nt, fused_act(act), ra, st))
     tb = 8 * nt * (4 // wr)
     part, counter = (scratch.part, scratch.counter) if split > 1 else (0, 0)

@@ -9,6 +9,10 @@ import os
 
 SRC_DIR = os.path.dirname(os.path.abspath(__file__))
 
+# Sources built for one architecture only (its launcher takes them on that GPU alone): Hopper's
+# warpgroup MMA needs the arch-specific target.
+ARCH = {"glu_wgmma.cu": "sm_90a"}
+
 
 @functools.lru_cache(maxsize=None)
 def source(filename: str, src_dir: str = SRC_DIR) -> str:

@@ -94,6 +94,7 @@ class Tuning:
     mma_split_blocks: int = 264  # blocks the K splits aim at (two an SM: the 64-row tiles' registers)
     mma_max_split: int = 4  # K splits a product at most (sizes the workspace's partials)
     mma_stages: tuple[int, int] = (2, 2)  # staged tiles' depth, products / GLU (deeper pipelines were slower)
+    mma_wgmma: bool = False  # Q4_K GLUs of 64-row tiles by wgmma (glu_wgmma.cu, CC 9.0; off until GPU-run)
     mma_shape: tuple[int, int] | None = None  # (WR, NT) of every tensor-core tile, no split (measuring only)
     # -- graphs
     pdl: str = "auto"  # programmatic dependent launch: "auto" (pdl_any_rows), "off", "all" graphs
@@ -126,7 +127,8 @@ class Tuning:
         """The kernel launchers' share of the table."""
         return KernelKnobs(mma_reg_a=self.mma_reg_a, mma_split_min_steps=self.mma_split_min_steps,
                            mma_split_blocks=self.mma_split_blocks, mma_max_split=self.mma_max_split,
-                           mma_stages=self.mma_stages, tiles=self.tiles_shape, flash=self.flash_shape,
+                           mma_stages=self.mma_stages, mma_wgmma=self.mma_wgmma, tiles=self.tiles_shape,
+                           flash=self.flash_shape,
                            decode=(self.decode_warps, *(self.decode_shape or (0, 0))),
                            decode_min_keys=self.decode_min_keys, decode_bulk=self.decode_bulk,
                            sm_count=self.sm_count if self.decode_work_split else 0, mma_shape=self.mma_shape,
