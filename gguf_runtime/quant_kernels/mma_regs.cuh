@@ -71,24 +71,38 @@ template <> struct RegA<TQ4_K> {
             raw.s[i] = V16{{v.x, v.y, v.z, v.w}};
         }
     }
-    // cp.async of a k step's rows [row0 + j jstride, + 16 WR) of the NM tiles into ws (16-byte chunks)
-    template <int WR, int NM>
-    static DEV void stage(const Mat (&ms)[NM], int n_rows, int row0, int jstride, int k0, u8* ws) {
-        constexpr int ROWS = 16 * WR, CH = NM * ROWS * CHUNKS;
+    // A thread's share of the cp.async of a k step's rows [row0 + j jstride, + 16 WR) of the NM
+    // tiles into a stage (16-byte chunks; chunk idx = thread + NTHR i: tile j, row r, piece c), its
+    // addresses worked out once: each chunk's source at k = 0 and its offset in the stage; a step
+    // adds k / 2 bytes to a quant chunk (half a superblock's 128 bytes a step) and 16 a superblock
+    // to a scale chunk. Working them out each step was ~300 of a GLU step's ~940 instructions.
+    template <int WR, int NM> struct Plan {
+        static constexpr int ROWS = 16 * WR, CH = NM * ROWS * CHUNKS, N = (CH + NTHR - 1) / NTHR;
+        const u8* src[N];
+        u32 dst[N], scale = 0;  // scale: bit i set where chunk i is a row's scales
+
+        DEV Plan(const Mat (&ms)[NM], int n_rows, int row0, int jstride) {
 #pragma unroll
-        for (int i = 0; i < (CH + NTHR - 1) / NTHR; ++i) {
-            const int idx = threadIdx.x + i * NTHR;
-            if (CH % NTHR == 0 || idx < CH) {
+            for (int i = 0; i < N; ++i) {
+                const int idx = min((int)threadIdx.x + i * NTHR, CH - 1);  // (past CH: never issued)
                 const int j = idx / (ROWS * CHUNKS), r = idx / CHUNKS % ROWS, c = idx % CHUNKS;
-                const int row = min(row0 + j * jstride + r, n_rows - 1);
                 Mat m = ms[0];  // ms[j] by selects: indexed at run time, the array went to local memory
 #pragma unroll
                 for (int q = 1; q < NM; ++q)
                     if (j == q) m = ms[q];
-                cp_async16(ws + (j * ROWS + r) * WROW + 16 * c, chunk(m, row, k0, c), true);
+                src[i] = chunk(m, min(row0 + j * jstride + r, n_rows - 1), 0, c);
+                dst[i] = (j * ROWS + r) * WROW + 16 * c;
+                scale |= (u32)(c == CHUNKS - 1) << i;
             }
         }
-    }
+        DEV void issue(int k0, u8* ws) const {
+            const long oq = k0 >> 1, os = (long)(k0 >> 8) << 4;
+#pragma unroll
+            for (int i = 0; i < N; ++i)
+                if (CH % NTHR == 0 || (int)threadIdx.x + i * NTHR < CH)
+                    cp_async16(ws + dst[i], src[i] + ((scale >> i) & 1 ? os : oq), true);
+        }
+    };
 
     // The MMAs of one 128-wide step for NM tiles (GLU: gate and up; tall: two row tiles) against
     // the same x: each B fragment load feeds all NM tiles.
@@ -211,17 +225,31 @@ template <> struct RegA<TQ6_K> {
     }
 };
 
+// RegA<T>::Plan where T stages its raw weights; else an empty one (unused).
+struct NoPlan {
+    template <class... A> DEV NoPlan(const A&...) {}
+    DEV void issue(int, u8*) const {}
+};
+template <class R, int WR, int NM, bool STAGED = (R::WROW > 0)> struct StagePlanSel { using type = NoPlan; };
+template <class R, int WR, int NM> struct StagePlanSel<R, WR, NM, true> {
+    using type = typename R::template Plan<WR, NM>;
+};
+template <class R, int WR, int NM> using StagePlanOf = typename StagePlanSel<R, WR, NM>::type;
+
 // The x tile of tokens [t0, t0 + TB) x columns [k0, k0 + TK) into Xs (row stride LDX halves);
 // zeros past n_tok and K.
 template <int TB, int LDX>
 DEV void x_tile_async(const u16* __restrict__ x, int ldx, int n_tok, int t0, int k0, int K, u16* Xs) {
-    constexpr int CPR = TK / 8, N = (TB * CPR + NTHR - 1) / NTHR;
+    constexpr int CPR = TK / 8, RS = NTHR / CPR, N = (TB * CPR + NTHR - 1) / NTHR;  // RS: rows a pass
+    static_assert(NTHR % CPR == 0, "whole rows a pass");
+    const int b0 = threadIdx.x / CPR, c = (threadIdx.x % CPR) * 8;  // piece i: row b0 + RS i, columns c..
+    const u16* xk = x + min(k0 + c, K - 8);
+    const bool kin = k0 + c < K;
 #pragma unroll
     for (int i = 0; i < N; ++i) {
-        const int idx = threadIdx.x + i * NTHR, b = idx / CPR, c = (idx % CPR) * 8;
-        if (TB * CPR % NTHR == 0 || idx < TB * CPR)
-            cp_async16(Xs + b * LDX + c, x + (long)min(t0 + b, n_tok - 1) * ldx + min(k0 + c, K - 8),
-                       t0 + b < n_tok && k0 + c < K);
+        const int b = b0 + RS * i;
+        if (TB * CPR % NTHR == 0 || b < TB)
+            cp_async16(Xs + b * LDX + c, xk + (long)min(t0 + b, n_tok - 1) * ldx, kin && t0 + b < n_tok);
     }
 }
 
@@ -248,10 +276,12 @@ DEV void mma_tiles_reg(const Mat (&ms)[NM], int n_rows, int row0, int jstride, c
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) acc[j][nt][0] = acc[j][nt][1] = acc[j][nt][2] = acc[j][nt][3] = 0.f;
     typename R::Raw w[NM];  // not staged: the next step's raw data
+    using P = StagePlanOf<R, WR, NM>;
+    const P plan(ms, n_rows, row0, jstride);  // (staged types)
     if constexpr (STAGED) {
 #pragma unroll
         for (int s = 0; s < S - 1; ++s)
-            if (kb + s * TK < ke) R::template stage<WR, NM>(ms, n_rows, row0, jstride, kb + s * TK, wsm + s * WS);
+            if (kb + s * TK < ke) plan.issue(kb + s * TK, wsm + s * WS);
     } else {
 #pragma unroll
         for (int j = 0; j < NM; ++j) R::load(ms[j], n_rows, r + j * jstride, kb, w[j]);
@@ -268,7 +298,7 @@ DEV void mma_tiles_reg(const Mat (&ms)[NM], int n_rows, int row0, int jstride, c
         __syncthreads();         // ... for every thread; every warp is done with the previous step's buffers
         const int kn = k0 + (S - 1) * TK, nb = buf == 0 ? S - 1 : buf - 1;  // the previous step's buffers
         if (kn < ke) {
-            if constexpr (STAGED) R::template stage<WR, NM>(ms, n_rows, row0, jstride, kn, wsm + nb * WS);
+            if constexpr (STAGED) plan.issue(kn, wsm + nb * WS);
             x_tile_async<TB, R::LDX>(x, ldx, n_tok, t0, kn, K, smem + nb * XS);
         }
         cp_async_commit();  // (empty past the end: the group count stays one per step)

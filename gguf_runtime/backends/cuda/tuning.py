@@ -85,7 +85,7 @@ class Tuning:
     decode_warps: int = 0  # flash_decode's warps a block; 0: decode_config's (8, fewer where rings do not fit)
     decode_min_keys: int = 0  # flash_decode's keys a split at least; 0: launch_attention.decode_min_keys's rule
     flash_decode_batch: bool = True  # ... and tensor-core steps attention_tiles does not take (8B B=4-16: +6-8%)
-    decode_bulk: bool = False  # flash_decode's f16 tiles by cp.async.bulk, a row a request (off until measured on a GPU)
+    decode_bulk: bool = False  # flash_decode's f16 tiles by cp.async.bulk, a row a request (slower: RESULTS 225)
     decode_work_split: bool = True  # flash_decode splits a batch's rows by its total keys (uneven depths: +30%)
     sm_count: int = 0  # the GPU's SMs (choose() fills it in)
     # -- tensor cores (batch steps)
@@ -94,7 +94,7 @@ class Tuning:
     mma_split_blocks: int = 264  # blocks the K splits aim at (two an SM: the 64-row tiles' registers)
     mma_max_split: int = 4  # K splits a product at most (sizes the workspace's partials)
     mma_stages: tuple[int, int] = (2, 2)  # staged tiles' depth, products / GLU (deeper pipelines were slower)
-    mma_wgmma: bool = False  # Q4_K GLUs of 64-row tiles by wgmma (glu_wgmma.cu, CC 9.0; off until GPU-run)
+    mma_wgmma: bool = False  # Q4_K GLUs of 64-row tiles by wgmma (glu_wgmma.cu, CC 9.0; slower: RESULTS 227)
     mma_shape: tuple[int, int] | None = None  # (WR, NT) of every tensor-core tile, no split (measuring only)
     # -- graphs
     pdl: str = "auto"  # programmatic dependent launch: "auto" (pdl_any_rows), "off", "all" graphs
