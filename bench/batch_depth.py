@@ -2,7 +2,9 @@
 GEN decode steps for batches whose rows sit at even or uneven depths (each row its own sequence).
 
 A variant is a ';'-joined GGUF_RUN_TUNE string ("NONE": the table's own choices); variants must
-size nothing (they switch with CudaBackend.retune). Rounds alternate the variants on the same
+size nothing (they switch with CudaBackend.retune). A part KDIR=PATH compiles the kernels from
+another copy of quant_kernels/ (an older tree's: kernel sources A/B in one process, as
+bench/inproc_variants.py's). Rounds alternate the variants on the same
 admitted rows, forward in even rounds and backward in odd ones: every measurement moves the rows
 GEN tokens deeper, so a fixed order would measure the later variants deeper (slower); with an even
 number of rounds each variant's mean depth is the same.
@@ -14,6 +16,7 @@ number of rounds each variant's mean depth is the same.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -24,6 +27,7 @@ from gguf_runtime.backends.cuda import tuning
 from gguf_runtime.backends.cuda.backend import CudaBackend
 from gguf_runtime.format.gguf_file import open_gguf
 from gguf_runtime.format.model_config import config_from_gguf
+from gguf_runtime.quant_kernels.sources import SRC_DIR
 from gguf_runtime.sampling import SamplingParams
 
 DEFAULT_CASES = ["4x4096", "8x4096", "16x4096", "16384+7x256", "16384+15x256"]
@@ -54,8 +58,13 @@ def main() -> None:
     weight_bytes = sum(t.nbytes for t in f.tensors.values())
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
 
+    def split(v: str) -> tuple[str, str]:  # (overrides, kernel source folder or "")
+        parts = [] if v == "NONE" else v.split(";")
+        kdirs = [p.split("=", 1)[1] for p in parts if p.startswith("KDIR=")]
+        return ";".join(p for p in parts if not p.startswith("KDIR=")), os.path.abspath(kdirs[0]) if kdirs else ""
+
     def tune(v: str) -> tuning.Tuning:
-        return tuning.choose(weight_bytes, max_batch=max_batch, overrides="" if v == "NONE" else v,
+        return tuning.choose(weight_bytes, max_batch=max_batch, overrides=split(v)[0],
                              n_head_kv=cfg.n_head_kv, sm_count=sms, head_dim=cfg.head_dim)
     steps = (a.rounds * len(a.variants) + 1) * (a.gen + 1)  # every row's tokens to generate at most
     n_ctx = max(max(ls) for _, ls in cases) + steps + 16
@@ -70,6 +79,7 @@ def main() -> None:
         res: dict[str, list[float]] = {v: [] for v in a.variants}
         for r in range(a.rounds):
             for v in (a.variants if r % 2 == 0 else a.variants[::-1]):
+                be.kernels.use_sources(split(v)[1] or SRC_DIR)
                 be.retune(tune(v))
                 be.batch_step(rows)  # the graph's capture and a warm step, untimed
                 sync()
