@@ -807,6 +807,34 @@ def test_mma_group_and_glu(k, specs, rng):
     assert rel(out.get().astype(np.float32), silu(gv) * uv) < 2e-3
 
 
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0"])
+@pytest.mark.parametrize("split, shape", [(2, None), (3, None), (0, (4, 4)), (2, (4, 4)), (4, (2, 4))])
+def test_mma_glu_split_and_shape(name, split, shape, rng):
+    """The GLU split over K (knobs' glu_split: each block's gate and up partials, merged by the
+    tile's last block before the activation) and other tile shapes (glu_shape) match numpy and
+    the rule's GLU; the counters are back at zero for the next launch."""
+    keep = []
+    rows, cols, n_tok = 300, 2304, 64
+    (g, wg), (u, wu) = upload(name, rows, cols, rng, keep), upload(name, rows, cols, rng, keep)
+    x = rng.standard_normal((n_tok, cols)).astype(np.float16).astype(np.float32)
+    xd = cp.asarray(x.astype(np.float16))
+    ref = silu(x.astype(np.float64) @ wg.T) * (x.astype(np.float64) @ wu.T)
+    part = cp.full(LM.split_part_floats(2 * rows, n_tok, 4), POISON, cp.float32)
+    counter = cp.zeros(-(-rows // 16) * -(-n_tok // 16), cp.uint32)
+    sc = LM.SplitScratch(part.data.ptr, part.size, counter.data.ptr, counter.size)
+    got = []
+    for knobs in ({}, {"glu_split": split, "glu_shape": shape}):
+        kk = L.Kernels(Tuning(**knobs).knobs())
+        out = cp.full((n_tok, rows), np.nan, cp.float16)
+        LM.mma_glu(kk, g, u, xd.data.ptr, cols, n_tok, "silu", out.data.ptr, rows, sc)
+        got.append(out.get().astype(np.float32))
+        assert rel(got[-1], ref) < 2e-3, knobs
+    assert rel(got[1], got[0]) < 2e-3
+    assert not counter.get().any()
+    if split > 1:
+        assert not np.isnan(part.get()).all()  # the split ran (its partials were written)
+
+
 @pytest.mark.parametrize("n_tok, act, stages", [(64, "silu", 2), (40, "gelu_tanh", 2), (100, "silu", 3)])
 def test_mma_glu_wgmma(n_tok, act, stages, rng):
     """Q4_K GLUs of 64-token tiles on Hopper's wgmma (glu_wgmma.cu: A fragments from registers in

@@ -18,6 +18,8 @@ class KernelKnobs(NamedTuple):
     mma_max_split: int = 4  # K splits of a product at most (the workspace's partials are sized for them)
     mma_stages: tuple[int, int] = (2, 2)  # staged tiles' depth: single products, GLU
     mma_wgmma: bool = False  # Q4_K GLUs of 64-token tiles on Hopper's warpgroup MMA (glu_wgmma.cu; CC 9.0 only)
+    glu_split: int = 0  # tensor-core GLUs split K this many ways where the scratch holds their partials (0: none)
+    glu_shape: tuple[int, int] | None = None  # (warps along rows, 8-token MMA columns a warp) of the GLU; None: rule
     tiles: tuple[int, int] | None = None  # attention_tiles (keys per tile, stages); None: tiles_config
     flash: tuple[int, int] | None = None  # flash_attn (rows per block, keys per tile); None: flash_config
     decode: tuple[int, int, int] = (0, 0, 0)  # flash_decode (warps, keys per tile, stages); 0: decode_config's rule

@@ -177,9 +177,17 @@ def mma(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases
 
 def mma_glu(k: Kernels, gate: Mat, up: Mat, x16: int, ldx16: int, n_tok: int, act: str, y16: int, ldy16: int,
             scratch: SplitScratch | None = None) -> None:
-    """y16[t, :] = f16(act(G x[t]) * (U x[t])), x in f16. Not split: with two W tiles per block
-    the 8B's GLU fills the GPU unsplit, and splitting SmolLM2's made it much slower."""
+    """y16[t, :] = f16(act(G x[t]) * (U x[t])), x in f16. Not split by the rule: with two W tiles
+    per block the 8B's GLU fills the GPU unsplit, and splitting SmolLM2's made it much slower; the
+    knobs' glu_split / glu_shape ask for a split / a tile shape (measuring)."""
+    kn = k.knobs
     wr, nt, split, _ = _mma_plan(k, [gate.rows], n_tok, 0, 2, scratch, tall=False)
+    if kn.glu_shape is not None:
+        wr, nt = kn.glu_shape
+    if kn.glu_split > 1 and scratch is not None:
+        tiles = -(-gate.rows // (16 * wr)) * -(-n_tok // (8 * nt * (4 // wr)))
+        if tiles <= scratch.counters and tiles * kn.glu_split * 2 * 512 * nt <= scratch.part_floats:
+            split = kn.glu_split
     ra, st = int(k.knobs.mma_reg_a), k.knobs.mma_stages
     if k.knobs.mma_wgmma and ra and gate.struct == up.struct == "TQ4_K" and wr == 4 and split == 1 and hopper():
         return _glu_wgmma(k, gate, up, x16, ldx16, n_tok, act, y16, ldy16, st[1])

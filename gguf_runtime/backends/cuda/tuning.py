@@ -95,6 +95,8 @@ class Tuning:
     mma_max_split: int = 4  # K splits a product at most (sizes the workspace's partials)
     mma_stages: tuple[int, int] = (2, 2)  # staged tiles' depth, products / GLU (deeper pipelines were slower)
     mma_wgmma: bool = False  # Q4_K GLUs of 64-row tiles by wgmma (glu_wgmma.cu, CC 9.0; slower: RESULTS 227)
+    glu_split: int = 0  # GLUs of batch steps split K this many ways (sizes the split scratch; 0: unsplit)
+    glu_shape: tuple[int, int] | None = None  # (WR, NT) of the GLU's tiles; None: mma_config's rule
     mma_shape: tuple[int, int] | None = None  # (WR, NT) of every tensor-core tile, no split (measuring only)
     # -- graphs
     pdl: str = "auto"  # programmatic dependent launch: "auto" (pdl_any_rows), "off", "all" graphs
@@ -127,7 +129,8 @@ class Tuning:
         """The kernel launchers' share of the table."""
         return KernelKnobs(mma_reg_a=self.mma_reg_a, mma_split_min_steps=self.mma_split_min_steps,
                            mma_split_blocks=self.mma_split_blocks, mma_max_split=self.mma_max_split,
-                           mma_stages=self.mma_stages, mma_wgmma=self.mma_wgmma, tiles=self.tiles_shape,
+                           mma_stages=self.mma_stages, mma_wgmma=self.mma_wgmma, glu_split=self.glu_split,
+                           glu_shape=self.glu_shape, tiles=self.tiles_shape,
                            flash=self.flash_shape,
                            decode=(self.decode_warps, *(self.decode_shape or (0, 0))),
                            decode_min_keys=self.decode_min_keys, decode_bulk=self.decode_bulk,
@@ -235,7 +238,7 @@ def _parse(name: str, text: str):
         if name == "pdl_big_graph_kernels":
             return tuple(p for p in text.split("+") if p)
         if name in ("attn_small", "attn_big", "mma_stages", "tiles_shape", "flash_shape",
-                    "decode_shape", "moe_rows", "mma_shape", "mmv_grid_waves"):
+                    "decode_shape", "moe_rows", "mma_shape", "glu_shape", "mmv_grid_waves"):
             return None if text == "none" else _pair(name, text)
         return text
     except ValueError:
