@@ -49,6 +49,8 @@ def main() -> None:
     ap.add_argument("--case", action="append")
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--size", default="", help="overrides the backend is built with (sizing fields: glu_split, "
+                    "mma_max_split; default: the first variant's)")
     a = ap.parse_args()
     cases = [(c, lengths(c)) for c in (a.case or DEFAULT_CASES)]
     f = open_gguf(a.model)
@@ -68,7 +70,7 @@ def main() -> None:
                              n_head_kv=cfg.n_head_kv, sm_count=sms, head_dim=cfg.head_dim)
     steps = (a.rounds * len(a.variants) + 1) * (a.gen + 1)  # every row's tokens to generate at most
     n_ctx = max(max(ls) for _, ls in cases) + steps + 16
-    be = CudaBackend(f, cfg, n_ctx, max_batch=max_batch, tune=tune(a.variants[0]))
+    be = CudaBackend(f, cfg, n_ctx, max_batch=max_batch, tune=tune(a.size or a.variants[0]))
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0.0)
     sync = be.stream.synchronize

@@ -808,11 +808,13 @@ def test_mma_group_and_glu(k, specs, rng):
 
 
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0"])
-@pytest.mark.parametrize("split, shape", [(2, None), (3, None), (0, (4, 4)), (2, (4, 4)), (4, (2, 4))])
-def test_mma_glu_split_and_shape(name, split, shape, rng):
+@pytest.mark.parametrize("split, shape, mb", [(2, None, 0), (3, None, 0), (0, (4, 4), 4), (2, (4, 4), 0),
+                                             (4, (2, 4), 3)])
+def test_mma_glu_split_and_shape(name, split, shape, mb, rng):
     """The GLU split over K (knobs' glu_split: each block's gate and up partials, merged by the
-    tile's last block before the activation) and other tile shapes (glu_shape) match numpy and
-    the rule's GLU; the counters are back at zero for the next launch."""
+    tile's last block before the activation), other tile shapes (glu_shape) and a register cap
+    for mb blocks an SM (glu_min_blocks) match numpy and the rule's GLU; the counters are back
+    at zero for the next launch."""
     keep = []
     rows, cols, n_tok = 300, 2304, 64
     (g, wg), (u, wu) = upload(name, rows, cols, rng, keep), upload(name, rows, cols, rng, keep)
@@ -823,7 +825,7 @@ def test_mma_glu_split_and_shape(name, split, shape, rng):
     counter = cp.zeros(-(-rows // 16) * -(-n_tok // 16), cp.uint32)
     sc = LM.SplitScratch(part.data.ptr, part.size, counter.data.ptr, counter.size)
     got = []
-    for knobs in ({}, {"glu_split": split, "glu_shape": shape}):
+    for knobs in ({}, {"glu_split": split, "glu_shape": shape, "glu_min_blocks": mb}):
         kk = L.Kernels(Tuning(**knobs).knobs())
         out = cp.full((n_tok, rows), np.nan, cp.float16)
         LM.mma_glu(kk, g, u, xd.data.ptr, cols, n_tok, "silu", out.data.ptr, rows, sc)
@@ -833,6 +835,24 @@ def test_mma_glu_split_and_shape(name, split, shape, rng):
     assert not counter.get().any()
     if split > 1:
         assert not np.isnan(part.get()).all()  # the split ran (its partials were written)
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("mb", [3, 4])
+def test_mma_min_blocks(k, name, mb, rng):
+    """Products compiled for mb blocks an SM (mma_min_blocks: registers capped, maybe spilled)
+    match numpy, split and unsplit."""
+    keep = []
+    rows, cols, n_tok = 2200, 2304, 64
+    m, w = upload(name, rows, cols, rng, keep)
+    x = rng.standard_normal((n_tok, cols)).astype(np.float16).astype(np.float32)
+    xd = cp.asarray(x.astype(np.float16))
+    kk = L.Kernels(Tuning(mma_min_blocks=mb).knobs())
+    for sc in (None, split_scratch(rows, n_tok, keep)[0]):
+        y = cp.full((n_tok, rows), POISON, cp.float32)
+        LM.mma(kk, [m], [(y.data.ptr, rows)], [None], xd.data.ptr, cols, n_tok, 0, sc)
+        assert rel(y.get(), x.astype(np.float64) @ w.T) < 2e-3
+    assert any(n.endswith(f", {mb}>") for _, n in kk._fns)
 
 
 @pytest.mark.parametrize("n_tok, act, stages", [(64, "silu", 2), (40, "gelu_tanh", 2), (100, "silu", 3)])

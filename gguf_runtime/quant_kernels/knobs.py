@@ -20,6 +20,8 @@ class KernelKnobs(NamedTuple):
     mma_wgmma: bool = False  # Q4_K GLUs of 64-token tiles on Hopper's warpgroup MMA (glu_wgmma.cu; CC 9.0 only)
     glu_split: int = 0  # tensor-core GLUs split K this many ways where the scratch holds their partials (0: none)
     glu_shape: tuple[int, int] | None = None  # (warps along rows, 8-token MMA columns a warp) of the GLU; None: rule
+    mma_min_blocks: int = 0  # tensor-core products (mma_group) compiled for at least this many blocks an SM (0: free)
+    glu_min_blocks: int = 0  # ... and the GLU (mma_glu): registers capped to fit them
     tiles: tuple[int, int] | None = None  # attention_tiles (keys per tile, stages); None: tiles_config
     flash: tuple[int, int] | None = None  # flash_attn (rows per block, keys per tile); None: flash_config
     decode: tuple[int, int, int] = (0, 0, 0)  # flash_decode (warps, keys per tile, stages); 0: decode_config's rule

@@ -88,13 +88,16 @@ def mma_smem(fn: "_Counted", wr: int, nt: int, n_mats: int, structs: Sequence[st
 
 
 def mma_name(structs: Sequence[str], wr: int, nt: int, mode: int, h: int = 1, ra: int = 1,
-             stages: tuple[int, int] = (2, 2)) -> str:
+             stages: tuple[int, int] = (2, 2), min_blocks: int = 0) -> str:
     s = list(structs) + [structs[0]] * (3 - len(structs))
-    return f"mma_group<{s[0]}, {s[1]}, {s[2]}, {wr}, {nt}, {mode}, {h}, {ra}, {mma_stages(s, h, ra, stages)}>"
+    mb = f", {min_blocks}" if min_blocks else ""
+    return f"mma_group<{s[0]}, {s[1]}, {s[2]}, {wr}, {nt}, {mode}, {h}, {ra}, {mma_stages(s, h, ra, stages)}{mb}>"
 
 
-def mma_glu_name(struct: str, wr: int, nt: int, act: int, ra: int = 1, stages: tuple[int, int] = (2, 2)) -> str:
-    return f"mma_glu<{struct}, {wr}, {nt}, {act}, {ra}, {mma_stages([struct], 2, ra, stages)}>"
+def mma_glu_name(struct: str, wr: int, nt: int, act: int, ra: int = 1, stages: tuple[int, int] = (2, 2),
+                 min_blocks: int = 0) -> str:
+    mb = f", {min_blocks}" if min_blocks else ""
+    return f"mma_glu<{struct}, {wr}, {nt}, {act}, {ra}, {mma_stages([struct], 2, ra, stages)}{mb}>"
 
 
 @functools.lru_cache(maxsize=None)
@@ -160,7 +163,7 @@ def mma(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases
     wr, nt, split, h = _mma_plan(k, [m.rows for m in mats], n_tok, mats[0].cols, 1, scratch)
     tb = 8 * nt * (4 // wr)
     ra, st, structs = int(k.knobs.mma_reg_a), k.knobs.mma_stages, [m.struct for m in mats]
-    fn = k.fn("matmul_mma.cu", mma_name(structs, wr, nt, mode, h, ra, st))
+    fn = k.fn("matmul_mma.cu", mma_name(structs, wr, nt, mode, h, ra, st, k.knobs.mma_min_blocks))
     args: list = []
     for i in range(3):
         if i < len(mats):
@@ -191,7 +194,7 @@ def mma_glu(k: Kernels, gate: Mat, up: Mat, x16: int, ldx16: int, n_tok: int, ac
     ra, st = int(k.knobs.mma_reg_a), k.knobs.mma_stages
     if k.knobs.mma_wgmma and ra and gate.struct == up.struct == "TQ4_K" and wr == 4 and split == 1 and hopper():
         return _glu_wgmma(k, gate, up, x16, ldx16, n_tok, act, y16, ldy16, st[1])
-    fn = k.fn("matmul_mma.cu", mma_glu_name(gate.struct, wr, nt, fused_act(act), ra, st))
+    fn = k.fn("matmul_mma.cu", mma_glu_name(gate.struct, wr, nt, fused_act(act), ra, st, kn.glu_min_blocks))
     tb = 8 * nt * (4 // wr)
     part, counter = (scratch.part, scratch.counter) if split > 1 else (0, 0)
     fn((-(-gate.rows // (16 * wr)), -(-n_tok // tb), split), (128,),

@@ -29,8 +29,9 @@ DEV void mma_segment(const Mat& m, int n, int row0, const u16* x, int ldx, int n
 // segment 0, 1, 2.
 // grid = (row tiles of all segments, token tiles, K splits). MODE 0: y = W x (+ bias); 1: y += W x.
 // Splits need part (S x 128 x 4 NT floats per tile) and counter (a zero per tile).
-template <class T0, class T1, class T2, int WR, int NT, int MODE, int H, int RA, int ST>
-__global__ void __launch_bounds__(NTHR) mma_group(
+// MB > 0: at least MB blocks an SM (registers capped to fit; KernelKnobs.mma_min_blocks, measuring).
+template <class T0, class T1, class T2, int WR, int NT, int MODE, int H, int RA, int ST, int MB = 0>
+__global__ void __launch_bounds__(NTHR, MB) mma_group(
         PLANES(0), int n0, float* y0, int ldy0, const float* bias0,
         PLANES(1), int n1, float* y1, int ldy1, const float* bias1,
         PLANES(2), int n2, float* y2, int ldy2, const float* bias2,
@@ -57,8 +58,8 @@ __global__ void __launch_bounds__(NTHR) mma_group(
 
 // y16 = f16(act(G x) * (U x)); ACT 0 = SiLU, 1 = GELU (tanh). Gate and up tiles share each x tile.
 // The output feeds the down projection. Splits: part holds S x 128 x 8 NT floats per tile.
-template <class T, int WR, int NT, int ACT, int RA, int ST>
-__global__ void __launch_bounds__(NTHR) mma_glu(PLANES(0), PLANES(1), int n, const u16* __restrict__ x, int ldx,
+template <class T, int WR, int NT, int ACT, int RA, int ST, int MB = 0>  // MB: as mma_group's
+__global__ void __launch_bounds__(NTHR, MB) mma_glu(PLANES(0), PLANES(1), int n, const u16* __restrict__ x, int ldx,
                                                 int n_tok, int K, u16* y, int ldy, float* part, unsigned* counter) {
     extern __shared__ __align__(16) u16 smem[];
     const int row0 = blockIdx.x * 16 * WR, t0 = blockIdx.y * 8 * NT * (4 / WR);
