@@ -154,7 +154,7 @@ __global__ void __launch_bounds__(NTHR) mma_glu_wg(PLANES(0), PLANES(1), int n, 
     const R::Plan<4, 2> plan(ms, n, row0, 0);
 #pragma unroll
     for (int s = 0; s < ST - 1; ++s)
-        if (kb + s * TK < ke) plan.issue(kb + s * TK, wsm + s * WS);
+        if (kb + s * TK < ke) plan.issue(kb + s * TK, smem_addr(wsm + s * WS));
     pdl_enter();  // the first weights load before it (common.cuh)
 #pragma unroll
     for (int s = 0; s < ST - 1; ++s) {  // cp.async group s: x of step s (group 0 also the weights above)
@@ -172,7 +172,7 @@ __global__ void __launch_bounds__(NTHR) mma_glu_wg(PLANES(0), PLANES(1), int n, 
         __syncthreads();  // ... in every warp: it takes step k0 + (ST - 1) TK
         const int kn = k0 + (ST - 1) * TK, nb = buf == 0 ? ST - 1 : buf - 1;
         if (kn < ke) {
-            plan.issue(kn, wsm + nb * WS);
+            plan.issue(kn, smem_addr(wsm + nb * WS));
             x_tile_cm(x, ldx, n_tok, t0, kn, K, smem + nb * WG_XS);
         }
         cp_async_commit();

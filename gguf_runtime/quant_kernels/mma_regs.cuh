@@ -35,6 +35,12 @@ DEV void cp_async16(void* dst, const void* src, bool valid) {
     asm("cvta.to.shared.u64 %0, %1;" : "=l"(s) : "l"(dst));
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"((u32)s), "l"(src), "r"(valid ? 16 : 0));
 }
+// ... to a shared-space address (__cvta_generic_to_shared once, not a generic pointer a copy: each
+// generic one costs its conversion's 64-bit arithmetic in the loop).
+DEV void cp_async16s(u32 dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+DEV u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 DEV void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N> DEV void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
@@ -95,12 +101,12 @@ template <> struct RegA<TQ4_K> {
                 scale |= (u32)(c == CHUNKS - 1) << i;
             }
         }
-        DEV void issue(int k0, u8* ws) const {
-            const long oq = k0 >> 1, os = (long)(k0 >> 8) << 4;
+        DEV void issue(int k0, u32 ws) const {  // ws: the stage's shared-space address
+            const int oq = k0 >> 1, os = (k0 >> 8) << 4;
 #pragma unroll
             for (int i = 0; i < N; ++i)
                 if (CH % NTHR == 0 || (int)threadIdx.x + i * NTHR < CH)
-                    cp_async16(ws + dst[i], src[i] + ((scale >> i) & 1 ? os : oq), true);
+                    cp_async16s(ws + dst[i], src[i] + ((scale >> i) & 1 ? os : oq), true);
         }
     };
 
@@ -228,7 +234,7 @@ template <> struct RegA<TQ6_K> {
 // RegA<T>::Plan where T stages its raw weights; else an empty one (unused).
 struct NoPlan {
     template <class... A> DEV NoPlan(const A&...) {}
-    DEV void issue(int, u8*) const {}
+    DEV void issue(int, u32) const {}
 };
 template <class R, int WR, int NM, bool STAGED = (R::WROW > 0)> struct StagePlanSel { using type = NoPlan; };
 template <class R, int WR, int NM> struct StagePlanSel<R, WR, NM, true> {
@@ -238,8 +244,8 @@ template <class R, int WR, int NM> using StagePlanOf = typename StagePlanSel<R, 
 
 // The x tile of tokens [t0, t0 + TB) x columns [k0, k0 + TK) into Xs (row stride LDX halves);
 // zeros past n_tok and K.
-template <int TB, int LDX>
-DEV void x_tile_async(const u16* __restrict__ x, int ldx, int n_tok, int t0, int k0, int K, u16* Xs) {
+template <int TB, int LDX>  // Xs: a shared-space address
+DEV void x_tile_async(const u16* __restrict__ x, int ldx, int n_tok, int t0, int k0, int K, u32 Xs) {
     constexpr int CPR = TK / 8, RS = NTHR / CPR, N = (TB * CPR + NTHR - 1) / NTHR;  // RS: rows a pass
     static_assert(NTHR % CPR == 0, "whole rows a pass");
     const int b0 = threadIdx.x / CPR, c = (threadIdx.x % CPR) * 8;  // piece i: row b0 + RS i, columns c..
@@ -249,7 +255,7 @@ DEV void x_tile_async(const u16* __restrict__ x, int ldx, int n_tok, int t0, int
     for (int i = 0; i < N; ++i) {
         const int b = b0 + RS * i;
         if (TB * CPR % NTHR == 0 || b < TB)
-            cp_async16(Xs + b * LDX + c, xk + (long)min(t0 + b, n_tok - 1) * ldx, kin && t0 + b < n_tok);
+            cp_async16s(Xs + 2 * (b * LDX + c), xk + (long)min(t0 + b, n_tok - 1) * ldx, kin && t0 + b < n_tok);
     }
 }
 
@@ -271,6 +277,7 @@ DEV void mma_tiles_reg(const Mat (&ms)[NM], int n_rows, int row0, int jstride, c
     const int warp = threadIdx.x >> 5, wr = warp % WR, wc = warp / WR, g = (threadIdx.x & 31) >> 2;
     const int r = row0 + 16 * wr + g;
     u8* wsm = reinterpret_cast<u8*>(smem + S * XS);  // staged: S W stages after the S x tiles
+    const u32 xs_s = smem_addr(smem), ws_s = xs_s + 2 * S * XS;  // the same, shared-space addresses
 #pragma unroll
     for (int j = 0; j < NM; ++j)
 #pragma unroll
@@ -281,7 +288,7 @@ DEV void mma_tiles_reg(const Mat (&ms)[NM], int n_rows, int row0, int jstride, c
     if constexpr (STAGED) {
 #pragma unroll
         for (int s = 0; s < S - 1; ++s)
-            if (kb + s * TK < ke) plan.issue(kb + s * TK, wsm + s * WS);
+            if (kb + s * TK < ke) plan.issue(kb + s * TK, ws_s + s * WS);
     } else {
 #pragma unroll
         for (int j = 0; j < NM; ++j) R::load(ms[j], n_rows, r + j * jstride, kb, w[j]);
@@ -289,7 +296,7 @@ DEV void mma_tiles_reg(const Mat (&ms)[NM], int n_rows, int row0, int jstride, c
     pdl_enter();  // the first weights load before it (common.cuh)
 #pragma unroll
     for (int s = 0; s < S - 1; ++s) {  // cp.async group s: x of step s (group 0 also the weights above)
-        if (kb + s * TK < ke) x_tile_async<TB, R::LDX>(x, ldx, n_tok, t0, kb + s * TK, K, smem + s * XS);
+        if (kb + s * TK < ke) x_tile_async<TB, R::LDX>(x, ldx, n_tok, t0, kb + s * TK, K, xs_s + 2 * s * XS);
         cp_async_commit();
     }
     int buf = 0;
@@ -298,8 +305,8 @@ DEV void mma_tiles_reg(const Mat (&ms)[NM], int n_rows, int row0, int jstride, c
         __syncthreads();         // ... for every thread; every warp is done with the previous step's buffers
         const int kn = k0 + (S - 1) * TK, nb = buf == 0 ? S - 1 : buf - 1;  // the previous step's buffers
         if (kn < ke) {
-            if constexpr (STAGED) plan.issue(kn, wsm + nb * WS);
-            x_tile_async<TB, R::LDX>(x, ldx, n_tok, t0, kn, K, smem + nb * XS);
+            if constexpr (STAGED) plan.issue(kn, ws_s + nb * WS);
+            x_tile_async<TB, R::LDX>(x, ldx, n_tok, t0, kn, K, xs_s + 2 * nb * XS);
         }
         cp_async_commit();  // (empty past the end: the group count stays one per step)
         typename R::Raw cur[NM];
