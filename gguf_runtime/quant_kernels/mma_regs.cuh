@@ -62,6 +62,9 @@ template <> struct RegA<TQ4_K> {
     // the 16-byte reads of a quarter warp are conflict-free).
     static constexpr int WROW = 96, CHUNKS = 5;
 
+    struct Rows {};  // (staged: Plan instead)
+    static DEV Rows rows(const Mat&, int, int) { return {}; }
+    static DEV void load(const Rows&, int, Raw&) {}
     static DEV const u8* chunk(const Mat& m, int row, int k0, int c) {  // 16-byte piece c of a row's step
         const long b = (long)row * m.nb + (k0 >> 8);
         return c < 4 ? m.qs + b * 128 + 64 * ((k0 >> 7) & 1) + 16 * c : m.sc + b * 16;
@@ -179,20 +182,35 @@ template <> struct RegA<TQ6_K> {
     static constexpr int LDX = 144, WROW = 0;  // not staged: loads straight into registers
     struct Raw { u32 la[2][2], lb[2][2], qh[2][2]; uint2 s[2]; u32 d[2]; };  // [row][b]; this half's 8 scales
 
-    static DEV void load(const Mat& m, int n_rows, int r, int k0, Raw& raw) {
-        const int tig = threadIdx.x & 3, sb = k0 >> 8, h = (k0 >> 7) & 1;
+    // A lane's rows g and g + 8 of a tile: each plane's pointer at k = 0 (with the lane's 4 tig
+    // bytes), worked out once; a k step adds k / 2 (ql), k / 4 (qh), k / 16 (scales) bytes and
+    // 2 a superblock (d), the rest are immediate offsets.
+    struct Rows { const u8 *qs[2], *qh[2], *sc[2], *d[2]; };
+    static DEV Rows rows(const Mat& m, int n_rows, int r) {
+        const int tig = threadIdx.x & 3;
+        Rows p;
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-            const long b = (long)min(r + 8 * i, n_rows - 1) * m.nb + sb;
+            const long b = (long)min(r + 8 * i, n_rows - 1) * m.nb;
+            p.qs[i] = m.qs + b * 128 + 4 * tig;
+            p.qh[i] = m.qh + b * 64 + 4 * tig;
+            p.sc[i] = m.sc + b * 16;
+            p.d[i] = m.d + b * 2;
+        }
+        return p;
+    }
+    static DEV void load(const Rows& p, int k0, Raw& raw) {
+        const int oq = k0 >> 1, oh = k0 >> 2, os = k0 >> 4, od = (k0 >> 8) * 2;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
 #pragma unroll
             for (int bb = 0; bb < 2; ++bb) {
-                const int l = 16 * bb + 4 * tig;
-                raw.la[i][bb] = ld32(m.qs + b * 128 + 64 * h + l);
-                raw.lb[i][bb] = ld32(m.qs + b * 128 + 64 * h + 32 + l);
-                raw.qh[i][bb] = ld32(m.qh + b * 64 + 32 * h + l);
+                raw.la[i][bb] = ld32(p.qs[i] + oq + 16 * bb);
+                raw.lb[i][bb] = ld32(p.qs[i] + oq + 32 + 16 * bb);
+                raw.qh[i][bb] = ld32(p.qh[i] + oh + 16 * bb);
             }
-            raw.s[i] = ld8(m.sc + b * 16 + 8 * h);
-            raw.d[i] = ld16bits(m.d + b * 2);
+            raw.s[i] = ld8(p.sc[i] + os);
+            raw.d[i] = ld16bits(p.d[i] + od);
         }
     }
 
@@ -282,7 +300,10 @@ DEV void mma_tiles_reg(const Mat (&ms)[NM], int n_rows, int row0, int jstride, c
     for (int j = 0; j < NM; ++j)
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) acc[j][nt][0] = acc[j][nt][1] = acc[j][nt][2] = acc[j][nt][3] = 0.f;
-    typename R::Raw w[NM];  // not staged: the next step's raw data
+    typename R::Raw w[NM];  // not staged: the next step's raw data, from its rows' pointers
+    typename R::Rows rp[NM];
+#pragma unroll
+    for (int j = 0; j < NM; ++j) rp[j] = R::rows(ms[j], n_rows, r + j * jstride);
     using P = StagePlanOf<R, WR, NM>;
     const P plan(ms, n_rows, row0, jstride);  // (staged types)
     if constexpr (STAGED) {
@@ -291,7 +312,7 @@ DEV void mma_tiles_reg(const Mat (&ms)[NM], int n_rows, int row0, int jstride, c
             if (kb + s * TK < ke) plan.issue(kb + s * TK, ws_s + s * WS);
     } else {
 #pragma unroll
-        for (int j = 0; j < NM; ++j) R::load(ms[j], n_rows, r + j * jstride, kb, w[j]);
+        for (int j = 0; j < NM; ++j) R::load(rp[j], kb, w[j]);
     }
     pdl_enter();  // the first weights load before it (common.cuh)
 #pragma unroll
@@ -318,7 +339,7 @@ DEV void mma_tiles_reg(const Mat (&ms)[NM], int n_rows, int row0, int jstride, c
 #pragma unroll
             for (int j = 0; j < NM; ++j) {  // the next step's loads go out before this step's MMAs
                 cur[j] = w[j];
-                R::load(ms[j], n_rows, r + j * jstride, kn1, w[j]);
+                R::load(rp[j], kn1, w[j]);
             }
         }
         R::template step<NT, NM>(cur, k0, smem + buf * XS + wc * 8 * NT * R::LDX, acc);
