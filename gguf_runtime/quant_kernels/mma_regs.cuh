@@ -84,7 +84,7 @@ template <> struct RegA<TQ4_K> {
     // tiles into a stage (16-byte chunks; chunk idx = thread + NTHR i: tile j, row r, piece c), its
     // addresses worked out once: each chunk's source at k = 0 and its offset in the stage; a step
     // adds k / 2 bytes to a quant chunk (half a superblock's 128 bytes a step) and 16 a superblock
-    // to a scale chunk. Working them out each step was ~300 of a GLU step's ~940 instructions.
+    // to a scale chunk (working them out each step was a large share of the loop's instructions).
     template <int WR, int NM> struct Plan {
         static constexpr int ROWS = 16 * WR, CH = NM * ROWS * CHUNKS, N = (CH + NTHR - 1) / NTHR;
         const u8* src[N];
