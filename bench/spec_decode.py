@@ -132,11 +132,13 @@ def main() -> None:
                 rows.append(dict(variant=variant, k=k, rep=rep, tokens=len(toks), s=s, tok_s=len(toks) / s,
                                  steps=st.get("steps", 0), accepted=st.get("accepted", 0),
                                  proposed=st.get("proposed", 0), plain=st.get("plain", 0), plain_s=st.get("plain_s", 0.0),
-                                 same=toks == ref))
+                                 propose_s=st.get("propose_s", 0.0), verify_s=st.get("verify_s", 0.0),
+                                 runs=st.get("runs", 0), same=toks == ref))
                 print(json.dumps(rows[-1]), flush=True)
     print(f"\n{len(ref)} tokens a run, prompt {len(ids)} tokens\n")
-    print("| variant | k | tok/s (median) | x plain | tokens/step | acceptance | decoded plainly | same text |\n"
-          "|---|---|---|---|---|---|---|---|")
+    print("| variant | k | tok/s (median) | x plain | tokens/step | acceptance | decoded plainly | same text "
+          "| us a verification | us a proposal | plain runs | us of a run's token | rest of the time |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     base = statistics.median(r["tok_s"] for r in rows if r["variant"] == "plain")
     keys = sorted({(r["variant"], r["k"]) for r in rows}, key=lambda t: (t[0] != "plain", t))
     for v, k in keys:
@@ -147,8 +149,16 @@ def main() -> None:
         acc = sum(r["accepted"] for r in rs)
         per_step = (acc + steps) / steps if v != "plain" and steps else 1.0
         plain_share = sum(r.get("plain", 0) for r in rs) / max(sum(r["tokens"] for r in rs), 1)
+        # where a run's time went: verifications, proposals, plain runs, and the rest (host work between them)
+        ver_s, prop_s, pl_s = (sum(r.get(f, 0.0) for r in rs) for f in ("verify_s", "propose_s", "plain_s"))
+        calls = steps + sum(r.get("runs", 0) for r in rs)
+        rest = sum(r["s"] for r in rs) - ver_s - prop_s - pl_s if v != "plain" else 0.0
+        plain_toks = sum(r.get("plain", 0) for r in rs)
         print(f"| {v} | {k} | {med:,.1f} | {med / base:.2f} | {per_step:.2f} | {acc / prop if prop else 0:.1%} | "
-              f"{plain_share:.0%} | {all(r.get('same', True) for r in rs)} |")
+              f"{plain_share:.0%} | {all(r.get('same', True) for r in rs)} | "
+              f"{ver_s / steps * 1e6 if steps else 0:,.0f} | {prop_s / max(calls, 1) * 1e6:,.0f} | "
+              f"{sum(r.get('runs', 0) for r in rs)} | {pl_s / plain_toks * 1e6 if plain_toks else 0:,.0f} | "
+              f"{rest / max(sum(r['s'] for r in rs), 1e-9):.0%} |")
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(rows, fh, indent=1)

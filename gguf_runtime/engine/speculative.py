@@ -231,7 +231,8 @@ def speculative_loop(backend, n: int, params, history: list[int], stop: frozense
     lookup proposes something after proposing nothing, or (n-gram lookup) its one-token guesses
     foretold SHADOW_HITS tokens in a row after failing.
     ``stats`` (if given) counts verification steps, proposed and accepted tokens, and tokens decoded
-    the plain way and their seconds.
+    the plain way and their seconds; and the seconds spent proposing (propose_s) and verifying
+    (verify_s: the evaluation and its readback), and the fall-back runs started (runs).
 
     Greedy output equals the plain loop's token for token where a multi-row evaluation gives the
     same argmax as one row at a time: exactly on the numpy backend, and on the GPU where the
@@ -247,7 +248,7 @@ def speculative_loop(backend, n: int, params, history: list[int], stop: frozense
     hist = list(history)
     adapt = first_k(backend, k)
     st = stats if stats is not None else {}
-    st.update(steps=0, proposed=0, accepted=0, plain=0, plain_s=0.0)
+    st.update(steps=0, proposed=0, accepted=0, plain=0, plain_s=0.0, propose_s=0.0, verify_s=0.0, runs=0)
     last = backend.last_logits
     last = np.asarray(last.get() if hasattr(last, "get") else last, np.float32)  # (a device array on CUDA)
     last = last.reshape(-1, last.shape[-1])[-1]
@@ -266,9 +267,12 @@ def speculative_loop(backend, n: int, params, history: list[int], stop: frozense
                 return
         fresh = True
         hist.append(tok)
+        t_prop = time.perf_counter()
         props = [int(t) for t in propose(hist, min(adapt.k, n - produced))][:n - produced]
+        st["propose_s"] += time.perf_counter() - t_prop
         if plain_ok and fall.due(bool(props)):
             run_len = fall.start()
+            st["runs"] += 1
             # decode the plain way from tok (its first step evaluates it: the decode graph's
             # arithmetic, as plain decoding's), then leave the run's last token unevaluated, as a
             # verification step does
@@ -305,7 +309,7 @@ def speculative_loop(backend, n: int, params, history: list[int], stop: frozense
             hist.extend(got[:-1])
             tok, fresh = got[-1], False
             continue
-        base = backend.n_past
+        base, t_ver = backend.n_past, time.perf_counter()
         if on_device:  # greedy without a penalty: the argmaxes computed where the logits are
             target = [int(t) for t in backend.eval_argmax([tok] + props)]
             accepted, nxt = accept_greedy(props, target)
@@ -317,6 +321,7 @@ def speculative_loop(backend, n: int, params, history: list[int], stop: frozense
             rows = np.asarray(backend.eval([tok] + props, all_logits=True)).reshape(len(props) + 1, -1)
             p_rows = np.stack([_probs(sampler, rows[i], hist + props[:i], n_vocab) for i in range(len(props) + 1)])
             accepted, nxt = accept_sampled(props, p_rows, sampler.rng)
+        st["verify_s"] += time.perf_counter() - t_ver
         adapt.update(len(props), accepted)
         fall.kept(accepted)
         if not accepted:  # (the next try the cheapest: a verification's cost grows with its rows, steeply
