@@ -8,6 +8,9 @@ Usage (GPU machine): python bench/profile_step.py TWIN.gguf [--batch 1 --batch 6
 --verify: each --batch is the rows of a speculative verification step of one sequence
 (prefill._verify_rows, as eval_argmax runs it), also timed whole from the host (staging, graph,
 argmax, readback).
+--packed: each --batch is the prompts (of --prompt tokens) the server admits in one packed forward
+(seq_prefill_many: prefill._packed_rows' kernels and graph; the whole admission, its finiteness
+check and first tokens included, timed from the host).
 --shard W: rank 0's part of the model split over W GPUs (format/shard.py), alone on this GPU with
 its sums and the logits' gather left out: a split rank's own kernels, on a machine of one GPU.
 """
@@ -142,12 +145,55 @@ def profile_verify(be: CudaBackend, rows: int, prompt: int) -> dict:
             "eval_argmax_ms": host_ms, "by_kernel": by}
 
 
+def profile_packed(be: CudaBackend, n: int, prompt: int) -> dict:
+    """n prompts of ``prompt`` tokens admitted together (seq_start each, then seq_prefill_many with
+    their first tokens), as the server admits them: the packed forward's kernels eager, its graph
+    replayed, and whole admissions timed from the host (each with its release)."""
+    greedy = SamplingParams(temperature=0.0)
+    rng = np.random.default_rng(n * 7919 + prompt)
+    prompts = [[int(x) for x in rng.integers(10, be.cfg.n_vocab, prompt)] for _ in range(n)]
+    seen: list[int] = []
+    packed = be._packed_rows
+    be._packed_rows = lambda rows: (seen.append(rows), packed(rows))[1]  # (its row count: the graph's key)
+
+    def admit() -> None:
+        for s, p in enumerate(prompts):
+            be.seq_start(s, p, greedy, 16)
+        be.seq_prefill_many([(s, p, (p, greedy, 0, False)) for s, p in enumerate(prompts)])
+
+    def release() -> None:
+        be.stream.synchronize()
+        for s in range(n):
+            be.seq_release(s)
+
+    for _ in range(3):  # this size's eager run, then its capture (the wrapper sees those two)
+        admit()
+        release()
+    admit()  # (its ids stay staged for the eager run below)
+    be.stream.synchronize()
+    be._packed_rows = packed
+    rows = seen[-1] if seen else 0
+    n_k, total, by = _timeline(be, lambda: packed(rows))
+    graph_ms = _replay_ms(be, ("packed", rows)) if ("packed", rows) in getattr(be.graphs, "graphs", {}) else 0.0
+    release()
+    times = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        admit()
+        be.stream.synchronize()
+        times.append(time.perf_counter() - t0)
+        release()
+    return {"rows": rows, "prompts": n, "kernels": n_k, "kernel_ms": total, "graph_step_ms": graph_ms,
+            "admit_ms": float(np.median(times)) * 1e3, "by_kernel": by}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
     ap.add_argument("--batch", type=int, action="append")
     ap.add_argument("--prompt", type=int, default=64, help="tokens per sequence before the step (its context)")
     ap.add_argument("--verify", action="store_true", help="--batch values are verification rows")
+    ap.add_argument("--packed", action="store_true", help="--batch values are prompts admitted in one forward")
     ap.add_argument("--shard", type=int, default=1, metavar="W", help="rank 0's part of a split over W GPUs, alone")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -165,9 +211,12 @@ def main() -> None:
     weight_bytes = be.weights.nbytes if args.shard > 1 else sum(t.nbytes for t in f.tensors.values())
     out = []
     for rows in batches:
-        r = profile_verify(be, rows, args.prompt) if args.verify else profile(be, rows, args.prompt)
+        r = profile_verify(be, rows, args.prompt) if args.verify else \
+            profile_packed(be, rows, args.prompt) if args.packed else profile(be, rows, args.prompt)
         out.append(r)
-        what = f"verify {rows} rows (eval_argmax {r['eval_argmax_ms'] * 1e3:.0f} us)" if args.verify else f"B={rows}"
+        what = f"verify {rows} rows (eval_argmax {r['eval_argmax_ms'] * 1e3:.0f} us)" if args.verify else \
+            f"{rows} prompts packed in {r['rows']} rows (admission {r['admit_ms'] * 1e3:.0f} us)" if args.packed \
+            else f"B={rows}"
         if args.shard > 1:
             what += f", rank 0 of {args.shard} alone"
         print(f"\n{args.model} {what} (context {args.prompt}): {r['kernels']} kernels, {r['kernel_ms'] * 1e3:.0f} us of kernel time, "
