@@ -29,7 +29,7 @@ DEV void wg_hold(float (&d)[8][4]) {
 
 // Descriptor of a K-major B tile without swizzle: start, LBO, SBO (bytes, 16-byte units).
 DEV u64 wg_desc(const void* p, u32 lbo, u32 sbo) {
-    return (u64)(((u32)__cvta_generic_to_shared(p) & 0x3FFFFu) >> 4) | (u64)(lbo >> 4) << 16 | (u64)(sbo >> 4) << 32;
+    return (u64)((smem_addr(p) & 0x3FFFFu) >> 4) | (u64)(lbo >> 4) << 16 | (u64)(sbo >> 4) << 32;
 }
 
 // d[nt][0..3] += A (16 rows a warp) x B (64 tokens): d[nt] is mma.sync's C fragment of tokens 8 nt..
@@ -77,16 +77,8 @@ DEV void glu_wg_step(const u8* ws, int k0, const u16* Xs, float (&acc)[2][8][4])
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
             row[m][i] = ws + (m * 64 + 16 * warp + (lane >> 2) + 8 * i) * R::WROW;
-            const uint4 v = *reinterpret_cast<const uint4*>(row[m][i] + 64);  // (d, dmin), scales12
-            d2[m][i] = prmt(v.x, 0u, 0x1010u);
-            nmin2[m][i] = prmt(v.x, 0u, 0x3232u) ^ 0x80008000u;
-            if (half == 0) {
-                sc[m][i] = v.y & 0x3F3F3F3Fu;
-                mn[m][i] = v.z & 0x3F3F3F3Fu;
-            } else {
-                sc[m][i] = (v.w & 0x0F0F0F0Fu) | ((v.y >> 2) & 0x30303030u);
-                mn[m][i] = ((v.w >> 4) & 0x0F0F0F0Fu) | ((v.z >> 2) & 0x30303030u);
-            }
+            const uint4 v = *reinterpret_cast<const uint4*>(row[m][i] + 64);
+            R::half_scales(V16{{v.x, v.y, v.z, v.w}}, half, d2[m][i], nmin2[m][i], sc[m][i], mn[m][i]);
         }
 #pragma unroll
     for (int G = 0; G < 2; ++G) {

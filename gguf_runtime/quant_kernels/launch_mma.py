@@ -134,11 +134,14 @@ def _mma_plan(k: Kernels, rows: Sequence[int], n_tok: int, cols: int, n_mats: in
     def config(cols: int) -> MmaConfig:
         return mma_config(rows, n_tok, cols, tall, kn.mma_split_min_steps, kn.mma_split_blocks, kn.mma_max_split)
     c = config(cols if scratch else 0)
-    if c.split > 1:
-        tiles = sum(-(-n // (16 * c.wr * c.h)) for n in rows) * -(-n_tok // (8 * c.nt * (4 // c.wr)))
-        if tiles > scratch.counters or tiles * c.split * n_mats * c.h * 512 * c.nt > scratch.part_floats:
-            return config(0)
-    return c
+    return c if c.split == 1 or _split_fits(scratch, rows, n_tok, c, n_mats) else config(0)
+
+
+def _split_fits(scratch: "SplitScratch | None", rows: Sequence[int], n_tok: int, c: MmaConfig, n_mats: int) -> bool:
+    """Whether the scratch holds c's counters and partials (n_mats W tiles a block, c.h stacked)."""
+    tiles = sum(-(-n // (16 * c.wr * c.h)) for n in rows) * -(-n_tok // (8 * c.nt * (4 // c.wr)))
+    return scratch is not None and tiles <= scratch.counters and \
+        tiles * c.split * n_mats * c.h * 512 * c.nt <= scratch.part_floats
 
 
 def split_part_floats(rows: int, n_tok: int, max_split: int = MMA_MAX_SPLIT) -> int:
@@ -187,12 +190,10 @@ def mma_glu(k: Kernels, gate: Mat, up: Mat, x16: int, ldx16: int, n_tok: int, ac
     wr, nt, split, _ = _mma_plan(k, [gate.rows], n_tok, 0, 2, scratch, tall=False)
     if kn.glu_shape is not None:
         wr, nt = kn.glu_shape
-    if kn.glu_split > 1 and scratch is not None:
-        tiles = -(-gate.rows // (16 * wr)) * -(-n_tok // (8 * nt * (4 // wr)))
-        if tiles <= scratch.counters and tiles * kn.glu_split * 2 * 512 * nt <= scratch.part_floats:
-            split = kn.glu_split
-    ra, st = int(k.knobs.mma_reg_a), k.knobs.mma_stages
-    if k.knobs.mma_wgmma and ra and gate.struct == up.struct == "TQ4_K" and wr == 4 and split == 1 and hopper():
+    if kn.glu_split > 1 and _split_fits(scratch, [gate.rows], n_tok, MmaConfig(wr, nt, kn.glu_split), 2):
+        split = kn.glu_split
+    ra, st = int(kn.mma_reg_a), kn.mma_stages
+    if kn.mma_wgmma and ra and gate.struct == up.struct == "TQ4_K" and wr == 4 and split == 1 and hopper():
         return _glu_wgmma(k, gate, up, x16, ldx16, n_tok, act, y16, ldy16, st[1])
     fn = k.fn("matmul_mma.cu", mma_glu_name(gate.struct, wr, nt, fused_act(act), ra, st, kn.glu_min_blocks))
     tb = 8 * nt * (4 // wr)

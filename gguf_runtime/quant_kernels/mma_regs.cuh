@@ -62,6 +62,19 @@ template <> struct RegA<TQ4_K> {
     // the 16-byte reads of a quarter warp are conflict-free).
     static constexpr int WROW = 96, CHUNKS = 5;
 
+    // A row's (d, d), (-dmin, -dmin) and its four 6-bit scales and mins (a byte each) of this half
+    // of the superblock, from its 16 scale bytes (words: (d, dmin), scales12).
+    static DEV void half_scales(const V16& s, int half, u32& d2, u32& nmin2, u32& sc, u32& mn) {
+        d2 = prmt(s.w[0], 0u, 0x1010u);
+        nmin2 = prmt(s.w[0], 0u, 0x3232u) ^ 0x80008000u;
+        if (half == 0) {
+            sc = s.w[1] & 0x3F3F3F3Fu;
+            mn = s.w[2] & 0x3F3F3F3Fu;
+        } else {
+            sc = (s.w[3] & 0x0F0F0F0Fu) | ((s.w[1] >> 2) & 0x30303030u);
+            mn = ((s.w[3] >> 4) & 0x0F0F0F0Fu) | ((s.w[2] >> 2) & 0x30303030u);
+        }
+    }
     struct Rows {};  // (staged: Plan instead)
     static DEV Rows rows(const Mat&, int, int) { return {}; }
     static DEV void load(const Rows&, int, Raw&) {}
@@ -122,18 +135,7 @@ template <> struct RegA<TQ4_K> {
 #pragma unroll
         for (int m = 0; m < NM; ++m)
 #pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                const V16 s = raw[m].s[i];  // words: (d, dmin), scales12
-                d2[m][i] = prmt(s.w[0], 0u, 0x1010u);                   // (d, d)
-                nmin2[m][i] = prmt(s.w[0], 0u, 0x3232u) ^ 0x80008000u;  // (-dmin, -dmin)
-                if (half == 0) {
-                    sc[m][i] = s.w[1] & 0x3F3F3F3Fu;
-                    mn[m][i] = s.w[2] & 0x3F3F3F3Fu;
-                } else {
-                    sc[m][i] = (s.w[3] & 0x0F0F0F0Fu) | ((s.w[1] >> 2) & 0x30303030u);
-                    mn[m][i] = ((s.w[3] >> 4) & 0x0F0F0F0Fu) | ((s.w[2] >> 2) & 0x30303030u);
-                }
-            }
+            for (int i = 0; i < 2; ++i) half_scales(raw[m].s[i], half, d2[m][i], nmin2[m][i], sc[m][i], mn[m][i]);
         // Straight-line code (faster than an `unroll 1` loop: the 8B's GLU at B=64).
         // The B loads are volatile (lds_b16), so they stay between the MMAs instead of all 32
         // being hoisted (spills in the GLU).
