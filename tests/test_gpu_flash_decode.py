@@ -171,22 +171,33 @@ def test_flash_decode_smem_fits():
 
 
 @pytest.mark.parametrize("kv", KL.KV_TYPES)
-def test_flash_decode_work_split(kv, rng):
+@pytest.mark.parametrize("window", [0, 300])
+def test_flash_decode_work_split(kv, window, rng):
     """Splits from the step's total keys for 132 SMs (the tuning table's choice): one long row
-    among short ones takes many blocks, the short ones one each; the same attention."""
+    among short ones takes many blocks, the short ones one each, a padding row none of the keys;
+    the same attention. The blocks numbered row by row in grid.y (decode_packed, the rule) give
+    the bits of the grid of n_split blocks a row, with and without a window."""
     import dataclasses
 
-    kw = L.Kernels(dataclasses.replace(Tuning(), sm_count=132).knobs())
     d, hq, hkv = 128, 32, 8
     depths = [9000, 3, 40, 700, 129, 2000]
     KV, kc, vc, table, max_pages = sequences(rng, depths, hkv, d, kv)
-    pos = np.array(depths, np.int32)
-    q = rng.standard_normal((len(depths), hq, d)).astype(np.float32)
+    rows = len(depths) + 1
+    pos = np.array(depths + [11], np.int32)
+    seq = np.array(list(range(len(depths))) + [-1], np.int32)
+    table = np.concatenate([table, np.full((1, max_pages), -1, np.int32)])
+    q = rng.standard_normal((rows, hq, d)).astype(np.float32)
     scale = 1 / math.sqrt(d)
-    o = run_decode(kw, q, kc, vc, pos, np.arange(len(depths), dtype=np.int32), table, max_pages, hq, hkv, d, scale,
-                   0.0, 0, 32, kv, early=True).reshape(len(depths), hq, d)
+    outs = []
+    for packed in (True, False):
+        kw = L.Kernels(dataclasses.replace(Tuning(), sm_count=132, decode_packed=packed).knobs())
+        outs.append(run_decode(kw, q, kc, vc, pos, seq, table, max_pages, hq, hkv, d, scale, 0.0, window, 32, kv,
+                               early=True))
+    assert (outs[0] == outs[1]).all(), np.abs(outs[0] - outs[1]).max()
+    o = outs[0].reshape(rows, hq, d)
+    assert not o[-1].any()
     for i, (K, V) in enumerate(KV):
-        assert rel(o[i], attention_ref(q[i:i + 1], K, V, pos[i:i + 1], scale, 0.0, 0)[0]) < BAR
+        assert rel(o[i], attention_ref(q[i:i + 1], K, V, pos[i:i + 1], scale, 0.0, window)[0]) < BAR
 
 
 @pytest.mark.parametrize("kv", ["q8_0", "q4_0"])

@@ -9,7 +9,9 @@
 // instructions). target > 0:
 // the splits follow the work of the whole step instead, about ``target`` blocks in all (the SMs'
 // share): a split covers at least total keys x n_head_kv / target keys, so one long row among
-// short ones takes many blocks and each short one a single block. Its NW warps
+// short ones takes many blocks and each short one a single block; the grid is then (kv head,
+// block) with the step's (row, split) blocks numbered row by row (grid.z one: a grid of n_split
+// blocks a row was mostly blocks that only exited, each holding an SM's shared memory). Its NW warps
 // take the chunk's KT-key tiles in turn (tile i: warp i % NW), each warp with its own ring of ST
 // stages, so no warp waits on another inside the loop. Per tile, as flash_attn.cu does for a
 // prompt's rows: S = Q K^T by mma.sync m16n8k16 (the A rows are the G heads, f16, scaled; rows G
@@ -161,6 +163,17 @@ DEV void dec_load_bulk(int k0, int end, int skip, const int* tab, int max_pages,
 DEV u32 q8_h2s(u32 w, u32 sel, u32 d2) { return hmul2(hsub2(prmt(w, H_MAGIC, sel), 0x64806480u), d2); }
 DEV u32 q8_h2(u32 w, u32 sel, u32 h) { return q8_h2s(w, sel, h | (h << 16)); }
 
+// The splits of a row at position p (the keys of its window): with kps (the step's keys a split,
+// batches) n / kps of them, else enough of min_keys; at most n_split; whole KT-key tiles each, and
+// counted again from the tiles a split then takes, so that none is empty.
+template <int KT>
+DEV int dec_splits(int p, int window, int n_split, int min_keys, int kps) {
+    const int lo = window > 0 ? max(0, p - window + 1) : 0, n = p + 1 - lo / KT * KT;
+    const int ns = kps > 0 ? max(1, min(n_split, n / kps)) : min(n_split, (n + min_keys - 1) / min_keys);
+    const int chunk = ((n + KT - 1) / KT + ns - 1) / ns * KT;
+    return (n + chunk - 1) / chunk;
+}
+
 template <int D, int G, int NW, int KT, int ST, class KV, int BK = 0>
 __global__ void __launch_bounds__(32 * NW) flash_decode(
         const float* __restrict__ q, int ldq, const KV* __restrict__ kcache, const KV* __restrict__ vcache,
@@ -168,31 +181,57 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
         int page_size, int n_head_kv, float scale, float cap, int window, int n_split, int min_keys, int target,
         int early, float* __restrict__ part_o, float* __restrict__ part_ml, unsigned* __restrict__ counter,
         float* __restrict__ out, int ldo, u16* __restrict__ out16, int ld16, u8* oq, int ldoq, float4* os,
-        int ldos, int ores, const float* __restrict__ sinks, const float* __restrict__ own_kv, int ld_own) {
+        int ldos, int ores, const float* __restrict__ sinks, const float* __restrict__ own_kv, int ld_own, int rows) {
     using F = Dec<D, G, NW, KT, ST, KV>;
     constexpr int KS = D / 16, NS = KT / 8, LDH = F::LDH;
     constexpr float LOG2E = 1.4426950408889634f;
     extern __shared__ float4 fd_smem[];
     if (dynamic_smem() < (u32)F::BYTES) __trap();  // the launcher's size (launch_attention.decode_smem) is short
     if (!early) pdl_enter();
-    const int hk = blockIdx.x, s = blockIdx.y, t = blockIdx.z;
+    const int hk = blockIdx.x;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, grp = lane >> 2, tig = lane & 3;
+    int s = blockIdx.y, t = blockIdx.z, kps = 0;
+    if (target > 0) {  // keys a split from the step's total (every block of the step computes the same)
+        int total = 0;
+        for (int r = lane; r < rows; r += 32)
+            if (seq[r] >= 0) total += min(pos[r] + 1, window > 0 ? window : pos[r] + 1);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
+        kps = max(min_keys, (int)(((long)total * n_head_kv + target - 1) / target));
+        // grid.z one (launch_attention.dec_grid_y): blockIdx.y numbers the step's (row, split) blocks
+        // row by row (dec_splits of each row), so the grid holds few more blocks than there are;
+        // past them: none. Else (decode_packed off) the grid is (kv head, split, row) as without target
+        int done = 0;  // the splits of the rows before this 32
+        if (gridDim.z == 1) t = -1;
+        for (int r0 = 0; r0 < rows && t < 0; r0 += 32) {
+            const int r = r0 + lane;
+            const int c = r < rows ? dec_splits<KT>(seq[r] < 0 ? 0 : pos[r], window, n_split, min_keys, kps) : 0;
+            int inc = c;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const int v = __shfl_up_sync(0xffffffffu, inc, o);
+                if (lane >= o) inc += v;
+            }
+            const int first = done + inc - c;  // this row's first block
+            const unsigned hit = __ballot_sync(0xffffffffu, c > 0 && s >= first && s < first + c);
+            if (hit) {
+                const int L = __ffs(hit) - 1;
+                t = r0 + L;
+                s -= __shfl_sync(0xffffffffu, first, L);
+                break;
+            }
+            done += __shfl_sync(0xffffffffu, inc, 31);
+        }
+        if (t < 0) return;
+    }
     const bool pad = seq[t] < 0;  // a padding row of a batch bucket: no keys
     const int p = pad ? 0 : pos[t];
     const int lo = window > 0 ? max(0, p - window + 1) : 0;
     const int base = lo / KT * KT;  // tiles start at multiples of KT (keys below lo are masked)
     const int n = p + 1 - base;
-    int ns = min(n_split, (n + min_keys - 1) / min_keys);
-    if (target > 0) {  // keys a split from the step's total (every block of the step computes the same)
-        long total = 0;
-        for (int r = 0; r < (int)gridDim.z; ++r)
-            if (seq[r] >= 0) total += min(pos[r] + 1, window > 0 ? window : pos[r] + 1);
-        const int kps = max(min_keys, (int)((total * n_head_kv + target - 1) / target));
-        ns = max(1, min(n_split, n / kps));
-    }
-    // a split's keys: whole tiles; ns again so that none is empty (every block computes the same)
-    const int tiles = (n + KT - 1) / KT, chunk = (tiles + ns - 1) / ns * KT;
-    ns = (n + chunk - 1) / chunk;
+    const int ns = dec_splits<KT>(p, window, n_split, min_keys, kps);
+    // a split's keys: whole tiles (dec_splits: none is empty)
+    const int chunk = ((n + KT - 1) / KT + ns - 1) / ns * KT;
     if (s >= ns) return;
     const int start = base + s * chunk, end = pad ? start : min(p + 1, start + chunk);
     const int* tab = table + (long)(pad ? 0 : seq[t]) * max_pages;
@@ -505,12 +544,12 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
 #define INST1(D, G, NW, KT, ST, KV) template __global__ void flash_decode<D, G, NW, KT, ST, KV>(const float*, int, \
     const KV*, const KV*, const int*, const int*, const int*, int, int, int, float, float, int, int, int, int, \
     int, float*, float*, unsigned*, float*, int, u16*, int, u8*, int, float4*, int, int, const float*, \
-    const float*, int);
+    const float*, int, int);
 #define INST(D, G, NW, KT, ST) INST1(D, G, NW, KT, ST, float) INST1(D, G, NW, KT, ST, u16) \
     INST1(D, G, NW, KT, ST, kvq8) INST1(D, G, NW, KT, ST, kvq4)
 INST(64, 1, 4, 16, 3) INST(64, 3, 4, 16, 3) INST(128, 4, 4, 16, 3) INST(128, 4, 4, 16, 4) INST(128, 4, 4, 32, 3)
 INST(128, 8, 4, 16, 3) INST(256, 4, 4, 16, 3) INST(256, 8, 4, 16, 3) INST(128, 4, 2, 16, 4) INST(128, 4, 8, 16, 2)
 template __global__ void flash_decode<128, 4, 8, 16, 2, u16, 1>(const float*, int, const u16*, const u16*, const int*,
     const int*, const int*, int, int, int, float, float, int, int, int, int, int, float*, float*, unsigned*, float*,
-    int, u16*, int, u8*, int, float4*, int, int, const float*, const float*, int);
+    int, u16*, int, u8*, int, float4*, int, int, const float*, const float*, int, int);
 #endif

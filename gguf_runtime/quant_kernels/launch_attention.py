@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from . import kv_layout as KL
+from .decode_grid import dec_grid_y
 from .knobs import ATTN_MAX_SPLITS
 from .launch_core import NO_PTRS, Kernels, Q8Vec, f32, i32, ptr
 
@@ -260,11 +261,14 @@ def flash_decode(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache: i
     # (or no SM count): n_split alone (the totals' loop cost SmolLM2 1.5-3% at one row)
     per_sm = max(1, SM_SMEM // (smem + 2048))
     target = k.knobs.sm_count * per_sm if k.knobs.sm_count and rows > 1 and not per_row else 0
-    fn((n_head_kv, n_split, rows), (32 * config[0],),
+    packed = target > 0 and k.knobs.decode_packed
+    fn((n_head_kv, dec_grid_y(rows, n_split, target if packed else 0, n_head_kv, window), 1 if packed else rows),
+       (32 * config[0],),
        (ptr(q), i32(ldq), ptr(kcache), ptr(vcache), ptr(pos), ptr(seq), ptr(table), i32(max_pages),
         i32(page_size), i32(n_head_kv), f32(scale), f32(cap), i32(window), i32(n_split),
         i32(k.knobs.decode_min_keys or decode_min_keys(head_dim, config, kv)), i32(target), i32(1 if early else 0),
         ptr(part_o),
         ptr(part_ml), ptr(counter), ptr(out), i32(ldo), ptr(out16), i32(ld16), *(q8.ptrs() if q8 else NO_PTRS),
-        ptr(sinks), ptr(own[0] if own else 0), i32(own[1] if own else 0)),
+        ptr(sinks), ptr(own[0] if own else 0), i32(own[1] if own else 0), i32(rows)),
        shared_mem=smem)
+

@@ -329,7 +329,7 @@ class CudaBlocks:
                             0 if self._small(t) else ws.x16.strides[0] // 2, q8=self._att_q8,
                             early=self.decode and self.tune.attn_early and not self.verify, kv=self.kv.kv_type,
                             sinks=self._sinks(layer), own=(q.data.ptr, q.strides[0] // 4) if own else None,
-                            per_row=self.verify)
+                            per_row=self.verify, config=self._deep_config())
             return out
         LA.attention(self.k, q.data.ptr, q.strides[0] // 4, t, kc, vc, positions.data.ptr, self.seq.data.ptr,
                     self.kv.table.data.ptr, self.kv.max_pages, self.kv.page_size, cfg.n_head, cfg.n_head_kv,
@@ -342,6 +342,15 @@ class CudaBlocks:
                     early=self.decode and self.tune.attn_early and not self.verify, kv=self.kv.kv_type,
                     sinks=self._sinks(layer))
         return out
+
+    def _deep_config(self) -> tuple[int, int, int] | None:
+        """flash_decode's (warps, keys a tile, stages) for a deep batch step (the tuning table's
+        deep_decode_*), None for other steps (the decode knobs' or decode_config's rule)."""
+        t = self.tune
+        if not self.deep or (t.deep_decode_shape is None and not t.deep_decode_warps):
+            return None
+        knobs = (t.deep_decode_warps, *(t.deep_decode_shape or (0, 0)))
+        return LA.decode_config(self.cfg.head_dim, self.kv.kv_type, knobs)
 
     def _flash_config(self) -> tuple[int, int, int] | None:
         """flash_prefill's (WT, KT, ST) with flash_rows query rows a block, or None (its rule)."""

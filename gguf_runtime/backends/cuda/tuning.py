@@ -86,6 +86,9 @@ class Tuning:
     decode_min_keys: int = 0  # flash_decode's keys a split at least; 0: launch_attention.decode_min_keys's rule
     flash_decode_batch: bool = True  # ... and tensor-core steps attention_tiles does not take (8B B=4-16: +6-8%)
     decode_bulk: bool = False  # flash_decode's f16 tiles by cp.async.bulk, a row a request (slower: RESULTS 225)
+    decode_packed: bool = True  # batch flash_decode's blocks: only the step's (row, split) ones (off: n_split a row)
+    deep_decode_shape: tuple[int, int] | None = (16, 3)  # deep batch steps' flash_decode (keys a tile, stages); None: as others
+    deep_decode_warps: int = 4  # ... and its warps a block (two blocks an SM: RESULTS 228); 0: decode_config's
     decode_work_split: bool = True  # flash_decode splits a batch's rows by its total keys (uneven depths: +30%)
     sm_count: int = 0  # the GPU's SMs (choose() fills it in)
     # -- tensor cores (batch steps)
@@ -137,6 +140,7 @@ class Tuning:
                            flash=self.flash_shape,
                            decode=(self.decode_warps, *(self.decode_shape or (0, 0))),
                            decode_min_keys=self.decode_min_keys, decode_bulk=self.decode_bulk,
+                           decode_packed=self.decode_packed,
                            sm_count=self.sm_count if self.decode_work_split else 0, mma_shape=self.mma_shape,
                            mmv_token_grid=self.mmv_token_grid, gpu_sms=self.sm_count,
                            grid_waves=self.mmv_grid_waves, grid_groups=self.mmv_grid_groups,
@@ -241,7 +245,7 @@ def _parse(name: str, text: str):
         if name == "pdl_big_graph_kernels":
             return tuple(p for p in text.split("+") if p)
         if name in ("attn_small", "attn_big", "mma_stages", "tiles_shape", "flash_shape",
-                    "decode_shape", "moe_rows", "mma_shape", "glu_shape", "mmv_grid_waves"):
+                    "decode_shape", "deep_decode_shape", "moe_rows", "mma_shape", "glu_shape", "mmv_grid_waves"):
             return None if text == "none" else _pair(name, text)
         return text
     except ValueError:
