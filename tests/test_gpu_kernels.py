@@ -837,6 +837,34 @@ def test_mma_glu_split_and_shape(name, split, shape, mb, rng):
         assert not np.isnan(part.get()).all()  # the split ran (its partials were written)
 
 
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0"])
+@pytest.mark.parametrize("sms, n_tok", [(3, 64), (4, 40), (7, 100)])
+def test_mma_glu_stream_k(name, sms, n_tok, rng):
+    """The GLU as stream-K (glu_stream: every block an even run of the tiles' k steps; a tile cut
+    between 2 or 3 blocks summed by its last one) matches numpy and the tiled GLU, for 1 and 2
+    token tiles; the counters are back at zero for the next launch."""
+    keep = []
+    rows, cols = 300, 2304  # 5 tiles of 64 rows x 18 k steps: 3, 4, 7 blocks cut tiles
+    (g, wg), (u, wu) = upload(name, rows, cols, rng, keep), upload(name, rows, cols, rng, keep)
+    x = rng.standard_normal((n_tok, cols)).astype(np.float16).astype(np.float32)
+    xd = cp.asarray(x.astype(np.float16))
+    ref = silu(x.astype(np.float64) @ wg.T) * (x.astype(np.float64) @ wu.T)
+    part = cp.full(LM.split_part_floats(2 * rows, n_tok, 4), POISON, cp.float32)
+    counter = cp.zeros(-(-rows // 16) * -(-n_tok // 16), cp.uint32)
+    sc = LM.SplitScratch(part.data.ptr, part.size, counter.data.ptr, counter.size)
+    assert LM.glu_stream_plan(rows, cols, 4, sms) is not None
+    got = []
+    for knobs in ({}, {"glu_stream": 1, "sm_count": sms}):
+        kk = L.Kernels(Tuning(**knobs).knobs())
+        out = cp.full((n_tok, rows), np.nan, cp.float16)
+        LM.mma_glu(kk, g, u, xd.data.ptr, cols, n_tok, "silu", out.data.ptr, rows, sc)
+        got.append(out.get().astype(np.float32))
+        assert rel(got[-1], ref) < 2e-3, knobs
+        assert any(n.startswith("mma_glu_sk<") for _, n in kk._fns) == bool(knobs)
+    assert rel(got[1], got[0]) < 2e-3
+    assert not counter.get().any()
+
+
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("mb", [3, 4])
 def test_mma_min_blocks(k, name, mb, rng):

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from . import kv_layout as KL
-from .decode_grid import dec_grid_y
+from .grids import dec_grid_y
 from .knobs import ATTN_MAX_SPLITS
 from .launch_core import NO_PTRS, Kernels, Q8Vec, f32, i32, ptr
 

@@ -12,12 +12,12 @@ from typing import NamedTuple, Sequence
 
 import cupy as cp
 
+from .grids import MMA_TK, glu_stream_plan
 from .knobs import KernelKnobs
 from .launch_core import fused_act, Kernels, Mat, _Counted, i32, ptr
 
 MMA_MIN_BLOCKS = 132  # one wave on an H100: below this, smaller tiles or K splits (more blocks) win
 MMA_SPLIT_BLOCKS = KernelKnobs().mma_split_blocks  # mma_config's defaults without a backend (the knobs')
-MMA_TK = 128  # columns per k step (matmul_mma.cu TK)
 MMA_TALL_MIN_COLS = 1024
 MMA_MAX_SPLIT = KernelKnobs().mma_max_split
 # Types whose A fragments are built in registers (mma_regs.cuh): x tile row stride in halves.
@@ -95,9 +95,9 @@ def mma_name(structs: Sequence[str], wr: int, nt: int, mode: int, h: int = 1, ra
 
 
 def mma_glu_name(struct: str, wr: int, nt: int, act: int, ra: int = 1, stages: tuple[int, int] = (2, 2),
-                 min_blocks: int = 0) -> str:
+                 min_blocks: int = 0, kernel: str = "mma_glu") -> str:
     mb = f", {min_blocks}" if min_blocks else ""
-    return f"mma_glu<{struct}, {wr}, {nt}, {act}, {ra}, {mma_stages([struct], 2, ra, stages)}{mb}>"
+    return f"{kernel}<{struct}, {wr}, {nt}, {act}, {ra}, {mma_stages([struct], 2, ra, stages)}{mb}>"
 
 
 @functools.lru_cache(maxsize=None)
@@ -185,7 +185,8 @@ def mma_glu(k: Kernels, gate: Mat, up: Mat, x16: int, ldx16: int, n_tok: int, ac
             scratch: SplitScratch | None = None) -> None:
     """y16[t, :] = f16(act(G x[t]) * (U x[t])), x in f16. Not split by the rule: with two W tiles
     per block the 8B's GLU fills the GPU unsplit, and splitting SmolLM2's made it much slower; the
-    knobs' glu_split / glu_shape ask for a split / a tile shape (measuring)."""
+    knobs' glu_split / glu_shape ask for a split / a tile shape, glu_stream for stream-K over the
+    GPU's resident blocks (mma_glu_sk, where grids.glu_stream_plan takes it; measuring)."""
     kn = k.knobs
     wr, nt, split, _ = _mma_plan(k, [gate.rows], n_tok, 0, 2, scratch, tall=False)
     if kn.glu_shape is not None:
@@ -195,6 +196,16 @@ def mma_glu(k: Kernels, gate: Mat, up: Mat, x16: int, ldx16: int, n_tok: int, ac
     ra, st = int(kn.mma_reg_a), kn.mma_stages
     if kn.mma_wgmma and ra and gate.struct == up.struct == "TQ4_K" and wr == 4 and split == 1 and hopper():
         return _glu_wgmma(k, gate, up, x16, ldx16, n_tok, act, y16, ldy16, st[1])
+    sk = glu_stream_plan(gate.rows, gate.cols, wr, kn.gpu_sms * kn.glu_stream) if split == 1 else None
+    if sk is not None and _split_fits(scratch, [gate.rows], n_tok, MmaConfig(wr, nt, sk[1], 1), 2):
+        assert scratch is not None
+        fn = k.fn("matmul_mma.cu", mma_glu_name(gate.struct, wr, nt, fused_act(act), ra, st, kn.glu_min_blocks,
+                                                 "mma_glu_sk"))
+        fn((sk[0], -(-n_tok // (8 * nt * (4 // wr)))), (128,),
+           (*gate.planes, *up.planes, i32(gate.rows), ptr(x16), i32(ldx16), i32(n_tok), i32(gate.cols), ptr(y16),
+            i32(ldy16), ptr(scratch.part), ptr(scratch.counter), i32(sk[1])),
+           shared_mem=mma_smem(fn, wr, nt, 2, [gate.struct], ra, mma_stages([gate.struct], 2, ra, st)))
+        return
     fn = k.fn("matmul_mma.cu", mma_glu_name(gate.struct, wr, nt, fused_act(act), ra, st, kn.glu_min_blocks))
     tb = 8 * nt * (4 // wr)
     part, counter = (scratch.part, scratch.counter) if split > 1 else (0, 0)

@@ -75,6 +75,46 @@ __global__ void __launch_bounds__(NTHR, MB) mma_glu(PLANES(0), PLANES(1), int n,
     });
 }
 
+// mma_glu with its work shared evenly by gridDim.x resident blocks (stream-K): the tiles' k steps
+// in a row (tile by tile) cut into gridDim.x equal runs, one a block, so no SM idles while others
+// finish a second tile (the 8B's B=64 GLU: 224 tiles for 264 block slots). A tile cut between
+// blocks is summed by merge_parts (its last contributor runs the epilogue); ``stride``: the
+// partial slots a tile has (its contributors at most: the launcher's bound).
+template <class T, int WR, int NT, int ACT, int RA, int ST, int MB = 0>
+__global__ void __launch_bounds__(NTHR, MB) mma_glu_sk(PLANES(0), PLANES(1), int n, const u16* __restrict__ x,
+                                                   int ldx, int n_tok, int K, u16* y, int ldy, float* part,
+                                                   unsigned* counter, int stride) {
+    extern __shared__ __align__(16) u16 smem[];
+    constexpr int TM = 16 * WR;
+    const int t0 = blockIdx.y * 8 * NT * (4 / WR), tiles = (n + TM - 1) / TM, steps = (K + TK - 1) / TK;
+    const long total = (long)tiles * steps, P = gridDim.x;
+    auto owner = [&](long u) { return (int)(((u + 1) * P + total - 1) / total - 1); };  // the block of step u
+    const Mat ms[2] = {MAT(0, T), MAT(1, T)};
+    const long u1 = (blockIdx.x + 1) * total / P;
+    for (long u = blockIdx.x * total / P; u < u1;) {
+        const int tile = (int)(u / steps), s0 = (int)(u % steps);
+        const int s1 = (int)min((long)steps, s0 + (u1 - u));
+        u += s1 - s0;
+        float acc[2][NT][4];
+        mma_tiles_any<T, WR, NT, 2, RA, ST>(ms, n, tile * TM, 0, x, ldx, n_tok, t0, s0 * TK, min(K, s1 * TK), K, smem,
+                                            acc);
+        bool whole = s0 == 0 && s1 == steps;
+        if (!whole) {
+            const long first = (long)tile * steps;
+            const int b0 = owner(first);
+            whole = merge_parts<2, NT>(acc, part, counter, blockIdx.y * tiles + tile, blockIdx.x - b0,
+                                       owner(first + steps - 1) - b0 + 1, stride);
+        }
+        if (whole) {
+            glu_combine<ACT>(acc);
+            for_each_c<WR, NT>(acc[0], tile * TM, t0, [&](int r, int t, float v) {
+                if (r < n && t < n_tok) y[(long)t * ldy + r] = f2h(v);
+            });
+        }
+        __syncthreads();  // every warp is done with the tiles' shared memory before the next run fills it
+    }
+}
+
 #ifdef GGUF_INSTANTIATE_ALL
 #define GROUP_ARGS PLANES(0), int, float*, int, const float*, PLANES(1), int, float*, int, const float*, \
     PLANES(2), int, float*, int, const float*, const u16*, int, int, int, float*, unsigned*
@@ -92,7 +132,8 @@ template __global__ void mma_group<TQ4_K, TQ4_K, TQ6_K, 4, 8, 0, 1, 1, 4>(GROUP_
     template __global__ void mma_glu<T, 2, 4, 0, 1, 3>(GLU_ARGS);                                \
     template __global__ void mma_glu<T, 4, 8, 0, 1, 3>(GLU_ARGS);                                \
     template __global__ void mma_glu<T, 4, 8, 0, 1, 2>(GLU_ARGS);                                \
-    template __global__ void mma_glu<T, 4, 8, 0, 0, 2>(GLU_ARGS);
+    template __global__ void mma_glu<T, 4, 8, 0, 0, 2>(GLU_ARGS);                                \
+    template __global__ void mma_glu_sk<T, 4, 8, 0, 1, 2>(GLU_ARGS, int);
 INST(TF32) INST(TF16) INST(TBF16) INST(TQ4_0) INST(TQ4_1) INST(TQ5_0) INST(TQ5_1) INST(TQ8_0)
 INST(TQ2_K) INST(TQ3_K) INST(TQ4_K) INST(TQ5_K) INST(TQ6_K) INST(TMXFP4) INST(TIQ4_NL) INST(TIQ4_XS)
 INST(TIQ2_XXS) INST(TIQ2_XS) INST(TIQ2_S) INST(TIQ3_XXS) INST(TIQ3_S) INST(TIQ1_S) INST(TIQ1_M)

@@ -103,8 +103,10 @@ class Workspace:
             self.q8_norm, self.q8_plain = (L.Q8Vec(self.xq[i].data.ptr, widest + res, self.xs[i].data.ptr,
                                                    widest // 16, res=res) for i in range(2))
         part = LM.split_part_floats(out, logits_rows, tune.mma_max_split)
-        if tune.glu_split > 1:  # the GLU's partials: gate's and up's rows
-            part = max(part, LM.split_part_floats(2 * cfg.n_ff, logits_rows, tune.glu_split))
+        if tune.glu_split > 1 or tune.glu_stream:  # the GLU's partials: gate's and up's rows (stream-K: a
+            # tile's contributors, launch_mma.glu_stream_plan: at most 4 where it runs)
+            ways = max(tune.glu_split, 4 if tune.glu_stream else 0)
+            part = max(part, LM.split_part_floats(2 * cfg.n_ff, logits_rows, ways))
         self.mma_part = cp.zeros(part if big else 1, f32)
         self.mma_counter = cp.zeros(-(-out // 16) * -(-logits_rows // 16) if big else 1, cp.uint32)
         self.split = LM.SplitScratch(self.mma_part.data.ptr, self.mma_part.size, self.mma_counter.data.ptr,
