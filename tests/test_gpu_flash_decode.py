@@ -55,7 +55,7 @@ def sequences(rng, depths, hkv, d, kv, extra=5):
 
 
 def run_decode(k, q, kc, vc, pos, seq, table, max_pages, hq, hkv, d, scale, cap, window, n_split, kv,
-               early=False, config=None, sinks=None, bulk=None):
+               early=False, config=None, sinks=None, bulk=None, per_row=False):
     t = q.shape[0]
     out = cp.full((t, hq * d), POISON, cp.float32)
     part_o = cp.full(t * hq * n_split * d, POISON, cp.float32)
@@ -65,7 +65,7 @@ def run_decode(k, q, kc, vc, pos, seq, table, max_pages, hq, hkv, d, scale, cap,
     LA.flash_decode(k, qd.data.ptr, hq * d, t, kd.data.ptr, vd.data.ptr, posd.data.ptr, seqd.data.ptr,
                     tabd.data.ptr, max_pages, PAGE, hq, hkv, d, scale, cap, window, n_split, part_o.data.ptr,
                     part_ml.data.ptr, counter.data.ptr, out.data.ptr, hq * d, early=early, kv=kv, config=config,
-                    sinks=sinks.data.ptr if sinks is not None else 0, bulk=bulk)
+                    sinks=sinks.data.ptr if sinks is not None else 0, bulk=bulk, per_row=per_row)
     assert not counter.get().any(), "the merging blocks leave the counters at zero"
     return out.get()
 
@@ -162,6 +162,34 @@ def test_flash_decode_bulk_same_bits(k, d, hq, hkv, config, n_split, rng):
     assert not o[-1].any()
     for i, (K, V) in enumerate(KV):
         assert rel(o[i], attention_ref(q[i:i + 1], K, V, pos[i:i + 1], scale, 0.0, 0)[0]) < BAR
+
+
+@pytest.mark.parametrize("d,hq,hkv", [(64, 9, 3), (128, 32, 8)])
+def test_flash_decode_per_row_packed(d, hq, hkv, rng):
+    """per_row (speculative verification: each row split as a one-row step splits it) in a packed
+    grid (the rows' blocks numbered in grid.y, those with keys first) gives the (kv head, split,
+    row) grid's bits: rows at uneven depths and a padding row, and consecutive positions of one
+    sequence as a verification has them."""
+    import dataclasses
+
+    KV, kc, vc, table, max_pages = sequences(rng, DEPTHS, hkv, d, "f16")
+    rows = len(DEPTHS) + 1
+    pos = np.array(DEPTHS + [7], np.int32)
+    seq = np.array(list(range(len(DEPTHS))) + [-1], np.int32)
+    table = np.concatenate([table, np.full((1, max_pages), -1, np.int32)])
+    q = rng.standard_normal((rows, hq, d)).astype(np.float32)
+    scale = 1 / math.sqrt(d)
+    chain = np.arange(2490, 2498, dtype=np.int32)  # 8 rows of the 2,500-key sequence
+    chain_seq = np.full(8, len(DEPTHS) - 1, np.int32)
+    for p_, s_, q_ in ((pos, seq, q), (chain, chain_seq, q[:8])):
+        outs = [run_decode(L.Kernels(dataclasses.replace(Tuning(), sm_count=132, decode_packed=packed).knobs()), q_,
+                           kc, vc, p_, s_, table, max_pages, hq, hkv, d, scale, 0.0, 0, 32, "f16", per_row=True)
+                for packed in (True, False)]
+        assert (outs[0] == outs[1]).all(), np.abs(outs[0] - outs[1]).max()
+    o = outs[0].reshape(8, hq, d)
+    K, V = KV[-1]
+    for i in range(8):
+        assert rel(o[i], attention_ref(q[i:i + 1], K, V, chain[i:i + 1], scale, 0.0, 0)[0]) < BAR
 
 
 def test_flash_decode_smem_fits():

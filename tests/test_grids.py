@@ -28,6 +28,8 @@ def test_flash_decode_grid_bound():
             chunk = (-(-n // kt) + ns - 1) // ns * kt
             blocks += -(-n // chunk)
         assert blocks <= dec_grid_y(rows, n_split, target, hkv, 0), (rows, blocks)
+        assert dec_grid_y(rows, n_split, 0, hkv, 0) == rows * n_split  # per_row: n_split a row
+        assert dec_grid_y(rows, n_split, target, hkv, 0, False) == n_split  # grid.z the rows
 
 
 def test_glu_stream_plan_slots():

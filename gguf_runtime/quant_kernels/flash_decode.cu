@@ -9,9 +9,10 @@
 // instructions). target > 0:
 // the splits follow the work of the whole step instead, about ``target`` blocks in all (the SMs'
 // share): a split covers at least total keys x n_head_kv / target keys, so one long row among
-// short ones takes many blocks and each short one a single block; the grid is then (kv head,
-// block) with the step's (row, split) blocks numbered row by row (grid.z one: a grid of n_split
-// blocks a row was mostly blocks that only exited, each holding an SM's shared memory). Its NW warps
+// short ones takes many blocks and each short one a single block. Calls of several rows number
+// their (row, split) blocks row by row in grid.y (grid.z one): the blocks with keys come first
+// and, with target, the grid holds few more (a grid of n_split blocks a row was mostly blocks
+// that only exited, each holding an SM's shared memory, dispatched before later rows'). Its NW warps
 // take the chunk's KT-key tiles in turn (tile i: warp i % NW), each warp with its own ring of ST
 // stages, so no warp waits on another inside the loop. Per tile, as flash_attn.cu does for a
 // prompt's rows: S = Q K^T by mma.sync m16n8k16 (the A rows are the G heads, f16, scaled; rows G
@@ -198,11 +199,14 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
         kps = max(min_keys, (int)(((long)total * n_head_kv + target - 1) / target));
-        // grid.z one (launch_attention.dec_grid_y): blockIdx.y numbers the step's (row, split) blocks
-        // row by row (dec_splits of each row), so the grid holds few more blocks than there are;
-        // past them: none. Else (decode_packed off) the grid is (kv head, split, row) as without target
+    }
+    if (gridDim.z == 1 && rows > 1) {
+        // a packed grid (launch_attention.dec_grid_y): blockIdx.y numbers the step's (row, split)
+        // blocks row by row (dec_splits of each row), the blocks past them exit; so every block
+        // with keys is dispatched before any without, and with target the grid holds few more
+        // blocks than there are. Else (one row, decode_packed off) the grid is (kv head, split, row)
         int done = 0;  // the splits of the rows before this 32
-        if (gridDim.z == 1) t = -1;
+        t = -1;
         for (int r0 = 0; r0 < rows && t < 0; r0 += 32) {
             const int r = r0 + lane;
             const int c = r < rows ? dec_splits<KT>(seq[r] < 0 ? 0 : pos[r], window, n_split, min_keys, kps) : 0;

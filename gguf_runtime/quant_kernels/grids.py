@@ -6,16 +6,17 @@ from __future__ import annotations
 MMA_TK = 128  # columns per k step (matmul_mma.cu TK)
 
 
-def dec_grid_y(rows: int, n_split: int, target: int, n_head_kv: int, window: int) -> int:
-    """flash_decode's grid.y: a block a split (grid.z the rows), or with ``target`` the step's (row,
-    split) blocks numbered row by row in grid.y alone. Those are at most a block a row plus the
-    step's keys over the keys a split (>= total x n_head_kv / target: target / n_head_kv); the rest
-    of a grid sized for n_split splits a row were blocks that only exited (most of the grid at B=64
-    and depth: one split a row). With a window a row's first tile may start below its keys (more
-    than the total counts): the whole grid."""
-    if not target:
+def dec_grid_y(rows: int, n_split: int, target: int, n_head_kv: int, window: int, packed: bool = True) -> int:
+    """flash_decode's grid.y: a block a split (grid.z the rows; one row, or ``packed`` off), or the
+    call's (row, split) blocks numbered row by row in grid.y alone: n_split a row at most, and with
+    ``target`` (splits by the step's work) at most a block a row plus the step's keys over the keys
+    a split (>= total x n_head_kv / target: target / n_head_kv). With a window a row's first tile
+    may start below its keys (more than the total counts): n_split a row."""
+    if not packed or rows <= 1:
         return n_split
-    return rows * n_split if window > 0 else min(rows * n_split, rows + -(-target // n_head_kv))
+    if target and not window:
+        return min(rows * n_split, rows + -(-target // n_head_kv))
+    return rows * n_split
 
 
 def glu_stream_plan(rows: int, cols: int, wr: int, blocks: int) -> tuple[int, int] | None:

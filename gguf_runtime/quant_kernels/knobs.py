@@ -28,7 +28,7 @@ class KernelKnobs(NamedTuple):
     decode: tuple[int, int, int] = (0, 0, 0)  # flash_decode (warps, keys per tile, stages); 0: decode_config's rule
     decode_min_keys: int = 0  # flash_decode: keys a split at least (0: one tile a warp)
     decode_bulk: bool = False  # flash_decode: f16 tiles by cp.async.bulk, a row a request (not cp.async pieces)
-    decode_packed: bool = True  # flash_decode split by the step's work: its (row, split) blocks numbered in grid.y
+    decode_packed: bool = True  # flash_decode of several rows: its (row, split) blocks numbered row by row in grid.y
     sm_count: int = 0  # flash_decode splits by the step's work for this many SMs (0: by n_split alone)
     mmv_token_grid: int = 0  # matvecs of 2..this many tokens as token grids (launchers.token_grid); 0: never
     gpu_sms: int = 0  # the GPU's SMs: a token grid stays within grid_waves waves (0: not bounded)

@@ -261,8 +261,8 @@ def flash_decode(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache: i
     # (or no SM count): n_split alone (the totals' loop cost SmolLM2 1.5-3% at one row)
     per_sm = max(1, SM_SMEM // (smem + 2048))
     target = k.knobs.sm_count * per_sm if k.knobs.sm_count and rows > 1 and not per_row else 0
-    packed = target > 0 and k.knobs.decode_packed
-    fn((n_head_kv, dec_grid_y(rows, n_split, target if packed else 0, n_head_kv, window), 1 if packed else rows),
+    packed = rows > 1 and k.knobs.decode_packed
+    fn((n_head_kv, dec_grid_y(rows, n_split, target, n_head_kv, window, packed), 1 if packed else rows),
        (32 * config[0],),
        (ptr(q), i32(ldq), ptr(kcache), ptr(vcache), ptr(pos), ptr(seq), ptr(table), i32(max_pages),
         i32(page_size), i32(n_head_kv), f32(scale), f32(cap), i32(window), i32(n_split),

@@ -86,7 +86,7 @@ class Tuning:
     decode_min_keys: int = 0  # flash_decode's keys a split at least; 0: launch_attention.decode_min_keys's rule
     flash_decode_batch: bool = True  # ... and tensor-core steps attention_tiles does not take (8B B=4-16: +6-8%)
     decode_bulk: bool = False  # flash_decode's f16 tiles by cp.async.bulk, a row a request (slower: RESULTS 225)
-    decode_packed: bool = True  # batch flash_decode's blocks: only the step's (row, split) ones (off: n_split a row)
+    decode_packed: bool = True  # flash_decode of several rows: (row, split) blocks in grid.y, keyed ones first (off: z rows)
     deep_decode_shape: tuple[int, int] | None = (16, 3)  # deep batch steps' flash_decode (keys a tile, stages); None: as others
     deep_decode_warps: int = 4  # ... and its warps a block (two blocks an SM: RESULTS 228); 0: decode_config's
     decode_work_split: bool = True  # flash_decode splits a batch's rows by its total keys (uneven depths: +30%)
