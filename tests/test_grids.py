@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gguf_runtime.quant_kernels.grids import MMA_TK, dec_grid_y, glu_stream_plan
+from gguf_runtime.quant_kernels.grids import MMA_TK, dec_grid_y, glu_stream_plan, stream_plan
 
 
 def test_flash_decode_grid_bound():
@@ -70,3 +70,25 @@ def test_glu_stream_plan_slots():
             for t, bs in cover.items():
                 b0, b1 = owner(t * steps), owner(t * steps + steps - 1)
                 assert bs == list(range(b0, b1 + 1)) and len(bs) <= slots, (rows, cols, blocks, t, bs, slots)
+
+
+def test_stream_plan_slots():
+    """stream_plan's slots for any tiles x steps over any blocks: every tile's contributors (blocks
+    owner(first step) .. owner(last step), in order, as mma_group_sk and mma_glu_sk cut the steps)
+    fit them, and plans over max_slots are refused."""
+    rng = np.random.default_rng(4)
+    for _ in range(3000):
+        tiles, steps, blocks = int(rng.integers(1, 400)), int(rng.integers(1, 120)), int(rng.integers(1, 400))
+        plan = stream_plan(tiles, steps, blocks, 6)
+        if plan is None:
+            continue
+        P, slots = plan
+        total = tiles * steps
+        most = 0
+        for t in range(tiles):
+            b0 = ((t * steps + 1) * P + total - 1) // total - 1
+            b1 = ((t * steps + steps) * P + total - 1) // total - 1
+            assert b0 * total // P <= t * steps < (b0 + 1) * total // P  # owner: the block holding the step
+            most = max(most, b1 - b0 + 1)
+        assert most <= slots <= 6, (tiles, steps, blocks, most, slots)
+

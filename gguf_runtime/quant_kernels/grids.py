@@ -19,13 +19,20 @@ def dec_grid_y(rows: int, n_split: int, target: int, n_head_kv: int, window: int
     return rows * n_split
 
 
-def glu_stream_plan(rows: int, cols: int, wr: int, blocks: int) -> tuple[int, int] | None:
-    """mma_glu_sk's (blocks, partial slots a tile) for a GLU of ``rows`` x ``cols`` in 16 wr-row
-    tiles over ``blocks`` resident blocks (0: off); None where a block would take under half a
-    tile's k steps (more merges than the balance gains) or the tiles fill the blocks evenly anyway.
-    A tile's k steps meet at most ceil(steps / per) + 1 blocks, ``per`` the fewest a block takes."""
-    steps, tiles = -(-cols // MMA_TK), -(-rows // (16 * wr))
+def stream_plan(tiles: int, steps: int, blocks: int, max_slots: int = 4) -> tuple[int, int] | None:
+    """A stream-K kernel's (blocks, partial slots a tile) for ``tiles`` tiles of ``steps`` k steps
+    over ``blocks`` resident blocks (0: off): block b takes the steps [b total / blocks, (b + 1) total
+    / blocks) of the tiles' steps in a row, so a tile's steps meet at most ceil(steps / per) + 1
+    blocks (``per`` the fewest a block takes). None where that is over max_slots (more merges than
+    the balance gains), a block would not take a step, or the tiles fill the blocks evenly anyway."""
     per = tiles * steps // blocks if blocks > 0 else 0
-    if per < max(1, steps // 2) or tiles % blocks == 0:
+    if per < 1 or tiles % blocks == 0:
         return None
-    return blocks, min(tiles, -(-steps // per) + 1)
+    slots = min(blocks, -(-steps // per) + 1)
+    return (blocks, slots) if slots <= max_slots else None
+
+
+def glu_stream_plan(rows: int, cols: int, wr: int, blocks: int) -> tuple[int, int] | None:
+    """mma_glu_sk's stream_plan for a GLU of ``rows`` x ``cols`` in 16 wr-row tiles (its workspace
+    holds 4 partial slots a tile)."""
+    return stream_plan(-(-rows // (16 * wr)), -(-cols // MMA_TK), blocks, 4)

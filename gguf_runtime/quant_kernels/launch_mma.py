@@ -12,7 +12,7 @@ from typing import NamedTuple, Sequence
 
 import cupy as cp
 
-from .grids import MMA_TK, glu_stream_plan
+from .grids import MMA_TK, glu_stream_plan, stream_plan
 from .knobs import KernelKnobs
 from .launch_core import fused_act, Kernels, Mat, _Counted, i32, ptr
 
@@ -88,10 +88,10 @@ def mma_smem(fn: "_Counted", wr: int, nt: int, n_mats: int, structs: Sequence[st
 
 
 def mma_name(structs: Sequence[str], wr: int, nt: int, mode: int, h: int = 1, ra: int = 1,
-             stages: tuple[int, int] = (2, 2), min_blocks: int = 0) -> str:
+             stages: tuple[int, int] = (2, 2), min_blocks: int = 0, kernel: str = "mma_group") -> str:
     s = list(structs) + [structs[0]] * (3 - len(structs))
     mb = f", {min_blocks}" if min_blocks else ""
-    return f"mma_group<{s[0]}, {s[1]}, {s[2]}, {wr}, {nt}, {mode}, {h}, {ra}, {mma_stages(s, h, ra, stages)}{mb}>"
+    return f"{kernel}<{s[0]}, {s[1]}, {s[2]}, {wr}, {nt}, {mode}, {h}, {ra}, {mma_stages(s, h, ra, stages)}{mb}>"
 
 
 def mma_glu_name(struct: str, wr: int, nt: int, act: int, ra: int = 1, stages: tuple[int, int] = (2, 2),
@@ -163,6 +163,8 @@ def mma(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases
     """Tensor-core version of ``mmv`` for any number of tokens: x in f16, y f32 (f32 accumulate).
     K is split over several blocks when ``scratch`` holds their partials."""
     assert 1 <= len(mats) <= 3
+    if k.knobs.mma_stream and _mma_stream(k, mats, outs, biases, x16, ldx16, n_tok, mode, scratch):
+        return
     wr, nt, split, h = _mma_plan(k, [m.rows for m in mats], n_tok, mats[0].cols, 1, scratch)
     tb = 8 * nt * (4 // wr)
     ra, st, structs = int(k.knobs.mma_reg_a), k.knobs.mma_stages, [m.struct for m in mats]
@@ -179,6 +181,35 @@ def mma(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases
     fn((row_tiles, -(-n_tok // tb), split), (128,),
        (*args, ptr(x16), i32(ldx16), i32(n_tok), i32(mats[0].cols), ptr(part), ptr(counter)),
        shared_mem=mma_smem(fn, wr, nt, h, structs, ra, mma_stages(structs, h, ra, st)))
+
+
+MMA_STREAM_SLOTS = 6  # mma_group_sk: partial slots a tile at most (the workspace's, with the knob)
+
+
+def _mma_stream(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases: Sequence[int | None],
+                x16: int, ldx16: int, n_tok: int, mode: int, scratch: SplitScratch | None) -> bool:
+    """mma as stream-K (mma_group_sk, the knob mma_stream: blocks an SM) in 64 x 64 tiles (x's
+    weights dequantized once for 64 tokens, where the rule's 4:4 tiles of 32 tokens dequantize
+    them twice), where stream_plan takes it and the scratch holds the partials; False: not run."""
+    kn = k.knobs
+    tiles = sum(-(-m.rows // 64) for m in mats)
+    plan = stream_plan(tiles, -(-mats[0].cols // MMA_TK), kn.gpu_sms * kn.mma_stream, MMA_STREAM_SLOTS)
+    if plan is None or not _split_fits(scratch, [m.rows for m in mats], n_tok, MmaConfig(4, 8, plan[1], 1), 1):
+        return False
+    assert scratch is not None
+    ra, st, structs = int(kn.mma_reg_a), kn.mma_stages, [m.struct for m in mats]
+    fn = k.fn("matmul_mma.cu", mma_name(structs, 4, 8, mode, 1, ra, st, kn.mma_min_blocks, "mma_group_sk"))
+    args: list = []
+    for i in range(3):
+        if i < len(mats):
+            args += [*mats[i].planes, i32(mats[i].rows), ptr(outs[i][0]), i32(outs[i][1]), ptr(biases[i])]
+        else:
+            args += [ptr(0)] * 4 + [i32(0), ptr(0), i32(0), ptr(0)]
+    fn((plan[0], -(-n_tok // 64)), (128,),
+       (*args, ptr(x16), i32(ldx16), i32(n_tok), i32(mats[0].cols), ptr(scratch.part), ptr(scratch.counter),
+        i32(plan[1])),
+       shared_mem=mma_smem(fn, 4, 8, 1, structs, ra, mma_stages(structs, 1, ra, st)))
+    return True
 
 
 def mma_glu(k: Kernels, gate: Mat, up: Mat, x16: int, ldx16: int, n_tok: int, act: str, y16: int, ldy16: int,

@@ -2,6 +2,20 @@
 // y[t, n] (=|+=) sum_k W[n, k] x[t, k] (mma_tiles.cuh says how a block computes its tile).
 #include "mma_tiles.cuh"
 
+// A block's H stacked row tiles' outputs: y (=|+=) acc (+ bias).
+template <int WR, int NT, int MODE, int H>
+DEV void mma_store(const float (&acc)[H][NT][4], int n, int row0, int t0, int n_tok, float* y, int ldy,
+                   const float* bias) {
+#pragma unroll
+    for (int j = 0; j < H; ++j)
+        for_each_c<WR, NT>(acc[j], row0 + j * 16 * WR, t0, [&](int r, int t, float v) {
+            if (r >= n || t >= n_tok) return;
+            float* out = y + (long)t * ldy + r;
+            if (MODE == 1) *out += v;
+            else *out = v + (bias ? bias[r] : 0.f);
+        });
+}
+
 // H stacked row tiles of 16 WR rows (H = 2: 32 WR rows per block, x read half as often).
 template <class T, int WR, int NT, int MODE, int H, int RA, int ST>
 DEV void mma_segment(const Mat& m, int n, int row0, const u16* x, int ldx, int n_tok, int K, float* y, int ldy,
@@ -15,14 +29,23 @@ DEV void mma_segment(const Mat& m, int n, int row0, const u16* x, int ldx, int n
     for (int j = 0; j < H; ++j) ms[j] = m;
     mma_tiles_any<T, WR, NT, H, RA, ST>(ms, n, row0, 16 * WR, x, ldx, n_tok, t0, kb, ke, K, smem, acc);
     if (gridDim.z > 1 && !merge_splits<H, NT>(acc, part, counter)) return;
+    mma_store<WR, NT, MODE, H>(acc, n, row0, t0, n_tok, y, ldy, bias);
+}
+
+// mma_segment over columns [kb, ke) for stream-K: the tile's sum met by merge_parts where count
+// blocks share it (contributor z, slots ``stride`` apart); only its last contributor writes y.
+template <class T, int WR, int NT, int MODE, int H, int RA, int ST>
+DEV void mma_run(const Mat& m, int n, int row0, const u16* x, int ldx, int n_tok, int K, float* y, int ldy,
+                 const float* bias, u16* smem, float* part, unsigned* counter, int kb, int ke, int tile, int z,
+                 int count, int stride) {
+    const int t0 = blockIdx.y * 8 * NT * (4 / WR);
+    float acc[H][NT][4];
+    Mat ms[H];
 #pragma unroll
-    for (int j = 0; j < H; ++j)
-        for_each_c<WR, NT>(acc[j], row0 + j * 16 * WR, t0, [&](int r, int t, float v) {
-            if (r >= n || t >= n_tok) return;
-            float* out = y + (long)t * ldy + r;
-            if (MODE == 1) *out += v;
-            else *out = v + (bias ? bias[r] : 0.f);
-        });
+    for (int j = 0; j < H; ++j) ms[j] = m;
+    mma_tiles_any<T, WR, NT, H, RA, ST>(ms, n, row0, 16 * WR, x, ldx, n_tok, t0, kb, ke, K, smem, acc);
+    if (count > 1 && !merge_parts<H, NT>(acc, part, counter, tile, z, count, stride)) return;
+    mma_store<WR, NT, MODE, H>(acc, n, row0, t0, n_tok, y, ldy, bias);
 }
 
 // Up to three matrices sharing x (Q, K, V), each of its own type; row tiles (16 WR H rows) of
@@ -54,6 +77,41 @@ __global__ void __launch_bounds__(NTHR, MB) mma_group(
     tile -= t1n;
     mma_segment<T2, WR, NT, MODE, H, RA, ST>(MAT(2, T2), n2, tile * TM, x, ldx, n_tok, K, y2, ldy2, bias2, smem,
                                           part, counter);
+}
+
+// mma_group as stream-K (KernelKnobs.mma_stream, measuring): gridDim.x resident blocks share the
+// row tiles' k steps (the segments' tiles in a row) in even runs, as mma_glu_sk shares the GLU's.
+template <class T0, class T1, class T2, int WR, int NT, int MODE, int H, int RA, int ST, int MB = 0>
+__global__ void __launch_bounds__(NTHR, MB) mma_group_sk(
+        PLANES(0), int n0, float* y0, int ldy0, const float* bias0,
+        PLANES(1), int n1, float* y1, int ldy1, const float* bias1,
+        PLANES(2), int n2, float* y2, int ldy2, const float* bias2,
+        const u16* __restrict__ x, int ldx, int n_tok, int K, float* part, unsigned* counter, int stride) {
+    constexpr int TM = 16 * WR * H;
+    extern __shared__ __align__(16) u16 smem[];
+    const int t0n = (n0 + TM - 1) / TM, t1n = (n1 + TM - 1) / TM, t2n = (n2 + TM - 1) / TM;
+    const int tiles = t0n + t1n + t2n, steps = (K + TK - 1) / TK;
+    const long total = (long)tiles * steps, P = gridDim.x;
+    auto owner = [&](long u) { return (int)(((u + 1) * P + total - 1) / total - 1); };  // the block of step u
+    const long u1 = (blockIdx.x + 1) * total / P;
+    for (long u = blockIdx.x * total / P; u < u1;) {
+        const int tile = (int)(u / steps), s0 = (int)(u % steps);
+        const int s1 = (int)min((long)steps, s0 + (u1 - u));
+        u += s1 - s0;
+        const long first = (long)tile * steps;
+        const int b0 = owner(first), count = owner(first + steps - 1) - b0 + 1, z = blockIdx.x - b0;
+        const int kb = s0 * TK, ke = min(K, s1 * TK), id = blockIdx.y * tiles + tile;
+        if (tile < t0n)
+            mma_run<T0, WR, NT, MODE, H, RA, ST>(MAT(0, T0), n0, tile * TM, x, ldx, n_tok, K, y0, ldy0, bias0, smem,
+                                                 part, counter, kb, ke, id, z, count, stride);
+        else if (tile < t0n + t1n)
+            mma_run<T1, WR, NT, MODE, H, RA, ST>(MAT(1, T1), n1, (tile - t0n) * TM, x, ldx, n_tok, K, y1, ldy1, bias1,
+                                                 smem, part, counter, kb, ke, id, z, count, stride);
+        else
+            mma_run<T2, WR, NT, MODE, H, RA, ST>(MAT(2, T2), n2, (tile - t0n - t1n) * TM, x, ldx, n_tok, K, y2, ldy2,
+                                                 bias2, smem, part, counter, kb, ke, id, z, count, stride);
+        __syncthreads();  // every warp is done with the tiles' shared memory before the next run fills it
+    }
 }
 
 // y16 = f16(act(G x) * (U x)); ACT 0 = SiLU, 1 = GELU (tanh). Gate and up tiles share each x tile.
@@ -129,6 +187,8 @@ template __global__ void mma_group<TQ4_K, TQ4_K, TQ6_K, 4, 8, 0, 1, 1, 4>(GROUP_
     template __global__ void mma_group<T, T, T, 2, 1, 1, 1, 1, 4>(GROUP_ARGS);                   \
     template __global__ void mma_group<T, T, T, 4, 8, 1, 2, 1, 3>(GROUP_ARGS);                   \
     template __global__ void mma_group<T, T, T, 4, 8, 1, 2, 0, 2>(GROUP_ARGS);                   \
+    template __global__ void mma_group_sk<T, T, T, 4, 8, 0, 1, 1, 2>(GROUP_ARGS, int);           \
+    template __global__ void mma_group_sk<T, T, T, 4, 8, 1, 1, 1, 2>(GROUP_ARGS, int);           \
     template __global__ void mma_glu<T, 2, 4, 0, 1, 3>(GLU_ARGS);                                \
     template __global__ void mma_glu<T, 4, 8, 0, 1, 3>(GLU_ARGS);                                \
     template __global__ void mma_glu<T, 4, 8, 0, 1, 2>(GLU_ARGS);                                \

@@ -102,7 +102,8 @@ class Workspace:
             self.xs = cp.zeros((2, L.MAX_MMV_TOKENS, widest // 16, 4), f32)
             self.q8_norm, self.q8_plain = (L.Q8Vec(self.xq[i].data.ptr, widest + res, self.xs[i].data.ptr,
                                                    widest // 16, res=res) for i in range(2))
-        part = LM.split_part_floats(out, logits_rows, tune.mma_max_split)
+        part = LM.split_part_floats(out, logits_rows, max(tune.mma_max_split,
+                                                          LM.MMA_STREAM_SLOTS if tune.mma_stream else 0))
         if tune.glu_split > 1 or tune.glu_stream:  # the GLU's partials: gate's and up's rows (stream-K: a
             # tile's contributors, launch_mma.glu_stream_plan: at most 4 where it runs)
             ways = max(tune.glu_split, 4 if tune.glu_stream else 0)
