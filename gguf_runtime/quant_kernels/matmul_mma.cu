@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(NTHR, MB) mma_glu(PLANES(0), PLANES(1), int n,
 
 // mma_glu with its work shared evenly by gridDim.x resident blocks (stream-K): the tiles' k steps
 // in a row (tile by tile) cut into gridDim.x equal runs, one a block, so no SM idles while others
-// finish a second tile (the 8B's B=64 GLU: 224 tiles for 264 block slots). A tile cut between
+// finish a second tile (fewer tiles than block slots, more than the SMs). A tile cut between
 // blocks is summed by merge_parts (its last contributor runs the epilogue); ``stride``: the
 // partial slots a tile has (its contributors at most: the launcher's bound).
 template <class T, int WR, int NT, int ACT, int RA, int ST, int MB = 0>

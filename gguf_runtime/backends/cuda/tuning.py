@@ -88,7 +88,7 @@ class Tuning:
     decode_bulk: bool = False  # flash_decode's f16 tiles by cp.async.bulk, a row a request (slower: RESULTS 225)
     decode_packed: bool = True  # flash_decode of several rows: (row, split) blocks in grid.y, keyed ones first (off: z rows)
     deep_decode_shape: tuple[int, int] | None = (16, 3)  # deep batch steps' flash_decode (keys a tile, stages); None: as others
-    deep_decode_warps: int = 4  # ... and its warps a block (two blocks an SM: RESULTS 228); 0: decode_config's
+    deep_decode_warps: int = 4  # ... and its warps a block (two blocks an SM: RESULTS 230); 0: decode_config's
     decode_work_split: bool = True  # flash_decode splits a batch's rows by its total keys (uneven depths: +30%)
     sm_count: int = 0  # the GPU's SMs (choose() fills it in)
     # -- tensor cores (batch steps)
