@@ -22,6 +22,7 @@ from gguf_runtime.backends.cuda.tuning import Tuning  # noqa: E402
 from gguf_runtime.quant_kernels import launch_layers as LL  # noqa: E402
 from gguf_runtime.quant_kernels import launch_sampling as LS  # noqa: E402
 from gguf_runtime.quant_kernels.formats import BY_NAME, FORMATS, SUPPORTED  # noqa: E402
+from gguf_runtime.quant_kernels.grids import stream_plan  # noqa: E402
 from gguf_runtime.quant_kernels.reference import dequantize, random_blocks  # noqa: E402
 from gguf_runtime.quant_kernels.repack import repack  # noqa: E402
 from gguf_runtime.sampling import Sampler, SamplingParams, apply_repeat_penalty  # noqa: E402
@@ -867,7 +868,6 @@ def test_mma_stream_k(specs, sms, n_tok, rng):
 
 
 def stream_plan_for(specs, cols, sms):
-    from gguf_runtime.quant_kernels.grids import stream_plan
     return stream_plan(sum(-(-r // 64) for _, r in specs), -(-cols // 128), sms, LM.MMA_STREAM_SLOTS)
 
 
@@ -886,7 +886,7 @@ def test_mma_glu_stream_k(name, sms, n_tok, rng):
     part = cp.full(LM.split_part_floats(2 * rows, n_tok, 4), POISON, cp.float32)
     counter = cp.zeros(-(-rows // 16) * -(-n_tok // 16), cp.uint32)
     sc = LM.SplitScratch(part.data.ptr, part.size, counter.data.ptr, counter.size)
-    assert LM.glu_stream_plan(rows, cols, 4, sms) is not None
+    assert stream_plan(-(-rows // 64), -(-cols // 128), sms, LM.GLU_STREAM_SLOTS) is not None
     got = []
     for knobs in ({}, {"glu_stream": 1, "sm_count": sms}):
         kk = L.Kernels(Tuning(**knobs).knobs())

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gguf_runtime.quant_kernels.grids import MMA_TK, dec_grid_y, glu_stream_plan, stream_plan
+from gguf_runtime.quant_kernels.grids import GLU_STREAM_SLOTS, MMA_TK, dec_grid_y, stream_plan
 
 
 def test_flash_decode_grid_bound():
@@ -30,6 +30,11 @@ def test_flash_decode_grid_bound():
         assert blocks <= dec_grid_y(rows, n_split, target, hkv, 0), (rows, blocks)
         assert dec_grid_y(rows, n_split, 0, hkv, 0) == rows * n_split  # per_row: n_split a row
         assert dec_grid_y(rows, n_split, target, hkv, 0, False) == n_split  # grid.z the rows
+
+
+def glu_stream_plan(rows, cols, wr, blocks):
+    """mma_glu's stream-K plan as launch_mma asks for it (16 wr-row tiles of MMA_TK-column steps)."""
+    return stream_plan(-(-rows // (16 * wr)), -(-cols // MMA_TK), blocks, GLU_STREAM_SLOTS)
 
 
 def test_glu_stream_plan_slots():

@@ -1,9 +1,12 @@
 """Grid shapes of kernels whose blocks find their work themselves (no CuPy here: tests check them on
-any machine): flash_decode.cu's packed batch grid and matmul_mma.cu's stream-K GLU."""
+any machine): flash_decode.cu's packed batch grid and matmul_mma.cu's stream-K products."""
 
 from __future__ import annotations
 
 MMA_TK = 128  # columns per k step (matmul_mma.cu TK)
+# stream-K kernels' partial slots a tile at most (the workspace holds that many with the knobs on)
+GLU_STREAM_SLOTS = 4  # mma_glu_sk (two W tiles a slot)
+MMA_STREAM_SLOTS = 6  # mma_group_sk
 
 
 def dec_grid_y(rows: int, n_split: int, target: int, n_head_kv: int, window: int, packed: bool = True) -> int:
@@ -30,9 +33,3 @@ def stream_plan(tiles: int, steps: int, blocks: int, max_slots: int = 4) -> tupl
         return None
     slots = min(blocks, -(-steps // per) + 1)
     return (blocks, slots) if slots <= max_slots else None
-
-
-def glu_stream_plan(rows: int, cols: int, wr: int, blocks: int) -> tuple[int, int] | None:
-    """mma_glu_sk's stream_plan for a GLU of ``rows`` x ``cols`` in 16 wr-row tiles (its workspace
-    holds 4 partial slots a tile)."""
-    return stream_plan(-(-rows // (16 * wr)), -(-cols // MMA_TK), blocks, 4)

@@ -271,4 +271,3 @@ def flash_decode(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache: i
         ptr(part_ml), ptr(counter), ptr(out), i32(ldo), ptr(out16), i32(ld16), *(q8.ptrs() if q8 else NO_PTRS),
         ptr(sinks), ptr(own[0] if own else 0), i32(own[1] if own else 0), i32(rows)),
        shared_mem=smem)
-

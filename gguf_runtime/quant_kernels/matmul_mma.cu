@@ -90,16 +90,8 @@ __global__ void __launch_bounds__(NTHR, MB) mma_group_sk(
     constexpr int TM = 16 * WR * H;
     extern __shared__ __align__(16) u16 smem[];
     const int t0n = (n0 + TM - 1) / TM, t1n = (n1 + TM - 1) / TM, t2n = (n2 + TM - 1) / TM;
-    const int tiles = t0n + t1n + t2n, steps = (K + TK - 1) / TK;
-    const long total = (long)tiles * steps, P = gridDim.x;
-    auto owner = [&](long u) { return (int)(((u + 1) * P + total - 1) / total - 1); };  // the block of step u
-    const long u1 = (blockIdx.x + 1) * total / P;
-    for (long u = blockIdx.x * total / P; u < u1;) {
-        const int tile = (int)(u / steps), s0 = (int)(u % steps);
-        const int s1 = (int)min((long)steps, s0 + (u1 - u));
-        u += s1 - s0;
-        const long first = (long)tile * steps;
-        const int b0 = owner(first), count = owner(first + steps - 1) - b0 + 1, z = blockIdx.x - b0;
+    const int tiles = t0n + t1n + t2n;
+    stream_runs(tiles, (K + TK - 1) / TK, [&](int tile, int s0, int s1, int z, int count) {
         const int kb = s0 * TK, ke = min(K, s1 * TK), id = blockIdx.y * tiles + tile;
         if (tile < t0n)
             mma_run<T0, WR, NT, MODE, H, RA, ST>(MAT(0, T0), n0, tile * TM, x, ldx, n_tok, K, y0, ldy0, bias0, smem,
@@ -110,8 +102,7 @@ __global__ void __launch_bounds__(NTHR, MB) mma_group_sk(
         else
             mma_run<T2, WR, NT, MODE, H, RA, ST>(MAT(2, T2), n2, (tile - t0n - t1n) * TM, x, ldx, n_tok, K, y2, ldy2,
                                                  bias2, smem, part, counter, kb, ke, id, z, count, stride);
-        __syncthreads();  // every warp is done with the tiles' shared memory before the next run fills it
-    }
+    });
 }
 
 // y16 = f16(act(G x) * (U x)); ACT 0 = SiLU, 1 = GELU (tanh). Gate and up tiles share each x tile.
@@ -133,44 +124,28 @@ __global__ void __launch_bounds__(NTHR, MB) mma_glu(PLANES(0), PLANES(1), int n,
     });
 }
 
-// mma_glu with its work shared evenly by gridDim.x resident blocks (stream-K): the tiles' k steps
-// in a row (tile by tile) cut into gridDim.x equal runs, one a block, so no SM idles while others
-// finish a second tile (fewer tiles than block slots, more than the SMs). A tile cut between
-// blocks is summed by merge_parts (its last contributor runs the epilogue); ``stride``: the
-// partial slots a tile has (its contributors at most: the launcher's bound).
+// mma_glu with its work shared evenly by gridDim.x resident blocks (stream_runs), so no SM idles
+// while others finish a second tile (fewer tiles than block slots, more than the SMs). A tile cut
+// between blocks is summed by merge_parts (its last contributor runs the epilogue); ``stride``:
+// the partial slots a tile has (its contributors at most: the launcher's bound).
 template <class T, int WR, int NT, int ACT, int RA, int ST, int MB = 0>
 __global__ void __launch_bounds__(NTHR, MB) mma_glu_sk(PLANES(0), PLANES(1), int n, const u16* __restrict__ x,
                                                    int ldx, int n_tok, int K, u16* y, int ldy, float* part,
                                                    unsigned* counter, int stride) {
     extern __shared__ __align__(16) u16 smem[];
     constexpr int TM = 16 * WR;
-    const int t0 = blockIdx.y * 8 * NT * (4 / WR), tiles = (n + TM - 1) / TM, steps = (K + TK - 1) / TK;
-    const long total = (long)tiles * steps, P = gridDim.x;
-    auto owner = [&](long u) { return (int)(((u + 1) * P + total - 1) / total - 1); };  // the block of step u
+    const int t0 = blockIdx.y * 8 * NT * (4 / WR), tiles = (n + TM - 1) / TM;
     const Mat ms[2] = {MAT(0, T), MAT(1, T)};
-    const long u1 = (blockIdx.x + 1) * total / P;
-    for (long u = blockIdx.x * total / P; u < u1;) {
-        const int tile = (int)(u / steps), s0 = (int)(u % steps);
-        const int s1 = (int)min((long)steps, s0 + (u1 - u));
-        u += s1 - s0;
+    stream_runs(tiles, (K + TK - 1) / TK, [&](int tile, int s0, int s1, int z, int count) {
         float acc[2][NT][4];
         mma_tiles_any<T, WR, NT, 2, RA, ST>(ms, n, tile * TM, 0, x, ldx, n_tok, t0, s0 * TK, min(K, s1 * TK), K, smem,
                                             acc);
-        bool whole = s0 == 0 && s1 == steps;
-        if (!whole) {
-            const long first = (long)tile * steps;
-            const int b0 = owner(first);
-            whole = merge_parts<2, NT>(acc, part, counter, blockIdx.y * tiles + tile, blockIdx.x - b0,
-                                       owner(first + steps - 1) - b0 + 1, stride);
-        }
-        if (whole) {
-            glu_combine<ACT>(acc);
-            for_each_c<WR, NT>(acc[0], tile * TM, t0, [&](int r, int t, float v) {
-                if (r < n && t < n_tok) y[(long)t * ldy + r] = f2h(v);
-            });
-        }
-        __syncthreads();  // every warp is done with the tiles' shared memory before the next run fills it
-    }
+        if (count > 1 && !merge_parts<2, NT>(acc, part, counter, blockIdx.y * tiles + tile, z, count, stride)) return;
+        glu_combine<ACT>(acc);
+        for_each_c<WR, NT>(acc[0], tile * TM, t0, [&](int r, int t, float v) {
+            if (r < n && t < n_tok) y[(long)t * ldy + r] = f2h(v);
+        });
+    });
 }
 
 #ifdef GGUF_INSTANTIATE_ALL

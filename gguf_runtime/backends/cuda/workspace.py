@@ -105,8 +105,8 @@ class Workspace:
         part = LM.split_part_floats(out, logits_rows, max(tune.mma_max_split,
                                                           LM.MMA_STREAM_SLOTS if tune.mma_stream else 0))
         if tune.glu_split > 1 or tune.glu_stream:  # the GLU's partials: gate's and up's rows (stream-K: a
-            # tile's contributors, launch_mma.glu_stream_plan: at most 4 where it runs)
-            ways = max(tune.glu_split, 4 if tune.glu_stream else 0)
+            # tile's contributors at most)
+            ways = max(tune.glu_split, LM.GLU_STREAM_SLOTS if tune.glu_stream else 0)
             part = max(part, LM.split_part_floats(2 * cfg.n_ff, logits_rows, ways))
         self.mma_part = cp.zeros(part if big else 1, f32)
         self.mma_counter = cp.zeros(-(-out // 16) * -(-logits_rows // 16) if big else 1, cp.uint32)
