@@ -22,7 +22,6 @@ from gguf_runtime.backends.cuda.tuning import Tuning  # noqa: E402
 from gguf_runtime.quant_kernels import launch_layers as LL  # noqa: E402
 from gguf_runtime.quant_kernels import launch_sampling as LS  # noqa: E402
 from gguf_runtime.quant_kernels.formats import BY_NAME, FORMATS, SUPPORTED  # noqa: E402
-from gguf_runtime.quant_kernels.grids import stream_plan  # noqa: E402
 from gguf_runtime.quant_kernels.reference import dequantize, random_blocks  # noqa: E402
 from gguf_runtime.quant_kernels.repack import repack  # noqa: E402
 from gguf_runtime.sampling import Sampler, SamplingParams, apply_repeat_penalty  # noqa: E402
@@ -836,67 +835,6 @@ def test_mma_glu_split_and_shape(name, split, shape, mb, rng):
     assert not counter.get().any()
     if split > 1:
         assert not np.isnan(part.get()).all()  # the split ran (its partials were written)
-
-
-@pytest.mark.parametrize("specs", [(("Q4_K", 300),), (("Q6_K", 200),), (("Q4_K", 96), ("Q4_K", 33), ("Q6_K", 150))])
-@pytest.mark.parametrize("sms, n_tok", [(7, 64), (9, 40), (11, 100)])
-def test_mma_stream_k(specs, sms, n_tok, rng):
-    """Products as stream-K (mma_stream: 64 x 64 tiles of every matrix in a row, every block an even
-    run of their k steps; a tile cut between blocks summed by its last one) match numpy, with a
-    bias (mode 0) and accumulating (mode 1), for 1 and 2 token tiles, a group of three matrices
-    of two types among them; the counters are back at zero."""
-    keep = []
-    cols = 2304  # 18 k steps
-    mats = [upload(nm, r, cols, rng, keep) for nm, r in specs]
-    x = rng.standard_normal((n_tok, cols)).astype(np.float16).astype(np.float32)
-    xd = cp.asarray(x.astype(np.float16))
-    rows = sum(r for _, r in specs)
-    sc, counter = split_scratch(rows, n_tok, keep)
-    assert stream_plan_for(specs, cols, sms) is not None
-    kk = L.Kernels(Tuning(mma_stream=1, sm_count=sms).knobs())
-    for mode in (0, 1):
-        y0 = [rng.standard_normal((n_tok, r)).astype(np.float32) for _, r in specs]
-        bias = [rng.standard_normal(r).astype(np.float32) for _, r in specs]
-        ys, bs = [cp.asarray(y) for y in y0], [cp.asarray(b) for b in bias]
-        LM.mma(kk, [m for m, _ in mats], [(y.data.ptr, y.shape[1]) for y in ys],
-               [b.data.ptr if mode == 0 else None for b in bs], xd.data.ptr, cols, n_tok, mode, sc)
-        for (m, w), y, y_0, b in zip(mats, ys, y0, bias):
-            want = x.astype(np.float64) @ w.T + (y_0 if mode == 1 else b)
-            assert rel(y.get(), want) < 2e-3, mode
-    assert any(n.startswith("mma_group_sk<") for _, n in kk._fns)
-    assert not counter.get().any()
-
-
-def stream_plan_for(specs, cols, sms):
-    return stream_plan(sum(-(-r // 64) for _, r in specs), -(-cols // 128), sms, LM.MMA_STREAM_SLOTS)
-
-
-@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0"])
-@pytest.mark.parametrize("sms, n_tok", [(3, 64), (4, 40), (7, 100)])
-def test_mma_glu_stream_k(name, sms, n_tok, rng):
-    """The GLU as stream-K (glu_stream: every block an even run of the tiles' k steps; a tile cut
-    between 2 or 3 blocks summed by its last one) matches numpy and the tiled GLU, for 1 and 2
-    token tiles; the counters are back at zero for the next launch."""
-    keep = []
-    rows, cols = 300, 2304  # 5 tiles of 64 rows x 18 k steps: 3, 4, 7 blocks cut tiles
-    (g, wg), (u, wu) = upload(name, rows, cols, rng, keep), upload(name, rows, cols, rng, keep)
-    x = rng.standard_normal((n_tok, cols)).astype(np.float16).astype(np.float32)
-    xd = cp.asarray(x.astype(np.float16))
-    ref = silu(x.astype(np.float64) @ wg.T) * (x.astype(np.float64) @ wu.T)
-    part = cp.full(LM.split_part_floats(2 * rows, n_tok, 4), POISON, cp.float32)
-    counter = cp.zeros(-(-rows // 16) * -(-n_tok // 16), cp.uint32)
-    sc = LM.SplitScratch(part.data.ptr, part.size, counter.data.ptr, counter.size)
-    assert stream_plan(-(-rows // 64), -(-cols // 128), sms, LM.GLU_STREAM_SLOTS) is not None
-    got = []
-    for knobs in ({}, {"glu_stream": 1, "sm_count": sms}):
-        kk = L.Kernels(Tuning(**knobs).knobs())
-        out = cp.full((n_tok, rows), np.nan, cp.float16)
-        LM.mma_glu(kk, g, u, xd.data.ptr, cols, n_tok, "silu", out.data.ptr, rows, sc)
-        got.append(out.get().astype(np.float32))
-        assert rel(got[-1], ref) < 2e-3, knobs
-        assert any(n.startswith("mma_glu_sk<") for _, n in kk._fns) == bool(knobs)
-    assert rel(got[1], got[0]) < 2e-3
-    assert not counter.get().any()
 
 
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])

@@ -1,12 +1,9 @@
 """Grid shapes of kernels whose blocks find their work themselves (no CuPy here: tests check them on
-any machine): flash_decode.cu's packed batch grid and matmul_mma.cu's stream-K products."""
+any machine): flash_decode.cu's packed batch grid."""
 
 from __future__ import annotations
 
 MMA_TK = 128  # columns per k step (matmul_mma.cu TK)
-# stream-K kernels' partial slots a tile at most (the workspace holds that many with the knobs on)
-GLU_STREAM_SLOTS = 4  # mma_glu_sk (two W tiles a slot)
-MMA_STREAM_SLOTS = 6  # mma_group_sk
 
 
 def dec_grid_y(rows: int, n_split: int, target: int, n_head_kv: int, window: int, packed: bool = True) -> int:
@@ -20,16 +17,3 @@ def dec_grid_y(rows: int, n_split: int, target: int, n_head_kv: int, window: int
     if target and not window:
         return min(rows * n_split, rows + -(-target // n_head_kv))
     return rows * n_split
-
-
-def stream_plan(tiles: int, steps: int, blocks: int, max_slots: int = 4) -> tuple[int, int] | None:
-    """A stream-K kernel's (blocks, partial slots a tile) for ``tiles`` tiles of ``steps`` k steps
-    over ``blocks`` resident blocks (0: off): block b takes the steps [b total / blocks, (b + 1) total
-    / blocks) of the tiles' steps in a row, so a tile's steps meet at most ceil(steps / per) + 1
-    blocks (``per`` the fewest a block takes). None where that is over max_slots (more merges than
-    the balance gains), a block would not take a step, or the tiles fill the blocks evenly anyway."""
-    per = tiles * steps // blocks if blocks > 0 else 0
-    if per < 1 or tiles % blocks == 0:
-        return None
-    slots = min(blocks, -(-steps // per) + 1)
-    return (blocks, slots) if slots <= max_slots else None

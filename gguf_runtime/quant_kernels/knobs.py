@@ -19,8 +19,6 @@ class KernelKnobs(NamedTuple):
     mma_stages: tuple[int, int] = (2, 2)  # staged tiles' depth: single products, GLU
     mma_wgmma: bool = False  # Q4_K GLUs of 64-token tiles on Hopper's warpgroup MMA (glu_wgmma.cu; CC 9.0 only)
     glu_split: int = 0  # tensor-core GLUs split K this many ways where the scratch holds their partials (0: none)
-    mma_stream: int = 0  # tensor-core products as stream-K over this many blocks an SM (mma_group_sk; 0: tiles)
-    glu_stream: int = 0  # tensor-core GLUs as stream-K over this many blocks an SM (mma_glu_sk; 0: tiles)
     glu_shape: tuple[int, int] | None = None  # (warps along rows, 8-token MMA columns a warp) of the GLU; None: rule
     mma_min_blocks: int = 0  # tensor-core products (mma_group) compiled for at least this many blocks an SM (0: free)
     glu_min_blocks: int = 0  # ... and the GLU (mma_glu): registers capped to fit them

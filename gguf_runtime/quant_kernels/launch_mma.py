@@ -12,7 +12,7 @@ from typing import NamedTuple, Sequence
 
 import cupy as cp
 
-from .grids import GLU_STREAM_SLOTS, MMA_STREAM_SLOTS, MMA_TK, stream_plan
+from .grids import MMA_TK
 from .knobs import KernelKnobs
 from .launch_core import fused_act, Kernels, Mat, _Counted, i32, ptr
 
@@ -88,16 +88,16 @@ def mma_smem(fn: "_Counted", wr: int, nt: int, n_mats: int, structs: Sequence[st
 
 
 def mma_name(structs: Sequence[str], wr: int, nt: int, mode: int, h: int = 1, ra: int = 1,
-             stages: tuple[int, int] = (2, 2), min_blocks: int = 0, kernel: str = "mma_group") -> str:
+             stages: tuple[int, int] = (2, 2), min_blocks: int = 0) -> str:
     s = list(structs) + [structs[0]] * (3 - len(structs))
     mb = f", {min_blocks}" if min_blocks else ""
-    return f"{kernel}<{s[0]}, {s[1]}, {s[2]}, {wr}, {nt}, {mode}, {h}, {ra}, {mma_stages(s, h, ra, stages)}{mb}>"
+    return f"mma_group<{s[0]}, {s[1]}, {s[2]}, {wr}, {nt}, {mode}, {h}, {ra}, {mma_stages(s, h, ra, stages)}{mb}>"
 
 
 def mma_glu_name(struct: str, wr: int, nt: int, act: int, ra: int = 1, stages: tuple[int, int] = (2, 2),
-                 min_blocks: int = 0, kernel: str = "mma_glu") -> str:
+                 min_blocks: int = 0) -> str:
     mb = f", {min_blocks}" if min_blocks else ""
-    return f"{kernel}<{struct}, {wr}, {nt}, {act}, {ra}, {mma_stages([struct], 2, ra, stages)}{mb}>"
+    return f"mma_glu<{struct}, {wr}, {nt}, {act}, {ra}, {mma_stages([struct], 2, ra, stages)}{mb}>"
 
 
 @functools.lru_cache(maxsize=None)
@@ -161,17 +161,12 @@ class SplitScratch:
 def mma(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases: Sequence[int | None],
         x16: int, ldx16: int, n_tok: int, mode: int, scratch: SplitScratch | None = None) -> None:
     """Tensor-core version of ``mmv`` for any number of tokens: x in f16, y f32 (f32 accumulate).
-    K is split over several blocks when ``scratch`` holds their partials. The knob mma_stream
-    runs it as stream-K (mma_group_sk) in 64 x 64 tiles (x's weights dequantized once for 64
-    tokens, where the rule's 4:4 tiles of 32 tokens dequantize them twice) where stream_plan
-    takes it and the scratch holds the partials."""
+    K is split over several blocks when ``scratch`` holds their partials."""
     assert 1 <= len(mats) <= 3
     kn, rows = k.knobs, [m.rows for m in mats]
-    sk = _stream(kn.mma_stream, rows, mats[0].cols, n_tok, 4, 8, MMA_STREAM_SLOTS, 1, k, scratch)
-    wr, nt, split, h = MmaConfig(4, 8, 1, 1) if sk else _mma_plan(k, rows, n_tok, mats[0].cols, 1, scratch)
+    wr, nt, split, h = _mma_plan(k, rows, n_tok, mats[0].cols, 1, scratch)
     ra, st, structs = int(kn.mma_reg_a), kn.mma_stages, [m.struct for m in mats]
-    fn = k.fn("matmul_mma.cu", mma_name(structs, wr, nt, mode, h, ra, st, kn.mma_min_blocks,
-                                        "mma_group_sk" if sk else "mma_group"))
+    fn = k.fn("matmul_mma.cu", mma_name(structs, wr, nt, mode, h, ra, st, kn.mma_min_blocks))
     args: list = []
     for i in range(3):
         if i < len(mats):
@@ -180,33 +175,17 @@ def mma(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases
         else:
             args += [ptr(0)] * 4 + [i32(0), ptr(0), i32(0), ptr(0)]
     args += [ptr(x16), i32(ldx16), i32(n_tok), i32(mats[0].cols)]
-    token_tiles = -(-n_tok // (8 * nt * (4 // wr)))
-    if sk:
-        assert scratch is not None
-        grid, tail = (sk[0], token_tiles), [ptr(scratch.part), ptr(scratch.counter), i32(sk[1])]
-    else:
-        part, counter = (scratch.part, scratch.counter) if split > 1 else (0, 0)
-        grid, tail = (sum(-(-n // (16 * wr * h)) for n in rows), token_tiles, split), [ptr(part), ptr(counter)]
-    fn(grid, (128,), (*args, *tail), shared_mem=mma_smem(fn, wr, nt, h, structs, ra, mma_stages(structs, h, ra, st)))
-
-
-def _stream(per_sm: int, rows: Sequence[int], cols: int, n_tok: int, wr: int, nt: int, max_slots: int, n_mats: int,
-            k: Kernels, scratch: SplitScratch | None) -> tuple[int, int] | None:
-    """A stream-K launch's (blocks, slots) for products of ``rows`` in 16 wr-row tiles with per_sm
-    resident blocks an SM (0: off): grids.stream_plan's, where the scratch holds its partials."""
-    if not per_sm:
-        return None
-    plan = stream_plan(sum(-(-n // (16 * wr)) for n in rows), -(-cols // MMA_TK), k.knobs.gpu_sms * per_sm,
-                       max_slots)
-    return plan if plan and _split_fits(scratch, rows, n_tok, MmaConfig(wr, nt, plan[1], 1), n_mats) else None
+    part, counter = (scratch.part, scratch.counter) if split > 1 else (0, 0)
+    grid = (sum(-(-n // (16 * wr * h)) for n in rows), -(-n_tok // (8 * nt * (4 // wr))), split)
+    fn(grid, (128,), (*args, ptr(part), ptr(counter)),
+       shared_mem=mma_smem(fn, wr, nt, h, structs, ra, mma_stages(structs, h, ra, st)))
 
 
 def mma_glu(k: Kernels, gate: Mat, up: Mat, x16: int, ldx16: int, n_tok: int, act: str, y16: int, ldy16: int,
             scratch: SplitScratch | None = None) -> None:
     """y16[t, :] = f16(act(G x[t]) * (U x[t])), x in f16. Not split by the rule: with two W tiles
     per block the 8B's GLU fills the GPU unsplit, and splitting SmolLM2's made it much slower; the
-    knobs' glu_split / glu_shape ask for a split / a tile shape, glu_stream for stream-K over the
-    GPU's resident blocks (mma_glu_sk, where grids.stream_plan takes it; measuring)."""
+    knobs' glu_split / glu_shape ask for a split / a tile shape."""
     kn = k.knobs
     wr, nt, split, _ = _mma_plan(k, [gate.rows], n_tok, 0, 2, scratch, tall=False)
     if kn.glu_shape is not None:
@@ -216,17 +195,9 @@ def mma_glu(k: Kernels, gate: Mat, up: Mat, x16: int, ldx16: int, n_tok: int, ac
     ra, st = int(kn.mma_reg_a), kn.mma_stages
     if kn.mma_wgmma and ra and gate.struct == up.struct == "TQ4_K" and wr == 4 and split == 1 and hopper():
         return _glu_wgmma(k, gate, up, x16, ldx16, n_tok, act, y16, ldy16, st[1])
-    sk = _stream(kn.glu_stream, [gate.rows], gate.cols, n_tok, wr, nt, GLU_STREAM_SLOTS, 2, k, scratch) \
-        if split == 1 else None
-    fn = k.fn("matmul_mma.cu", mma_glu_name(gate.struct, wr, nt, fused_act(act), ra, st, kn.glu_min_blocks,
-                                             "mma_glu_sk" if sk else "mma_glu"))
-    token_tiles = -(-n_tok // (8 * nt * (4 // wr)))
-    if sk:
-        assert scratch is not None
-        grid, tail = (sk[0], token_tiles), [ptr(scratch.part), ptr(scratch.counter), i32(sk[1])]
-    else:
-        part, counter = (scratch.part, scratch.counter) if split > 1 else (0, 0)
-        grid, tail = (-(-gate.rows // (16 * wr)), token_tiles, split), [ptr(part), ptr(counter)]
+    fn = k.fn("matmul_mma.cu", mma_glu_name(gate.struct, wr, nt, fused_act(act), ra, st, kn.glu_min_blocks))
+    part, counter = (scratch.part, scratch.counter) if split > 1 else (0, 0)
+    grid = (-(-gate.rows // (16 * wr)), -(-n_tok // (8 * nt * (4 // wr))), split)
     fn(grid, (128,), (*gate.planes, *up.planes, i32(gate.rows), ptr(x16), i32(ldx16), i32(n_tok), i32(gate.cols),
-                      ptr(y16), i32(ldy16), *tail),
+                      ptr(y16), i32(ldy16), ptr(part), ptr(counter)),
        shared_mem=mma_smem(fn, wr, nt, 2, [gate.struct], ra, mma_stages([gate.struct], 2, ra, st)))

@@ -32,22 +32,6 @@ DEV void mma_segment(const Mat& m, int n, int row0, const u16* x, int ldx, int n
     mma_store<WR, NT, MODE, H>(acc, n, row0, t0, n_tok, y, ldy, bias);
 }
 
-// mma_segment over columns [kb, ke) for stream-K: the tile's sum met by merge_parts where count
-// blocks share it (contributor z, slots ``stride`` apart); only its last contributor writes y.
-template <class T, int WR, int NT, int MODE, int H, int RA, int ST>
-DEV void mma_run(const Mat& m, int n, int row0, const u16* x, int ldx, int n_tok, int K, float* y, int ldy,
-                 const float* bias, u16* smem, float* part, unsigned* counter, int kb, int ke, int tile, int z,
-                 int count, int stride) {
-    const int t0 = blockIdx.y * 8 * NT * (4 / WR);
-    float acc[H][NT][4];
-    Mat ms[H];
-#pragma unroll
-    for (int j = 0; j < H; ++j) ms[j] = m;
-    mma_tiles_any<T, WR, NT, H, RA, ST>(ms, n, row0, 16 * WR, x, ldx, n_tok, t0, kb, ke, K, smem, acc);
-    if (count > 1 && !merge_parts<H, NT>(acc, part, counter, tile, z, count, stride)) return;
-    mma_store<WR, NT, MODE, H>(acc, n, row0, t0, n_tok, y, ldy, bias);
-}
-
 // Up to three matrices sharing x (Q, K, V), each of its own type; row tiles (16 WR H rows) of
 // segment 0, 1, 2.
 // grid = (row tiles of all segments, token tiles, K splits). MODE 0: y = W x (+ bias); 1: y += W x.
@@ -79,32 +63,6 @@ __global__ void __launch_bounds__(NTHR, MB) mma_group(
                                           part, counter);
 }
 
-// mma_group as stream-K (KernelKnobs.mma_stream, measuring): gridDim.x resident blocks share the
-// row tiles' k steps (the segments' tiles in a row) in even runs, as mma_glu_sk shares the GLU's.
-template <class T0, class T1, class T2, int WR, int NT, int MODE, int H, int RA, int ST, int MB = 0>
-__global__ void __launch_bounds__(NTHR, MB) mma_group_sk(
-        PLANES(0), int n0, float* y0, int ldy0, const float* bias0,
-        PLANES(1), int n1, float* y1, int ldy1, const float* bias1,
-        PLANES(2), int n2, float* y2, int ldy2, const float* bias2,
-        const u16* __restrict__ x, int ldx, int n_tok, int K, float* part, unsigned* counter, int stride) {
-    constexpr int TM = 16 * WR * H;
-    extern __shared__ __align__(16) u16 smem[];
-    const int t0n = (n0 + TM - 1) / TM, t1n = (n1 + TM - 1) / TM, t2n = (n2 + TM - 1) / TM;
-    const int tiles = t0n + t1n + t2n;
-    stream_runs(tiles, (K + TK - 1) / TK, [&](int tile, int s0, int s1, int z, int count) {
-        const int kb = s0 * TK, ke = min(K, s1 * TK), id = blockIdx.y * tiles + tile;
-        if (tile < t0n)
-            mma_run<T0, WR, NT, MODE, H, RA, ST>(MAT(0, T0), n0, tile * TM, x, ldx, n_tok, K, y0, ldy0, bias0, smem,
-                                                 part, counter, kb, ke, id, z, count, stride);
-        else if (tile < t0n + t1n)
-            mma_run<T1, WR, NT, MODE, H, RA, ST>(MAT(1, T1), n1, (tile - t0n) * TM, x, ldx, n_tok, K, y1, ldy1, bias1,
-                                                 smem, part, counter, kb, ke, id, z, count, stride);
-        else
-            mma_run<T2, WR, NT, MODE, H, RA, ST>(MAT(2, T2), n2, (tile - t0n - t1n) * TM, x, ldx, n_tok, K, y2, ldy2,
-                                                 bias2, smem, part, counter, kb, ke, id, z, count, stride);
-    });
-}
-
 // y16 = f16(act(G x) * (U x)); ACT 0 = SiLU, 1 = GELU (tanh). Gate and up tiles share each x tile.
 // The output feeds the down projection. Splits: part holds S x 128 x 8 NT floats per tile.
 template <class T, int WR, int NT, int ACT, int RA, int ST, int MB = 0>  // MB: as mma_group's
@@ -124,30 +82,6 @@ __global__ void __launch_bounds__(NTHR, MB) mma_glu(PLANES(0), PLANES(1), int n,
     });
 }
 
-// mma_glu with its work shared evenly by gridDim.x resident blocks (stream_runs), so no SM idles
-// while others finish a second tile (fewer tiles than block slots, more than the SMs). A tile cut
-// between blocks is summed by merge_parts (its last contributor runs the epilogue); ``stride``:
-// the partial slots a tile has (its contributors at most: the launcher's bound).
-template <class T, int WR, int NT, int ACT, int RA, int ST, int MB = 0>
-__global__ void __launch_bounds__(NTHR, MB) mma_glu_sk(PLANES(0), PLANES(1), int n, const u16* __restrict__ x,
-                                                   int ldx, int n_tok, int K, u16* y, int ldy, float* part,
-                                                   unsigned* counter, int stride) {
-    extern __shared__ __align__(16) u16 smem[];
-    constexpr int TM = 16 * WR;
-    const int t0 = blockIdx.y * 8 * NT * (4 / WR), tiles = (n + TM - 1) / TM;
-    const Mat ms[2] = {MAT(0, T), MAT(1, T)};
-    stream_runs(tiles, (K + TK - 1) / TK, [&](int tile, int s0, int s1, int z, int count) {
-        float acc[2][NT][4];
-        mma_tiles_any<T, WR, NT, 2, RA, ST>(ms, n, tile * TM, 0, x, ldx, n_tok, t0, s0 * TK, min(K, s1 * TK), K, smem,
-                                            acc);
-        if (count > 1 && !merge_parts<2, NT>(acc, part, counter, blockIdx.y * tiles + tile, z, count, stride)) return;
-        glu_combine<ACT>(acc);
-        for_each_c<WR, NT>(acc[0], tile * TM, t0, [&](int r, int t, float v) {
-            if (r < n && t < n_tok) y[(long)t * ldy + r] = f2h(v);
-        });
-    });
-}
-
 #ifdef GGUF_INSTANTIATE_ALL
 #define GROUP_ARGS PLANES(0), int, float*, int, const float*, PLANES(1), int, float*, int, const float*, \
     PLANES(2), int, float*, int, const float*, const u16*, int, int, int, float*, unsigned*
@@ -162,13 +96,10 @@ template __global__ void mma_group<TQ4_K, TQ4_K, TQ6_K, 4, 8, 0, 1, 1, 4>(GROUP_
     template __global__ void mma_group<T, T, T, 2, 1, 1, 1, 1, 4>(GROUP_ARGS);                   \
     template __global__ void mma_group<T, T, T, 4, 8, 1, 2, 1, 3>(GROUP_ARGS);                   \
     template __global__ void mma_group<T, T, T, 4, 8, 1, 2, 0, 2>(GROUP_ARGS);                   \
-    template __global__ void mma_group_sk<T, T, T, 4, 8, 0, 1, 1, 2>(GROUP_ARGS, int);           \
-    template __global__ void mma_group_sk<T, T, T, 4, 8, 1, 1, 1, 2>(GROUP_ARGS, int);           \
     template __global__ void mma_glu<T, 2, 4, 0, 1, 3>(GLU_ARGS);                                \
     template __global__ void mma_glu<T, 4, 8, 0, 1, 3>(GLU_ARGS);                                \
     template __global__ void mma_glu<T, 4, 8, 0, 1, 2>(GLU_ARGS);                                \
-    template __global__ void mma_glu<T, 4, 8, 0, 0, 2>(GLU_ARGS);                                \
-    template __global__ void mma_glu_sk<T, 4, 8, 0, 1, 2>(GLU_ARGS, int);
+    template __global__ void mma_glu<T, 4, 8, 0, 0, 2>(GLU_ARGS);
 INST(TF32) INST(TF16) INST(TBF16) INST(TQ4_0) INST(TQ4_1) INST(TQ5_0) INST(TQ5_1) INST(TQ8_0)
 INST(TQ2_K) INST(TQ3_K) INST(TQ4_K) INST(TQ5_K) INST(TQ6_K) INST(TMXFP4) INST(TIQ4_NL) INST(TIQ4_XS)
 INST(TIQ2_XXS) INST(TIQ2_XS) INST(TIQ2_S) INST(TIQ3_XXS) INST(TIQ3_S) INST(TIQ1_S) INST(TIQ1_M)

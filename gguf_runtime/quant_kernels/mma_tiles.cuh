@@ -234,26 +234,6 @@ DEV bool merge_parts(float (&acc)[NM][NT][4], float* part, unsigned* counter, in
     return true;
 }
 
-// Stream-K: gridDim.x blocks share ``tiles`` tiles of ``steps`` k steps each, the steps in a row
-// (tile by tile) cut into gridDim.x even runs, one a block. f(tile, s0, s1, z, count) for each of
-// this block's runs (steps [s0, s1) of a tile shared by count blocks, this one its contributor z:
-// merge_parts's), then a barrier (the next run refills the tiles' shared memory).
-template <class F>
-DEV void stream_runs(int tiles, int steps, F f) {
-    const long total = (long)tiles * steps, P = gridDim.x;
-    auto owner = [&](long u) { return (int)(((u + 1) * P + total - 1) / total - 1); };  // the block of step u
-    const long u1 = (blockIdx.x + 1) * total / P;
-    for (long u = blockIdx.x * total / P; u < u1;) {
-        const int tile = (int)(u / steps), s0 = (int)(u % steps);
-        const int s1 = (int)min((long)steps, s0 + (u1 - u));
-        u += s1 - s0;
-        const long first = (long)tile * steps;
-        const int b0 = owner(first);
-        f(tile, s0, s1, (int)blockIdx.x - b0, owner(first + steps - 1) - b0 + 1);
-        __syncthreads();
-    }
-}
-
 // Split K (grid.z splits of each tile): merge_parts with the split as the contributor.
 template <int NM, int NT>
 DEV bool merge_splits(float (&acc)[NM][NT][4], float* part, unsigned* counter) {

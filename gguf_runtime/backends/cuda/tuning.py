@@ -99,8 +99,6 @@ class Tuning:
     mma_stages: tuple[int, int] = (2, 2)  # staged tiles' depth, products / GLU (deeper pipelines were slower)
     mma_wgmma: bool = False  # Q4_K GLUs of 64-row tiles by wgmma (glu_wgmma.cu, CC 9.0; slower: RESULTS 227)
     glu_split: int = 0  # GLUs of batch steps split K this many ways (sizes the split scratch; 0: unsplit)
-    glu_stream: int = 0  # the GLU's k steps shared evenly by this many resident blocks an SM (stream-K); 0: tiles
-    mma_stream: int = 0  # ... and the other products' (64 x 64 tiles); 0: the tiles and splits of mma_config
     glu_shape: tuple[int, int] | None = None  # (WR, NT) of the GLU's tiles; None: mma_config's rule
     mma_min_blocks: int = 0  # products compiled for this many blocks an SM at least (0: ptxas's registers)
     glu_min_blocks: int = 0  # ... and the GLU
@@ -137,7 +135,6 @@ class Tuning:
         return KernelKnobs(mma_reg_a=self.mma_reg_a, mma_split_min_steps=self.mma_split_min_steps,
                            mma_split_blocks=self.mma_split_blocks, mma_max_split=self.mma_max_split,
                            mma_stages=self.mma_stages, mma_wgmma=self.mma_wgmma, glu_split=self.glu_split,
-                           glu_stream=self.glu_stream, mma_stream=self.mma_stream,
                            glu_shape=self.glu_shape, mma_min_blocks=self.mma_min_blocks,
                            glu_min_blocks=self.glu_min_blocks, tiles=self.tiles_shape,
                            flash=self.flash_shape,

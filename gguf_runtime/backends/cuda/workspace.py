@@ -102,12 +102,9 @@ class Workspace:
             self.xs = cp.zeros((2, L.MAX_MMV_TOKENS, widest // 16, 4), f32)
             self.q8_norm, self.q8_plain = (L.Q8Vec(self.xq[i].data.ptr, widest + res, self.xs[i].data.ptr,
                                                    widest // 16, res=res) for i in range(2))
-        part = LM.split_part_floats(out, logits_rows, max(tune.mma_max_split,
-                                                          LM.MMA_STREAM_SLOTS if tune.mma_stream else 0))
-        if tune.glu_split > 1 or tune.glu_stream:  # the GLU's partials: gate's and up's rows (stream-K: a
-            # tile's contributors at most)
-            ways = max(tune.glu_split, LM.GLU_STREAM_SLOTS if tune.glu_stream else 0)
-            part = max(part, LM.split_part_floats(2 * cfg.n_ff, logits_rows, ways))
+        part = LM.split_part_floats(out, logits_rows, tune.mma_max_split)
+        if tune.glu_split > 1:  # the GLU's partials: gate's and up's rows
+            part = max(part, LM.split_part_floats(2 * cfg.n_ff, logits_rows, tune.glu_split))
         self.mma_part = cp.zeros(part if big else 1, f32)
         self.mma_counter = cp.zeros(-(-out // 16) * -(-logits_rows // 16) if big else 1, cp.uint32)
         self.split = LM.SplitScratch(self.mma_part.data.ptr, self.mma_part.size, self.mma_counter.data.ptr,
