@@ -308,26 +308,34 @@ DEV void mma_tiles_reg(const Mat (&ms)[NM], int n_rows, int row0, int jstride, c
     for (int j = 0; j < NM; ++j) rp[j] = R::rows(ms[j], n_rows, r + j * jstride);
     using P = StagePlanOf<R, WR, NM>;
     const P plan(ms, n_rows, row0, jstride);  // (staged types)
+    // The block's k steps start at step blockIdx.x % n and wrap around: blocks start together, and in
+    // k order every block read the same x columns at the same time, which made the x tiles cost more
+    // than the weights (RESULTS 237-238). Each block's order is fixed: reruns give the same bits.
+    const int n = (ke - kb + TK - 1) / TK;
+    auto next = [&](int k) { return k + TK < ke ? k + TK : kb; };
+    const int k_first = kb + (n > 1 ? (int)(blockIdx.x % n) : 0) * TK;
+    int kn = k_first;  // the step whose loads go out next
     if constexpr (STAGED) {
 #pragma unroll
-        for (int s = 0; s < S - 1; ++s)
-            if (kb + s * TK < ke) plan.issue(kb + s * TK, ws_s + s * WS);
+        for (int s = 0; s < S - 1; ++s, kn = next(kn))
+            if (s < n) plan.issue(kn, ws_s + s * WS);
+        kn = k_first;
     } else {
 #pragma unroll
-        for (int j = 0; j < NM; ++j) R::load(rp[j], kb, w[j]);
+        for (int j = 0; j < NM; ++j) R::load(rp[j], k_first, w[j]);
     }
     pdl_enter();  // the first weights load before it (common.cuh)
 #pragma unroll
-    for (int s = 0; s < S - 1; ++s) {  // cp.async group s: x of step s (group 0 also the weights above)
-        if (kb + s * TK < ke) x_tile_async<TB, R::LDX>(x, ldx, n_tok, t0, kb + s * TK, K, xs_s + 2 * s * XS);
+    for (int s = 0; s < S - 1; ++s, kn = next(kn)) {  // cp.async group s: x of step s (group 0 also the weights)
+        if (s < n) x_tile_async<TB, R::LDX>(x, ldx, n_tok, t0, kn, K, xs_s + 2 * s * XS);
         cp_async_commit();
     }
-    int buf = 0;
-    for (int k0 = kb; k0 < ke; k0 += TK) {
+    int buf = 0, k0 = k_first;
+    for (int i = 0; i < n; ++i, k0 = next(k0), kn = next(kn)) {
         cp_async_wait<S - 2>();  // this step's group is in (later steps' may still be in flight)
         __syncthreads();         // ... for every thread; every warp is done with the previous step's buffers
-        const int kn = k0 + (S - 1) * TK, nb = buf == 0 ? S - 1 : buf - 1;  // the previous step's buffers
-        if (kn < ke) {
+        const int nb = buf == 0 ? S - 1 : buf - 1;  // the previous step's buffers
+        if (i + S - 1 < n) {
             if constexpr (STAGED) plan.issue(kn, ws_s + nb * WS);
             x_tile_async<TB, R::LDX>(x, ldx, n_tok, t0, kn, K, xs_s + 2 * nb * XS);
         }
@@ -337,7 +345,7 @@ DEV void mma_tiles_reg(const Mat (&ms)[NM], int n_rows, int row0, int jstride, c
 #pragma unroll
             for (int j = 0; j < NM; ++j) R::load_smem(wsm + buf * WS + (j * 16 * WR + 16 * wr + g) * R::WROW, cur[j]);
         } else {
-            const int kn1 = k0 + TK < ke ? k0 + TK : k0;  // the next step (the last one reloads its own)
+            const int kn1 = i + 1 < n ? next(k0) : k0;  // the next step (the last one reloads its own)
 #pragma unroll
             for (int j = 0; j < NM; ++j) {  // the next step's loads go out before this step's MMAs
                 cur[j] = w[j];
