@@ -308,21 +308,18 @@ DEV void mma_tiles_reg(const Mat (&ms)[NM], int n_rows, int row0, int jstride, c
     for (int j = 0; j < NM; ++j) rp[j] = R::rows(ms[j], n_rows, r + j * jstride);
     using P = StagePlanOf<R, WR, NM>;
     const P plan(ms, n_rows, row0, jstride);  // (staged types)
-    // The block's k steps start at step blockIdx.x % n and wrap around: blocks start together, and in
-    // k order every block read the same x columns at the same time, which made the x tiles cost more
-    // than the weights (RESULTS 237-238). Each block's order is fixed: reruns give the same bits.
-    const int n = (ke - kb + TK - 1) / TK;
-    auto next = [&](int k) { return k + TK < ke ? k + TK : kb; };
-    const int k_first = kb + (n > 1 ? (int)(blockIdx.x % n) : 0) * TK;
-    int kn = k_first;  // the step whose loads go out next
+    // the block's k steps from k_first, wrapping around (mma_tiles.cuh)
+    const int n = (ke - kb + TK - 1) / TK, k_start = k_first(kb, ke);
+    auto next = [&](int k) { return k_next(k, kb, ke); };
+    int kn = k_start;  // the step whose loads go out next
     if constexpr (STAGED) {
 #pragma unroll
         for (int s = 0; s < S - 1; ++s, kn = next(kn))
             if (s < n) plan.issue(kn, ws_s + s * WS);
-        kn = k_first;
+        kn = k_start;
     } else {
 #pragma unroll
-        for (int j = 0; j < NM; ++j) R::load(rp[j], k_first, w[j]);
+        for (int j = 0; j < NM; ++j) R::load(rp[j], k_start, w[j]);
     }
     pdl_enter();  // the first weights load before it (common.cuh)
 #pragma unroll
@@ -330,7 +327,7 @@ DEV void mma_tiles_reg(const Mat (&ms)[NM], int n_rows, int row0, int jstride, c
         if (s < n) x_tile_async<TB, R::LDX>(x, ldx, n_tok, t0, kn, K, xs_s + 2 * s * XS);
         cp_async_commit();
     }
-    int buf = 0, k0 = k_first;
+    int buf = 0, k0 = k_start;
     for (int i = 0; i < n; ++i, k0 = next(k0), kn = next(kn)) {
         cp_async_wait<S - 2>();  // this step's group is in (later steps' may still be in flight)
         __syncthreads();         // ... for every thread; every warp is done with the previous step's buffers

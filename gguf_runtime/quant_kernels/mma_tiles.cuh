@@ -31,6 +31,16 @@ DEV void mma16816(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1)
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// A block's k steps over [kb, ke) start at step blockIdx.x % n of its n and wrap around (k_next):
+// blocks start together, and in k order every block read the same x columns at the same time,
+// which made the x tiles cost more than the weights (RESULTS 237-238). Each block's order is
+// fixed: reruns give the same bits.
+DEV int k_first(int kb, int ke) {
+    const int n = (ke - kb + TK - 1) / TK;
+    return kb + (n > 1 ? (int)(blockIdx.x % n) : 0) * TK;
+}
+DEV int k_next(int k, int kb, int ke) { return k + TK < ke ? k + TK : kb; }
+
 #include "mma_regs.cuh"  // Q4_K / Q6_K: A fragments built in registers (RA = 1 below)
 
 // This thread's units of the W tile rows [row0, row0 + TM) x columns [k0, k0 + TK), in registers.
@@ -130,22 +140,25 @@ DEV void mma_tiles(const Mat (&ms)[NM], int n_rows, int row0, int jstride, const
         for (int nt = 0; nt < NT; ++nt) acc[j][nt][0] = acc[j][nt][1] = acc[j][nt][2] = acc[j][nt][3] = 0.f;
     WRegs<T, TM> w[NM];
     XRegs<TB> xr;
+    const int n = (ke - kb + TK - 1) / TK;
+    int k0 = k_first(kb, ke);
 #pragma unroll
-    for (int j = 0; j < NM; ++j) w[j].load(ms[j], n_rows, row0 + j * jstride, kb, K);
+    for (int j = 0; j < NM; ++j) w[j].load(ms[j], n_rows, row0 + j * jstride, k0, K);
     pdl_enter();  // the first W tile loads before it (common.cuh)
-    xr.load(x, ldx, n_tok, t0, kb, K);
-    for (int k0 = kb; k0 < ke; k0 += TK) {
+    xr.load(x, ldx, n_tok, t0, k0, K);
+    for (int i = 0; i < n; ++i) {
         __syncthreads();  // the previous step's MMAs are done with the tiles
 #pragma unroll
         for (int j = 0; j < NM; ++j) w[j].store(k0, K, smem + (TB + j * TM) * LDS);
         xr.store(Xs);
         __syncthreads();
-        const int kn = k0 + TK < ke ? k0 + TK : k0;  // the next step (the last one reloads its own tile)
+        const int kn = i + 1 < n ? k_next(k0, kb, ke) : k0;  // the next step (the last one reloads its own tile)
 #pragma unroll
         for (int j = 0; j < NM; ++j) w[j].load(ms[j], n_rows, row0 + j * jstride, kn, K);
         xr.load(x, ldx, n_tok, t0, kn, K);
 #pragma unroll
         for (int j = 0; j < NM; ++j) mma_step<WR, NT>(smem + (TB + j * TM) * LDS, Xs, acc[j]);
+        k0 = kn;
     }
 }
 
