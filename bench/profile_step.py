@@ -13,12 +13,16 @@ argmax, readback).
 check and first tokens included, timed from the host).
 --shard W: rank 0's part of the model split over W GPUs (format/shard.py), alone on this GPU with
 its sums and the logits' gather left out: a split rank's own kernels, on a machine of one GPU.
+--kdir DIR (repeatable): each batch step also with DIR's kernels (a copy of quant_kernels/, e.g. an
+older tree's), in this process, the trees alternating over two rounds: us a call per kernel side by
+side, and each tree's graph step.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import time
 from collections import defaultdict
@@ -30,6 +34,7 @@ from gguf_runtime.backends.cuda.backend import CudaBackend
 from gguf_runtime.format.gguf_file import open_gguf
 from gguf_runtime.format.model_config import config_from_gguf
 from gguf_runtime.format.shard import ShardedFile, check_split
+from gguf_runtime.quant_kernels.sources import SRC_DIR
 from gguf_runtime.sampling import SamplingParams
 
 SPIN = cp.RawKernel(r"""
@@ -187,6 +192,31 @@ def profile_packed(be: CudaBackend, n: int, prompt: int) -> dict:
             "admit_ms": float(np.median(times)) * 1e3, "by_kernel": by}
 
 
+def compare(be: CudaBackend, rows: int, prompt: int, trees: list[tuple[str, str]], rounds: int = 2) -> None:
+    """profile() of a batch step under each tree's kernels (use_sources), alternating: per-kernel us a
+    call (mean over the rounds) side by side."""
+    per: dict[str, dict[str, list[float]]] = {}
+    graph: dict[str, list[float]] = {}
+    for rnd in range(rounds):
+        for name, d in trees if rnd % 2 == 0 else trees[::-1]:
+            be.kernels.use_sources(d)
+            be.retune(be.tune)  # (drops the graphs captured with the other tree's kernels)
+            r = profile(be, rows, prompt)
+            graph.setdefault(name, []).append(r["graph_step_ms"])
+            for k, n, ms in r["by_kernel"]:
+                per.setdefault(k, {}).setdefault(name, []).append(ms / n)
+    names = [n for n, _ in trees]
+
+    def mean(v: list[float] | None) -> float:
+        return 1e3 * sum(v) / len(v) if v else float("nan")
+    print(f"\nB={rows} (context {prompt}), us a call, {rounds} rounds")
+    print(f"  {'kernel':<62}" + "".join(f"{n[:12]:>13}" for n in names))
+    first = sorted(per, key=lambda k: -mean(per[k].get(names[0])))
+    for k in first[:14]:
+        print(f"  {k[:62]:<62}" + "".join(f"{mean(per[k].get(n)):>13.2f}" for n in names))
+    print(f"  {'graph step':<62}" + "".join(f"{mean(graph[n]):>13.1f}" for n in names))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -195,6 +225,8 @@ def main() -> None:
     ap.add_argument("--verify", action="store_true", help="--batch values are verification rows")
     ap.add_argument("--packed", action="store_true", help="--batch values are prompts admitted in one forward")
     ap.add_argument("--shard", type=int, default=1, metavar="W", help="rank 0's part of a split over W GPUs, alone")
+    ap.add_argument("--kdir", action="append", default=[], metavar="DIR",
+                    help="also DIR's kernels (a copy of quant_kernels/), alternating in this process")
     ap.add_argument("--json")
     args = ap.parse_args()
     f = open_gguf(args.model)
@@ -209,6 +241,14 @@ def main() -> None:
     else:
         be = CudaBackend(f, cfg, n_ctx, max_batch=max_batch)
     weight_bytes = be.weights.nbytes if args.shard > 1 else sum(t.nbytes for t in f.tensors.values())
+    if args.kdir:
+        if args.verify or args.packed:
+            raise SystemExit("--kdir compares batch steps only")
+        trees = [("this tree", SRC_DIR)]
+        trees += [(os.path.basename(os.path.normpath(d)), os.path.abspath(d)) for d in args.kdir]
+        for rows in batches:
+            compare(be, rows, args.prompt, trees)
+        return
     out = []
     for rows in batches:
         r = profile_verify(be, rows, args.prompt) if args.verify else \
