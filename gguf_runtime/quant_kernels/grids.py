@@ -3,8 +3,6 @@ any machine): flash_decode.cu's packed batch grid."""
 
 from __future__ import annotations
 
-MMA_TK = 128  # columns per k step (matmul_mma.cu TK)
-
 
 def dec_grid_y(rows: int, n_split: int, target: int, n_head_kv: int, window: int, packed: bool = True) -> int:
     """flash_decode's grid.y: a block a split (grid.z the rows; one row, or ``packed`` off), or the

@@ -12,12 +12,12 @@ from typing import NamedTuple, Sequence
 
 import cupy as cp
 
-from .grids import MMA_TK
 from .knobs import KernelKnobs
 from .launch_core import fused_act, Kernels, Mat, _Counted, i32, ptr
 
 MMA_MIN_BLOCKS = 132  # one wave on an H100: below this, smaller tiles or K splits (more blocks) win
 MMA_SPLIT_BLOCKS = KernelKnobs().mma_split_blocks  # mma_config's defaults without a backend (the knobs')
+MMA_TK = 128  # columns per k step (matmul_mma.cu TK)
 MMA_TALL_MIN_COLS = 1024
 MMA_MAX_SPLIT = KernelKnobs().mma_max_split
 # Types whose A fragments are built in registers (mma_regs.cuh): x tile row stride in halves.

@@ -2,20 +2,6 @@
 // y[t, n] (=|+=) sum_k W[n, k] x[t, k] (mma_tiles.cuh says how a block computes its tile).
 #include "mma_tiles.cuh"
 
-// A block's H stacked row tiles' outputs: y (=|+=) acc (+ bias).
-template <int WR, int NT, int MODE, int H>
-DEV void mma_store(const float (&acc)[H][NT][4], int n, int row0, int t0, int n_tok, float* y, int ldy,
-                   const float* bias) {
-#pragma unroll
-    for (int j = 0; j < H; ++j)
-        for_each_c<WR, NT>(acc[j], row0 + j * 16 * WR, t0, [&](int r, int t, float v) {
-            if (r >= n || t >= n_tok) return;
-            float* out = y + (long)t * ldy + r;
-            if (MODE == 1) *out += v;
-            else *out = v + (bias ? bias[r] : 0.f);
-        });
-}
-
 // H stacked row tiles of 16 WR rows (H = 2: 32 WR rows per block, x read half as often).
 template <class T, int WR, int NT, int MODE, int H, int RA, int ST>
 DEV void mma_segment(const Mat& m, int n, int row0, const u16* x, int ldx, int n_tok, int K, float* y, int ldy,
@@ -29,7 +15,14 @@ DEV void mma_segment(const Mat& m, int n, int row0, const u16* x, int ldx, int n
     for (int j = 0; j < H; ++j) ms[j] = m;
     mma_tiles_any<T, WR, NT, H, RA, ST>(ms, n, row0, 16 * WR, x, ldx, n_tok, t0, kb, ke, K, smem, acc);
     if (gridDim.z > 1 && !merge_splits<H, NT>(acc, part, counter)) return;
-    mma_store<WR, NT, MODE, H>(acc, n, row0, t0, n_tok, y, ldy, bias);
+#pragma unroll
+    for (int j = 0; j < H; ++j)
+        for_each_c<WR, NT>(acc[j], row0 + j * 16 * WR, t0, [&](int r, int t, float v) {
+            if (r >= n || t >= n_tok) return;
+            float* out = y + (long)t * ldy + r;
+            if (MODE == 1) *out += v;
+            else *out = v + (bias ? bias[r] : 0.f);
+        });
 }
 
 // Up to three matrices sharing x (Q, K, V), each of its own type; row tiles (16 WR H rows) of

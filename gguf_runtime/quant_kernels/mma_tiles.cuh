@@ -207,14 +207,13 @@ DEV void k_range(int K, int& kb, int& ke) {
 #define PLANES(i) const u8* qs##i, const u8* qh##i, const u8* sc##i, const u8* d##i
 #define MAT(i, T) Mat{qs##i, qh##i, sc##i, d##i, K / T::BLOCK}
 
-// Partial sums of one tile from several blocks: store this block's fragments as contributor z of
-// the tile's ``count`` (slots ``stride`` apart); false unless this block is the tile's last, which
-// then holds the sum of all contributors' fragments (in contributor order: the same result on
-// every run) in acc.
+// Split K: store this block's fragments; false unless this block is the tile's last, which then
+// holds the sum of all splits' fragments (in split order) in acc.
 template <int NM, int NT>
-DEV bool merge_parts(float (&acc)[NM][NT][4], float* part, unsigned* counter, int tile, int z, int count, int stride) {
+DEV bool merge_splits(float (&acc)[NM][NT][4], float* part, unsigned* counter) {
     __shared__ unsigned last;
-    float4* mine = reinterpret_cast<float4*>(part) + (((long)tile * stride + z) * NTHR + threadIdx.x) * NM * NT;
+    const int S = gridDim.z, tile = blockIdx.y * gridDim.x + blockIdx.x;
+    float4* mine = reinterpret_cast<float4*>(part) + (((long)tile * S + blockIdx.z) * NTHR + threadIdx.x) * NM * NT;
 #pragma unroll
     for (int j = 0; j < NM; ++j)
 #pragma unroll
@@ -223,7 +222,7 @@ DEV bool merge_parts(float (&acc)[NM][NT][4], float* part, unsigned* counter, in
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
-        last = atomicAdd(counter + tile, 1u) == (unsigned)count - 1;
+        last = atomicAdd(counter + tile, 1u) == (unsigned)S - 1;
         if (last) counter[tile] = 0u;  // ready for the next launch
     }
     __syncthreads();
@@ -233,9 +232,8 @@ DEV bool merge_parts(float (&acc)[NM][NT][4], float* part, unsigned* counter, in
     for (int j = 0; j < NM; ++j)
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) acc[j][nt][0] = acc[j][nt][1] = acc[j][nt][2] = acc[j][nt][3] = 0.f;
-    for (int c = 0; c < count; ++c) {
-        const float4* p =
-            reinterpret_cast<const float4*>(part) + (((long)tile * stride + c) * NTHR + threadIdx.x) * NM * NT;
+    for (int z = 0; z < S; ++z) {
+        const float4* p = reinterpret_cast<const float4*>(part) + (((long)tile * S + z) * NTHR + threadIdx.x) * NM * NT;
 #pragma unroll
         for (int j = 0; j < NM; ++j)
 #pragma unroll
@@ -245,11 +243,4 @@ DEV bool merge_parts(float (&acc)[NM][NT][4], float* part, unsigned* counter, in
             }
     }
     return true;
-}
-
-// Split K (grid.z splits of each tile): merge_parts with the split as the contributor.
-template <int NM, int NT>
-DEV bool merge_splits(float (&acc)[NM][NT][4], float* part, unsigned* counter) {
-    return merge_parts<NM, NT>(acc, part, counter, blockIdx.y * gridDim.x + blockIdx.x, blockIdx.z, gridDim.z,
-                               gridDim.z);
 }
