@@ -20,11 +20,14 @@ from test_gpu_q8 import Q8Buf, quantized  # noqa: E402
 TOKENS = pytest.mark.parametrize("b", [2, 3, 4, 8])
 
 
-@pytest.fixture(scope="module", params=[0, 2, 4], ids=["one-token", "groups-of-2", "groups-of-4"])
+@pytest.fixture(scope="module", params=[0, 2, 4, -1], ids=["one-token", "groups-of-2", "groups-of-4", "wide-rows"])
 def kernels(request):
     """(one-token launches, token grids up to 8 tokens: of one-token blocks, or of blocks of 2 or 4
-    tokens wherever that divides b)."""
-    grid = dataclasses.replace(Tuning(), mmv_token_grid=8, mmv_grid_tokens=request.param)
+    tokens wherever that divides b; or, wide-rows, the verification's shapes: the rule's grids with
+    wider row groups, launchers.mmv_config's several)."""
+    wide = request.param < 0
+    grid = dataclasses.replace(Tuning(), mmv_token_grid=8, mmv_grid_tokens=max(request.param, 0),
+                               mmv_wide_rows="all" if wide else "off")
     return L.Kernels(Tuning().knobs()), L.Kernels(grid.knobs())
 
 
@@ -217,3 +220,28 @@ def test_token_grid_choice():
     assert L.token_groups(kgg, 3, 1536, w, one, 3) == 1  # 3 tokens: no group divides them
     kt = L.Kernels(dataclasses.replace(Tuning(), mmv_token_grid=8, mmv_grid_tokens=2).knobs())
     assert L.token_groups(kt, 8, 1 << 16, w, one, 3) == 4 and L.token_groups(kt, 3, 256, w, one, 3) == 3
+
+
+def test_wide_rows_keep_one_tokens_warps():
+    """mmv_config / glu_q8_out_config with ``several`` (verification's matvecs): wider row groups but
+    one token's WG, which fixes each row's order of sums; on the small models' shapes (lone matrices
+    under 2,048 rows with and without the q8 epilogue, output heads, GLUs) and at every token count."""
+    shapes = [(["TQ4_1"], [576], 576), (["TQ4_1"], [576], 1536), (["TQ8_0"], [640], 2048),
+              (["TQ4_K"], [640], 1024), (["TQ8_0"], [49152], 576), (["TQ6_K"], [262144], 640)]
+    for structs, rows, cols in shapes:
+        for q8_out in (False, True):
+            if q8_out and rows[0] >= 32768:
+                continue
+            one = L.mmv_config(structs, rows, cols, 1, q8_out)
+            for b in (1, 2, 4, 8):
+                r, wg = L.mmv_config(structs, rows, cols, b, q8_out, several=True)
+                assert wg == one[1] and r in (1, 2, 4) and all(n % (4 * r) == 0 for n in rows), \
+                    (structs, rows, cols, b, q8_out, r, wg)
+    for struct, n, cols in (("TQ4_1", 1536, 576), ("TQ8_0", 2048, 640), ("TQ4_K", 14336, 4096)):
+        one = L.glu_q8_out_config(struct, n, cols, 1)
+        for b in (2, 4, 8):
+            old = L.glu_q8_out_config(struct, n, cols, b)
+            r, wg = L.glu_q8_out_config(struct, n, cols, b, several=True)
+            assert wg == old[1] and r in (2, 4)
+            if cols < 4096:
+                assert wg == one[1] and r == 4

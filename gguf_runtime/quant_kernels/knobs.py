@@ -34,5 +34,6 @@ class KernelKnobs(NamedTuple):
     grid_waves: tuple[int, int] = (1, 1)  # ... of GRID_WARPS_PER_SM warps on each SM: under 8 tokens, 8
     grid_groups: bool = False  # where one-token blocks do not fit, token grids of 2- or 4-token blocks
     grid_tokens: int = 0  # measuring and tests: token grids of this many tokens a block wherever it divides b
+    mmv_wide_rows: bool = False  # matvecs of several tokens: wider row groups, one token's WG (launchers.mmv_config)
     mma_shape: tuple[int, int] | None = None  # (warps along rows, 8-token MMA columns a warp) of every
     # tensor-core product and GLU, no split, no tall blocks (measuring); None: mma_config's rule

@@ -57,7 +57,7 @@ def q8_out_config(r: int, wg: int) -> tuple[int, int]:
 
 
 def mmv_config(structs: Sequence[str], rows: Sequence[int], cols: int, b: int,
-               q8_out: bool = False) -> tuple[int, int]:
+               q8_out: bool = False, several: bool = False) -> tuple[int, int]:
     """(R, WG): weight rows per row group and warps per group. One warp per group was best or
     tied on every shape tried; 4 rows per group won on the large output heads (32K+ rows), 2
     elsewhere, except one row for a lone matrix of under 2,048 rows (the small models' o-proj and
@@ -69,17 +69,24 @@ def mmv_config(structs: Sequence[str], rows: Sequence[int], cols: int, b: int,
     o-proj, 128 units, and Q6_K down, 224), two warps per group of four rows, 8 warps a block (a
     small gain for the 8B; with per-unit scales this shape had been slower). Its Q4_K down (448
     units: 7 rounds a warp either way) keeps two rows per two warps, faster there than four.
-    Measured: see bench/RESULTS.md."""
-    want = 4 if sum(rows) >= 32768 else (1 if len(rows) == 1 and rows[0] < 2048 else 2)
-    fits = [r for r in (4, 2, 1) if r <= want and r * b <= 8 and all(n % (4 * r) == 0 for n in rows)]
+    several (a launch of several tokens, b being its blocks' tokens; the knobs' mmv_wide_rows):
+    wider row groups with one token's WG, so each row's sums are one token's bit for bit: two rows
+    for a lone matrix of under 2,048 rows (one row a group had put the small models' 8-token
+    residual products in 1,024-thread blocks over two waves) and four for output heads whatever b
+    (x read once for four rows). Measured: see bench/RESULTS.md."""
+    head, lone = sum(rows) >= 32768, len(rows) == 1 and rows[0] < 2048
+    want = 4 if head else (1 if lone and not several else 2)
+    fits = [r for r in (4, 2, 1) if r <= want and (r * b <= 8 or (several and head))
+            and all(n % (4 * r) == 0 for n in rows)]
     r, wg = (fits[0], 1) if fits else (1, 4)
     if q8_out:
+        one = 1 if lone else r  # one token's rows a group: its WG below
         # two warps per row where one warp would take two rounds of loads: every lane's weights are
         # then loaded before pdl_enter (faster for SmolLM2's down, 1,536 columns; the 8B's down was
         # slower at four warps per two rows)
         if b == 1 and r == 2 and 128 <= cols // UNIT_ELEMS[structs[0]] <= 256 and kstage_bytes(structs, cols):
             return 4, 2
-        return q8_out_config(r, 2 if r >= 2 or cols // UNIT_ELEMS[structs[0]] > 32 else 1)
+        return q8_out_config(r, 2 if (one if several else r) >= 2 or cols // UNIT_ELEMS[structs[0]] > 32 else 1)
     return r, wg
 
 
@@ -88,13 +95,16 @@ def glu_config(struct: str, n: int, cols: int, b: int) -> tuple[int, int]:
     return (2, 1) if n % 4 == 0 else (2, 4)
 
 
-def glu_q8_out_config(struct: str, n: int, cols: int, b: int) -> tuple[int, int]:
+def glu_q8_out_config(struct: str, n: int, cols: int, b: int, several: bool = False) -> tuple[int, int]:
     """(R, WG) of a GLU with the q8 epilogue: one gate and one up row per warp (16 WG warps a block),
     but for one token and rows of at least 128 units (the 8B's 4,096 columns), two of each per two
-    warps: a small gain for the 8B; SmolLM2 and Gemma-3, one round a row, were slower with it."""
-    if b == 1 and cols // UNIT_ELEMS[struct] >= 128:
-        return 4, 2
-    return 2, min(glu_config(struct, n, cols, b)[1], 2)
+    warps: a small gain for the 8B; SmolLM2 and Gemma-3, one round a row, were slower with it.
+    several (as mmv_config's): two of each with the one-row groups' WG, on rows under 128 units."""
+    if cols // UNIT_ELEMS[struct] >= 128:
+        if b == 1:
+            return 4, 2
+        several = False
+    return 4 if several else 2, min(glu_config(struct, n, cols, b)[1], 2)
 
 
 def kstage_bytes(structs: str | Sequence[str], cols: int, rows: int = Q8_OUT_ROWS) -> int:
@@ -264,7 +274,8 @@ def mmv(k: Kernels, mats: Sequence[Mat], outs: Sequence[tuple[int, int]], biases
     chunks = []
 
     def shape(n: int) -> tuple[int, int]:
-        r, wg = config or mmv_config([m.struct for m in mats], [m.rows for m in mats], cols, n, q8_out is not None)
+        r, wg = config or mmv_config([m.struct for m in mats], [m.rows for m in mats], cols, n, q8_out is not None,
+                                     b > 1 and k.knobs.mmv_wide_rows)
         if q8_out and config:  # an override (mmv_config's own choice fits): up to 8 rows, 32 warps a block
             r = min(r, 8)
             wg = min(wg, 2 * r)
@@ -320,7 +331,8 @@ def mmv_glu(k: Kernels, gate: Mat, up: Mat, x: int, ldx: int, b: int, act: str, 
     io |= bool(smem) << 2
 
     def shape(n: int) -> tuple[int, int]:
-        r, wg = config or (glu_q8_out_config if q8_out else glu_config)(gate.struct, gate.rows, gate.cols, n)
+        r, wg = config or (glu_q8_out_config(gate.struct, gate.rows, gate.cols, n, b > 1 and k.knobs.mmv_wide_rows)
+                           if q8_out else glu_config(gate.struct, gate.rows, gate.cols, n))
         if q8_out and config:  # an override: up to 4 gate and 4 up rows per group, 32 warps per block
             r, wg = min(r, 8), min(wg, 2)
         return r, wg

@@ -383,10 +383,14 @@ class CudaBackend(PrefillMixin):
         b, rows = self.blocks, tokens.shape[0]
         b.seq, b.mma, b.decode, b.verify, b.deep = seq, rows > b.decode_mmv_rows, True, verify, deep
         b.mmv_rows = b.decode_mmv_rows
+        knobs = b.k.knobs
+        if verify and b.tune.mmv_wide_rows == "verify":  # (the knobs' "all" holds it for every step)
+            b.k.knobs = knobs._replace(mmv_wide_rows=True)
         try:
             forward(b, self.cfg, tokens, pos, all_logits=True)
         finally:
             b.verify = b.deep = False
+            b.k.knobs = knobs
 
     def _deep_bucket(self, rows: int) -> bool:
         """Whether a batch step of this bucket changes its attention kernel when its rows hold many

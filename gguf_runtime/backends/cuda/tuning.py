@@ -58,6 +58,9 @@ class Tuning:
     mmv_grid_groups: bool = True  # ... and where one-token blocks do not fit, blocks of 2 or 4 tokens side by side
     # (launchers.token_groups: faster steps of 4 and 8 rows on both small models, bench/RESULTS.md)
     mmv_grid_tokens: int = 0  # measuring: token grids of blocks of this many tokens wherever it divides the count
+    mmv_wide_rows: str = "verify"  # matvecs of several tokens with wider row groups, each row's sums still one
+    # token's (launchers.mmv_config): in speculative verification ("verify"), every step ("all") or none ("off");
+    # SmolLM2's and Gemma-3's verifications gained, their batch steps split both ways (bench/RESULTS.md)
     # -- mixtures of experts
     moe_norm_epilogue: bool = False  # MoE decode: O's epilogue writes the experts' int8 input (no FFN norm kernel); off: measured (RESULTS 195)
     moe_router_topk: bool = False  # steps of up to 8 rows: the router and its top-k in one launch (moe.cu); off: measured (RESULTS 195)
@@ -144,7 +147,7 @@ class Tuning:
                            sm_count=self.sm_count if self.decode_work_split else 0, mma_shape=self.mma_shape,
                            mmv_token_grid=self.mmv_token_grid, gpu_sms=self.sm_count,
                            grid_waves=self.mmv_grid_waves, grid_groups=self.mmv_grid_groups,
-                           grid_tokens=self.mmv_grid_tokens)
+                           grid_tokens=self.mmv_grid_tokens, mmv_wide_rows=self.mmv_wide_rows == "all")
 
     def mmv_override(self, role: str, type_name: str | None = None) -> tuple[int, int] | None:
         """(R, WG) for a role's matvec (and one weight type: "DOWN_Q6_K"), where measuring sets one."""
@@ -282,7 +285,7 @@ def _check(t: Tuning) -> None:
     if not 1 <= t.decode_mmv_rows <= 8:
         raise BackendError(f"{ENV}: decode_mmv_rows={t.decode_mmv_rows}: give a number of rows from 1 to 8")
     for name, allowed in (("tiles", ("auto", "on", "off")), ("pdl", ("auto", "off", "all")),
-                          ("kv_type", KV_TYPES)):
+                          ("mmv_wide_rows", ("off", "verify", "all")), ("kv_type", KV_TYPES)):
         if getattr(t, name) not in allowed:
             raise BackendError(f"{ENV}: {name}={getattr(t, name)!r} is not one of {', '.join(allowed)}")
     for name in ("kstage", "q8_res"):
