@@ -360,9 +360,11 @@ class PrefillMixin:
         """ws.tokens/pos/seq[:rows] (consecutive tokens of one sequence) through the kernels of a
         decode step of as many rows, every row's logits into ws.logits: speculative decoding's
         verification. Up to decode_mmv_rows (the int8 matvecs, fused epilogues, flash_decode with
-        each row's own splits) a row's logits are a one-row decode step's, bit for bit; past them,
-        the batch steps' tensor-core products (on big models the int8 matvecs of several rows were
-        far slower: bench/RESULTS.md row 153) compute the same values otherwise rounded."""
+        each row's own splits) a row's logits are a one-row decode step's, bit for bit (tested on
+        the small models; a big model's GLU of 2 rows takes one warp a group where one row takes
+        two, launchers.glu_q8_out_config, so its sums are ordered otherwise); past them, the batch
+        steps' tensor-core products (on big models the int8 matvecs of several rows were far
+        slower: bench/RESULTS.md row 153) compute the same values otherwise rounded."""
         self._decode_forward(self.ws.seq, self.ws.tokens[:rows], self.ws.pos[:rows], verify=True)
 
     def prefill(self, tokens: Sequence[int]) -> None:
