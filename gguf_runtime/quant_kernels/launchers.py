@@ -80,13 +80,13 @@ def mmv_config(structs: Sequence[str], rows: Sequence[int], cols: int, b: int,
             and all(n % (4 * r) == 0 for n in rows)]
     r, wg = (fits[0], 1) if fits else (1, 4)
     if q8_out:
-        one = 1 if lone else r  # one token's rows a group: its WG below
         # two warps per row where one warp would take two rounds of loads: every lane's weights are
         # then loaded before pdl_enter (faster for SmolLM2's down, 1,536 columns; the 8B's down was
         # slower at four warps per two rows)
         if b == 1 and r == 2 and 128 <= cols // UNIT_ELEMS[structs[0]] <= 256 and kstage_bytes(structs, cols):
             return 4, 2
-        return q8_out_config(r, 2 if (one if several else r) >= 2 or cols // UNIT_ELEMS[structs[0]] > 32 else 1)
+        # (a lone matrix's WG is its one-row groups', whatever several made of r)
+        return q8_out_config(r, 2 if (r >= 2 and not lone) or cols // UNIT_ELEMS[structs[0]] > 32 else 1)
     return r, wg
 
 
@@ -100,11 +100,10 @@ def glu_q8_out_config(struct: str, n: int, cols: int, b: int, several: bool = Fa
     but for one token and rows of at least 128 units (the 8B's 4,096 columns), two of each per two
     warps: a small gain for the 8B; SmolLM2 and Gemma-3, one round a row, were slower with it.
     several (as mmv_config's): two of each with the one-row groups' WG, on rows under 128 units."""
-    if cols // UNIT_ELEMS[struct] >= 128:
-        if b == 1:
-            return 4, 2
-        several = False
-    return 4 if several else 2, min(glu_config(struct, n, cols, b)[1], 2)
+    long_rows = cols // UNIT_ELEMS[struct] >= 128
+    if long_rows and b == 1:
+        return 4, 2
+    return 4 if several and not long_rows else 2, min(glu_config(struct, n, cols, b)[1], 2)
 
 
 def kstage_bytes(structs: str | Sequence[str], cols: int, rows: int = Q8_OUT_ROWS) -> int:

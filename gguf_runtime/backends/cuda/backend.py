@@ -384,8 +384,8 @@ class CudaBackend(PrefillMixin):
         b.seq, b.mma, b.decode, b.verify, b.deep = seq, rows > b.decode_mmv_rows, True, verify, deep
         b.mmv_rows = b.decode_mmv_rows
         knobs = b.k.knobs
-        if verify and b.tune.mmv_wide_rows == "verify":  # (the knobs' "all" holds it for every step)
-            b.k.knobs = knobs._replace(mmv_wide_rows=True)
+        if verify:
+            b.k.knobs = b.tune.knobs(verify=True)
         try:
             forward(b, self.cfg, tokens, pos, all_logits=True)
         finally:

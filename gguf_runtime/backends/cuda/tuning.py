@@ -133,8 +133,8 @@ class Tuning:
     kv_type: str = "f32"  # f16 up to 128-dim heads (half the bytes; flash_decode reads it); 256-dim: f32 (faster);
     # q8_0 / q4_0 only where the user asks (-ctk / -ctv): the flash kernels read them
 
-    def knobs(self) -> KernelKnobs:
-        """The kernel launchers' share of the table."""
+    def knobs(self, verify: bool = False) -> KernelKnobs:
+        """The kernel launchers' share of the table (``verify``: for a speculative verification's kernels)."""
         return KernelKnobs(mma_reg_a=self.mma_reg_a, mma_split_min_steps=self.mma_split_min_steps,
                            mma_split_blocks=self.mma_split_blocks, mma_max_split=self.mma_max_split,
                            mma_stages=self.mma_stages, mma_wgmma=self.mma_wgmma, glu_split=self.glu_split,
@@ -147,7 +147,7 @@ class Tuning:
                            sm_count=self.sm_count if self.decode_work_split else 0, mma_shape=self.mma_shape,
                            mmv_token_grid=self.mmv_token_grid, gpu_sms=self.sm_count,
                            grid_waves=self.mmv_grid_waves, grid_groups=self.mmv_grid_groups,
-                           grid_tokens=self.mmv_grid_tokens, mmv_wide_rows=self.mmv_wide_rows == "all")
+                           grid_tokens=self.mmv_grid_tokens, mmv_wide_rows=self.mmv_wide_rows == "all" or (verify and self.mmv_wide_rows == "verify"))
 
     def mmv_override(self, role: str, type_name: str | None = None) -> tuple[int, int] | None:
         """(R, WG) for a role's matvec (and one weight type: "DOWN_Q6_K"), where measuring sets one."""
