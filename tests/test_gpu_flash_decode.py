@@ -235,8 +235,9 @@ def test_flash_decode_own_row(k, kv, d, hq, hkv, n_split, rng):
     """own: each row's own key and value are not in the cache yet (their bytes there are poison) but
     in its QKV row (float32); the kernel quantizes them into the cache. The cache's bytes then
     equal the reference quantizer's (kv_layout.pack), and the outputs equal an early launch reading
-    the cache that held them already, bit for bit; a padding row writes nothing."""
-    depths = [0, 5, 15, 16, 33, 300, 1000]
+    the cache that held them already, bit for bit; a padding row writes nothing, nor does a row
+    whose own page is missing (it reads zeros there, as the early launch's load does)."""
+    depths = [0, 5, 15, 16, 33, 300, 1000, 40]
     rows = len(depths) + 1
     pos = np.array(depths + [7], np.int32)
     seq = np.array(list(range(len(depths))) + [-1], np.int32)
@@ -248,6 +249,7 @@ def test_flash_decode_own_row(k, kv, d, hq, hkv, n_split, rng):
     for s, n in enumerate(need):
         table[s, :n] = order[at:at + n]
         at += n
+    table[len(depths) - 1, need[-1] - 1] = -1  # the last row's own page is missing
     kf = rng.standard_normal((n_pages, hkv, PAGE, d)).astype(np.float32)
     vf = rng.standard_normal((n_pages, hkv, PAGE, d)).astype(np.float32)
     kc, vc = KL.pack(kf, kv), KL.pack(vf, kv)  # the caches holding every row, own ones too
@@ -257,6 +259,8 @@ def test_flash_decode_own_row(k, kv, d, hq, hkv, n_split, rng):
     kp, vp = kc.copy(), vc.copy()  # ... and with the own rows' bytes poisoned
     for s, p in enumerate(depths):
         page, slot = table[s, p // PAGE], p % PAGE
+        if page < 0:
+            continue
         qkv[s, hq * d:(hq + hkv) * d] = kf[page, :, slot].reshape(-1)
         qkv[s, (hq + hkv) * d:] = vf[page, :, slot].reshape(-1)
         for c in (kp, vp):
@@ -281,3 +285,4 @@ def test_flash_decode_own_row(k, kv, d, hq, hkv, n_split, rng):
     got = launch(kd, vd, True)
     assert np.isfinite(ref).all() and (got == ref).all()
     assert (kd.get() == kc).all() and (vd.get() == vc).all(), "the own rows' bytes as the reference quantizer's"
+

@@ -279,11 +279,12 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
         pdl_enter();
         if (own >= 0) {  // the own key's row into its prologue tile: a group of its own
             const int j = p - (start + (warp + NW * own) * KT);
-            const long blk = kv_block<KV, D>(tab[kv_page(p, page_size)], hk, n_head_kv, page_size);
+            const int pg = kv_page(p, page_size), page = pg < max_pages ? tab[pg] : -1;  // none: zeros, as dec_load
+            const long blk = kv_block<KV, D>(max(page, 0), hk, n_head_kv, page_size);
             for (int c = lane; c < KvRow<KV, D>::PIECES; c += 32) {
-                kv_stage_piece<KV, D, KT, F::LDRB>(j, c, kcache, blk, kv_slot(p, page_size), page_size, true,
+                kv_stage_piece<KV, D, KT, F::LDRB>(j, c, kcache, blk, kv_slot(p, page_size), page_size, page >= 0,
                                                    Kst + own * F::STAGE);
-                kv_stage_piece<KV, D, KT, F::LDRB>(j, c, vcache, blk, kv_slot(p, page_size), page_size, true,
+                kv_stage_piece<KV, D, KT, F::LDRB>(j, c, vcache, blk, kv_slot(p, page_size), page_size, page >= 0,
                                                    Vst + own * F::STAGE);
             }
         }
@@ -339,11 +340,20 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
         fa_commit();
         if constexpr (QUANT) {
             if (fuse && i == own_i) {  // the row's own key and value: quantized here (dec_load left the row)
-                const int page = tab[kv_page(p, page_size)], slot = kv_slot(p, page_size), j = p - k0;
+                const int pg = kv_page(p, page_size), slot = kv_slot(p, page_size), j = p - k0;
+                const int page = pg < max_pages ? tab[pg] : -1;
                 const float* kx = own_kv + (long)t * ld_own + (n_head_kv * G + hk) * D;
-                kv_own_row<KV, D, KT, F::LDRB>(kx, kx + n_head_kv * D, lane, Kst + st * F::STAGE,
-                                               Vst + st * F::STAGE, j, const_cast<KV*>(kcache),
-                                               const_cast<KV*>(vcache), page, hk, n_head_kv, page_size, slot);
+                if (page >= 0) {
+                    kv_own_row<KV, D, KT, F::LDRB>(kx, kx + n_head_kv * D, lane, Kst + st * F::STAGE,
+                                                   Vst + st * F::STAGE, j, const_cast<KV*>(kcache),
+                                                   const_cast<KV*>(vcache), page, hk, n_head_kv, page_size, slot);
+                } else {  // no page for it: nothing into the cache (as rope_kv), zeros into the row (as a load)
+                    using R = KvRow<KV, D>;
+                    for (int c = lane; c < R::VB + R::SB; c += 32) {
+                        const int at = c < R::VB ? j * F::LDRB + c : KT * F::LDRB + j * R::SB + c - R::VB;
+                        Kst[st * F::STAGE + at] = Vst[st * F::STAGE + at] = 0;
+                    }
+                }
                 __syncwarp();
             }
         }
