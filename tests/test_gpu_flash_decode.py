@@ -286,3 +286,64 @@ def test_flash_decode_own_row(k, kv, d, hq, hkv, n_split, rng):
     assert np.isfinite(ref).all() and (got == ref).all()
     assert (kd.get() == kc).all() and (vd.get() == vc).all(), "the own rows' bytes as the reference quantizer's"
 
+
+@pytest.mark.parametrize("d,hq,hkv,n_rot", [(64, 9, 3, 64), (128, 32, 8, 128), (128, 32, 4, 64), (256, 8, 2, 256)])
+@pytest.mark.parametrize("neox,norms", [(False, False), (True, True), (False, True)])
+@pytest.mark.parametrize("n_split,sms", [(1, 0), (4, 0), (32, 0), (32, 132)])
+def test_flash_decode_rope(d, hq, hkv, n_rot, neox, norms, n_split, sms, rng):
+    """rope (f16 caches): q, k and v are raw QKV rows and flash_decode does rope_kv's work (QK norms,
+    RoPE of the first n_rot dimensions in pairs or NEOX halves, the keys and values into the cache,
+    whose own rows are poison before). Against rope_kv then an early launch: the same cache bytes and
+    the same outputs, bit for bit; a padding row writes nothing, and a row whose own page is missing
+    is left as rope_kv leaves it (q unrotated, nothing written) and reads zeros there, as the load does."""
+    import dataclasses
+
+    depths = [0, 5, 15, 16, 33, 300, 1000, 40]
+    rows = len(depths) + 1
+    pos = np.array(depths + [7], np.int32)
+    seq = np.array(list(range(len(depths))) + [-1], np.int32)
+    need = [p // PAGE + 1 for p in depths]
+    max_pages, n_pages = max(need), sum(need) + 3
+    order = rng.permutation(n_pages).astype(np.int32)
+    table = np.full((rows, max_pages), -1, np.int32)
+    at = 0
+    for s, n in enumerate(need):
+        table[s, :n] = order[at:at + n]
+        at += n
+    table[len(depths) - 1, need[-1] - 1] = -1  # the last row's own page is missing
+    kc = rng.standard_normal((n_pages, hkv, PAGE, d)).astype(np.float16)
+    vc = rng.standard_normal((n_pages, hkv, PAGE, d)).astype(np.float16)
+    for s, p in enumerate(depths):  # the own rows: poison until written
+        if table[s, p // PAGE] >= 0:
+            kc[table[s, p // PAGE], :, p % PAGE] = vc[table[s, p // PAGE], :, p % PAGE] = np.float16(np.nan)
+    ld = (hq + 2 * hkv) * d
+    qkv = (rng.standard_normal((rows, ld)) * 3).astype(np.float32)
+    inv_freq = cp.asarray(10000.0 ** (-np.arange(0, n_rot, 2) / n_rot))
+    qnw = cp.asarray(rng.uniform(0.5, 1.5, d).astype(np.float32)) if norms else None
+    knw = cp.asarray(rng.uniform(0.5, 1.5, d).astype(np.float32)) if norms else None
+    kw = L.Kernels(dataclasses.replace(Tuning(), sm_count=sms).knobs())
+
+    def launch(fold):
+        qd, kd, vd, posd, seqd, tabd = (cp.asarray(a) for a in (qkv, kc, vc, pos, seq, table))
+        rope = L.RopeKV(qd.data.ptr, ld, hq, hkv, d, d, n_rot, neox, qnw.data.ptr if norms else None,
+                        knw.data.ptr if norms else None, 1e-6, inv_freq.data.ptr, posd.data.ptr, seqd.data.ptr,
+                        tabd.data.ptr, max_pages, PAGE, kd.data.ptr, vd.data.ptr, "f16")
+        if not fold:
+            rope.launch(kw, 0, rows)
+        out = cp.full((rows, hq * d), POISON, cp.float32)
+        part_o = cp.full(rows * hq * n_split * d, POISON, cp.float32)
+        part_ml = cp.full(rows * hq * n_split * 2, POISON, cp.float32)
+        counter = cp.zeros(rows * hkv, cp.uint32)
+        LA.flash_decode(kw, qd.data.ptr, ld, rows, kd.data.ptr, vd.data.ptr, posd.data.ptr, seqd.data.ptr,
+                        tabd.data.ptr, max_pages, PAGE, hq, hkv, d, 1 / math.sqrt(d), 0.0, 0, n_split,
+                        part_o.data.ptr, part_ml.data.ptr, counter.data.ptr, out.data.ptr, hq * d, early=True,
+                        kv="f16", rope=rope if fold else None)
+        cp.cuda.Device().synchronize()
+        return out.get(), kd.get(), vd.get()
+
+    ref, got = launch(False), launch(True)
+    assert np.isfinite(ref[0]).all() and not ref[0][-1].any()
+    assert (got[0] == ref[0]).all(), np.abs(got[0] - ref[0]).max()
+    for a, b in zip(got[1:], ref[1:]):  # the caches' bytes (the poison of never-written rows included)
+        assert (a.view(np.uint16) == b.view(np.uint16)).all()
+    assert not np.isnan(ref[1][table[0, 0], :, 0]).any(), "rope_kv wrote the own rows"

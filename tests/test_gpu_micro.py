@@ -166,6 +166,48 @@ def test_int8_rest_path_every_row(micro, monkeypatch, rng):
         assert_all_rows(got, run(f32, ids, more), what=f"micro {name} int8 + rests vs f32", **REST)
 
 
+@pytest.mark.parametrize("rows", [4, 16])
+def test_rope_in_flash_decode_same_bits(micro, rows, monkeypatch, rng):
+    """decode_rope (f16 caches): flash_decode does rope_kv's work where the QKV matvec's epilogue
+    cannot (QK norms, NEOX pairs) and on the tensor-core path (16 rows): the same logits and the
+    same cache bytes as with rope_kv's launch, over eager batch steps of uneven sequences."""
+    from gguf_runtime.format.model_config import ROPE_NEOX
+    from gguf_runtime.quant_kernels import launch_attention as LA
+    from gguf_runtime.sampling import SamplingParams
+
+    name, f, cfg = micro
+    ps = [rng.integers(0, cfg.n_vocab, n).tolist() for n in (1, 3, 9, 17, 40, 5, 2, 33, 12, 7, 25, 4, 6, 8, 19, 11)]
+    folded, real = [], LA.flash_decode
+
+    def spy(*a, **kw):
+        folded.append(kw.get("rope") is not None)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(LA, "flash_decode", spy)
+    outs, caches = [], []
+    for on in ("1", "0"):
+        monkeypatch.setenv("GGUF_RUN_TUNE", f"decode_rope={on};kv_type=f16")
+        be = CudaBackend(f, cfg, N_CTX, max_batch=rows, use_graph=False)
+        for s, p in enumerate(ps[:rows - 1]):
+            be.seq_add(s, p, SamplingParams(temperature=0.0), 8)
+        be.stream.synchronize()
+        folded.clear()
+        steps = []
+        with be.stream:
+            for _ in range(3):
+                be._step(rows, (False, True))
+                steps.append(be.ws.logits[:rows - 1].get())
+        # (up to 8 rows the matvec epilogue rotates pairs (2i, 2i+1) without QK norms itself)
+        matvec_rope = rows <= be.blocks.decode_mmv_rows and not cfg.qk_norm and cfg.rope.style != ROPE_NEOX
+        assert any(folded) == (on == "1" and not matvec_rope), (name, folded)
+        outs.append(np.stack(steps))
+        caches.append((be.kv.k.get(), be.kv.v.get()))
+        del be
+    assert np.isfinite(outs[0]).all()
+    assert all((a == b).all() for a, b in zip(*caches)), name
+    assert (outs[0] == outs[1]).all(), (name, np.abs(outs[0] - outs[1]).max())
+
+
 def test_f16_prefill_most_rows(micro, rng):
     """Every row within F16 of the path model; a mixture of experts' prompt runs its experts in tiles
     on int8 inputs (moe.cu), so there a SHARE of the rows within F16 and every row within the int8

@@ -24,12 +24,17 @@
 // key (written by the kernel before) is requested after it; or (own_kv, quantized caches) the
 // QKV product left the row's key (rotated) and value in own_kv's row, and the warp whose tile holds
 // the row's position quantizes them into that tile and the cache (kv_own_row: rope_kv's launch
-// saved; the epilogue writes f16 and float caches itself). The cache is any of kv_cache.cuh's
-// types: f16 stages are the tiles; float and q4_0 stages convert into the warp's f16 tiles once
-// they land; q8_0 stages are converted in registers straight into the mma fragments (Dec::REG:
-// K's B fragments with Q's dimensions permuted to match, and O accumulated transposed, so that
-// V's bytes are A fragments and P's C fragments B fragments), which spares the tiles' shared
-// memory and half the registers (two blocks an SM; bench/RESULTS.md row 150).
+// saved; the epilogue writes f16 and float caches itself); or (n_rot > 0, f16 caches) q points at
+// raw QKV rows and the kernel does rope_kv's work (layers.cu) for its heads: every block rotates
+// (and QK-normalizes) its G query heads, the block holding the row's own key rotates it and writes
+// it and the value into the cache, and its warp puts them into the tile (dec_rope_head: rope_kv's
+// sums and arithmetic, so the cache and the outputs are the bits of rope_kv then this kernel).
+// The cache is any of kv_cache.cuh's types: f16 stages are the tiles; float and q4_0 stages
+// convert into the warp's f16 tiles once they land; q8_0 stages are converted in registers
+// straight into the mma fragments (Dec::REG: K's B fragments with Q's dimensions permuted to
+// match, and O accumulated transposed, so that V's bytes are A fragments and P's C fragments B
+// fragments), which spares the tiles' shared memory and half the registers (two blocks an SM;
+// bench/RESULTS.md row 150).
 #include "kv_cache.cuh"
 
 template <int D, int G, int NW, int KT, int ST, class KV> struct Dec {
@@ -164,6 +169,49 @@ DEV void dec_load_bulk(int k0, int end, int skip, const int* tab, int max_pages,
 DEV u32 q8_h2s(u32 w, u32 sel, u32 d2) { return hmul2(hsub2(prmt(w, H_MAGIC, sel), 0x64806480u), d2); }
 DEV u32 q8_h2(u32 w, u32 sel, u32 h) { return q8_h2s(w, sel, h | (h << 16)); }
 
+// rope_kv's work (layers.cu) on one D-dim head src (global, float) into dst (shared), by one warp
+// (lane: dimensions lane + 32 r): the RMS norm by nw (if any) with rope_kv's sums (block_sum over
+// D threads: the warp sums of its D / 32 warps, then one warp's sum of those) and RoPE of the
+// dimensions below n_rot at the angles cs (cos, sin a pair) with its arithmetic, so the bits are
+// rope_kv's.
+template <int D>
+DEV void dec_rope_head(const float* src, float* dst, const float* nw, float eps, const float* cs, int n_rot,
+                       int neox, int lane) {
+    constexpr int NR = D / 32;
+    float v[NR];
+#pragma unroll
+    for (int r = 0; r < NR; ++r) v[r] = src[lane + 32 * r];
+    if (nw) {
+        float w = 0.f;  // lane r: warp r's sum (the second stage's operand), others 0
+#pragma unroll
+        for (int r = 0; r < NR; ++r) {
+            const float s = warp_sum(v[r] * v[r]);
+            if (lane == r) w = s;
+        }
+        const float ss = warp_sum(w);
+#pragma unroll
+        for (int r = 0; r < NR; ++r) v[r] = v[r] * rsqrtf(ss / (float)D + eps) * nw[lane + 32 * r];
+    }
+#pragma unroll
+    for (int r = 0; r < NR; ++r) dst[lane + 32 * r] = v[r];
+    __syncwarp();
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+        const int i = lane + 32 * r;
+        if (i < n_rot) {
+            int j, partner;
+            bool first;
+            if (neox) { const int half = n_rot / 2; first = i < half; j = first ? i : i - half; partner = first ? i + half : i - half; }
+            else { j = i >> 1; first = (i & 1) == 0; partner = i ^ 1; }
+            const float cf = cs[2 * j], sf = cs[2 * j + 1], o = dst[partner];
+            v[r] = first ? v[r] * cf - o * sf : o * sf + v[r] * cf;
+        }
+    }
+    __syncwarp();  // every lane has read dst
+#pragma unroll
+    for (int r = 0; r < NR; ++r) dst[lane + 32 * r] = v[r];
+}
+
 // The splits of a row at position p (the keys of its window): with kps (the step's keys a split,
 // batches) n / kps of them, else enough of min_keys; at most n_split; whole KT-key tiles each, and
 // counted again from the tiles a split then takes, so that none is empty.
@@ -182,7 +230,9 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
         int page_size, int n_head_kv, float scale, float cap, int window, int n_split, int min_keys, int target,
         int early, float* __restrict__ part_o, float* __restrict__ part_ml, unsigned* __restrict__ counter,
         float* __restrict__ out, int ldo, u16* __restrict__ out16, int ld16, u8* oq, int ldoq, float4* os,
-        int ldos, int ores, const float* __restrict__ sinks, const float* __restrict__ own_kv, int ld_own, int rows) {
+        int ldos, int ores, const float* __restrict__ sinks, const float* __restrict__ own_kv, int ld_own, int rows,
+        const double* __restrict__ inv_freq, int n_rot, int neox, const float* __restrict__ qnw,
+        const float* __restrict__ knw, float eps) {
     using F = Dec<D, G, NW, KT, ST, KV>;
     constexpr int KS = D / 16, NS = KT / 8, LDH = F::LDH;
     constexpr float LOG2E = 1.4426950408889634f;
@@ -250,6 +300,18 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
     const int skip = early ? p : -1;
     constexpr bool QUANT = KvRow<KV, D>::SB > 0;
     const bool fuse = QUANT && early && own_kv != nullptr;  // this kernel writes the row's own key
+    // rope_kv's work here (n_rot > 0 with early; f16 caches, the launcher's check): q, k and v are
+    // raw QKV rows. Its scratch is warp 0's last stage, which no load fills before the loop's first
+    // step: K's for the rotated query heads [G][D]; V's for the angles (n_rot / 2 pairs) and the
+    // rotated key [D]. A row without a page for its own key is left as rope_kv leaves it (q as it
+    // is, nothing written: the early path then reads zeros for the key)
+    const int own_pg = kv_page(p, page_size), own_page = pad || own_pg >= max_pages ? -1 : tab[own_pg];
+    const bool rot = early && n_rot > 0 && own_page >= 0;
+    if (rot && (F::RAW || BK)) __trap();
+    static_assert(F::RAW || (F::STAGE >= 4 * G * D && F::STAGE >= 8 * D), "rope scratch in a stage");
+    float* rq = reinterpret_cast<float*>(reinterpret_cast<char*>(fd_smem) + (ST - 1) * F::STAGE);
+    float* rcs = reinterpret_cast<float*>(reinterpret_cast<char*>(fd_smem) + (2 * ST - 1) * F::STAGE);
+    float* rk = rcs + D;
     static_assert(!BK || (!F::RAW && !QUANT), "bulk rows: f16 caches");
     __shared__ __align__(8) u64 fd_bar[BK ? NW * ST : 1];  // BK: a barrier a stage of each warp's ring
     u64* bars = fd_bar + (BK ? warp * ST : 0);
@@ -262,7 +324,7 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
     // requests the key's row from the cache
     const int ot = (p - start) / KT;
     const int own_i = early && end == p + 1 && ot % NW == warp ? ot / NW : -1;
-    const int own = !fuse && own_i < ST - 1 ? own_i : -1;
+    const int own = !fuse && !rot && own_i < ST - 1 ? own_i : -1;
 #pragma unroll
     for (int i = 0; i < ST - 1; ++i) {  // one commit group per tile (empty past the last)
         if (i < mine) {
@@ -275,6 +337,13 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
         }
         fa_commit();
     }
+    if (rot)  // the angles of position p (pos and inv_freq come from earlier steps: before pdl_enter)
+        for (int j = threadIdx.x; j < n_rot / 2; j += 32 * NW) {
+            double sn, cn;
+            sincos((double)p * inv_freq[j], &sn, &cn);
+            rcs[2 * j] = (float)cn;
+            rcs[2 * j + 1] = (float)sn;
+        }
     if (early) {
         pdl_enter();
         if (own >= 0) {  // the own key's row into its prologue tile: a group of its own
@@ -290,13 +359,38 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
         }
         fa_commit();
     }
+    float kown[D / 32];  // rot, the own key's warp: its dimensions lane + 32 r, rotated
+    if (rot) {
+        __syncthreads();  // the angles
+        const float* raw = q + (long)t * ldq;
+        // warp w: heads w, w + NW, ... of the G query heads and (g = G) the key where this block
+        // holds the row's own one
+        for (int g = warp; g < G + (end == p + 1); g += NW)
+            dec_rope_head<D>(raw + (g < G ? hk * G + g : n_head_kv * G + hk) * D, g < G ? rq + g * D : rk,
+                             g < G ? qnw : knw, eps, rcs, n_rot, neox, lane);
+        __syncthreads();
+        if (end == p + 1) {  // k and v into the cache, as rope_kv stores them
+            const long at = (((long)own_page * n_head_kv + hk) * page_size + kv_slot(p, page_size)) * D;
+            u16* kc = reinterpret_cast<u16*>(const_cast<KV*>(kcache)) + at;
+            u16* vc = reinterpret_cast<u16*>(const_cast<KV*>(vcache)) + at;
+            const float* vx = raw + (n_head_kv * (G + 1) + hk) * D;
+            for (int i = threadIdx.x; i < D; i += 32 * NW) {
+                kc[i] = f2h(rk[i]);
+                vc[i] = f2h(vx[i]);
+            }
+            if (own_i >= 0)
+#pragma unroll
+                for (int r = 0; r < D / 32; ++r) kown[r] = rk[lane + 32 * r];
+        }
+    }
     // Q's A fragments: row grp is head grp (< G), rows grp + 8 are zero (a[1], a[3]). Columns 2 tig
     // (+ 1) and 2 tig + 8 (+ 1) of k step ks are dimensions 16 ks + 2 tig (+ 1) and + 8 (+ 1); REG:
     // 16 ks + 4 tig + 0 to 3, the four bytes of one 32-bit word of a q8_0 key row (S's sum over the
     // dimensions does not care for their order)
     u32 qa[KS][2];
     {
-        const float* qh = q + (long)t * ldq + (hk * G + min(grp, G - 1)) * D + (F::REG ? 4 : 2) * tig;
+        const float* qh = (rot ? rq + min(grp, G - 1) * D : q + (long)t * ldq + (hk * G + min(grp, G - 1)) * D) +
+                          (F::REG ? 4 : 2) * tig;
 #pragma unroll
         for (int ks = 0; ks < KS; ++ks) {
             const int c2 = F::REG ? 2 : 8;
@@ -306,6 +400,7 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
             qa[ks][1] = pack_h2(x2.x * scale, x2.y * scale);
         }
     }
+    if (rot) __syncthreads();  // every warp has read rq: warp 0's last stage is the loop's again
     // TR: O^T's accumulators (rows the dimensions, D / 16 tiles; columns the heads 2 tig, 2 tig + 1:
     // every register holds a head's value, where O's rows 8-15 are zero heads): P's C fragments are
     // the B fragments of P^T as they stand, V^T's A fragments come by ldmatrix.trans or (REG) from
@@ -329,12 +424,12 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
         if (i + ST - 1 < mine) {
             const int sn = (i + ST - 1) % ST;
             if constexpr (BK)
-                dec_load_bulk<F, D, KV>(start + (warp + NW * (i + ST - 1)) * KT, end, fuse ? p : -1, tab, max_pages,
-                                        page_size, n_head_kv, hk, lane, kcache, vcache, Kst + sn * F::STAGE,
-                                        Vst + sn * F::STAGE, bars + sn);
+                dec_load_bulk<F, D, KV>(start + (warp + NW * (i + ST - 1)) * KT, end, fuse || rot ? p : -1, tab,
+                                        max_pages, page_size, n_head_kv, hk, lane, kcache, vcache,
+                                        Kst + sn * F::STAGE, Vst + sn * F::STAGE, bars + sn);
             else
-                dec_load<F, D, KV>(start + (warp + NW * (i + ST - 1)) * KT, end, fuse ? p : -1, tab, max_pages,
-                                   page_size, n_head_kv, hk, lane, kcache, vcache, Kst + sn * F::STAGE,
+                dec_load<F, D, KV>(start + (warp + NW * (i + ST - 1)) * KT, end, fuse || rot ? p : -1, tab,
+                                   max_pages, page_size, n_head_kv, hk, lane, kcache, vcache, Kst + sn * F::STAGE,
                                    Vst + sn * F::STAGE);
         }
         fa_commit();
@@ -353,6 +448,20 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
                         const int at = c < R::VB ? j * F::LDRB + c : KT * F::LDRB + j * R::SB + c - R::VB;
                         Kst[st * F::STAGE + at] = Vst[st * F::STAGE + at] = 0;
                     }
+                }
+                __syncwarp();
+            }
+        }
+        if constexpr (!F::RAW && !BK) {
+            if (rot && i == own_i) {  // the row's own key and value (rotated above; dec_load left the row)
+                const int j = p - k0;
+                u16* kr = reinterpret_cast<u16*>(Kst + st * F::STAGE + j * F::LDRB);
+                u16* vr = reinterpret_cast<u16*>(Vst + st * F::STAGE + j * F::LDRB);
+                const float* vx = q + (long)t * ldq + (n_head_kv * (G + 1) + hk) * D;
+#pragma unroll
+                for (int r = 0; r < D / 32; ++r) {
+                    kr[lane + 32 * r] = f2h(kown[r]);
+                    vr[lane + 32 * r] = f2h(vx[lane + 32 * r]);
                 }
                 __syncwarp();
             }
@@ -558,12 +667,13 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
 #define INST1(D, G, NW, KT, ST, KV) template __global__ void flash_decode<D, G, NW, KT, ST, KV>(const float*, int, \
     const KV*, const KV*, const int*, const int*, const int*, int, int, int, float, float, int, int, int, int, \
     int, float*, float*, unsigned*, float*, int, u16*, int, u8*, int, float4*, int, int, const float*, \
-    const float*, int, int);
+    const float*, int, int, const double*, int, int, const float*, const float*, float);
 #define INST(D, G, NW, KT, ST) INST1(D, G, NW, KT, ST, float) INST1(D, G, NW, KT, ST, u16) \
     INST1(D, G, NW, KT, ST, kvq8) INST1(D, G, NW, KT, ST, kvq4)
 INST(64, 1, 4, 16, 3) INST(64, 3, 4, 16, 3) INST(128, 4, 4, 16, 3) INST(128, 4, 4, 16, 4) INST(128, 4, 4, 32, 3)
 INST(128, 8, 4, 16, 3) INST(256, 4, 4, 16, 3) INST(256, 8, 4, 16, 3) INST(128, 4, 2, 16, 4) INST(128, 4, 8, 16, 2)
 template __global__ void flash_decode<128, 4, 8, 16, 2, u16, 1>(const float*, int, const u16*, const u16*, const int*,
     const int*, const int*, int, int, int, float, float, int, int, int, int, int, float*, float*, unsigned*, float*,
-    int, u16*, int, u8*, int, float4*, int, int, const float*, const float*, int, int);
+    int, u16*, int, u8*, int, float4*, int, int, const float*, const float*, int, int, const double*, int, int,
+    const float*, const float*, float);
 #endif

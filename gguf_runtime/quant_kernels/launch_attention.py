@@ -12,12 +12,15 @@ also q8_0 and q4_0 (kv_layout.py); each type compiled apart (``kv``: the cache's
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from . import kv_layout as KL
 from .grids import dec_grid_y
 from .knobs import ATTN_MAX_SPLITS
 from .launch_core import NO_PTRS, Kernels, Q8Vec, f32, i32, ptr
+
+if TYPE_CHECKING:
+    from .launchers import RopeKV
 
 ATTN_WARPS = (4, 8, 16)  # the compiled block sizes
 
@@ -212,6 +215,9 @@ def decode_config(head_dim: int, kv: str, knobs: tuple[int, int, int] | None = N
     return nw, kt, st
 
 
+NO_ROPE = (ptr(0), i32(0), i32(0), ptr(0), ptr(0), f32(0.0))  # flash_decode without rope_kv's work
+
+
 def decode_min_keys(head_dim: int, config: tuple[int, int, int], kv: str) -> int:
     """The fewest keys a flash_decode split takes: one tile a warp, two for f16 heads up to 64 wide
     (SmolLM2 at depth 4096 +1%, level at short contexts and B=64: bench/RESULTS.md row 162)."""
@@ -238,7 +244,8 @@ def flash_decode(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache: i
                  cap: float, window: int, n_split: int, part_o: int, part_ml: int, counter: int, out: int, ldo: int,
                  out16: int | None = None, ld16: int = 0, q8: Q8Vec | None = None, early: bool = False,
                  kv: str = "f32", config: tuple[int, int, int] | None = None, sinks: int = 0,
-                 own: tuple[int, int] | None = None, per_row: bool = False, bulk: bool | None = None) -> None:
+                 own: tuple[int, int] | None = None, per_row: bool = False, bulk: bool | None = None,
+                 rope: RopeKV | None = None) -> None:
     """attention()'s contract (rows: each one token of its own sequence, or of one sequence without
     ``early``) on the tensor cores: f16 operands (q scaled, K, V, P), f32 accumulation. A split
     covers at least one tile per warp: short contexts run one block per KV head, no merge of splits.
@@ -247,13 +254,18 @@ def flash_decode(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache: i
     sinks: as flash_prefill's. own = (qkv, ld), q8_0 / q4_0 caches with ``early``: each row's own
     key and value are not in the cache yet but in qkv's row (Q, K rotated, V; float32): the kernel
     quantizes them into the cache (rope_kv's work for the row, without its launch). bulk (None: the
-    knobs' decode_bulk): an f16 cache's tiles by cp.async.bulk, a row a request (the same bits)."""
+    knobs' decode_bulk): an f16 cache's tiles by cp.async.bulk, a row a request (the same bits).
+    rope (early, f16 caches): q points at raw QKV rows (Q, K, V unrotated) and the kernel does
+    ``rope.launch``'s work itself (QK norms, RoPE, the rows' keys and values into the cache): the
+    bits of rope_kv then this kernel, without rope_kv's launch."""
     g = n_head // n_head_kv
     assert flash_ok(head_dim, head_dim, g) and (q8 is None or head_dim % 16 == 0)
     assert 1 <= n_split <= ATTN_MAX_SPLITS and page_size & (page_size - 1) == 0, (n_split, page_size)
     assert own is None or (early and kv in KL.QUANT), (own, early, kv)
     config = config or decode_config(head_dim, kv, k.knobs.decode)
     bulk = (k.knobs.decode_bulk if bulk is None else bulk) and kv == "f16"
+    assert rope is None or (early and kv == "f16" and not bulk and rope.head_dim == rope.head_dim_v == head_dim
+                            and rope.n_rot % 2 == 0), (early, kv, bulk, rope)
     fn = k.fn("flash_decode.cu", decode_kernel_name(head_dim, g, config, kv, bulk))
     smem = decode_smem(head_dim, config, kv)
     fn.allow_smem(smem)
@@ -269,5 +281,6 @@ def flash_decode(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache: i
         i32(k.knobs.decode_min_keys or decode_min_keys(head_dim, config, kv)), i32(target), i32(1 if early else 0),
         ptr(part_o),
         ptr(part_ml), ptr(counter), ptr(out), i32(ldo), ptr(out16), i32(ld16), *(q8.ptrs() if q8 else NO_PTRS),
-        ptr(sinks), ptr(own[0] if own else 0), i32(own[1] if own else 0), i32(rows)),
+        ptr(sinks), ptr(own[0] if own else 0), i32(own[1] if own else 0), i32(rows),
+        *(rope.attn_args() if rope else NO_ROPE)),
        shared_mem=smem)

@@ -240,6 +240,10 @@ class RopeKV:
                 self.pos + 4 * row, self.seq + 4 * row, self.table, self.max_pages, self.page_size, self.kcache,
                 self.vcache, self.kv)
 
+    def attn_args(self) -> tuple:
+        """flash_decode's arguments for doing this work itself (launch_attention.flash_decode)."""
+        return (ptr(self.inv_freq), i32(self.n_rot), i32(self.neox), ptr(self.qnw), ptr(self.knw), f32(self.eps))
+
     def fused_args(self, row: int) -> tuple:
         return (ptr(self.pos + 4 * row), ptr(self.seq + 4 * row), ptr(self.table), i32(self.max_pages),
                 i32(self.page_size), ptr(self.inv_freq), i32(self.n_rot), i32(self.head_dim), i32(self.n_head_kv),

@@ -212,6 +212,16 @@ class CudaBlocks:
         return (self.flash_only and self.decode and not self.verify and self.tune.attn_early and self.tune.own_row
                 and self._small(t))
 
+    def _rope_in_attention(self, t: int, rope: L.RopeKV) -> bool:
+        """Whether a call of t rows leaves rope_kv's work to flash_decode (f16 caches, decode rows
+        that load early; the tuning table's decode_rope): where the QKV matvec's epilogue cannot do
+        it (QK norms, NEOX pairs) and on the tensor-core path, whose products have no such epilogue."""
+        cfg = self.cfg
+        return (self.tune.decode_rope and self.decode and not self.verify and self.tune.attn_early
+                and self.kv.kv_type == "f16" and not self.k.knobs.decode_bulk and not self.tiles(t)
+                and self.decode_flash(t) and rope.head_dim == rope.head_dim_v == cfg.head_dim
+                and rope.n_rot % 2 == 0 and not (self._small(t) and rope.fusable))
+
     def _big_mma(self, t: int) -> bool:
         return self.mma and not self._small(t)
 
@@ -270,11 +280,14 @@ class CudaBlocks:
                         positions.data.ptr, self.seq.data.ptr, self.kv.table.data.ptr, self.kv.max_pages,
                         self.kv.page_size, kc, vc, self.kv.kv_type,
                         own=self._own_ok(t))
+        in_attention = self._rope_in_attention(t, rope)
+        if in_attention:
+            self._rope = rope  # attend's flash_decode applies it
         if self._small(t):  # RoPE + KV write in the matvec's epilogue where it can (else a rope_kv launch)
             fused = L.mmv(self.k, [self.w.mat(n) for n in names], [(qkv.data.ptr + 4 * c, ld) for c in cols],
                           [self.w.vec(b).data.ptr if b else None for b in biases], h.data.ptr, h.strides[0] // 4,
-                          t, 0, norm=norm, rope=rope, q8=q8, config=self.tune.mmv_override("QKV"),
-                          kstage="qkv" in self.tune.kstage)
+                          t, 0, norm=norm, rope=None if in_attention else rope, q8=q8,
+                          config=self.tune.mmv_override("QKV"), kstage="qkv" in self.tune.kstage)
             self._own = rope.own and fused  # attend's flash_decode writes the rows' keys and values
             return qkv
         if self.mma:
@@ -289,7 +302,7 @@ class CudaBlocks:
         if (self.tiles(t) and self.tune.attn_early and self.tune.tiles_rope and rope.qnw is None and rope.knw is None
                 and rope.n_rot % 2 == 0):
             self._rope = rope  # attend's kernel applies it (attention_tiles.cu)
-        else:
+        elif not in_attention:
             rope.launch(self.k, 0, t)
         return qkv
 
@@ -320,6 +333,7 @@ class CudaBlocks:
                              kv=self.kv.kv_type, sinks=self._sinks(layer), config=self._flash_config())
             return out
         if self.decode_flash(t):  # a decode step on the matvecs: tensor-core attention, keys split
+            rope, self._rope = self._rope, None
             LA.flash_decode(self.k, q.data.ptr, q.strides[0] // 4, t, kc, vc, positions.data.ptr, self.seq.data.ptr,
                             self.kv.table.data.ptr, self.kv.max_pages, self.kv.page_size, cfg.n_head, cfg.n_head_kv,
                             cfg.head_dim, self.attn_scale, cfg.attn_softcap or 0.0, cfg.layer_window[layer],
@@ -329,7 +343,7 @@ class CudaBlocks:
                             0 if self._small(t) else ws.x16.strides[0] // 2, q8=self._att_q8,
                             early=self.decode and self.tune.attn_early and not self.verify, kv=self.kv.kv_type,
                             sinks=self._sinks(layer), own=(q.data.ptr, q.strides[0] // 4) if own else None,
-                            per_row=self.verify, config=self._deep_config())
+                            per_row=self.verify, config=self._deep_config(), rope=rope)
             return out
         LA.attention(self.k, q.data.ptr, q.strides[0] // 4, t, kc, vc, positions.data.ptr, self.seq.data.ptr,
                     self.kv.table.data.ptr, self.kv.max_pages, self.kv.page_size, cfg.n_head, cfg.n_head_kv,

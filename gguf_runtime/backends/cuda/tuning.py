@@ -71,6 +71,8 @@ class Tuning:
     # -- attention
     attn_early: bool = True  # decode rows load keys before waiting for the QKV kernel
     own_row: bool = True  # q8_0 / q4_0 caches: flash_decode quantizes a decode row's key (no rope_kv launch)
+    decode_rope: bool = True  # f16 caches: flash_decode does rope_kv's work where no matvec epilogue does (QK norms,
+    # NEOX, tensor-core batches): a launch less a layer; small gains, none lost (bench/RESULTS.md 247)
     attn_small: tuple[int, int] = (0, 1)  # (warps, rounds) up to 8 rows: widest block, one round
     attn_big: tuple[int, int] = (4, 1)  # (warps, rounds) of larger calls: 4 warps, one round a split
     attn_parts: int = 2048  # splits x rows budget of the attention partials (workspace)
