@@ -215,7 +215,7 @@ def decode_config(head_dim: int, kv: str, knobs: tuple[int, int, int] | None = N
     return nw, kt, st
 
 
-NO_ROPE = (ptr(0), i32(0), i32(0), ptr(0), ptr(0), f32(0.0))  # flash_decode without rope_kv's work
+NO_ATTN_ROPE = (ptr(0), i32(0), i32(0), ptr(0), ptr(0), f32(0.0))  # flash_decode without rope_kv's work (RopeKV.attn_args)
 
 
 def decode_min_keys(head_dim: int, config: tuple[int, int, int], kv: str) -> int:
@@ -282,5 +282,5 @@ def flash_decode(k: Kernels, q: int, ldq: int, rows: int, kcache: int, vcache: i
         ptr(part_o),
         ptr(part_ml), ptr(counter), ptr(out), i32(ldo), ptr(out16), i32(ld16), *(q8.ptrs() if q8 else NO_PTRS),
         ptr(sinks), ptr(own[0] if own else 0), i32(own[1] if own else 0), i32(rows),
-        *(rope.attn_args() if rope else NO_ROPE)),
+        *(rope.attn_args() if rope else NO_ATTN_ROPE)),
        shared_mem=smem)

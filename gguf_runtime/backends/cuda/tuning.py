@@ -149,7 +149,8 @@ class Tuning:
                            sm_count=self.sm_count if self.decode_work_split else 0, mma_shape=self.mma_shape,
                            mmv_token_grid=self.mmv_token_grid, gpu_sms=self.sm_count,
                            grid_waves=self.mmv_grid_waves, grid_groups=self.mmv_grid_groups,
-                           grid_tokens=self.mmv_grid_tokens, mmv_wide_rows=self.mmv_wide_rows == "all" or (verify and self.mmv_wide_rows == "verify"))
+                           grid_tokens=self.mmv_grid_tokens,
+                           mmv_wide_rows=self.mmv_wide_rows == "all" or (verify and self.mmv_wide_rows == "verify"))
 
     def mmv_override(self, role: str, type_name: str | None = None) -> tuple[int, int] | None:
         """(R, WG) for a role's matvec (and one weight type: "DOWN_Q6_K"), where measuring sets one."""
