@@ -902,23 +902,26 @@ def test_mma_register_fragments_and_dequantizing_tiles_agree(k, name, rng):
     k.knobs = Tuning().knobs()
 
 
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("n_tok", [64, 32])
-def test_mma_staged_pipeline_depths(k, n_tok, rng):
-    """Q4_K's tensor-core products stage x and the raw weights ST steps deep (KernelKnobs.mma_stages
-    (single, GLU)). Every depth matches numpy and gives the two-stage pipeline's bits (the same
-    MMAs in the same order), also with fewer k steps per block than stages: 2 k steps, and a K
-    split 4 ways over 18 steps (4 or 5 each). At 32 tokens and 3 stages the split product asks for
-    exactly 48 KiB of dynamic shared memory, which with its static 16 bytes needs the opt-in."""
+def test_mma_staged_pipeline_depths(k, name, n_tok, rng):
+    """Q4_K's and Q6_K's tensor-core products stage x and the raw weights ST steps deep
+    (KernelKnobs.mma_stages (single, GLU)). Every depth matches numpy and gives the two-stage
+    pipeline's bits (the same MMAs in the same order), also with fewer k steps per block than
+    stages: 2 k steps, and a K split 4 ways over 18 steps (4 or 5 each; 9 superblocks a row, so
+    Q6_K's rows start their d plane at both halves of a word). At 32 tokens and 3 stages Q4_K's
+    split product asks for exactly 48 KiB of dynamic shared memory, which with its static 16 bytes
+    needs the opt-in."""
     keep = []
     cases = []
     for rows, cols, split in ((200, 256, False), (2200, 2304, True)):
-        m, w = upload("Q4_K", rows, cols, rng, keep)
+        m, w = upload(name, rows, cols, rng, keep)
         x = rng.standard_normal((n_tok, cols)).astype(np.float16).astype(np.float32)
         y0 = rng.standard_normal((n_tok, rows)).astype(np.float32)
         sc = split_scratch(rows, n_tok, keep)[0] if split else None
         assert (LM.mma_config([rows], n_tok, cols if split else 0, floor=k.knobs.mma_split_min_steps).split > 1) == split
         cases.append((m, w, x, cp.asarray(x.astype(np.float16)), y0, sc))
-    (g, wg), (u, wu) = upload("Q4_K", 140, 512, rng, keep), upload("Q4_K", 140, 512, rng, keep)
+    (g, wg), (u, wu) = upload(name, 140, 512, rng, keep), upload(name, 140, 512, rng, keep)
     x2 = rng.standard_normal((n_tok, 512)).astype(np.float16).astype(np.float32)
     x2d = cp.asarray(x2.astype(np.float16))
     glu_ref = silu(x2.astype(np.float64) @ wg.T) * (x2.astype(np.float64) @ wu.T)

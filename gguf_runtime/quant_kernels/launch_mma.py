@@ -20,11 +20,11 @@ MMA_SPLIT_BLOCKS = KernelKnobs().mma_split_blocks  # mma_config's defaults witho
 MMA_TK = 128  # columns per k step (matmul_mma.cu TK)
 MMA_TALL_MIN_COLS = 1024
 MMA_MAX_SPLIT = KernelKnobs().mma_max_split
-# Types whose A fragments are built in registers (mma_regs.cuh): x tile row stride in halves.
-# x goes through shared memory in two buffers, and for the REG_A_WROW types each k step's raw
-# weights too (bytes per weight row, two buffers).
+# Types whose A fragments are built in registers (mma_regs.cuh): x tile row stride in halves. x
+# and each k step's raw weights (REG_A_WROW: bytes per weight row) go through shared memory in
+# mma_stages' buffers.
 REG_A_LDX = {"TQ4_K": 160, "TQ6_K": 144}
-REG_A_WROW = {"TQ4_K": 96}
+REG_A_WROW = {"TQ4_K": 96, "TQ6_K": 144}
 
 
 def mma_stages(structs: Sequence[str], n_mats: int, ra: int, stages: tuple[int, int] = (2, 2)) -> int:
@@ -78,8 +78,8 @@ def mma_config(rows: Sequence[int], n_tok: int, cols: int = 0, tall: bool = True
 
 def mma_smem(fn: "_Counted", wr: int, nt: int, n_mats: int, structs: Sequence[str], ra: int, st: int) -> int:
     """Dynamic shared memory of an mma kernel: the x tile and n_mats W tiles, f16, padded rows;
-    for a register-fragment segment two x tiles, or for a staged one st x tiles and st stages of
-    raw weights (the largest over the segments)."""
+    for a register-fragment segment st x tiles and st stages of raw weights (the largest over the
+    segments)."""
     tb = 8 * nt * (4 // wr)
     size = max((st if s in REG_A_WROW else 2) * (tb * REG_A_LDX[s] * 2 + n_mats * 16 * wr * REG_A_WROW.get(s, 0))
                if ra and s in REG_A_LDX else (tb + n_mats * 16 * wr) * (MMA_TK + 8) * 2 for s in structs)

@@ -2,16 +2,16 @@
 // mma_tiles.cuh without dequantizing W into shared memory.
 //
 // A warp owns 16 weight rows; lane (g, tig) = (lane / 4, lane % 4) holds rows g and g + 8 of
-// them (mma.sync.m16n8k16's A layout). It loads its own quant bytes and scales from global
-// memory, one 128-wide k step ahead, and turns them into f16 pairs with f16x2 arithmetic:
+// them (mma.sync.m16n8k16's A layout). It reads its own quant bytes and scales of a 128-wide k
+// step (staged in shared memory) and turns them into f16 pairs with f16x2 arithmetic:
 // quant byte b -> f16 h = 1024 + b by one PRMT with 0x64 bytes, then (h - 1024) * ds + (-m) by
 // sub.f16x2 and fma.f16x2 (two weights per instruction, against ~5 f32 instructions per
 // weight, one conversion and a shared-memory round trip in the dequantizing path). Every mma
 // spans 16 columns of one sub-block, so its scales are the same f16 pair for all four lanes of a
 // row. A k16 MMA only needs A and B to agree on which column sits at which k: lane tig takes
 // its own contiguous quant bytes, and the B fragment (x, f16, in shared memory) is read at the
-// same columns. The x tile goes through shared memory (cp.async, two buffers); Q4_K stages each
-// step's raw weights there too, Q6_K loads them into registers (mma_tiles_reg).
+// same columns. The x tile goes through shared memory (cp.async), and so do each step's raw
+// weights (staged: mma_tiles_reg).
 //
 // Precision: ds = d * sc and m = dmin * mn are rounded to f16 (as is the dequantized weight in
 // the other path), then q * ds - m is rounded once (fma).
@@ -27,7 +27,6 @@ DEV uint4 lds_b16(const u16* p) {
                  : "r"((u32)__cvta_generic_to_shared(p)));
     return v;
 }
-DEV uint2 ld8(const u8* p) { return __ldg(reinterpret_cast<const uint2*>(p)); }  // beside common.cuh's ld16, ld32
 
 // cp.async: 16 bytes global -> shared, zero-filled when !valid (the source address stays valid).
 DEV void cp_async16(void* dst, const void* src, bool valid) {
@@ -39,6 +38,9 @@ DEV void cp_async16(void* dst, const void* src, bool valid) {
 // generic one costs its conversion's 64-bit arithmetic in the loop).
 DEV void cp_async16s(u32 dst, const void* src, bool valid) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+DEV void cp_async4s(u32 dst, const void* src) {  // 4 bytes (src 4-byte aligned)
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src));
 }
 DEV u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 DEV void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
@@ -75,14 +77,13 @@ template <> struct RegA<TQ4_K> {
             mn = ((s.w[3] >> 4) & 0x0F0F0F0Fu) | ((s.w[2] >> 2) & 0x30303030u);
         }
     }
-    struct Rows {};  // (staged: Plan instead)
+    struct Rows {};  // (its staged reads need nothing more of the rows)
     static DEV Rows rows(const Mat&, int, int) { return {}; }
-    static DEV void load(const Rows&, int, Raw&) {}
     static DEV const u8* chunk(const Mat& m, int row, int k0, int c) {  // 16-byte piece c of a row's step
         const long b = (long)row * m.nb + (k0 >> 8);
         return c < 4 ? m.qs + b * 128 + 64 * ((k0 >> 7) & 1) + 16 * c : m.sc + b * 16;
     }
-    static DEV void load_smem(const u8* ws, Raw& raw) {  // ws: row g's staged bytes (row g + 8 at 8 WROW)
+    static DEV void load_smem(const u8* ws, const Rows&, int, Raw& raw) {  // ws: row g's staged bytes (row g + 8 at 8 WROW)
         const int tig = threadIdx.x & 3;
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
@@ -181,40 +182,83 @@ template <> struct RegA<TQ4_K> {
 // 72 words: the four rows of a half warp in four bank quarters).
 template <> struct RegA<TQ6_K> {
     static constexpr bool OK = true;
-    static constexpr int LDX = 144, WROW = 0;  // not staged: loads straight into registers
+    static constexpr int LDX = 144;
     struct Raw { u32 la[2][2], lb[2][2], qh[2][2]; uint2 s[2]; u32 d[2]; };  // [row][b]; this half's 8 scales
+    // A step's raw data of a row staged in shared memory by cp.async (mma_tiles_reg): its 64 ql
+    // bytes, 32 qh bytes, the superblock's 16 scale bytes and the 4-byte word that holds its d
+    // (the d plane is 2-byte aligned), padded to 144 (36 words: the 8 rows' word reads of a warp
+    // fall in distinct banks). Loaded into registers a step ahead instead, its quants were the
+    // products' longest wait (bench/RESULTS.md row 235).
+    static constexpr int WROW = 144, CHUNKS = 8;
 
-    // A lane's rows g and g + 8 of a tile: each plane's pointer at k = 0 (with the lane's 4 tig
-    // bytes), worked out once; a k step adds k / 2 (ql), k / 4 (qh), k / 16 (scales) bytes and
-    // 2 a superblock (d), the rest are immediate offsets.
-    struct Rows { const u8 *qs[2], *qh[2], *sc[2], *d[2]; };
+    // The half of the staged word that holds d: superblock s of the lane's rows g, g + 8 (their
+    // d at the row's d plane address + 2 s) is half (dpar + s) & 1.
+    struct Rows { u32 dpar[2]; };
     static DEV Rows rows(const Mat& m, int n_rows, int r) {
-        const int tig = threadIdx.x & 3;
         Rows p;
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            const long b = (long)min(r + 8 * i, n_rows - 1) * m.nb;
-            p.qs[i] = m.qs + b * 128 + 4 * tig;
-            p.qh[i] = m.qh + b * 64 + 4 * tig;
-            p.sc[i] = m.sc + b * 16;
-            p.d[i] = m.d + b * 2;
-        }
+        for (int i = 0; i < 2; ++i)
+            p.dpar[i] = (u32)(reinterpret_cast<unsigned long long>(m.d + (long)min(r + 8 * i, n_rows - 1) * m.nb * 2) >> 1) & 1u;
         return p;
     }
-    static DEV void load(const Rows& p, int k0, Raw& raw) {
-        const int oq = k0 >> 1, oh = k0 >> 2, os = k0 >> 4, od = (k0 >> 8) * 2;
+    // A row's piece c at k = 0: 16 bytes of ql (c < 4), of qh (4, 5), the scales (6); c = 7: the d
+    // plane at the row's first superblock (issue takes the aligned word of the step's d).
+    static DEV const u8* chunk(const Mat& m, int row, int c) {
+        const long b = (long)row * m.nb;
+        return c < 4 ? m.qs + b * 128 + 16 * c : c < 6 ? m.qh + b * 64 + 16 * (c - 4) : c == 6 ? m.sc + b * 16 : m.d + b * 2;
+    }
+    static DEV void load_smem(const u8* ws, const Rows& p, int k0, Raw& raw) {  // ws: row g's (row g + 8 at 8 WROW)
+        const int tig = threadIdx.x & 3, h = (k0 >> 7) & 1, s = k0 >> 8;
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
+            const u8* w = ws + i * 8 * WROW;
 #pragma unroll
             for (int bb = 0; bb < 2; ++bb) {
-                raw.la[i][bb] = ld32(p.qs[i] + oq + 16 * bb);
-                raw.lb[i][bb] = ld32(p.qs[i] + oq + 32 + 16 * bb);
-                raw.qh[i][bb] = ld32(p.qh[i] + oh + 16 * bb);
+                raw.la[i][bb] = *reinterpret_cast<const u32*>(w + 16 * bb + 4 * tig);
+                raw.lb[i][bb] = *reinterpret_cast<const u32*>(w + 32 + 16 * bb + 4 * tig);
+                raw.qh[i][bb] = *reinterpret_cast<const u32*>(w + 64 + 16 * bb + 4 * tig);
             }
-            raw.s[i] = ld8(p.sc[i] + os);
-            raw.d[i] = ld16bits(p.d[i] + od);
+            raw.s[i] = *reinterpret_cast<const uint2*>(w + 96 + 8 * h);
+            const u32 dw = *reinterpret_cast<const u32*>(w + 112);
+            raw.d[i] = (p.dpar[i] + s) & 1 ? dw >> 16 : dw & 0xFFFFu;
         }
     }
+    // A thread's share of the cp.async of a k step's rows (RegA<TQ4_K>::Plan's scheme): each
+    // chunk's source at k = 0, its offset in the stage and its kind (2 bits: ql, qh, scales, d).
+    template <int WR, int NM> struct Plan {
+        static constexpr int ROWS = 16 * WR, CH = NM * ROWS * CHUNKS, N = (CH + NTHR - 1) / NTHR;
+        static_assert(N <= 16, "two bits a chunk");
+        const u8* src[N];
+        u32 dst[N], kind = 0;
+
+        DEV Plan(const Mat (&ms)[NM], int n_rows, int row0, int jstride) {
+#pragma unroll
+            for (int i = 0; i < N; ++i) {
+                const int idx = min((int)threadIdx.x + i * NTHR, CH - 1);  // (past CH: never issued)
+                const int j = idx / (ROWS * CHUNKS), r = idx / CHUNKS % ROWS, c = idx % CHUNKS;
+                Mat m = ms[0];  // (by selects, as Q4_K's)
+#pragma unroll
+                for (int q = 1; q < NM; ++q)
+                    if (j == q) m = ms[q];
+                src[i] = chunk(m, min(row0 + j * jstride + r, n_rows - 1), c);
+                dst[i] = (j * ROWS + r) * WROW + 16 * c;
+                kind |= (u32)(c < 4 ? 0 : c < 6 ? 1 : c == 6 ? 2 : 3) << (2 * i);
+            }
+        }
+        DEV void issue(int k0, u32 ws) const {  // ws: the stage's shared-space address
+            const int oq = k0 >> 1, oh = k0 >> 2, os = (k0 >> 8) << 4, od = (k0 >> 8) << 1;
+#pragma unroll
+            for (int i = 0; i < N; ++i)
+                if (CH % NTHR == 0 || (int)threadIdx.x + i * NTHR < CH) {
+                    const u32 kd = (kind >> (2 * i)) & 3u;
+                    if (kd == 3)
+                        cp_async4s(ws + dst[i], reinterpret_cast<const void*>(
+                                                    reinterpret_cast<unsigned long long>(src[i] + od) & ~3ull));
+                    else
+                        cp_async16s(ws + dst[i], src[i] + (kd == 0 ? oq : kd == 1 ? oh : os), true);
+                }
+        }
+    };
 
     template <int NT, int NM>
     static DEV void step(const Raw (&raw)[NM], int, const u16* xs, float (&acc)[NM][NT][4]) {
@@ -251,17 +295,6 @@ template <> struct RegA<TQ6_K> {
     }
 };
 
-// RegA<T>::Plan where T stages its raw weights; else an empty one (unused).
-struct NoPlan {
-    template <class... A> DEV NoPlan(const A&...) {}
-    DEV void issue(int, u32) const {}
-};
-template <class R, int WR, int NM, bool STAGED = (R::WROW > 0)> struct StagePlanSel { using type = NoPlan; };
-template <class R, int WR, int NM> struct StagePlanSel<R, WR, NM, true> {
-    using type = typename R::template Plan<WR, NM>;
-};
-template <class R, int WR, int NM> using StagePlanOf = typename StagePlanSel<R, WR, NM>::type;
-
 // The x tile of tokens [t0, t0 + TB) x columns [k0, k0 + TK) into Xs (row stride LDX halves);
 // zeros past n_tok and K.
 template <int TB, int LDX>  // Xs: a shared-space address
@@ -280,47 +313,39 @@ DEV void x_tile_async(const u16* __restrict__ x, int ldx, int n_tok, int t0, int
 }
 
 // mma_tiles (mma_tiles.cuh) for a type with register fragments: the same operands and C layout.
-// Staged types (WROW > 0) copy each k step's raw quants and scales of the block's rows to shared
-// memory by cp.async, ST - 1 steps ahead, beside the x tiles (ST stages each), and each lane reads
-// its own from there: loaded into registers one step ahead instead (the others, two x stages),
-// every warp waited about a memory latency per step at their first use (the 8B's GLU: a large
-// share of its cycles were long-scoreboard stalls) and they took two register copies of the raw
-// data. ST > 2 keeps more steps' loads in flight (KernelKnobs.mma_stages: two, as deeper was slower).
+// Each k step's raw quants and scales of the block's rows are copied to shared memory by
+// cp.async, ST - 1 steps ahead, beside the x tiles (ST stages each), and each lane reads its own
+// from there: loaded into registers one step ahead instead, every warp waited about a memory
+// latency per step at their first use (the 8B's GLU and Q6_K products: long-scoreboard stalls)
+// and they took two register copies of the raw data. ST > 2 keeps more steps' loads in flight
+// (KernelKnobs.mma_stages: two, as deeper was slower).
 template <class T, int WR, int NT, int NM, int ST>
 DEV void mma_tiles_reg(const Mat (&ms)[NM], int n_rows, int row0, int jstride, const u16* x, int ldx, int n_tok,
                        int t0, int kb, int ke, int K, u16* smem, float (&acc)[NM][NT][4]) {
     using R = RegA<T>;
-    constexpr bool STAGED = R::WROW > 0;
-    constexpr int S = STAGED ? ST : 2;  // stages (buffers) of x and of the staged raw weights
-    static_assert(S >= 2, "two stages at least");
+    constexpr int S = ST;  // stages (buffers) of x and of the staged raw weights
+    static_assert(S >= 2 && R::WROW > 0, "two stages at least; staged raw weights");
     constexpr int TB = 8 * NT * (4 / WR), XS = TB * R::LDX, WS = NM * 16 * WR * R::WROW;
     const int warp = threadIdx.x >> 5, wr = warp % WR, wc = warp / WR, g = (threadIdx.x & 31) >> 2;
     const int r = row0 + 16 * wr + g;
-    u8* wsm = reinterpret_cast<u8*>(smem + S * XS);  // staged: S W stages after the S x tiles
+    u8* wsm = reinterpret_cast<u8*>(smem + S * XS);  // S W stages after the S x tiles
     const u32 xs_s = smem_addr(smem), ws_s = xs_s + 2 * S * XS;  // the same, shared-space addresses
 #pragma unroll
     for (int j = 0; j < NM; ++j)
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) acc[j][nt][0] = acc[j][nt][1] = acc[j][nt][2] = acc[j][nt][3] = 0.f;
-    typename R::Raw w[NM];  // not staged: the next step's raw data, from its rows' pointers
-    typename R::Rows rp[NM];
+    typename R::Rows rp[NM];  // what a lane's reads of its staged rows need to know of them
 #pragma unroll
     for (int j = 0; j < NM; ++j) rp[j] = R::rows(ms[j], n_rows, r + j * jstride);
-    using P = StagePlanOf<R, WR, NM>;
-    const P plan(ms, n_rows, row0, jstride);  // (staged types)
+    const typename R::template Plan<WR, NM> plan(ms, n_rows, row0, jstride);
     // the block's k steps from k_first, wrapping around (mma_tiles.cuh)
     const int n = (ke - kb + TK - 1) / TK, k_start = k_first(kb, ke);
     auto next = [&](int k) { return k_next(k, kb, ke); };
     int kn = k_start;  // the step whose loads go out next
-    if constexpr (STAGED) {
 #pragma unroll
-        for (int s = 0; s < S - 1; ++s, kn = next(kn))
-            if (s < n) plan.issue(kn, ws_s + s * WS);
-        kn = k_start;
-    } else {
-#pragma unroll
-        for (int j = 0; j < NM; ++j) R::load(rp[j], k_start, w[j]);
-    }
+    for (int s = 0; s < S - 1; ++s, kn = next(kn))
+        if (s < n) plan.issue(kn, ws_s + s * WS);
+    kn = k_start;
     pdl_enter();  // the first weights load before it (common.cuh)
 #pragma unroll
     for (int s = 0; s < S - 1; ++s, kn = next(kn)) {  // cp.async group s: x of step s (group 0 also the weights)
@@ -333,22 +358,14 @@ DEV void mma_tiles_reg(const Mat (&ms)[NM], int n_rows, int row0, int jstride, c
         __syncthreads();         // ... for every thread; every warp is done with the previous step's buffers
         const int nb = buf == 0 ? S - 1 : buf - 1;  // the previous step's buffers
         if (i + S - 1 < n) {
-            if constexpr (STAGED) plan.issue(kn, ws_s + nb * WS);
+            plan.issue(kn, ws_s + nb * WS);
             x_tile_async<TB, R::LDX>(x, ldx, n_tok, t0, kn, K, xs_s + 2 * nb * XS);
         }
         cp_async_commit();  // (empty past the end: the group count stays one per step)
         typename R::Raw cur[NM];
-        if constexpr (STAGED) {
 #pragma unroll
-            for (int j = 0; j < NM; ++j) R::load_smem(wsm + buf * WS + (j * 16 * WR + 16 * wr + g) * R::WROW, cur[j]);
-        } else {
-            const int kn1 = i + 1 < n ? next(k0) : k0;  // the next step (the last one reloads its own)
-#pragma unroll
-            for (int j = 0; j < NM; ++j) {  // the next step's loads go out before this step's MMAs
-                cur[j] = w[j];
-                R::load(rp[j], kn1, w[j]);
-            }
-        }
+        for (int j = 0; j < NM; ++j)
+            R::load_smem(wsm + buf * WS + (j * 16 * WR + 16 * wr + g) * R::WROW, rp[j], k0, cur[j]);
         R::template step<NT, NM>(cur, k0, smem + buf * XS + wc * 8 * NT * R::LDX, acc);
         buf = buf + 1 == S ? 0 : buf + 1;
     }

@@ -15,8 +15,8 @@
 // read the quantized weights (cuBLAS would need f16 copies: 4x the bytes). Shared memory is
 // dynamic: (TB + NM TM) (TK + 8) halves.
 // RA = 1 and a type of mma_regs.cuh (Q4_K, Q6_K): the warps build their A fragments in registers
-// from the raw quants instead; x goes through shared memory (2 TB LDX halves), and for Q4_K each
-// step's raw weights too, in ST stages of x and weights (ST TB LDX halves + ST NM TM WROW bytes).
+// from the raw quants instead; x and each step's raw weights go through shared memory in ST
+// stages (ST TB LDX halves + ST NM TM WROW bytes).
 #pragma once
 #include "quant_types.cuh"
 
