@@ -7,7 +7,8 @@ another copy of quant_kernels/ (an older tree's: kernel sources A/B in one proce
 bench/inproc_variants.py's). Rounds alternate the variants on the same
 admitted rows, forward in even rounds and backward in odd ones: every measurement moves the rows
 GEN tokens deeper, so a fixed order would measure the later variants deeper (slower); with an even
-number of rounds each variant's mean depth is the same.
+number of rounds each variant's mean depth is the same. (KDIR swaps the kernel sources only, as
+in bench/inproc_variants.py: the launchers stay this tree's.)
 
   python3 bench/batch_depth.py /tmp/twins/llama3-8b.gguf "flash_decode_batch=0" NONE \
       --case 4x4096 --case 16384+7x256 [--gen 64] [--rounds 3]

@@ -3,7 +3,9 @@ over rounds: a variant is a comma-joined list of tuning-table overrides (field=v
 GGUF_RUN_TUNE spells them; "NONE" = the table's own choices), applied with CudaBackend.retune;
 between variants the captured graphs are dropped and recaptured. Two pseudo-pairs: KDIR=PATH
 compiles the kernels from another copy of quant_kernels/ (e.g. an older tree's:
-.old_tree/gguf_runtime/quant_kernels), for kernel sources A/B in one process; skip=attn+o leaves
+.old_tree/gguf_runtime/quant_kernels), for kernel sources A/B in one process (only the sources:
+the launchers stay this tree's, so where the two trees' launch code differs, e.g. the shared
+memory a kernel is given, compare whole trees in separate processes instead); skip=attn+o leaves
 those roles' kernels out (bench/skip_roles.py: where the step's time goes).
 
   python3 bench/inproc_variants.py /tmp/twins/llama3-8b.gguf --rounds 3 \
