@@ -196,17 +196,7 @@ DEV void dec_rope_head(const float* src, float* dst, const float* nw, float eps,
     for (int r = 0; r < NR; ++r) dst[lane + 32 * r] = v[r];
     __syncwarp();
 #pragma unroll
-    for (int r = 0; r < NR; ++r) {
-        const int i = lane + 32 * r;
-        if (i < n_rot) {
-            int j, partner;
-            bool first;
-            if (neox) { const int half = n_rot / 2; first = i < half; j = first ? i : i - half; partner = first ? i + half : i - half; }
-            else { j = i >> 1; first = (i & 1) == 0; partner = i ^ 1; }
-            const float cf = cs[2 * j], sf = cs[2 * j + 1], o = dst[partner];
-            v[r] = first ? v[r] * cf - o * sf : o * sf + v[r] * cf;
-        }
-    }
+    for (int r = 0; r < NR; ++r) v[r] = rope_at(dst, lane + 32 * r, cs, n_rot, neox);
     __syncwarp();  // every lane has read dst
 #pragma unroll
     for (int r = 0; r < NR; ++r) dst[lane + 32 * r] = v[r];
@@ -305,6 +295,8 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
     // step: K's for the rotated query heads [G][D]; V's for the angles (n_rot / 2 pairs) and the
     // rotated key [D]. A row without a page for its own key is left as rope_kv leaves it (q as it
     // is, nothing written: the early path then reads zeros for the key)
+    // the row's own page (-1: none), for every path that touches the own key (read before pdl_enter:
+    // page tables change only between steps)
     const int own_pg = kv_page(p, page_size), own_page = pad || own_pg >= max_pages ? -1 : tab[own_pg];
     const bool rot = early && n_rot > 0 && own_page >= 0;
     if (rot && (F::RAW || BK)) __trap();
@@ -348,7 +340,7 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
         pdl_enter();
         if (own >= 0) {  // the own key's row into its prologue tile: a group of its own
             const int j = p - (start + (warp + NW * own) * KT);
-            const int pg = kv_page(p, page_size), page = pg < max_pages ? tab[pg] : -1;  // none: zeros, as dec_load
+            const int page = own_page;  // none: zeros, as dec_load
             const long blk = kv_block<KV, D>(max(page, 0), hk, n_head_kv, page_size);
             for (int c = lane; c < KvRow<KV, D>::PIECES; c += 32) {
                 kv_stage_piece<KV, D, KT, F::LDRB>(j, c, kcache, blk, kv_slot(p, page_size), page_size, page >= 0,
@@ -435,8 +427,7 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
         fa_commit();
         if constexpr (QUANT) {
             if (fuse && i == own_i) {  // the row's own key and value: quantized here (dec_load left the row)
-                const int pg = kv_page(p, page_size), slot = kv_slot(p, page_size), j = p - k0;
-                const int page = pg < max_pages ? tab[pg] : -1;
+                const int page = own_page, slot = kv_slot(p, page_size), j = p - k0;
                 const float* kx = own_kv + (long)t * ld_own + (n_head_kv * G + hk) * D;
                 if (page >= 0) {
                     kv_own_row<KV, D, KT, F::LDRB>(kx, kx + n_head_kv * D, lane, Kst + st * F::STAGE,
