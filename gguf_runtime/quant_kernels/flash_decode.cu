@@ -196,7 +196,17 @@ DEV void dec_rope_head(const float* src, float* dst, const float* nw, float eps,
     for (int r = 0; r < NR; ++r) dst[lane + 32 * r] = v[r];
     __syncwarp();
 #pragma unroll
-    for (int r = 0; r < NR; ++r) v[r] = rope_at(dst, lane + 32 * r, cs, n_rot, neox);
+    for (int r = 0; r < NR; ++r) {  // written out: through rope_at the compiler contracted the products
+        const int i = lane + 32 * r;  // otherwise here, and the bits must equal rope_kv's
+        if (i < n_rot) {
+            int j, partner;
+            bool first;
+            if (neox) { const int half = n_rot / 2; first = i < half; j = first ? i : i - half; partner = first ? i + half : i - half; }
+            else { j = i >> 1; first = (i & 1) == 0; partner = i ^ 1; }
+            const float cf = cs[2 * j], sf = cs[2 * j + 1], o = dst[partner];
+            v[r] = first ? v[r] * cf - o * sf : o * sf + v[r] * cf;
+        }
+    }
     __syncwarp();  // every lane has read dst
 #pragma unroll
     for (int r = 0; r < NR; ++r) dst[lane + 32 * r] = v[r];
