@@ -149,6 +149,48 @@ def test_expert_products(k, rng, name, int8):
     assert (resd.get()[:, n_out:] == res[:, n_out:]).all(), "wrote past the rows"
 
 
+@pytest.mark.parametrize("name,act,used", [("MXFP4", "swiglu_oai", 4), ("Q4_K", "silu", 8), ("Q6_K", "silu", 8)])
+@pytest.mark.parametrize("mb", [(3, 2), (4, 4)])
+def test_min_blocks_keep_the_bits(k, rng, name, act, used, mb):
+    """Launch bounds that cap the registers (the tuning table's moe_min_blocks) leave every bit of the
+    decode path's GLU (r = 8, biases, the q8 epilogue) and down (r = 4, int8 input, biases) as it was."""
+    keep = []
+    n_expert, t, n, n_out = 2 * used, 3, 48, 40
+    d = cols_for(name, 2)
+    gate, _ = stacked(name, n_expert, n, d, rng, keep)
+    up, _ = stacked(name, n_expert, n, d, rng, keep)
+    fcols = cols_for(name, 1)
+    down, _ = stacked(name, n_expert, n_out, fcols, rng, keep)
+    ids = cp.asarray(np.stack([rng.permutation(n_expert)[:used] for _ in range(t)]).astype(np.int32))
+    wts = cp.asarray(rng.random((t, used)).astype(np.float32))
+    x = rng.standard_normal((t, d)).astype(np.float32)
+    xd = cp.asarray(x)
+    q8, keep_q8, _ = q8_of(x)
+    keep.append(keep_q8)
+    LL.quantize_q8(k, xd.data.ptr, d, d, t, q8)
+    bg, bu = (cp.asarray(rng.standard_normal((n_expert, n)).astype(np.float32)) for _ in range(2))
+    bd = cp.asarray(rng.standard_normal((n_expert, n_out)).astype(np.float32))
+    a = rng.standard_normal((t * used, fcols)).astype(np.float32)
+    ad = cp.asarray(a)
+    a_q8, keep_a, _ = q8_of(a)
+    keep.append(keep_a)
+    LL.quantize_q8(k, ad.data.ptr, fcols, fcols, t * used, a_q8)
+    res = rng.standard_normal((t, n_out)).astype(np.float32)
+    got = []
+    for m in ((1, 1), mb):
+        g = cp.full((t * used, n), POISON, cp.float32)
+        gq, keep_g, _ = q8_of(np.zeros((t * used, n), np.float32))
+        LE.glu(k, gate, up, n, ids.data.ptr, used, xd.data.ptr, d, t * used, act, g.data.ptr, n, q8=q8, r=8,
+               q8_out=gq, biases=(bg.data.ptr, bu.data.ptr), mb=m[0])
+        y = cp.asarray(res)
+        LE.down(k, down, n_out, ids.data.ptr, wts.data.ptr, used, ad.data.ptr, fcols, t, y.data.ptr, n_out,
+                q8=a_q8, r=4, bias=bd.data.ptr, mb=m[1])
+        got.append((g.get(), keep_g[0].get(), keep_g[1].get(), y.get()))
+    assert np.isfinite(got[0][0]).all() and np.isfinite(got[0][3]).all() and np.abs(got[0][0]).max() > 0
+    for before, after in zip(*got):
+        assert (before.view(np.uint32) == after.view(np.uint32)).all()
+
+
 @pytest.mark.parametrize("shape", [(2, 1), LE.ROUTER])
 def test_router_without_ids_is_a_plain_product(k, rng, shape):
     """mv with ids None (the router): W x for each token, the F32 matrix itself."""

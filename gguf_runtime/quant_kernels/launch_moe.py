@@ -86,16 +86,17 @@ def router_topk(k: Kernels, m: Mat, x: int, ldx: int, rows: int, y: int, ldy: in
 
 def glu(k: Kernels, gate: Mat, up: Mat, n: int, ids: int, used: int, x: int, ldx: int, slots: int, act: str,
         y: int, ldy: int, norm: tuple[int, float] | None = None, q8: Q8Vec | None = None, r: int = 4,
-        q8_out: Q8Vec | None = None, biases: tuple[int, int] = (0, 0)) -> None:
+        q8_out: Q8Vec | None = None, biases: tuple[int, int] = (0, 0), mb: int = 1) -> None:
     """y[s, :n] = act(G_e x'[s // used] + bg_e) * (U_e x'[s // used] + bu_e), e = ids[s] (gate and
     up of one type; biases (bg, bu): the experts' [n_expert, n] f32 rows, or 0, 0); act also gpt-oss's
-    "swiglu_oai"; q8_out (r = 8: 16 rows a block; n % 16 == 0): y's int8 copy too, row s of it for slot s."""
+    "swiglu_oai"; q8_out (r = 8: 16 rows a block; n % 16 == 0): y's int8 copy too, row s of it for slot s;
+    mb: blocks an SM its registers must allow (launch bounds; 1: the compiler's choice)."""
     assert gate.type_id == up.type_id and gate.cols == up.cols
     io = _io(q8)
     if q8_out is not None:
         assert r // 2 * WARPS == 16 and n % 16 == 0
         io |= 2 | q8_out.io(True)
-    fn = k.fn("moe.cu", f"moe_glu<{gate.struct}, {r}, 1, {ACT[act]}, {io}>")
+    fn = k.fn("moe.cu", f"moe_glu<{gate.struct}, {r}, 1, {ACT[act]}, {io}, {mb}>")
     fn(((-(-n // (r // 2 * WARPS))), slots), (32 * WARPS,),
        (*gate.planes, *up.planes, i32(n), i32(gate.cols), ptr(ids), i32(used), *_x_args(x, ldx, norm, q8),
         ptr(y), i32(ldy), *(q8_out.ptrs() if q8_out is not None else (ptr(0), i32(0), ptr(0), i32(0), i32(0))),
@@ -103,12 +104,12 @@ def glu(k: Kernels, gate: Mat, up: Mat, n: int, ids: int, used: int, x: int, ldx
 
 
 def down(k: Kernels, m: Mat, n: int, ids: int, w: int, used: int, x: int, ldx: int, rows: int, y: int, ldy: int,
-         q8: Q8Vec | None = None, r: int = 2, bias: int = 0) -> None:
+         q8: Q8Vec | None = None, r: int = 2, bias: int = 0, mb: int = 1) -> None:
     """y[t, :n] += sum_j w[t, j] (W_e x'[t * used + j] + b_e) (e = ids[t, j]; bias: the experts'
     [n_expert, n] f32 rows, or 0): the residual add of the experts; r rows a block, one warp a rank
-    (up to 8 at once)."""
+    (up to 8 at once); mb as glu's."""
     kw = min(8, 1 << (used - 1).bit_length())
-    fn = k.fn("moe.cu", f"moe_down<{m.struct}, {r}, {kw}, {_io(q8)}>")
+    fn = k.fn("moe.cu", f"moe_down<{m.struct}, {r}, {kw}, {_io(q8)}, {mb}>")
     fn(((-(-n // r)), rows), (32 * kw,),
        (*m.planes, i32(n), i32(m.cols), ptr(ids), ptr(w), i32(used), *_x_args(x, ldx, None, q8, with_norm=False),
         ptr(y), i32(ldy), ptr(bias)))

@@ -156,9 +156,10 @@ __global__ void __launch_bounds__(32 * MOE_WARPS) moe_router_topk(PLANES(0), int
 // in one pass (R / 2 of each a row group); ACT 0 = SiLU, 1 = GELU (tanh), 2 = gpt-oss's clamped
 // SwiGLU; bg, bu (or null): the experts' gate and up biases ([experts, n], added before it). x' as
 // moe_mv's. XIO bit 1 (R = 8: a block's 16 rows): a q8 epilogue also writes y's int8 copy (down's
-// input; bit 4: with the rests) into row s of oq / os.
-template <class T, int R, int WG, int ACT, int XIO>
-__global__ void __launch_bounds__(32 * MOE_WARPS) moe_glu(PLANES(0), PLANES(1), int n, int K,
+// input; bit 4: with the rests) into row s of oq / os. MB: blocks an SM the registers must allow
+// (launch bounds; 1: the compiler's choice).
+template <class T, int R, int WG, int ACT, int XIO, int MB = 1>
+__global__ void __launch_bounds__(32 * MOE_WARPS, MB) moe_glu(PLANES(0), PLANES(1), int n, int K,
         const int* __restrict__ ids, int k, const float* __restrict__ x, int ldx, const float* __restrict__ nw,
         float eps, XQ_ARGS, float* __restrict__ y, int ldy, u8* oq, int ldoq, float4* os, int ldos, int ores,
         const float* __restrict__ bg, const float* __restrict__ bu) {
@@ -197,9 +198,9 @@ __global__ void __launch_bounds__(32 * MOE_WARPS) moe_glu(PLANES(0), PLANES(1), 
 // residual. A block owns R rows of one token
 // (blockIdx.y); its KW warps take the ranks j = warp, warp + KW, ... at once (one rank's products
 // after another in one warp left the loads of the k experts in series), then the warps' sums are
-// added in warp order (the same result on every run).
-template <class T, int R, int KW, int XIO>
-__global__ void __launch_bounds__(32 * KW) moe_down(PLANES(0), int n, int K, const int* __restrict__ ids,
+// added in warp order (the same result on every run). MB as moe_glu's.
+template <class T, int R, int KW, int XIO, int MB = 1>
+__global__ void __launch_bounds__(32 * KW, MB) moe_down(PLANES(0), int n, int K, const int* __restrict__ ids,
         const float* __restrict__ w, int k, const float* __restrict__ x, int ldx, XQ_ARGS, float* __restrict__ y,
         int ldy, const float* __restrict__ b) {
     const int t = blockIdx.y, warp = threadIdx.x >> 5, row0 = blockIdx.x * R;

@@ -577,7 +577,7 @@ class CudaBlocks:
         fused = gq is not None and gate.type_id == up.type_id and r_glu == 8 and n % 16 == 0
         if gate.type_id == up.type_id:  # (fused: the GLU's q8 epilogue writes down's int8 input)
             LE.glu(self.k, gate, up, n, ids, used, src.data.ptr, lds, slots, cfg.activation, g.data.ptr, ldg, q8=q8,
-                   r=r_glu, q8_out=gq if fused else None)
+                   r=r_glu, q8_out=gq if fused else None, mb=self._moe_min_blocks(gate, 0, q8))
         else:
             u = ws.moe_u
             for m, out in ((gate, g), (up, u)):
@@ -587,10 +587,17 @@ class CudaBlocks:
         if gq is not None and not fused:
             LL.quantize_q8(self.k, g.data.ptr, ldg, n, slots, gq)
         LE.down(self.k, down, cfg.n_embd, ids, w, used, g.data.ptr, ldg, t, x.data.ptr, x.strides[0] // 4, q8=gq,
-                r=self.tune.moe_rows[1])
+                r=self.tune.moe_rows[1], mb=self._moe_min_blocks(down, 1, gq))
         if cfg.n_ff_shexp:
             self._shared_expert(x, h, q8, layer)
         return x
+
+    def _moe_min_blocks(self, m: L.Mat, which: int, q8: L.Q8Vec | None) -> int:
+        """Launch bounds of the experts' matvec GLU (which 0) or down (1): the tuning table's pair for
+        the type, on int8 inputs only (the measured path; on f32 inputs some types would spill)."""
+        if q8 is None:
+            return 1
+        return (self.tune.moe_min_blocks_mxfp4 if m.struct == "TMXFP4" else self.tune.moe_min_blocks)[which]
 
     def _moe_biased(self, x: cp.ndarray, h: cp.ndarray, q8: L.Q8Vec | None, layer: int) -> None:
         """The experts with biases (gpt-oss: gate, up and down each add its expert's row) and its
@@ -614,7 +621,8 @@ class CudaBlocks:
             if gate.type_id == up.type_id:  # biases and GLU in moe_glu (fused: its q8 epilogue writes gq)
                 fused = gq is not None and r_glu == 8
                 LE.glu(self.k, gate, up, n, ids, used, h.data.ptr, ldh, slots, cfg.activation, g.data.ptr, ldg,
-                       q8=q8, r=r_glu, q8_out=gq if fused else None, biases=(bias["gate"], bias["up"]))
+                       q8=q8, r=r_glu, q8_out=gq if fused else None, biases=(bias["gate"], bias["up"]),
+                       mb=self._moe_min_blocks(gate, 0, q8))
             else:
                 fused = False
                 for m, out, name in ((gate, g, "gate"), (up, u, "up")):
@@ -625,7 +633,8 @@ class CudaBlocks:
             if gq is not None and not fused:
                 LL.quantize_q8(self.k, g.data.ptr, ldg, n, slots, gq)
             LE.down(self.k, down, cfg.n_embd, ids, w, used, g.data.ptr, ldg, t, x.data.ptr, x.strides[0] // 4, q8=gq,
-                    r=self.tune.moe_rows[1], bias=bias["down"])
+                    r=self.tune.moe_rows[1], bias=bias["down"],
+                    mb=self._moe_min_blocks(down, 1, gq))
             return
         tb = LE.mma_tile_slots(slots, cfg.n_expert, self.tune.moe_mma_slots)
         order, tiles, xs, g16, ys = ws.moe_order, ws.moe_tiles, ws.moe_xs16, ws.moe_g16b, ws.moe_ys

@@ -68,6 +68,11 @@ class Tuning:
     moe_down_q8: bool = True  # the down matvec's input (the GLU's outputs) as int8 on the matvec path (row 111)
     moe_rows: tuple[int, int] = (8, 4)  # the matvec path's rows a warp: GLU (gate and up, even; 8: 16 a block,
     # so its q8 epilogue writes down's input), down (the fastest pair measured: bench/RESULTS.md rows 111-112)
+    moe_min_blocks: tuple[int, int] = (1, 2)  # the matvec path's GLU and down on int8 inputs: blocks an SM their
+    # registers must allow (launch bounds; 1: the compiler's choice). Qwen3-30B-A3B's Q6_K down (8 warps a block)
+    # went from 182 registers, one block an SM, to 128 and two (bench/RESULTS.md 255)
+    moe_min_blocks_mxfp4: tuple[int, int] = (3, 4)  # the same for MXFP4 experts (gpt-oss: the GLU from 239
+    # registers, two blocks an SM, to 160 and three; down from 152 to 123 and four; RESULTS 255)
     # -- attention
     attn_early: bool = True  # decode rows load keys before waiting for the QKV kernel
     own_row: bool = True  # q8_0 / q4_0 caches: flash_decode quantizes a decode row's key (no rope_kv launch)
@@ -251,7 +256,9 @@ def _parse(name: str, text: str):
         if name == "pdl_big_graph_kernels":
             return tuple(p for p in text.split("+") if p)
         if name in ("attn_small", "attn_big", "mma_stages", "tiles_shape", "flash_shape",
-                    "decode_shape", "deep_decode_shape", "moe_rows", "mma_shape", "glu_shape", "mmv_grid_waves"):
+                    "decode_shape", "deep_decode_shape", "moe_rows", "moe_min_blocks", "moe_min_blocks_mxfp4", "mma_shape",
+                    "glu_shape",
+                    "mmv_grid_waves"):
             return None if text == "none" else _pair(name, text)
         return text
     except ValueError:
@@ -269,6 +276,9 @@ def _check(t: Tuning) -> None:
     if not (t.moe_rows[0] in (2, 4, 6, 8) and 1 <= t.moe_rows[1] <= 8):
         raise BackendError(f"{ENV}: moe_rows={t.moe_rows[0]}:{t.moe_rows[1]}: give GLU rows 2, 4, 6 or 8 "
                            "and down rows 1 to 8")
+    for name in ("moe_min_blocks", "moe_min_blocks_mxfp4"):
+        if not all(1 <= b <= 8 for b in getattr(t, name)):
+            raise BackendError(f"{ENV}: {name}={getattr(t, name)[0]}:{getattr(t, name)[1]}: give 1 to 8 blocks an SM")
     if t.serve_pack_rows not in (0, 16, 32, 48, 64):
         raise BackendError(f"{ENV}: serve_pack_rows={t.serve_pack_rows}: give 16, 32, 48 or 64 (or 0: the flash rule's)")
     if not 1 <= t.mma_max_split <= 16 or t.mma_split_blocks < 1:
