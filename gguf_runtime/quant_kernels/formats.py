@@ -35,7 +35,7 @@ FORMATS: dict[int, Format] = {
     20: Format("IQ4_NL", 32, 18),
     23: Format("IQ4_XS", 256, 136),
     39: Format("MXFP4", 32, 17),
-    # read by the numpy reference only (reference_iq.py): no CUDA kernel yet
+    # the i-quants (numpy reference: reference_iq.py; kernels: iq_tables.cuh)
     16: Format("IQ2_XXS", 256, 66),
     17: Format("IQ2_XS", 256, 74),
     18: Format("IQ3_XXS", 256, 98),
