@@ -66,6 +66,16 @@ DEV void load_tile(int k0, int lo, int p, int fresh, const int* tab, int max_pag
     }
 }
 
+// RoPE of element i of a head x (D floats, shared memory) at the angles cs (cos, sin per pair).
+DEV float rope_at(const float* x, int i, const float* cs, int n_rot, int neox) {
+    if (i >= n_rot) return x[i];
+    const int half = n_rot / 2;
+    const bool first = neox ? i < half : (i & 1) == 0;
+    const int j = neox ? (first ? i : i - half) : i >> 1, partner = neox ? (first ? i + half : i - half) : i ^ 1;
+    const float v = x[i], o = x[partner], cf = cs[2 * j], sf = cs[2 * j + 1];
+    return first ? v * cf - o * sf : o * sf + v * cf;
+}
+
 // Shared memory (16-byte-read arrays first): KV Ks[ST][KT][LD], Vs[ST][KT][D], Fk[D], Fv[D]; floats
 // Qs[G][D], CS[D], Ps[G][KT], Cs[G], Ls[G].
 template <int D, int G, int W, int KT, int ST, class KV>

@@ -161,17 +161,6 @@ DEV float block_sum(float v, float* scratch) {
     return warp_sum(v);
 }
 
-// RoPE of element i of a head x (D floats, shared memory; rope_kv's arithmetic: the kernels that
-// apply RoPE in place of rope_kv keep its bits) at the angles cs (cos, sin per pair).
-DEV float rope_at(const float* x, int i, const float* cs, int n_rot, int neox) {
-    if (i >= n_rot) return x[i];
-    const int half = n_rot / 2;
-    const bool first = neox ? i < half : (i & 1) == 0;
-    const int j = neox ? (first ? i : i - half) : i >> 1, partner = neox ? (first ? i + half : i - half) : i ^ 1;
-    const float v = x[i], o = x[partner], cf = cs[2 * j], sf = cs[2 * j + 1];
-    return first ? v * cf - o * sf : o * sf + v * cf;
-}
-
 DEV float silu_f(float x) { return x / (1.f + __expf(-x)); }
 
 // gpt-oss's clamped SwiGLU (ACT 2): gate clamped above at 7, up to [-7, 7], gate sigmoid(1.702 gate)

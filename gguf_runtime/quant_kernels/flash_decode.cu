@@ -196,8 +196,8 @@ DEV void dec_rope_head(const float* src, float* dst, const float* nw, float eps,
     for (int r = 0; r < NR; ++r) dst[lane + 32 * r] = v[r];
     __syncwarp();
 #pragma unroll
-    for (int r = 0; r < NR; ++r) {  // written out: through rope_at the compiler contracted the products
-        const int i = lane + 32 * r;  // otherwise here, and the bits must equal rope_kv's
+    for (int r = 0; r < NR; ++r) {  // written out (not attention_tiles.cu's rope_at: here the compiler
+        const int i = lane + 32 * r;  // contracted its products otherwise, and the bits must equal rope_kv's)
         if (i < n_rot) {
             int j, partner;
             bool first;

@@ -28,9 +28,9 @@ REG_A_WROW = {"TQ4_K": 96, "TQ6_K": 144}
 
 
 def mma_stages(structs: Sequence[str], n_mats: int, ra: int, stages: tuple[int, int] = (2, 2)) -> int:
-    """The ST template argument: stages[n_mats - 1] (KernelKnobs.mma_stages) where a segment is
-    staged, else 2."""
-    if not ra or not any(s in REG_A_WROW for s in structs):
+    """The ST template argument: stages[n_mats - 1] (KernelKnobs.mma_stages) where a segment builds
+    its fragments in registers (its raw weights staged), else 2."""
+    if not ra or not any(s in REG_A_LDX for s in structs):
         return 2
     return stages[n_mats - 1]
 
@@ -81,7 +81,7 @@ def mma_smem(fn: "_Counted", wr: int, nt: int, n_mats: int, structs: Sequence[st
     for a register-fragment segment st x tiles and st stages of raw weights (the largest over the
     segments)."""
     tb = 8 * nt * (4 // wr)
-    size = max((st if s in REG_A_WROW else 2) * (tb * REG_A_LDX[s] * 2 + n_mats * 16 * wr * REG_A_WROW.get(s, 0))
+    size = max(st * (tb * REG_A_LDX[s] * 2 + n_mats * 16 * wr * REG_A_WROW[s])
                if ra and s in REG_A_LDX else (tb + n_mats * 16 * wr) * (MMA_TK + 8) * 2 for s in structs)
     fn.allow_smem(size)
     return size

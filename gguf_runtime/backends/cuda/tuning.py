@@ -157,6 +157,11 @@ class Tuning:
                            grid_tokens=self.mmv_grid_tokens,
                            mmv_wide_rows=self.mmv_wide_rows == "all" or (verify and self.mmv_wide_rows == "verify"))
 
+    def moe_bounds(self, struct: str) -> tuple[int, int]:
+        """(GLU, down) blocks an SM for the experts' matvecs on int8 inputs, by the experts' kernel
+        type (quant_kernels' struct name)."""
+        return self.moe_min_blocks_mxfp4 if struct == "TMXFP4" else self.moe_min_blocks
+
     def mmv_override(self, role: str, type_name: str | None = None) -> tuple[int, int] | None:
         """(R, WG) for a role's matvec (and one weight type: "DOWN_Q6_K"), where measuring sets one."""
         table = dict(self.mmv)
@@ -256,9 +261,8 @@ def _parse(name: str, text: str):
         if name == "pdl_big_graph_kernels":
             return tuple(p for p in text.split("+") if p)
         if name in ("attn_small", "attn_big", "mma_stages", "tiles_shape", "flash_shape",
-                    "decode_shape", "deep_decode_shape", "moe_rows", "moe_min_blocks", "moe_min_blocks_mxfp4", "mma_shape",
-                    "glu_shape",
-                    "mmv_grid_waves"):
+                    "decode_shape", "deep_decode_shape", "moe_rows", "moe_min_blocks", "moe_min_blocks_mxfp4",
+                    "mma_shape", "glu_shape", "mmv_grid_waves"):
             return None if text == "none" else _pair(name, text)
         return text
     except ValueError:
