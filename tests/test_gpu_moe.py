@@ -149,7 +149,9 @@ def test_expert_products(k, rng, name, int8):
     assert (resd.get()[:, n_out:] == res[:, n_out:]).all(), "wrote past the rows"
 
 
-@pytest.mark.parametrize("name,act,used", [("MXFP4", "swiglu_oai", 4), ("Q4_K", "silu", 8), ("Q6_K", "silu", 8)])
+@pytest.mark.parametrize("name,act,used", [("MXFP4", "swiglu_oai", 4), ("Q4_K", "silu", 8), ("Q6_K", "silu", 8),
+                                           ("Q5_K", "silu", 8), ("Q3_K", "silu", 8), ("IQ4_XS", "silu", 8),
+                                           ("IQ2_XXS", "silu", 8)])
 @pytest.mark.parametrize("mb", [(3, 2), (4, 4)])
 def test_min_blocks_keep_the_bits(k, rng, name, act, used, mb):
     """Launch bounds that cap the registers (the tuning table's moe_min_blocks) leave every bit of the

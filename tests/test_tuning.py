@@ -103,3 +103,17 @@ def test_q8_rests_by_architecture_and_override():
     assert tuning.choose(BIG, overrides="q8_res=o+head").q8_res == {"o", "head"}
     with pytest.raises(BackendError, match="not among the roles qkv, o, glu, down, head"):
         tuning.choose(BIG, overrides="q8_res=qkv+mlp")
+
+
+def test_moe_bounds_by_quant_type():
+    """The experts' launch bounds: MXFP4's pair, the wide GLUs' pair, the others' (Q6_K's GLU spills
+    at three blocks, so it is not wide); the wide set is overridable and a wrong type name is one line."""
+    t = Tuning()
+    assert t.moe_bounds("MXFP4") == t.moe_min_blocks_mxfp4
+    assert t.moe_bounds("Q5_K") == t.moe_bounds("IQ4_XS") == t.moe_min_blocks_wide
+    assert t.moe_bounds("Q6_K") == t.moe_bounds("Q4_K") == t.moe_min_blocks
+    assert t.moe_min_blocks_wide != t.moe_min_blocks
+    over = tuning.choose(BIG, overrides="moe_wide_glu=Q6_K;moe_min_blocks_wide=2:1")
+    assert over.moe_bounds("Q6_K") == (2, 1) and over.moe_bounds("Q5_K") == over.moe_min_blocks
+    with pytest.raises(BackendError, match="Q9_K not quant types"):
+        tuning.choose(BIG, overrides="moe_wide_glu=Q9_K")

@@ -595,7 +595,7 @@ class CudaBlocks:
     def _moe_min_blocks(self, m: L.Mat, which: int, q8: L.Q8Vec | None) -> int:
         """Launch bounds of the experts' matvec GLU (which 0) or down (1): the tuning table's for the
         type, on int8 inputs only (the measured path; on f32 inputs some types would spill)."""
-        return self.tune.moe_bounds(m.struct)[which] if q8 is not None else 1
+        return self.tune.moe_bounds(FORMATS[m.type_id].name)[which] if q8 is not None else 1
 
     def _moe_biased(self, x: cp.ndarray, h: cp.ndarray, q8: L.Q8Vec | None, layer: int) -> None:
         """The experts with biases (gpt-oss: gate, up and down each add its expert's row) and its

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from ...errors import BackendError
+from ...quant_kernels.formats import FORMATS
 from ...quant_kernels.knobs import ATTN_MAX_SPLITS, KernelKnobs
 from ...quant_kernels.kv_layout import KV_TYPES
 
@@ -73,6 +74,11 @@ class Tuning:
     # went from 182 registers, one block an SM, to 128 and two (bench/RESULTS.md 255)
     moe_min_blocks_mxfp4: tuple[int, int] = (3, 4)  # the same for MXFP4 experts (gpt-oss: the GLU from 239
     # registers, two blocks an SM, to 160 and three; down from 152 to 123 and four; RESULTS 255)
+    moe_min_blocks_wide: tuple[int, int] = (3, 2)  # ... and for the types of moe_wide_glu (RESULTS 257)
+    moe_wide_glu: frozenset[str] = frozenset({  # experts whose GLU ptxas gives over 200 registers unbounded (two
+        # blocks an SM) and none spilled at three: Q5_K, Q3_K and IQ4_XS retypes of the Qwen3-30B-A3B twin
+        # gained by it, the other i-quants' registers are alike; not Q6_K (it spills at three)
+        "Q2_K", "Q3_K", "Q5_K", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_S", "IQ1_M"})
     # -- attention
     attn_early: bool = True  # decode rows load keys before waiting for the QKV kernel
     own_row: bool = True  # q8_0 / q4_0 caches: flash_decode quantizes a decode row's key (no rope_kv launch)
@@ -157,10 +163,11 @@ class Tuning:
                            grid_tokens=self.mmv_grid_tokens,
                            mmv_wide_rows=self.mmv_wide_rows == "all" or (verify and self.mmv_wide_rows == "verify"))
 
-    def moe_bounds(self, struct: str) -> tuple[int, int]:
-        """(GLU, down) blocks an SM for the experts' matvecs on int8 inputs, by the experts' kernel
-        type (quant_kernels' struct name)."""
-        return self.moe_min_blocks_mxfp4 if struct == "TMXFP4" else self.moe_min_blocks
+    def moe_bounds(self, type_name: str) -> tuple[int, int]:
+        """(GLU, down) blocks an SM for the experts' matvecs on int8 inputs, by the experts' quant type."""
+        if type_name == "MXFP4":
+            return self.moe_min_blocks_mxfp4
+        return self.moe_min_blocks_wide if type_name in self.moe_wide_glu else self.moe_min_blocks
 
     def mmv_override(self, role: str, type_name: str | None = None) -> tuple[int, int] | None:
         """(R, WG) for a role's matvec (and one weight type: "DOWN_Q6_K"), where measuring sets one."""
@@ -262,6 +269,7 @@ def _parse(name: str, text: str):
             return tuple(p for p in text.split("+") if p)
         if name in ("attn_small", "attn_big", "mma_stages", "tiles_shape", "flash_shape",
                     "decode_shape", "deep_decode_shape", "moe_rows", "moe_min_blocks", "moe_min_blocks_mxfp4",
+                    "moe_min_blocks_wide",
                     "mma_shape", "glu_shape", "mmv_grid_waves"):
             return None if text == "none" else _pair(name, text)
         return text
@@ -280,7 +288,7 @@ def _check(t: Tuning) -> None:
     if not (t.moe_rows[0] in (2, 4, 6, 8) and 1 <= t.moe_rows[1] <= 8):
         raise BackendError(f"{ENV}: moe_rows={t.moe_rows[0]}:{t.moe_rows[1]}: give GLU rows 2, 4, 6 or 8 "
                            "and down rows 1 to 8")
-    for name in ("moe_min_blocks", "moe_min_blocks_mxfp4"):
+    for name in ("moe_min_blocks", "moe_min_blocks_mxfp4", "moe_min_blocks_wide"):
         if not all(1 <= b <= 8 for b in getattr(t, name)):
             raise BackendError(f"{ENV}: {name}={getattr(t, name)[0]}:{getattr(t, name)[1]}: give 1 to 8 blocks an SM")
     if t.serve_pack_rows not in (0, 16, 32, 48, 64):
@@ -309,6 +317,10 @@ def _check(t: Tuning) -> None:
         wrong = sorted(getattr(t, name) - set(ROLE_SETS))
         if wrong:
             raise BackendError(f"{ENV}: {name}: {', '.join(wrong)} not among the roles {', '.join(ROLE_SETS)}")
+    quants = {f.name for f in FORMATS.values()}
+    wrong = sorted(t.moe_wide_glu - quants)
+    if wrong:
+        raise BackendError(f"{ENV}: moe_wide_glu: {', '.join(wrong)} not quant types ({', '.join(sorted(quants))})")
 
 
 def help() -> str:  # noqa: A001
