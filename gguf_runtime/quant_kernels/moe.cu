@@ -50,12 +50,12 @@ DEV void topk_warp(const float* logits, const float* __restrict__ bias, int E, i
 #pragma unroll
         for (int i = 0; i < PER; ++i)
             if (p[i] > bv) { bv = p[i]; bi = lane + 32 * i; }  // ascending ids: the first wins ties
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
-        }
+        // the warp's best: the largest probability (p >= 0 orders as its bits; -1, taken or none, as 0),
+        // then the lowest id holding it (two reductions in place of five shuffle steps)
+        const u32 key = bv < 0.f ? 0u : __float_as_uint(bv) + 1u;
+        const u32 top = __reduce_max_sync(0xffffffffu, key);
+        bi = (int)__reduce_min_sync(0xffffffffu, key == top ? (u32)bi : 0xffffffffu);
+        bv = top == 0u ? -1.f : __uint_as_float(top - 1u);
         bi = min(max(bi, 0), E - 1);
 #pragma unroll
         for (int i = 0; i < PER; ++i)
