@@ -193,6 +193,51 @@ def test_min_blocks_keep_the_bits(k, rng, name, act, used, mb):
         assert (before.view(np.uint32) == after.view(np.uint32)).all()
 
 
+@pytest.mark.parametrize("name,act,n_expert,used,biased", [("Q4_K", "silu", 128, 8, False),
+                                                          ("MXFP4", "swiglu_oai", 32, 4, True),
+                                                          ("Q5_K", "silu", 60, 4, False)])
+@pytest.mark.parametrize("t", [1, 3, 8])
+def test_topk_in_the_glu(k, rng, name, act, n_expert, used, biased, t):
+    """The GLU that picks its experts (glu's topk: no moe_topk launch) writes the ids and weights
+    moe_topk writes and every bit of the GLU's outputs (and its q8 epilogue) as after moe_topk, on
+    logits with ties; nothing past the rows."""
+    keep = []
+    n, d = 48, cols_for(name, 2)
+    gate, _ = stacked(name, n_expert, n, d, rng, keep)
+    up, _ = stacked(name, n_expert, n, d, rng, keep)
+    logits = (3 * rng.standard_normal((t, n_expert))).astype(np.float32)
+    logits[0, ::5] = logits[0].max() + 1  # ties at the top of the first token
+    ld = n_expert + 3
+    dev = cp.full((t, ld), POISON, cp.float32)
+    dev[:, :n_expert] = cp.asarray(logits)
+    bias = cp.asarray((2 * rng.standard_normal(n_expert)).astype(np.float32)) if biased else None
+    bptr = bias.data.ptr if biased else 0
+    x = rng.standard_normal((t, d)).astype(np.float32)
+    xd = cp.asarray(x)
+    q8, keep_q8, _ = q8_of(x)
+    keep.append(keep_q8)
+    LL.quantize_q8(k, xd.data.ptr, d, d, t, q8)
+    bg, bu = (cp.asarray(rng.standard_normal((n_expert, n)).astype(np.float32)) for _ in range(2))
+    got = []
+    for fused in (False, True):
+        ids = cp.full((t + 1, used), -7, cp.int32)
+        w = cp.full((t + 1, used), POISON, cp.float32)
+        if not fused:
+            LE.topk(k, dev.data.ptr, ld, n_expert, used, True, t, ids.data.ptr, w.data.ptr, bias=bptr)
+        g = cp.full((t * used, n), POISON, cp.float32)
+        gq, keep_g, _ = q8_of(np.zeros((t * used, n), np.float32))
+        LE.glu(k, gate, up, n, ids.data.ptr, used, xd.data.ptr, d, t * used, act, g.data.ptr, n, q8=q8, r=8,
+               q8_out=gq, biases=(bg.data.ptr, bu.data.ptr),
+               topk=LE.TopK(dev.data.ptr, ld, n_expert, True, w.data.ptr, bptr) if fused else None)
+        got.append((ids.get(), w.get(), g.get(), keep_g[0].get(), keep_g[1].get()))
+    want_ids, _ = ref_topk(logits + (bias.get() if biased else 0), used, True)
+    np.testing.assert_array_equal(got[1][0][:t], want_ids)
+    assert (got[1][0][t] == -7).all() and np.isnan(got[1][1][t]).all(), "wrote past the rows"
+    assert np.isfinite(got[0][2]).all() and np.abs(got[0][2]).max() > 0
+    for before, after in zip(*got):
+        assert (before.view(np.uint32) == after.view(np.uint32)).all()
+
+
 @pytest.mark.parametrize("shape", [(2, 1), LE.ROUTER])
 def test_router_without_ids_is_a_plain_product(k, rng, shape):
     """mv with ids None (the router): W x for each token, the F32 matrix itself."""

@@ -4,6 +4,8 @@ A stacked expert matrix is one ``Mat`` of n_expert * n rows; ``n`` is one expert
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .launch_core import ACT, fused_act, NO_PTRS, Kernels, Mat, Q8Vec, f32, i32, ptr
 from .launch_mma import mma_smem, mma_stages
 
@@ -27,6 +29,25 @@ def _x_args(x: int, ldx: int, norm: tuple[int, float] | None, q8: Q8Vec | None, 
 
 def _io(q8: Q8Vec | None) -> int:
     return (1 | q8.io()) if q8 is not None else 0
+
+
+@dataclass(frozen=True)
+class TopK:
+    """The router's top-k done by the expert GLU (glu's topk): logits [rows, ld] f32, n_expert of
+    them a token, the chosen ones renormalized where renorm, bias (gpt-oss's router bias) or 0; w:
+    the weights' buffer (ids: glu's own)."""
+    logits: int
+    ld: int
+    n_expert: int
+    renorm: bool
+    w: int
+    bias: int = 0
+
+    def args(self) -> tuple:
+        return (ptr(self.logits), i32(self.ld), i32(self.n_expert), ptr(self.bias), i32(self.renorm), ptr(self.w))
+
+
+NO_TOPK = TopK(0, 0, 0, False, 0)
 
 
 def topk(k: Kernels, logits: int, ld: int, n_expert: int, used: int, renorm: bool, rows: int, ids: int,
@@ -86,12 +107,16 @@ def router_topk(k: Kernels, m: Mat, x: int, ldx: int, rows: int, y: int, ldy: in
 
 def glu(k: Kernels, gate: Mat, up: Mat, n: int, ids: int, used: int, x: int, ldx: int, slots: int, act: str,
         y: int, ldy: int, norm: tuple[int, float] | None = None, q8: Q8Vec | None = None, r: int = 4,
-        q8_out: Q8Vec | None = None, biases: tuple[int, int] = (0, 0), mb: int = 1) -> None:
+        q8_out: Q8Vec | None = None, biases: tuple[int, int] = (0, 0), mb: int = 1,
+        topk: TopK | None = None) -> None:
     """y[s, :n] = act(G_e x'[s // used] + bg_e) * (U_e x'[s // used] + bu_e), e = ids[s] (gate and
     up of one type; biases (bg, bu): the experts' [n_expert, n] f32 rows, or 0, 0); act also gpt-oss's
     "swiglu_oai"; q8_out (r = 8: 16 rows a block; n % 16 == 0): y's int8 copy too, row s of it for slot s;
-    mb: blocks an SM its registers must allow (launch bounds; 1: the compiler's choice)."""
+    mb: blocks an SM its registers must allow (launch bounds; 1: the compiler's choice). topk: the
+    kernel picks the experts itself, as topk() would (no launch of it before), and writes ids and
+    topk.w for the down."""
     assert gate.type_id == up.type_id and gate.cols == up.cols
+    assert topk is None or (1 <= used <= min(topk.n_expert, MAX_USED) and topk.n_expert <= MAX_EXPERTS)
     io = _io(q8)
     if q8_out is not None:
         assert r // 2 * WARPS == 16 and n % 16 == 0
@@ -100,7 +125,7 @@ def glu(k: Kernels, gate: Mat, up: Mat, n: int, ids: int, used: int, x: int, ldx
     fn(((-(-n // (r // 2 * WARPS))), slots), (32 * WARPS,),
        (*gate.planes, *up.planes, i32(n), i32(gate.cols), ptr(ids), i32(used), *_x_args(x, ldx, norm, q8),
         ptr(y), i32(ldy), *(q8_out.ptrs() if q8_out is not None else (ptr(0), i32(0), ptr(0), i32(0), i32(0))),
-        ptr(biases[0]), ptr(biases[1])))
+        ptr(biases[0]), ptr(biases[1]), *(topk or NO_TOPK).args()))
 
 
 def down(k: Kernels, m: Mat, n: int, ids: int, w: int, used: int, x: int, ldx: int, rows: int, y: int, ldy: int,

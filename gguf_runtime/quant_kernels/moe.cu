@@ -86,7 +86,9 @@ __global__ void __launch_bounds__(32 * MOE_WARPS) moe_mv(PLANES(0), int n, int K
         int k, const float* __restrict__ x, int ldx, const float* __restrict__ nw, float eps, XQ_ARGS,
         float* __restrict__ y, int ldy) {
     const int s = blockIdx.y, row0 = group_row0<R, WG, MOE_WARPS>();
-    pdl_enter();  // before the ids: the router's kernel writes them
+    // before the ids (the router's kernel writes them); the router itself (ids null) loads its first
+    // weights before mmv_any's pdl_enter, as the other matvecs do
+    if (ids) pdl_enter();
     const int e = ids ? ids[s] : 0;
     Mat m[R]; int row[R];
 #pragma unroll
@@ -157,18 +159,36 @@ __global__ void __launch_bounds__(32 * MOE_WARPS) moe_router_topk(PLANES(0), int
 // SwiGLU; bg, bu (or null): the experts' gate and up biases ([experts, n], added before it). x' as
 // moe_mv's. XIO bit 1 (R = 8: a block's 16 rows): a q8 epilogue also writes y's int8 copy (down's
 // input; bit 4: with the rests) into row s of oq / os. MB: blocks an SM the registers must allow
-// (launch bounds; 1: the compiler's choice).
+// (launch bounds; 1: the compiler's choice). Top-k in the block (logits non-null; in place of a
+// moe_topk launch before it): warp 0 runs topk_warp over token s / k's logits[:E] (+ rbias, or null;
+// renormalized where norm) and the block takes its rank's expert; the blocks of blockIdx.x 0 and
+// rank 0 write the token's ids and w for the down.
 template <class T, int R, int WG, int ACT, int XIO, int MB = 1>
 __global__ void __launch_bounds__(32 * MOE_WARPS, MB) moe_glu(PLANES(0), PLANES(1), int n, int K,
-        const int* __restrict__ ids, int k, const float* __restrict__ x, int ldx, const float* __restrict__ nw,
+        int* ids, int k, const float* __restrict__ x, int ldx, const float* __restrict__ nw,
         float eps, XQ_ARGS, float* __restrict__ y, int ldy, u8* oq, int ldoq, float4* os, int ldos, int ores,
-        const float* __restrict__ bg, const float* __restrict__ bu) {
+        const float* __restrict__ bg, const float* __restrict__ bu, const float* logits, int ldl, int E,
+        const float* __restrict__ rbias, int norm, float* w) {
     constexpr int H = R / 2;
     constexpr bool QO = (XIO & 2) != 0;
     static_assert(!QO || H * MOE_WARPS / WG == 16, "a q8 epilogue takes 16 rows a block");
     const int s = blockIdx.y, row0 = group_row0<H, WG, MOE_WARPS>();
     pdl_enter();
-    const int e = ids[s];
+    int e;
+    if (logits) {
+        __shared__ int s_ids[32];
+        __shared__ float s_w[32];
+        const int t = s / k, j = s - t * k;
+        if (threadIdx.x < 32) topk_warp(logits + (long)t * ldl, rbias, E, k, norm, s_ids, s_w, threadIdx.x);
+        __syncthreads();
+        e = s_ids[j];
+        if (blockIdx.x == 0 && j == 0 && threadIdx.x < k) {
+            ids[s + threadIdx.x] = s_ids[threadIdx.x];
+            w[s + threadIdx.x] = s_w[threadIdx.x];
+        }
+    } else {
+        e = ids[s];
+    }
     Mat m[R]; int row[R];
 #pragma unroll
     for (int r = 0; r < H; ++r) {
@@ -286,12 +306,13 @@ extern "C" __global__ void moe_add_bias(float* y, int ldy, const float* __restri
 #define XQ_TYPES const u8*, int, const float4*, int, int, int, float
 #define P4 const u8*, const u8*, const u8*, const u8*
 #define QO_TYPES u8*, int, float4*, int, int
+#define TOPK_TYPES const float*, int, int, const float*, int, float*
 #define MOE(T, IO)                                                                                              \
     template __global__ void moe_mv<T, 1, 4, IO>(P4, int, int, const int*, int, const float*, int, const float*, \
                                                  float, XQ_TYPES, float*, int);                                 \
-    template __global__ void moe_glu<T, 4, 1, 0, IO>(P4, P4, int, int, const int*, int, const float*, int,      \
+    template __global__ void moe_glu<T, 4, 1, 0, IO>(P4, P4, int, int, int*, int, const float*, int,            \
                                                      const float*, float, XQ_TYPES, float*, int, QO_TYPES,      \
-                                                     const float*, const float*);                               \
+                                                     const float*, const float*, TOPK_TYPES);                   \
     template __global__ void moe_down<T, 2, 8, IO>(P4, int, int, const int*, const float*, int, const float*,   \
                                                    int, XQ_TYPES, float*, int, const float*);
 MOE(TF32, 0) MOE(TF16, 0) MOE(TBF16, 0)
@@ -305,12 +326,12 @@ MOE(TIQ3_S, 0) MOE(TIQ1_S, 0) MOE(TIQ1_M, 0)
 MOE(TIQ2_XXS, 1) MOE(TIQ2_XS, 1) MOE(TIQ2_S, 1) MOE(TIQ3_XXS, 1)
 MOE(TIQ3_S, 1) MOE(TIQ1_S, 1) MOE(TIQ1_M, 1)
 #define GLU_Q8(T, IO) \
-    template __global__ void moe_glu<T, 8, 1, 0, IO>(P4, P4, int, int, const int*, int, const float*, int, \
+    template __global__ void moe_glu<T, 8, 1, 0, IO>(P4, P4, int, int, int*, int, const float*, int,       \
                                                      const float*, float, XQ_TYPES, float*, int, QO_TYPES, \
-                                                     const float*, const float*);                          \
-    template __global__ void moe_glu<T, 8, 1, 2, IO>(P4, P4, int, int, const int*, int, const float*, int, \
+                                                     const float*, const float*, TOPK_TYPES);              \
+    template __global__ void moe_glu<T, 8, 1, 2, IO>(P4, P4, int, int, int*, int, const float*, int,       \
                                                      const float*, float, XQ_TYPES, float*, int, QO_TYPES, \
-                                                     const float*, const float*);
+                                                     const float*, const float*, TOPK_TYPES);
 GLU_Q8(TMXFP4, 3) GLU_Q8(TQ4_K, 3) GLU_Q8(TQ6_K, 3) GLU_Q8(TQ4_0, 3) GLU_Q8(TQ8_0, 3) GLU_Q8(TQ4_K, 27)
 template __global__ void moe_router<1, 4, 8>(P4, int, int, int, const float*, int, const float*, float, float*, int);
 template __global__ void moe_router_topk<1, 4>(P4, int, int, const float*, int, const float*, float, float*, int, int,

@@ -552,18 +552,23 @@ class CudaBlocks:
         lds = src.strides[0] // 4
         logits, ids, w = ws.moe_logits, ws.moe_ids.data.ptr, ws.moe_w.data.ptr
         router = self.w.mat(p + "ffn_gate_inp.weight")
+        glu_topk = None
         if self.tune.moe_router_topk and not cfg.expert_bias and t <= LE.ROUTER_TILE and router.struct == "TF32":
             LE.router_topk(self.k, router, src.data.ptr, lds, t, logits.data.ptr, logits.strides[0] // 4, used,
                            cfg.expert_norm, ids, w, ws.moe_count.data.ptr, norm=rnorm)
         else:
             LE.router(self.k, router, src.data.ptr, lds, t, logits.data.ptr, logits.strides[0] // 4, norm=rnorm)
             bias = self.w.vec(p + "ffn_gate_inp.bias").data.ptr if cfg.expert_bias else 0  # (added by topk)
-            LE.topk(self.k, logits.data.ptr, logits.strides[0] // 4, cfg.n_expert, used, cfg.expert_norm, t, ids, w,
-                    bias=bias)
+            if t <= self.tune.moe_topk_glu_rows and self._small(t) and gate.type_id == up.type_id:
+                # the matvec GLU picks the experts (its first kernel to read them) and writes them for down
+                glu_topk = LE.TopK(logits.data.ptr, logits.strides[0] // 4, cfg.n_expert, cfg.expert_norm, w, bias)
+            else:
+                LE.topk(self.k, logits.data.ptr, logits.strides[0] // 4, cfg.n_expert, used, cfg.expert_norm, t,
+                        ids, w, bias=bias)
         if self.comm is not None and not self.lead:  # (h and the experts are chosen: only this rank's parts add)
             cp.cuda.runtime.memsetAsync(x.data.ptr, 0, t * x.strides[0], cp.cuda.get_current_stream().ptr)
         if cfg.expert_bias:
-            self._moe_biased(x, h, q8, layer)
+            self._moe_biased(x, h, q8, layer, glu_topk)
             return x
         g, n = ws.moe_g, cfg.n_ff_exp
         ldg = g.strides[0] // 4
@@ -577,7 +582,7 @@ class CudaBlocks:
         fused = gq is not None and gate.type_id == up.type_id and r_glu == 8 and n % 16 == 0
         if gate.type_id == up.type_id:  # (fused: the GLU's q8 epilogue writes down's int8 input)
             LE.glu(self.k, gate, up, n, ids, used, src.data.ptr, lds, slots, cfg.activation, g.data.ptr, ldg, q8=q8,
-                   r=r_glu, q8_out=gq if fused else None, mb=self._moe_min_blocks(gate, 0, q8))
+                   r=r_glu, q8_out=gq if fused else None, mb=self._moe_min_blocks(gate, 0, q8), topk=glu_topk)
         else:
             u = ws.moe_u
             for m, out in ((gate, g), (up, u)):
@@ -597,13 +602,15 @@ class CudaBlocks:
         type, on int8 inputs only (the measured path; on f32 inputs some types would spill)."""
         return self.tune.moe_bounds(FORMATS[m.type_id].name)[which] if q8 is not None else 1
 
-    def _moe_biased(self, x: cp.ndarray, h: cp.ndarray, q8: L.Q8Vec | None, layer: int) -> None:
+    def _moe_biased(self, x: cp.ndarray, h: cp.ndarray, q8: L.Q8Vec | None, layer: int,
+                    glu_topk: LE.TopK | None) -> None:
         """The experts with biases (gpt-oss: gate, up and down each add its expert's row) and its
         clamped SwiGLU: within the matvec rows moe_glu adds the gate and up biases before the GLU
         (its q8 epilogue writing down's int8 input) and moe_down adds down's under the router's
         weights; past them the slots sorted by expert into tensor-core tiles for each product
         (moe_mma_down's kernel: outputs in slot order), the biases and the GLU (layers.cu) in slot
-        order, its outputs gathered back in expert order (f16) for down, combined in rank order."""
+        order, its outputs gathered back in expert order (f16) for down, combined in rank order.
+        glu_topk: the GLU picks the experts (_moe_ffn launched no top-k)."""
         cfg, ws, p = self.cfg, self.ws, f"blk.{layer}."
         t, used, n = x.shape[0], cfg.n_expert_used, cfg.n_ff_exp
         slots = t * used
@@ -620,7 +627,7 @@ class CudaBlocks:
                 fused = gq is not None and r_glu == 8
                 LE.glu(self.k, gate, up, n, ids, used, h.data.ptr, ldh, slots, cfg.activation, g.data.ptr, ldg,
                        q8=q8, r=r_glu, q8_out=gq if fused else None, biases=(bias["gate"], bias["up"]),
-                       mb=self._moe_min_blocks(gate, 0, q8))
+                       mb=self._moe_min_blocks(gate, 0, q8), topk=glu_topk)
             else:
                 fused = False
                 for m, out, name in ((gate, g, "gate"), (up, u, "up")):
