@@ -77,7 +77,7 @@ def test_environment_is_the_default_override(monkeypatch):
     ("bogus=1", "no field 'bogus'"), ("q8", "not field=value"), ("q8=maybe", "q8='maybe'"),
     ("decode_mmv_rows=9", "decode_mmv_rows=9"), ("decode_mmv_rows=two", "decode_mmv_rows='two'"),
     ("kv_type=q8", "kv_type='q8'"), ("decode_splits=64", "decode_splits=64"), ("decode_splits=0", "1 to 32"), ("tiles=sometimes", "tiles='sometimes'"), ("pdl=2", "pdl='2'"),
-    ("moe_topk_glu_rows=9", "0 .never. to 8 rows"), ("mmv.ATTN=1:1", "the roles are"), ("mmv.QKV=2", "two numbers"), ("attn_big=4", "two numbers"),
+    ("moe_topk_glu_blocks=33", "0 .never. to 32 blocks"), ("mmv.ATTN=1:1", "the roles are"), ("mmv.QKV=2", "two numbers"), ("attn_big=4", "two numbers"),
 ])
 def test_bad_overrides_name_the_field(text, match):
     with pytest.raises(BackendError, match=match) as e:

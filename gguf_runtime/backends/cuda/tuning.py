@@ -64,8 +64,9 @@ class Tuning:
     # SmolLM2's and Gemma-3's verifications gained, their batch steps split both ways (bench/RESULTS.md)
     # -- mixtures of experts
     moe_norm_epilogue: bool = False  # MoE decode: O's epilogue writes the experts' int8 input (no FFN norm kernel); off: measured (RESULTS 195)
-    moe_topk_glu_rows: int = 1  # steps of up to this many rows: the experts' GLU kernel does the router's top-k
-    # (no moe_topk launch; every GLU block repeats it): one row gains, eight lose (bench/RESULTS.md 259)
+    moe_topk_glu_blocks: int = 3  # the experts' GLU kernel does the router's top-k (no moe_topk launch) where its
+    # blocks, each repeating it, fit this many an SM (one wave; 0: never): Qwen3-30B-A3B at one row gains,
+    # gpt-oss (two waves) and eight rows lose (bench/RESULTS.md 259, 261)
     moe_router_topk: bool = False  # steps of up to 8 rows: the router and its top-k in one launch (moe.cu); off: measured (RESULTS 195)
     moe_mma_slots: int = 0  # slots a tensor-core tile of one expert (8..64); 0: launch_moe.mma_tile_slots's rule
     moe_down_q8: bool = True  # the down matvec's input (the GLU's outputs) as int8 on the matvec path (row 111)
@@ -309,8 +310,8 @@ def _check(t: Tuning) -> None:
                            f"{ATTN_MAX_SPLITS} splits a row")
     if not 0 <= t.prefill_mma_rows <= 64:  # (the tensor-core products' split scratch: 64 rows)
         raise BackendError(f"{ENV}: prefill_mma_rows={t.prefill_mma_rows}: give 0 (off) to 64 rows")
-    if not 0 <= t.moe_topk_glu_rows <= 8:
-        raise BackendError(f"{ENV}: moe_topk_glu_rows={t.moe_topk_glu_rows}: give 0 (never) to 8 rows")
+    if not 0 <= t.moe_topk_glu_blocks <= 32:
+        raise BackendError(f"{ENV}: moe_topk_glu_blocks={t.moe_topk_glu_blocks}: give 0 (never) to 32 blocks an SM")
     if not 1 <= t.decode_mmv_rows <= 8:
         raise BackendError(f"{ENV}: decode_mmv_rows={t.decode_mmv_rows}: give a number of rows from 1 to 8")
     for name, allowed in (("tiles", ("auto", "on", "off")), ("pdl", ("auto", "off", "all")),
