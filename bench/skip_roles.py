@@ -4,9 +4,9 @@ off a benchmark. The outputs are then wrong; nothing of this is in the product.
 
 Roles: qkv, attn, o, glu, down, head (matvecs and attention, by the calling method), norm (every
 rmsnorm kernel), router (a mixture of experts' router, and its top-k where that is a launch of its
-own: the experts then read the ids left in the buffer) and experts (the chosen experts' products). ``skip(backend, {"attn", "o"})``
-patches the blocks module's launcher references; ``skip(backend, set())`` restores them.
-Captured graphs are dropped.
+own: the experts then read the ids left in the buffer) and experts (the chosen experts' products).
+``skip(backend, {"attn", "o"})`` patches the blocks module's launcher references;
+``skip(backend, set())`` restores them. Captured graphs are dropped.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from gguf_runtime.quant_kernels import launchers as L
 
 ROLES = ("qkv", "attn", "o", "glu", "down", "head", "norm", "router", "experts")
 BY_CALLER = ("mmv", "mmv_glu", "attention", "attention_tiles", "flash_decode")  # role from the calling method
-FIXED = {"rmsnorm": "norm", "router": "router", "topk": "router", "router_topk": "router", "glu": "experts",
-         "down": "experts", "mv": "experts"}
+NORM = {"rmsnorm": "norm"}  # launch_layers' launchers of a fixed role
+MOE = {"router": "router", "topk": "router", "router_topk": "router", "glu": "experts", "down": "experts",
+       "mv": "experts"}  # launch_moe's
 
 
 class _Skipping:
@@ -58,6 +59,6 @@ def skip(backend, roles: set[str] | frozenset[str]) -> None:
         raise SystemExit(f"skip: unknown roles {sorted(bad)}; roles are {', '.join(ROLES)}")
     B.L = _Skipping(L, frozenset(roles)) if roles else L
     B.LA = _Skipping(LA, frozenset(roles)) if roles else LA
-    B.LL = _Skipping(LL, frozenset(roles), {"rmsnorm": "norm"}) if roles else LL
-    B.LE = _Skipping(LE, frozenset(roles), {k: v for k, v in FIXED.items() if k != "rmsnorm"}) if roles else LE
+    B.LL = _Skipping(LL, frozenset(roles), NORM) if roles else LL
+    B.LE = _Skipping(LE, frozenset(roles), MOE) if roles else LE
     backend.graphs.clear()

@@ -105,6 +105,11 @@ def router_topk(k: Kernels, m: Mat, x: int, ldx: int, rows: int, y: int, ldy: in
         ptr(ids), ptr(w), ptr(counters)))
 
 
+def glu_blocks(n: int, slots: int, r: int) -> int:
+    """Blocks of glu's launch: r / 2 gate and up rows a warp over n rows, for each slot."""
+    return -(-n // (r // 2 * WARPS)) * slots
+
+
 def glu(k: Kernels, gate: Mat, up: Mat, n: int, ids: int, used: int, x: int, ldx: int, slots: int, act: str,
         y: int, ldy: int, norm: tuple[int, float] | None = None, q8: Q8Vec | None = None, r: int = 4,
         q8_out: Q8Vec | None = None, biases: tuple[int, int] = (0, 0), mb: int = 1,
@@ -122,7 +127,7 @@ def glu(k: Kernels, gate: Mat, up: Mat, n: int, ids: int, used: int, x: int, ldx
         assert r // 2 * WARPS == 16 and n % 16 == 0
         io |= 2 | q8_out.io(True)
     fn = k.fn("moe.cu", f"moe_glu<{gate.struct}, {r}, 1, {ACT[act]}, {io}, {mb}>")
-    fn(((-(-n // (r // 2 * WARPS))), slots), (32 * WARPS,),
+    fn((glu_blocks(n, 1, r), slots), (32 * WARPS,),
        (*gate.planes, *up.planes, i32(n), i32(gate.cols), ptr(ids), i32(used), *_x_args(x, ldx, norm, q8),
         ptr(y), i32(ldy), *(q8_out.ptrs() if q8_out is not None else (ptr(0), i32(0), ptr(0), i32(0), i32(0))),
         ptr(biases[0]), ptr(biases[1]), *(topk or NO_TOPK).args()))

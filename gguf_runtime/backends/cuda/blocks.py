@@ -559,9 +559,9 @@ class CudaBlocks:
         else:
             LE.router(self.k, router, src.data.ptr, lds, t, logits.data.ptr, logits.strides[0] // 4, norm=rnorm)
             bias = self.w.vec(p + "ffn_gate_inp.bias").data.ptr if cfg.expert_bias else 0  # (added by topk)
-            glu_blocks = -(-cfg.n_ff_exp // (self.tune.moe_rows[0] // 2 * LE.WARPS)) * slots
-            if (self._small(t) and gate.type_id == up.type_id
-                    and glu_blocks <= self.tune.moe_topk_glu_blocks * self.tune.sm_count):
+            one_wave = LE.glu_blocks(cfg.n_ff_exp, slots, self.tune.moe_rows[0]) <= \
+                self.tune.moe_topk_glu_blocks * self.tune.sm_count
+            if self._small(t) and gate.type_id == up.type_id and one_wave:
                 # the matvec GLU picks the experts (its first kernel to read them) and writes them for down
                 glu_topk = LE.TopK(logits.data.ptr, logits.strides[0] // 4, cfg.n_expert, cfg.expert_norm, w, bias)
             else:
