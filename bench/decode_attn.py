@@ -27,7 +27,8 @@ from gguf_runtime.quant_kernels import launch_attention as LA
 from gguf_runtime.quant_kernels import launchers as L
 from gguf_runtime.quant_kernels.sources import SRC_DIR
 
-SHAPES = {"8b": (32, 8, 128), "smollm2": (9, 3, 64), "gemma3": (4, 1, 256)}  # (heads, KV heads, head dim)
+SHAPES = {"8b": (32, 8, 128), "smollm2": (9, 3, 64), "gemma3": (4, 1, 256), "qwen3moe": (32, 4, 128),
+          "gptoss": (64, 8, 64)}  # (heads, KV heads, head dim)
 PAGE = 16
 
 
