@@ -55,7 +55,8 @@ def sequences(rng, depths, hkv, d, kv, extra=5):
 
 
 def run_decode(k, q, kc, vc, pos, seq, table, max_pages, hq, hkv, d, scale, cap, window, n_split, kv,
-               early=False, config=None, sinks=None, bulk=None, per_row=False):
+               early=False, config=None, sinks=None, bulk=None, per_row=False, ml=None):
+    """The outputs (t, hq * d); ``ml`` (a list): the (max, sum) partials are appended to it."""
     t = q.shape[0]
     out = cp.full((t, hq * d), POISON, cp.float32)
     part_o = cp.full(t * hq * n_split * d, POISON, cp.float32)
@@ -67,6 +68,8 @@ def run_decode(k, q, kc, vc, pos, seq, table, max_pages, hq, hkv, d, scale, cap,
                     part_ml.data.ptr, counter.data.ptr, out.data.ptr, hq * d, early=early, kv=kv, config=config,
                     sinks=sinks.data.ptr if sinks is not None else 0, bulk=bulk, per_row=per_row)
     assert not counter.get().any(), "the merging blocks leave the counters at zero"
+    if ml is not None:
+        ml.append(part_ml.get().reshape(t, hq, n_split, 2))
     return out.get()
 
 
@@ -226,6 +229,52 @@ def test_flash_decode_work_split(kv, window, rng):
     assert not o[-1].any()
     for i, (K, V) in enumerate(KV):
         assert rel(o[i], attention_ref(q[i:i + 1], K, V, pos[i:i + 1], scale, 0.0, window)[0]) < BAR
+
+
+@pytest.mark.parametrize("kv", ["f16", "q8_0"])
+@pytest.mark.parametrize("hkv", [4, 8])
+def test_flash_decode_fit_rounds(kv, hkv, rng):
+    """decode_fit (the table's threshold): a row split alone whose KV head's partials hold at least
+    decode_fit floats (its query heads x head dim: Qwen3-30B-A3B's 8 x 128, not the 8B's 4 x 128)
+    takes the fewest splits that give its warps as many rounds of tiles as min(n_split, keys /
+    min_keys) splits would (depth 4100, 32 splits of 8 warps: 17), the other splits' partials left
+    as they were (poison); below the threshold, or with decode_fit 0, about min(n_split, keys /
+    min_keys) of them (each count taken again from the tiles a split then takes). All equal the
+    reference."""
+    import dataclasses
+
+    d, hq, n_split = 128, 32, 32
+    depths = [4100, 9000, 700]
+    KV, kc, vc, table, max_pages = sequences(rng, depths, hkv, d, kv)
+    pos = np.array(depths, np.int32)
+    seq = np.arange(len(depths), dtype=np.int32)
+    q = rng.standard_normal((len(depths), hq, d)).astype(np.float32)
+    scale = 1 / math.sqrt(d)
+    refs = [attention_ref(q[i:i + 1], K, V, pos[i:i + 1], scale, 0.0, 0)[0] for i, (K, V) in enumerate(KV)]
+    counts = {}
+    for threshold in (Tuning().decode_fit, 0):
+        kw = L.Kernels(dataclasses.replace(Tuning(), decode_fit=threshold).knobs())
+        fit = threshold > 0 and hq // hkv * d >= threshold
+        nw, kt, _ = cfg = LA.decode_config(d, kv, kw.knobs.decode)
+        min_keys = LA.decode_min_keys(d, cfg, kv)
+        ml = []
+        o = run_decode(kw, q, kc, vc, pos, seq, table, max_pages, hq, hkv, d, scale, 0.0, 0, n_split, kv,
+                       early=True, ml=ml).reshape(len(depths), hq, d)
+        counts[threshold] = []
+        for i, p in enumerate(depths):
+            nt = -(-(p + 1) // kt)
+            ns = min(n_split, -(-(p + 1) // min_keys))
+            if fit:
+                rounds = -(-(-(-nt // ns)) // nw)
+                ns = -(-nt // (rounds * nw))
+            ns = -(-(p + 1) // (-(-nt // ns) * kt))  # counted again from the tiles a split takes
+            sums = ml[0][i, :, :, 1]  # (heads, splits): POISON (NaN) where no split wrote
+            written, untouched = int((~np.isnan(sums)).all(axis=0).sum()), int(np.isnan(sums).all(axis=0).sum())
+            assert (written, untouched) == (ns, n_split - ns), (threshold, p, written, untouched, ns)
+            assert rel(o[i], refs[i]) < BAR, (threshold, p)
+            counts[threshold].append(ns)
+    assert counts[0][:2] == [29, 32], counts  # no fit: 144- and 288-key splits
+    assert counts[Tuning().decode_fit][:2] == ([17, 24] if hkv == 4 else [29, 32]), counts
 
 
 @pytest.mark.parametrize("kv", ["q8_0", "q4_0"])

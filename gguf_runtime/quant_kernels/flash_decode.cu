@@ -3,10 +3,10 @@
 // share through per-warp cp.async rings deep enough to keep the cache's bytes in flight at depth.
 //
 // A block takes the G query heads of one KV head for row t and keys [start, end) of the row's
-// range cut into ns = min(n_split, ceil(n / min_keys)) chunks of whole KT-aligned tiles (blocks past
-// ns exit; keys before the window's start are masked), so that a tile of a page holds one run of
-// rows: one page lookup a tile (bench/RESULTS.md: the per-row lookups were half a q8_0 tile's
-// instructions). target > 0:
+// range cut into ns = min(n_split, ceil(n / min_keys)) chunks (fit: as few as give the warps as many
+// rounds, dec_splits) of whole KT-aligned tiles (blocks past ns exit; keys before the window's start
+// are masked), so that a tile of a page holds one run of rows: one page lookup a tile
+// (bench/RESULTS.md: the per-row lookups were half a q8_0 tile's instructions). target > 0:
 // the splits follow the work of the whole step instead, about ``target`` blocks in all (the SMs'
 // share): a split covers at least total keys x n_head_kv / target keys, so one long row among
 // short ones takes many blocks and each short one a single block. Calls of several rows number
@@ -214,12 +214,18 @@ DEV void dec_rope_head(const float* src, float* dst, const float* nw, float eps,
 
 // The splits of a row at position p (the keys of its window): with kps (the step's keys a split,
 // batches) n / kps of them, else enough of min_keys; at most n_split; whole KT-key tiles each, and
-// counted again from the tiles a split then takes, so that none is empty.
-template <int KT>
-DEV int dec_splits(int p, int window, int n_split, int min_keys, int kps) {
-    const int lo = window > 0 ? max(0, p - window + 1) : 0, n = p + 1 - lo / KT * KT;
-    const int ns = kps > 0 ? max(1, min(n_split, n / kps)) : min(n_split, (n + min_keys - 1) / min_keys);
-    const int chunk = ((n + KT - 1) / KT + ns - 1) / ns * KT;
+// counted again from the tiles a split then takes, so that none is empty. fit (without kps): then
+// the fewest splits whose NW warps take as many rounds of tiles each as those would (past n_split
+// x NW tiles): a split costs its row's merge a share of its bytes, a round a load's round trip.
+template <int KT, int NW>
+DEV int dec_splits(int p, int window, int n_split, int min_keys, int kps, int fit) {
+    const int lo = window > 0 ? max(0, p - window + 1) : 0, n = p + 1 - lo / KT * KT, nt = (n + KT - 1) / KT;
+    int ns = kps > 0 ? max(1, min(n_split, n / kps)) : min(n_split, (n + min_keys - 1) / min_keys);
+    if (fit && kps == 0) {
+        const int rounds = ((nt + ns - 1) / ns + NW - 1) / NW;
+        ns = (nt + rounds * NW - 1) / (rounds * NW);
+    }
+    const int chunk = (nt + ns - 1) / ns * KT;
     return (n + chunk - 1) / chunk;
 }
 
@@ -228,7 +234,7 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
         const float* __restrict__ q, int ldq, const KV* __restrict__ kcache, const KV* __restrict__ vcache,
         const int* __restrict__ pos, const int* __restrict__ seq, const int* __restrict__ table, int max_pages,
         int page_size, int n_head_kv, float scale, float cap, int window, int n_split, int min_keys, int target,
-        int early, float* __restrict__ part_o, float* __restrict__ part_ml, unsigned* __restrict__ counter,
+        int fit, int early, float* __restrict__ part_o, float* __restrict__ part_ml, unsigned* __restrict__ counter,
         float* __restrict__ out, int ldo, u16* __restrict__ out16, int ld16, u8* oq, int ldoq, float4* os,
         int ldos, int ores, const float* __restrict__ sinks, const float* __restrict__ own_kv, int ld_own, int rows,
         const double* __restrict__ inv_freq, int n_rot, int neox, const float* __restrict__ qnw,
@@ -259,7 +265,8 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
         t = -1;
         for (int r0 = 0; r0 < rows && t < 0; r0 += 32) {
             const int r = r0 + lane;
-            const int c = r < rows ? dec_splits<KT>(seq[r] < 0 ? 0 : pos[r], window, n_split, min_keys, kps) : 0;
+            const int c =
+                r < rows ? dec_splits<KT, NW>(seq[r] < 0 ? 0 : pos[r], window, n_split, min_keys, kps, fit) : 0;
             int inc = c;
 #pragma unroll
             for (int o = 1; o < 32; o <<= 1) {
@@ -283,7 +290,7 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
     const int lo = window > 0 ? max(0, p - window + 1) : 0;
     const int base = lo / KT * KT;  // tiles start at multiples of KT (keys below lo are masked)
     const int n = p + 1 - base;
-    const int ns = dec_splits<KT>(p, window, n_split, min_keys, kps);
+    const int ns = dec_splits<KT, NW>(p, window, n_split, min_keys, kps, fit);
     // a split's keys: whole tiles (dec_splits: none is empty)
     const int chunk = ((n + KT - 1) / KT + ns - 1) / ns * KT;
     if (s >= ns) return;
@@ -667,14 +674,14 @@ __global__ void __launch_bounds__(32 * NW) flash_decode(
 #ifdef GGUF_INSTANTIATE_ALL
 #define INST1(D, G, NW, KT, ST, KV) template __global__ void flash_decode<D, G, NW, KT, ST, KV>(const float*, int, \
     const KV*, const KV*, const int*, const int*, const int*, int, int, int, float, float, int, int, int, int, \
-    int, float*, float*, unsigned*, float*, int, u16*, int, u8*, int, float4*, int, int, const float*, \
+    int, int, float*, float*, unsigned*, float*, int, u16*, int, u8*, int, float4*, int, int, const float*, \
     const float*, int, int, const double*, int, int, const float*, const float*, float);
 #define INST(D, G, NW, KT, ST) INST1(D, G, NW, KT, ST, float) INST1(D, G, NW, KT, ST, u16) \
     INST1(D, G, NW, KT, ST, kvq8) INST1(D, G, NW, KT, ST, kvq4)
 INST(64, 1, 4, 16, 3) INST(64, 3, 4, 16, 3) INST(128, 4, 4, 16, 3) INST(128, 4, 4, 16, 4) INST(128, 4, 4, 32, 3)
 INST(128, 8, 4, 16, 3) INST(256, 4, 4, 16, 3) INST(256, 8, 4, 16, 3) INST(128, 4, 2, 16, 4) INST(128, 4, 8, 16, 2)
 template __global__ void flash_decode<128, 4, 8, 16, 2, u16, 1>(const float*, int, const u16*, const u16*, const int*,
-    const int*, const int*, int, int, int, float, float, int, int, int, int, int, float*, float*, unsigned*, float*,
-    int, u16*, int, u8*, int, float4*, int, int, const float*, const float*, int, int, const double*, int, int,
+    const int*, const int*, int, int, int, float, float, int, int, int, int, int, int, float*, float*, unsigned*,
+    float*, int, u16*, int, u8*, int, float4*, int, int, const float*, const float*, int, int, const double*, int, int,
     const float*, const float*, float);
 #endif

@@ -26,6 +26,8 @@ class KernelKnobs(NamedTuple):
     flash: tuple[int, int] | None = None  # flash_attn (rows per block, keys per tile); None: flash_config
     decode: tuple[int, int, int] = (0, 0, 0)  # flash_decode (warps, keys per tile, stages); 0: decode_config's rule
     decode_min_keys: int = 0  # flash_decode: keys a split at least (0: one tile a warp)
+    decode_fit: int = 1024  # flash_decode, rows split alone: the fewest splits for their warps' tile rounds where
+    # a KV head's partials (query heads x head dim) hold at least this many floats (0: never)
     decode_bulk: bool = False  # flash_decode: f16 tiles by cp.async.bulk, a row a request (not cp.async pieces)
     decode_packed: bool = True  # flash_decode of several rows: its (row, split) blocks numbered row by row in grid.y
     sm_count: int = 0  # flash_decode splits by the step's work for this many SMs (0: by n_split alone)

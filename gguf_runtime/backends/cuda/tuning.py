@@ -103,6 +103,9 @@ class Tuning:
     decode_shape: tuple[int, int] | None = None  # flash_decode (keys a tile, stages); None: decode_config's 16:2
     decode_warps: int = 0  # flash_decode's warps a block; 0: decode_config's (8, fewer where rings do not fit)
     decode_min_keys: int = 0  # flash_decode's keys a split at least; 0: launch_attention.decode_min_keys's rule
+    decode_fit: int = 1024  # rows split alone: the fewest splits giving their warps as many rounds of tiles, where a
+    # KV head's partials (query heads x head dim) hold this many floats (0: never): fewer to merge won there and
+    # lost where they are half that (bench/RESULTS.md row 264)
     flash_decode_batch: bool = True  # ... and tensor-core steps attention_tiles does not take (8B B=4-16: +6-8%)
     decode_bulk: bool = False  # flash_decode's f16 tiles by cp.async.bulk, a row a request (slower: RESULTS 225)
     decode_packed: bool = True  # flash_decode of several rows: (row, split) blocks in grid.y, keyed ones first (off: z rows)
@@ -158,7 +161,8 @@ class Tuning:
                            glu_min_blocks=self.glu_min_blocks, tiles=self.tiles_shape,
                            flash=self.flash_shape,
                            decode=(self.decode_warps, *(self.decode_shape or (0, 0))),
-                           decode_min_keys=self.decode_min_keys, decode_bulk=self.decode_bulk,
+                           decode_min_keys=self.decode_min_keys, decode_fit=self.decode_fit,
+                           decode_bulk=self.decode_bulk,
                            decode_packed=self.decode_packed,
                            sm_count=self.sm_count if self.decode_work_split else 0, mma_shape=self.mma_shape,
                            mmv_token_grid=self.mmv_token_grid, gpu_sms=self.sm_count,
