@@ -193,6 +193,43 @@ def test_min_blocks_keep_the_bits(k, rng, name, act, used, mb):
         assert (before.view(np.uint32) == after.view(np.uint32)).all()
 
 
+@pytest.mark.parametrize("name,fcols", [("Q6_K", 768), ("Q4_K", 512), ("MXFP4", 512), ("Q6_K", 256)])
+@pytest.mark.parametrize("n_out", [40, 56])
+@pytest.mark.parametrize("biased", [False, True])
+def test_down_sub_sets(k, rng, name, fcols, n_out, biased):
+    """down's sub-warp row sets (sub: rows of at most 16 units, two sets of 16 lanes a warp, each on
+    its own rows; Qwen3-30B-A3B's Q6_K down of 768 columns has 12 units a row) against the float64
+    reference and the one-set launch, with the rows past n_out (a block's second set past the end)
+    left alone; int8 inputs, biases or none."""
+    keep = []
+    n_expert, used, t = 16, 8, 3
+    down, wd = stacked(name, n_expert, n_out, fcols, rng, keep)
+    ids = np.stack([rng.permutation(n_expert)[:used] for _ in range(t)]).astype(np.int32)
+    wts = rng.random((t, used)).astype(np.float32)
+    idd, wdv = cp.asarray(ids), cp.asarray(wts)
+    a = rng.standard_normal((t * used, fcols)).astype(np.float32)
+    ad = cp.asarray(a)
+    a_q8, keep_a, ar = q8_of(a)
+    keep.append(keep_a)
+    LL.quantize_q8(k, ad.data.ptr, fcols, fcols, t * used, a_q8)
+    bd = rng.standard_normal((n_expert, n_out)).astype(np.float32) if biased else None
+    bdd = cp.asarray(bd) if biased else None
+    res = rng.standard_normal((t, n_out + 2)).astype(np.float32)
+    want = res.astype(np.float64)
+    for s, e in enumerate(ids.reshape(-1)):
+        want[s // used, :n_out] += wts.reshape(-1)[s] * (wd[e] @ ar[s] + (bd[e] if biased else 0.0))
+    got = []
+    for sub in (True, False):
+        y = cp.asarray(res)
+        LE.down(k, down, n_out, idd.data.ptr, wdv.data.ptr, used, ad.data.ptr, fcols, t, y.data.ptr, n_out + 2,
+                q8=a_q8, r=4, bias=bdd.data.ptr if biased else 0, mb=2, sub=sub)
+        got.append(y.get())
+        assert rel(got[-1], want) < 3e-5, sub
+        assert (got[-1][:, n_out:] == res[:, n_out:]).all(), "wrote past the rows"
+    assert LE.down_sub(down, a_q8), "the launch took the sub-warp sets"
+    assert rel(got[0], got[1]) < 1e-6
+
+
 @pytest.mark.parametrize("name,act,n_expert,used,biased", [("Q4_K", "silu", 128, 8, False),
                                                           ("MXFP4", "swiglu_oai", 32, 4, True),
                                                           ("Q5_K", "silu", 60, 4, False)])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .launch_core import ACT, fused_act, NO_PTRS, Kernels, Mat, Q8Vec, f32, i32, ptr
+from .launch_core import ACT, fused_act, NO_PTRS, UNIT_ELEMS, Kernels, Mat, Q8Vec, f32, i32, ptr
 from .launch_mma import mma_smem, mma_stages
 
 MAX_EXPERTS = 256  # moe.cu's MOE_MAX_EXPERTS
@@ -133,14 +133,24 @@ def glu(k: Kernels, gate: Mat, up: Mat, n: int, ids: int, used: int, x: int, ldx
         ptr(biases[0]), ptr(biases[1]), *(topk or NO_TOPK).args()))
 
 
+DOWN_SUB = 16  # lanes of a sub-warp row set (moe.cu's moe_down SUB)
+
+
+def down_sub(m: Mat, q8: Q8Vec | None) -> bool:
+    """Whether down may take sub-warp row sets: int8 inputs and rows of at most DOWN_SUB units."""
+    return q8 is not None and m.cols // UNIT_ELEMS[m.struct] <= DOWN_SUB
+
+
 def down(k: Kernels, m: Mat, n: int, ids: int, w: int, used: int, x: int, ldx: int, rows: int, y: int, ldy: int,
-         q8: Q8Vec | None = None, r: int = 2, bias: int = 0, mb: int = 1) -> None:
+         q8: Q8Vec | None = None, r: int = 2, bias: int = 0, mb: int = 1, sub: bool = False) -> None:
     """y[t, :n] += sum_j w[t, j] (W_e x'[t * used + j] + b_e) (e = ids[t, j]; bias: the experts'
     [n_expert, n] f32 rows, or 0): the residual add of the experts; r rows a block, one warp a rank
-    (up to 8 at once); mb as glu's."""
+    (up to 8 at once); mb as glu's. sub (where down_sub allows): each warp's lanes in two sets of
+    DOWN_SUB, each on r rows of the block's 2 r."""
     kw = min(8, 1 << (used - 1).bit_length())
-    fn = k.fn("moe.cu", f"moe_down<{m.struct}, {r}, {kw}, {_io(q8)}, {mb}>")
-    fn(((-(-n // r)), rows), (32 * kw,),
+    sets = 32 // DOWN_SUB if sub and down_sub(m, q8) else 1
+    fn = k.fn("moe.cu", f"moe_down<{m.struct}, {r}, {kw}, {_io(q8)}, {mb}{f', {DOWN_SUB}' if sets > 1 else ''}>")
+    fn(((-(-n // (r * sets))), rows), (32 * kw,),
        (*m.planes, i32(n), i32(m.cols), ptr(ids), ptr(w), i32(used), *_x_args(x, ldx, None, q8, with_norm=False),
         ptr(y), i32(ldy), ptr(bias)))
 

@@ -37,6 +37,22 @@ DEV void group_reduce(float (&acc)[R][B], float (&ssq)[B], bool has_ssq) {
     }
 }
 
+// Sum each acc[r][b] (and ssq[b] when has_ssq) over the thread's SUB-lane set of its warp (SUB < 32:
+// sub-warp row groups, mmv_block_q8's): valid in the set's first lane.
+template <int B, int R, int SUB>
+DEV void sub_reduce(float (&acc)[R][B], float (&ssq)[B], bool has_ssq) {
+#pragma unroll
+    for (int o = SUB / 2; o > 0; o >>= 1) {
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int b = 0; b < B; ++b) acc[r][b] += __shfl_xor_sync(0xffffffffu, acc[r][b], o);
+        if (has_ssq)
+#pragma unroll
+            for (int b = 0; b < B; ++b) ssq[b] += __shfl_xor_sync(0xffffffffu, ssq[b], o);
+    }
+}
+
 template <int B, int R>
 DEV void zero_sums(float (&acc)[R][B], float (&ssq)[B]) {
 #pragma unroll
@@ -128,10 +144,14 @@ struct XQ { const u8* q; int ldq; const float4* s; int lds; int res; int norm; f
 
 struct NoStage { DEV void finish() {} };  // no staged scales (else KStage, quant_staged.cuh)
 
-template <class T, int B, int R, int WG, bool RES, class S = NoStage>
+// SUB < 32 (WG 1): the warp's lanes are 32 / SUB sets of SUB lanes, each with its own rows (the
+// caller's row[] differs by set): for rows of at most SUB units, which would leave lanes idle.
+template <class T, int B, int R, int WG, bool RES, class S = NoStage, int SUB = 32>
 DEV void mmv_block_q8(const Mat (&m)[R], const int (&row)[R], int K, const XQ& xq, float (&acc)[R][B],
                       S stage = S{}) {
-    const int tid = threadIdx.x % (32 * WG), units = K / T::UE;
+    static_assert(SUB == 32 || (WG == 1 && (SUB == 8 || SUB == 16)), "sub-warp sets: one warp, 8 or 16 lanes");
+    constexpr int STEP = SUB < 32 ? SUB : 32 * WG;  // lanes of a row group
+    const int tid = SUB < 32 ? (int)(threadIdx.x % SUB) : (int)(threadIdx.x % (32 * WG)), units = K / T::UE;
     float ssq[B];
     zero_sums<B, R>(acc, ssq);
     typename T::Raw raw[R];  // loaded before pdl_enter, as in mmv_block (loading more units ahead
@@ -140,7 +160,7 @@ DEV void mmv_block_q8(const Mat (&m)[R], const int (&row)[R], int K, const XQ& x
         for (int r = 0; r < R; ++r) T::load(m[r], row[r], tid, raw[r]);
     stage.finish();  // staged scales (KStage): decoded and synced before the first products
     pdl_enter();
-    for (int u = tid; u < units; u += 32 * WG) {
+    for (int u = tid; u < units; u += STEP) {
 #pragma unroll
         for (int p = 0; p < T::NP; ++p) {
             const int off = T::xoff(u, p);
@@ -167,11 +187,12 @@ DEV void mmv_block_q8(const Mat (&m)[R], const int (&row)[R], int K, const XQ& x
                 }
             }
         }
-        if (u + 32 * WG < units)
+        if (u + STEP < units)
 #pragma unroll
-            for (int r = 0; r < R; ++r) T::load(m[r], row[r], u + 32 * WG, raw[r]);
+            for (int r = 0; r < R; ++r) T::load(m[r], row[r], u + STEP, raw[r]);
     }
-    group_reduce<B, R, WG>(acc, ssq, xq.norm != 0);
+    if constexpr (SUB < 32) sub_reduce<B, R, SUB>(acc, ssq, xq.norm != 0);
+    else group_reduce<B, R, WG>(acc, ssq, xq.norm != 0);
     if (xq.norm && tid == 0)
 #pragma unroll
         for (int b = 0; b < B; ++b) {

@@ -218,12 +218,17 @@ __global__ void __launch_bounds__(32 * MOE_WARPS, MB) moe_glu(PLANES(0), PLANES(
 // residual. A block owns R rows of one token
 // (blockIdx.y); its KW warps take the ranks j = warp, warp + KW, ... at once (one rank's products
 // after another in one warp left the loads of the k experts in series), then the warps' sums are
-// added in warp order (the same result on every run). MB as moe_glu's.
-template <class T, int R, int KW, int XIO, int MB = 1>
+// added in warp order (the same result on every run). MB as moe_glu's. SUB < 32 (int8 inputs, rows
+// of at most SUB units): each warp's lanes are 32 / SUB sets of SUB lanes, set h on rows h R to
+// h R + R - 1 of the block's 32 / SUB x R (mmv_block_q8's sub-warp sets): fewer idle lanes and blocks.
+template <class T, int R, int KW, int XIO, int MB = 1, int SUB = 32>
 __global__ void __launch_bounds__(32 * KW, MB) moe_down(PLANES(0), int n, int K, const int* __restrict__ ids,
         const float* __restrict__ w, int k, const float* __restrict__ x, int ldx, XQ_ARGS, float* __restrict__ y,
         int ldy, const float* __restrict__ b) {
-    const int t = blockIdx.y, warp = threadIdx.x >> 5, row0 = blockIdx.x * R;
+    constexpr int HS = 32 / SUB;  // row sets a warp
+    static_assert(SUB == 32 || (XIO & 1) != 0, "sub-warp row sets: int8 inputs");
+    const int t = blockIdx.y, warp = threadIdx.x >> 5, set = (threadIdx.x & 31) / SUB;
+    const int base = blockIdx.x * R * HS, row0 = base + set * R;
     pdl_enter();
     float tot[R];
 #pragma unroll
@@ -235,21 +240,24 @@ __global__ void __launch_bounds__(32 * KW, MB) moe_down(PLANES(0), int n, int K,
 #pragma unroll
         for (int r = 0; r < R; ++r) { m[r] = MAT(0, T); row[r] = e * n + min(row0 + r, n - 1); }
         float acc[R][1];
-        mmv_any<T, 1, R, 1, XIO>(m, row, K, XIN(s, nullptr, 0.f), acc);
+        if constexpr (SUB < 32)
+            mmv_block_q8<T, 1, R, 1, (XIO & 8) != 0, NoStage, SUB>(m, row, K, XIN(s, nullptr, 0.f).q, acc);
+        else
+            mmv_any<T, 1, R, 1, XIO>(m, row, K, XIN(s, nullptr, 0.f), acc);
 #pragma unroll
         for (int r = 0; r < R; ++r)
             tot[r] = fmaf(we, b ? acc[r][0] + b[(long)e * n + min(row0 + r, n - 1)] : acc[r][0], tot[r]);
     }
-    __shared__ float part[KW][R];
-    if ((threadIdx.x & 31) == 0)
+    __shared__ float part[KW][R * HS];
+    if ((threadIdx.x & (SUB - 1)) == 0)  // each set's first lane
 #pragma unroll
-        for (int r = 0; r < R; ++r) part[warp][r] = tot[r];
+        for (int r = 0; r < R; ++r) part[warp][set * R + r] = tot[r];
     __syncthreads();
-    if (threadIdx.x < R && row0 + (int)threadIdx.x < n) {
+    if (threadIdx.x < R * HS && base + (int)threadIdx.x < n) {
         float v = 0.f;
 #pragma unroll
         for (int i = 0; i < KW; ++i) v += part[i][threadIdx.x];
-        y[(long)t * ldy + row0 + threadIdx.x] += v;
+        y[(long)t * ldy + base + threadIdx.x] += v;
     }
 }
 
@@ -333,6 +341,10 @@ MOE(TIQ3_S, 1) MOE(TIQ1_S, 1) MOE(TIQ1_M, 1)
                                                      const float*, float, XQ_TYPES, float*, int, QO_TYPES, \
                                                      const float*, const float*, TOPK_TYPES);
 GLU_Q8(TMXFP4, 3) GLU_Q8(TQ4_K, 3) GLU_Q8(TQ6_K, 3) GLU_Q8(TQ4_0, 3) GLU_Q8(TQ8_0, 3) GLU_Q8(TQ4_K, 27)
+#define DOWN_SUB(T, IO) \
+    template __global__ void moe_down<T, 4, 8, IO, 2, 16>(P4, int, int, const int*, const float*, int, const float*, \
+                                                         int, XQ_TYPES, float*, int, const float*);
+DOWN_SUB(TQ6_K, 1) DOWN_SUB(TQ6_K, 9) DOWN_SUB(TQ4_K, 1) DOWN_SUB(TMXFP4, 1)
 template __global__ void moe_router<1, 4, 8>(P4, int, int, int, const float*, int, const float*, float, float*, int);
 template __global__ void moe_router_topk<1, 4>(P4, int, int, const float*, int, const float*, float, float*, int, int,
                                                int, int*, float*, unsigned*);

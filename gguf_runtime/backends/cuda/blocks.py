@@ -594,7 +594,7 @@ class CudaBlocks:
         if gq is not None and not fused:
             LL.quantize_q8(self.k, g.data.ptr, ldg, n, slots, gq)
         LE.down(self.k, down, cfg.n_embd, ids, w, used, g.data.ptr, ldg, t, x.data.ptr, x.strides[0] // 4, q8=gq,
-                r=self.tune.moe_rows[1], mb=self._moe_min_blocks(down, 1, gq))
+                r=self.tune.moe_rows[1], mb=self._moe_min_blocks(down, 1, gq), sub=self.tune.moe_down_sub)
         if cfg.n_ff_shexp:
             self._shared_expert(x, h, q8, layer)
         return x
@@ -641,7 +641,7 @@ class CudaBlocks:
                 LL.quantize_q8(self.k, g.data.ptr, ldg, n, slots, gq)
             LE.down(self.k, down, cfg.n_embd, ids, w, used, g.data.ptr, ldg, t, x.data.ptr, x.strides[0] // 4, q8=gq,
                     r=self.tune.moe_rows[1], bias=bias["down"],
-                    mb=self._moe_min_blocks(down, 1, gq))
+                    mb=self._moe_min_blocks(down, 1, gq), sub=self.tune.moe_down_sub)
             return
         tb = LE.mma_tile_slots(slots, cfg.n_expert, self.tune.moe_mma_slots)
         order, tiles, xs, g16, ys = ws.moe_order, ws.moe_tiles, ws.moe_xs16, ws.moe_g16b, ws.moe_ys

@@ -72,6 +72,8 @@ class Tuning:
     moe_down_q8: bool = True  # the down matvec's input (the GLU's outputs) as int8 on the matvec path (row 111)
     moe_rows: tuple[int, int] = (8, 4)  # the matvec path's rows a warp: GLU (gate and up, even; 8: 16 a block,
     # so its q8 epilogue writes down's input), down (the fastest pair measured: bench/RESULTS.md rows 111-112)
+    moe_down_sub: bool = True  # the down of rows of at most 16 units (Qwen3-30B-A3B's Q6_K, 768 columns) in two
+    # 16-lane row sets a warp: half the blocks, fewer idle lanes (bench/RESULTS.md 265)
     moe_min_blocks: tuple[int, int] = (1, 2)  # the matvec path's GLU and down on int8 inputs: blocks an SM their
     # registers must allow (launch bounds; 1: the compiler's choice). Qwen3-30B-A3B's Q6_K down (8 warps a block)
     # went from 182 registers, one block an SM, to 128 and two (bench/RESULTS.md 255)
