@@ -254,6 +254,33 @@ def test_non_dict_message():
         ChatTemplate("x").render([{"role": "user", "content": "x"}, "oops"])
 
 
+def _nest(depth: int) -> dict:
+    v: object = 1
+    for _ in range(depth):
+        v = {"a": v}
+    return v  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("where", ["arguments", "tools"])
+def test_deeply_nested_data_is_one_clear_error(where):
+    """Messages or tools nested hundreds deep (still JSON the server parses) are a TemplateError
+    naming the nesting, not a RecursionError; data 100 deep renders."""
+    tpl = ChatTemplate("{{ messages | tojson }}{{ tools | tojson }}")
+
+    def render(depth):
+        msgs = [{"role": "user", "content": "hi"}]
+        if where == "arguments":
+            msgs.append({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": _nest(depth)}}]})
+            return tpl.render(msgs)
+        return tpl.render(msgs, tools=[{"type": "function", "function": {"name": "f", "parameters": _nest(depth)}}])
+
+    assert '"a": 1' in render(100) or '"a":1' in render(100)
+    for depth in (600, 5000):
+        with pytest.raises(TemplateError, match="nested more than 128 levels") as ei:
+            render(depth)
+        assert "\n" not in str(ei.value)
+
+
 def test_generation_tag_renders_body():
     assert ChatTemplate("a{% generation %}b{% endgeneration %}c").render([]) == "abc"
 

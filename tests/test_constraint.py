@@ -123,12 +123,29 @@ def test_the_mask_forbids_and_allows(vocab):
     ("gbnf", "root ::= undefined-rule", ["gbnf"]),
     ("regex", "([", ["regex"]),
     ("yaml", "a: 1", ["unknown grammar kind"]),
+    ("json_schema", {"type": "string", "pattern": "(?<=a)b"}, ["look-around", "not supported", "(?<=a)b"]),
+    ("regex", "(?<=a)b", ["look-around"]),
 ])
 def test_unusable_schemas_and_grammars_name_the_problem(kind, spec, words):
     with pytest.raises(GrammarError) as e:
         compile_grammar(kind, spec)
     msg = str(e.value)
     assert "\n" not in msg and all(w in msg.lower() for w in words), msg
+
+
+def test_a_grammar_nothing_matches_fails_before_any_work(vocab):
+    """A schema that only refers to itself compiles, but no output matches it: the Constraint refuses
+    it at once (it gave an empty 200 answer), and one whose required property refers back to it
+    fails at its first token with a hint at that recursion."""
+    tok, n = vocab
+    with pytest.raises(GrammarError, match="admits no output at all") as e:
+        Constraint(tok, n, compile_grammar("json_schema", {"$ref": "#"}))
+    assert "\n" not in str(e.value)
+    c = Constraint(tok, n, compile_grammar("json_schema", {"type": "object", "properties": {"a": {"$ref": "#"}},
+                                                           "required": ["a"]}))
+    with pytest.raises(GrammarError, match="refer back") as e:
+        c.advance(int(c.allowed().nonzero()[0][0]))
+    assert "\n" not in str(e.value)
 
 
 @pytest.fixture(scope="module")

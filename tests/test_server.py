@@ -192,6 +192,13 @@ def gen(**kw) -> dict:
     return {"model": NAME, "prompt": "Hi", "stream": False, **kw}
 
 
+def nested(depth: int) -> dict:
+    v: object = 1
+    for _ in range(depth):
+        v = {"a": v}
+    return v  # type: ignore[return-value]
+
+
 BAD = [
     ("/api/generate", b"{not json", 400),
     ("/api/generate", b"[1, 2]", 400),
@@ -252,6 +259,15 @@ BAD = [
     ("/v1/chat/completions", {"model": NAME, "messages": HI, "response_format": {"type": "xml"}}, 400),
     ("/v1/chat/completions", {"model": NAME, "messages": HI,
                               "response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}}, 400),
+    ("/v1/chat/completions", {"model": NAME, "messages": HI,
+                              "response_format": {"type": "json_schema", "json_schema": {"schema": {"$ref": "#"}}}},
+     400),
+    ("/api/generate", gen(format={"$ref": "#"}), 400),
+    ("/v1/chat/completions", {"model": NAME, "max_tokens": 2, "messages": HI + [
+        {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": nested(600)}}]}]}, 400),
+    ("/api/chat", {"model": NAME, "messages": HI + [
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": nested(600)}}]}]},
+     400),
 ]
 
 

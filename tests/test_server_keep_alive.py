@@ -26,7 +26,8 @@ NAME = "micro"
 
 @pytest.mark.parametrize("v,want", [("5m", 300.0), ("1h30m", 5400.0), ("250ms", 0.25), ("2.5m", 150.0), ("0", 0.0),
                                     (0, 0.0), (300, 300.0), (-1, math.inf), ("-1", math.inf), ("-1s", math.inf),
-                                    (None, None)])
+                                    (None, None), (1e12, math.inf), (1e300, math.inf), ("99999999999h", math.inf),
+                                    (S.FOREVER_S, S.FOREVER_S)])
 def test_keep_alive_durations(v, want):
     assert S.keep_alive(v) == want
 
@@ -105,3 +106,18 @@ def test_bad_keep_alive_over_http(served):
     r = gen(url, keep_alive="soon")
     assert r.status_code == 400 and "keep_alive" in r.json()["error"]
     assert ps(url) and len(loads) == 1  # nothing unloaded, nothing loaded again
+
+
+@pytest.mark.parametrize("keep,year", [(1e300, 2318), ("99999999999h", 2318), (1e9, None)])
+def test_keep_alive_past_a_century_is_for_ever(served, keep, year):
+    """A huge finite keep_alive is for ever (Ollama's 2318 date in /api/ps), and a long finite one
+    a date that far: /api/ps answers either (it was a 500 on the date's overflow)."""
+    url, _ = served
+    assert gen(url, keep_alive=keep).status_code == 200
+    r = httpx.get(url + "/api/ps")
+    assert r.status_code == 200
+    when = dt.datetime.fromisoformat(r.json()["models"][0]["expires_at"].replace("Z", "+00:00"))
+    if year is not None:
+        assert when.year == year
+    else:
+        assert 30 <= (when - dt.datetime.now(dt.timezone.utc)).days / 365 <= 32

@@ -70,8 +70,17 @@ def compile_grammar(kind: str, spec: Any) -> str:
 
 
 def _first_line(x: Any) -> str:
+    """An engine message in one line: its first line, and where that only opens a multi-line report
+    (a regex's "regex parse error:", the pattern, a caret line, then "error: why"), the why too."""
     s = "; ".join(x) if isinstance(x, list) else str(x)
-    return s.strip().splitlines()[0] if s.strip() else "(no reason given)"
+    lines = [ln.strip() for ln in s.strip().splitlines() if ln.strip()]
+    if not lines:
+        return "(no reason given)"
+    why = next((ln for ln in lines[1:] if ln.lower().startswith("error:")), None)
+    if lines[0].endswith(":") and why is not None:
+        where = f" (in {lines[1]})" if lines[1] is not why else ""
+        return f"{lines[0]} {why[len('error:'):].strip()}{where}"
+    return lines[0]
 
 
 class _Vocab:
@@ -122,6 +131,10 @@ class Constraint:
         if self._m.is_error():
             raise GrammarError(f"the grammar cannot be used: {_first_line(self._m.get_error())}")
         self._mask = np.zeros((n_vocab + 31) // 32, np.int32)
+        self.allowed()  # (the first mask: a grammar that no output matches fails here, before any work)
+        if self._m.is_error():
+            raise GrammarError("the grammar admits no output at all (nothing can match it, e.g. a JSON schema that "
+                               "only refers to itself); fix the schema or grammar")
 
     def allowed(self) -> np.ndarray:
         """A bool array over the vocabulary: the tokens the grammar allows next."""
@@ -143,4 +156,7 @@ class Constraint:
 
     def advance(self, token: int) -> None:
         if not self._m.consume_token(int(token)):
-            raise GrammarError(f"the grammar engine refused token {token}: {_first_line(self._m.get_error())}")
+            why = _first_line(self._m.get_error())
+            hint = ("; the grammar is too costly to follow (a JSON schema whose required properties refer back to "
+                    "it can never be completed): simplify it") if "Too many items" in why else ""
+            raise GrammarError(f"the grammar engine refused token {token}: {why}{hint}")

@@ -162,10 +162,18 @@ def _make_env() -> _StrictSandbox:
 
 # ---- what the template sees -------------------------------------------------------------------
 
-def _plain(value: Any) -> Any:
-    """Rebuild ``value`` from plain JSON-like types, so the template never holds a rich object."""
+MAX_NESTING = 128  # levels of lists and dicts in what a template is given (messages, tools, extras)
+
+
+def _plain(value: Any, depth: int = 0) -> Any:
+    """Rebuild ``value`` from plain JSON-like types, so the template never holds a rich object;
+    data nested past MAX_NESTING is refused (the rebuild and the template's own walks recurse)."""
     if value is None or type(value) in (str, int, float, bool):
         return value
+    if depth >= MAX_NESTING:
+        raise TemplateError(f"the chat messages or tools are nested more than {MAX_NESTING} levels deep (lists and "
+                            "objects inside each other); send flatter data")
+    depth += 1
     if isinstance(value, str):
         return str.__str__(value)
     if isinstance(value, bool):
@@ -175,14 +183,14 @@ def _plain(value: Any) -> Any:
     if isinstance(value, float):
         return float.__float__(value)
     if isinstance(value, Mapping):
-        return {_plain(k): _plain(v) for k, v in value.items()}
+        return {_plain(k, depth): _plain(v, depth) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        items = [_plain(v) for v in value]
+        items = [_plain(v, depth) for v in value]
         return items if isinstance(value, list) else tuple(items)
     if hasattr(value, "item") and callable(value.item) and getattr(value, "shape", None) == ():
-        return _plain(value.item())  # numpy scalars
+        return _plain(value.item(), depth)  # numpy scalars
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {f.name: _plain(getattr(value, f.name), depth) for f in dataclasses.fields(value)}
     return f"<{type(value).__name__}>"
 
 

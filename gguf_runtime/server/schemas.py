@@ -54,10 +54,14 @@ _DURATION = re.compile(r"([0-9]*\.?[0-9]+)(ns|us|µs|ms|s|m|h)")
 _UNIT = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
+FOREVER_S = 100 * 365 * 86400.0  # keep_alive durations past a century are "for ever"
+
+
 def keep_alive(v: Any, what: str = "keep_alive") -> float | None:
     """Ollama's keep_alive in seconds: a Go duration ("5m", "1h30m", "250ms", "-1s"), a number of
-    seconds (also as a string), any negative value: for ever (inf); absent or null: None (the
-    server's default). Anything else is a 400 naming it."""
+    seconds (also as a string), any negative value or one past FOREVER_S: for ever (inf; a date
+    that far would not fit /api/ps's expires_at); absent or null: None (the server's default).
+    Anything else is a 400 naming it."""
     if v is None:
         return None
     if isinstance(v, bool):
@@ -80,7 +84,7 @@ def keep_alive(v: Any, what: str = "keep_alive") -> float | None:
         raise bad(f"{what} must be a duration like \"5m\" or a number of seconds")
     if secs != secs:
         raise bad(f"{what} is not a number")
-    return math.inf if secs < 0 else secs
+    return math.inf if secs < 0 or secs > FOREVER_S else secs
 
 
 def ns(seconds: float) -> int:
