@@ -263,6 +263,14 @@ BAD = [
                               "response_format": {"type": "json_schema", "json_schema": {"schema": {"$ref": "#"}}}},
      400),
     ("/api/generate", gen(format={"$ref": "#"}), 400),
+    ("/api/generate", gen(images=["aGk="]), 400),
+    ("/api/generate", gen(suffix="end"), 400),
+    ("/api/generate", gen(template="{{ .Prompt }}"), 400),
+    ("/api/chat", {"model": NAME, "messages": [{"role": "user", "content": "hi", "images": ["aGk="]}]}, 400),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "data:,x"}}]}]}, 400),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": [
+        {"type": ["x"], "text": "hi"}]}]}, 400),
     ("/v1/chat/completions", {"model": NAME, "max_tokens": 2, "messages": HI + [
         {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": nested(600)}}]}]}, 400),
     ("/api/chat", {"model": NAME, "messages": HI + [
@@ -282,6 +290,16 @@ def test_bad_input_gets_4xx_json(url, path, body, status):
     if "word " in content.decode(errors="replace")[:200]:
         assert "context" in msg
     good(url)
+
+
+def test_empty_values_of_unsupported_fields_pass(url):
+    """What clients send by default (no images, an empty suffix or template, text parts with or
+    without their type) is no refusal."""
+    r = httpx.post(url + "/api/generate", json=gen(images=[], suffix="", template="", options={"num_predict": 2}))
+    assert r.status_code == 200, r.text
+    r = httpx.post(url + "/v1/chat/completions", json={"model": NAME, "max_tokens": 2, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Say"}, {"text": " hi"}], "images": []}]})
+    assert r.status_code == 200, r.text
 
 
 PET = {"type": "object", "additionalProperties": False, "required": ["name", "kind", "legs"],

@@ -80,6 +80,7 @@ async def api_generate(svc: Service, request: Request) -> Response:
     name = _model(svc, body)
     ka = S.keep_alive(body.get("keep_alive"))
     prompt, system = S.get_str(body, "prompt", ""), S.get_str(body, "system")
+    S.unsupported_generate(body)
     if not prompt and not body.get("context"):  # Ollama: an empty prompt loads the model (keep_alive 0: unloads it)
         return await _load_or_unload(svc, name, ka, {"response": ""})
     async with svc.using(ka, name):

@@ -298,6 +298,18 @@ def openai_n(body: dict, stream: bool) -> int:
 OLLAMA_UNSUPPORTED = {"mirostat": 0, "typical_p": 1.0, "tfs_z": 1.0}
 
 
+def unsupported_generate(body: dict) -> None:
+    """/api/generate fields that would change the answer and are not implemented: a 400 naming the
+    field (empty values pass, as clients send them)."""
+    if body.get("images") not in (None, []):
+        raise bad("images: this model reads text only; send the prompt without images")
+    if body.get("suffix") not in (None, ""):
+        raise bad("suffix (text after the insertion point) is not supported yet: leave it unset")
+    if body.get("template") not in (None, ""):
+        raise bad("template (a prompt template of the request's own) is not supported: the model's template is "
+                  "used; leave it unset, or send raw: true with the prompt already formatted")
+
+
 def unsupported_openai(body: dict, api: str) -> None:
     """OpenAI fields that would change the answer and are not implemented (``api``: "chat" or
     "completions"): a 400 naming the field, never an answer that ignored it. Hints that change no
@@ -339,11 +351,17 @@ def messages(v: Any, extra: Callable[[dict, int], dict] | None = None) -> list[d
     for i, m in enumerate(v):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise bad(f"messages[{i}] must be an object with a string role")
+        if m.get("images") not in (None, []):  # (Ollama's; the model would answer without them)
+            raise bad(f"messages[{i}].images: this model reads text only; send the message without images")
         c = m.get("content")
         if isinstance(c, list):
             if not all(isinstance(p, dict) and isinstance(p.get("text", ""), str) for p in c):
                 raise bad(f"messages[{i}].content parts must be objects with a text field")
-            c = "".join(p.get("text", "") for p in c if p.get("type", "text") == "text")
+            other = next((p.get("type") for p in c if p.get("type", "text") != "text"), None)
+            if other is not None:
+                raise bad(f"messages[{i}].content has a part of type {json.dumps(other)[:40]}: this model reads text "
+                          "only; send text parts")
+            c = "".join(p.get("text", "") for p in c)
         elif c is not None and not isinstance(c, str):
             raise bad(f"messages[{i}].content must be a string")
         out.append({"role": m["role"], "content": c or "", **(extra(m, i) if extra else {})})
