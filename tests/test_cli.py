@@ -169,6 +169,7 @@ def test_not_a_gguf_and_truncated(tmp_path):
     (["--backend", "tpu"], ["backend"]),
     (["-ctk", "q5_1"], ["cache-type-k", "q5_1", "not supported"]),
     (["--cache-type-v", "f8"], ["cache-type-v", "f8"]),
+    (["--raw", "--system", "be brief"], ["--system", "--raw"]),
 ])
 def test_bad_option_values(args, words):
     assert_one_line_error(run("-p", "hi", *args), *words)

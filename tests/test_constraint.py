@@ -178,6 +178,8 @@ def test_cli_json_schema_and_grammar(micro_path, tmp_path):
                        "--quiet")
     assert rc == 0 and out.strip() in ("yes", "no"), (out, err)
     assert_one_line_error(run(str(micro_path), "-p", "x", "--json-schema", "{oops"), "json")
+    for not_an_object in ("[1, 2]", "true", '"x"'):
+        assert_one_line_error(run(str(micro_path), "-p", "x", "--json-schema", not_an_object), "not an object")
     assert_one_line_error(run(str(micro_path), "-p", "x", "--grammar", str(tmp_path / "missing.gbnf")), "cannot read")
 
 

@@ -120,6 +120,19 @@ def test_cli_list_and_run_by_name(tmp_path, smollm2_path):
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and "smollm2:135m" in p.stderr, p.stderr
 
 
+@pytest.mark.parametrize("cmd", [["list"], ["serve", "--port", "1"]])
+def test_a_models_folder_that_is_not_one_is_one_line(tmp_path, cmd):
+    """--models naming no folder (a typo, a file) is exit 2 naming it, before any load or listen; it
+    listed nothing of it or served without it."""
+    f = tmp_path / "file.gguf"
+    f.write_bytes(b"GGUF")
+    for where, words in ((tmp_path / "nosuch", "does not exist"), (f, "is a file")):
+        p = subprocess.run([EXE, *cmd, "--models", str(where)], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "OLLAMA_MODELS": str(tmp_path / "store"), "PYTHONWARNINGS": "ignore"})
+        err = p.stderr.strip()
+        assert p.returncode == 2 and len(err.splitlines()) == 1 and words in err and str(where) in err, p
+
+
 def test_serve_by_name_answers_to_it(tmp_path, smollm2_path):
     """`gguf-run serve NAME` serves the store's blob under NAME (not the blob's file name)."""
     import urllib.request

@@ -13,6 +13,7 @@ from ..format.model_info import human_bytes, quant_histogram
 from ..format.model_store import list_models, ollama_dir
 from .app import app
 from .info_cmd import out
+from .options import models_folder
 
 
 def _describe(path: str) -> tuple[str, str]:
@@ -32,7 +33,7 @@ def list_cmd(
 ) -> None:
     """List the models gguf-run can load by name: a --models folder's files and the local Ollama
     store ($OLLAMA_MODELS or ~/.ollama/models, read-only)."""
-    rows = list_models(models)
+    rows = list_models(models_folder(models))
     if not rows:
         out(f"no models in {ollama_dir()}" + (f" or {models}" if models else ""))
         return

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Optional
 
@@ -43,6 +44,14 @@ CacheTypeK = typer.Option("auto", "-ctk", "--cache-type-k",
                           help="KV cache type of the keys, auto | f16 | f32 | q8_0 | q4_0 (auto: f16; f32 for "
                                "heads over 128 wide; the cuda backend keeps keys and values in one type)")
 CacheTypeV = typer.Option("auto", "-ctv", "--cache-type-v", help="KV cache type of the values (as -ctk)")
+
+
+def models_folder(models: Optional[str]) -> Optional[str]:
+    """--models as given, once it names a folder (a typo would otherwise list or serve nothing of it)."""
+    if models is not None and not os.path.isdir(models):
+        what = "is a file, not a folder" if os.path.exists(models) else "does not exist"
+        raise GGUFRunError(f"--models {models} {what}: give a folder of .gguf files")
+    return models
 
 
 def resolve_model(model: Optional[str], models_dir: Optional[str] = None) -> str:

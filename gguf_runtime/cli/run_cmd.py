@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 from typing import Optional
 
@@ -61,6 +63,8 @@ def run(
         raise GGUFRunError("--spec and a grammar (--json-schema, --grammar) do not combine yet; drop one")
     if json_schema is not None and grammar is not None:
         raise GGUFRunError("give --json-schema or --grammar, not both")
+    if chat is False and system is not None:
+        raise GGUFRunError("--system goes with the chat template, and --raw sends the prompt as it is; drop one")
     spec = read_grammar_spec(json_schema, grammar)
     if spec:
         compile_grammar(*spec)  # a schema or grammar it cannot use stops here, before the model loads
@@ -119,6 +123,14 @@ def read_grammar_spec(json_schema: str | None, grammar: str | None) -> tuple[str
     if json_schema is not None and json_schema.lstrip().startswith("{"):
         return "json_schema", json_schema
     path = json_schema if json_schema is not None else grammar
+    if json_schema is not None and not os.path.exists(path):
+        try:  # inline JSON that is not an object (a list, a string, true) rather than a missing file
+            json.loads(json_schema)
+        except ValueError:
+            pass
+        else:
+            raise GGUFRunError(f"--json-schema {json_schema[:40]} is JSON but not an object: a schema is an object "
+                               "such as '{\"type\": \"object\"}', or give its file")
     try:
         with open(path, encoding="utf-8") as fh:
             text = fh.read(1 << 20)

@@ -14,7 +14,7 @@ from ..engine.engine import check_spec
 from ..errors import GGUFRunError
 from .app import app
 from .options import (BATCHES, TensorParallel, Backend, CacheTypeK, CacheTypeV, CtxSize, ModelArg, NoGraph, Quiet, kv_types, note_printer,
-                      resolve_model)
+                      models_folder, resolve_model)
 from .progress import progress_bars
 
 
@@ -112,6 +112,7 @@ def serve(
     if spec == "draft":
         raise GGUFRunError("serve --spec draft is not served yet; use --spec ngram or none")
     check_spec(spec, spec_k)
+    models = models_folder(models)
     path = resolve_model(model, models)
     if name is None and model and path != model:  # a name (a blob's file name means nothing to clients)
         in_folder = models and os.path.realpath(os.path.dirname(path)) == os.path.realpath(models)
