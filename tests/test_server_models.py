@@ -71,3 +71,17 @@ def test_models_listed_loaded_on_demand_and_swapped(served):
     for m, p, text in got.values():
         assert text == alone[m][("one two", "three four").index(p)], (m, p)
     assert len(loads) >= 3  # swapped back and forth, one model at a time
+
+
+def test_a_model_that_cannot_load_leaves_the_loaded_one(served):
+    """A listed file damaged since (truncated) is a 400 naming it, and the model loaded stays loaded:
+    it was unloaded first, so the next request for it loaded it again."""
+    url, loads, paths = served
+    ask(url, "alpha", "one two")
+    data = paths["beta"].read_bytes()
+    paths["beta"].write_bytes(data[: len(data) // 2])
+    r = httpx.post(url + "/api/generate", timeout=60, json={"model": "beta", "prompt": "x", "stream": False})
+    assert r.status_code == 400 and "truncated" in r.json()["error"], r.text
+    assert [m["name"] for m in httpx.get(url + "/api/ps").json()["models"]] == ["alpha:latest"]
+    ask(url, "alpha", "three four")
+    assert loads == [str(paths["alpha"])]  # never unloaded, never loaded again

@@ -93,7 +93,8 @@ class Service:
 
     One model is loaded at a time: the one ``factory`` loads at start, or one of ``catalog``
     ((name, path) pairs: a --models folder, the Ollama store) that ``loader(path)`` loads when a
-    request names it; the one loaded is unloaded first, once its requests are done (requests for
+    request names it; the one loaded is unloaded first (where the new file opens whole: one that
+    does not is the request's 400, the loaded model kept), once its requests are done (requests for
     it that arrive meanwhile wait their turn). A model stays loaded for ``keep_alive`` seconds (inf:
     for ever; Ollama's keep_alive, the last request's or the server's default) after the last
     request ends; then a watchdog thread unloads it (scheduler stopped, GPU memory returned) and
@@ -201,6 +202,7 @@ class Service:
         with self._load_lock:
             try:
                 if self.scheduler is not None and self.current != name:
+                    self._check_file(name)  # (a file that cannot load leaves the loaded model alone)
                     self._unload_locked()
                 if self.scheduler is None and not self._closed:
                     card = self.cards[name]
@@ -217,6 +219,14 @@ class Service:
                 with self._lock:
                     if self._wanted == name:
                         self._wanted = None
+
+    def _check_file(self, name: str) -> None:
+        """Raise the one-line GGUFError of ``name``'s file where it does not open whole (truncated,
+        damaged since it was listed); its tensors are not read."""
+        from ..format.gguf_file import open_gguf
+
+        with open_gguf(self.cards[name].path):
+            pass
 
     def _unload_locked(self) -> None:
         with self._lock:
