@@ -96,6 +96,27 @@ def test_random_logits_under_a_schema_give_valid_json(vocab, i):
         assert text == json.dumps(json.loads(text), ensure_ascii=False), "not compact JSON"
 
 
+def test_objects_with_properties_hold_only_theirs(vocab):
+    """A schema's objects with properties and no word on additionalProperties hold only those keys (as
+    llama.cpp and Ollama read it; the model had filled them with keys of its own until its budget
+    ran out); one that allows more, or an object without properties, stays open."""
+    tok, n = vocab
+    inner = {"type": "object", "properties": {"b": {"enum": [1, 2]}}, "required": ["b"]}
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}, "in": inner},
+              "required": ["a", "in"]}
+    grammar = compile_grammar("json_schema", schema)
+    for seed in range(4):
+        value = json.loads(tok.decode(constrained_argmax(tok, n, grammar, np.random.default_rng(seed))))
+        assert set(value) == {"a", "in"} and set(value["in"]) == {"b"}, value
+    from gguf_runtime.engine.constraint import closed_objects
+    assert closed_objects({"type": "object"}, bare=False) == {"type": "object"}
+    assert closed_objects({"type": "object"}) == {"type": "object", "additionalProperties": False}
+    open_one = {"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": True}
+    assert closed_objects(open_one, bare=False) == open_one
+    assert closed_objects({"$defs": {"P": inner}, "$ref": "#/$defs/P"}, bare=False)["$defs"]["P"][
+        "additionalProperties"] is False
+
+
 def test_gbnf_and_regex_grammars(vocab):
     tok, n = vocab
     g = compile_grammar("gbnf", 'root ::= "answer: " ("yes" | "no")')

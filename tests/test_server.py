@@ -292,6 +292,16 @@ def test_bad_input_gets_4xx_json(url, path, body, status):
     good(url)
 
 
+def test_openai_404s_say_which(url):
+    """A missing model is OpenAI's invalid_request_error with code model_not_found; a missing route
+    is a 404 without that code (it read as a missing model)."""
+    r = httpx.post(url + "/v1/chat/completions", json={"model": "nope", "messages": HI})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
+    assert r.json()["error"]["code"] == "model_not_found"
+    r = httpx.post(url + "/v1/nope", json={})
+    assert r.status_code == 404 and r.json()["error"]["code"] is None
+
+
 def test_empty_values_of_unsupported_fields_pass(url):
     """What clients send by default (no images, an empty suffix or template, text parts with or
     without their type) is no refusal."""

@@ -69,6 +69,20 @@ def test_local_origins_get_cors_headers(origin):
     assert "POST" in pre.headers["access-control-allow-methods"]
 
 
+def test_preflight_allows_the_openai_sdks_headers():
+    """The headers openai-node sends from a page (its x-stainless-* fingerprint, OpenAI-Beta) are
+    allowed, as Ollama allows them: else the browser drops every request the SDK makes."""
+    sent = ("authorization, content-type, openai-beta, x-stainless-arch, x-stainless-lang, x-stainless-os, "
+            "x-stainless-package-version, x-stainless-retry-count, x-stainless-runtime, "
+            "x-stainless-runtime-version, x-stainless-timeout, x-stainless-helper-method")
+    pre = client().options("/v1/chat/completions", headers={"origin": "http://localhost:3000",
+                                                            "access-control-request-method": "POST",
+                                                            "access-control-request-headers": sent})
+    assert pre.status_code == 204
+    allowed = {h.strip().lower() for h in pre.headers["access-control-allow-headers"].split(",")}
+    assert {h.strip() for h in sent.split(",")} <= allowed
+
+
 def test_preflight_of_a_foreign_origin_is_refused_and_allow_origin_admits_it():
     h = {"origin": "https://notes.example", "access-control-request-method": "POST"}
     assert client().options("/api/chat", headers=h).status_code == 403

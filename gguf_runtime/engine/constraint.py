@@ -36,9 +36,32 @@ def _llg():
     return llguidance
 
 
+def closed_objects(schema: Any, bare: bool = True, depth: int = 0) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object schema that does not say, as
+    llama.cpp's grammars (and so Ollama's) read a schema: an object holds the keys it declares, not
+    keys of the model's own. bare: also an object schema without properties (a tool's arguments);
+    else (structured output) that one stays any object, as llama.cpp's."""
+    if not isinstance(schema, dict) or depth > 32:
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k in ("properties", "$defs", "definitions", "patternProperties") and isinstance(v, dict):
+            out[k] = {name: closed_objects(sub, bare, depth + 1) for name, sub in v.items()}
+        elif k in ("items", "additionalItems", "not", "if", "then", "else", "contains"):
+            out[k] = closed_objects(v, bare, depth + 1)
+        elif k in ("anyOf", "oneOf", "allOf", "prefixItems") and isinstance(v, list):
+            out[k] = [closed_objects(sub, bare, depth + 1) for sub in v]
+        else:
+            out[k] = v
+    if ("properties" in out or bare and out.get("type") == "object") and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def compile_grammar(kind: str, spec: Any) -> str:
     """llguidance's grammar for ``spec``: kind "json" (any JSON object, spec unused), "json_schema"
-    (a schema as a dict or JSON text), "gbnf" (llama.cpp's GBNF, or Lark), "lark", "regex"."""
+    (a schema as a dict or JSON text; objects with properties closed unless it says, closed_objects),
+    "gbnf" (llama.cpp's GBNF, or Lark), "lark", "regex"."""
     llg = _llg()
     if kind not in KINDS:
         raise GrammarError(f"unknown grammar kind {kind!r}; use one of {', '.join(KINDS)}")
@@ -48,6 +71,8 @@ def compile_grammar(kind: str, spec: Any) -> str:
                 json.loads(spec) if isinstance(spec, (str, bytes)) else spec)
             if not isinstance(schema, dict):
                 raise GrammarError("a JSON schema must be a JSON object")
+            if kind == "json_schema":
+                schema = closed_objects(schema, bare=False)
             if "x-guidance" not in schema:  # compact JSON: no free whitespace to wander into
                 schema = {**schema, "x-guidance": COMPACT}
             text = llg.LLMatcher.grammar_from_json_schema(json.dumps(schema))

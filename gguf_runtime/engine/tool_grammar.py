@@ -21,7 +21,7 @@ from ..errors import GrammarError
 from ..format.tokenizer import Tokenizer
 from ..format.tool_calls import (ARGS, CALL_ID, CHANNEL, CONSTRAIN, FAMILIES, HARMONY_MARKERS, MESSAGE, PYTHON_TAG,
                                  TOOL_CALL, TOOL_CALLS)
-from .constraint import COMPACT, compile_grammar
+from .constraint import COMPACT, closed_objects, compile_grammar
 
 __all__ = ["marker_ids", "tool_call_grammar"]
 
@@ -50,29 +50,9 @@ def _json(schema: dict) -> str:
     return "%json " + json.dumps({**schema, "x-guidance": COMPACT}, ensure_ascii=False)
 
 
-def _closed(schema: Any, depth: int = 0) -> Any:
-    """``schema`` with ``additionalProperties: false`` on every object that does not say (as llama.cpp's
-    tool grammars): a forced call carries the arguments its tool declares, not keys of its own."""
-    if not isinstance(schema, dict) or depth > 32:
-        return schema
-    out = {}
-    for k, v in schema.items():
-        if k in ("properties", "$defs", "definitions", "patternProperties") and isinstance(v, dict):
-            out[k] = {name: _closed(sub, depth + 1) for name, sub in v.items()}
-        elif k in ("items", "additionalItems", "not", "if", "then", "else", "contains"):
-            out[k] = _closed(v, depth + 1)
-        elif k in ("anyOf", "oneOf", "allOf", "prefixItems") and isinstance(v, list):
-            out[k] = [_closed(sub, depth + 1) for sub in v]
-        else:
-            out[k] = v
-    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
-        out["additionalProperties"] = False
-    return out
-
-
 def _params(fn: dict) -> dict:
     p = fn.get("parameters")
-    return _closed(p) if isinstance(p, dict) and p else {"type": "object", "additionalProperties": False}
+    return closed_objects(p) if isinstance(p, dict) and p else {"type": "object", "additionalProperties": False}
 
 
 def tool_call_grammar(family: str, tools: Sequence[dict], name: str | None = None,

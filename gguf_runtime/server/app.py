@@ -44,7 +44,7 @@ def _model(svc: Service, body: dict, key: str = "model") -> str:
     if card is None:
         names = sorted(svc.cards)
         raise S.ApiError(404, f"model {json.dumps(model)[:200]} not found, try pulling it first (this server has "
-                              f"{', '.join(names[:20])}{' ...' if len(names) > 20 else ''})")
+                              f"{', '.join(names[:20])}{' ...' if len(names) > 20 else ''})", code="model_not_found")
     return card.name
 
 

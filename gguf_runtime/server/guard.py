@@ -27,7 +27,12 @@ DEFAULT_ORIGINS = tuple(f"{scheme}://{host}{port}" for scheme in ("http", "https
     "app://*", "file://*", "tauri://*", "vscode-webview://*")
 LOCAL_SUFFIXES = (".localhost", ".local", ".internal")
 CORS_METHODS = "GET, POST, PUT, PATCH, DELETE, HEAD, OPTIONS"
-CORS_HEADERS = "Authorization, Content-Type, User-Agent, Accept, X-Requested-With"
+# request headers a page may send (Ollama's list: the OpenAI SDKs' own, OpenAI-Beta and x-stainless-*, included)
+CORS_HEADERS = ", ".join(["Authorization", "Content-Type", "User-Agent", "Accept", "X-Requested-With", "OpenAI-Beta"]
+                         + [f"x-stainless-{h}" for h in ("arch", "async", "custom-poll-interval", "helper-method",
+                                                         "lang", "os", "package-version", "poll-helper",
+                                                         "read-timeout", "retry-count", "runtime", "runtime-version",
+                                                         "timeout")])
 
 
 def is_loopback(host: str) -> bool:

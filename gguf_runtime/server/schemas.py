@@ -26,9 +26,11 @@ from ..sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str) -> None:
+    """A request's error: its HTTP status, message and (OpenAI's ``error.code``) code or None."""
+
+    def __init__(self, status: int, message: str, code: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.message = status, message
+        self.status, self.message, self.code = status, message, code
 
 
 def bad(message: str) -> ApiError:

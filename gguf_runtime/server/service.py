@@ -313,10 +313,9 @@ def error_response(e: BaseException, openai: bool) -> JSONResponse:
     msg = str(e) if status < 500 or isinstance(e, GGUFRunError) else f"internal error: {type(e).__name__}: {e}"
     if not openai:
         return JSONResponse({"error": msg}, status_code=status)
-    kind = {404: "not_found_error", 413: "invalid_request_error"}.get(status, "invalid_request_error"
-                                                                      if status < 500 else "server_error")
+    kind = "invalid_request_error" if status < 500 else "server_error"  # (OpenAI's, a missing model's too)
     return JSONResponse({"error": {"message": msg, "type": kind, "param": None,
-                                   "code": "model_not_found" if status == 404 else None}}, status_code=status)
+                                   "code": getattr(e, "code", None)}}, status_code=status)
 
 
 async def read_json(request: Request, limit: int) -> dict:
