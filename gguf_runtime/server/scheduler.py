@@ -145,13 +145,14 @@ class Scheduler:
 
     def budget(self, n_prompt: int, requested: int | None, n_ctx: int | None = None) -> int:
         """Tokens a job may generate: ``requested`` (None: up to the context), clipped to fit the
-        context, or the request's own window ``n_ctx`` (Ollama's num_ctx: up to the server's)."""
+        context, or the request's own window ``n_ctx`` (Ollama's num_ctx; past the server's, the
+        server's: Ollama caps it at what the model was trained for, and clients send that figure,
+        /api/show's context_length, as num_ctx)."""
         a = self.adapter
         if n_prompt < 1:
             raise GGUFRunError("the prompt is empty after tokenization; give some text")
-        if n_ctx is not None and n_ctx > a.n_ctx:
-            raise ContextOverflowError(f"options.num_ctx {n_ctx} is past this server's context of {a.n_ctx} tokens; "
-                                       f"ask for at most {a.n_ctx}, or restart the server with --ctx-size {n_ctx}")
+        if n_ctx is not None:
+            n_ctx = min(n_ctx, a.n_ctx)
         if n_ctx is not None and n_prompt + 1 > n_ctx:
             raise ContextOverflowError(f"the prompt is {n_prompt} tokens but options.num_ctx is {n_ctx}; "
                                        "shorten the prompt or raise num_ctx")
