@@ -88,6 +88,8 @@ METADATA_CASES = [
     ("pre as array", {T + "pre": (V.ARRAY, ["llama-bpe"])}, ["tokenizer.ggml.pre"]),
     ("add_bos as string", {T + "add_bos_token": (V.STRING, "yes")}, ["add_bos_token"]),
     ("escape in name", {"general.architecture": (V.STRING, "lla\x1b[31mma")}, ["\\x1b"]),
+    ("yarn factor 0.5", {L + "rope.scaling.type": (V.STRING, "yarn"), L + "rope.scaling.factor": (V.FLOAT32, 0.5)},
+     ["rope.scaling.factor", "0.5", "YaRN"]),
 ]
 
 BOMBS = [

@@ -49,6 +49,43 @@ def test_nonsense_metadata_is_one_line(base, tmp_path, name, changes, words):
     assert peak < 64 << 20, f"{peak / 2**20:.0f} MiB before the error"
 
 
+def test_tensors_the_model_does_not_use_are_never_read(tmp_path):
+    """A tensor of the file the model does not name (any type, any size: an unsupported one, a
+    gigabyte of blocks) is not dequantized at load: it failed the load or took its memory."""
+    from gguf_runtime.engine.engine import Engine
+    path = write_micro(Micro(n_layer=1, extra=(("stray.weight", 64),)), tmp_path / "extra.gguf")
+    eng = Engine(str(path), backend="numpy", n_ctx=32)
+    assert "blk.0.attn_q.weight" in eng.backend._weights and "stray.weight" not in eng.backend._weights
+
+
+def test_non_finite_metadata_shows_as_json(base, tmp_path):
+    """/api/show's model_info of a file with NaN and infinite values is strict JSON (the values as
+    text): it was a 500 (JSON has no NaN)."""
+    import json
+
+    from gguf_runtime.server.schemas import ModelCard
+    path = rewrite(base, tmp_path / "nan.gguf", {"general.some_score": (V.FLOAT32, float("nan")),
+                                                 "general.other": (V.FLOAT64, float("-inf"))})
+    info = ModelCard.from_file(str(path), "m").show()["model_info"]
+    json.dumps(info, allow_nan=False)
+    assert info["general.some_score"] == "nan" and info["general.other"] == "-inf"
+
+
+@pytest.mark.parametrize("pattern", [[np.array([1, 0], np.int32)] * 6, ["yes"] * 6, np.array([1, 0, 1], np.int32)])
+def test_a_sliding_window_pattern_not_of_flags_is_one_line(tmp_path, pattern):
+    """Gemma-3's per-layer sliding-window flags: nested arrays (a traceback before), strings (taken
+    as flags) or the wrong count are one line naming the key; six flags load."""
+    g = write_micro(Micro(arch="gemma3", vocab="llama-spm", n_layer=6, sliding_window=4, qk_norm=True,
+                          post_norms=True, head_dim=32, n_head_kv=1), tmp_path / "g.gguf")
+    key = "gemma3.attention.sliding_window_pattern"
+    good = rewrite(g, tmp_path / "good.gguf", {key: (V.ARRAY, np.array([1, 1, 0, 1, 1, 0], np.int32))})
+    assert config_from_gguf(open_gguf(good)).n_layer == 6
+    bad = rewrite(g, tmp_path / "bad.gguf", {key: (V.ARRAY, pattern)})
+    with pytest.raises(GGUFRunError, match="sliding_window_pattern") as ei:
+        config_from_gguf(open_gguf(bad))
+    assert "\n" not in str(ei.value)
+
+
 @pytest.mark.parametrize("name,changes,words", METADATA_CASES[::4] + METADATA_CASES[-1:],
                          ids=[c[0] for c in METADATA_CASES[::4] + METADATA_CASES[-1:]])
 def test_cli_info_and_run_say_one_line(base, tmp_path, capsys, name, changes, words):
@@ -102,16 +139,23 @@ def test_every_key_wrong_in_type_is_refused_or_harmless(base, tmp_path):
     assert outcomes["refused"] > len(keys), outcomes  # most keys matter
 
 
-@pytest.mark.parametrize("temp", ["0", "0.8"])
-def test_non_finite_weights_are_one_line(tmp_path, capsys, temp):
-    """A NaN in a weight (here the final norm's first value): not silence (greedy) nor a sampler
-    traceback, but one line saying the weights are damaged."""
+@pytest.mark.parametrize("temp,tensor,value", [("0", "output_norm.weight", np.nan),
+                                               ("0.8", "output_norm.weight", np.nan),
+                                               ("0", "blk.0.attn_q.weight", np.inf)])
+def test_non_finite_weights_are_one_line(tmp_path, capsys, temp, tensor, value):
+    """A NaN, an infinity or a value that overflows in a weight: not silence (greedy) nor a sampler
+    traceback nor numpy's warnings, but one line saying the weights are damaged."""
+    import warnings
+
     path = write_micro(Micro(), tmp_path / "nan.gguf")
     with open_gguf(path) as f:
-        at = f.tensors["output_norm.weight"].offset
+        at = f.tensors[tensor].offset
     data = bytearray(path.read_bytes())
-    data[at:at + 4] = np.float32(np.nan).tobytes()
+    data[at:at + 4] = np.float32(value).tobytes()
     path.write_bytes(bytes(data))
-    rc = main([str(path), "-p", "hi", "--backend", "numpy", "-n", "4", "--temp", temp])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rc = main([str(path), "-p", "hi", "--backend", "numpy", "-n", "4", "--temp", temp])
+    assert not [w for w in caught if issubclass(w.category, RuntimeWarning)], [str(w.message) for w in caught]
     err = capsys.readouterr().err.strip()
     assert rc == 2 and err.startswith("error: ") and "damaged" in err and "\n" not in err, (rc, err)

@@ -246,7 +246,7 @@ def _config(f: GGUFFile) -> ModelConfig:
         raise GGUFError(f"metadata '{a}rope.scaling.type' = {_show(scaling)} is not a string; the file is damaged")
     factor = _float(meta, a + "rope.scaling.factor", None, lo=0.0)
     yarn = {}
-    if scaling in (None, "none") or (scaling == "linear" and not factor):
+    if scaling in (None, "none") or (scaling in ("linear", "yarn") and (not factor or factor == 1.0)):
         pass
     elif scaling == "linear":
         rope_scale = 1.0 / factor
@@ -255,6 +255,9 @@ def _config(f: GGUFFile) -> ModelConfig:
                     yarn_beta_fast=_float(meta, a + "rope.scaling.yarn_beta_fast", 32.0, lo=0.0, above=True),
                     yarn_beta_slow=_float(meta, a + "rope.scaling.yarn_beta_slow", 1.0, lo=0.0, above=True),
                     attn_factor=1.0 + 0.1 * math.log(factor))
+    elif scaling == "yarn":
+        raise GGUFError(f"metadata '{a}rope.scaling.factor' = {_show(factor)} with YaRN scaling: a YaRN factor is "
+                        "1 or more; the file is damaged")
     else:
         raise UnsupportedModelError(f"{f.path}: RoPE scaling '{scaling}' is not supported (none, linear and yarn "
                                     "are)")
@@ -285,8 +288,12 @@ def _config(f: GGUFFile) -> ModelConfig:
     window = _int(meta, a + "attention.sliding_window", 0)
     if gemma and window:
         pattern = meta.get(a + "attention.sliding_window_pattern")
-        if pattern is not None and hasattr(pattern, "__len__") and len(pattern) == n_layer:
-            windows = [window if bool(p) else 0 for p in pattern]
+        if pattern is not None and hasattr(pattern, "__len__") and not isinstance(pattern, str):
+            flags = list(pattern)
+            if len(flags) != n_layer or not all(isinstance(p, (bool, int, np.integer, np.bool_)) for p in flags):
+                raise GGUFError(f"metadata '{a}attention.sliding_window_pattern' = {_show(pattern)} is not a flag "
+                                f"for each of the {n_layer} layers; the file is damaged")
+            windows = [window if bool(p) else 0 for p in flags]
         else:
             period = _int(meta, a + "attention.sliding_window_pattern", 6) if pattern is not None else 6
             windows = [0 if (i + 1) % max(period, 1) == 0 else window for i in range(n_layer)]

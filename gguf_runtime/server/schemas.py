@@ -373,7 +373,9 @@ def messages(v: Any, extra: Callable[[dict, int], dict] | None = None) -> list[d
 # ---- the model card ------------------------------------------------------------------------------
 def _plain(v: Any) -> Any:
     if isinstance(v, np.generic):
-        return v.item()
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)  # (JSON has no NaN or infinity: a file's nan would make /api/show a 500)
     if isinstance(v, (str, int, float, bool)) or v is None:
         return v
     return None  # arrays (tokens, merges ...) are left out, as Ollama does without verbose

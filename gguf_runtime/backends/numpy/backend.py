@@ -15,7 +15,7 @@ from ..host_loop import host_sample_loop
 from ...errors import BackendError, ContextOverflowError
 from ...format.gguf_file import GGUFFile
 from ...model import ComposedBlocks, forward, layers, lm_head_name, rope_inv_freq
-from ...format.model_config import ROPE_NEOX, ModelConfig
+from ...format.model_config import ROPE_NEOX, ModelConfig, model_tensors
 from ...quant_kernels import reference_kv
 from ...quant_kernels.reference import dequantize, dequantize_rows
 
@@ -57,6 +57,12 @@ def gelu_tanh(x: np.ndarray) -> np.ndarray:
 
 def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
+
+
+def _quiet() -> np.errstate:
+    """A damaged file's overflows and NaNs are reported once, by the logits' finiteness check
+    (host_loop), not as numpy warnings on stderr beside that one line."""
+    return np.errstate(over="ignore", invalid="ignore", divide="ignore")
 
 
 class NumpyBackend:
@@ -105,8 +111,10 @@ class NumpyBackend:
         return w
 
     def preload(self, progress=None) -> None:
-        """Dequantize every weight now (within the budget) instead of at first use."""
-        names = list(self.f.tensors)
+        """Dequantize every weight the model uses now (within the budget) instead of at first use;
+        tensors of the file the model does not name are left alone (never read)."""
+        used = model_tensors(self.cfg)
+        names = [n for n in self.f.tensors if n in used]
         for i, name in enumerate(names):
             if name != "token_embd.weight" or lm_head_name(self.cfg) == name:
                 self.weight(name)
@@ -219,7 +227,8 @@ class NumpyBackend:
             part = list(tokens[s:s + chunk])
             pos = np.arange(self.n_past, self.n_past + len(part))
             last = s + chunk >= len(tokens)
-            logits = forward(self.blocks, self.cfg, part, pos, all_logits=all_logits)
+            with _quiet():
+                logits = forward(self.blocks, self.cfg, part, pos, all_logits=all_logits)
             if all_logits or last:
                 outs.append(logits)
             self.n_past += len(part)
