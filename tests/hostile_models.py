@@ -116,6 +116,11 @@ BOMBS = [
     ("output", "{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}"),
     ("recursive macro", "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}"),
     ("indent", "{{ ('a\n' * 100000)|indent(1000) }}"),
+    ("sum of lists", "{% set b = [range(100000)|list] * 100000 %}{{ b|sum(start=[])|length }}"),
+    ("percent widths", "{{ ('%99999s' * 500000) % (('a',) * 500000) }}"),
+    ("format filter widths", "{{ ('%99999s' * 500000)|format(*(('a',) * 500000)) }}"),
+    ("join delimiter", "{% set xs = [''] * 1500 %}{{ xs|join('x' * 4000000) }}"),
+    ("wordwrap string", "{{ ('a ' * 1500)|wordwrap(1, wrapstring='x' * 4000000) }}"),
 ]
 
 # prompts: one giant "word" (a run of one letter: one BPE word of a million symbols), and a megabyte

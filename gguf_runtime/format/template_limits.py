@@ -36,6 +36,7 @@ MAX_CHARS = 1 << 22
 MAX_SECONDS = 2.0
 MAX_POWER_BITS = 4096  # integers a template may compute with **
 _WIDTH = re.compile(r"\d{6,}")  # a field width or precision of a million or more in a format string
+_DIGITS = re.compile(r"\d+")  # (their sum bounds what a format string's widths can add)
 
 
 class TemplateLimit(BaseException):
@@ -149,6 +150,10 @@ def _size(x: Any) -> int:
 def _check_format_string(fmt: Any, args: Any = ()) -> None:
     if isinstance(fmt, str) and _WIDTH.search(fmt):
         raise TemplateLimit("a format string asks for a width or precision of a million or more")
+    if isinstance(fmt, str):  # what it can make at most: its text, its fields' widths, its arguments
+        vals = args.values() if isinstance(args, dict) else args if isinstance(args, (list, tuple)) else (args,)
+        check_size(len(fmt) + sum(int(d) for d in _DIGITS.findall(fmt)) + sum(_size(a) for a in vals),
+                   "formatting a string")
     for a in args if isinstance(args, (list, tuple)) else (args,):
         if isinstance(a, int) and not isinstance(a, bool) and abs(a) >= 10 ** 6 and isinstance(fmt, str) and "*" in fmt:
             raise TemplateLimit("a format string takes a width of a million or more from its arguments")
@@ -266,9 +271,27 @@ def limit_filters(filters: dict) -> None:
             check_size(len(s) + count * max(len(new) - len(old), 0), "the replace filter")
 
     def join_pre(*args: Any, **kwargs: Any) -> None:
+        # join(eval_ctx, value, d="", attribute=None): the delimiter between every two items counts too
+        at = next((i for i, a in enumerate(args) if isinstance(a, (list, tuple))), None)
+        if at is not None:
+            seq = args[at]
+            d = kwargs.get("d", args[at + 1] if len(args) > at + 1 else "")
+            check_size(sum(_size(x) for x in seq) + _size(d) * max(len(seq) - 1, 0), "the join filter")
+
+    def wordwrap_pre(*args: Any, **kwargs: Any) -> None:
+        # wordwrap(environment, s, width=79, break_long_words=True, wrapstring=None, ...): at most a line a
+        # character, each ended by wrapstring
+        s = next((a for a in args if isinstance(a, str)), "")
+        wrap_with = kwargs.get("wrapstring", args[4] if len(args) > 4 else None)
+        check_size(len(s) * (1 + (_size(wrap_with) if wrap_with is not None else 1)), "the wordwrap filter")
+
+    def sum_pre(*args: Any, **kwargs: Any) -> None:
+        # sum(environment, iterable, attribute=None, start=0): lists or strings added up make their total
         seq = next((a for a in args if isinstance(a, (list, tuple))), None)
-        if seq is not None:
-            check_size(sum(_size(x) for x in seq), "the join filter")
+        start = kwargs.get("start", args[3] if len(args) > 3 else 0)
+        if seq is not None and (isinstance(start, (str, list, tuple)) or any(isinstance(x, (str, list, tuple))
+                                                                            for x in seq[:1])):
+            check_size(_size(start) + sum(_size(x) for x in seq), "the sum filter")
 
     def tojson_pre(value: Any, *args: Any, **kwargs: Any) -> None:
         indent = kwargs.get("indent", args[1] if len(args) > 1 else None)  # (x, ensure_ascii, indent, ...)
@@ -276,7 +299,8 @@ def limit_filters(filters: dict) -> None:
             raise TemplateLimit("tojson indent above 64")
 
     for name, pre in (("format", fmt_pre), ("center", width_pre), ("indent", indent_pre),
-                      ("replace", replace_pre), ("join", join_pre), ("wordwrap", None), ("tojson", tojson_pre)):
+                      ("replace", replace_pre), ("join", join_pre), ("wordwrap", wordwrap_pre),
+                      ("tojson", tojson_pre), ("sum", sum_pre)):
         if name in filters:
             wrap(name, pre)
 
