@@ -121,6 +121,8 @@ BOMBS = [
     ("format filter widths", "{{ ('%99999s' * 500000)|format(*(('a',) * 500000)) }}"),
     ("join delimiter", "{% set xs = [''] * 1500 %}{{ xs|join('x' * 4000000) }}"),
     ("wordwrap string", "{{ ('a ' * 1500)|wordwrap(1, wrapstring='x' * 4000000) }}"),
+    ("deep tuple hashed", "{% set ns = namespace(x=()) %}{% for i in range(300000) %}{% set ns.x = (ns.x,) %}"
+                          "{% endfor %}{{ {ns.x: 1}|length }}"),
 ]
 
 # prompts: one giant "word" (a run of one letter: one BPE word of a million symbols), and a megabyte

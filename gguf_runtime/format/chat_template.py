@@ -126,19 +126,38 @@ class _TemplateDict:
         return dict.fromkeys(*args, **kwargs)
 
 
+NAMESPACE_NESTING = 512  # tuples inside tuples a template may keep in a namespace
+
+
 class _TemplateNamespace(jinja2.utils.Namespace):
-    """Jinja's ``namespace()`` refusing underscore names (no smuggling dunders through it)."""
+    """Jinja's ``namespace()`` refusing underscore names (no smuggling dunders through it) and tuples
+    nested past NAMESPACE_NESTING: a namespace is a template's only way to grow a structure across
+    loop steps, and hashing a tuple nested some 10^5 deep overflows the C stack (tuple hashing
+    recurses without Python's recursion limit; lists and dicts do not hash, their repr and
+    comparisons stop at it)."""
 
     def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - Jinja's signature trick
         self, args = args[0], args[1:]
         attrs = dict(*args, **kwargs)
-        for name in attrs:
+        for name, value in attrs.items():
             _TemplateNamespace._check(name)
+            _TemplateNamespace._shallow(value)
         jinja2.utils.Namespace.__init__(self, attrs)
 
     def __setitem__(self, name: str, value: Any) -> None:
         _TemplateNamespace._check(name)
+        _TemplateNamespace._shallow(value)
         jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _shallow(value: Any) -> None:
+        """Raise TemplateLimit where ``value`` nests tuples in tuples past NAMESPACE_NESTING."""
+        stack = [(value, 0)] if isinstance(value, tuple) else []
+        while stack:
+            v, depth = stack.pop()
+            if depth >= NAMESPACE_NESTING:
+                raise TL.TemplateLimit(f"a namespace value nests tuples more than {NAMESPACE_NESTING} levels deep")
+            stack.extend((x, depth + 1) for x in v if isinstance(x, tuple))
 
     @staticmethod
     def _check(name: Any) -> None:
