@@ -121,6 +121,10 @@ BOMBS = [
     ("format filter widths", "{{ ('%99999s' * 500000)|format(*(('a',) * 500000)) }}"),
     ("join delimiter", "{% set xs = [''] * 1500 %}{{ xs|join('x' * 4000000) }}"),
     ("wordwrap string", "{{ ('a ' * 1500)|wordwrap(1, wrapstring='x' * 4000000) }}"),
+    ("a big list printed", "{% set b = [range(100000)|list] * 100000 %}{{ b }}"),
+    ("a big list as a string", "{% set b = [range(100000)|list] * 100000 %}{{ b|string|length }}"),
+    ("a big list as JSON", "{% set b = [range(100000)|list] * 100000 %}{{ b|tojson|length }}"),
+    ("a big list joined with ~", "{% set b = [range(100000)|list] * 100000 %}{{ (b ~ '')|length }}"),
     ("deep tuple hashed", "{% set ns = namespace(x=()) %}{% for i in range(300000) %}{% set ns.x = (ns.x,) %}"
                           "{% endfor %}{{ {ns.x: 1}|length }}"),
 ]

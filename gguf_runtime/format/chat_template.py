@@ -168,6 +168,7 @@ class _TemplateNamespace(jinja2.utils.Namespace):
 def _make_env() -> _StrictSandbox:
     env = _StrictSandbox(trim_blocks=True, lstrip_blocks=True,
                          extensions=[jinja2.ext.loopcontrols, _GenerationTag])
+    env.finalize = TL.check_shown  # (each {{ value }} sized before it is printed)
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now

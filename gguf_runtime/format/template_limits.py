@@ -185,9 +185,25 @@ def binop(operator: str, left: Any, right: Any) -> Any:
             "//": lambda a, b: a // b}[operator](left, right)
 
 
+def check_shown(value: Any) -> Any:
+    """``value`` unchanged, once what ``str(value)`` would write is known to fit: a list holding one
+    big list many times (a cheap repeat) prints as a billion characters before any output check.
+    The walk counts each list, tuple and dict's items before it looks inside (the clock runs)."""
+    if isinstance(value, (list, tuple, dict)):
+        limit, total, stack = Budget.max_chars(), 0, [value]
+        while stack:
+            v = stack.pop()
+            total += len(v)
+            if total > limit:
+                raise TemplateLimit(f"printing a list or dict would make over {limit:,} items (the limit)")
+            Budget.check()
+            stack.extend(x for x in (v.values() if isinstance(v, dict) else v) if isinstance(x, (list, tuple, dict)))
+    return value
+
+
 def concat(items: Any) -> str:
     """``a ~ b ~ ...``: Jinja's str_join with the size checked first."""
-    parts = [str(x) for x in items]
+    parts = [str(check_shown(x)) for x in items]
     check_size(sum(len(p) for p in parts), "joining strings with ~")
     return "".join(parts)
 
@@ -293,14 +309,18 @@ def limit_filters(filters: dict) -> None:
                                                                             for x in seq[:1])):
             check_size(_size(start) + sum(_size(x) for x in seq), "the sum filter")
 
+    def shown_pre(value: Any, *args: Any, **kwargs: Any) -> None:
+        check_shown(value)
+
     def tojson_pre(value: Any, *args: Any, **kwargs: Any) -> None:
+        check_shown(value)
         indent = kwargs.get("indent", args[1] if len(args) > 1 else None)  # (x, ensure_ascii, indent, ...)
         if isinstance(indent, int) and indent > 64 or isinstance(indent, str) and len(indent) > 64:
             raise TemplateLimit("tojson indent above 64")
 
     for name, pre in (("format", fmt_pre), ("center", width_pre), ("indent", indent_pre),
                       ("replace", replace_pre), ("join", join_pre), ("wordwrap", wordwrap_pre),
-                      ("tojson", tojson_pre), ("sum", sum_pre)):
+                      ("tojson", tojson_pre), ("sum", sum_pre), ("string", shown_pre)):
         if name in filters:
             wrap(name, pre)
 
