@@ -58,6 +58,15 @@ def test_tensors_the_model_does_not_use_are_never_read(tmp_path):
     assert "blk.0.attn_q.weight" in eng.backend._weights and "stray.weight" not in eng.backend._weights
 
 
+def test_info_abbreviates_every_level():
+    """`info`'s metadata lines stay one short line whatever an array holds: its strings abbreviated
+    (a 20 MB token was printed whole), nested arrays on one line, three levels at most."""
+    from gguf_runtime.format.model_info import summarize_value
+    line = summarize_value(["z" * 20_000_000, np.arange(10, dtype=np.int32), [[[[1]]]], np.float32(0.5)])
+    assert "\n" not in line and len(line) < 1000 and "(20000000 chars)" in line and "[...]" in line, line
+    assert summarize_value(np.array([1, 2], np.int32)) == "[1, 2]" and summarize_value(["a"]) == "['a']"
+
+
 def test_non_finite_metadata_shows_as_json(base, tmp_path):
     """/api/show's model_info of a file with NaN and infinite values is strict JSON (the values as
     text): it was a 500 (JSON has no NaN)."""

@@ -24,17 +24,20 @@ class QuantRow:
     bytes: int
 
 
-def summarize_value(v: Any) -> str:
-    """A one-line rendering of a metadata value; long arrays and strings are abbreviated."""
+def summarize_value(v: Any, depth: int = 0) -> str:
+    """A one-line rendering of a metadata value; long arrays and strings are abbreviated, at every
+    level (an array's items too), and arrays past three levels shown as [...]."""
+    if isinstance(v, np.generic):
+        v = v.item()
     if isinstance(v, str):
         s = v.replace("\n", "\\n")
         return repr(s if len(s) <= STRING_PREVIEW else s[:STRING_PREVIEW] + "...") + (
             f" ({len(v)} chars)" if len(s) > STRING_PREVIEW else "")
     if isinstance(v, (list, np.ndarray)):
-        items = list(v[:ARRAY_PREVIEW])
-        items = [x.item() if isinstance(x, np.generic) else x for x in items]
+        if depth >= 3:
+            return "[...]"
         more = f", ... ({len(v)} items)" if len(v) > ARRAY_PREVIEW else ""
-        return "[" + ", ".join(repr(x) for x in items) + more + "]"
+        return "[" + ", ".join(summarize_value(x, depth + 1) for x in list(v[:ARRAY_PREVIEW])) + more + "]"
     return repr(v)
 
 
