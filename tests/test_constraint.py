@@ -115,6 +115,15 @@ def test_objects_with_properties_hold_only_theirs(vocab):
     assert closed_objects(open_one, bare=False) == open_one
     assert closed_objects({"$defs": {"P": inner}, "$ref": "#/$defs/P"}, bare=False)["$defs"]["P"][
         "additionalProperties"] is False
+    # an allOf's branches each hold part of the keys: closing each would refuse the others' keys
+    both = {"allOf": [{"type": "object", "properties": {"a": {"const": 1}}, "required": ["a"]},
+                      {"type": "object", "properties": {"b": {"const": 2}}, "required": ["b"]}]}
+    assert closed_objects(both, bare=False)["allOf"][0]["required"] == ["a", "b"]
+    with_ref = {"$defs": {"B": both["allOf"][1]}, "allOf": [both["allOf"][0], {"$ref": "#/$defs/B"}]}
+    assert "additionalProperties" not in closed_objects(with_ref, bare=False)["allOf"][0]
+    value = json.loads(tok.decode(constrained_argmax(tok, n, compile_grammar("json_schema", both),
+                                                     np.random.default_rng(0))))
+    assert value["a"] == 1 and value["b"] == 2, value
 
 
 def test_gbnf_and_regex_grammars(vocab):

@@ -36,11 +36,12 @@ def _llg():
     return llguidance
 
 
-def closed_objects(schema: Any, bare: bool = True, depth: int = 0) -> Any:
+def closed_objects(schema: Any, bare: bool = True, depth: int = 0, part: bool = False) -> Any:
     """``schema`` with ``additionalProperties: false`` on every object schema that does not say, as
     llama.cpp's grammars (and so Ollama's) read a schema: an object holds the keys it declares, not
     keys of the model's own. bare: also an object schema without properties (a tool's arguments);
-    else (structured output) that one stays any object, as llama.cpp's."""
+    else (structured output) that one stays any object, as llama.cpp's. The branches of an allOf
+    (part) stay open: each holds only part of the object's keys."""
     if not isinstance(schema, dict) or depth > 32:
         return schema
     out = {}
@@ -49,13 +50,29 @@ def closed_objects(schema: Any, bare: bool = True, depth: int = 0) -> Any:
             out[k] = {name: closed_objects(sub, bare, depth + 1) for name, sub in v.items()}
         elif k in ("items", "additionalItems", "not", "if", "then", "else", "contains"):
             out[k] = closed_objects(v, bare, depth + 1)
+        elif k == "allOf" and isinstance(v, list) and len(v) > 1 and all(_plain_object(sub) for sub in v):
+            # the parts of one object: one object of all their keys, as llama.cpp merges them
+            props = {name: sub for part_ in v for name, sub in part_.get("properties", {}).items()}
+            req = [r for part_ in v for r in part_.get("required", [])]
+            out[k] = [closed_objects({"type": "object", "properties": props, "required": list(dict.fromkeys(req))},
+                                     bare, depth + 1)]
         elif k in ("anyOf", "oneOf", "allOf", "prefixItems") and isinstance(v, list):
-            out[k] = [closed_objects(sub, bare, depth + 1) for sub in v]
+            out[k] = [closed_objects(sub, bare, depth + 1, part=k == "allOf" and len(v) > 1) for sub in v]
         else:
             out[k] = v
-    if ("properties" in out or bare and out.get("type") == "object") and "additionalProperties" not in out:
+    if not part and ("properties" in out or bare and out.get("type") == "object") and \
+            "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out
+
+
+def _plain_object(schema: Any) -> bool:
+    """An object schema of properties alone (no $ref, no word on additional keys): an allOf of them
+    merges into one."""
+    return isinstance(schema, dict) and isinstance(schema.get("properties", {}), dict) and \
+        isinstance(schema.get("required", []), list) and \
+        set(schema) <= {"type", "properties", "required", "title", "description"} and \
+        schema.get("type", "object") == "object"
 
 
 def compile_grammar(kind: str, spec: Any) -> str:
