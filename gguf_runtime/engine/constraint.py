@@ -52,8 +52,8 @@ def closed_objects(schema: Any, bare: bool = True, depth: int = 0, part: bool = 
             out[k] = closed_objects(v, bare, depth + 1)
         elif k == "allOf" and isinstance(v, list) and len(v) > 1 and all(_plain_object(sub) for sub in v):
             # the parts of one object: one object of all their keys, as llama.cpp merges them
-            props = {name: sub for part_ in v for name, sub in part_.get("properties", {}).items()}
-            req = [r for part_ in v for r in part_.get("required", [])]
+            props = {name: sub for branch in v for name, sub in branch.get("properties", {}).items()}
+            req = [r for branch in v for r in branch.get("required", [])]
             out[k] = [closed_objects({"type": "object", "properties": props, "required": list(dict.fromkeys(req))},
                                      bare, depth + 1)]
         elif k in ("anyOf", "oneOf", "allOf", "prefixItems") and isinstance(v, list):
@@ -173,7 +173,8 @@ class Constraint:
         if self._m.is_error():
             raise GrammarError(f"the grammar cannot be used: {_first_line(self._m.get_error())}")
         self._mask = np.zeros((n_vocab + 31) // 32, np.int32)
-        self.allowed()  # (the first mask: a grammar that no output matches fails here, before any work)
+        # the first mask: a grammar that no output matches fails here, before any work
+        self._m.unsafe_compute_mask_ptr(self._mask.ctypes.data, self._mask.nbytes)
         if self._m.is_error():
             raise GrammarError("the grammar admits no output at all (nothing can match it, e.g. a JSON schema that "
                                "only refers to itself); fix the schema or grammar")

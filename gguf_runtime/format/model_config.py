@@ -290,7 +290,7 @@ def _config(f: GGUFFile) -> ModelConfig:
         pattern = meta.get(a + "attention.sliding_window_pattern")
         if pattern is not None and hasattr(pattern, "__len__") and not isinstance(pattern, str):
             flags = list(pattern)
-            if len(flags) != n_layer or not all(isinstance(p, (bool, int, np.integer, np.bool_)) for p in flags):
+            if len(flags) != n_layer or not all(isinstance(p, (int, np.integer, np.bool_)) for p in flags):
                 raise GGUFError(f"metadata '{a}attention.sliding_window_pattern' = {_show(pattern)} is not a flag "
                                 f"for each of the {n_layer} layers; the file is damaged")
             windows = [window if bool(p) else 0 for p in flags]

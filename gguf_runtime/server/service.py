@@ -31,6 +31,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..errors import GGUFRunError, printable
+from ..format.gguf_file import open_gguf
 from . import schemas as S
 from .scheduler import EmbedJob, Job, Scheduler, ServerBusy, ShuttingDown
 
@@ -223,8 +224,6 @@ class Service:
     def _check_file(self, name: str) -> None:
         """Raise the one-line GGUFError of ``name``'s file where it does not open whole (truncated,
         damaged since it was listed); its tensors are not read."""
-        from ..format.gguf_file import open_gguf
-
         with open_gguf(self.cards[name].path):
             pass
 
