@@ -93,7 +93,7 @@ def main() -> None:
         vb, sb = KL.row_bytes(kv, d)
         nbytes = 2 * (depth + 1) * hkv * (vb + sb)
         configs = [None] if a.config == "rule" else [tuple(int(v) for v in c.split(":")) for c in a.config.split(",")]
-        splits = [max(1, min(32, sms // hkv))] if a.splits == "rule" else [int(s) for s in a.splits.split(",")]
+        splits = [max(1, min(32, sms // hkv)) if s == "rule" else int(s) for s in a.splits.split(",")]
         first = None
         for src, config, ns in itertools.product(srcs, configs, splits):
             if config and LA.decode_smem(d, config, kv) > LA.DECODE_SMEM_MAX:
