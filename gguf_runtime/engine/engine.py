@@ -19,6 +19,7 @@ from .constraint import Constraint, compile_grammar
 from .decode_loop import sample_loop
 from .draft import DraftProposer, check_vocab
 from .speculative import ngram_propose, speculative_loop
+from .tool_grammar import think_ids
 from ..format.chat_template import ChatTemplate
 from ..errors import ContextOverflowError, GGUFRunError
 from ..format.gguf_file import GGUFFile, open_gguf
@@ -111,6 +112,9 @@ class Engine:
         self.cfg: ModelConfig = config_from_gguf(self.gguf)
         self.tokenizer = Tokenizer.from_metadata(self.gguf.metadata)
         self.template = ChatTemplate.from_metadata(self.gguf.metadata)
+        # special tokens a generation shows: a thinking template's <think> and </think> where the
+        # vocabulary made them control tokens, so the reasoning prints as the model wrote it
+        self.shown = think_ids(self.tokenizer) if self.template.supports_thinking else frozenset()
         if n_ctx is None:
             n_ctx = min(DEFAULT_CTX, self.cfg.n_ctx_train)
         elif n_ctx == 0:  # as llama.cpp's -c 0: the context the model was trained for
@@ -213,7 +217,7 @@ class Engine:
         new = prompt_ids[keep:]
         st.prompt_tokens = len(new)
         self.cached.extend(new)  # trimmed back in `finally` to what the backend really evaluated
-        decoder = self.tokenizer.stream(skip_special=True)
+        decoder = self.tokenizer.stream(skip_special=True, keep=self.shown)
         history = list(prompt_ids)
         counts: dict = {}  # speculative decoding's (speculative_loop's stats)
         try:

@@ -9,7 +9,8 @@ shows them (a server skips special tokens otherwise, and the parser needs them).
 call is ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}``, as OpenAI's
 Harmony guide writes it; a complete call leaves only end-of-generation tokens (the model's
 ``<|call|>``). Its markers (``<|channel|>`` ...) are user-defined tokens once the tokenizer has
-fixed them up (llama.cpp's rule), text that the grammar matches by their bytes.
+fixed them up (llama.cpp's rule), text that the grammar matches by their bytes. A thinking
+template's ``<think>`` and ``</think>`` are shown too where they are special (``think_ids``).
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ from typing import Any, Sequence
 from ..errors import GrammarError
 from ..format.tokenizer import Tokenizer
 from ..format.tool_calls import (ARGS, CALL_ID, CHANNEL, CONSTRAIN, FAMILIES, HARMONY_MARKERS, MESSAGE, PYTHON_TAG,
-                                 TOOL_CALL, TOOL_CALLS)
+                                 THINK, THINK_END, TOOL_CALL, TOOL_CALLS)
 from .constraint import COMPACT, closed_objects, compile_grammar
 
-__all__ = ["marker_ids", "tool_call_grammar"]
+__all__ = ["marker_ids", "think_ids", "tool_call_grammar"]
 
 
 def marker_ids(tok: Tokenizer, family: str) -> frozenset[int]:
@@ -35,6 +36,14 @@ def marker_ids(tok: Tokenizer, family: str) -> frozenset[int]:
              "llama3": (PYTHON_TAG,), "mistral": (TOOL_CALLS,),
              "mistral_args": (TOOL_CALLS, ARGS, CALL_ID)}.get(family, ())
     ids = (tok.token_to_id.get(t) for t in texts)
+    return frozenset(i for i in ids if i is not None and tok.is_control(i))
+
+
+def think_ids(tok: Tokenizer) -> frozenset[int]:
+    """The control tokens of ``tok`` that spell ``<think>`` or ``</think>``: the decoder would hide
+    them, and the reasoning would run into the answer with nothing to tell them apart (Qwen3's and
+    DeepSeek-R1's vocabularies have them as user-defined tokens, shown anyway)."""
+    ids = (tok.token_to_id.get(t) for t in (THINK, THINK_END))
     return frozenset(i for i in ids if i is not None and tok.is_control(i))
 
 

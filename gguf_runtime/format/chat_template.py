@@ -31,9 +31,10 @@ from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from . import template_limits as TL
+from .tool_calls import THINK, THINK_END
 from ..errors import TemplateError
 
-__all__ = ["ChatTemplate", "chatml_render"]
+__all__ = ["ChatTemplate", "chatml_render", "thinking_template"]
 
 _ADVICE_UNSAFE = "use --raw, or a trusted chat template"
 _ADVICE_BROKEN = "use --raw, or a working chat template"
@@ -254,6 +255,15 @@ def chatml_render(messages: Sequence[Mapping[str, Any]], add_generation_prompt: 
 
 # ---- the template -----------------------------------------------------------------------------
 
+def thinking_template(source: str | None) -> bool:
+    """Whether a template's text is a thinking template's: its model opens an answer with its
+    reasoning in ``<think>...</think>``. Qwen3's writes the tags around a message's
+    ``reasoning_content`` and reads ``enable_thinking``; DeepSeek-R1's strips ``</think>`` from the
+    history and opens ``<think>`` in its generation prompt; QwQ's does both."""
+    s = source or ""
+    return THINK in s or THINK_END in s or "enable_thinking" in s
+
+
 class ChatTemplate:
     """A model's chat template, rendered in a sandbox (or ChatML when the model has none).
 
@@ -291,6 +301,12 @@ class ChatTemplate:
                 except Exception:  # noqa: BLE001 - a template that does not lex renders nothing either
                     self._tools = False
         return self._tools
+
+    @property
+    def supports_thinking(self) -> bool:
+        """Whether this is a thinking template (thinking_template): with Harmony's, what the Ollama
+        API calls the "thinking" capability. The ChatML fallback is not one."""
+        return thinking_template(self.source)
 
     @classmethod
     def from_metadata(cls, meta: Mapping[str, Any],

@@ -24,6 +24,11 @@ content (never an error). A bare JSON answer (llama3, generic) counts as a call 
 one of the request's tools; after a marker any name counts, as the model meant to call. Whitespace
 around calls is dropped. :class:`HarmonyParser` gives :class:`Reasoning` events too (the analysis
 channel); ``answer_parser`` makes the parser of a family.
+
+A thinking template's answers (Qwen3, QwQ, DeepSeek-R1) open with their reasoning in
+``<think>...</think>``, whatever the tool-call family: :class:`ThinkParser` gives it as
+:class:`Reasoning` and hands what follows to the family's parser (``opens_thinking`` tells whether
+the prompt already opened the block).
 """
 
 from __future__ import annotations
@@ -31,10 +36,10 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Iterable, Union
+from typing import Callable, Iterable, Union
 
-__all__ = ["FAMILIES", "HarmonyParser", "Reasoning", "ToolCall", "ToolCallParser", "answer_parser", "parse_answer",
-           "parse_tool_calls", "template_family"]
+__all__ = ["FAMILIES", "HarmonyParser", "Reasoning", "ThinkParser", "ToolCall", "ToolCallParser", "answer_parser",
+           "opens_thinking", "parse_answer", "parse_tool_calls", "template_family"]
 
 FAMILIES = ("hermes", "llama3", "mistral", "mistral_args", "harmony", "generic")
 TOOL_CALL, TOOL_CALL_END = "<tool_call>", "</tool_call>"
@@ -45,6 +50,7 @@ TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
 CONSTRAIN, CALL, RETURN = "<|constrain|>", "<|call|>", "<|return|>"
 HARMONY_MARKERS = (START, END, MESSAGE, CHANNEL, CONSTRAIN, CALL, RETURN)
+THINK, THINK_END = "<think>", "</think>"  # a thinking template's reasoning block (Qwen3, DeepSeek-R1)
 # the markers of a family (text that starts a call wherever it appears)
 MARKERS = {"hermes": (TOOL_CALL,), "llama3": (PYTHON_TAG,), "mistral": (TOOL_CALLS,),
            "mistral_args": (TOOL_CALLS,), "generic": (TOOL_CALL,)}
@@ -75,7 +81,7 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class Reasoning:
-    """Text of the model's reasoning (Harmony's analysis channel), as it streams."""
+    """Text of the model's reasoning (Harmony's analysis channel, a think block), as it streams."""
 
     text: str
 
@@ -565,6 +571,100 @@ class HarmonyParser:
         if m not in _STRAY:
             self.state = "between"
         return True
+
+
+# ---- <think> reasoning (Qwen3, QwQ, DeepSeek-R1) --------------------------------------------------
+def opens_thinking(prompt: str) -> bool:
+    """Whether a prompt's text ends inside a think block: its generation prompt wrote ``<think>``
+    (DeepSeek-R1's, QwQ's), so the answer starts with the reasoning and only ``</think>`` appears."""
+    return prompt.rstrip().endswith(THINK)
+
+
+class ThinkParser:
+    """A thinking template's answer as it streams: ``feed(text)`` and ``finish()`` return events:
+    :class:`Reasoning` (the think block's text), then what follows the block, through ``calls`` (a
+    :class:`ToolCallParser`: the request's tool calls) or as content (``str``).
+
+    As Ollama's thinking parser does: the block counts only where it opens the answer (after
+    whitespace), and whitespace right after ``<think>`` and after ``</think>`` is dropped (so the
+    empty block Qwen3 writes when told not to think leaves only the answer); an answer that does
+    not open with ``<think>`` is content, tags and all. ``opened`` (a bool, or a function asked at
+    the first text: the prompt is rendered after the parser is made): the prompt ended with
+    ``<think>``, the answer starts inside the block. A tag is never given out in part: text that may
+    begin one is held until it is known. A block the answer never closes is reasoning to its end."""
+
+    def __init__(self, calls: ToolCallParser | None = None, opened: bool | Callable[[], bool] = False) -> None:
+        self.calls = calls
+        self.opened = opened
+        self.buf = ""
+        self.state = ""  # start (before <think>), think, after (the whitespace after </think>), content
+        self.strip = False  # in the block: whitespace still to drop (right after <think>)
+
+    # ---- the stream ---------------------------------------------------------------------------
+    def feed(self, text: str) -> list[Event]:
+        self.buf += text
+        return self._drain(False)
+
+    def finish(self) -> list[Event]:
+        out = self._drain(True)
+        if self.calls is not None:
+            out += self.calls.finish()
+        return out
+
+    def _drain(self, final: bool) -> list[Event]:
+        if not self.state:
+            opened = self.opened() if callable(self.opened) else self.opened
+            self.state, self.strip = ("think", True) if opened else ("start", False)
+        out: list[Event] = []
+        while getattr(self, "_" + self.state)(out, final):
+            pass
+        return out
+
+    def _start(self, out: list[Event], final: bool) -> bool:
+        s = self.buf.lstrip()
+        if s.startswith(THINK):
+            self.buf, self.state, self.strip = s[len(THINK):], "think", True
+            return True
+        if THINK.startswith(s) and not final:
+            return False  # whitespace, or a tag on its way
+        self.state = "content"  # no block: the answer as it came
+        return True
+
+    def _think(self, out: list[Event], final: bool) -> bool:
+        if self.strip:
+            self.buf = self.buf.lstrip()
+            if not self.buf:
+                return False
+            self.strip = False
+        i = self.buf.find(THINK_END)
+        if i >= 0:
+            _reason(out, self.buf[:i])
+            self.buf, self.state = self.buf[i + len(THINK_END):], "after"
+            return True
+        keep = 0 if final else _partial_tail(self.buf, (THINK_END,))
+        _reason(out, self.buf[:len(self.buf) - keep])
+        self.buf = self.buf[len(self.buf) - keep:]
+        return False
+
+    def _after(self, out: list[Event], final: bool) -> bool:
+        self.buf = self.buf.lstrip()
+        if not self.buf:
+            return False
+        self.state = "content"
+        return True
+
+    def _content(self, out: list[Event], final: bool) -> bool:
+        text, self.buf = self.buf, ""
+        if self.calls is not None:
+            out += self.calls.feed(text)
+        elif text:
+            out.append(text)
+        return False
+
+
+def _reason(out: list[Event], text: str) -> None:
+    if text:
+        out.append(Reasoning(text))
 
 
 def answer_parser(family: str, names: Iterable[str] = (), calls: bool = True) -> "ToolCallParser | HarmonyParser":
