@@ -81,10 +81,18 @@ async def api_generate(svc: Service, request: Request) -> Response:
     ka = S.keep_alive(body.get("keep_alive"))
     prompt, system = S.get_str(body, "prompt", ""), S.get_str(body, "system")
     S.unsupported_generate(body)
+    _check_think(svc, body, name)
     if not prompt and not body.get("context"):  # Ollama: an empty prompt loads the model (keep_alive 0: unloads it)
         return await _load_or_unload(svc, name, ka, {"response": ""})
     async with svc.using(ka, name):
         return await _generate(svc, request, body, name, prompt, system)
+
+
+def _check_think(svc: Service, body: dict, name: str) -> None:
+    """Ollama's 400 for ``think`` on (true or a level) to a model that cannot think (its card has no
+    "thinking" capability), worded as Ollama words it; an invalid value is think_kwargs' 400."""
+    if S.think_kwargs(body, ollama=True).get("enable_thinking") and "thinking" not in svc.cards[name].capabilities:
+        raise S.bad(f"{json.dumps(body.get('model'), ensure_ascii=False)} does not support thinking")
 
 
 async def _load_or_unload(svc: Service, name: str, ka: float | None, reply: dict) -> Response:
@@ -108,14 +116,18 @@ async def _generate(svc: Service, request: Request, body: dict, name: str, promp
     think = S.think_kwargs(body, ollama=True)
     eng = svc.engine
 
+    answer = None if raw else T.generate_setup(eng)  # Harmony, thinking templates: thinking and response apart
+
     def encode() -> list[int]:
         if not context:
             msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-            return eng.encode_raw(prompt) if raw else eng.encode_chat(msgs, **think)
-        text = prompt if raw else eng.template.render([{"role": "user", "content": prompt}], **think)
-        return context + eng.tokenizer.encode(text, add_special=False, parse_special=not raw)
+            ids = eng.encode_raw(prompt) if raw else eng.encode_chat(msgs, **think)
+        else:
+            text = prompt if raw else eng.template.render([{"role": "user", "content": prompt}], **think)
+            ids = context + eng.tokenizer.encode(text, add_special=False, parse_special=not raw)
+        return ids if answer is None else answer.prompt(ids, eng.tokenizer, grammar is not None)
 
-    parser, keep = (None, frozenset()) if raw else T.generate_setup(eng)  # Harmony: thinking and response apart
+    parser, keep = (None, frozenset()) if answer is None else (answer.parser(), answer.keep)
     lp = S.logprobs(body, "chat")
     return await run_job(svc, request, FORMATS["generate"](name, parser).with_logprobs(eng.tokenizer, lp), encode,
                          params, requested, stop, stream, num_ctx, grammar, keep=keep, logprobs=lp)
@@ -135,6 +147,7 @@ async def api_chat(svc: Service, request: Request) -> Response:
     name = _model(svc, body)
     ka = S.keep_alive(body.get("keep_alive"))
     msgs = S.messages(body.get("messages", []), T.message_tool_fields)
+    _check_think(svc, body, name)
     if not msgs:
         return await _load_or_unload(svc, name, ka, {"message": {"role": "assistant", "content": ""}})
     async with svc.using(ka, name):
@@ -146,9 +159,10 @@ async def _chat(svc: Service, request: Request, body: dict, name: str, msgs: lis
     params, requested, stop, num_ctx = S.ollama_options(body)
     think = S.think_kwargs(body, ollama=True)
     tools, msgs, grammar = _chat_tools(svc, body, name, msgs, S.structured_output(body, ollama=True))
-    lp = S.logprobs(body, "chat")
-    return await run_job(svc, request, FORMATS["chat"](name, tools.parser()).with_logprobs(svc.engine.tokenizer, lp),
-                         lambda: svc.engine.encode_chat(msgs, tools=tools.tools, **think), params, requested, stop,
+    lp, eng = S.logprobs(body, "chat"), svc.engine
+    return await run_job(svc, request, FORMATS["chat"](name, tools.parser()).with_logprobs(eng.tokenizer, lp),
+                         lambda: tools.prompt(eng.encode_chat(msgs, tools=tools.tools, **think), eng.tokenizer,
+                                              grammar is not None), params, requested, stop,
                          stream, num_ctx, grammar, keep=tools.keep, logprobs=lp)
 
 
@@ -282,10 +296,11 @@ async def _v1_chat(svc: Service, request: Request, body: dict) -> Response:
     msgs = S.messages(body.get("messages"), T.message_tool_fields)
     if not msgs:
         raise S.bad("messages must not be empty")
-    think = S.think_kwargs(body, ollama=False)
+    think = {**S.think_kwargs(body, ollama=False), **S.chat_template_kwargs(body)}
     tools, msgs, grammar = _chat_tools(svc, body, name, msgs, S.structured_output(body, ollama=False))
-    encode = lambda: svc.engine.encode_chat(msgs, tools=tools.tools, **think)  # noqa: E731
     lp, tok = S.logprobs(body, "chat"), svc.engine.tokenizer
+    encode = lambda: tools.prompt(svc.engine.encode_chat(msgs, tools=tools.tools, **think), tok,  # noqa: E731
+                                  grammar is not None)
     make = lambda: FORMATS["chat.completion"](name, usage, tools.parser()).with_logprobs(tok, lp)  # noqa: E731
     if n > 1:
         return await run_choices(svc, request, make, lambda: [encode()], params, requested, stop, n, grammar=grammar,

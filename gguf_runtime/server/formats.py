@@ -6,9 +6,10 @@ body (a dict). The chat formats take a tool-call parser (tools.ToolSetup.parser)
 has tools: text that may be a call is held back, and each call goes out as Ollama's
 ``message.tool_calls`` or OpenAI's ``tool_calls`` (``delta.tool_calls`` when streamed, then
 ``finish_reason: "tool_calls"``) once its text is complete. A Harmony model's (gpt-oss) answers
-always go through its parser: the analysis channel becomes Ollama's ``message.thinking``
-(/api/generate: ``thinking``) or OpenAI's ``message.reasoning_content`` (``delta.reasoning_content``
-when streamed, as llama.cpp and vLLM name it), streamed as it comes.
+always go through its parser, and so do a thinking template's (Qwen3, DeepSeek-R1: ThinkParser): the
+analysis channel, or the ``<think>`` block, becomes Ollama's ``message.thinking`` (/api/generate:
+``thinking``) or OpenAI's ``message.reasoning_content`` (``delta.reasoning_content`` when streamed,
+as llama.cpp and vLLM name it), streamed as it comes.
 
 Log-probabilities (``with_logprobs``): the scheduler's ``("logprobs", entries)`` events reach
 ``logprobs(entries)`` and go out with the next piece of the stream (the last with the final
@@ -24,11 +25,11 @@ import secrets
 import time
 from json.encoder import encode_basestring as _str  # a JSON string as json.dumps(ensure_ascii=False) writes it
 
-from ..format.tool_calls import HarmonyParser, Reasoning, ToolCall, ToolCallParser
+from ..format.tool_calls import HarmonyParser, Reasoning, ThinkParser, ToolCall, ToolCallParser
 from . import schemas as S
 from . import tools as T
 
-Parser = ToolCallParser | HarmonyParser
+Parser = ToolCallParser | HarmonyParser | ThinkParser
 
 
 def _split(events: list) -> tuple[str, str, list[ToolCall]]:

@@ -222,7 +222,8 @@ def think_kwargs(body: dict, ollama: bool) -> dict:
     template as ``reasoning_effort`` (Harmony's "Reasoning: ..." line), a boolean as
     ``enable_thinking`` (Qwen3's switch); a template that reads neither ignores them. A Harmony model
     reasons whatever ``think`` says (gpt-oss cannot answer without its analysis channel; Ollama
-    returns its thinking then too)."""
+    returns its thinking then too). No ``think`` leaves the template's default (Qwen3's: thinking
+    on), and a thinking model's reasoning comes back apart from the answer either way."""
     if ollama:
         v = body.get("think")
         if v is None:
@@ -238,6 +239,27 @@ def think_kwargs(body: dict, ollama: bool) -> dict:
     if isinstance(v, str) and v in THINK_LEVELS:
         return {"reasoning_effort": v}
     raise bad(f'reasoning_effort must be "low", "medium" or "high", got {json.dumps(v)[:60]}')
+
+
+# names chat_template_kwargs may not take: the variables a request sets through its own fields
+# (messages, tools), and the rendering functions' own parameters (self)
+_TEMPLATE_OWN = ("messages", "tools", "add_generation_prompt", "self")
+
+
+def chat_template_kwargs(body: dict) -> dict:
+    """OpenAI chat's ``chat_template_kwargs`` (llama-server's and vLLM's): variables for the
+    template, such as ``{"enable_thinking": false}`` (Qwen3's switch); they override
+    reasoning_effort's."""
+    v = body.get("chat_template_kwargs")
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise bad('chat_template_kwargs must be an object of template variables, such as {"enable_thinking": false}')
+    own = next((k for k in _TEMPLATE_OWN if k in v), None)
+    if own is not None:
+        raise bad(f"chat_template_kwargs.{own} cannot be set: the request's messages and tools are the "
+                  "template's, and a chat answer always has the generation prompt")
+    return v
 
 
 def logprobs(body: dict, api: str) -> int:
@@ -436,9 +458,10 @@ class ModelCard:
         self.model_info = {k: _plain(v) for k, v in meta.items()}
         self.model_info["general.parameter_count"] = self.n_params
         self.template = template.source or ""
-        harmony = template_family(self.template) == "harmony"  # reasoning apart from the answer
+        # reasoning apart from the answer: Harmony's analysis channel, a thinking template's <think> block
+        thinking = template_family(self.template) == "harmony" or template.supports_thinking
         self.capabilities = (["completion"] + (["tools"] if template.supports_tools else [])
-                             + (["thinking"] if harmony else [])
+                             + (["thinking"] if thinking else [])
                              + (["embedding"] if pooling_type is not None else []))  # an embedding model
         self.n_ctx = n_ctx
         self.path = path

@@ -19,7 +19,10 @@ has no tools answers 400 "<model> does not support tools", as Ollama does.
 
 A Harmony template (gpt-oss) has its answers parsed whatever the request (ToolSetup.parser: the
 reasoning and the markers never reach content; calls only where tools were offered), and its
-markers shown by the text decoder (ToolSetup.keep). An assistant message's reasoning (Ollama's
+markers shown by the text decoder (ToolSetup.keep). So does a thinking template's (Qwen3,
+DeepSeek-R1: chat_template.thinking_template): its ``<think>`` block is the reasoning, what follows
+it the answer and its calls; whether the prompt already opened the block is known once the prompt
+is rendered (ToolSetup.prompt). An assistant message's reasoning (Ollama's
 ``thinking``, OpenAI-style ``reasoning_content``) reaches the template as ``thinking``
 (chat_template aliases it as ``reasoning_content`` too); for Harmony, ``harmony_history`` puts a
 message of several calls as one message a call, each followed by its result, as the template (one
@@ -36,9 +39,10 @@ import string
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine.tool_grammar import marker_ids, tool_call_grammar
+from ..engine.tool_grammar import marker_ids, think_ids, tool_call_grammar
 from ..errors import GrammarError
-from ..format.tool_calls import HarmonyParser, ToolCall, ToolCallParser, answer_parser, template_family
+from ..format.tool_calls import (HarmonyParser, ThinkParser, ToolCall, ToolCallParser, opens_thinking,
+                                 template_family)
 from .schemas import bad
 
 MAX_TOOLS = 128  # OpenAI's limit
@@ -233,6 +237,9 @@ def harmony_history(msgs: list[dict]) -> list[dict]:
 
 
 # ---- the request --------------------------------------------------------------------------------
+_PROMPT_TAIL = 16  # the prompt's last tokens whose text tells whether it opened a think block
+
+
 @dataclass
 class ToolSetup:
     """What a chat request's tools mean for its prompt, its grammar and its answer."""
@@ -241,20 +248,42 @@ class ToolSetup:
     family: str = "generic"
     grammar: str | None = None  # a forced call's grammar
     keep: frozenset[int] = frozenset()  # special tokens the parser must see
+    think: bool = False  # a thinking template's: the answer may open with a <think> block
+    opened: bool = False  # the rendered prompt ended inside a think block (ToolSetup.prompt)
 
-    def parser(self) -> ToolCallParser | HarmonyParser | None:
-        """The answer's parser: None when the answer is plain text (no tools, not Harmony)."""
-        if not self.tools and self.family != "harmony":
-            return None
-        return answer_parser(self.family, [t["function"]["name"] for t in self.tools], calls=bool(self.tools))
+    def parser(self) -> ToolCallParser | HarmonyParser | ThinkParser | None:
+        """The answer's parser: None when the answer is plain text (no tools, no reasoning to split)."""
+        names = [t["function"]["name"] for t in self.tools]
+        if self.family == "harmony":
+            return HarmonyParser(names, calls=bool(self.tools))
+        calls = ToolCallParser(self.family, names) if self.tools else None
+        if self.think:  # (asked at the first text: a stream's parser is made before its prompt is rendered)
+            return ThinkParser(calls, opened=lambda: self.opened)
+        return calls
+
+    def prompt(self, ids: list[int], tok, constrained: bool) -> list[int]:
+        """The rendered prompt's ``ids``, noting whether the answer starts inside a think block: the
+        prompt ends with ``<think>`` and no grammar constrains the answer (``constrained``: a
+        grammar's answer is its own from the first token, reasoning it has none)."""
+        if self.think and not constrained:
+            self.opened = opens_thinking(tok.decode(ids[-_PROMPT_TAIL:]))
+        return ids
 
 
-def generate_setup(engine) -> tuple[HarmonyParser | None, frozenset[int]]:
-    """(parser, special tokens to show) of a templated /api/generate answer: a Harmony model's
-    (thinking apart from the response, no calls: generate offers no tools), else (None, none)."""
-    if template_family(engine.template.source) != "harmony":
-        return None, frozenset()
-    return HarmonyParser(calls=False), marker_ids(engine.tokenizer, "harmony")
+def generate_setup(engine) -> ToolSetup:
+    """The ToolSetup of a templated /api/generate answer: no tools (generate offers none), the
+    reasoning apart from the response for a Harmony or a thinking template."""
+    family = template_family(engine.template.source)
+    keep = marker_ids(engine.tokenizer, family) if family == "harmony" else frozenset()
+    return _thinking(ToolSetup(family=family, keep=keep), engine)
+
+
+def _thinking(ts: ToolSetup, engine) -> ToolSetup:
+    """``ts`` for a thinking template: its <think> block split from the answer, its tags shown
+    (Harmony has its own reasoning)."""
+    if ts.family != "harmony" and engine.template.supports_thinking:
+        ts.think, ts.keep = True, ts.keep | think_ids(engine.tokenizer)
+    return ts
 
 
 def setup(body: dict, engine, model: str, msgs: list[dict]) -> tuple[ToolSetup, list[dict]]:
@@ -272,7 +301,7 @@ def setup(body: dict, engine, model: str, msgs: list[dict]) -> tuple[ToolSetup, 
         msgs = harmony_history(msgs)
         keep = marker_ids(engine.tokenizer, family)
     if not tools or mode == "none":
-        return ToolSetup(family=family, keep=keep), msgs
+        return _thinking(ToolSetup(family=family, keep=keep), engine), msgs
     if not template.supports_tools:
         raise bad(f"{model} does not support tools (its chat template has no tools); leave tools out, "
                   "or serve a model whose template takes them")
@@ -282,7 +311,7 @@ def setup(body: dict, engine, model: str, msgs: list[dict]) -> tuple[ToolSetup, 
             grammar = tool_call_grammar(family, tools, name, engine.tokenizer, parallel and mode == "required")
         except GrammarError as e:
             raise bad(f"tools cannot be forced with tool_choice {mode!r}: {e}") from None
-    return ToolSetup(tools, family, grammar, keep | marker_ids(engine.tokenizer, family)), msgs
+    return _thinking(ToolSetup(tools, family, grammar, keep | marker_ids(engine.tokenizer, family)), engine), msgs
 
 
 # ---- answers ------------------------------------------------------------------------------------
