@@ -11,7 +11,9 @@ without its ``clean_spaces`` pass, so text round-trips.
 
 from __future__ import annotations
 
+import bisect
 import codecs
+import heapq
 import re
 import threading
 from array import array
@@ -47,6 +49,10 @@ _EOG = ("<|eot_id|> <|im_end|> <|end|> <|return|> <|call|> <|flush|> <|calls|> <
         "<|endoftext|> </s> <|eom_id|> <EOT> _<EOT> [EOT] [EOS] <|end_of_text|> <end_of_utterance> "
         "<eos> <turn|> <|tool_response> <｜end▁of▁sentence｜> [e~[").split()
 _ASCII_WS = " \t\n\v\f\r"
+# distinct prefixes of the special tokens' texts a vocabulary may have: each is a _SpecialMatcher
+# state, a few array entries and a step of its construction (Gemma-3's 6,414 special tokens have
+# 12,899; a 65,536-token audio codebook "<|s_0|>"... 196,612)
+MAX_SPECIAL_STATES = 1 << 21
 MODELS = "supported tokenizers: llama (SentencePiece), gpt2 (byte-level BPE)"
 _bad = UnsupportedModelError
 
@@ -104,6 +110,136 @@ def _trie_pattern(words: set[str]) -> str:
         return alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")" if alts else ""
 
     return build(trie)
+
+
+def _prefix_count(texts: set[str]) -> int:
+    """The number of distinct non-empty prefixes of ``texts`` (the states of a trie holding them)."""
+    total, prev = 0, ""
+    for t in sorted(texts):  # each text adds what it does not share with the one before it
+        lo, hi = 0, min(len(prev), len(t))
+        while lo < hi:  # the longest common prefix, by halving
+            mid = (lo + hi + 1) // 2
+            if t.startswith(prev[:mid]):
+                lo = mid
+            else:
+                hi = mid - 1
+        total += len(t) - lo
+        prev = t
+    return total
+
+
+class _SpecialMatcher:
+    """Every occurrence of the special tokens in one pass over the text, whatever the tokens are.
+
+    An Aho-Corasick automaton over the token texts: the state after a character is the longest
+    suffix of the text so far that begins some token, and its output the longest token that is a
+    suffix of it, i.e. the longest token ending at that character. The others ending there are
+    that token's suffixes among the tokens (``shorter``). Where the state is the root, a regex over
+    the tokens' first (up to) 8 characters skips to the next place one begins. ``texts`` are
+    distinct, in rank order; a token is known by its rank."""
+
+    def __init__(self, texts: list[str]):
+        # a state's transitions: its one child (code point, state) in one_c/one_n, or, with several
+        # (one_c == -2), a dict in many; one_c == -1: none
+        one_c, one_n, many = array("i", [-1]), array("i", [0]), {}
+        out = array("i", [-1])  # the longest token that is a suffix of the state's string
+        parent, code = array("i", [0]), array("i", [0])
+        by_depth: list[array] = []  # states at each depth, for the breadth-first pass
+        ends = []
+        for r, t in enumerate(texts):
+            node = 0
+            for d, ch in enumerate(t):
+                c, oc = ord(ch), one_c[node]
+                nxt = one_n[node] if oc == c else many[node].get(c) if oc == -2 else None
+                if nxt is None:
+                    nxt = len(out)
+                    if oc == -1:
+                        one_c[node], one_n[node] = c, nxt
+                    elif oc == -2:
+                        many[node][c] = nxt
+                    else:
+                        many[node] = {oc: one_n[node], c: nxt}
+                        one_c[node] = -2
+                    one_c.append(-1)
+                    one_n.append(0)
+                    out.append(-1)
+                    parent.append(node)
+                    code.append(c)
+                    if d == len(by_depth):
+                        by_depth.append(array("i"))
+                    by_depth[d].append(nxt)
+                node = nxt
+            out[node] = r
+            ends.append(node)
+        fail = array("i", bytes(4 * len(out)))
+        for level in by_depth[1:]:  # breadth first: a state's fail is shallower, so already known
+            for node in level:
+                f, c = fail[parent[node]], code[node]
+                while True:
+                    oc = one_c[f]
+                    nxt = one_n[f] if oc == c else many[f].get(c) if oc == -2 else None
+                    if nxt is not None or not f:
+                        break
+                    f = fail[f]
+                fail[node] = f = nxt or 0
+                if out[node] < 0:
+                    out[node] = out[f]
+        self.one_c, self.one_n, self.many, self.fail, self.out = one_c, one_n, many, fail, out
+        self.skip = re.compile(_trie_pattern({t[:8] for t in texts}))
+        self.size = [len(t) for t in texts]
+        # the tokens that are suffixes of a token, longest first, by following suffix links; the
+        # 2^k-th one along in up[k], so that the first short enough is found in log steps
+        link = [out[fail[node]] for node in ends]
+        depth = [0] * len(texts)
+        for r in range(len(texts) - 1, -1, -1):  # a suffix is shorter, so ranked after
+            if link[r] >= 0:
+                depth[r] = depth[link[r]] + 1
+        self.up = [link]
+        while 1 << len(self.up) <= max(depth):
+            prev = self.up[-1]
+            self.up.append([prev[a] if a >= 0 else -1 for a in prev])
+
+    def shorter(self, r: int, room: int) -> int:
+        """The longest token that is a proper suffix of token ``r`` and at most ``room`` characters
+        long (-1 if none)."""
+        size, q = self.size, self.up[0][r]
+        if q < 0 or size[q] <= room:
+            return q
+        for up in reversed(self.up):  # the last one longer than room, then one step on
+            a = up[q]
+            if a >= 0 and size[a] > room:
+                q = a
+        return self.up[0][q]
+
+    def longest_ending(self, text: str) -> dict[int, array]:
+        """For each token rank, the ends (exclusive) of the places where it is the longest token
+        ending there, in increasing order."""
+        one_c, one_n, many, fail, out = self.one_c, self.one_n, self.many, self.fail, self.out
+        search = self.skip.search
+        found: dict[int, array] = {}
+        state, j, n = 0, 0, len(text)
+        while j < n:
+            if not state:
+                m = search(text, j)
+                if m is None:
+                    break
+                j = m.start()
+            c = ord(text[j])
+            while True:
+                oc = one_c[state]
+                nxt = one_n[state] if oc == c else many[state].get(c) if oc == -2 else None
+                if nxt is not None or not state:
+                    break
+                state = fail[state]
+            state = nxt or 0
+            j += 1
+            r = out[state]
+            if r >= 0:
+                ends = found.get(r)
+                if ends is None:
+                    ends = found[r] = array("q")
+                ends.append(j)
+        return found
 
 
 class FragmentCache:
@@ -255,6 +391,10 @@ class Tokenizer:
         special = sorted((i for i, x in enumerate(a) if x & (CONTROL | USER_DEFINED | UNKNOWN)),
                          key=lambda i: -len(self.tokens[i].encode("utf-8")))
         self._special_ids = special
+        texts = {self.tokens[i] for i in special}
+        if sum(map(len, texts)) > MAX_SPECIAL_STATES and (n := _prefix_count(texts)) > MAX_SPECIAL_STATES:
+            raise _bad(f"the vocabulary's {len(texts):,} special tokens have {n:,} distinct prefixes "
+                       f"(at most {MAX_SPECIAL_STATES:,}): too many to search text for")
         # per-model attributes llama.cpp sets by name (they are not in GGUF)
         name = str(meta.get("general.name", "")).lower()
         arch = str(meta.get("general.architecture", ""))
@@ -303,51 +443,107 @@ class Tokenizer:
     def _special_set(self, parse_special: bool) -> tuple:
         got = self._special.get(parse_special)
         if got is None:
-            ids = [i for i in self._special_ids
-                   if parse_special or not self._attrs[i] & (CONTROL | UNKNOWN)]
-            by_text = {}
-            for rank, i in enumerate(ids):
-                by_text.setdefault(self.tokens[i], (rank, i))
-            rx = re.compile(_trie_pattern({t[:8] for t in by_text})) if by_text else None
-            lens = sorted({len(t) for t in by_text}, reverse=True)
-            got = self._special[parse_special] = (by_text, rx, lens)
+            texts: list[str] = []  # distinct texts in llama.cpp's order: by rank
+            tids: list[int] = []
+            seen: set[str] = set()
+            for i in self._special_ids:
+                if (parse_special or not self._attrs[i] & (CONTROL | UNKNOWN)) and self.tokens[i] not in seen:
+                    seen.add(self.tokens[i])
+                    texts.append(self.tokens[i])
+                    tids.append(i)
+            got = self._special[parse_special] = (texts, tids, _SpecialMatcher(texts) if texts else None)
         return got
 
     def partition(self, text: str, parse_special: bool = False) -> list[str | int]:
-        """tokenizer_st_partition: the text as raw-text pieces (str) and special-token ids (int)."""
-        by_text, rx, lens = self._special_set(parse_special)
-        if rx is None:
+        """tokenizer_st_partition: the text as raw-text pieces (str) and special-token ids (int).
+
+        llama.cpp takes the special tokens one after another by rank (longest UTF-8 text first) and
+        cuts each one's leftmost non-overlapping occurrences out of the raw text left, stripping
+        the whitespace next to it for tokens with lstrip/rstrip. The same comes from the occurrences
+        alone: _SpecialMatcher lists the longest token ending at each place, and these candidates
+        are taken by rank, and within a rank left to right, each cut where its span is still whole
+        raw text, else handed on to the longest shorter token ending at the same place that starts
+        after the last cut character in the span (any longer one would overlap it). The work goes
+        with the occurrences and cuts, not with tokens times fragments."""
+        texts, tids, matcher = self._special_set(parse_special)
+        if matcher is None:
             return [text]
-        found: set[str] = set()
-        m = rx.search(text)
-        while m is not None:  # every token text that occurs anywhere in the text
-            p = m.start()
-            for n in lens:
-                if text[p:p + n] in by_text:
-                    found.add(text[p:p + n])
-            m = rx.search(text, p + 1)
-        frags: list[str | int] = [text]
-        for tok in sorted(found, key=lambda t: by_text[t][0]):
-            tid = by_text[tok][1]
-            lstrip, rstrip = self._attrs[tid] & LSTRIP, self._attrs[tid] & RSTRIP
-            out: list[str | int] = []
-            for f in frags:
-                if isinstance(f, int) or tok not in f:
-                    out.append(f)
+        buckets = matcher.longest_ending(text)
+        if not buckets:
+            return [text]
+        ranks = list(buckets)
+        heapq.heapify(ranks)
+        shorter, attrs, n = matcher.shorter, self._attrs, len(text)
+        cut = bytearray(n)  # 1: inside a cut token or the whitespace it stripped
+        starts = bytearray(n)  # 1: a cut token starts here, its id in ids_at
+        ids_at = array("i", bytes(4 * n))
+        unsorted: set[int] = set()  # ranks whose ends were not all added in increasing order
+        while ranks:
+            r = heapq.heappop(ranks)
+            ends = buckets.pop(r)
+            if r in unsorted:
+                ends = array("q", sorted(ends))
+            size, tid = len(texts[r]), tids[r]
+            lstrip, rstrip = attrs[tid] & LSTRIP, attrs[tid] & RSTRIP
+            whole = b"\x01" * size
+            rejected = array("q")
+            i, k = 0, len(ends)
+            while i < k:
+                e = ends[i]
+                i += 1
+                if cut[e - 1]:
+                    continue  # no token ends here any more
+                s = e - size
+                if cut.find(1, s, e) >= 0:
+                    rejected.append(e)
                     continue
-                pos, end = 0, len(f)
-                while (hit := f.find(tok, pos)) >= 0:
-                    left = f[pos:hit].rstrip(_ASCII_WS) if lstrip else f[pos:hit]
-                    if left:
-                        out.append(left)
-                    out.append(tid)
-                    pos = hit + len(tok)
-                    while rstrip and pos < end and f[pos] in _ASCII_WS:
-                        pos += 1
-                if pos < end:
-                    out.append(f[pos:])
-            frags = out
+                cut[s:e] = whole
+                starts[s] = 1
+                ids_at[s] = tid
+                if lstrip:
+                    j = s
+                    while j and not cut[j - 1] and text[j - 1] in _ASCII_WS:
+                        j -= 1
+                    cut[j:s] = b"\x01" * (s - j)
+                if rstrip:
+                    j = e
+                    while j < n and not cut[j] and text[j] in _ASCII_WS:
+                        j += 1
+                    cut[e:j] = b"\x01" * (j - e)
+                j = bisect.bisect_left(ends, e + size, i)
+                rejected += ends[i:j]  # the occurrences overlapping this one
+                i = j
+            # the rejected go on to their longest suffix that begins after the last cut, once the
+            # pass has made its cuts (a longer one would overlap that cut: it could only be rejected)
+            for e in rejected:
+                if not cut[e - 1]:
+                    q = shorter(r, e - 1 - cut.rfind(1, e - size, e))
+                    if q >= 0:
+                        more = buckets.get(q)
+                        if more is None:
+                            more = buckets[q] = array("q")
+                            heapq.heappush(ranks, q)
+                        elif more[-1] > e:
+                            unsorted.add(q)
+                        more.append(e)
+        frags: list[str | int] = []
+        prev, s = 0, starts.find(1)
+        while s >= 0:
+            self._raw(text, cut, prev, s, frags)
+            tid = ids_at[s]
+            frags.append(tid)
+            prev = s + len(self.tokens[tid])
+            s = starts.find(1, prev)
+        self._raw(text, cut, prev, n, frags)
         return frags
+
+    @staticmethod
+    def _raw(text: str, cut: bytearray, a: int, b: int, frags: list) -> None:
+        """The raw text between two cut tokens, less the whitespace they stripped (which lies
+        against them), if any is left."""
+        first = cut.find(0, a, b)
+        if first >= 0:
+            frags.append(text[first:cut.rfind(0, a, b) + 1])
 
     def token_attr(self, tid: int) -> int:
         return self._attrs[tid]
