@@ -433,7 +433,7 @@ class CudaBlocks:
     def attn_out(self, x: cp.ndarray, a: cp.ndarray, layer: int) -> cp.ndarray:
         p = f"blk.{layer}."
         # the next norm's int8 input from the epilogue (a mixture of experts: _moe_then's)
-        then = self._moe_then(p) if self.cfg.n_expert else (
+        then = self._moe_then(p, a.shape[0]) if self.cfg.n_expert else (
             p + self.cfg.ffn_norm + ".weight", [self.w.mat(p + "ffn_gate.weight"), self.w.mat(p + "ffn_up.weight")])
         a_q8, self._att_q8 = self._att_q8, None  # attend's int8 copy of a (this layer's, just written)
         # (gpt-oss) O's bias: in the matvec's epilogue on one GPU, else added after the product
@@ -506,12 +506,13 @@ class CudaBlocks:
                ws.x16.data.ptr, ws.x16.strides[0] // 2)
         return self._project_residual(g, down, x, post, a16=ws.x16, norm_next=more)
 
-    def _moe_then(self, p: str) -> tuple[str, list[L.Mat]] | None:
+    def _moe_then(self, p: str, t: int) -> tuple[str, list[L.Mat]] | None:
         """The FFN norm and the experts' gate and up for O's epilogue to write their int8 input
-        (tuning moe_norm_epilogue: no norm kernel, the router and the expert products normalize),
-        where _moe's matvec path takes it: no biases, no shared expert, int8 inputs for both."""
+        (steps of t rows up to tuning moe_norm_epilogue: no norm kernel, the router and the expert
+        products normalize), where _moe's matvec path takes it: no biases, no shared expert, int8
+        inputs for both."""
         cfg = self.cfg
-        if not self.tune.moe_norm_epilogue or cfg.expert_bias or cfg.n_ff_shexp:
+        if not 0 < t <= self.tune.moe_norm_epilogue or cfg.expert_bias or cfg.n_ff_shexp:
             return None
         mats = [self.w.mat(p + "ffn_gate_exps.weight"), self.w.mat(p + "ffn_up_exps.weight")]
         if mats[0].type_id != mats[1].type_id or not L.q8_capable(mats):

@@ -63,7 +63,8 @@ class Tuning:
     # token's (launchers.mmv_config): in speculative verification ("verify"), every step ("all") or none ("off");
     # SmolLM2's and Gemma-3's verifications gained, their batch steps split both ways (bench/RESULTS.md)
     # -- mixtures of experts
-    moe_norm_epilogue: bool = False  # MoE decode: O's epilogue writes the experts' int8 input (no FFN norm kernel); off: measured (RESULTS 195)
+    moe_norm_epilogue: int = 1  # MoE decode steps of at most this many rows: O's epilogue writes the experts' int8
+    # input (no FFN norm kernel; 0: never): one row gained, eight lost (bench/RESULTS.md 195, 270)
     moe_topk_glu_blocks: int = 3  # the experts' GLU kernel does the router's top-k (no moe_topk launch) where its
     # blocks, each repeating it, fit this many an SM (one wave; 0: never): Qwen3-30B-A3B at one row gains,
     # gpt-oss (two waves) and eight rows lose (bench/RESULTS.md 259, 261)
