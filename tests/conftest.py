@@ -29,6 +29,26 @@ except ImportError:  # pragma: no cover - hypothesis is a test dependency
     pass
 
 
+def _patient_httpx(seconds: float = 60.0) -> None:
+    """httpx's module-level calls wait ``seconds`` by default instead of 5: the servers under test
+    run the numpy backend, and on a loaded 2-core CI machine a request of several choices took past
+    5 s (a test that means to time out says so with its own timeout)."""
+    try:
+        import httpx
+    except ImportError:  # pragma: no cover - httpx is a test dependency
+        return
+    patient = httpx.Timeout(seconds)
+    for f in (httpx.request, httpx.get, httpx.post, httpx.put, httpx.patch, httpx.delete, httpx.head,
+              httpx.options, httpx.stream.__wrapped__):  # (stream: a context manager around it)
+        if f.__kwdefaults__:
+            f.__kwdefaults__.update({k: patient for k, v in f.__kwdefaults__.items() if isinstance(v, httpx.Timeout)})
+        if f.__defaults__:
+            f.__defaults__ = tuple(patient if isinstance(v, httpx.Timeout) else v for v in f.__defaults__)
+
+
+_patient_httpx()
+
+
 def seed_of(nodeid: str) -> int:
     """The seed of a test's random inputs: its id's CRC-32, plus GGUF_TEST_SEED."""
     return (zlib.crc32(nodeid.encode()) + int(os.environ.get("GGUF_TEST_SEED", "0"))) % 2**32
