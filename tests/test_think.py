@@ -8,6 +8,7 @@ The CLI's generations print the tags where the vocabulary made them control toke
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -169,6 +170,20 @@ def test_opened_is_asked_at_the_first_text():
     p = ThinkParser(opened=lambda: bool(said))  # made before the prompt is rendered
     said.append(True)
     assert p.feed("Plan.</think>Hi") == [Reasoning("Plan."), "Hi"]
+
+
+@pytest.mark.parametrize("then,events", [("Hi", ["\n\n" * 200_000 + "Hi"]),
+                                         ("<think>Plan.</think>Hi", [Reasoning("Plan."), "Hi"])])
+def test_whitespace_before_the_answer_is_not_scanned_again_at_each_piece(then, events):
+    """A model writing only newlines for a long while (a degenerate answer) before its first text:
+    each piece costs its own length, not that of the whitespace held so far, which becomes content
+    if no block follows (the bound is generous, the gap wide)."""
+    p = ThinkParser()
+    t0 = time.perf_counter()
+    for _ in range(200_000):
+        assert p.feed("\n\n") == []
+    assert time.perf_counter() - t0 < 3
+    assert p.feed(then) + p.finish() == events
 
 
 # ---- the CLI's generations (gguf-run run / chat) --------------------------------------------------

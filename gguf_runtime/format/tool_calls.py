@@ -597,6 +597,7 @@ class ThinkParser:
         self.calls = calls
         self.opened = opened
         self.buf = ""
+        self.lead: list[str] = []  # start: the whitespace before the answer's first other text
         self.state = ""  # start (before <think>), think, after (the whitespace after </think>), content
         self.strip = False  # in the block: whitespace still to drop (right after <think>)
 
@@ -623,11 +624,14 @@ class ThinkParser:
     def _start(self, out: list[Event], final: bool) -> bool:
         s = self.buf.lstrip()
         if s.startswith(THINK):
-            self.buf, self.state, self.strip = s[len(THINK):], "think", True
+            self.buf, self.lead, self.state, self.strip = s[len(THINK):], [], "think", True
             return True
-        if THINK.startswith(s) and not final:
-            return False  # whitespace, or a tag on its way
-        self.state = "content"  # no block: the answer as it came
+        if THINK.startswith(s) and not final:  # whitespace, or a tag on its way
+            if len(s) < len(self.buf):  # the whitespace set apart: not scanned again at the next piece
+                self.lead.append(self.buf[:len(self.buf) - len(s)])
+                self.buf = s
+            return False
+        self.buf, self.lead, self.state = "".join(self.lead) + self.buf, [], "content"  # no block: as it came
         return True
 
     def _think(self, out: list[Event], final: bool) -> bool:
