@@ -98,6 +98,18 @@ class Embeddings:
     seconds: float = 0.0
 
 
+def check_text_fits(text: str, tokenizer: Tokenizer, n_ctx: int, what: str = "the prompt") -> None:
+    """Refuse, before tokenizing, a text that cannot fit ``n_ctx`` tokens whatever its tokens: no token
+    covers more bytes than the vocabulary's longest one (a 10 MB prompt ends here in
+    milliseconds instead of after a minute and gigabytes of BPE)."""
+    n = len(text)  # characters <= bytes: the exact byte count only when it can matter
+    longest = tokenizer.max_token_bytes
+    if n > longest * n_ctx and (n := len(text.encode("utf-8", "surrogatepass"))) > longest * n_ctx:
+        raise ContextOverflowError(
+            f"{what} is {n:,} bytes, more than {n_ctx} tokens of this vocabulary can hold (its "
+            f"longest token is {longest} bytes); raise --ctx-size or shorten {what}")
+
+
 class Engine:
     def __init__(self, path: str | os.PathLike, backend: str = "auto", n_ctx: int | None = None,
                  progress: Callable[[str, int, int], None] | None = None,
@@ -159,15 +171,7 @@ class Engine:
         return ids
 
     def check_text_fits(self, text: str) -> None:
-        """Refuse, before tokenizing, a text that cannot fit the context whatever its tokens: no token
-        covers more bytes than the vocabulary's longest one (a 10 MB prompt ends here in
-        milliseconds instead of after a minute and gigabytes of BPE)."""
-        n = len(text)  # characters <= bytes: the exact byte count only when it can matter
-        longest = self.tokenizer.max_token_bytes
-        if n > longest * self.n_ctx and (n := len(text.encode("utf-8", "surrogatepass"))) > longest * self.n_ctx:
-            raise ContextOverflowError(
-                f"the prompt is {n:,} bytes, more than {self.n_ctx} tokens of this vocabulary can hold (its "
-                f"longest token is {longest} bytes); raise --ctx-size or shorten the prompt")
+        check_text_fits(text, self.tokenizer, self.n_ctx)
 
     # ---- generation --------------------------------------------------------------------------
     def check_fits(self, n_prompt: int) -> None:

@@ -1,4 +1,5 @@
-"""The HTTP side: Ollama's /api/* and OpenAI's /v1/* routes on Starlette (parsing, formatting).
+"""The HTTP side: Ollama's /api/* and OpenAI's /v1/* routes on Starlette (parsing, formatting), and
+llama-server's /health, /tokenize, /detokenize and /apply-template.
 
 Each route validates its body (``schemas``), names how to tokenize the prompt and which response
 format to use (``formats``), and hands the rest to ``service.run_job`` (embeddings: ``embeddings``
@@ -24,13 +25,15 @@ from starlette.routing import Route
 
 from .. import __version__
 from ..engine import embed as E
+from ..engine.engine import check_text_fits
 from ..errors import GGUFRunError
 from . import embeddings as EM
 from . import schemas as S
 from . import tools as T
 from .formats import FORMATS
 from .guard import Guard
-from .service import MAX_BODY, Service, error_response, read_json, run_choices, run_embed, run_job, status_of
+from .service import (MAX_BODY, Service, error_response, prepare, read_json, run_choices, run_embed, run_job,
+                      status_of)
 
 __all__ = ["MAX_BODY", "Service", "build_app"]
 log = logging.getLogger("gguf_runtime.server")
@@ -386,13 +389,133 @@ async def v1_model(svc: Service, request: Request) -> Response:
     return JSONResponse(svc.cards[name].openai())
 
 
+# ---- llama-server ---------------------------------------------------------------------------------
+# llama.cpp's llama-server routes that health checks, token counters and front ends call, in its
+# request and response shapes; their errors in OpenAI's shape, as /v1/*'s. The text routes load no
+# model: a model not loaded lends its tokenizer and template from its file's header.
+LLAMA_PATHS = ("/health", "/v1/health", "/tokenize", "/detokenize", "/apply-template")
+LOADING = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}  # llama-server's
+
+
+def llama_route(fn):
+    """route(openai=True), with llama-server's 503 while the server is in its initial load (a later
+    load, of a model a request names, is not one: the server answers meanwhile)."""
+
+    async def after_load(svc: Service, request: Request) -> Response:
+        if svc.loading:
+            return JSONResponse(LOADING, status_code=503)
+        return await fn(svc, request)
+
+    return route(openai=True)(after_load)
+
+
+@llama_route
+async def health(svc: Service, request: Request) -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+def _named(svc: Service, body: dict) -> str:
+    """The model a llama-server request names (llama-server serves one and takes no name); none
+    named: the one loaded, else the one serve started with."""
+    if body.get("model") in (None, ""):
+        return svc.current if svc.engine is not None else next(iter(svc.cards))
+    return _model(svc, body)
+
+
+async def _vocab(svc: Service, name: str) -> Any:
+    """The model's tokenizer and template (Service.vocab), a header read on a prep thread."""
+    v = svc.vocab(name, read=False)
+    return v if v is not None else await asyncio.get_running_loop().run_in_executor(svc.prep, svc.vocab, name)
+
+
+def _piece(b: bytes) -> str | list[int]:
+    """A token's text as llama-server's with_pieces gives it: its byte values where they are not
+    UTF-8 on their own (a character split across tokens)."""
+    try:
+        return b.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(b)
+
+
+@llama_route
+async def tokenize(svc: Service, request: Request) -> Response:
+    """{"tokens": [ids]} of ``content`` (with_pieces: [{"id", "piece"}]); llama-server's defaults: no
+    BOS / EOS (add_special), special tokens' text parsed as them (parse_special)."""
+    body = await read_json(request, svc.max_body)
+    name = _named(svc, body)
+    content = body.get("content")
+    if not isinstance(content, str):
+        raise S.bad("content must be a string: the text to tokenize")
+    add_special = S.get_bool(body, "add_special", False)
+    parse_special = S.get_bool(body, "parse_special", True)
+    pieces = S.get_bool(body, "with_pieces", False)
+    tok = (await _vocab(svc, name)).tokenizer
+    check_text_fits(content, tok, svc.cards[name].n_ctx, "content")
+
+    def answer() -> Response:
+        ids = tok.encode(content, add_special=add_special, parse_special=parse_special)
+        return JSONResponse({"tokens": [{"id": t, "piece": _piece(tok.token_to_bytes(t))} for t in ids]
+                             if pieces else ids})
+
+    return await prepare(svc, request, answer)
+
+
+@llama_route
+async def detokenize(svc: Service, request: Request) -> Response:
+    """{"content": the tokens' text}: their pieces joined, special tokens' text included and no
+    leading space dropped, as llama-server does (bytes that are not UTF-8 become U+FFFD)."""
+    body = await read_json(request, svc.max_body)
+    name = _named(svc, body)
+    ids = body.get("tokens")
+    if not isinstance(ids, list):
+        raise S.bad("tokens must be a list of token ids")
+    n_ctx = svc.cards[name].n_ctx
+    if len(ids) > n_ctx:  # (a context's worth at most, as prompts are: a token's text can be many times its id's)
+        raise S.bad(f"tokens holds {len(ids)} ids, more than the context of {n_ctx}; send at most that many")
+    tok = (await _vocab(svc, name)).tokenizer
+    n = tok.n_vocab
+    for k, t in enumerate(ids):
+        if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < n):
+            raise S.bad(f"tokens[{k}] is {json.dumps(t)[:40]}, not a token id of {name} (0 to {n - 1})")
+    return await prepare(svc, request, lambda: JSONResponse(
+        {"content": b"".join(map(tok.token_to_bytes, ids)).decode("utf-8", "replace")}))
+
+
+@llama_route
+async def apply_template(svc: Service, request: Request) -> Response:
+    """{"prompt": the chat's prompt text}, rendered as /v1/chat/completions renders it (messages,
+    tools, reasoning_effort, chat_template_kwargs), generation prompt added; less the BOS (EOS) text
+    the template wrote where the tokenizer adds its own, as llama.cpp gives it."""
+    body = await read_json(request, svc.max_body)
+    name = _named(svc, body)
+    msgs = S.messages(body.get("messages"), T.message_tool_fields)
+    if not msgs:
+        raise S.bad("messages must not be empty")
+    think = {**S.think_kwargs(body, ollama=False), **S.chat_template_kwargs(body)}
+    v = await _vocab(svc, name)
+    tools, msgs = T.setup(body, v, name, msgs)
+    extra = {**think, **({"tools": list(tools.tools)} if tools.tools else {})}
+    tok, tpl = v.tokenizer, v.template
+
+    def answer() -> Response:
+        text = tpl.render(msgs, add_generation_prompt=True, **extra)
+        if tok.add_bos and tpl.bos_token and text.startswith(tpl.bos_token):
+            text = text[len(tpl.bos_token):]
+        if tok.add_eos and tpl.eos_token and text.endswith(tpl.eos_token):
+            text = text[:-len(tpl.eos_token)]
+        return JSONResponse({"prompt": text})
+
+    return await prepare(svc, request, answer)
+
+
 async def root(request: Request) -> Response:
     return PlainTextResponse("Ollama is running")
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     e = S.ApiError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}")
-    return error_response(e, request.url.path.startswith("/v1/"))
+    path = request.url.path
+    return error_response(e, path.startswith("/v1/") or path in LLAMA_PATHS)
 
 
 def build_app(service: Service, check_host: bool = False, allow_origins: tuple[str, ...] = ()) -> Any:
@@ -414,6 +537,11 @@ def build_app(service: Service, check_host: bool = False, allow_origins: tuple[s
         Route("/v1/embeddings", v1_embeddings, methods=["POST"]),
         Route("/v1/models", v1_models, methods=["GET"]),
         Route("/v1/models/{model:path}", v1_model, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/v1/health", health, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/apply-template", apply_template, methods=["POST"]),
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
     app.state.service = service

@@ -31,7 +31,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..errors import GGUFRunError, printable
+from ..format.chat_template import ChatTemplate
 from ..format.gguf_file import open_gguf
+from ..format.tokenizer import Tokenizer
 from . import schemas as S
 from .scheduler import EmbedJob, Job, Scheduler, ServerBusy, ShuttingDown
 
@@ -87,6 +89,17 @@ SWITCH_INTERVAL_S = 0.001
 # one a token, which at many streams of a small model bounds the event loop's work; the interval
 # is below what a reader sees (bench/RESULTS.md row 139).
 STREAM_INTERVAL_S = 0.01
+# Vocabularies read from the headers of models not loaded (/tokenize and the like naming one), kept
+# for the next request: the most recent few, as a large vocabulary holds a lot of memory.
+VOCABS_KEPT = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Vocab:
+    """A model's tokenizer and chat template (what the text-only routes need of an engine)."""
+
+    tokenizer: Tokenizer
+    template: ChatTemplate
 
 
 class Service:
@@ -124,6 +137,9 @@ class Service:
         self.cards: dict[str, S.ModelCard] = {}  # by name: the loaded model's, and header-only ones
         self.current = ""  # the name of the model the scheduler serves (or last served)
         self._wanted: str | None = None  # a model requests wait to swap to
+        self._started_up = False  # start() done: the first model loaded and the catalog listed
+        self._vocabs: dict[str, Vocab] = {}  # by name, oldest first (VOCABS_KEPT)
+        self._vocab_lock = threading.Lock()
         self._reaper = threading.Thread(target=self._reap, name="gguf-keep-alive", daemon=True)
 
     def mailbox(self) -> _Mailbox:
@@ -143,7 +159,14 @@ class Service:
                     continue
                 self.cards.setdefault(card.name, card)
         self._reaper.start()
+        self._started_up = True
         return self
+
+    @property
+    def loading(self) -> bool:
+        """Whether the server is in its initial load (start() not done yet); a later load, a request
+        naming another model of the catalog, is not: the server answers meanwhile."""
+        return not self._started_up
 
     def _started(self, name: str | None = None) -> None:
         adapter = self.scheduler.start()
@@ -162,6 +185,30 @@ class Service:
     def find(self, model: Any) -> S.ModelCard | None:
         """The card a request's model name means, or None."""
         return next((c for c in self.cards.values() if c.matches(model)), None)
+
+    def vocab(self, name: str, read: bool = True) -> Any:
+        """The tokenizer and template of the model ``name`` (an object with both): the engine when it
+        is the one loaded, else read from its file's header (no weights; kept for the next requests,
+        VOCABS_KEPT). With ``read`` false, None where the header would have to be read (callers read
+        it off the event loop). A file that no longer reads is its one-line GGUFError."""
+        card = self.cards[name]
+        eng = self.engine
+        if eng is not None and eng.path == card.path:
+            return eng
+        with self._vocab_lock:
+            v = self._vocabs.pop(name, None)
+            if v is not None:
+                self._vocabs[name] = v  # (now the most recent)
+                return v
+        if not read:
+            return None
+        with open_gguf(card.path, check_data=False) as f:
+            v = Vocab(Tokenizer.from_metadata(f.metadata), ChatTemplate.from_metadata(f.metadata))
+        with self._vocab_lock:
+            self._vocabs[name] = v
+            while len(self._vocabs) > VOCABS_KEPT:
+                del self._vocabs[next(iter(self._vocabs))]
+        return v
 
     def take_load_s(self) -> float:
         """The model's load time, reported once (in the first response), as Ollama does."""
