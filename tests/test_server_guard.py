@@ -56,6 +56,9 @@ def test_cross_origin_text_plain_post_is_refused():
     r = client().post("/v1/chat/completions", content=b"{}",
                       headers={"origin": "http://evil.example:8080", "content-type": "text/plain"})
     assert r.status_code == 403 and r.json()["error"]["type"] == "forbidden"
+    r = client().post("/tokenize", content=b'{"content": "hi"}',  # llama-server's routes: OpenAI's shape too
+                      headers={"origin": "https://evil.example", "content-type": "text/plain"})
+    assert r.status_code == 403 and r.json()["error"]["type"] == "forbidden"
 
 
 @pytest.mark.parametrize("origin", ["http://localhost:3000", "http://127.0.0.1", "https://localhost",

@@ -31,7 +31,7 @@ from . import embeddings as EM
 from . import schemas as S
 from . import tools as T
 from .formats import FORMATS
-from .guard import Guard
+from .guard import Guard, openai_shaped
 from .service import (MAX_BODY, Service, error_response, prepare, read_json, run_choices, run_embed, run_job,
                       status_of)
 
@@ -393,7 +393,6 @@ async def v1_model(svc: Service, request: Request) -> Response:
 # llama.cpp's llama-server routes that health checks, token counters and front ends call, in its
 # request and response shapes; their errors in OpenAI's shape, as /v1/*'s. The text routes load no
 # model: a model not loaded lends its tokenizer and template from its file's header.
-LLAMA_PATHS = ("/health", "/v1/health", "/tokenize", "/detokenize", "/apply-template")
 LOADING = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}  # llama-server's
 
 
@@ -515,7 +514,7 @@ async def root(request: Request) -> Response:
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     e = S.ApiError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}")
     path = request.url.path
-    return error_response(e, path.startswith("/v1/") or path in LLAMA_PATHS)
+    return error_response(e, openai_shaped(path))
 
 
 def build_app(service: Service, check_host: bool = False, allow_origins: tuple[str, ...] = ()) -> Any:

@@ -118,8 +118,18 @@ class Guard:
         return await self.app(scope, receive, send_with_cors)
 
 
+# llama-server's routes (app.py): their errors in OpenAI's shape, as /v1/*'s
+LLAMA_PATHS = ("/health", "/v1/health", "/tokenize", "/detokenize", "/apply-template")
+
+
+def openai_shaped(path: str) -> bool:
+    """Whether a path's errors take OpenAI's shape ({"error": {"message", "type", ...}}) rather
+    than Ollama's ({"error": message})."""
+    return path.startswith("/v1/") or path in LLAMA_PATHS
+
+
 async def _refuse(send: Callable, scope: dict, message: str) -> None:
-    openai = scope.get("path", "").startswith("/v1/")
+    openai = openai_shaped(scope.get("path", ""))
     body: Any = {"error": {"message": message, "type": "forbidden", "param": None, "code": None}} if openai \
         else {"error": message}
     data = json.dumps(body).encode()
