@@ -12,6 +12,7 @@ prompts echoed (``printf 'hi\\n/bye\\n' | gguf-run chat``).
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from contextlib import contextmanager
@@ -30,6 +31,7 @@ from .options import (TensorParallel, Backend, CacheTypeK, CacheTypeV, CtxSize, 
                       sampling_params, spec_choice)
 from .progress import progress_bars
 from .stats import print_stats
+from .thinking import ThinkingPrinter, answer_parser, think_vars
 
 PROMPT = ">>> "
 CONTINUATION = "... "
@@ -154,8 +156,9 @@ def _one_line(text: str, limit: int = 72) -> str:
 class Repl:
     def __init__(self, session: ChatSession, verbose: bool = False, quiet: bool = False,
                  stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout, stderr: TextIO = sys.stderr,
-                 read_line: Optional[Callable[[str], str]] = None) -> None:
+                 read_line: Optional[Callable[[str], str]] = None, hide_thinking: bool = False) -> None:
         self.session = session
+        self.hide_thinking = hide_thinking  # a thinking model's reasoning is not printed
         self.verbose = verbose
         self.quiet = quiet
         self.out = stdout
@@ -258,10 +261,10 @@ class Repl:
         if reply.dropped:
             self.note(f"note: context full, dropped the oldest {reply.dropped} turn(s)")
         out = self.out
+        view = ThinkingPrinter(out, hide=self.hide_thinking)  # plain text goes out as it comes
         try:
             for piece in reply:
-                out.write(piece)
-                out.flush()
+                view.show(piece)
         except KeyboardInterrupt:
             with _sigint_ignored():
                 reply.close()
@@ -413,6 +416,11 @@ def chat(
     spec_mode: str = SpecMode,
     spec_k: int = SpecK,
     draft: Optional[str] = Draft,
+    think: Optional[bool] = typer.Option(None, "--think/--no-think",
+                                         help="a thinking model reasons, or not (enable_thinking for its "
+                                              "template; default: the template's own)"),
+    hide_thinking: bool = typer.Option(False, "--hide-thinking",
+                                       help="print a thinking model's answers without their reasoning"),
 ) -> None:
     """Chat with a model in the terminal, as `ollama run` does (default model when MODEL is omitted)."""
     check_n_predict(n_predict)
@@ -426,7 +434,9 @@ def chat(
                      kv_types=kv, tensor_parallel=tensor_parallel, draft=draft)
     if not eng.has_template and note:
         note("note: the model has no chat template; using a plain ChatML layout")
-    session = ChatSession(eng, params=params, system=system, n_predict=n_predict, spec=spec_mode, spec_k=spec_k)
-    code = Repl(session, verbose=verbose, quiet=quiet).run()
+    variables = think_vars(eng, think, model or os.path.basename(path))
+    session = ChatSession(eng, params=params, system=system, n_predict=n_predict, spec=spec_mode, spec_k=spec_k,
+                          template_vars=variables, answer_parser=lambda ids: answer_parser(eng, ids))
+    code = Repl(session, verbose=verbose, quiet=quiet, hide_thinking=hide_thinking).run()
     if code:
         raise typer.Exit(code)

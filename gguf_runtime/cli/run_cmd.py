@@ -19,6 +19,12 @@ from .options import (TensorParallel, N_PREDICT_DEFAULT, Backend, CacheTypeK, Ca
                       note_printer, resolve_model, sampling_params, spec_choice)
 from .progress import progress_bars
 from .stats import print_stats
+from .thinking import ThinkingPrinter, answer_parser, think_vars
+
+Think = typer.Option(None, "--think/--no-think",
+                     help="a thinking model reasons, or not (enable_thinking for its template; default: the "
+                          "template's own)")
+HideThinking = typer.Option(False, "--hide-thinking", help="print a thinking model's answer without its reasoning")
 
 
 @app.command("run", epilog="Examples:\n\n  gguf-run --prompt 'Write a haiku about GPUs'\n\n"
@@ -39,6 +45,8 @@ def run(
                                         help="apply the model's chat template, or not (default: chat when "
                                              "the file has a template)"),
     system: Optional[str] = typer.Option(None, "--system", help="system message (chat mode)"),
+    think: Optional[bool] = Think,
+    hide_thinking: bool = HideThinking,
     backend: str = Backend,
     cache_type_k: str = CacheTypeK,
     cache_type_v: str = CacheTypeV,
@@ -65,6 +73,9 @@ def run(
         raise GGUFRunError("give --json-schema or --grammar, not both")
     if chat is False and system is not None:
         raise GGUFRunError("--system goes with the chat template, and --raw sends the prompt as it is; drop one")
+    if chat is False and (think is not None or hide_thinking):
+        flag = "--hide-thinking" if think is None else ("--think" if think else "--no-think")
+        raise GGUFRunError(f"{flag} goes with the chat template, and --raw sends the prompt as it is; drop one")
     spec = read_grammar_spec(json_schema, grammar)
     if spec:
         compile_grammar(*spec)  # a schema or grammar it cannot use stops here, before the model loads
@@ -79,7 +90,7 @@ def run(
                          ctx_size=ctx_size, system=system, backend=backend, cache_type_k=cache_type_k,
                          cache_type_v=cache_type_v, tensor_parallel=tensor_parallel, no_graph=no_graph,
                          verbose=verbose, quiet=quiet, spec_mode=spec_mode, spec_k=spec_k,
-                         draft=draft)
+                         draft=draft, think=think, hide_thinking=hide_thinking)
     if prompt is None:
         prompt = sys.stdin.read()
     path = resolve_model(model)
@@ -90,19 +101,30 @@ def run(
     use_chat = eng.has_template if chat is None else chat
     if use_chat and not eng.has_template and note:
         note("note: the model has no chat template; using a plain ChatML layout")
+    parser = None  # a thinking model's: its reasoning printed apart from the answer
     if use_chat:
+        variables = think_vars(eng, think, model or os.path.basename(path))
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        ids = eng.encode_chat(messages)
+        ids = eng.encode_chat(messages, **variables)
+        parser = answer_parser(eng, ids, constrained=spec is not None)
     else:
+        if think:  # the file has no template, so no reasoning to turn on
+            think_vars(eng, think, model or os.path.basename(path))
         ids = eng.encode_raw(prompt)
     constraint = eng.constraint(*spec) if spec else None
     gen = eng.generate(ids, n_predict=n_predict, params=params, constraint=constraint, spec=spec_mode,
                        spec_k=spec_k)
     out = sys.stdout
+    view = ThinkingPrinter(out, hide=hide_thinking) if parser is not None else None
     try:
         for piece in gen:
-            out.write(piece)
-            out.flush()
+            if view is None:
+                out.write(piece)
+                out.flush()
+            else:
+                view.show(parser.feed(piece))
+        if view is not None:
+            view.show(parser.finish())
     except KeyboardInterrupt:  # what was generated stays; the stats cover it; exit 130
         out.write("\n")
         out.flush()

@@ -15,6 +15,12 @@ trimming goes on until the prompt takes at most ``trim_to`` of the context (half
 and Ollama's context shift discards half). A message that does not fit even alone raises a
 one-line :class:`~gguf_runtime.errors.ContextOverflowError` and leaves the conversation as it was.
 
+Reasoning: with ``answer_parser`` (a function of the prompt's ids returning a parser of
+format/tool_calls.py, or None) a reply yields the parser's events, ``str`` content and
+:class:`~gguf_runtime.format.tool_calls.Reasoning`, and its message keeps the reasoning apart as
+``thinking`` (what the templates read), so the next turn renders as the template expects;
+``template_vars`` (``enable_thinking``) reach the template at each turn.
+
 Interruption: a reply is an iterator; whatever has streamed is already in the history, so an
 interrupted reply (Ctrl-C inside the generation, or the caller stopping the iteration and calling
 :meth:`Reply.close`) keeps its partial text and the next turn works from there.
@@ -23,9 +29,10 @@ interrupted reply (Ctrl-C inside the generation, or the caller stopping the iter
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 from ..errors import ContextOverflowError, GGUFRunError
+from ..format.tool_calls import Reasoning
 from ..sampling import SamplingParams
 from .engine import check_spec
 
@@ -56,7 +63,7 @@ _ALIASES = {"temp": "temperature", "n_predict": "num_predict", "top-k": "top_k",
 
 
 class Reply:
-    """One assistant reply, streamed: iterate for its text pieces.
+    """One assistant reply, streamed: iterate for its text pieces (with an answer parser, its events).
 
     Every piece is appended to the history as it arrives, so stopping early (an exception inside the
     generation, or :meth:`close`) keeps the partial reply. ``dropped`` is the number of old turns
@@ -64,12 +71,14 @@ class Reply:
     """
 
     def __init__(self, session: "ChatSession", generation: "Generation", message: dict, dropped: int,
-                 n_prompt: int) -> None:
+                 n_prompt: int, parser: Any = None) -> None:
         self.session = session
         self.generation = generation
         self.message = message  # the assistant message in session history; its content grows
         self.dropped = dropped
         self.n_prompt = n_prompt  # tokens of the whole rendered conversation
+        self.parser = parser  # a thinking model's answer parser: events instead of text pieces
+        self._parsed = False  # the parser's finish() was called
         self.finished = False  # True once the generation ended on its own (stop, length, context)
         self.closed = False
         self._started = False
@@ -99,14 +108,35 @@ class Reply:
     def interrupted(self) -> bool:
         return self.stop_reason == "interrupted"
 
-    def _stream(self) -> Iterator[str]:
+    def _add(self, event: Any) -> None:
+        if isinstance(event, str):
+            self.message["content"] += event
+        elif isinstance(event, Reasoning):
+            self.message["thinking"] = self.message.get("thinking", "") + event.text
+
+    def _stream(self) -> Iterator[Any]:
         pieces = iter(self.generation)
+        parser = self.parser
         try:
             for piece in pieces:
-                self.message["content"] += piece
-                yield piece
+                if parser is None:
+                    self.message["content"] += piece
+                    yield piece
+                    continue
+                for event in parser.feed(piece):
+                    self._add(event)
+                    yield event
+            if parser is not None:
+                self._parsed = True
+                for event in parser.finish():
+                    self._add(event)
+                    yield event
             self.finished = True
         finally:
+            if parser is not None and not self._parsed:  # what the parser held back stays in the history
+                self._parsed = True
+                for event in parser.finish():
+                    self._add(event)
             if not self.finished:
                 self.generation.close()  # the engine's clean-up: the cache keeps what was evaluated
                 self.generation.stats.stop_reason = "interrupted"
@@ -137,10 +167,13 @@ class ChatSession:
 
     def __init__(self, engine: "Engine", params: Optional[SamplingParams] = None, system: Optional[str] = None,
                  n_predict: int = -1, reply_reserve: Optional[int] = None, trim_to: float = 0.5,
-                 spec: str = "none", spec_k: int = 4) -> None:
+                 spec: str = "none", spec_k: int = 4, template_vars: Optional[dict] = None,
+                 answer_parser: Optional[Callable[[list[int]], Any]] = None) -> None:
         check_spec(spec, spec_k, getattr(engine, "draft", None) is not None)
         self.spec, self.spec_k = spec, spec_k  # speculative decoding of every reply (Engine.generate)
         self.engine = engine
+        self.template_vars = dict(template_vars or {})
+        self.answer_parser = answer_parser
         self.params = dataclasses.replace(params) if params is not None else SamplingParams()
         self.params.validate()
         if n_predict < -1:
@@ -178,7 +211,7 @@ class ChatSession:
 
     def _render(self, turns: list[dict]) -> list[int]:
         head = [{"role": "system", "content": self.system}] if self.system else []
-        return self.engine.encode_chat(head + turns)
+        return self.engine.encode_chat(head + turns, **self.template_vars)
 
     def send(self, text: str) -> Reply:
         """Add a user message and start the reply (iterate it for the pieces).
@@ -211,7 +244,8 @@ class ChatSession:
         reply_msg = {"role": "assistant", "content": ""}
         self.turns = turns + [user, reply_msg]
         self.dropped_total += dropped
-        reply = Reply(self, generation, reply_msg, dropped, len(ids))
+        parser = self.answer_parser(ids) if self.answer_parser is not None else None
+        reply = Reply(self, generation, reply_msg, dropped, len(ids), parser)
         self._active = reply
         self.last = reply
         self.n_replies += 1

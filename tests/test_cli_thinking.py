@@ -1,0 +1,195 @@
+"""`gguf-run run` and `chat` with a thinking model, as `ollama run` shows one: the reasoning under
+"Thinking..." and "...done thinking.", --hide-thinking, --think / --no-think reaching the template,
+and the refusals (--think on a model that does not reason, the flags with --raw).
+
+The commands run in-process (cli.app.main) on a fake engine: the real chat templates of
+tests/data/chat_templates render the prompt, the answer is scripted, so what is printed is known."""
+
+from __future__ import annotations
+
+import io
+import os
+
+import pytest
+
+from gguf_runtime.cli import chat_cmd, run_cmd
+from gguf_runtime.cli.app import main
+from gguf_runtime.cli.chat_cmd import Repl
+from gguf_runtime.cli.thinking import GREY, ThinkingPrinter, answer_parser, think_vars
+from gguf_runtime.engine.chat_session import ChatSession
+from gguf_runtime.engine.engine import Generation
+from gguf_runtime.format.chat_template import ChatTemplate
+from gguf_runtime.format.tool_calls import Reasoning
+
+TEMPLATES = os.path.join(os.path.dirname(__file__), "data", "chat_templates")
+QWEN3_ANSWER = ["<think>", "\nPlan", " it.", "\n</think>", "\n\n", "Hello", "."]
+HARMONY_ANSWER = ["<|channel|>analysis", "<|message|>", "Plan", " it.", "<|end|>", "<|start|>assistant",
+                  "<|channel|>final<|message|>", "Hello", "."]
+PLAIN_ANSWER = ["Hello", " there", "."]
+
+
+class Tok:
+    """Characters as token ids: the prompt's text comes back from its ids."""
+
+    token_to_id: dict = {}
+
+    @staticmethod
+    def decode(ids):
+        return "".join(map(chr, ids))
+
+
+class FakeEngine:
+    """An Engine with a real chat template and a scripted answer; the rendered prompts are kept."""
+
+    template_name, answer = "qwen3", QWEN3_ANSWER
+    last: "FakeEngine | None" = None
+
+    def __init__(self, path, **kw):
+        self.template = ChatTemplate(open(os.path.join(TEMPLATES, self.template_name + ".jinja")).read())
+        self.has_template, self.n_ctx, self.cached, self.shown = True, 4096, [], frozenset()
+        self.tokenizer, self.prompts = Tok(), []
+        FakeEngine.last = self
+
+    def encode_chat(self, messages, **variables):
+        self.prompts.append(self.template.render(list(messages), add_generation_prompt=True, **variables))
+        return [ord(c) for c in self.prompts[-1]]
+
+    def encode_raw(self, text):
+        self.prompts.append(text)
+        return [ord(c) for c in text]
+
+    def generate(self, ids, n_predict=-1, params=None, **kw):
+        gen = Generation(iter(()))
+
+        def pieces():
+            gen.stats.stop_reason = "stop"
+            for p in self.answer:
+                gen.stats.eval_tokens += 1
+                yield p
+
+        gen._pieces = pieces()
+        return gen
+
+    def reset(self):
+        pass
+
+
+@pytest.fixture
+def engine(monkeypatch):
+    """Sets the fake engine's template and answer: engine("qwen3", QWEN3_ANSWER)."""
+    monkeypatch.setattr(run_cmd, "Engine", FakeEngine)
+    monkeypatch.setattr(chat_cmd, "Engine", FakeEngine)
+    monkeypatch.setattr(run_cmd, "resolve_model", lambda m: "model.gguf")
+    monkeypatch.setattr(chat_cmd, "resolve_model", lambda m: "model.gguf")
+
+    def use(template, answer):
+        monkeypatch.setattr(FakeEngine, "template_name", template)
+        monkeypatch.setattr(FakeEngine, "answer", answer)
+    return use
+
+
+def cli(capsys, *args):
+    rc = main(["run", "m", "-p", "Hi", "-q", *args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def one_line_error(result, *words):
+    rc, out, err = result
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("error:"), (rc, err)
+    for w in words:
+        assert w in lines[0], (w, err)
+    assert out == ""
+
+
+# ---- run ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("template,answer", [("qwen3", QWEN3_ANSWER), ("gpt-oss-harmony", HARMONY_ANSWER)])
+def test_the_reasoning_is_shown_as_ollama_shows_it(engine, capsys, template, answer):
+    engine(template, answer)
+    rc, out, err = cli(capsys)
+    assert rc == 0, err
+    assert out == "Thinking...\nPlan it.\n...done thinking.\n\nHello.\n"
+
+
+@pytest.mark.parametrize("template,answer", [("qwen3", QWEN3_ANSWER), ("gpt-oss-harmony", HARMONY_ANSWER)])
+def test_hide_thinking_prints_the_answer_only(engine, capsys, template, answer):
+    engine(template, answer)
+    rc, out, err = cli(capsys, "--hide-thinking")
+    assert rc == 0, err
+    assert out == "Hello.\n"
+
+
+def test_think_and_no_think_reach_the_template(engine, capsys):
+    engine("qwen3", ["Hello."])
+    assert cli(capsys, "--no-think")[0] == 0
+    assert FakeEngine.last.prompts[-1].endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    for args in ([], ["--think"]):
+        assert cli(capsys, *args)[0] == 0
+        assert FakeEngine.last.prompts[-1].endswith("<|im_start|>assistant\n")
+
+
+def test_a_model_that_does_not_reason_prints_as_before(engine, capsys):
+    engine("llama-3.2", ["<think>", "x", "</think>"] + PLAIN_ANSWER)  # its text as it is, tags and all
+    for args in ([], ["--hide-thinking"], ["--no-think"]):
+        rc, out, err = cli(capsys, *args)
+        assert (rc, out) == (0, "<think>x</think>Hello there.\n"), err
+
+
+def test_think_on_a_model_that_does_not_reason_is_refused(engine, capsys):
+    engine("llama-3.2", PLAIN_ANSWER)
+    one_line_error(cli(capsys, "--think"), '"m" does not support thinking')
+
+
+@pytest.mark.parametrize("flag", ["--think", "--no-think", "--hide-thinking"])
+def test_the_flags_with_raw_are_refused(engine, capsys, flag):
+    engine("qwen3", QWEN3_ANSWER)
+    one_line_error(cli(capsys, "--raw", flag), flag, "--raw")
+
+
+def test_the_reasoning_is_dimmed_on_a_terminal():
+    out = io.StringIO()
+    ThinkingPrinter(out, color=True).show([Reasoning("Plan."), "Hi"])
+    assert out.getvalue().startswith(GREY) and "Plan." in out.getvalue() and out.getvalue().endswith("\033[0mHi")
+    out = io.StringIO()
+    ThinkingPrinter(out, color=False).show([Reasoning("Plan."), "Hi"])
+    assert out.getvalue() == "Thinking...\nPlan.\n...done thinking.\n\nHi"
+
+
+# ---- chat -----------------------------------------------------------------------------------------
+def test_chat_keeps_the_reasoning_apart_in_the_history(engine):
+    engine("qwen3", QWEN3_ANSWER)
+    eng = FakeEngine("model.gguf")
+    session = ChatSession(eng, template_vars=think_vars(eng, True, "m"),
+                          answer_parser=lambda ids: answer_parser(eng, ids))
+    out, err = io.StringIO(), io.StringIO()
+    keys = iter(["Hi", "Again"])
+
+    def read_line(prompt):
+        try:
+            return next(keys)
+        except StopIteration:
+            raise EOFError from None
+
+    assert Repl(session, stdin=io.StringIO(), stdout=out, stderr=err, read_line=read_line).run() == 0
+    reply = "Thinking...\nPlan it.\n...done thinking.\n\nHello.\n\n"
+    assert out.getvalue() == reply * 2
+    assert session.messages[1] == {"role": "assistant", "content": "Hello.", "thinking": "Plan it.\n"}
+    # the second turn: the first answer as the template writes a past one (its reasoning left out)
+    assert "<|im_start|>assistant\nHello.<|im_end|>\n<|im_start|>user\nAgain" in eng.prompts[1]
+    assert "Plan it." not in eng.prompts[1]
+
+
+def test_chat_hide_thinking_and_refusal(engine, capsys):
+    engine("qwen3", QWEN3_ANSWER)
+    eng = FakeEngine("model.gguf")
+    session = ChatSession(eng, answer_parser=lambda ids: answer_parser(eng, ids))
+    out = io.StringIO()
+    keys = iter(["Hi"])
+    Repl(session, stdin=io.StringIO(), stdout=out, stderr=io.StringIO(), hide_thinking=True,
+         read_line=lambda p: next(keys, None) or (_ for _ in ()).throw(EOFError())).run()
+    assert out.getvalue() == "Hello.\n\n"
+    assert session.messages[1]["thinking"] == "Plan it.\n"
+    engine("llama-3.2", PLAIN_ANSWER)
+    rc = main(["chat", "m", "--think", "-q"])
+    one_line_error((rc, *capsys.readouterr()), '"m" does not support thinking')
