@@ -14,12 +14,11 @@ from typing import Optional, TextIO
 
 from ..engine.tool_grammar import marker_ids
 from ..errors import GGUFRunError
-from ..format.tool_calls import HarmonyParser, Reasoning, ThinkParser, opens_thinking, template_family
+from ..format.tool_calls import HarmonyParser, Reasoning, ThinkParser, ids_open_thinking, template_family
 
 # ollama's readline colors: the reasoning in grey, its opening and closing lines in bold grey
 GREY, BOLD, RESET = "\033[38;5;245m", "\033[1m", "\033[0m"
 OPENING, CLOSING = "Thinking...\n", "...done thinking.\n\n"
-_PROMPT_TAIL = 16  # the prompt's last tokens whose text tells whether it opened a think block
 
 
 def thinking_kind(engine) -> Optional[str]:
@@ -50,7 +49,7 @@ def answer_parser(engine, ids: list[int], constrained: bool = False):
     if kind == "harmony":
         return HarmonyParser(calls=False)
     if kind == "think":
-        opened = not constrained and opens_thinking(engine.tokenizer.decode(ids[-_PROMPT_TAIL:]))
+        opened = not constrained and ids_open_thinking(ids, engine.tokenizer)
         return ThinkParser(None, opened=opened)
     return None
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Union
 
 __all__ = ["FAMILIES", "HarmonyParser", "Reasoning", "ThinkParser", "ToolCall", "ToolCallParser", "answer_parser",
-           "opens_thinking", "parse_answer", "parse_tool_calls", "template_family"]
+           "ids_open_thinking", "opens_thinking", "parse_answer", "parse_tool_calls", "template_family"]
 
 FAMILIES = ("hermes", "llama3", "mistral", "mistral_args", "harmony", "generic")
 TOOL_CALL, TOOL_CALL_END = "<tool_call>", "</tool_call>"
@@ -578,6 +578,14 @@ def opens_thinking(prompt: str) -> bool:
     """Whether a prompt's text ends inside a think block: its generation prompt wrote ``<think>``
     (DeepSeek-R1's, QwQ's), so the answer starts with the reasoning and only ``</think>`` appears."""
     return prompt.rstrip().endswith(THINK)
+
+
+PROMPT_TAIL = 16  # a prompt's last tokens whose text tells whether it opened a think block
+
+
+def ids_open_thinking(ids: list[int], tok) -> bool:
+    """opens_thinking of a tokenized prompt (``tok``: its tokenizer), from its last tokens' text."""
+    return opens_thinking(tok.decode(ids[-PROMPT_TAIL:]))
 
 
 class ThinkParser:

@@ -41,7 +41,7 @@ from typing import Any
 
 from ..engine.tool_grammar import marker_ids, think_ids, tool_call_grammar
 from ..errors import GrammarError
-from ..format.tool_calls import (HarmonyParser, ThinkParser, ToolCall, ToolCallParser, opens_thinking,
+from ..format.tool_calls import (HarmonyParser, ThinkParser, ToolCall, ToolCallParser, ids_open_thinking,
                                  template_family)
 from .schemas import bad
 
@@ -237,7 +237,6 @@ def harmony_history(msgs: list[dict]) -> list[dict]:
 
 
 # ---- the request --------------------------------------------------------------------------------
-_PROMPT_TAIL = 16  # the prompt's last tokens whose text tells whether it opened a think block
 
 
 @dataclass
@@ -266,7 +265,7 @@ class ToolSetup:
         prompt ends with ``<think>`` and no grammar constrains the answer (``constrained``: a
         grammar's answer is its own from the first token, reasoning it has none)."""
         if self.think and not constrained:
-            self.opened = opens_thinking(tok.decode(ids[-_PROMPT_TAIL:]))
+            self.opened = ids_open_thinking(ids, tok)
         return ids
 
 
