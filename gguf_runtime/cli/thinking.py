@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Optional, TextIO
 
-from ..engine.tool_grammar import marker_ids
 from ..errors import GGUFRunError
 from ..format.tool_calls import HarmonyParser, Reasoning, ThinkParser, ids_open_thinking, template_family
 
@@ -32,13 +31,9 @@ def thinking_kind(engine) -> Optional[str]:
 
 def think_vars(engine, think: Optional[bool], name: str) -> dict:
     """The template variables of --think / --no-think (none when neither is given); --think on a
-    model with no reasoning is refused, as Ollama refuses it. A Harmony model's markers are made
-    visible to the decoder, so its parser can tell the channels apart."""
-    kind = thinking_kind(engine)
-    if think and kind is None:
+    model with no reasoning is refused, as Ollama refuses it."""
+    if think and thinking_kind(engine) is None:
         raise GGUFRunError(f'"{name}" does not support thinking (its chat template has no reasoning); drop --think')
-    if kind == "harmony":
-        engine.shown = engine.shown | marker_ids(engine.tokenizer, "harmony")
     return {} if think is None else {"enable_thinking": think}
 
 

@@ -19,13 +19,14 @@ from .constraint import Constraint, compile_grammar
 from .decode_loop import sample_loop
 from .draft import DraftProposer, check_vocab
 from .speculative import ngram_propose, speculative_loop
-from .tool_grammar import think_ids
+from .tool_grammar import marker_ids, think_ids
 from ..format.chat_template import ChatTemplate
 from ..errors import ContextOverflowError, GGUFRunError
 from ..format.gguf_file import GGUFFile, open_gguf
 from ..format.model_config import ModelConfig, config_from_gguf
 from ..sampling import SamplingParams
 from ..format.tokenizer import Tokenizer
+from ..format.tool_calls import template_family
 
 DEFAULT_CTX = 4096
 SPEC_MODES = ("none", "ngram", "draft")  # speculative decoding's proposers (--spec)
@@ -124,9 +125,12 @@ class Engine:
         self.cfg: ModelConfig = config_from_gguf(self.gguf)
         self.tokenizer = Tokenizer.from_metadata(self.gguf.metadata)
         self.template = ChatTemplate.from_metadata(self.gguf.metadata)
-        # special tokens a generation shows: a thinking template's <think> and </think> where the
-        # vocabulary made them control tokens, so the reasoning prints as the model wrote it
-        self.shown = think_ids(self.tokenizer) if self.template.supports_thinking else frozenset()
+        # special tokens a generation shows, so that an answer parser (format/tool_calls.py) can tell
+        # the reasoning from the answer: a thinking template's <think> and </think> where the
+        # vocabulary made them control tokens, a Harmony template's channel markers
+        self.shown = ((think_ids(self.tokenizer) if self.template.supports_thinking else frozenset())
+                      | (marker_ids(self.tokenizer, "harmony") if template_family(self.template.source) == "harmony"
+                         else frozenset()))
         if n_ctx is None:
             n_ctx = min(DEFAULT_CTX, self.cfg.n_ctx_train)
         elif n_ctx == 0:  # as llama.cpp's -c 0: the context the model was trained for

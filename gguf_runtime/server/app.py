@@ -513,8 +513,7 @@ async def root(request: Request) -> Response:
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     e = S.ApiError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}")
-    path = request.url.path
-    return error_response(e, openai_shaped(path))
+    return error_response(e, openai_shaped(request.url.path))
 
 
 def build_app(service: Service, check_host: bool = False, allow_origins: tuple[str, ...] = ()) -> Any:
