@@ -133,17 +133,23 @@ def test_int8_path_most_rows(micro, monkeypatch, rng):
 
 
 def test_int8_path_moe_fusions(tmp_path, monkeypatch, rng):
-    """qwen3moe with the fused MoE decode paths (tuning moe_norm_epilogue, moe_router_topk: O's
-    epilogue writes the experts' int8 input, the router normalizes x itself and picks the experts in
-    its own launch): the int8 path's bars against the path model, as test_int8_path_most_rows."""
+    """qwen3moe with the fused MoE decode paths (tuning moe_norm_epilogue, moe_router_topk,
+    moe_down_epilogue: O's epilogue writes the experts' int8 input, the router normalizes x itself
+    and picks the experts in its own launch, the experts' down writes the next layer's int8 input;
+    the epilogues are the defaults at one row): the int8 path's bars against the path model, as
+    test_int8_path_most_rows, with a down launch seen taking its epilogue."""
     path = write_micro(CASES["qwen3moe"], tmp_path / "qwen3moe.gguf")
     f = open_gguf(path)
     cfg = config_from_gguf(f)
-    monkeypatch.setenv("GGUF_RUN_TUNE", "q8_res=none;moe_norm_epilogue=1;moe_router_topk=1")
+    monkeypatch.setenv("GGUF_RUN_TUNE", "q8_res=none;moe_norm_epilogue=1;moe_router_topk=1;moe_down_epilogue=1")
+    from gguf_runtime.quant_kernels import launch_moe as LE
+    epilogues, down = [], LE.down
+    monkeypatch.setattr(LE, "down", lambda *a, **kw: (epilogues.append(kw.get("q8_out") is not None), down(*a, **kw)))
     be = CudaBackend(f, cfg, N_CTX)
-    assert be.tune.moe_norm_epilogue and be.tune.moe_router_topk
+    assert be.tune.moe_norm_epilogue and be.tune.moe_router_topk and be.tune.moe_down_epilogue
     model = PathModel(f, cfg, N_CTX, kv16=be.kv.kv_type == "f16")
     got, ref = zip(*[(run(be, ids, more), run(model, ids, more)) for ids, more in prompts(rng, cfg.n_vocab, 7, 4)])
+    assert any(epilogues), "no down launch took the q8 epilogue"
     assert_most_rows(np.concatenate(got), np.concatenate(ref), TIGHT, SHARE, LOOSE_Q8, what="micro qwen3moe fused")
 
 

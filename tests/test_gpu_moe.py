@@ -230,6 +230,43 @@ def test_down_sub_sets(k, rng, name, fcols, n_out, biased):
     assert rel(got[0], got[1]) < 1e-6
 
 
+@pytest.mark.parametrize("name,fcols", [("Q6_K", 768), ("Q4_K", 512)])
+@pytest.mark.parametrize("t", [1, 3])
+def test_down_q8_epilogue(k, rng, name, fcols, t):
+    """down with a q8 epilogue (16 rows a block: two row groups of sub-warp sets) adds into the
+    residual exactly what the plain sub-set launch adds, and writes the int8 copy of the new rows
+    times the next norm's weight (quantize_q8's bits) with the rows' squares, over poisoned buffers."""
+    keep = []
+    n_expert, used, n_out = 16, 8, 64
+    down, _ = stacked(name, n_expert, n_out, fcols, rng, keep)
+    ids = cp.asarray(np.stack([rng.permutation(n_expert)[:used] for _ in range(t)]).astype(np.int32))
+    wts = cp.asarray(rng.random((t, used)).astype(np.float32))
+    a = rng.standard_normal((t * used, fcols)).astype(np.float32)
+    ad = cp.asarray(a)
+    a_q8, keep_a, _ = q8_of(a)
+    keep.append(keep_a)
+    LL.quantize_q8(k, ad.data.ptr, fcols, fcols, t * used, a_q8)
+    res = rng.standard_normal((t, n_out)).astype(np.float32)
+    nw = (1 + 0.5 * rng.standard_normal(n_out)).astype(np.float32)
+    nwd = cp.asarray(nw)
+    plain = cp.asarray(res)
+    LE.down(k, down, n_out, ids.data.ptr, wts.data.ptr, used, ad.data.ptr, fcols, t, plain.data.ptr, n_out,
+            q8=a_q8, r=4, mb=2, sub=True)
+    y = cp.asarray(res)
+    oq, (q, sq, _), _ = q8_of(np.zeros((t, n_out), np.float32))
+    q.fill(-7)
+    sq.fill(np.nan)
+    LE.down(k, down, n_out, ids.data.ptr, wts.data.ptr, used, ad.data.ptr, fcols, t, y.data.ptr, n_out,
+            q8=a_q8, r=4, mb=2, sub=True, q8_out=(oq, nwd.data.ptr))
+    got = y.get()
+    assert (got.view(np.uint32) == plain.get().view(np.uint32)).all() and not (got == res).all()
+    want_q, want_d, want_s = quantize_q8(got * nw)
+    assert (q.get() == want_q).all()
+    assert (sq.get()[:, :, 0] == want_d).all() and (sq.get()[:, :, 1] == want_s).all()
+    ssq = (got.astype(np.float64).reshape(t, -1, 16) ** 2).sum(-1)
+    assert rel(sq.get()[:, :, 2], ssq) < 1e-6
+
+
 @pytest.mark.parametrize("name,act,n_expert,used,biased", [("Q4_K", "silu", 128, 8, False),
                                                           ("MXFP4", "swiglu_oai", 32, 4, True),
                                                           ("Q5_K", "silu", 60, 4, False)])

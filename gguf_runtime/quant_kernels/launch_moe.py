@@ -134,6 +134,8 @@ def glu(k: Kernels, gate: Mat, up: Mat, n: int, ids: int, used: int, x: int, ldx
 
 
 DOWN_SUB = 16  # lanes of a sub-warp row set (moe.cu's moe_down SUB)
+DOWN_Q8_OUT_ROWS = 16  # a block's rows with a q8 epilogue (an int8 piece: launchers.Q8_OUT_ROWS)
+DOWN_Q8_OUT_R = 4  # ... as two row groups of sub-warp sets of this many rows (moe.cu's DOWN_QO instances)
 
 
 def down_sub(m: Mat, q8: Q8Vec | None) -> bool:
@@ -142,17 +144,27 @@ def down_sub(m: Mat, q8: Q8Vec | None) -> bool:
 
 
 def down(k: Kernels, m: Mat, n: int, ids: int, w: int, used: int, x: int, ldx: int, rows: int, y: int, ldy: int,
-         q8: Q8Vec | None = None, r: int = 2, bias: int = 0, mb: int = 1, sub: bool = False) -> None:
+         q8: Q8Vec | None = None, r: int = 2, bias: int = 0, mb: int = 1, sub: bool = False,
+         q8_out: tuple[Q8Vec, int] | None = None) -> None:
     """y[t, :n] += sum_j w[t, j] (W_e x'[t * used + j] + b_e) (e = ids[t, j]; bias: the experts'
     [n_expert, n] f32 rows, or 0): the residual add of the experts; r rows a block, one warp a rank
     (up to 8 at once); mb as glu's. sub (where down_sub allows): each warp's lanes in two sets of
-    DOWN_SUB, each on r rows of the block's 2 r."""
+    DOWN_SUB, each on r rows of the block's 2 r. q8_out = (buffer, the next RMSNorm's weight): the
+    new y rows' int8 copy times that weight, with their squares (n % 16 == 0; a block then takes 16
+    rows, as row groups of its warps' r x sets), row t of the buffer for row t of y."""
     kw = min(8, 1 << (used - 1).bit_length())
     sets = 32 // DOWN_SUB if sub and down_sub(m, q8) else 1
-    fn = k.fn("moe.cu", f"moe_down<{m.struct}, {r}, {kw}, {_io(q8)}, {mb}{f', {DOWN_SUB}' if sets > 1 else ''}>")
-    fn(((-(-n // (r * sets))), rows), (32 * kw,),
+    io, rg = _io(q8), 1
+    if q8_out is not None:
+        rg = DOWN_Q8_OUT_ROWS // (r * sets)
+        assert rg * r * sets == DOWN_Q8_OUT_ROWS and n % DOWN_Q8_OUT_ROWS == 0 and sets > 1, (r, sets, n)
+        io |= 2 | q8_out[0].io(True)
+        mb = max(1, mb // rg)  # (the same registers a thread as rg blocks of r x sets rows)
+    tail = f", {mb}, {DOWN_SUB}" + (f", {rg}" if rg > 1 else "") if sets > 1 else f", {mb}"
+    fn = k.fn("moe.cu", f"moe_down<{m.struct}, {r}, {kw}, {io}{tail}>")
+    fn(((-(-n // (r * sets * rg))), rows), (32 * kw * rg,),
        (*m.planes, i32(n), i32(m.cols), ptr(ids), ptr(w), i32(used), *_x_args(x, ldx, None, q8, with_norm=False),
-        ptr(y), i32(ldy), ptr(bias)))
+        ptr(y), i32(ldy), ptr(bias), *(q8_out[0].out_args(0, q8_out[1]) if q8_out is not None else (*NO_PTRS, ptr(0)))))
 
 
 # ---- grouped by expert: moe.cu's sort and sum, moe_mma.cu's tensor-core tiles ---------------------

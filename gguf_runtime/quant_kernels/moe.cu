@@ -215,20 +215,33 @@ __global__ void __launch_bounds__(32 * MOE_WARPS, MB) moe_glu(PLANES(0), PLANES(
 
 // y[t, :n] += sum over j < k of w[t k + j] * (W_e x'[t k + j] + b_e), e = ids[t k + j]: the chosen
 // experts' down products (b: their biases, [experts, n], or null), weighted and summed, added to the
-// residual. A block owns R rows of one token
-// (blockIdx.y); its KW warps take the ranks j = warp, warp + KW, ... at once (one rank's products
+// residual. A block owns R rows of one token (blockIdx.y); its KW warps take the ranks j = warp, warp + KW, ... at once (one rank's products
 // after another in one warp left the loads of the k experts in series), then the warps' sums are
 // added in warp order (the same result on every run). MB as moe_glu's. SUB < 32 (int8 inputs, rows
 // of at most SUB units): each warp's lanes are 32 / SUB sets of SUB lanes, set h on rows h R to
 // h R + R - 1 of the block's 32 / SUB x R (mmv_block_q8's sub-warp sets): fewer idle lanes and blocks.
-template <class T, int R, int KW, int XIO, int MB = 1, int SUB = 32>
-__global__ void __launch_bounds__(32 * KW, MB) moe_down(PLANES(0), int n, int K, const int* __restrict__ ids,
+// RG > 1: RG such row groups a block, each of KW warps (group g on the block's rows from g R 32 /
+// SUB), so that a block owns more rows at the same registers a warp (more rows a warp spilled over
+// into 254 registers and lost: bench/RESULTS.md 271). XIO bit 1 (a block's RG R 32 / SUB rows
+// are 16): a q8 epilogue also writes the int8 copy of y's new rows times qw (the next RMSNorm's
+// weight, with their squares: the next layer's matvecs normalize, as after a dense model's residual
+// matvec; bit 4: with the rests) into row t of oq / os.
+template <class T, int R, int KW, int XIO, int MB = 1, int SUB = 32, int RG = 1>
+__global__ void __launch_bounds__(32 * KW * RG, MB) moe_down(PLANES(0), int n, int K, const int* __restrict__ ids,
         const float* __restrict__ w, int k, const float* __restrict__ x, int ldx, XQ_ARGS, float* __restrict__ y,
-        int ldy, const float* __restrict__ b) {
+        int ldy, const float* __restrict__ b, u8* oq, int ldoq, float4* os, int ldos, int ores,
+        const float* __restrict__ qw) {
     constexpr int HS = 32 / SUB;  // row sets a warp
+    constexpr bool QO = (XIO & 2) != 0;
     static_assert(SUB == 32 || (XIO & 1) != 0, "sub-warp row sets: int8 inputs");
-    const int t = blockIdx.y, warp = threadIdx.x >> 5, set = (threadIdx.x & 31) / SUB;
-    const int base = blockIdx.x * R * HS, row0 = base + set * R;
+    constexpr int BR = RG * R * HS;  // a block's rows
+    static_assert(!QO || BR == 16, "a q8 epilogue takes 16 rows a block");
+    const int t = blockIdx.y, warp = (threadIdx.x >> 5) % KW, grp = (threadIdx.x >> 5) / KW;
+    const int set = (threadIdx.x & 31) / SUB;
+    const int base = blockIdx.x * BR, row0 = base + (grp * HS + set) * R;
+    const QOut qo{oq + (long)t * ldoq, ldoq, os + (long)t * ldos, ldos, ores, qw};
+    float wq = 1.f;
+    if (QO && threadIdx.x < 16) wq = q8_out_weight(qo, base);  // weights only: before pdl_enter
     pdl_enter();
     float tot[R];
 #pragma unroll
@@ -248,17 +261,21 @@ __global__ void __launch_bounds__(32 * KW, MB) moe_down(PLANES(0), int n, int K,
         for (int r = 0; r < R; ++r)
             tot[r] = fmaf(we, b ? acc[r][0] + b[(long)e * n + min(row0 + r, n - 1)] : acc[r][0], tot[r]);
     }
-    __shared__ float part[KW][R * HS];
+    __shared__ float part[KW][BR];
     if ((threadIdx.x & (SUB - 1)) == 0)  // each set's first lane
 #pragma unroll
-        for (int r = 0; r < R; ++r) part[warp][set * R + r] = tot[r];
+        for (int r = 0; r < R; ++r) part[warp][(grp * HS + set) * R + r] = tot[r];
     __syncthreads();
-    if (threadIdx.x < R * HS && base + (int)threadIdx.x < n) {
+    __shared__ float tile[1][16];
+    if (threadIdx.x < BR && base + (int)threadIdx.x < n) {
         float v = 0.f;
 #pragma unroll
         for (int i = 0; i < KW; ++i) v += part[i][threadIdx.x];
-        y[(long)t * ldy + base + threadIdx.x] += v;
+        const float nx = y[(long)t * ldy + base + threadIdx.x] + v;
+        y[(long)t * ldy + base + threadIdx.x] = nx;
+        if constexpr (QO) tile[0][threadIdx.x] = nx;
     }
+    if constexpr (QO) store_q8_piece<1, (XIO & 16) != 0>(tile, base, qo, wq);
 }
 
 // ---- grouped by expert (batches and prompts: moe_mma.cu's products) ----
@@ -322,7 +339,7 @@ extern "C" __global__ void moe_add_bias(float* y, int ldy, const float* __restri
                                                      const float*, float, XQ_TYPES, float*, int, QO_TYPES,      \
                                                      const float*, const float*, TOPK_TYPES);                   \
     template __global__ void moe_down<T, 2, 8, IO>(P4, int, int, const int*, const float*, int, const float*,   \
-                                                   int, XQ_TYPES, float*, int, const float*);
+                                                   int, XQ_TYPES, float*, int, const float*, QO_TYPES, const float*);
 MOE(TF32, 0) MOE(TF16, 0) MOE(TBF16, 0)
 MOE(TQ4_0, 0) MOE(TQ4_1, 0) MOE(TQ5_0, 0) MOE(TQ5_1, 0) MOE(TQ8_0, 0)
 MOE(TQ2_K, 0) MOE(TQ3_K, 0) MOE(TQ4_K, 0) MOE(TQ5_K, 0) MOE(TQ6_K, 0)
@@ -343,8 +360,12 @@ MOE(TIQ3_S, 1) MOE(TIQ1_S, 1) MOE(TIQ1_M, 1)
 GLU_Q8(TMXFP4, 3) GLU_Q8(TQ4_K, 3) GLU_Q8(TQ6_K, 3) GLU_Q8(TQ4_0, 3) GLU_Q8(TQ8_0, 3) GLU_Q8(TQ4_K, 27)
 #define DOWN_SUB(T, IO) \
     template __global__ void moe_down<T, 4, 8, IO, 2, 16>(P4, int, int, const int*, const float*, int, const float*, \
-                                                         int, XQ_TYPES, float*, int, const float*);
+                                                         int, XQ_TYPES, float*, int, const float*, QO_TYPES, const float*);
 DOWN_SUB(TQ6_K, 1) DOWN_SUB(TQ6_K, 9) DOWN_SUB(TQ4_K, 1) DOWN_SUB(TMXFP4, 1)
+#define DOWN_QO(T, IO) \
+    template __global__ void moe_down<T, 4, 8, IO, 1, 16, 2>(P4, int, int, const int*, const float*, int, const float*, \
+                                                         int, XQ_TYPES, float*, int, const float*, QO_TYPES, const float*);
+DOWN_QO(TQ6_K, 3) DOWN_QO(TQ4_K, 3) DOWN_QO(TQ6_K, 19)
 template __global__ void moe_router<1, 4, 8>(P4, int, int, int, const float*, int, const float*, float, float*, int);
 template __global__ void moe_router_topk<1, 4>(P4, int, int, const float*, int, const float*, float, float*, int, int,
                                                int, int*, float*, unsigned*);

@@ -594,11 +594,32 @@ class CudaBlocks:
             LL.glu(self.k, g.data.ptr, u.data.ptr, ldg, n, slots, cfg.activation, g.data.ptr, ldg)
         if gq is not None and not fused:
             LL.quantize_q8(self.k, g.data.ptr, ldg, n, slots, gq)
+        then, out = self._down_then(x, layer, down, gq), None
+        if then is not None:
+            out = (then[1], self.w.vec(then[0]).data.ptr)
         LE.down(self.k, down, cfg.n_embd, ids, w, used, g.data.ptr, ldg, t, x.data.ptr, x.strides[0] // 4, q8=gq,
-                r=self.tune.moe_rows[1], mb=self._moe_min_blocks(down, 1, gq), sub=self.tune.moe_down_sub)
+                r=self.tune.moe_rows[1], mb=self._moe_min_blocks(down, 1, gq),
+                sub=self.tune.moe_down_sub, q8_out=out)
+        if then is not None:
+            self._q8_ready = (then[0], t)
         if cfg.n_ff_shexp:
             self._shared_expert(x, h, q8, layer)
         return x
+
+    def _down_then(self, x: cp.ndarray, layer: int, down: L.Mat, gq: L.Q8Vec | None
+                   ) -> tuple[str, L.Q8Vec] | None:
+        """(the RMSNorm after this layer's FFN, its int8 input buffer) where the experts' down writes
+        that input in its epilogue (tuning moe_down_epilogue): 16 rows a block in sub-warp sets, one
+        GPU, no shared expert adding after it, x the rows of ws.x."""
+        t = x.shape[0]
+        if (not 0 < t <= self.tune.moe_down_epilogue or self.comm is not None or self.cfg.n_ff_shexp
+                or not self.tune.moe_down_sub or not LE.down_sub(down, gq) or self.cfg.n_embd % 16
+                or self.tune.moe_rows[1] != LE.DOWN_Q8_OUT_R
+                or x.data.ptr != self.ws.x.data.ptr):
+            return None
+        name, mats = self._after_ffn(layer)
+        nq8 = self._q8_for(t, mats, self.ws.q8_norm, self._role_after(name))
+        return (name, nq8) if nq8 is not None else None
 
     def _moe_min_blocks(self, m: L.Mat, which: int, q8: L.Q8Vec | None) -> int:
         """Launch bounds of the experts' matvec GLU (which 0) or down (1): the tuning table's for the

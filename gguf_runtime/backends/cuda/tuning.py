@@ -65,6 +65,9 @@ class Tuning:
     # -- mixtures of experts
     moe_norm_epilogue: int = 1  # MoE decode steps of at most this many rows: O's epilogue writes the experts' int8
     # input (no FFN norm kernel; 0: never): one row gained, eight lost (bench/RESULTS.md 195, 270)
+    moe_down_epilogue: int = 1  # ... and the experts' down writes the next layer's QKV (or the head's) int8 input at
+    # steps of at most this many rows (16 rows a block as two row groups of warps; no attention norm kernel; 0:
+    # never): one row gained (bench/RESULTS.md 273; 16 rows a block by more registers a warp lost, 271)
     moe_topk_glu_blocks: int = 3  # the experts' GLU kernel does the router's top-k (no moe_topk launch) where its
     # blocks, each repeating it, fit this many an SM (one wave; 0: never): Qwen3-30B-A3B at one row gains,
     # gpt-oss (two waves) and eight rows lose (bench/RESULTS.md 259, 261)
