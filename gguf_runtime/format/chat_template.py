@@ -34,7 +34,7 @@ from . import template_limits as TL
 from .tool_calls import THINK, THINK_END
 from ..errors import TemplateError
 
-__all__ = ["ChatTemplate", "chatml_render", "thinking_template"]
+__all__ = ["THINK_LEVELS", "ChatTemplate", "chatml_render", "think_variables", "thinking_template"]
 
 _ADVICE_UNSAFE = "use --raw, or a trusted chat template"
 _ADVICE_BROKEN = "use --raw, or a working chat template"
@@ -262,6 +262,25 @@ def thinking_template(source: str | None) -> bool:
     history and opens ``<think>`` in its generation prompt; QwQ's does both."""
     s = source or ""
     return THINK in s or THINK_END in s or "enable_thinking" in s
+
+
+THINK_LEVELS = ("low", "medium", "high")  # Ollama's think levels, OpenAI's reasoning_effort values
+THINK_VARIABLES = ("enable_thinking", "reasoning_effort")  # the template variables think_variables sets
+
+
+def think_variables(think: bool | str | None) -> dict:
+    """The template variables of a reasoning control as Ollama's ``think`` sends it (the server's
+    ``think``, the CLI's ``--think``): none for None (the template's default), ``enable_thinking``
+    for true / false (Qwen3's switch), and for a level of THINK_LEVELS ``enable_thinking`` true with
+    ``reasoning_effort`` (Harmony's "Reasoning: ..." line; a template that reads only
+    ``enable_thinking``, as Qwen3's, just thinks). ValueError for any other value."""
+    if think is None:
+        return {}
+    if isinstance(think, bool):
+        return {"enable_thinking": think}
+    if isinstance(think, str) and think in THINK_LEVELS:
+        return {"enable_thinking": True, "reasoning_effort": think}
+    raise ValueError(f"invalid think value {think!r}: true, false, or one of {', '.join(THINK_LEVELS)}")
 
 
 class ChatTemplate:

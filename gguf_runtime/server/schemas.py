@@ -20,6 +20,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..engine.constraint import compile_grammar
+from ..format.chat_template import THINK_LEVELS, think_variables
 from ..format.model_info import quant_histogram
 from ..format.tool_calls import template_family
 from ..sampling import MAX_TOP_LOGPROBS, SamplingParams
@@ -213,26 +214,22 @@ def structured_output(body: dict, ollama: bool) -> str | None:
     raise bad('response_format.type must be "text", "json_object" or "json_schema"')
 
 
-THINK_LEVELS = ("low", "medium", "high")
-
-
 def think_kwargs(body: dict, ollama: bool) -> dict:
     """Template variables of a request's reasoning control: Ollama's ``think`` (true / false, or a
     level "low" / "medium" / "high"), OpenAI's ``reasoning_effort`` (a level). A level reaches the
     template as ``reasoning_effort`` (Harmony's "Reasoning: ..." line), a boolean as
-    ``enable_thinking`` (Qwen3's switch); a template that reads neither ignores them. A Harmony model
+    ``enable_thinking`` (Qwen3's switch): ``think`` as format.chat_template.think_variables maps it,
+    the CLI's ``--think`` too; a template that reads neither ignores them. A Harmony model
     reasons whatever ``think`` says (gpt-oss cannot answer without its analysis channel; Ollama
     returns its thinking then too). No ``think`` leaves the template's default (Qwen3's: thinking
     on), and a thinking model's reasoning comes back apart from the answer either way."""
     if ollama:
         v = body.get("think")
-        if v is None:
-            return {}
-        if isinstance(v, bool):
-            return {"enable_thinking": v}
-        if isinstance(v, str) and v in THINK_LEVELS:
-            return {"enable_thinking": True, "reasoning_effort": v}
-        raise bad(f"invalid think value: {json.dumps(v)[:60]} (must be \"high\", \"medium\", \"low\", true, or false)")
+        try:
+            return think_variables(v)
+        except ValueError:
+            raise bad(f"invalid think value: {json.dumps(v)[:60]} (must be \"high\", \"medium\", \"low\", true, "
+                      "or false)") from None
     v = body.get("reasoning_effort")
     if v is None:
         return {}
