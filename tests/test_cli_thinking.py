@@ -1,6 +1,7 @@
 """`gguf-run run` and `chat` with a thinking model, as `ollama run` shows one: the reasoning under
-"Thinking..." and "...done thinking.", --hide-thinking, --think / --no-think reaching the template,
-and the refusals (--think on a model that does not reason, the flags with --raw).
+"Thinking..." and "...done thinking.", --hide-thinking, --think / --think=LEVEL / --no-think reaching
+the template, and the refusals (--think on a model that does not reason, a bad level, the flags with
+--raw).
 
 The commands run in-process (cli.app.main) on a fake engine: the real chat templates of
 tests/data/chat_templates render the prompt, the answer is scripted, so what is printed is known."""
@@ -129,6 +130,43 @@ def test_think_and_no_think_reach_the_template(engine, capsys):
         assert FakeEngine.last.prompts[-1].endswith("<|im_start|>assistant\n")
 
 
+@pytest.mark.parametrize("args,level", [([], "medium"), (["--think"], "medium"), (["--think=high"], "high"),
+                                        (["--think", "low"], "low"), (["--think=true"], "medium")])
+def test_a_level_reaches_a_harmony_template(engine, capsys, args, level):
+    engine("gpt-oss-harmony", HARMONY_ANSWER)
+    rc, out, err = cli(capsys, *args)
+    assert rc == 0, err
+    assert f"\nReasoning: {level}\n" in FakeEngine.last.prompts[-1]
+    assert out == "Thinking...\nPlan it.\n...done thinking.\n\nHello.\n"
+
+
+def test_a_level_on_qwen3_just_thinks(engine, capsys):
+    engine("qwen3", ["Hello."])
+    prompts = []
+    for args in (["--think"], ["--think=high"], ["--think", "low"], ["--think=false"], ["--no-think"]):
+        assert cli(capsys, *args)[0] == 0
+        prompts.append(FakeEngine.last.prompts[-1])
+    assert prompts[0] == prompts[1] == prompts[2] and prompts[0].endswith("<|im_start|>assistant\n")
+    assert prompts[3] == prompts[4] and prompts[3].endswith("<think>\n\n</think>\n\n")
+
+
+def test_a_bare_think_leaves_the_model_argument_alone(engine, capsys, monkeypatch):
+    engine("qwen3", ["Hello."])
+    asked = []
+    monkeypatch.setattr(run_cmd, "resolve_model", lambda m: asked.append(m) or "model.gguf")
+    assert main(["run", "--think", "m", "-p", "Hi", "-q"]) == 0, capsys.readouterr().err
+    assert main(["--think", "-p", "--think", "-q"]) == 0, capsys.readouterr().err  # the prompt "--think"
+    assert asked == ["m", None]
+    assert "<|im_start|>user\n--think<|im_end|>" in FakeEngine.last.prompts[-1]
+
+
+@pytest.mark.parametrize("args,words", [(["--think=max"], ['invalid value for --think: "max"', "high, medium, or low"]),
+                                        (["--think=High"], ['"High"']), (["--think", "--no-think"], ["not both"])])
+def test_a_bad_think_value_is_refused(engine, capsys, args, words):
+    engine("gpt-oss-harmony", HARMONY_ANSWER)
+    one_line_error(cli(capsys, *args), *words)
+
+
 def test_a_model_that_does_not_reason_prints_as_before(engine, capsys):
     engine("llama-3.2", ["<think>", "x", "</think>"] + PLAIN_ANSWER)  # its text as it is, tags and all
     for args in ([], ["--hide-thinking"], ["--no-think"]):
@@ -138,10 +176,11 @@ def test_a_model_that_does_not_reason_prints_as_before(engine, capsys):
 
 def test_think_on_a_model_that_does_not_reason_is_refused(engine, capsys):
     engine("llama-3.2", PLAIN_ANSWER)
-    one_line_error(cli(capsys, "--think"), '"m" does not support thinking')
+    for args in (["--think"], ["--think=high"], ["--think", "low"]):
+        one_line_error(cli(capsys, *args), '"m" does not support thinking', "drop --think")
 
 
-@pytest.mark.parametrize("flag", ["--think", "--no-think", "--hide-thinking"])
+@pytest.mark.parametrize("flag", ["--think", "--no-think", "--hide-thinking", "--think=high"])
 def test_the_flags_with_raw_are_refused(engine, capsys, flag):
     engine("qwen3", QWEN3_ANSWER)
     one_line_error(cli(capsys, "--raw", flag), flag, "--raw")

@@ -13,6 +13,7 @@ import sys
 import typer
 
 from . import llama_flags
+from .thinking import think_argv
 from ..errors import GGUFRunError, printable
 
 app = typer.Typer(
@@ -96,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         quiet = "-q" in args or "--quiet" in args
+        args = think_argv(args, _takes_value)  # (first: to translate, a bare --think reads the next word)
         args = llama_flags.translate(args, _takes_value, (lambda m: None) if quiet else
                                      (lambda m: print(f"note: {m}", file=sys.stderr, flush=True)))
         # without standalone mode typer returns click's exit code for an abort (Ctrl-C: 130)

@@ -31,7 +31,7 @@ from .options import (TensorParallel, Backend, CacheTypeK, CacheTypeV, CtxSize, 
                       sampling_params, spec_choice)
 from .progress import progress_bars
 from .stats import print_stats
-from .thinking import ThinkingPrinter, answer_parser, think_vars
+from .thinking import NoThink, Think, ThinkingPrinter, answer_parser, think_choice, think_vars
 
 PROMPT = ">>> "
 CONTINUATION = "... "
@@ -416,14 +416,14 @@ def chat(
     spec_mode: str = SpecMode,
     spec_k: int = SpecK,
     draft: Optional[str] = Draft,
-    think: Optional[bool] = typer.Option(None, "--think/--no-think",
-                                         help="a thinking model reasons, or not (enable_thinking for its "
-                                              "template; default: the template's own)"),
+    think: Optional[str] = Think,
+    no_think: bool = NoThink,
     hide_thinking: bool = typer.Option(False, "--hide-thinking",
                                        help="print a thinking model's answers without their reasoning"),
 ) -> None:
     """Chat with a model in the terminal, as `ollama run` does (default model when MODEL is omitted)."""
     check_n_predict(n_predict)
+    thinks = think_choice(think, no_think)
     spec_mode = spec_choice(spec_mode, spec_k, draft)  # (before the model loads)
     params = sampling_params(temp, top_k, top_p, min_p, repeat_penalty, seed)
     kv = kv_types(cache_type_k, cache_type_v)
@@ -434,7 +434,7 @@ def chat(
                      kv_types=kv, tensor_parallel=tensor_parallel, draft=draft)
     if not eng.has_template and note:
         note("note: the model has no chat template; using a plain ChatML layout")
-    variables = think_vars(eng, think, model or os.path.basename(path))
+    variables = think_vars(eng, thinks, model or os.path.basename(path))
     session = ChatSession(eng, params=params, system=system, n_predict=n_predict, spec=spec_mode, spec_k=spec_k,
                           template_vars=variables, answer_parser=lambda ids: answer_parser(eng, ids))
     code = Repl(session, verbose=verbose, quiet=quiet, hide_thinking=hide_thinking).run()

@@ -19,11 +19,8 @@ from .options import (TensorParallel, N_PREDICT_DEFAULT, Backend, CacheTypeK, Ca
                       note_printer, resolve_model, sampling_params, spec_choice)
 from .progress import progress_bars
 from .stats import print_stats
-from .thinking import ThinkingPrinter, answer_parser, think_vars
+from .thinking import NoThink, Think, ThinkingPrinter, answer_parser, think_choice, think_vars
 
-Think = typer.Option(None, "--think/--no-think",
-                     help="a thinking model reasons, or not (enable_thinking for its template; default: the "
-                          "template's own)")
 HideThinking = typer.Option(False, "--hide-thinking", help="print a thinking model's answer without its reasoning")
 
 
@@ -45,7 +42,8 @@ def run(
                                         help="apply the model's chat template, or not (default: chat when "
                                              "the file has a template)"),
     system: Optional[str] = typer.Option(None, "--system", help="system message (chat mode)"),
-    think: Optional[bool] = Think,
+    think: Optional[str] = Think,
+    no_think: bool = NoThink,
     hide_thinking: bool = HideThinking,
     backend: str = Backend,
     cache_type_k: str = CacheTypeK,
@@ -66,6 +64,7 @@ def run(
     """Stream a completion of PROMPT (default model when MODEL is omitted); with no prompt in a
     terminal, start a chat (`gguf-run chat`)."""
     check_n_predict(n_predict)
+    thinks = think_choice(think, no_think)
     spec_mode = spec_choice(spec_mode, spec_k, draft)
     if spec_mode != "none" and (json_schema is not None or grammar is not None):
         raise GGUFRunError("--spec and a grammar (--json-schema, --grammar) do not combine yet; drop one")
@@ -73,8 +72,9 @@ def run(
         raise GGUFRunError("give --json-schema or --grammar, not both")
     if chat is False and system is not None:
         raise GGUFRunError("--system goes with the chat template, and --raw sends the prompt as it is; drop one")
-    if chat is False and (think is not None or hide_thinking):
-        flag = "--hide-thinking" if think is None else ("--think" if think else "--no-think")
+    if chat is False and (thinks is not None or hide_thinking):
+        flag = ("--hide-thinking" if thinks is None else "--no-think" if thinks is False
+                else "--think" if thinks is True else f"--think={thinks}")
         raise GGUFRunError(f"{flag} goes with the chat template, and --raw sends the prompt as it is; drop one")
     spec = read_grammar_spec(json_schema, grammar)
     if spec:
@@ -90,7 +90,7 @@ def run(
                          ctx_size=ctx_size, system=system, backend=backend, cache_type_k=cache_type_k,
                          cache_type_v=cache_type_v, tensor_parallel=tensor_parallel, no_graph=no_graph,
                          verbose=verbose, quiet=quiet, spec_mode=spec_mode, spec_k=spec_k,
-                         draft=draft, think=think, hide_thinking=hide_thinking)
+                         draft=draft, think=think, no_think=no_think, hide_thinking=hide_thinking)
     if prompt is None:
         prompt = sys.stdin.read()
     path = resolve_model(model)
@@ -103,13 +103,13 @@ def run(
         note("note: the model has no chat template; using a plain ChatML layout")
     parser = None  # a thinking model's: its reasoning printed apart from the answer
     if use_chat:
-        variables = think_vars(eng, think, model or os.path.basename(path))
+        variables = think_vars(eng, thinks, model or os.path.basename(path))
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         ids = eng.encode_chat(messages, **variables)
         parser = answer_parser(eng, ids, constrained=spec is not None)
     else:
-        if think:  # the file has no template, so no reasoning to turn on
-            think_vars(eng, think, model or os.path.basename(path))
+        if thinks:  # the file has no template, so no reasoning to turn on
+            think_vars(eng, thinks, model or os.path.basename(path))
         ids = eng.encode_raw(prompt)
     constraint = eng.constraint(*spec) if spec else None
     gen = eng.generate(ids, n_predict=n_predict, params=params, constraint=constraint, spec=spec_mode,
