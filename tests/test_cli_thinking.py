@@ -232,3 +232,77 @@ def test_chat_hide_thinking_and_refusal(engine, capsys):
     engine("llama-3.2", PLAIN_ANSWER)
     rc = main(["chat", "m", "--think", "-q"])
     one_line_error((rc, *capsys.readouterr()), '"m" does not support thinking')
+
+
+def scripted_chat(keys, think=None, hide_thinking=False):
+    """A chat of typed lines on the fake engine: (stdout, stderr, the engine's rendered prompts)."""
+    eng = FakeEngine("model.gguf")
+    session = ChatSession(eng, think=think, answer_parser=lambda ids: answer_parser(eng, ids))
+    out, err, keys = io.StringIO(), io.StringIO(), iter(keys)
+    Repl(session, stdin=io.StringIO(), stdout=out, stderr=err, hide_thinking=hide_thinking,
+         read_line=lambda p: next(keys, None) or (_ for _ in ()).throw(EOFError())).run()
+    return out.getvalue(), err.getvalue(), eng.prompts
+
+
+def test_set_think_level_changes_the_next_turns_prompt(engine):
+    engine("gpt-oss-harmony", HARMONY_ANSWER)
+    out, err, prompts = scripted_chat(["Hi", "/set think high", "Again", "/set think low", "Third", "/set think",
+                                       "/set think max", "Fourth"], think="medium")
+    assert err == "error: unknown think level 'max'; one of: low, medium, high\n"
+    assert [p.count("\nReasoning: ") for p in prompts] == [1, 1, 1, 1]
+    assert [p.split("\nReasoning: ")[1].split("\n")[0] for p in prompts] == ["medium", "high", "low", "medium"]
+    lines = out.splitlines()
+    assert "Set 'think' mode to 'high'." in lines and "Set 'think' mode to 'low'." in lines
+    assert "Set 'think' mode." in lines
+
+
+def test_set_nothink_and_think_on_qwen3(engine):
+    engine("qwen3", ["Hello."])
+    out, err, prompts = scripted_chat(["Hi", "/set nothink", "Again", "/set think", "Third", "/set think high",
+                                       "Fourth"])
+    assert err == "" and "Set 'nothink' mode.\n" in out and "Set 'think' mode to 'high'.\n" in out
+    assert [p.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n") for p in prompts] == [False, True, False,
+                                                                                              False]
+    # a level on Qwen3 just thinks: the prompt as /set think's, a turn later
+    assert prompts[3] == prompts[2] + "Hello.<|im_end|>\n<|im_start|>user\nFourth<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_set_hidethinking_and_nohidethinking(engine):
+    engine("qwen3", QWEN3_ANSWER)
+    out, err, _ = scripted_chat(["Hi", "/set hidethinking", "Again", "/set nohidethinking", "Third"])
+    shown = "Thinking...\nPlan it.\n...done thinking.\n\nHello.\n\n"
+    assert out == shown + "Set 'hidethinking' mode.\nHello.\n\nSet 'nohidethinking' mode.\n" + shown, err
+
+
+def test_set_alone_lists_the_think_state(engine):
+    engine("qwen3", ["Hello."])
+    out = scripted_chat(["/set", "/set think low", "/set hidethinking", "/set"])[0]
+    assert "/set think [LEVEL]" in out and "/set nothink" in out and "/set hidethinking" in out
+    assert "Thinking: the template's default; reasoning shown." in out
+    assert out.rstrip().endswith("Thinking: low; reasoning hidden.")
+
+
+def test_set_think_on_a_model_that_does_not_reason(engine):
+    engine("llama-3.2", PLAIN_ANSWER)
+    out, err, prompts = scripted_chat(["/set think", "/set think high", "Hi", "/set"])
+    assert err.splitlines() == ["error: this model does not support thinking (its chat template has no "
+                                "reasoning)"] * 2
+    assert out.startswith("Hello there.\n\n") and "Thinking: this model does not support thinking" in out
+    assert len(prompts) == 1 and "Reasoning" not in prompts[0]
+
+
+def test_chat_think_level_reaches_the_session(engine, capsys, monkeypatch):
+    engine("gpt-oss-harmony", HARMONY_ANSWER)
+    seen = []
+
+    class Repl:
+        def __init__(self, session, **kw):
+            seen.append((session.think, session.template_vars, kw["hide_thinking"]))
+
+        def run(self):
+            return 0
+    monkeypatch.setattr(chat_cmd, "Repl", Repl)
+    assert main(["chat", "m", "--think", "high", "-q", "--hide-thinking"]) == 0, capsys.readouterr().err
+    assert main(["chat", "m", "--no-think", "-q"]) == 0, capsys.readouterr().err
+    assert seen == [("high", {"enable_thinking": True, "reasoning_effort": "high"}, True),
+                    (False, {"enable_thinking": False}, False)]

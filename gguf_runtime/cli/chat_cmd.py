@@ -31,12 +31,13 @@ from .options import (TensorParallel, Backend, CacheTypeK, CacheTypeV, CtxSize, 
                       sampling_params, spec_choice)
 from .progress import progress_bars
 from .stats import print_stats
-from .thinking import NoThink, Think, ThinkingPrinter, answer_parser, think_choice, think_vars
+from .thinking import NoThink, Think, ThinkingPrinter, answer_parser, think_choice, think_vars, thinking_kind
 
 PROMPT = ">>> "
 CONTINUATION = "... "
 BLOCK = '"""'
 EXIT_HINT = "Use Ctrl + d or /bye to exit."
+NO_THINKING = "this model does not support thinking (its chat template has no reasoning)"
 
 HELP = f"""Available Commands:
   /set            Set session variables (/set alone lists them)
@@ -56,6 +57,11 @@ SET_HELP = "Available Commands:\n" + "\n".join(
     + ["  /set system TEXT              Set the system message",
        "  /set verbose                  Show timings after each reply",
        "  /set quiet                    Hide timings",
+       "  /set think [LEVEL]            A thinking model reasons (LEVEL: high, medium or low, which",
+       "                                gpt-oss's template reads; Qwen3's just thinks)",
+       "  /set nothink                  A thinking model answers without reasoning (gpt-oss reasons anyway)",
+       "  /set hidethinking             Print the answers without their reasoning",
+       "  /set nohidethinking           Print the reasoning too",
        "", "  /set NAME VALUE is short for /set parameter NAME VALUE."])
 
 SHOW_HELP = """Available Commands:
@@ -327,16 +333,21 @@ class Repl:
     def _set(self, rest: str) -> None:
         words = rest.split(None, 1)
         if not words:
-            self.say(SET_HELP)
+            self.say(SET_HELP + "\n\n" + self._think_state())
             return
         sub = words[0].lower()
         arg = words[1] if len(words) > 1 else ""
         if sub == "system":
             self.session.set_system(arg)
             self.say("Set system message." if self.session.system else "Removed the system message.")
-        elif sub in ("verbose", "quiet"):
-            self.verbose = sub == "verbose"
+        elif sub in ("verbose", "quiet", "hidethinking", "nohidethinking"):
+            if sub in ("verbose", "quiet"):
+                self.verbose = sub == "verbose"
+            else:
+                self.hide_thinking = sub == "hidethinking"
             self.say(f"Set '{sub}' mode.")
+        elif sub in ("think", "nothink"):
+            self._set_think(sub, arg.strip())
         else:
             if sub == "parameter":
                 words = arg.split(None, 1)
@@ -351,6 +362,28 @@ class Repl:
                 return
             key = self.session.parameter_name(sub)
             self.say(f"Set parameter '{key}' to '{'none' if value is None else value}'")
+
+    def _set_think(self, sub: str, level: str) -> None:
+        """/set think [LEVEL], /set nothink (Ollama's words): the next turns' template variables; a
+        model with no reasoning keeps its setting, with one line."""
+        think = False if sub == "nothink" else level or True
+        if think is not False and thinking_kind(self.session.engine) is None:
+            self.error(NO_THINKING)
+            return
+        try:
+            self.session.set_think(think)
+        except GGUFRunError as e:
+            self.error(str(e))
+            return
+        self.say(f"Set 'think' mode to '{level}'." if sub == "think" and level else f"Set '{sub}' mode.")
+
+    def _think_state(self) -> str:
+        """/set's line on thinking: the mode the next turn renders with, and whether the reasoning prints."""
+        if thinking_kind(self.session.engine) is None:
+            return f"Thinking: {NO_THINKING}."
+        t = self.session.think
+        mode = "the template's default" if t is None else "on" if t is True else "off" if t is False else t
+        return f"Thinking: {mode}; reasoning {'hidden' if self.hide_thinking else 'shown'}."
 
     def _show(self, rest: str) -> None:
         what = rest.strip().lower()
@@ -434,9 +467,9 @@ def chat(
                      kv_types=kv, tensor_parallel=tensor_parallel, draft=draft)
     if not eng.has_template and note:
         note("note: the model has no chat template; using a plain ChatML layout")
-    variables = think_vars(eng, thinks, model or os.path.basename(path))
+    think_vars(eng, thinks, model or os.path.basename(path))  # (refuses --think on a model with no reasoning)
     session = ChatSession(eng, params=params, system=system, n_predict=n_predict, spec=spec_mode, spec_k=spec_k,
-                          template_vars=variables, answer_parser=lambda ids: answer_parser(eng, ids))
+                          think=thinks, answer_parser=lambda ids: answer_parser(eng, ids))
     code = Repl(session, verbose=verbose, quiet=quiet, hide_thinking=hide_thinking).run()
     if code:
         raise typer.Exit(code)

@@ -18,8 +18,9 @@ one-line :class:`~gguf_runtime.errors.ContextOverflowError` and leaves the conve
 Reasoning: with ``answer_parser`` (a function of the prompt's ids returning a parser of
 format/tool_calls.py, or None) a reply yields the parser's events, ``str`` content and
 :class:`~gguf_runtime.format.tool_calls.Reasoning`, and its message keeps the reasoning apart as
-``thinking`` (what the templates read), so the next turn renders as the template expects;
-``template_vars`` (``enable_thinking``) reach the template at each turn.
+``thinking`` (what the templates read), so the next turn renders as the template expects.
+``think`` (on, off or a level; :meth:`ChatSession.set_think` changes it between turns) reaches the
+template at each turn as format.chat_template.think_variables maps it, with ``template_vars``.
 
 Interruption: a reply is an iterator; whatever has streamed is already in the history, so an
 interrupted reply (Ctrl-C inside the generation, or the caller stopping the iteration and calling
@@ -32,6 +33,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 from ..errors import ContextOverflowError, GGUFRunError
+from ..format.chat_template import THINK_LEVELS, THINK_VARIABLES, think_variables
 from ..format.tool_calls import Reasoning
 from ..sampling import SamplingParams
 from .engine import check_spec
@@ -168,11 +170,13 @@ class ChatSession:
     def __init__(self, engine: "Engine", params: Optional[SamplingParams] = None, system: Optional[str] = None,
                  n_predict: int = -1, reply_reserve: Optional[int] = None, trim_to: float = 0.5,
                  spec: str = "none", spec_k: int = 4, template_vars: Optional[dict] = None,
-                 answer_parser: Optional[Callable[[list[int]], Any]] = None) -> None:
+                 answer_parser: Optional[Callable[[list[int]], Any]] = None,
+                 think: "bool | str | None" = None) -> None:
         check_spec(spec, spec_k, getattr(engine, "draft", None) is not None)
         self.spec, self.spec_k = spec, spec_k  # speculative decoding of every reply (Engine.generate)
         self.engine = engine
         self.template_vars = dict(template_vars or {})
+        self.think: "bool | str | None" = None  # set_think's; None: the template's default
         self.answer_parser = answer_parser
         self.params = dataclasses.replace(params) if params is not None else SamplingParams()
         self.params.validate()
@@ -188,6 +192,8 @@ class ChatSession:
         self.n_replies = 0
         self.dropped_total = 0
         self._active: Optional[Reply] = None
+        if think is not None:
+            self.set_think(think)
 
     # ---- the conversation ----------------------------------------------------------------------
     @property
@@ -277,6 +283,17 @@ class ChatSession:
         self.system = text if text and text.strip() else None
 
     # ---- settings ------------------------------------------------------------------------------
+    def set_think(self, think: "bool | str | None") -> None:
+        """Thinking on or off (a bool), at a level (one of THINK_LEVELS) or as the template's default
+        (None) from the next turn on; the conversation stays. SettingError for another level."""
+        try:
+            variables = think_variables(think)
+        except ValueError:
+            raise SettingError(f"unknown think level '{think}'; one of: {', '.join(THINK_LEVELS)}") from None
+        self._stop_active()
+        kept = {k: v for k, v in self.template_vars.items() if k not in THINK_VARIABLES}
+        self.template_vars, self.think = {**kept, **variables}, think
+
     @staticmethod
     def parameter_name(name: str) -> str:
         key = name.strip().lower()
