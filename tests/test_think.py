@@ -16,7 +16,8 @@ import pytest
 from gguf_runtime.engine.tool_grammar import think_ids
 from gguf_runtime.format.chat_template import ChatTemplate, thinking_template
 from gguf_runtime.format.tokenizer import Tokenizer
-from gguf_runtime.format.tool_calls import Reasoning, ThinkParser, ToolCall, ToolCallParser, opens_thinking
+from gguf_runtime.format.tool_calls import (HarmonyParser, Reasoning, ThinkParser, ToolCall, ToolCallParser,
+                                          chat_answer_parser, opens_thinking)
 
 from micro_models import vocab_metadata, with_added_tokens
 
@@ -187,6 +188,19 @@ def test_whitespace_before_the_answer_is_not_scanned_again_at_each_piece(then, e
 
 
 # ---- the CLI's generations (gguf-run run / chat) --------------------------------------------------
+def test_the_parser_a_chat_answer_needs():
+    """The one choice the server (ToolSetup.parser) and the CLI (cli/thinking.answer_parser) make."""
+    assert chat_answer_parser("hermes", False) is None  # plain text, as it comes
+    calls = chat_answer_parser("hermes", False, NAMES)
+    assert type(calls) is ToolCallParser and calls.family == "hermes" and calls.names == set(NAMES)
+    think = chat_answer_parser("hermes", True, NAMES, opened=True)
+    assert type(think) is ThinkParser and type(think.calls) is ToolCallParser and think.opened is True
+    assert chat_answer_parser("hermes", True).calls is None
+    harmony = chat_answer_parser("harmony", False)
+    assert type(harmony) is HarmonyParser and not harmony.calls
+    assert chat_answer_parser("harmony", True, NAMES).calls is True
+
+
 def test_the_engine_prints_the_think_tags_of_a_thinking_model(tmp_path):
     """`gguf-run run` and `chat` print the answer as it comes, reasoning and tags included, also where
     the vocabulary made the tags control tokens (hidden otherwise): a micro model with Qwen3's

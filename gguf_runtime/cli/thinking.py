@@ -21,7 +21,7 @@ import typer
 
 from ..errors import GGUFRunError
 from ..format.chat_template import THINK_LEVELS, think_variables
-from ..format.tool_calls import HarmonyParser, Reasoning, ThinkParser, ids_open_thinking, template_family
+from ..format.tool_calls import Reasoning, chat_answer_parser, ids_open_thinking, template_family
 
 # ollama's readline colors: the reasoning in grey, its opening and closing lines in bold grey
 GREY, BOLD, RESET = "\033[38;5;245m", "\033[1m", "\033[0m"
@@ -102,12 +102,10 @@ def answer_parser(engine, ids: list[int], constrained: bool = False):
     """The parser of an answer to the prompt ``ids``: None for a model with no reasoning. A prompt that
     ends with ``<think>`` starts the answer inside the block, unless a grammar shapes the answer."""
     kind = thinking_kind(engine)
-    if kind == "harmony":
-        return HarmonyParser(calls=False)
-    if kind == "think":
-        opened = not constrained and ids_open_thinking(ids, engine.tokenizer)
-        return ThinkParser(None, opened=opened)
-    return None
+    if kind is None:
+        return None
+    opened = kind == "think" and not constrained and ids_open_thinking(ids, engine.tokenizer)
+    return chat_answer_parser(template_family(engine.template.source), kind == "think", opened=opened)
 
 
 class ThinkingPrinter:

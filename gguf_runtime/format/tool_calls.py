@@ -23,7 +23,8 @@ start a call is held back until it is known; a call that turns out malformed is 
 content (never an error). A bare JSON answer (llama3, generic) counts as a call only when it names
 one of the request's tools; after a marker any name counts, as the model meant to call. Whitespace
 around calls is dropped. :class:`HarmonyParser` gives :class:`Reasoning` events too (the analysis
-channel); ``answer_parser`` makes the parser of a family.
+channel); ``answer_parser`` makes the parser of a family, ``chat_answer_parser`` the one a chat
+answer needs (None for plain text).
 
 A thinking template's answers (Qwen3, QwQ, DeepSeek-R1) open with their reasoning in
 ``<think>...</think>``, whatever the tool-call family: :class:`ThinkParser` gives it as
@@ -39,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Union
 
 __all__ = ["FAMILIES", "HarmonyParser", "Reasoning", "ThinkParser", "ToolCall", "ToolCallParser", "answer_parser",
-           "ids_open_thinking", "opens_thinking", "parse_answer", "parse_tool_calls", "template_family"]
+           "chat_answer_parser", "ids_open_thinking", "opens_thinking", "parse_answer", "parse_tool_calls", "template_family"]
 
 FAMILIES = ("hermes", "llama3", "mistral", "mistral_args", "harmony", "generic")
 TOOL_CALL, TOOL_CALL_END = "<tool_call>", "</tool_call>"
@@ -677,6 +678,19 @@ class ThinkParser:
 def _reason(out: list[Event], text: str) -> None:
     if text:
         out.append(Reasoning(text))
+
+
+def chat_answer_parser(family: str, thinking: bool, names: Iterable[str] = (), opened: bool | Callable[[], bool] = False
+                       ) -> "HarmonyParser | ThinkParser | ToolCallParser | None":
+    """The parser a chat answer needs, for the server and the CLI: a Harmony template's (its calls
+    counted when the request offers tools, ``names``), a thinking template's (``thinking``:
+    ThinkParser; ``opened`` as its own) around the family's tool-call parser when tools are offered,
+    that parser alone, or None: plain text, passed on as it comes."""
+    names = list(names)
+    if family == "harmony":
+        return HarmonyParser(names, calls=bool(names))
+    calls = ToolCallParser(family, names) if names else None
+    return ThinkParser(calls, opened=opened) if thinking else calls
 
 
 def answer_parser(family: str, names: Iterable[str] = (), calls: bool = True) -> "ToolCallParser | HarmonyParser":

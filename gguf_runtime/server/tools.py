@@ -41,8 +41,8 @@ from typing import Any
 
 from ..engine.tool_grammar import marker_ids, think_ids, tool_call_grammar
 from ..errors import GrammarError
-from ..format.tool_calls import (HarmonyParser, ThinkParser, ToolCall, ToolCallParser, ids_open_thinking,
-                                 template_family)
+from ..format.tool_calls import (HarmonyParser, ThinkParser, ToolCall, ToolCallParser, chat_answer_parser,
+                                 ids_open_thinking, template_family)
 from .schemas import bad
 
 MAX_TOOLS = 128  # OpenAI's limit
@@ -253,12 +253,8 @@ class ToolSetup:
     def parser(self) -> ToolCallParser | HarmonyParser | ThinkParser | None:
         """The answer's parser: None when the answer is plain text (no tools, no reasoning to split)."""
         names = [t["function"]["name"] for t in self.tools]
-        if self.family == "harmony":
-            return HarmonyParser(names, calls=bool(self.tools))
-        calls = ToolCallParser(self.family, names) if self.tools else None
-        if self.think:  # (asked at the first text: a stream's parser is made before its prompt is rendered)
-            return ThinkParser(calls, opened=lambda: self.opened)
-        return calls
+        # (opened is asked at the first text: a stream's parser is made before its prompt is rendered)
+        return chat_answer_parser(self.family, self.think, names, opened=lambda: self.opened)
 
     def prompt(self, ids: list[int], tok, constrained: bool) -> list[int]:
         """The rendered prompt's ``ids``, noting whether the answer starts inside a think block: the
