@@ -340,11 +340,11 @@ class Repl:
         if sub == "system":
             self.session.set_system(arg)
             self.say("Set system message." if self.session.system else "Removed the system message.")
-        elif sub in ("verbose", "quiet", "hidethinking", "nohidethinking"):
-            if sub in ("verbose", "quiet"):
-                self.verbose = sub == "verbose"
-            else:
-                self.hide_thinking = sub == "hidethinking"
+        elif sub in ("verbose", "quiet"):
+            self.verbose = sub == "verbose"
+            self.say(f"Set '{sub}' mode.")
+        elif sub in ("hidethinking", "nohidethinking"):
+            self.hide_thinking = sub == "hidethinking"
             self.say(f"Set '{sub}' mode.")
         elif sub in ("think", "nothink"):
             self._set_think(sub, arg.strip())

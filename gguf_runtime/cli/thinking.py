@@ -27,7 +27,6 @@ from ..format.tool_calls import Reasoning, chat_answer_parser, ids_open_thinking
 GREY, BOLD, RESET = "\033[38;5;245m", "\033[1m", "\033[0m"
 OPENING, CLOSING = "Thinking...\n", "...done thinking.\n\n"
 
-
 THINK_WORDS = ("true", "false") + THINK_LEVELS  # --think's values, Ollama's
 LEVELS_TEXT = "|".join(reversed(THINK_LEVELS))  # high|medium|low
 Think = typer.Option(None, "--think", metavar="[LEVEL]", show_default=False,
@@ -86,15 +85,11 @@ def thinking_kind(engine) -> Optional[str]:
     return "think" if engine.template.supports_thinking else None
 
 
-def cannot_think(name: str) -> str:
-    return f'"{name}" does not support thinking (its chat template has no reasoning)'
-
-
 def think_vars(engine, think: "bool | str | None", name: str) -> dict:
     """The template variables of --think / --think=LEVEL / --no-think (think_choice's value; none
     when neither is given); thinking on a model with no reasoning is refused, as Ollama refuses it."""
     if think not in (None, False) and thinking_kind(engine) is None:
-        raise GGUFRunError(cannot_think(name) + "; drop --think")
+        raise GGUFRunError(f'"{name}" does not support thinking (its chat template has no reasoning); drop --think')
     return think_variables(think)
 
 
