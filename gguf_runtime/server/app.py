@@ -250,9 +250,10 @@ async def api_show(svc: Service, request: Request) -> Response:
 
 @route(openai=False)
 async def api_ps(svc: Service, request: Request) -> Response:
-    card, eng = svc.card, svc.engine
-    if eng is None:  # (unloaded)
+    eng = svc.engine
+    if eng is None:  # (unloaded, or loading)
         return JSONResponse({"models": []})
+    card = svc.card
     left = svc.expires_in()
     expires = (_dt.datetime.now(_dt.timezone.utc) + _dt.timedelta(seconds=left) if left != math.inf
                else _dt.datetime(2318, 1, 1, tzinfo=_dt.timezone.utc))  # (Ollama's "Forever")

@@ -176,11 +176,13 @@ class Scheduler:
         self._inbox.put(("cancel", job))
 
     def shutdown(self, wait: bool = True, timeout: float | None = 30.0) -> None:
-        """Stop taking jobs, cancel running ones (their handlers get a ShuttingDown error)."""
+        """Stop taking jobs, cancel running ones (their handlers get a ShuttingDown error). A thread
+        still loading the model is not waited for (a load cannot be cut short; it stops once done)."""
         with self._lock:
             self._closed = True
         self._inbox.put(("stop", None))
-        if wait and self._thread.is_alive() and threading.current_thread() is not self._thread:
+        if wait and self._ready.is_set() and self._thread.is_alive() and \
+                threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
     def stats(self) -> dict[str, int]:

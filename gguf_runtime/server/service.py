@@ -112,13 +112,19 @@ class Service:
     it that arrive meanwhile wait their turn). A model stays loaded for ``keep_alive`` seconds (inf:
     for ever; Ollama's keep_alive, the last request's or the server's default) after the last
     request ends; then a watchdog thread unloads it (scheduler stopped, GPU memory returned) and
-    the next request loads it again, as Ollama does. Routes that need a model run inside ``using``."""
+    the next request loads it again, as Ollama does. Routes that need a model run inside ``using``.
+
+    ``path``, where given, is the file ``factory`` loads: its card, read from the header (context
+    ``n_ctx``, as ModelCard.from_file), lists the model while start() loads it on another thread
+    (the server answering meanwhile); requests for it wait for the load, and end with its error
+    where it fails."""
 
     def __init__(self, factory: Callable[[], Any], name: str | None = None, max_body: int = MAX_BODY,
                  max_queue: int = 1024, admit_tokens: int = 4096,
                  on_fatal: Callable[[BaseException], None] | None = exit_process,
                  keep_alive: float = math.inf, catalog: Sequence[tuple[str, str]] = (),
-                 loader: Callable[[str], Any] | None = None, stream_interval: float = STREAM_INTERVAL_S) -> None:
+                 loader: Callable[[str], Any] | None = None, stream_interval: float = STREAM_INTERVAL_S,
+                 path: str | None = None, n_ctx: int | None = None) -> None:
         self._sched = lambda f: Scheduler(f, admit_tokens=admit_tokens, max_queue=max_queue, on_fatal=on_fatal)
         self._factory, self._loader, self._catalog = factory, loader, list(catalog)
         self.scheduler: Scheduler | None = self._sched(factory)
@@ -138,9 +144,15 @@ class Service:
         self.current = ""  # the name of the model the scheduler serves (or last served)
         self._wanted: str | None = None  # a model requests wait to swap to
         self._started_up = False  # start() done: the first model loaded and the catalog listed
+        self._failed: BaseException | None = None  # what start()'s load raised
         self._vocabs: dict[str, Vocab] = {}  # by name, oldest first (VOCABS_KEPT)
         self._vocab_lock = threading.Lock()
         self._reaper = threading.Thread(target=self._reap, name="gguf-keep-alive", daemon=True)
+        if path is not None:  # (a header that does not read is left out: the load says why)
+            with contextlib.suppress(Exception):
+                card = S.ModelCard.from_file(path, name, n_ctx)
+                self.cards[card.name] = card
+                self.current = card.name
 
     def mailbox(self) -> _Mailbox:
         loop = asyncio.get_running_loop()
@@ -150,7 +162,11 @@ class Service:
 
     def start(self) -> "Service":
         sys.setswitchinterval(SWITCH_INTERVAL_S)
-        self._started()
+        try:
+            self._started()
+        except BaseException as e:
+            self._failed = e  # (the requests waiting for the load end with it)
+            raise
         for name, path in self._catalog:  # (a file whose header does not read is left out)
             if self.find(name) is None and os.path.realpath(path) != os.path.realpath(self.card.path):
                 try:
@@ -164,8 +180,8 @@ class Service:
 
     @property
     def loading(self) -> bool:
-        """Whether the server is in its initial load (start() not done yet); a later load, a request
-        naming another model of the catalog, is not: the server answers meanwhile."""
+        """Whether the server is in its initial load (start() not done yet, or failed); a later load, a
+        request naming another model of the catalog, is not: the server answers meanwhile."""
         return not self._started_up
 
     def _started(self, name: str | None = None) -> None:
@@ -223,8 +239,14 @@ class Service:
         the server's default) before the watchdog unloads it."""
         name = name or self.current
         while True:
+            if (e := self._failed) is not None:
+                why = e if isinstance(e, GGUFRunError) else f"{type(e).__name__}: {e}"
+                raise ShuttingDown(f"the model did not load ({why}); the server is shutting down")
             if self._closed:
                 raise ShuttingDown("the server is shutting down")
+            if self.loading:  # start()'s load, on another thread: requests wait for it
+                await asyncio.sleep(0.02)
+                continue
             with self._lock:
                 if self.current == name and self.scheduler is not None and self._wanted in (None, name):
                     self._holds += 1
@@ -294,6 +316,8 @@ class Service:
         """Unload the model ``name`` (default: the one loaded) now if nothing runs on it (Ollama's
         keep_alive 0 with no prompt; ``expired``: only once idle for keep_alive, the watchdog's
         call); whether it is not loaded afterwards."""
+        if self.loading:  # start()'s load runs: not idle
+            return False
         with self._load_lock:
             with self._lock:
                 sched = self.scheduler
