@@ -6,11 +6,12 @@ import os
 import signal
 import socket
 import sys
+import threading
 from typing import Optional
 
 import typer
 
-from ..engine.engine import check_spec
+from ..engine.engine import DEFAULT_CTX, check_spec
 from ..errors import GGUFRunError
 from .app import app
 from .options import (BATCHES, TensorParallel, Backend, CacheTypeK, CacheTypeV, CtxSize, ModelArg, NoGraph, Quiet, kv_types, note_printer,
@@ -89,7 +90,8 @@ def serve(
     With the cuda backend, requests are batched continuously: new ones join between decode steps
     and every running sequence advances each step (up to --max-batch at once; more wait in line).
     The numpy backend (no GPU) runs one request at a time, first come first served; the others
-    wait. Ctrl-C stops taking requests, cancels running ones and exits.
+    wait. The server answers while the model loads: /health is 503 until it is in, requests wait
+    for it. Ctrl-C stops taking requests, cancels running ones and exits.
     """
     try:
         import uvicorn
@@ -133,13 +135,39 @@ def serve(
 
     try:
         svc = Service(lambda: loader(path), name=name, max_body=max_body, max_queue=max_queue, keep_alive=keep,
-                      catalog=catalog, loader=loader,
-                      **({} if stream_interval is None else {"stream_interval": stream_interval / 1e3})).start()
+                      catalog=catalog, loader=loader, path=path, n_ctx=DEFAULT_CTX if ctx_size is None else ctx_size,
+                      **({} if stream_interval is None else {"stream_interval": stream_interval / 1e3}))
     except BaseException:
         sock.close()
         raise
+    bound = sock.getsockname()
+    failed: list[BaseException] = []  # what the load raised (raised here once the server has stopped)
+
+    def load() -> None:
+        try:
+            svc.start()
+        except BaseException as e:  # noqa: BLE001 - the server stops, then serve raises it
+            failed.append(e)
+            server.should_exit = True
+            return
+        if server.should_exit:  # (stopped while it loaded)
+            return
+        a = svc.scheduler.adapter
+        mode = f"{a.max_slots} sequences per step" if a.name == "cuda" else "one request at a time"
+        print(f"serving {svc.card.name} ({a.name}, {mode}, context {a.n_ctx}) on "
+              f"http://{host if ':' not in host else f'[{host}]'}:{bound[1]}", file=sys.stderr, flush=True)
+        if not quiet:
+            if host not in ("127.0.0.1", "localhost", "::1"):
+                print(f"note: listening on {host}: reachable from other machines, with no authentication",
+                      file=sys.stderr, flush=True)
 
     class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            # the model loads once the server listens: /health is llama-server's 503 until it is in,
+            # and requests for it wait for it
+            threading.Thread(target=load, name="gguf-load", daemon=True).start()
+
         def handle_exit(self, sig, frame) -> None:  # no re-raise of the signal afterwards: exit 0
             if self.should_exit and sig == signal.SIGINT:
                 self.force_exit = True
@@ -154,17 +182,13 @@ def serve(
                             lifespan="off",  # (the app has no startup or shutdown hooks; a second Ctrl-C
                             # cancelling the lifespan task made starlette log a traceback)
                             access_log=log_level in ("info", "debug"))
-    a = svc.scheduler.adapter
-    bound = sock.getsockname()
-    mode = f"{a.max_slots} sequences per step" if a.name == "cuda" else "one request at a time"
-    print(f"serving {svc.card.name} ({a.name}, {mode}, context {a.n_ctx}) on "
-          f"http://{host if ':' not in host else f'[{host}]'}:{bound[1]}", file=sys.stderr, flush=True)
-    if not quiet:
-        if host not in ("127.0.0.1", "localhost", "::1"):
-            print(f"note: listening on {host}: reachable from other machines, with no authentication",
-                  file=sys.stderr, flush=True)
+    server = Server(config)
     try:
-        Server(config).run(sockets=[sock])
+        server.run(sockets=[sock])
     finally:
         svc.shutdown()
         sock.close()
+    if failed:
+        raise failed[0]
+    if svc.loading:  # stopped (Ctrl-C, SIGTERM) before the model was in: an interrupted load's exit (130)
+        raise KeyboardInterrupt
