@@ -54,9 +54,9 @@ class Gated:
     """`gguf-run serve PATH` (gated_serve.py) on a free port: its URL once bound, and the lines it
     writes on stdout (the port, then "waiting" per request that waits for the load)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *more: str) -> None:
         self.p = subprocess.Popen([sys.executable, str(GATED), "serve", str(path), "--name", "m", "--backend", "numpy",
-                                   "--port", "0", "-c", "64"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                   "--port", "0", "-c", "64", *more], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -154,6 +154,25 @@ def test_a_request_sent_during_the_load_waits_and_is_answered(files):
         assert r2.status_code == 200 and r2.json()["choices"][0]["text"], r2.text
         again = httpx.post(s.url + "/api/generate", json=GREEDY)  # asked again, loaded: the same answer
         assert again.status_code == 200 and again.json()["response"] == r.json()["response"]
+    finally:
+        rc, err = s.stop()
+    assert rc == 0 and "Traceback" not in err, err
+
+
+def test_requests_waiting_for_the_load_are_bounded_by_max_queue(files):
+    """Each request waiting for the load holds its body: past --max-queue of them the next gets the
+    queue's 503 at once (no unbounded memory while a big model loads); the waiting ones are served."""
+    s = Gated(files["good"], "--max-queue", "2")
+    try:
+        assert s.first("/health").status_code == 503
+        waiting = [in_thread(httpx.post, s.url + "/api/generate", json=GREEDY, timeout=TIMEOUT) for _ in range(2)]
+        assert s.line() == s.line() == "waiting"
+        r = httpx.post(s.url + "/api/generate", json=GREEDY)
+        assert r.status_code == 503 and "waiting for a model to load" in r.json()["error"], r.text
+        s.go()
+        for t, got in waiting:
+            t.join(TIMEOUT)
+            assert got["r"].status_code == 200, got["r"].text
     finally:
         rc, err = s.stop()
     assert rc == 0 and "Traceback" not in err, err

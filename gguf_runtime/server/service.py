@@ -126,6 +126,8 @@ class Service:
                  loader: Callable[[str], Any] | None = None, stream_interval: float = STREAM_INTERVAL_S,
                  path: str | None = None, n_ctx: int | None = None) -> None:
         self._sched = lambda f: Scheduler(f, admit_tokens=admit_tokens, max_queue=max_queue, on_fatal=on_fatal)
+        self.max_queue = max_queue  # ... and the most requests waiting for a model to load (using)
+        self._waiting = 0
         self._factory, self._loader, self._catalog = factory, loader, list(catalog)
         self.scheduler: Scheduler | None = self._sched(factory)
         self.engine: Any = None
@@ -238,6 +240,23 @@ class Service:
         the request is over (streams: when their job is), it stays loaded for ``keep_alive`` (None:
         the server's default) before the watchdog unloads it."""
         name = name or self.current
+        if self._waiting >= self.max_queue:  # (each waiter holds its body: bounded as the scheduler's queue)
+            raise ServerBusy(f"{self._waiting} requests are waiting for a model to load; try again later")
+        self._waiting += 1
+        try:
+            await self._wait_for(name)
+        finally:
+            self._waiting -= 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._holds -= 1
+                self.keep = self.keep_default if keep_alive is None else keep_alive
+                self._last_busy = time.monotonic()
+
+    async def _wait_for(self, name: str) -> None:
+        """Until the model ``name`` is loaded and held for a request (using's wait)."""
         while True:
             if (e := self._failed) is not None:
                 why = e if isinstance(e, GGUFRunError) else f"{type(e).__name__}: {e}"
@@ -259,13 +278,6 @@ class Service:
                 await asyncio.get_running_loop().run_in_executor(None, self._swap, name)
             else:
                 await asyncio.sleep(0.02)
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._holds -= 1
-                self.keep = self.keep_default if keep_alive is None else keep_alive
-                self._last_busy = time.monotonic()
 
     def _swap(self, name: str) -> None:
         """Unload the model loaded if it is another, then load ``name`` (the caller saw both idle)."""
