@@ -178,6 +178,27 @@ def test_requests_waiting_for_the_load_are_bounded_by_max_queue(files):
     assert rc == 0 and "Traceback" not in err, err
 
 
+def test_a_models_folder_is_listed_during_the_load(tmp_path):
+    """serve --models: the folder's other models are listed from their headers while the first one
+    loads, and a request naming one of them waits for that load, then for its own, and is answered."""
+    first = write_micro(Micro(seed=3), tmp_path / "m.gguf")
+    write_micro(Micro(seed=4), tmp_path / "other.gguf")
+    s = Gated(first, "--models", str(tmp_path))
+    try:
+        assert s.first("/health").status_code == 503
+        assert until(lambda: len(httpx.get(s.url + "/api/tags").json()["models"]) == 2)
+        names = [m["name"] for m in httpx.get(s.url + "/api/tags").json()["models"]]
+        assert names == ["m:latest", "other:latest"], names
+        t, got = in_thread(httpx.post, s.url + "/api/generate", json={**GREEDY, "model": "other"}, timeout=TIMEOUT)
+        assert s.line() == "waiting"
+        s.go()
+        t.join(TIMEOUT)
+        assert got["r"].status_code == 200 and got["r"].json()["model"] == "other:latest", got["r"].text
+    finally:
+        rc, err = s.stop()
+    assert rc == 0 and "Traceback" not in err, err
+
+
 def test_a_file_that_is_not_gguf_is_the_one_line_of_before(files):
     p = subprocess.run([sys.executable, "-m", "gguf_runtime", "serve", str(files["text"]), "--backend", "numpy",
                         "--port", "0"], capture_output=True, text=True, timeout=TIMEOUT)

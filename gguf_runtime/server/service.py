@@ -150,6 +150,7 @@ class Service:
         self._vocabs: dict[str, Vocab] = {}  # by name, oldest first (VOCABS_KEPT)
         self._vocab_lock = threading.Lock()
         self._reaper = threading.Thread(target=self._reap, name="gguf-keep-alive", daemon=True)
+        self._n_ctx = n_ctx
         if path is not None:  # (a header that does not read is left out: the load says why)
             with contextlib.suppress(Exception):
                 card = S.ModelCard.from_file(path, name, n_ctx)
@@ -164,21 +165,32 @@ class Service:
 
     def start(self) -> "Service":
         sys.setswitchinterval(SWITCH_INTERVAL_S)
+        early = bool(self.current)  # the starting model's card from its header: the catalog is listed before its load
+        if early:
+            self._list_catalog(self._n_ctx)
         try:
             self._started()
         except BaseException as e:
             self._failed = e  # (the requests waiting for the load end with it)
             raise
-        for name, path in self._catalog:  # (a file whose header does not read is left out)
-            if self.find(name) is None and os.path.realpath(path) != os.path.realpath(self.card.path):
-                try:
-                    card = S.ModelCard.from_file(path, name, self.engine.n_ctx)
-                except Exception:  # noqa: BLE001 - listed only if it reads
-                    continue
-                self.cards.setdefault(card.name, card)
+        if not early:
+            self._list_catalog(self.engine.n_ctx)
         self._reaper.start()
         self._started_up = True
         return self
+
+    def _list_catalog(self, n_ctx: int | None) -> None:
+        """Cards of the catalog's other files, from their headers (a file whose header does not read
+        is left out). The dict is replaced, not grown in place: routes iterate it meanwhile."""
+        cards = dict(self.cards)
+        for name, path in self._catalog:
+            if self.find(name) is None and os.path.realpath(path) != os.path.realpath(self.card.path):
+                try:
+                    card = S.ModelCard.from_file(path, name, n_ctx)
+                except Exception:  # noqa: BLE001 - listed only if it reads
+                    continue
+                cards.setdefault(card.name, card)
+        self.cards = cards
 
     @property
     def loading(self) -> bool:
@@ -190,7 +202,7 @@ class Service:
         adapter = self.scheduler.start()
         self.engine = adapter.engine
         card = S.ModelCard(self.engine, name or self.name)
-        self.cards[card.name] = card
+        self.cards = {**self.cards, card.name: card}  # (replaced whole: routes iterate it meanwhile)
         self.current = card.name
         self._load_s = self.engine.load_s
         self._last_busy = time.monotonic()
