@@ -306,3 +306,10 @@ def test_chat_think_level_reaches_the_session(engine, capsys, monkeypatch):
     assert main(["chat", "m", "--no-think", "-q"]) == 0, capsys.readouterr().err
     assert seen == [("high", {"enable_thinking": True, "reasoning_effort": "high"}, True),
                     (False, {"enable_thinking": False}, False)]
+
+
+def test_set_nothink_on_gpt_oss_says_it_reasons_anyway(engine):
+    engine("gpt-oss-harmony", HARMONY_ANSWER)
+    out = scripted_chat(["/set nothink", "/set"])[0]
+    assert "Set 'nothink' mode.\n" in out
+    assert out.rstrip().endswith("Thinking: off (gpt-oss reasons anyway); reasoning shown.")

@@ -383,6 +383,8 @@ class Repl:
             return f"Thinking: {NO_THINKING}."
         t = self.session.think
         mode = "the template's default" if t is None else "on" if t is True else "off" if t is False else t
+        if t is False and thinking_kind(self.session.engine) == "harmony":
+            mode = "off (gpt-oss reasons anyway)"
         return f"Thinking: {mode}; reasoning {'hidden' if self.hide_thinking else 'shown'}."
 
     def _show(self, rest: str) -> None:
