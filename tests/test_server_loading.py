@@ -235,3 +235,20 @@ def test_a_signal_during_the_load_exits_at_once(files, sig):
     assert s.first("/health").status_code == 503
     rc, err = s.stop(sig, timeout=15)
     assert rc == 130 and err.strip() == "", err
+
+
+def test_a_signal_ends_the_requests_waiting_for_the_load_at_once(files):
+    """A request waiting for the load when the server is told to stop gets the 503 of a server
+    shutting down at once, not a connection cut at the end of the graceful shutdown."""
+    s = Gated(files["good"])
+    try:
+        assert s.first("/health").status_code == 503
+        t, got = in_thread(httpx.post, s.url + "/api/generate", json=GREEDY, timeout=TIMEOUT)
+        assert s.line() == "waiting"
+        s.p.send_signal(signal.SIGINT)
+        t.join(TIMEOUT)
+        r = got.get("r")
+        assert r is not None and r.status_code == 503 and "shutting down" in r.json()["error"], got
+    finally:
+        rc, err = s.stop(timeout=15)
+    assert rc == 130 and "Traceback" not in err, err

@@ -173,6 +173,7 @@ def serve(
                 self.force_exit = True
             else:
                 self.should_exit = True
+            svc.stopping()
             sched = svc.scheduler
             if sched is not None:
                 sched.shutdown(wait=False)  # running streams end now, so connections close

@@ -367,6 +367,11 @@ class Service:
                     continue
             self.unload(expired=True)  # (checks again: a request may have come meanwhile)
 
+    def stopping(self) -> None:
+        """The server was told to stop (a signal): requests waiting for a model to load end now, with
+        the 503 of a server shutting down, instead of at the end of the graceful shutdown."""
+        self._closed = True
+
     def shutdown(self) -> None:
         self._closed = True
         with self._lock:
