@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Union
 
 __all__ = ["FAMILIES", "HarmonyParser", "Reasoning", "ThinkParser", "ToolCall", "ToolCallParser", "answer_parser",
-           "chat_answer_parser", "ids_open_thinking", "opens_thinking", "parse_answer", "parse_tool_calls", "template_family"]
+           "chat_answer_parser", "ids_open_thinking", "opens_thinking", "parse_answer", "parse_tool_calls",
+           "template_family"]
 
 FAMILIES = ("hermes", "llama3", "mistral", "mistral_args", "harmony", "generic")
 TOOL_CALL, TOOL_CALL_END = "<tool_call>", "</tool_call>"

@@ -232,3 +232,5 @@ class Q8Vec:
 
 
 NO_PTRS = (ptr(0), i32(0), ptr(0), i32(0), i32(0))  # no int8 buffer (Q8Vec.ptrs)
+NO_QOUT = (*NO_PTRS, ptr(0))  # no q8 epilogue (Q8Vec.out_args)
+Q8_OUT_ROWS = 16  # rows per block of a q8 epilogue (an int8 piece; matvecs: 16 * WG / R warps, block_warps)

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .launch_core import ACT, fused_act, NO_PTRS, UNIT_ELEMS, Kernels, Mat, Q8Vec, f32, i32, ptr
+from .launch_core import (ACT, fused_act, NO_PTRS, NO_QOUT, Q8_OUT_ROWS, UNIT_ELEMS, Kernels, Mat, Q8Vec, f32, i32,
+                          ptr)
 from .launch_mma import mma_smem, mma_stages
 
 MAX_EXPERTS = 256  # moe.cu's MOE_MAX_EXPERTS
@@ -134,8 +135,7 @@ def glu(k: Kernels, gate: Mat, up: Mat, n: int, ids: int, used: int, x: int, ldx
 
 
 DOWN_SUB = 16  # lanes of a sub-warp row set (moe.cu's moe_down SUB)
-DOWN_Q8_OUT_ROWS = 16  # a block's rows with a q8 epilogue (an int8 piece: launchers.Q8_OUT_ROWS)
-DOWN_Q8_OUT_R = 4  # ... as two row groups of sub-warp sets of this many rows (moe.cu's DOWN_QO instances)
+DOWN_Q8_OUT_R = 4  # down's rows a sub-warp set with a q8 epilogue (its Q8_OUT_ROWS a block: two row groups)
 
 
 def down_sub(m: Mat, q8: Q8Vec | None) -> bool:
@@ -156,15 +156,15 @@ def down(k: Kernels, m: Mat, n: int, ids: int, w: int, used: int, x: int, ldx: i
     sets = 32 // DOWN_SUB if sub and down_sub(m, q8) else 1
     io, rg = _io(q8), 1
     if q8_out is not None:
-        rg = DOWN_Q8_OUT_ROWS // (r * sets)
-        assert rg * r * sets == DOWN_Q8_OUT_ROWS and n % DOWN_Q8_OUT_ROWS == 0 and sets > 1, (r, sets, n)
+        rg = Q8_OUT_ROWS // (r * sets)
+        assert rg * r * sets == Q8_OUT_ROWS and n % Q8_OUT_ROWS == 0 and sets > 1, (r, sets, n)
         io |= 2 | q8_out[0].io(True)
         mb = max(1, mb // rg)  # (the same registers a thread as rg blocks of r x sets rows)
-    tail = f", {mb}, {DOWN_SUB}" + (f", {rg}" if rg > 1 else "") if sets > 1 else f", {mb}"
-    fn = k.fn("moe.cu", f"moe_down<{m.struct}, {r}, {kw}, {io}{tail}>")
+    targs = [m.struct, r, kw, io, mb] + ([DOWN_SUB] if sets > 1 else []) + ([rg] if rg > 1 else [])
+    fn = k.fn("moe.cu", f"moe_down<{', '.join(map(str, targs))}>")
     fn(((-(-n // (r * sets * rg))), rows), (32 * kw * rg,),
        (*m.planes, i32(n), i32(m.cols), ptr(ids), ptr(w), i32(used), *_x_args(x, ldx, None, q8, with_norm=False),
-        ptr(y), i32(ldy), ptr(bias), *(q8_out[0].out_args(0, q8_out[1]) if q8_out is not None else (*NO_PTRS, ptr(0)))))
+        ptr(y), i32(ldy), ptr(bias), *(q8_out[0].out_args(0, q8_out[1]) if q8_out is not None else NO_QOUT)))
 
 
 # ---- grouped by expert: moe.cu's sort and sum, moe_mma.cu's tensor-core tiles ---------------------

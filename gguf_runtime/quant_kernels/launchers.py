@@ -11,7 +11,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .launch_core import fused_act, NO_PTRS, UNIT_ELEMS, Kernels, Mat, Q8Vec, f32, i32, ptr
+from .launch_core import fused_act, NO_PTRS, NO_QOUT, Q8_OUT_ROWS, UNIT_ELEMS, Kernels, Mat, Q8Vec, f32, i32, ptr
 from .launch_layers import rope_kv
 
 MAX_MMV_TOKENS = 8
@@ -38,8 +38,6 @@ def q8_capable(mats: Sequence["Mat"]) -> bool:
 
 
 NO_Q8 = (*NO_PTRS, i32(0), f32(0.0))
-NO_QOUT = (*NO_PTRS, ptr(0))
-Q8_OUT_ROWS = 16  # rows per block of a q8 epilogue (16 * WG / R warps: block_warps)
 
 
 def block_warps(r: int, wg: int, io: int) -> int:

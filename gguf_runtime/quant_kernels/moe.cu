@@ -215,11 +215,12 @@ __global__ void __launch_bounds__(32 * MOE_WARPS, MB) moe_glu(PLANES(0), PLANES(
 
 // y[t, :n] += sum over j < k of w[t k + j] * (W_e x'[t k + j] + b_e), e = ids[t k + j]: the chosen
 // experts' down products (b: their biases, [experts, n], or null), weighted and summed, added to the
-// residual. A block owns R rows of one token (blockIdx.y); its KW warps take the ranks j = warp, warp + KW, ... at once (one rank's products
-// after another in one warp left the loads of the k experts in series), then the warps' sums are
-// added in warp order (the same result on every run). MB as moe_glu's. SUB < 32 (int8 inputs, rows
-// of at most SUB units): each warp's lanes are 32 / SUB sets of SUB lanes, set h on rows h R to
-// h R + R - 1 of the block's 32 / SUB x R (mmv_block_q8's sub-warp sets): fewer idle lanes and blocks.
+// residual. A block owns R rows of one token (blockIdx.y); its KW warps take the ranks j = warp,
+// warp + KW, ... at once (one rank's products after another in one warp left the loads of the k
+// experts in series), then the warps' sums are added in warp order (the same result on every run).
+// MB as moe_glu's. SUB < 32 (int8 inputs, rows of at most SUB units): each warp's lanes are 32 / SUB
+// sets of SUB lanes, set h on rows h R to h R + R - 1 of the block's 32 / SUB x R (mmv_block_q8's
+// sub-warp sets): fewer idle lanes and blocks.
 // RG > 1: RG such row groups a block, each of KW warps (group g on the block's rows from g R 32 /
 // SUB), so that a block owns more rows at the same registers a warp (more rows a warp spilled over
 // into 254 registers and lost: bench/RESULTS.md 271). XIO bit 1 (a block's RG R 32 / SUB rows
@@ -332,14 +333,15 @@ extern "C" __global__ void moe_add_bias(float* y, int ldy, const float* __restri
 #define P4 const u8*, const u8*, const u8*, const u8*
 #define QO_TYPES u8*, int, float4*, int, int
 #define TOPK_TYPES const float*, int, int, const float*, int, float*
+#define DOWN_ARGS P4, int, int, const int*, const float*, int, const float*, int, XQ_TYPES, float*, int, \
+                  const float*, QO_TYPES, const float*
 #define MOE(T, IO)                                                                                              \
     template __global__ void moe_mv<T, 1, 4, IO>(P4, int, int, const int*, int, const float*, int, const float*, \
                                                  float, XQ_TYPES, float*, int);                                 \
     template __global__ void moe_glu<T, 4, 1, 0, IO>(P4, P4, int, int, int*, int, const float*, int,            \
                                                      const float*, float, XQ_TYPES, float*, int, QO_TYPES,      \
                                                      const float*, const float*, TOPK_TYPES);                   \
-    template __global__ void moe_down<T, 2, 8, IO>(P4, int, int, const int*, const float*, int, const float*,   \
-                                                   int, XQ_TYPES, float*, int, const float*, QO_TYPES, const float*);
+    template __global__ void moe_down<T, 2, 8, IO>(DOWN_ARGS);
 MOE(TF32, 0) MOE(TF16, 0) MOE(TBF16, 0)
 MOE(TQ4_0, 0) MOE(TQ4_1, 0) MOE(TQ5_0, 0) MOE(TQ5_1, 0) MOE(TQ8_0, 0)
 MOE(TQ2_K, 0) MOE(TQ3_K, 0) MOE(TQ4_K, 0) MOE(TQ5_K, 0) MOE(TQ6_K, 0)
@@ -358,13 +360,9 @@ MOE(TIQ3_S, 1) MOE(TIQ1_S, 1) MOE(TIQ1_M, 1)
                                                      const float*, float, XQ_TYPES, float*, int, QO_TYPES, \
                                                      const float*, const float*, TOPK_TYPES);
 GLU_Q8(TMXFP4, 3) GLU_Q8(TQ4_K, 3) GLU_Q8(TQ6_K, 3) GLU_Q8(TQ4_0, 3) GLU_Q8(TQ8_0, 3) GLU_Q8(TQ4_K, 27)
-#define DOWN_SUB(T, IO) \
-    template __global__ void moe_down<T, 4, 8, IO, 2, 16>(P4, int, int, const int*, const float*, int, const float*, \
-                                                         int, XQ_TYPES, float*, int, const float*, QO_TYPES, const float*);
+#define DOWN_SUB(T, IO) template __global__ void moe_down<T, 4, 8, IO, 2, 16>(DOWN_ARGS);
 DOWN_SUB(TQ6_K, 1) DOWN_SUB(TQ6_K, 9) DOWN_SUB(TQ4_K, 1) DOWN_SUB(TMXFP4, 1)
-#define DOWN_QO(T, IO) \
-    template __global__ void moe_down<T, 4, 8, IO, 1, 16, 2>(P4, int, int, const int*, const float*, int, const float*, \
-                                                         int, XQ_TYPES, float*, int, const float*, QO_TYPES, const float*);
+#define DOWN_QO(T, IO) template __global__ void moe_down<T, 4, 8, IO, 1, 16, 2>(DOWN_ARGS);
 DOWN_QO(TQ6_K, 3) DOWN_QO(TQ4_K, 3) DOWN_QO(TQ6_K, 19)
 template __global__ void moe_router<1, 4, 8>(P4, int, int, int, const float*, int, const float*, float, float*, int);
 template __global__ void moe_router_topk<1, 4>(P4, int, int, const float*, int, const float*, float, float*, int, int,
